@@ -1,0 +1,30 @@
+"""mixhook: training-time augmentation and regularization hooks for any PyTorch ``nn.Module``.
+
+The library core imports torch only::
+
+    from mixhook import ManifoldMixup
+    mix = ManifoldMixup(["input", "layer1", "layer2"], alpha=2.0)
+    with mix.attach(model):
+        loss = mix.loss(F.cross_entropy, model(x), y)
+"""
+
+from .hooks import HookHandle, LayerHook
+from .layers import INPUT, UnknownLayerError, layer_names, resolve_layers
+from .mixing import ManifoldMixup, MixState, blend, mix_targets, sample_lam, smooth_one_hot
+
+__all__ = [
+    "INPUT",
+    "HookHandle",
+    "LayerHook",
+    "ManifoldMixup",
+    "MixState",
+    "UnknownLayerError",
+    "blend",
+    "layer_names",
+    "mix_targets",
+    "resolve_layers",
+    "sample_lam",
+    "smooth_one_hot",
+]
+
+__version__ = "0.1.0"

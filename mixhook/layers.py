@@ -1,0 +1,121 @@
+"""Layer specs: turn the names a user writes into the modules of a model.
+
+A layer is named exactly as ``model.named_modules()`` spells it (``"layer2"``, ``"layer3.1.conv2"``),
+or by the special name ``"input"``, which stands for the model's own input (its first positional
+argument). Unknown names raise :class:`UnknownLayerError` with the closest names and the valid ones.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+from torch import nn
+
+INPUT = "input"
+"""The special layer name for the model's input (classic input mixup)."""
+
+_LISTED_DEPTH = 2  # names with at most this many dotted parts are listed in full in errors
+
+
+class UnknownLayerError(KeyError, ValueError):
+    """A layer name that the model does not have.
+
+    A ``KeyError`` (a failed look-up) and a ``ValueError`` (a bad argument), so either ``except`` works.
+    """
+
+    def __str__(self) -> str:  # KeyError would wrap the message in quotes
+        return str(self.args[0])
+
+
+def normalize_layers(layer: str | Sequence[str]) -> tuple[str, ...]:
+    """Validate a layer spec (one name or a list of names) and return it as a tuple of names."""
+    names = (layer,) if isinstance(layer, str) else layer
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise TypeError(
+            f"layer must be a module name or a list of names, got {type(layer).__name__} {layer!r}"
+        ) from None
+    if not names:
+        raise ValueError("layer must name at least one layer, got an empty list")
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"layer names must be non-empty strings, got {name!r} in {list(names)!r}")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"layer lists {duplicates} more than once; name each layer once")
+    return names
+
+
+def layer_names(model: nn.Module) -> list[str]:
+    """Every name a layer spec may use for ``model``: ``"input"`` then ``named_modules()`` order."""
+    return [INPUT] + [name for name, _ in model.named_modules() if name]
+
+
+def resolve_layers(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
+    """Map each name to its module (``"input"`` maps to ``model`` itself), in the order given.
+
+    Raises :class:`UnknownLayerError` naming the first unknown name, the closest valid names and the
+    valid names (all names with up to two dotted parts, and how many deeper ones exist).
+    """
+    modules = dict(model.named_modules())
+    resolved: dict[str, nn.Module] = {}
+    for name in names:
+        if name == INPUT:
+            resolved[name] = model
+        elif name and name in modules:
+            resolved[name] = modules[name]
+        else:
+            raise UnknownLayerError(_unknown_layer_message(model, name))
+    return resolved
+
+
+def _unknown_layer_message(model: nn.Module, name: str) -> str:
+    valid = layer_names(model)
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "."
+    listed = [n for n in valid if n.count(".") < _LISTED_DEPTH]
+    deeper = [n for n in valid if n.count(".") >= _LISTED_DEPTH]
+    more = f" (and {len(deeper)} deeper modules such as {deeper[0]!r})" if deeper else ""
+    return (
+        f"unknown layer {name!r} in {type(model).__name__}{hint} "
+        f"Valid layers: {', '.join(listed)}{more}"
+    )
+
+
+def trace_outputs(model: nn.Module, names: Sequence[str], *args, **kwargs) -> dict[str, object]:
+    """Run ``model(*args, **kwargs)`` once in eval mode without gradients and return what each named
+    layer returned (``"input"``: the first positional argument). Layers that did not run are absent.
+
+    Used to check, before training starts, that the chosen layers can be mixed. The model's
+    training flag is restored afterwards and no hook is left behind.
+    """
+    import torch
+
+    modules = resolve_layers(model, names)
+    outputs: dict[str, object] = {}
+    handles = []
+
+    def recorder(name: str):
+        def hook(module, inputs, output):
+            outputs.setdefault(name, output)
+
+        return hook
+
+    was_training = model.training
+    try:
+        for name, module in modules.items():
+            if name == INPUT:
+                if args:
+                    outputs[name] = args[0]
+            else:
+                handles.append(module.register_forward_hook(recorder(name)))
+        model.eval()
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return outputs

@@ -1,0 +1,415 @@
+"""ManifoldMixup against hand-written computations: the blend, eval identity, loss, targets, pin,
+gradients, sampling, and the errors users can cause."""
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from scipy import stats
+from torch import nn
+
+from mixhook import ManifoldMixup, MixState, sample_lam, smooth_one_hot
+from mixhook.models import PreActResNet18
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    ).double()
+
+
+def no_hooks_left(model):
+    return all(
+        not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+        for m in model.modules()
+    )
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------ the blend itself
+
+
+def test_hidden_layer_output_is_blended_and_other_layers_untouched():
+    model = mlp().train()
+    x = torch.randn(5, 6, dtype=torch.double)
+    seen = {}
+    for name in ("0", "2", "3"):  # record what each layer hands on, after our hook
+        model.get_submodule(name).register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, o))
+    mix = ManifoldMixup("2", generator=gen())
+    index = torch.tensor([4, 3, 2, 1, 0])
+    with mix.attach(model):
+        mix.pin(lam=0.3, index=index)
+        out = model(x)
+    h0 = model[0](x)
+    h2 = model[2](model[1](h0))
+    mixed = 0.3 * h2 + 0.7 * h2[index]
+    assert torch.equal(seen["0"], h0)  # before the mix point: untouched
+    assert torch.equal(seen["3"], torch.tanh(mixed))  # after it: computed from the mix
+    assert torch.equal(out, model[4](torch.tanh(mixed)))
+    assert mix.last.layer == "2" and float(mix.last.lam) == pytest.approx(0.3)
+    assert torch.equal(mix.last.index, index)
+
+
+def test_input_mixup_mixes_the_models_first_argument():
+    model = mlp().train()
+    x = torch.randn(6, 6, dtype=torch.double)
+    mix = ManifoldMixup("input", generator=gen(1))
+    with mix.attach(model):
+        out = model(x)
+    lam, index = mix.last.lam.double(), mix.last.index
+    assert sorted(index.tolist()) == list(range(6))
+    assert torch.equal(out, model(lam * x + (1 - lam) * x[index]))
+
+
+def test_eval_mode_is_bit_identical_to_unhooked_model_and_keeps_last():
+    model = torchvision.models.resnet18(num_classes=7)
+    x = torch.randn(4, 3, 32, 32)
+    mix = ManifoldMixup(["input", "layer1", "layer3.1.conv2"], generator=gen())
+    with mix.attach(model):
+        model.train()
+        model(x)  # (updates the batch-norm statistics, so compare after it)
+        last = mix.last
+        model.eval()
+        hooked = model(x)
+        assert mix.last is last  # .last describes the last *training* forward
+    assert no_hooks_left(model)
+    assert torch.equal(hooked, model(x))
+
+
+def test_gradients_equal_hand_split_resnet18_forward_mixed_at_layer2():
+    torch.manual_seed(0)
+    hooked = torchvision.models.resnet18(num_classes=5).double().train()
+    by_hand = copy.deepcopy(hooked)
+    x = torch.randn(6, 3, 32, 32, dtype=torch.double)
+    y = torch.tensor([0, 1, 2, 3, 4, 0])
+    lam, index = 0.37, torch.tensor([2, 0, 1, 5, 3, 4])
+
+    mix = ManifoldMixup("layer2", generator=gen())
+    with mix.attach(hooked):
+        mix.pin(lam=lam, index=index)
+        logits = hooked(x)
+        mix.loss(F.cross_entropy, logits, y).backward()
+
+    m = by_hand
+    h = m.layer2(m.layer1(m.maxpool(m.relu(m.bn1(m.conv1(x))))))
+    h = lam * h + (1 - lam) * h[index]
+    expected = m.fc(torch.flatten(m.avgpool(m.layer4(m.layer3(h))), 1))
+    loss = lam * F.cross_entropy(expected, y) + (1 - lam) * F.cross_entropy(expected, y[index])
+    loss.backward()
+
+    assert torch.equal(logits, expected)
+    for (name, p), q in zip(hooked.named_parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert no_hooks_left(hooked)
+
+
+def test_gradient_flows_through_both_mixed_terms():
+    x = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
+    model = nn.Sequential(nn.Identity(), nn.Identity())
+    mix = ManifoldMixup("0", generator=gen())
+    with mix.attach(model.train()):
+        mix.pin(lam=0.25, index=[1, 0, 3, 2])
+        model(x).sum().backward()
+    # d/dx_i of sum_j (0.25 x_j + 0.75 x_{index[j]}) = 0.25 + 0.75 (each i appears once in index)
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
+def test_a_layer_called_twice_in_one_forward_is_mixed_once():
+    shared = nn.Linear(3, 3).double()
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = shared
+
+        def forward(self, x):
+            return self.block(self.block(x))
+
+    model = Twice().train()
+    x = torch.randn(4, 3, dtype=torch.double)
+    mix = ManifoldMixup("block", generator=gen())
+    with mix.attach(model):
+        mix.pin(lam=0.5, index=[3, 2, 1, 0])
+        out = model(x)
+    h = shared(x)
+    assert torch.equal(out, shared(0.5 * h + 0.5 * h[[3, 2, 1, 0]]))
+
+
+def test_batch_of_one_mixes_to_identity():
+    model = mlp().train()
+    x = torch.randn(1, 6, dtype=torch.double)
+    with ManifoldMixup(["input", "2"], generator=gen()).attach(model):
+        out = model(x)
+    torch.testing.assert_close(out, model(x))
+
+
+def test_mixing_follows_the_activation_dtype():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(torch.bfloat16).train()
+    mix = ManifoldMixup("0", generator=gen())
+    with mix.attach(model):
+        out = model(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------ loss and targets
+
+
+def test_loss_is_lam_weighted_criterion_and_plain_when_not_mixing():
+    model = mlp().train()
+    x, y = torch.randn(8, 6, dtype=torch.double), torch.randint(0, 4, (8,))
+    mix = ManifoldMixup("input", generator=gen())
+    with mix.attach(model):
+        logits = model(x)
+        lam, index = float(mix.last.lam), mix.last.index
+        expected = lam * F.cross_entropy(logits, y) + (1 - lam) * F.cross_entropy(logits, y[index])
+        torch.testing.assert_close(mix.loss(F.cross_entropy, logits, y), expected)
+        # a custom criterion is called with exactly (logits, target) and (logits, target[index])
+        calls = []
+        mix.loss(lambda out, t: calls.append(t) or out.sum(), logits, y)
+        assert torch.equal(calls[0], y) and torch.equal(calls[1], y[index])
+    plain = ManifoldMixup("input", prob=0.0, generator=gen())
+    with plain.attach(model):
+        logits = model(x)
+        assert plain.last is None
+        assert torch.equal(plain.loss(F.cross_entropy, logits, y), F.cross_entropy(logits, y))
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_targets_are_mixed_smoothed_one_hots(smoothing):
+    model = mlp().train()
+    x, y = torch.randn(5, 6, dtype=torch.double), torch.tensor([0, 3, 1, 1, 2])
+    mix = ManifoldMixup("2", generator=gen())
+    with mix.attach(model):
+        mix.pin(lam=0.8, index=[4, 0, 1, 2, 3])
+        logits = model(x)
+    soft = mix.targets(y, num_classes=4, smoothing=smoothing)
+    on, off = 1 - smoothing + smoothing / 4, smoothing / 4
+    s = torch.full((5, 4), off)
+    s[torch.arange(5), y] = on
+    lam = mix.last.lam
+    torch.testing.assert_close(soft, lam * s + (1 - lam) * s[[4, 0, 1, 2, 3]])
+    torch.testing.assert_close(soft.sum(1), torch.ones(5))
+    if smoothing == 0:  # CE with mixed soft targets == the lam-weighted CE of .loss
+        torch.testing.assert_close(
+            nn.CrossEntropyLoss()(logits.float(), soft),
+            mix.loss(F.cross_entropy, logits.float(), y),
+        )
+
+
+def test_targets_without_mix_and_bad_arguments():
+    mix = ManifoldMixup("input")
+    y = torch.tensor([2, 0])
+    torch.testing.assert_close(mix.targets(y, 3, smoothing=0.3), smooth_one_hot(y, 3, 0.3))
+    with pytest.raises(ValueError, match="class indices must lie in \\[0, 3\\)"):
+        mix.targets(torch.tensor([0, 3]), 3)
+    with pytest.raises(ValueError, match="smoothing"):
+        mix.targets(y, 3, smoothing=1.0)
+    with pytest.raises(ValueError, match="integer class indices"):
+        mix.targets(torch.tensor([0.0, 1.0]), 3)
+
+
+def test_loss_refuses_targets_of_another_batch():
+    model = mlp().train()
+    mix = ManifoldMixup("input", generator=gen())
+    with mix.attach(model):
+        logits = model(torch.randn(4, 6, dtype=torch.double))
+    with pytest.raises(ValueError, match="target has 3 rows but the last forward mixed a batch of 4"):
+        mix.loss(F.cross_entropy, logits[:3], torch.tensor([0, 1, 2]))
+
+
+# ----------------------------------------------------------------------------------- pin and draws
+
+
+def test_pin_applies_once_then_sampling_resumes_from_the_generator():
+    model = mlp().train()
+    x = torch.randn(4, 6, dtype=torch.double)
+    mix = ManifoldMixup(["input", "0", "2"], generator=gen(5))
+    twin = ManifoldMixup(["input", "0", "2"], generator=gen(5))
+    with mix.attach(model):
+        mix.pin(layer="0", lam=1.0, index=[0, 1, 2, 3])
+        model(x)
+        assert mix.last.layer == "0" and float(mix.last.lam) == 1.0
+        model(x)
+        after_pin = mix.last
+    with twin.attach(model):  # a pinned forward draws nothing: the stream is where it was
+        model(x)
+        first_draw = twin.last
+    assert after_pin.layer == first_draw.layer
+    assert torch.equal(after_pin.lam, first_draw.lam) and torch.equal(after_pin.index, first_draw.index)
+
+
+def test_pin_validates_its_values():
+    mix = ManifoldMixup(["input", "layer1"])
+    with pytest.raises(ValueError, match="'layer9'.*not one of this regularizer's layers"):
+        mix.pin(layer="layer9")
+    with pytest.raises(ValueError, match="lam must be in \\[0, 1\\]"):
+        mix.pin(lam=1.5)
+    with pytest.raises(ValueError, match="1-D integer index"):
+        mix.pin(index=[0.5, 1.0])
+    model = mlp().train()
+    with mix_attach(ManifoldMixup("0"), model) as m:
+        m.pin(index=[0, 1])
+        with pytest.raises(ValueError, match="does not index the batch of 3"):
+            model(torch.randn(3, 6, dtype=torch.double))
+
+
+class mix_attach:
+    def __init__(self, mix, model):
+        self.mix, self.handle = mix, mix.attach(model)
+
+    def __enter__(self):
+        return self.mix
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def test_same_generator_seed_gives_same_draws_and_global_rng_is_untouched():
+    model = mlp().train()
+    x = torch.randn(8, 6, dtype=torch.double)
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    runs = []
+    for _ in range(2):
+        mix = ManifoldMixup(["input", "0", "2"], prob=0.7, generator=gen(123))
+        draws = []
+        with mix.attach(model):
+            for _ in range(20):
+                model(x)
+                last = mix.last
+                draws.append(None if last is None else (last.layer, float(last.lam), last.index.tolist()))
+        runs.append(draws)
+    assert runs[0] == runs[1]
+    assert len({d[0] for d in runs[0] if d}) == 3  # every layer got drawn
+    assert torch.equal(torch.get_rng_state(), states[0])
+    assert random.getstate() == states[1]
+    assert np.array_equal(np.random.get_state()[1], states[2])
+
+
+def test_default_generator_follows_torch_manual_seed():
+    model = mlp().train()
+    x = torch.randn(8, 6, dtype=torch.double)
+    lams = []
+    for _ in range(2):
+        torch.manual_seed(42)
+        mix = ManifoldMixup("input")
+        with mix.attach(model):
+            model(x)
+        lams.append(float(mix.last.lam))
+    assert lams[0] == lams[1]
+
+
+@pytest.mark.parametrize("alpha", [0.2, 1.0, 2.0])
+def test_lam_follows_beta_alpha_alpha(alpha):
+    g = gen(7)
+    samples = torch.stack([sample_lam(alpha, g) for _ in range(3000)]).numpy()
+    assert samples.dtype == np.float64
+    assert stats.kstest(samples, stats.beta(alpha, alpha).cdf).pvalue > 1e-3
+    assert stats.kstest(samples, stats.beta(alpha + 1.0, alpha).cdf).pvalue < 1e-3
+
+
+def test_layer_drawn_uniformly_and_prob_respected():
+    model = mlp().train()
+    x = torch.randn(3, 6, dtype=torch.double)
+    mix = ManifoldMixup(["input", "0", "2", "4"], prob=0.5, generator=gen(3))
+    counts = {"input": 0, "0": 0, "2": 0, "4": 0, None: 0}
+    with mix.attach(model):
+        for _ in range(2000):
+            model(x)
+            counts[mix.last.layer if mix.last else None] += 1
+    assert stats.binomtest(counts[None], 2000, 0.5).pvalue > 1e-3
+    mixed = [counts[k] for k in ("input", "0", "2", "4")]
+    assert stats.chisquare(mixed).pvalue > 1e-3
+
+
+def test_index_is_a_uniform_permutation():
+    model = nn.Sequential(nn.Identity()).train()
+    mix = ManifoldMixup("0", generator=gen(11))
+    firsts = []
+    with mix.attach(model):
+        for _ in range(1500):
+            model(torch.zeros(5, 1))
+            assert sorted(mix.last.index.tolist()) == [0, 1, 2, 3, 4]
+            firsts.append(int(mix.last.index[0]))
+    assert stats.chisquare(np.bincount(firsts, minlength=5)).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("alpha", [0, -1.0, float("nan"), float("inf")])
+def test_bad_alpha_is_refused_at_construction(alpha):
+    with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
+        ManifoldMixup("input", alpha=alpha)
+
+
+@pytest.mark.parametrize("prob", [-0.1, 1.01])
+def test_bad_prob_is_refused_at_construction(prob):
+    with pytest.raises(ValueError, match=f"prob must be in \\[0, 1\\], got {prob}"):
+        ManifoldMixup("input", prob=prob)
+
+
+def test_non_tensor_layer_output_raises_naming_the_layer():
+    class WithLSTM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(3, 4, batch_first=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            out, _ = self.rnn(x)
+            return self.head(out[:, -1])
+
+    model = WithLSTM().train()
+    with ManifoldMixup("rnn", generator=gen()).attach(model):
+        with pytest.raises(TypeError, match="cannot mix layer 'rnn': it returned a tuple of 2"):
+            model(torch.randn(2, 5, 3))
+    assert no_hooks_left(model)
+
+
+def test_output_without_the_batch_dimension_raises():
+    class Pool(nn.Module):
+        def forward(self, x):
+            return x.mean(0)  # reduces over the batch
+
+    model = nn.Sequential(Pool(), nn.Linear(6, 2)).train()
+    with ManifoldMixup("0").attach(model):
+        with pytest.raises(TypeError, match=r"'0': it returned a tensor of shape \(6,\).*batch size 4"):
+            model(torch.randn(4, 6))
+
+
+def test_a_layer_that_never_runs_is_reported():
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = Skips().train()
+    with ManifoldMixup("unused").attach(model):
+        with pytest.raises(RuntimeError, match="'unused' did not run during Skips.forward"):
+            model(torch.randn(3, 2))
+
+
+def test_preact_resnet_trains_with_every_named_block():
+    model = PreActResNet18(in_channels=1, num_classes=10).train()
+    x, y = torch.randn(4, 1, 8, 8), torch.tensor([1, 2, 3, 4])
+    names = ["input", "conv1", "layer1", "layer2", "layer3", "layer4", "layer2.1.conv2"]
+    mix = ManifoldMixup(names, generator=gen())
+    with mix.attach(model):
+        for name in names:
+            mix.pin(layer=name)
+            loss = mix.loss(F.cross_entropy, model(x), y)
+            loss.backward()
+            assert isinstance(mix.last, MixState) and mix.last.layer == name
+            assert torch.isfinite(loss)
+    assert no_hooks_left(model)

@@ -78,10 +78,7 @@ def _unknown_layer_message(model: nn.Module, name: str) -> str:
     listed = [n for n in valid if n.count(".") < _LISTED_DEPTH]
     deeper = [n for n in valid if n.count(".") >= _LISTED_DEPTH]
     more = f" (and {len(deeper)} deeper modules such as {deeper[0]!r})" if deeper else ""
-    return (
-        f"unknown layer {name!r} in {type(model).__name__}{hint} "
-        f"Valid layers: {', '.join(listed)}{more}"
-    )
+    return f"unknown layer {name!r} in {type(model).__name__}{hint} Valid layers: {', '.join(listed)}{more}"
 
 
 def trace_outputs(model: nn.Module, names: Sequence[str], *args, **kwargs) -> dict[str, object]:

@@ -157,7 +157,9 @@ class ManifoldMixup(LayerHook):
         ``flip`` pairing); its length is checked against the batch when it is used.
         """
         if layer is not None and layer not in self.layers:
-            raise ValueError(f"pin(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}")
+            raise ValueError(
+                f"pin(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}"
+            )
         if lam is not None:
             lam_value = float(lam)
             if not 0.0 <= lam_value <= 1.0:
@@ -166,7 +168,9 @@ class ManifoldMixup(LayerHook):
         if index is not None:
             index = torch.as_tensor(index)
             if index.ndim != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
-                raise ValueError(f"pin(index=...): needs a 1-D integer index, got {index.dtype} {tuple(index.shape)}")
+                raise ValueError(
+                    f"pin(index=...): needs a 1-D integer index, got {index.dtype} {tuple(index.shape)}"
+                )
             index = index.to(torch.int64)
         self._pinned = {"layer": layer, "lam": lam, "index": index}
 
@@ -267,7 +271,11 @@ class ManifoldMixup(LayerHook):
             pinned = {"layer": None, "lam": None, "index": None}
         layer = pinned["layer"]
         if layer is None:
-            k = int(torch.randint(len(self.layers), (), generator=g, device=g.device)) if len(self.layers) > 1 else 0
+            k = (
+                int(torch.randint(len(self.layers), (), generator=g, device=g.device))
+                if len(self.layers) > 1
+                else 0
+            )
             layer = self.layers[k]
         lam = pinned["lam"] if pinned["lam"] is not None else sample_lam(self.alpha, g)
         return _Draw(layer=layer, lam=lam, index=pinned["index"], batch=batch)
@@ -309,7 +317,9 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, (tuple, list)):
-        inner = ", ".join(_describe(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4])
+        inner = ", ".join(
+            _describe(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4]
+        )
         return f"a {type(value).__name__} of {len(value)} ({inner}{', ...' if len(value) > 4 else ''})"
     return f"a {type(value).__name__}"
 

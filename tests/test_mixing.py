@@ -18,15 +18,12 @@ from mixhook.models import PreActResNet18
 
 def mlp():
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
-    ).double()
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
 
 
 def no_hooks_left(model):
     return all(
-        not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
-        for m in model.modules()
+        not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules()
     )
 
 

@@ -1,0 +1,193 @@
+"""Data sets for the experiment app: scikit-learn's digits (offline, the default) and CIFAR-10/100.
+
+:func:`build_data` returns a :class:`Data` bundle: train and test loaders and what the model needs to
+know (channels, classes, image size). Shuffling draws from a generator seeded by the run's seed, so the
+same seed gives the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A data set's files are not where the config says, and could not be downloaded."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass
+class Data:
+    """Loaders plus the shape facts a model is built from."""
+
+    name: str
+    train: DataLoader
+    test: DataLoader
+    in_channels: int
+    num_classes: int
+    image_size: int
+
+
+def build_data(
+    name: str,
+    batch_size: int,
+    eval_batch_size: int = 512,
+    seed: int = 0,
+    **options,
+) -> Data:
+    """Build the data set ``name`` (``digits``, ``cifar10`` or ``cifar100``) with its ``options``."""
+    builders = {"digits": _digits, "cifar10": _cifar, "cifar100": _cifar}
+    if name not in builders:
+        raise ValueError(f"data.name={name!r} is not a data set; valid: {', '.join(builders)}")
+    for key, value in (("trainer.batch_size", batch_size), ("trainer.eval_batch_size", eval_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    train_set, test_set, info = builders[name](name=name, **options)
+    num_workers = int(options.get("num_workers", 0))
+    generator = torch.Generator().manual_seed(seed)
+    train = DataLoader(
+        train_set,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=generator,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )
+    test = DataLoader(test_set, batch_size=eval_batch_size, shuffle=False, num_workers=num_workers)
+    return Data(name=name, train=train, test=test, **info)
+
+
+# ------------------------------------------------------------------------------------------- digits
+
+
+def _digits(name: str, test_size: float = 0.2, split_seed: int = 0, num_workers: int = 0):
+    """scikit-learn's bundled handwritten digits: 1797 8x8 grey images of 0-9, shipped with the package.
+
+    A stratified train/test split with ``split_seed``; pixels scaled by the training set's mean and std.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    if not 0.0 < float(test_size) < 1.0:
+        raise ValueError(f"data.test_size must be in (0, 1), got {test_size!r}")
+    digits = load_digits()
+    x = digits.images.astype(np.float32) / 16.0
+    y = digits.target.astype(np.int64)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=float(test_size), stratify=y, random_state=int(split_seed)
+    )
+    mean, std = x_train.mean(), x_train.std()
+
+    def tensors(images, labels):
+        images = torch.from_numpy((images - mean) / std).unsqueeze(1)
+        return TensorDataset(images, torch.from_numpy(labels))
+
+    info = {"in_channels": 1, "num_classes": 10, "image_size": 8}
+    return tensors(x_train, y_train), tensors(x_test, y_test), info
+
+
+# -------------------------------------------------------------------------------------------- CIFAR
+
+_CIFAR = {
+    "cifar10": {
+        "title": "CIFAR-10",
+        "folder": "cifar-10-batches-py",
+        "train": [f"data_batch_{i}" for i in range(1, 6)],
+        "test": ["test_batch"],
+        "label_key": "labels",
+        "num_classes": 10,
+        "mean": (0.4914, 0.4822, 0.4465),
+        "std": (0.2470, 0.2435, 0.2616),
+        "archive": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    },
+    "cifar100": {
+        "title": "CIFAR-100",
+        "folder": "cifar-100-python",
+        "train": ["train"],
+        "test": ["test"],
+        "label_key": "fine_labels",
+        "num_classes": 100,
+        "mean": (0.5071, 0.4865, 0.4409),
+        "std": (0.2673, 0.2564, 0.2762),
+        "archive": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+    },
+}
+
+
+def _cifar(name: str, root: str = "data", download: bool = False, augment: bool = True, num_workers: int = 2):
+    spec = _CIFAR[name]
+    folder = os.path.join(root, spec["folder"])
+    missing = [f for f in spec["train"] + spec["test"] if not os.path.isfile(os.path.join(folder, f))]
+    if missing and download:
+        _download(name, root)
+        missing = [f for f in spec["train"] + spec["test"] if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise DataNotFoundError(
+            f"{spec['title']} not found: {os.path.join(folder, missing[0])} is missing. Extract "
+            f"{spec['archive']} into data.root={root!r} (giving {folder}/), or set data.download=true"
+        )
+    train_x, train_y = load_cifar_files(folder, spec["train"], spec["label_key"])
+    test_x, test_y = load_cifar_files(folder, spec["test"], spec["label_key"])
+    norm = (spec["mean"], spec["std"])
+    info = {"in_channels": 3, "num_classes": spec["num_classes"], "image_size": 32}
+    return CifarImages(train_x, train_y, *norm, augment=augment), CifarImages(test_x, test_y, *norm), info
+
+
+def _download(name: str, root: str) -> None:
+    import torchvision
+
+    spec = _CIFAR[name]
+    dataset = {"cifar10": torchvision.datasets.CIFAR10, "cifar100": torchvision.datasets.CIFAR100}[name]
+    try:
+        dataset(root=root, train=True, download=True)
+    except Exception as err:  # no network, a proxy, a full disk: all end in the same advice
+        raise DataNotFoundError(
+            f"{spec['title']} is not under data.root={root!r} and downloading it failed "
+            f"({type(err).__name__}: {err}). Extract {spec['archive']} there by hand"
+        ) from err
+
+
+def load_cifar_files(folder: str, files: list[str], label_key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read CIFAR python-format batch files: ``uint8`` images ``(N, 3, 32, 32)`` and ``int64`` labels.
+
+    The files are pickles, as the CIFAR distribution ships them (torchvision reads them the same way):
+    read only files you trust.
+    """
+    images, labels = [], []
+    for file in files:
+        with open(os.path.join(folder, file), "rb") as f:
+            entry = pickle.load(f, encoding="latin1")
+        images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        labels.append(np.asarray(entry[label_key], dtype=np.int64))
+    return torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels))
+
+
+class CifarImages(Dataset):
+    """uint8 CIFAR images with the standard augmentation (4-pixel padded random crop, horizontal
+    flip, from ``torchvision.transforms.v2``) when ``augment``, then per-channel normalization."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean, std, augment: bool = False):
+        from torchvision.transforms import v2
+
+        self.images, self.labels = images, labels
+        self.mean = torch.tensor(mean).view(3, 1, 1)
+        self.std = torch.tensor(std).view(3, 1, 1)
+        self.augment = (
+            v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]) if augment else None
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = self.images[i]
+        if self.augment is not None:
+            x = self.augment(x)
+        return (x.float() / 255.0 - self.mean) / self.std, self.labels[i]

@@ -1,0 +1,73 @@
+"""PreActResNet-18 (He et al. 2016, "Identity Mappings in Deep Residual Networks"), the model of the
+Manifold Mixup paper (Verma et al. 2019) and of mixup's CIFAR experiments (Zhang et al. 2018).
+
+The architecture and module names are those of the Manifold Mixup reference code
+(``supervised/models/preresnet.py``): ``conv1``, ``layer1`` .. ``layer4`` (two ``PreActBlock`` each) and
+``linear``, with no batch norm after ``layer4`` (11,171,146 parameters for 10 classes). Its
+``forward`` mixes at the outputs of ``input``, ``layer1``, ``layer2`` (and ``layer3``): exactly the
+outputs that mixhook's hooks on those names mix. Global average pooling (the reference's
+``avg_pool2d(out, 4)`` at 32x32) makes it work at any input size from 8x8 (digits) upwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PreActBlock(nn.Module):
+    """Pre-activation basic block: BN-ReLU-conv3x3-BN-ReLU-conv3x3 plus the (projected) shortcut."""
+
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(in_planes)
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
+        self.shortcut = None
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(x))
+        shortcut = self.shortcut(out) if self.shortcut is not None else x
+        out = self.conv1(out)
+        out = self.conv2(F.relu(self.bn2(out)))
+        return out + shortcut
+
+
+class PreActResNet(nn.Module):
+    """Pre-activation ResNet with ``PreActBlock`` stages of widths 64, 128, 256, 512."""
+
+    def __init__(self, num_blocks: list[int], in_channels: int = 3, num_classes: int = 10):
+        super().__init__()
+        if in_channels < 1 or num_classes < 2:
+            raise ValueError(f"need in_channels >= 1 and num_classes >= 2, got {in_channels}, {num_classes}")
+        self.in_planes = 64
+        self.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
+        self.layer1 = self._make_layer(64, num_blocks[0], stride=1)
+        self.layer2 = self._make_layer(128, num_blocks[1], stride=2)
+        self.layer3 = self._make_layer(256, num_blocks[2], stride=2)
+        self.layer4 = self._make_layer(512, num_blocks[3], stride=2)
+        self.linear = nn.Linear(512, num_classes)
+
+    def _make_layer(self, planes: int, num_blocks: int, stride: int) -> nn.Sequential:
+        layers = []
+        for s in [stride] + [1] * (num_blocks - 1):
+            layers.append(PreActBlock(self.in_planes, planes, s))
+            self.in_planes = planes
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv1(x)
+        out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
+        out = F.adaptive_avg_pool2d(out, 1).flatten(1)
+        return self.linear(out)
+
+
+def PreActResNet18(in_channels: int = 3, num_classes: int = 10) -> PreActResNet:  # noqa: N802 (a class-like factory)
+    """PreActResNet-18: two blocks per stage."""
+    return PreActResNet([2, 2, 2, 2], in_channels=in_channels, num_classes=num_classes)

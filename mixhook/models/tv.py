@@ -1,0 +1,54 @@
+"""Any torchvision classification model by name, adapted to the data's channels and classes."""
+
+from __future__ import annotations
+
+import torchvision
+from torch import nn
+
+
+def classification_models() -> list[str]:
+    """The names of torchvision's classification models (``resnet18``, ``vit_b_16``, ...)."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def torchvision_model(name: str, in_channels: int = 3, num_classes: int = 1000) -> nn.Module:
+    """``torchvision.models.get_model(name, weights=None, num_classes=num_classes)``, randomly initialised.
+
+    When ``in_channels`` is not 3 (the 1-channel digits), the first ``Conv2d`` in ``named_modules()``
+    order (the stem of every torchvision classifier, never a grouped one) is replaced by one with
+    ``in_channels`` inputs and otherwise the same settings, so every module keeps its torchvision name
+    (``layer2``, ``features.3``, ...).
+    """
+    valid = classification_models()
+    if name not in valid:
+        import difflib
+
+        close = difflib.get_close_matches(name, valid, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(
+            f"model.name={name!r} is not a torchvision classification model{hint} Valid: {', '.join(valid)}"
+        )
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if in_channels != 3:
+        _replace_first_conv(model, in_channels)
+    return model
+
+
+def _replace_first_conv(model: nn.Module, in_channels: int) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            new = nn.Conv2d(
+                in_channels,
+                module.out_channels,
+                module.kernel_size,
+                stride=module.stride,
+                padding=module.padding,
+                dilation=module.dilation,
+                bias=module.bias is not None,
+                padding_mode=module.padding_mode,
+            )
+            setattr(parent, child, new)
+            return
+    raise ValueError(f"{type(model).__name__} has no Conv2d to adapt to {in_channels} input channels")

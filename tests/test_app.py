@@ -1,0 +1,162 @@
+"""The Hydra app: configs composed for real, bad settings caught before training, and `train.py`
+run as a subprocess the way a user runs it."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from mixhook import ManifoldMixup, app
+from tests.conftest import ROOT, write_cifar
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_cli(*overrides, cwd):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_default_config_is_the_papers_manifold_mixup_on_digits():
+    cfg = config()
+    assert cfg.data.name == "digits" and cfg.model._target_ == "mixhook.models.PreActResNet18"
+    assert list(cfg.mixup.layer) == ["input", "layer1", "layer2"] and cfg.mixup.alpha == 2.0
+    run = app.build(cfg)
+    assert isinstance(run.mixup, ManifoldMixup) and run.mixup.model is run.model
+    assert run.mixup.layers == ("input", "layer1", "layer2") and run.epochs == cfg.trainer.epochs
+    assert run.model.conv1.in_channels == 1 and run.model.linear.out_features == 10
+    run.mixup.remove()
+
+
+def test_mixup_none_builds_without_a_regularizer():
+    run = app.build(config("mixup=none"))
+    assert run.mixup is None and run.settings["mixup"] == {}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["mixup.layer=nosuch"], "mixup.layer: unknown layer 'nosuch' in PreActResNet."),
+        (["mixup.layer=[input,layr2]"], "did you mean 'layer2'"),
+        (["mixup.alpha=0"], "mixup: alpha must be a finite number > 0"),
+        (["mixup.prob=1.5"], "mixup: prob must be in [0, 1], got 1.5"),
+        (["trainer.epochs=0"], "trainer.epochs must be an integer >= 1, got 0"),
+        (["trainer.batch_size=0"], "trainer.batch_size must be an integer >= 1, got 0"),
+        (["trainer.device=tpu"], "trainer.device='tpu'"),
+        (["optim.lr=-1"], "optim.lr must be > 0, got -1"),
+        (
+            ["optim.scheduler=step"],
+            "optim.scheduler='step' is not a schedule; valid: cosine, multistep, constant",
+        ),
+        (["model=torchvision", "model.name=resnet"], "model: model.name='resnet' is not a torchvision"),
+        (["data=cifar10", "data.root=/nonexistent"], "CIFAR-10 not found: /nonexistent/cifar-10-batches-py"),
+    ],
+)
+def test_bad_settings_fail_in_build_with_one_line(overrides, message):
+    with pytest.raises(app.ConfigError) as info:
+        app.build(config(*overrides))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_cuda_requested_without_cuda_is_refused():
+    with pytest.raises(app.ConfigError, match="trainer.device='cuda' but no CUDA device is available"):
+        app.build(config("trainer.device=cuda"))
+
+
+def test_layer_with_a_tuple_output_is_refused_before_training():
+    cfg = config("model._target_=tests.toy_models.TupleBlockNet", "mixup.layer=[stem,block]")
+    with pytest.raises(
+        app.ConfigError, match=r"mixup.layer: cannot mix layer 'block': it returned a tuple of 2"
+    ):
+        app.build(cfg)
+
+
+def test_a_model_that_cannot_run_on_the_data_is_refused_before_training():
+    cfg = config("model=torchvision", "model.name=vit_b_16", "mixup=none")
+    with pytest.raises(
+        app.ConfigError,
+        match=r"model: VisionTransformer fails on a digits batch of shape \(2, 1, 8, 8\): "
+        r"AssertionError: Wrong image height",
+    ):
+        app.build(cfg)
+
+
+def test_main_returns_the_final_test_accuracy_it_writes(tmp_path):
+    cfg = config("trainer.epochs=1", "mixup.layer=layer2", "data.test_size=0.5", "trainer.progress_bar=false")
+    acc = app.main(cfg, out_dir=str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert acc == summary["test_acc"] and 0.0 <= acc <= 1.0
+    assert summary["mixup"]["layer"] == "layer2" and summary["mixup"]["alpha"] == 2.0
+
+
+def test_cli_trains_and_writes_metrics_and_summary(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("mixup.layer=layer2", "trainer.epochs=2", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert list(rows[0]) == ["epoch", "train_loss", "test_loss", "test_acc", "lr", "seconds"]
+    assert float(rows[1]["lr"]) < float(rows[0]["lr"])  # the cosine schedule moved
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("test_acc", "test_nll", "best_test_acc", "epochs", "seconds", "mixup"):
+        assert key in summary
+    assert summary["epochs"] == 2 and summary["mixup"]["layer"] == "layer2"
+    assert summary["test_acc"] == pytest.approx(float(rows[-1]["test_acc"]))
+    assert summary["test_nll"] == pytest.approx(float(rows[-1]["test_loss"]))
+    assert summary["best_test_acc"] == max(float(r["test_acc"]) for r in rows)
+    log = result.stdout + result.stderr
+    assert log.count("epoch 1/2  train_loss") == 1 and "epoch 2/2  train_loss" in log
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_cli_same_seed_same_metrics(tmp_path):
+    metrics = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        result = run_cli("trainer.epochs=1", "seed=3", f"hydra.run.dir={out}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        rows = list(csv.DictReader(open(out / "metrics.csv")))
+        metrics.append([{k: v for k, v in r.items() if k != "seconds"} for r in rows])
+    assert metrics[0] == metrics[1]
+
+
+def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("mixup.layer=nosuch", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: mixup.layer: unknown layer 'nosuch'")
+    assert "layer2" in lines[0].split("Valid layers:")[1]
+    assert not (out / "summary.json").exists() and not (out / "metrics.csv").exists()
+
+
+def test_cli_mixup_none_and_an_unknown_group_option(tmp_path):
+    result = run_cli("mixup=nosuch", f"hydra.run.dir={tmp_path / 'x'}", cwd=tmp_path)
+    assert result.returncode != 0 and "nosuch" in result.stderr and "none" in result.stderr
+
+
+def test_cli_trains_on_cifar_format_files(tmp_path):
+    write_cifar(tmp_path / "cifar", "cifar10", per_file=16)
+    out = tmp_path / "run"
+    result = run_cli(
+        "data=cifar10", f"data.root={tmp_path / 'cifar'}", "data.num_workers=0", "trainer.epochs=1",
+        "trainer.batch_size=16", "mixup.layer=[input,layer1]", f"hydra.run.dir={out}", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"] == "cifar10" and summary["epochs"] == 1

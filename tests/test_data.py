@@ -1,0 +1,78 @@
+"""Digits (offline, bundled) and the CIFAR loaders, on CIFAR-format files the tests write."""
+
+import pytest
+import torch
+
+from mixhook.data import DataNotFoundError, build_data
+from tests.conftest import write_cifar
+
+
+def test_digits_split_is_stratified_normalized_and_fixed():
+    data = build_data("digits", batch_size=32, seed=0)
+    first = next(iter(data.train))[1]
+    x_train = torch.cat([x for x, _ in data.train])
+    y_test = torch.cat([y for _, y in data.test])
+    assert (data.in_channels, data.num_classes, data.image_size) == (1, 10, 8)
+    assert x_train.shape == (1437, 1, 8, 8) and y_test.shape == (360,)
+    assert abs(float(x_train.mean())) < 1e-4 and abs(float(x_train.std()) - 1) < 1e-3
+    assert torch.bincount(y_test).min() >= 35  # stratified: every digit is in the test set
+    again = build_data("digits", batch_size=32, seed=0)
+    assert torch.equal(y_test, torch.cat([y for _, y in again.test]))
+    assert torch.equal(first, next(iter(again.train))[1])  # same seed, same shuffled order
+    other = build_data("digits", batch_size=32, seed=1)
+    assert not torch.equal(first, next(iter(other.train))[1])
+
+
+def test_bad_data_options_are_refused():
+    with pytest.raises(
+        ValueError, match="data.name='mnist' is not a data set; valid: digits, cifar10, cifar100"
+    ):
+        build_data("mnist", batch_size=8)
+    with pytest.raises(ValueError, match="trainer.batch_size must be a positive integer, got 0"):
+        build_data("digits", batch_size=0)
+    with pytest.raises(ValueError, match=r"data.test_size must be in \(0, 1\)"):
+        build_data("digits", batch_size=8, test_size=1.5)
+
+
+def test_cifar10_loader_reads_files_and_augments(cifar10_root):
+    root, files = cifar10_root
+    data = build_data("cifar10", batch_size=4, seed=0, root=str(root), num_workers=0, augment=False)
+    assert (data.in_channels, data.num_classes, data.image_size) == (3, 10, 32)
+    assert len(data.train.dataset) == 40 and len(data.test.dataset) == 8
+    x, y = next(iter(data.test))
+    images, labels = files["test_batch"]
+    mean = torch.tensor((0.4914, 0.4822, 0.4465)).view(3, 1, 1)
+    std = torch.tensor((0.2470, 0.2435, 0.2616)).view(3, 1, 1)
+    torch.testing.assert_close(x, (torch.from_numpy(images).float() / 255 - mean) / std)
+    assert y.tolist() == labels.tolist()
+
+    augmented = build_data("cifar10", batch_size=4, seed=0, root=str(root), num_workers=0, augment=True)
+    dataset = augmented.train.dataset
+    torch.manual_seed(0)
+    for i in range(8):
+        out = dataset[i][0] * std + mean
+        raw = torch.from_numpy(files["data_batch_1"][0][i]).float() / 255
+        padded = torch.nn.functional.pad(raw, (4, 4, 4, 4))
+        # the output is a 32x32 window of the 4-pixel zero-padded image, possibly mirrored
+        windows = [padded[:, r : r + 32, c : c + 32] for r in range(9) for c in range(9)]
+        assert any(
+            torch.allclose(out, w, atol=1e-5) or torch.allclose(out, w.flip(-1), atol=1e-5) for w in windows
+        ), i
+
+
+def test_cifar100_uses_fine_labels(tmp_path):
+    files = write_cifar(tmp_path, "cifar100", per_file=6)
+    data = build_data("cifar100", batch_size=6, root=str(tmp_path), num_workers=0, augment=False)
+    assert data.num_classes == 100
+    assert next(iter(data.test))[1].tolist() == files["test"][1].tolist()
+
+
+def test_missing_cifar_says_where_to_put_it(tmp_path):
+    with pytest.raises(DataNotFoundError) as info:
+        build_data("cifar10", batch_size=8, root=str(tmp_path / "nowhere"))
+    message = str(info.value)
+    assert (
+        "CIFAR-10 not found" in message and "nowhere/cifar-10-batches-py/data_batch_1 is missing" in message
+    )
+    assert "cifar-10-python.tar.gz" in message and "data.download=true" in message
+    assert "\n" not in message

@@ -1,0 +1,22 @@
+"""Small user models, built through `model._target_=tests.toy_models.<Name>` like a user's own."""
+
+from torch import nn
+
+
+class TupleBlockNet(nn.Module):
+    """A model whose `block` returns a tuple (features, aux), which cannot be mixed as is."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, 4, 3, padding=1)
+        self.block = _Pair()
+        self.head = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        features, _ = self.block(self.stem(x))
+        return self.head(features.mean((2, 3)))
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x.relu(), x.abs().mean()

@@ -160,3 +160,13 @@ def test_cli_trains_on_cifar_format_files(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["data"] == "cifar10" and summary["epochs"] == 1
+
+
+@pytest.mark.slow
+def test_cli_default_experiment_reaches_95_percent(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mixup"]["layer"] == ["input", "layer1", "layer2"] and summary["mixup"]["alpha"] == 2.0
+    assert summary["epochs"] == 15 and summary["test_acc"] >= 0.95

@@ -8,21 +8,46 @@ The library core imports torch only::
         loss = mix.loss(F.cross_entropy, model(x), y)
 """
 
+from .compose import OneOf, attach
+from .cutmix import CutMix
+from .gradients import GradClip, GradScale
 from .hooks import HookHandle, LayerHook
 from .layers import INPUT, UnknownLayerError, layer_names, resolve_layers
-from .mixing import ManifoldMixup, MixState, blend, mix_targets, sample_lam, smooth_one_hot
+from .mixing import (
+    ManifoldMixup,
+    Mixer,
+    MixState,
+    NoisyFeatureMixup,
+    blend,
+    mix_targets,
+    sample_beta,
+    sample_lam,
+    smooth_one_hot,
+)
+from .patchup import PatchUp
+from .scaling import InputScale
 
 __all__ = [
     "INPUT",
+    "CutMix",
+    "GradClip",
+    "GradScale",
     "HookHandle",
+    "InputScale",
     "LayerHook",
     "ManifoldMixup",
     "MixState",
+    "Mixer",
+    "NoisyFeatureMixup",
+    "OneOf",
+    "PatchUp",
     "UnknownLayerError",
+    "attach",
     "blend",
     "layer_names",
     "mix_targets",
     "resolve_layers",
+    "sample_beta",
     "sample_lam",
     "smooth_one_hot",
 ]

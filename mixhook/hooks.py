@@ -11,10 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .layers import normalize_layers, resolve_layers
+
+
+def own_generator(generator: torch.Generator | None) -> torch.Generator:
+    """The generator a regularizer draws from: the one given, or a CPU generator seeded from
+    ``torch.initial_seed()`` (so ``torch.manual_seed(s)`` makes runs reproducible without consuming the
+    global random stream)."""
+    if generator is None:
+        return torch.Generator().manual_seed(torch.initial_seed())
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return generator
 
 
 class HookHandle:

@@ -6,43 +6,61 @@ Papers:
     - Verma, Lamb, Beckham, Najafi, Mitliagkas, Lopez-Paz, Bengio. "Manifold Mixup: Better
       Representations by Interpolating Hidden States." ICML 2019. https://arxiv.org/abs/1806.05236
       (mixing at a hidden layer drawn per batch)
+    - Lim, Erichson, Utrera, Xu, Mahoney. "Noisy Feature Mixup." ICLR 2022. https://arxiv.org/abs/2110.02180
 
-The math is a handful of small pure functions (:func:`sample_lam`, :func:`blend`, :func:`smooth_one_hot`,
-:func:`mix_targets`); :class:`ManifoldMixup` puts them on a model through forward hooks.
+The math is a handful of small pure functions (:func:`sample_beta`, :func:`blend`, :func:`smooth_one_hot`,
+:func:`mix_targets`). :class:`Mixer` is the one mechanism every mixing regularizer shares (which layer,
+whether to mix, ``pin``, ``last``, ``loss``, ``targets``); :class:`ManifoldMixup` and
+:class:`NoisyFeatureMixup` live here, :class:`~mixhook.cutmix.CutMix` and :class:`~mixhook.patchup.PatchUp`
+in their own modules.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .hooks import LayerHook
+from .hooks import LayerHook, own_generator
 from .layers import INPUT
 
 
-def sample_lam(alpha: float, generator: torch.Generator) -> torch.Tensor:
-    """Draw ``lam ~ Beta(alpha, alpha)`` from ``generator`` as a 0-d float64 tensor.
+def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None = None) -> torch.Tensor:
+    """Draw from ``Beta(a, b)`` with ``generator``: a 0-d float64 tensor, or ``size`` of them.
 
-    ``torch.distributions.Beta`` cannot take a generator, so this draws the same Dirichlet(alpha, alpha)
-    sample it would (Beta is its first coordinate) through the generator-aware kernel. lam is kept in
-    float64 and cast to the activation's (or the loss's) dtype where it is used.
+    ``torch.distributions.Beta`` cannot take a generator, so this draws the same Dirichlet(a, b) sample
+    it would (Beta is its first coordinate) through the generator-aware kernel. Values are float64 and
+    are cast to the activation's (or the loss's) dtype where they are used.
     """
-    concentration = torch.tensor([alpha, alpha], dtype=torch.float64, device=generator.device)
-    return torch._sample_dirichlet(concentration, generator=generator)[0]
+    concentration = torch.tensor([a, b], dtype=torch.float64, device=generator.device)
+    if size is not None:
+        concentration = concentration.expand(size, 2).contiguous()
+    return torch._sample_dirichlet(concentration, generator=generator)[..., 0]
+
+
+def sample_lam(alpha: float, generator: torch.Generator) -> torch.Tensor:
+    """``lam ~ Beta(alpha, alpha)`` as a 0-d float64 tensor (see :func:`sample_beta`)."""
+    return sample_beta(alpha, alpha, generator)
+
+
+def _per_sample(lam: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``lam`` in ``like``'s dtype and device, shaped to broadcast over its non-batch dimensions."""
+    lam = lam.to(device=like.device, dtype=like.dtype)
+    return lam.view(-1, *([1] * (like.ndim - 1))) if lam.ndim == 1 else lam
 
 
 def blend(h: torch.Tensor, lam: torch.Tensor | float, index: torch.Tensor) -> torch.Tensor:
     """``lam * h + (1 - lam) * h[index]``, computed in ``h``'s dtype on ``h``'s device.
 
+    ``lam`` is a number, a 0-d tensor, or one value per sample (a 1-D tensor of the batch's length).
     Differentiable in ``h`` through both terms, exactly like the hand-edited forward of the papers.
     """
     if isinstance(lam, torch.Tensor):
-        lam = lam.to(device=h.device, dtype=h.dtype)
+        lam = _per_sample(lam, h)
     return lam * h + (1 - lam) * h[index.to(h.device)]
 
 
@@ -71,12 +89,23 @@ def mix_targets(
 
 @dataclass(frozen=True)
 class MixState:
-    """What one training forward mixed: the layer's name, ``lam`` (0-d float64 tensor) and ``index``
-    (1-D int64 tensor: sample ``i`` was mixed with sample ``index[i]``)."""
+    """What one training forward mixed.
+
+    Attributes:
+        layer: the name of the layer that was mixed.
+        lam: the weight of each sample's own target (float64): a 0-d tensor, or one per sample (1-D) in
+            ``mode="elem"``. For CutMix it is the area-corrected lam, for PatchUp the paper's target
+            weight; ``loss`` and ``targets`` use it as is.
+        index: 1-D int64 tensor: sample ``i`` was mixed with sample ``index[i]``.
+        box: CutMix's pasted box ``(y1, y2, x1, x2)`` (rows ``y1:y2``, columns ``x1:x2``), else ``None``.
+        mask: PatchUp's block mask ``(C, H, W)`` (1 where features were altered), else ``None``.
+    """
 
     layer: str
     lam: torch.Tensor
     index: torch.Tensor
+    box: tuple[int, int, int, int] | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -84,56 +113,35 @@ class _Draw:
     """A mix decided at the start of a forward and applied when its layer runs."""
 
     layer: str
-    lam: torch.Tensor
-    index: torch.Tensor | None
     batch: int | None
+    pinned: dict = field(default_factory=dict)
     done: bool = False
 
 
-class ManifoldMixup(LayerHook):
-    """Manifold Mixup (Verma et al. 2019) at any named layer of any model, through forward hooks.
+class Mixer(LayerHook):
+    """Base class of the Mixup family: mixes the output of one of ``layer`` per training batch.
 
-    On each forward in training mode (``model.training``), with probability ``prob``: one layer is drawn
-    uniformly from ``layer``, ``lam ~ Beta(alpha, alpha)`` and a uniformly random permutation ``index``
-    of the batch are drawn, and that layer's output ``h`` is replaced by
-    ``lam * h + (1 - lam) * h[index]``. ``layer="input"`` mixes the model's input (its first positional
-    argument): classic input mixup (Zhang et al. 2018). Gradients flow through ``h`` and ``h[index]``
-    exactly as in a hand-edited ``forward()``. In eval mode nothing is mixed.
-
-    Train with :meth:`loss` (the mixed criterion) or :meth:`targets` (mixed soft targets)::
-
-        mix = ManifoldMixup(["input", "layer1", "layer2"], alpha=2.0)
-        with mix.attach(model):
-            logits = model(x)
-            loss = mix.loss(F.cross_entropy, logits, y)
-
-    Args:
-        layer: a module name as ``model.named_modules()`` spells it, ``"input"``, or a list of names
-            (one is drawn per training batch).
-        alpha: the Beta distribution's concentration, > 0 (the paper uses 2.0; input mixup 1.0).
-        prob: the probability that a training batch is mixed at all, in [0, 1].
-        generator: the ``torch.Generator`` every draw comes from. By default a CPU generator seeded from
-            ``torch.initial_seed()``, so ``torch.manual_seed(s)`` makes the draws reproducible without
-            consuming the global random stream.
-
-    A layer called several times in one forward is mixed at its first call only.
+    The shared mechanism: at the start of each training forward (a forward pre-hook on the model)
+    decide, with probability ``prob``, to mix, and at which layer (uniformly); when that layer runs (a
+    forward hook; for ``"input"`` the model's pre-hook) replace its output by :meth:`_mix`'s result;
+    after the forward (a forward hook on the model) check that the layer did run. ``pin``, ``last``,
+    ``loss`` and ``targets`` work the same for every subclass. Subclasses implement :meth:`_mix` and may
+    extend :meth:`check_output` and ``_pin_keys``.
     """
+
+    _pin_keys: tuple[str, ...] = ()
 
     def __init__(
         self,
         layer: str | Sequence[str],
-        alpha: float = 2.0,
+        alpha: float,
         prob: float = 1.0,
         generator: torch.Generator | None = None,
     ):
         super().__init__(layer)
-        self.alpha = _check_alpha(alpha)
-        self.prob = _check_prob(prob)
-        if generator is None:
-            generator = torch.Generator().manual_seed(torch.initial_seed())
-        elif not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        self.generator = generator
+        self.alpha = _check_positive("alpha", alpha)
+        self.prob = check_fraction("prob", prob)
+        self.generator = own_generator(generator)
         self.last: MixState | None = None
         self._draw: _Draw | None = None
         self._pinned: dict | None = None
@@ -149,22 +157,28 @@ class ManifoldMixup(LayerHook):
         layer: str | None = None,
         lam: float | torch.Tensor | None = None,
         index: Sequence[int] | torch.Tensor | None = None,
+        **values,
     ) -> None:
         """Make the next training forward mix with exactly these values (and mix, whatever ``prob``).
 
         What is left out is drawn as usual. Sampling resumes after that forward. ``index`` is any 1-D
         integer index of the batch's length (a permutation, or e.g. a reversal to reproduce timm's
-        ``flip`` pairing); its length is checked against the batch when it is used.
+        ``flip`` pairing); its length is checked against the batch when it is used. ``lam`` is a number
+        in [0, 1] (or, in ``mode="elem"``, one per sample). Subclasses take more values (CutMix ``box``,
+        PatchUp ``mask``).
         """
+        unknown = sorted(set(values) - set(self._pin_keys))
+        if unknown:
+            valid = ", ".join(("layer", "lam", "index", *self._pin_keys))
+            raise TypeError(f"{type(self).__name__}.pin() got unknown values {unknown}; valid: {valid}")
         if layer is not None and layer not in self.layers:
             raise ValueError(
                 f"pin(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}"
-            )
+            )  # noqa: E501
         if lam is not None:
-            lam_value = float(lam)
-            if not 0.0 <= lam_value <= 1.0:
-                raise ValueError(f"pin(lam={lam_value}): lam must be in [0, 1]")
-            lam = torch.tensor(lam_value, dtype=torch.float64)
+            lam = torch.as_tensor(lam, dtype=torch.float64).detach().cpu()
+            if lam.ndim > 1 or not bool(((lam >= 0) & (lam <= 1)).all()):
+                raise ValueError(f"pin(lam={lam.tolist()}): lam must be a number (or 1-D values) in [0, 1]")
         if index is not None:
             index = torch.as_tensor(index)
             if index.ndim != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
@@ -172,7 +186,8 @@ class ManifoldMixup(LayerHook):
                     f"pin(index=...): needs a 1-D integer index, got {index.dtype} {tuple(index.shape)}"
                 )
             index = index.to(torch.int64)
-        self._pinned = {"layer": layer, "lam": lam, "index": index}
+        pinned = {"layer": layer, "lam": lam, "index": index, **values}
+        self._pinned = {k: v for k, v in pinned.items() if v is not None}
 
     def loss(
         self,
@@ -181,7 +196,10 @@ class ManifoldMixup(LayerHook):
         target: torch.Tensor,
     ) -> torch.Tensor:
         """``lam * criterion(logits, target) + (1 - lam) * criterion(logits, target[index])`` for the
-        last training forward, or ``criterion(logits, target)`` when it did not mix."""
+        last training forward, or ``criterion(logits, target)`` when it did not mix.
+
+        With one lam per sample (``mode="elem"``) the criterion must return one loss per sample
+        (``reduction="none"``); the weighted per-sample losses are returned for you to reduce."""
         last = self.last
         if last is None:
             return criterion(logits, target)
@@ -189,6 +207,11 @@ class ManifoldMixup(LayerHook):
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, target[index])
         lam = last.lam.to(device=loss_a.device, dtype=loss_a.dtype)
+        if lam.ndim == 1 and loss_a.shape != lam.shape:
+            raise ValueError(
+                f"loss(): lam has one value per sample ({lam.shape[0]}), so the criterion must return one "
+                f"loss per sample (reduction='none'), but it returned shape {tuple(loss_a.shape)}"
+            )
         return lam * loss_a + (1 - lam) * loss_b
 
     def targets(self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
@@ -213,16 +236,30 @@ class ManifoldMixup(LayerHook):
             return smooth_one_hot(target, num_classes, smoothing)
         return mix_targets(target, num_classes, self.last.lam, self._index_for(target, "targets"), smoothing)
 
+    def check_output(self, name: str, h, batch: int | None) -> None:
+        """Raise ``TypeError`` unless ``h`` (what layer ``name`` returned) can be mixed by this class.
+
+        The app calls it on a sample batch before training; the hooks call it on every mix."""
+        check_mixable(name, h, batch)
+
     # ---------------------------------------------------------------------------------- the hooks
 
     def _register(
-        self, model: nn.Module, modules: dict[str, nn.Module], handles: list[RemovableHandle]
+        self,
+        model: nn.Module,
+        modules: dict[str, nn.Module],
+        handles: list[RemovableHandle],
+        root: bool = True,
     ) -> None:
-        handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
+        """Register the layer hooks, and (``root``) the model hooks that start and end each forward.
+        :class:`~mixhook.compose.OneOf` registers the model hooks itself and passes ``root=False``."""
+        if root:
+            handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
         for name, module in modules.items():
             if name != INPUT:
                 handles.append(module.register_forward_hook(self._layer_hook(name)))
-        handles.append(model.register_forward_hook(self._on_model_output))
+        if root:
+            handles.append(model.register_forward_hook(self._on_model_output))
 
     def _reset(self) -> None:
         self._draw = None
@@ -231,17 +268,20 @@ class ManifoldMixup(LayerHook):
         if not model.training:
             self._draw = None
             return None
+        return self._begin(model, args, kwargs, self._decide(_batch_size(args, kwargs)))
+
+    def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Draw | None):
+        """Start a training forward with ``draw`` (or no mix); mix the input now if it is the layer."""
         self.last = None
-        self._draw = self._decide(_batch_size(args, kwargs))
-        if self._draw is None or self._draw.layer != INPUT:
+        self._draw = draw
+        if draw is None or draw.layer != INPUT:
             return None
         if not args:
             raise TypeError(
                 f"mixup layer 'input' mixes the model's first positional argument, but "
                 f"{type(model).__name__} was called without one"
             )
-        mixed = self._apply(INPUT, args[0])
-        return (mixed, *args[1:]), kwargs
+        return (self._apply(INPUT, args[0]), *args[1:]), kwargs
 
     def _layer_hook(self, name: str):
         def hook(module: nn.Module, args: tuple, output):
@@ -260,41 +300,53 @@ class ManifoldMixup(LayerHook):
                 f"so nothing was mixed; choose a layer that forward() calls"
             )
 
-    # ----------------------------------------------------------------------------------- sampling
-
     def _decide(self, batch: int | None) -> _Draw | None:
+        """Whether this forward mixes, and where (pinned values win; a pinned forward always mixes)."""
         pinned, self._pinned = self._pinned, None
         g = self.generator
         if pinned is None:
             if self.prob < 1.0 and float(torch.rand((), generator=g, device=g.device)) >= self.prob:
                 return None
-            pinned = {"layer": None, "lam": None, "index": None}
-        layer = pinned["layer"]
+            pinned = {}
+        layer = pinned.get("layer")
         if layer is None:
-            k = (
-                int(torch.randint(len(self.layers), (), generator=g, device=g.device))
-                if len(self.layers) > 1
-                else 0
-            )
+            k = 0
+            if len(self.layers) > 1:
+                k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
             layer = self.layers[k]
-        lam = pinned["lam"] if pinned["lam"] is not None else sample_lam(self.alpha, g)
-        return _Draw(layer=layer, lam=lam, index=pinned["index"], batch=batch)
+        return _Draw(layer=layer, batch=batch, pinned=pinned)
 
     def _apply(self, name: str, h) -> torch.Tensor:
         draw = self._draw
-        assert draw is not None  # only called with a live draw
-        check_mixable(name, h, draw.batch)
+        self.check_output(name, h, draw.batch)
         n = h.shape[0]
-        if draw.index is None:
-            draw.index = torch.randperm(n, generator=self.generator, device=self.generator.device)
-        elif draw.index.shape[0] != n or (n and (int(draw.index.min()) < -n or int(draw.index.max()) >= n)):
+        index = draw.pinned.get("index")
+        lam = draw.pinned.get("lam")
+        if lam is None:
+            lam = self._sample_lam(n)
+        elif lam.ndim == 1 and lam.shape[0] != n:
+            raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {name!r} has {n}")
+        if index is None:
+            index = torch.randperm(n, generator=self.generator, device=self.generator.device)
+        elif index.shape[0] != n or (n and (int(index.min()) < -n or int(index.max()) >= n)):
             raise ValueError(
-                f"pinned index of length {draw.index.shape[0]} (values {draw.index.tolist()[:8]}...) "
+                f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
                 f"does not index the batch of {n} at layer {name!r}"
             )
         draw.done = True
-        self.last = MixState(layer=name, lam=draw.lam, index=draw.index)
-        return blend(h, draw.lam, draw.index)
+        mixed, self.last = self._mix(name, h, lam, index, draw.pinned)
+        return mixed
+
+    # ------------------------------------------------------------------------------ for subclasses
+
+    def _sample_lam(self, n: int) -> torch.Tensor:
+        return sample_lam(self.alpha, self.generator)
+
+    def _mix(
+        self, name: str, h: torch.Tensor, lam: torch.Tensor, index: torch.Tensor, pinned: dict
+    ) -> tuple[torch.Tensor, MixState]:
+        """Return the mixed tensor and the :class:`MixState` that ``loss``/``targets`` will use."""
+        raise NotImplementedError
 
     def _index_for(self, target: torch.Tensor, what: str) -> torch.Tensor:
         index = self.last.index
@@ -306,6 +358,110 @@ class ManifoldMixup(LayerHook):
         return index.to(target.device)
 
 
+class ManifoldMixup(Mixer):
+    """Manifold Mixup (Verma et al. 2019) at any named layer of any model, through forward hooks.
+
+    On each forward in training mode (``model.training``), with probability ``prob``: one layer is drawn
+    uniformly from ``layer``, ``lam ~ Beta(alpha, alpha)`` and a uniformly random permutation ``index``
+    of the batch are drawn, and that layer's output ``h`` is replaced by
+    ``lam * h + (1 - lam) * h[index]``. ``layer="input"`` mixes the model's input (its first positional
+    argument): classic input mixup (Zhang et al. 2018). Gradients flow through ``h`` and ``h[index]``
+    exactly as in a hand-edited ``forward()``. In eval mode nothing is mixed.
+
+    Train with :meth:`loss` (the mixed criterion) or :meth:`targets` (mixed soft targets)::
+
+        mix = ManifoldMixup(["input", "layer1", "layer2"], alpha=2.0)
+        with mix.attach(model):
+            logits = model(x)
+            loss = mix.loss(F.cross_entropy, logits, y)
+
+    Args:
+        layer: a module name as ``model.named_modules()`` spells it, ``"input"``, or a list of names
+            (one is drawn per training batch).
+        alpha: the Beta distribution's concentration, > 0 (the paper uses 2.0; input mixup 1.0).
+        prob: the probability that a training batch is mixed at all, in [0, 1].
+        mode: ``"batch"`` (one lam for the batch, as in the papers) or ``"elem"`` (one lam per sample,
+            timm's elem mode; ``loss`` then needs a per-sample criterion, ``reduction="none"``).
+        generator: the ``torch.Generator`` every draw comes from. By default a CPU generator seeded from
+            ``torch.initial_seed()``, so ``torch.manual_seed(s)`` makes the draws reproducible without
+            consuming the global random stream.
+
+    A layer called several times in one forward is mixed at its first call only.
+    """
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 2.0,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        mode: str = "batch",
+    ):
+        super().__init__(layer, alpha, prob, generator)
+        if mode not in ("batch", "elem"):
+            raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
+        self.mode = mode
+
+    def __repr__(self) -> str:
+        base = super().__repr__()
+        return base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
+
+    def _sample_lam(self, n: int) -> torch.Tensor:
+        if self.mode == "elem":
+            return sample_beta(self.alpha, self.alpha, self.generator, size=n)
+        return sample_lam(self.alpha, self.generator)
+
+    def _mix(self, name, h, lam, index, pinned):
+        if self.mode == "elem" and lam.ndim == 0:
+            lam = lam.expand(h.shape[0])
+        return blend(h, lam, index), MixState(layer=name, lam=lam, index=index)
+
+
+class NoisyFeatureMixup(ManifoldMixup):
+    """Noisy Feature Mixup (Lim et al. 2022): Manifold Mixup, then additive and multiplicative noise.
+
+    The mixed tensor ``m = lam * h + (1 - lam) * h[index]`` becomes ``mult * m + add`` with, as in the
+    paper's code, ``add = add_noise * b1 * N(0, 1)`` and ``mult = 1 + mult_noise * b2 * U(-1, 1)``
+    elementwise, where ``b1, b2 ~ Beta(2, 5)`` are drawn once per batch. With ``add_noise=0`` and
+    ``mult_noise=0`` nothing more is drawn or computed: it equals :class:`ManifoldMixup` exactly.
+
+    Args:
+        layer, alpha, prob, generator, mode: as :class:`ManifoldMixup` (alpha defaults to the paper's 1.0).
+        add_noise: the additive noise level, >= 0 (paper: 0.4).
+        mult_noise: the multiplicative noise level, >= 0 (paper: 0.2).
+    """
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 1.0,
+        add_noise: float = 0.4,
+        mult_noise: float = 0.2,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        mode: str = "batch",
+    ):
+        super().__init__(layer, alpha, prob, generator, mode)
+        self.add_noise = _check_non_negative("add_noise", add_noise)
+        self.mult_noise = _check_non_negative("mult_noise", mult_noise)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, add_noise={self.add_noise}, mult_noise={self.mult_noise})"
+
+    def _mix(self, name, h, lam, index, pinned):
+        mixed, state = super()._mix(name, h, lam, index, pinned)
+        g = self.generator
+        if self.mult_noise > 0:
+            level = self.mult_noise * sample_beta(2.0, 5.0, g)
+            uniform = torch.rand(h.shape, generator=g, device=g.device, dtype=torch.float64)
+            mixed = mixed * (1 + level * (2 * uniform - 1)).to(device=h.device, dtype=h.dtype)
+        if self.add_noise > 0:
+            level = self.add_noise * sample_beta(2.0, 5.0, g)
+            normal = torch.randn(h.shape, generator=g, device=g.device, dtype=torch.float64)
+            mixed = mixed + (level * normal).to(device=h.device, dtype=h.dtype)
+        return mixed, state
+
+
 def _batch_size(args: tuple, kwargs: dict) -> int | None:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -313,13 +469,12 @@ def _batch_size(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
-def _describe(value) -> str:
+def describe(value) -> str:
+    """A short description of what a layer returned, for error messages."""
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, (tuple, list)):
-        inner = ", ".join(
-            _describe(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4]
-        )
+        inner = ", ".join(describe(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4])
         return f"a {type(value).__name__} of {len(value)} ({inner}{', ...' if len(value) > 4 else ''})"
     return f"a {type(value).__name__}"
 
@@ -330,26 +485,37 @@ def check_mixable(name: str, h, batch: int | None) -> None:
     if not ok:
         want = f"the batch size {batch}" if batch is not None else "the batch size"
         raise TypeError(
-            f"cannot mix layer {name!r}: it returned {_describe(h)}, but mixing needs a tensor whose "
+            f"cannot mix layer {name!r}: it returned {describe(h)}, but mixing needs a tensor whose "
             f"first dimension is {want}"
         )
 
 
-def _check_alpha(alpha: float) -> float:
+def _number(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
     try:
-        value = float(alpha)
+        return float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"alpha must be a number > 0, got {alpha!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"alpha must be a finite number > 0 (Beta(alpha, alpha)), got {alpha!r}")
-    return value
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
 
 
-def _check_prob(prob: float) -> float:
-    try:
-        value = float(prob)
-    except (TypeError, ValueError):
-        raise TypeError(f"prob must be a number in [0, 1], got {prob!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"prob must be in [0, 1], got {prob!r}")
-    return value
+def _check_positive(name: str, value) -> float:
+    number = _number(name, value)
+    if not (number > 0 and math.isfinite(number)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
+
+
+def _check_non_negative(name: str, value) -> float:
+    number = _number(name, value)
+    if not (number >= 0 and math.isfinite(number)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def check_fraction(name: str, value) -> float:
+    """``value`` as a float in [0, 1], or a ``ValueError`` naming ``name``."""
+    number = _number(name, value)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return number

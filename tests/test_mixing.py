@@ -12,19 +12,9 @@ import torchvision
 from scipy import stats
 from torch import nn
 
-from mixhook import ManifoldMixup, MixState, sample_lam, smooth_one_hot
+from mixhook import ManifoldMixup, MixState, NoisyFeatureMixup, sample_lam, smooth_one_hot
 from mixhook.models import PreActResNet18
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
-
-
-def no_hooks_left(model):
-    return all(
-        not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules()
-    )
+from tests.helpers import hook_count, mlp
 
 
 def gen(seed=0):
@@ -77,7 +67,7 @@ def test_eval_mode_is_bit_identical_to_unhooked_model_and_keeps_last():
         model.eval()
         hooked = model(x)
         assert mix.last is last  # .last describes the last *training* forward
-    assert no_hooks_left(model)
+    assert hook_count(model) == 0
     assert torch.equal(hooked, model(x))
 
 
@@ -105,7 +95,7 @@ def test_gradients_equal_hand_split_resnet18_forward_mixed_at_layer2():
     assert torch.equal(logits, expected)
     for (name, p), q in zip(hooked.named_parameters(), by_hand.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
-    assert no_hooks_left(hooked)
+    assert hook_count(hooked) == 0
 
 
 def test_gradient_flows_through_both_mixed_terms():
@@ -247,7 +237,7 @@ def test_pin_validates_its_values():
     mix = ManifoldMixup(["input", "layer1"])
     with pytest.raises(ValueError, match="'layer9'.*not one of this regularizer's layers"):
         mix.pin(layer="layer9")
-    with pytest.raises(ValueError, match="lam must be in \\[0, 1\\]"):
+    with pytest.raises(ValueError, match="lam must be a number \\(or 1-D values\\) in \\[0, 1\\]"):
         mix.pin(lam=1.5)
     with pytest.raises(ValueError, match="1-D integer index"):
         mix.pin(index=[0.5, 1.0])
@@ -368,7 +358,7 @@ def test_non_tensor_layer_output_raises_naming_the_layer():
     with ManifoldMixup("rnn", generator=gen()).attach(model):
         with pytest.raises(TypeError, match="cannot mix layer 'rnn': it returned a tuple of 2"):
             model(torch.randn(2, 5, 3))
-    assert no_hooks_left(model)
+    assert hook_count(model) == 0
 
 
 def test_output_without_the_batch_dimension_raises():
@@ -409,4 +399,60 @@ def test_preact_resnet_trains_with_every_named_block():
             loss.backward()
             assert isinstance(mix.last, MixState) and mix.last.layer == name
             assert torch.isfinite(loss)
-    assert no_hooks_left(model)
+    assert hook_count(model) == 0
+
+
+# ---------------------------------------------------------------------------- elem mode and NFM
+
+
+def test_elem_mode_draws_one_lam_per_sample_and_weights_per_sample():
+    model = mlp().train()
+    x, y = torch.randn(6, 6, dtype=torch.double), torch.tensor([0, 1, 2, 3, 0, 1])
+    mix = ManifoldMixup("2", mode="elem", generator=gen(2))
+    seen = {}
+    model[3].register_forward_pre_hook(lambda m, a: seen.setdefault("h", a[0]))
+    with mix.attach(model):
+        logits = model(x)
+    lam, index = mix.last.lam, mix.last.index
+    assert lam.shape == (6,) and len(set(lam.tolist())) == 6
+    h = model[2](model[1](model[0](x)))
+    assert torch.equal(seen["h"], lam[:, None] * h + (1 - lam[:, None]) * h[index])
+    per_sample = mix.loss(lambda a, b: F.cross_entropy(a, b, reduction="none"), logits, y)
+    expected = lam * F.cross_entropy(logits, y, reduction="none") + (1 - lam) * F.cross_entropy(
+        logits, y[index], reduction="none"
+    )
+    torch.testing.assert_close(per_sample, expected)
+    soft = mix.targets(y, 4)
+    onehot = F.one_hot(y, 4).double()
+    torch.testing.assert_close(soft.double(), lam[:, None] * onehot + (1 - lam[:, None]) * onehot[index])
+    with pytest.raises(ValueError, match="one loss per sample \\(reduction='none'\\)"):
+        mix.loss(F.cross_entropy, logits, y)
+
+
+def test_noisy_feature_mixup_without_noise_equals_manifold_mixup_bit_for_bit():
+    model = mlp().train()
+    x = torch.randn(5, 6, dtype=torch.double)
+    outs = []
+    for cls, kwargs in ((ManifoldMixup, {}), (NoisyFeatureMixup, {"add_noise": 0.0, "mult_noise": 0.0})):
+        mix = cls(["input", "2"], alpha=1.0, generator=gen(8), **kwargs)
+        with mix.attach(model):
+            outs.append([(model(x), mix.last.layer, mix.last.lam, mix.last.index) for _ in range(5)])
+    for (o1, l1, lam1, i1), (o2, l2, lam2, i2) in zip(*outs, strict=True):
+        assert torch.equal(o1, o2) and l1 == l2 and torch.equal(lam1, lam2) and torch.equal(i1, i2)
+
+
+def test_noisy_feature_mixup_noise_levels_bound_the_perturbation():
+    h = nn.Identity()
+    model = nn.Sequential(h).train()
+    x = torch.rand(4000, 1, dtype=torch.double) + 1.0
+    mult = NoisyFeatureMixup("0", add_noise=0.0, mult_noise=0.2, generator=gen(1))
+    with mult.attach(model):
+        mult.pin(lam=1.0, index=torch.arange(4000))
+        ratio = model(x) / x  # 1 + 0.2 * b * U(-1, 1), b ~ Beta(2, 5) in (0, 1)
+    assert 0.8 <= float(ratio.min()) < 1 < float(ratio.max()) <= 1.2
+    add = NoisyFeatureMixup("0", add_noise=0.4, mult_noise=0.0, generator=gen(1))
+    with add.attach(model):
+        add.pin(lam=1.0, index=torch.arange(4000))
+        noise = model(x) - x  # 0.4 * b * N(0, 1)
+    assert abs(float(noise.mean())) < 0.05 and 0.0 < float(noise.std()) < 0.4
+    assert stats.normaltest(noise.flatten().numpy()).pvalue > 1e-3

@@ -1,0 +1,125 @@
+"""PatchUp: mix DropBlock-style blocks of a feature map with another sample's.
+
+Paper: Faramarzi, Amini, Badrinaaraayanan, Verma, Chandar. "PatchUp: A Feature-Space Block-Level
+Regularization Technique for Convolutional Neural Networks." AAAI 2022. https://arxiv.org/abs/2006.07794
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .mixing import Mixer, MixState, blend, check_fraction, check_mixable, describe
+
+
+def block_mask(
+    channels: int, height: int, width: int, block_size: int, gamma: float, generator: torch.Generator
+) -> torch.Tensor:
+    """PatchUp's block mask ``(C, H, W)``: 1 inside the altered blocks, 0 elsewhere (float64).
+
+    As the paper's code: block centres are Bernoulli draws with DropBlock's adjusted rate
+    ``gamma * H * W / (block_size**2 * (H - block_size + 1) * (W - block_size + 1))`` over every feature
+    of one sample's map, grown to ``block_size`` squares by a stride-1 max pool; the batch shares it.
+    """
+    rate = gamma * height * width / (block_size**2 * (height - block_size + 1) * (width - block_size + 1))
+    probs = torch.full(
+        (1, channels, height, width), min(rate, 1.0), dtype=torch.float64, device=generator.device
+    )
+    centres = torch.bernoulli(probs, generator=generator)
+    return F.max_pool2d(centres, block_size, stride=1, padding=block_size // 2)[0]
+
+
+class PatchUp(Mixer):
+    """PatchUp (Faramarzi et al. 2022) at any layer whose output is ``(B, C, H, W)``.
+
+    On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a block mask
+    ``M`` (:func:`block_mask`), ``lam ~ Beta(alpha, alpha)`` and a permutation ``index``. With ``p`` the
+    fraction of features inside the blocks (``M.mean()``):
+
+    - ``mode="hard"``: ``h' = (1 - M) * h + M * h[index]``; the target weight is ``1 - p`` for the
+      sample's own label and ``p`` for ``index``'s.
+    - ``mode="soft"``: ``h' = (1 - M) * h + M * (lam * h + (1 - lam) * h[index])``; the own label keeps
+      ``1 - p * (1 - lam)``.
+
+    The kept fraction keeps its label, as in the paper's ``target_reweighted``; ``.last.lam`` is that
+    weight and ``.last.mask`` the mask, and ``loss``/``targets`` use them.
+
+    Args:
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``
+            with ``H, W >= block_size``.
+        block_size: odd side of the square blocks (paper: 7).
+        gamma: the probability of altering a feature, in [0, 1] (paper: 0.5 hard, 0.75 soft).
+        mode: ``"soft"`` or ``"hard"``.
+        alpha: Beta concentration for soft PatchUp's lam (the paper's code: 2.0).
+        prob: probability that a batch is mixed, in [0, 1].
+        generator: as :class:`~mixhook.ManifoldMixup`.
+
+    ``pin`` also takes ``mask`` (a ``(C, H, W)`` 0/1 tensor); a pinned ``lam`` is soft mode's lam.
+    """
+
+    _pin_keys = ("mask",)
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        block_size: int = 7,
+        gamma: float = 0.5,
+        mode: str = "soft",
+        alpha: float = 2.0,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__(layer, alpha, prob, generator)
+        if (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, int)
+            or block_size < 1
+            or block_size % 2 == 0
+        ):
+            raise ValueError(f"block_size must be an odd positive integer, got {block_size!r}")
+        if mode not in ("soft", "hard"):
+            raise ValueError(f"mode must be 'soft' or 'hard', got {mode!r}")
+        self.block_size = block_size
+        self.gamma = check_fraction("gamma", gamma)
+        self.mode = mode
+
+    def __repr__(self) -> str:
+        extra = f"block_size={self.block_size}, gamma={self.gamma}, mode={self.mode!r}"
+        return f"{super().__repr__()[:-1]}, {extra})"
+
+    def check_output(self, name: str, h, batch: int | None) -> None:
+        check_mixable(name, h, batch)
+        if h.ndim != 4:
+            raise TypeError(
+                f"PatchUp at layer {name!r} needs an output with two spatial dimensions (B, C, H, W), "
+                f"but it returned {describe(h)}"
+            )
+        if min(h.shape[-2:]) < self.block_size:
+            raise ValueError(
+                f"PatchUp block_size={self.block_size} is larger than the {h.shape[-2]}x{h.shape[-1]} "
+                f"feature map of layer {name!r}; use a smaller block_size or an earlier layer"
+            )
+
+    def _mix(self, name, h, lam, index, pinned):
+        channels, height, width = h.shape[1:]
+        mask = pinned.get("mask")
+        if mask is None:
+            mask = block_mask(channels, height, width, self.block_size, self.gamma, self.generator)
+        else:
+            mask = torch.as_tensor(mask, dtype=torch.float64)
+            if tuple(mask.shape) != (channels, height, width):
+                raise ValueError(
+                    f"pinned mask of shape {tuple(mask.shape)} does not fit {tuple(h.shape[1:])}"
+                )
+        m = mask.to(device=h.device, dtype=h.dtype)
+        altered = float(mask.mean())
+        if self.mode == "hard":
+            mixed = (1 - m) * h + m * h[index.to(h.device)]
+            weight = 1.0 - altered
+        else:
+            mixed = (1 - m) * h + m * blend(h, lam, index)
+            weight = 1.0 - altered * (1.0 - float(lam))
+        state = MixState(layer=name, lam=torch.tensor(weight, dtype=torch.float64), index=index, mask=mask)
+        return mixed, state

@@ -1,0 +1,43 @@
+"""Small shared pieces for the tests: models no library code was written for, and hook counting."""
+
+import torch
+from torch import nn
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """Linear(6,16) - ReLU - Linear(16,16) - Tanh - Linear(16,4), float64."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+class SmallCNN(nn.Module):
+    """conv(3->8) - ReLU - conv(8->8) - pool - linear: a (B, C, H, W) model of its own."""
+
+    def __init__(self, channels: int = 3, classes: int = 5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, 8, 3, padding=1)
+        self.act = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x):
+        return self.head(self.conv2(self.act(self.conv1(x))).mean((2, 3)))
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks)
+        + len(m._forward_pre_hooks)
+        + len(m._backward_hooks)
+        + len(m._backward_pre_hooks)
+        for m in model.modules()
+    )
+
+
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def grads(model: nn.Module) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -1,0 +1,98 @@
+"""CutMix: the box, the corrected lam, the paste at the input and at a hidden layer, the errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+
+from mixhook import CutMix
+from mixhook.cutmix import box_lam, rand_box
+from tests.helpers import SmallCNN, hook_count
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rand_box_follows_the_papers_recipe():
+    g, twin = gen(3), gen(3)
+    for lam in (0.1, 0.5, 0.9):
+        box = rand_box(32, 24, lam, g)
+        ratio = (1 - lam) ** 0.5
+        cut_h, cut_w = int(32 * ratio), int(24 * ratio)
+        cy, cx = int(torch.randint(32, (), generator=twin)), int(torch.randint(24, (), generator=twin))
+        assert box == (
+            max(cy - cut_h // 2, 0),
+            min(cy + cut_h // 2, 32),
+            max(cx - cut_w // 2, 0),
+            min(cx + cut_w // 2, 24),
+        )
+    assert box_lam((0, 4, 2, 6), 8, 8) == 1 - 16 / 64
+
+
+def test_cutmix_at_the_input_pastes_the_box_and_corrects_lam():
+    model = SmallCNN(channels=1).train()
+    x = torch.randn(4, 1, 8, 8)
+    x_before = x.clone()
+    mix = CutMix("input", generator=gen(1))
+    seen = {}
+    model.conv1.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+    lams = []
+    with mix.attach(model):
+        for _ in range(50):
+            seen.clear()
+            model(x)
+            y1, y2, x1, x2 = mix.last.box
+            expected = x.clone()
+            expected[:, :, y1:y2, x1:x2] = x[mix.last.index][:, :, y1:y2, x1:x2]
+            assert torch.equal(seen["x"], expected)
+            assert float(mix.last.lam) == pytest.approx(1 - (y2 - y1) * (x2 - x1) / 64)
+            lams.append(float(mix.last.lam))
+    assert torch.equal(x, x_before)  # the caller's tensor is never modified
+    assert min(lams) < 0.5 < max(lams)
+
+
+def test_cutmix_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=3).double().train()
+    by_hand = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 64, 64, dtype=torch.double), torch.tensor([0, 1, 2, 0])
+    index = torch.tensor([3, 2, 1, 0])
+    mix = CutMix("layer2", generator=gen())
+    with mix.attach(model):
+        mix.pin(box=(1, 5, 2, 8), index=index)
+        logits = model(x)
+        mix.loss(F.cross_entropy, logits, y).backward()
+    assert mix.last.box == (1, 5, 2, 8) and float(mix.last.lam) == 1 - 24 / 64  # layer2 is 8x8 here
+    m = by_hand
+    h = m.layer2(m.layer1(m.maxpool(m.relu(m.bn1(m.conv1(x))))))
+    pasted = torch.cat([h[:, :, :1], torch.cat([h[:, :, 1:5, :2], h[index, :, 1:5, 2:8]], 3), h[:, :, 5:]], 2)
+    expected = m.fc(torch.flatten(m.avgpool(m.layer4(m.layer3(pasted))), 1))
+    lam = 1 - 24 / 64
+    (lam * F.cross_entropy(expected, y) + (1 - lam) * F.cross_entropy(expected, y[index])).backward()
+    assert torch.equal(logits, expected)
+    for (name, p), q in zip(model.named_parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_layer_without_two_spatial_dimensions_is_refused_clearly():
+    model = torchvision.models.resnet18(num_classes=3).train()
+    with CutMix("fc").attach(model):
+        with pytest.raises(
+            TypeError, match=r"CutMix at layer 'fc' needs an output with two spatial dimensions"
+        ):
+            model(torch.randn(2, 3, 32, 32))
+    assert hook_count(model) == 0
+
+
+def test_pinned_box_must_fit():
+    model = SmallCNN().train()
+    mix = CutMix("conv1")
+    with mix.attach(model):
+        mix.pin(box=(0, 40, 0, 4))
+        with pytest.raises(ValueError, match=r"pinned box \(0, 40, 0, 4\) does not fit the 8x8 map"):
+            model(torch.randn(2, 3, 8, 8))
+    with pytest.raises(TypeError, match="unknown values \\['mask'\\]; valid: layer, lam, index, box"):
+        mix.pin(mask=1)

@@ -20,9 +20,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from .compose import mixers_of
 from .data import Data, DataNotFoundError, build_data
+from .gradients import GradClip, GradScale
 from .layers import UnknownLayerError, trace_outputs
-from .mixing import ManifoldMixup, check_mixable
+from .mixing import Mixer
+from .scaling import InputScale
 from .training import train
 
 log = logging.getLogger("mixhook")
@@ -38,7 +41,8 @@ class Run:
 
     model: nn.Module
     data: Data
-    mixup: ManifoldMixup | None
+    mixup: Mixer | None
+    hooks: list
     optimizer: torch.optim.Optimizer
     scheduler: object
     device: torch.device
@@ -62,8 +66,8 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
         from hydra.core.hydra_config import HydraConfig
 
         out_dir = HydraConfig.get().runtime.output_dir
-    log.info("%s on %s, %s, mixup %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
-             cfg.data.name, run.device, run.mixup, out_dir)  # fmt: skip
+    log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
+             cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
     summary = train(
         run.model,
         run.data,
@@ -105,35 +109,78 @@ def build(cfg: DictConfig) -> Run:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model: {cfg.model._target_} built a {type(model).__name__}, not an nn.Module")
 
-    mixup = None
-    if cfg.mixup.get("_target_"):
-        generator = torch.Generator().manual_seed(seed)
-        mixup = _instantiate(cfg.mixup, "mixup", generator=generator)
-    _check_model(model, mixup, data)
+    hooks = _build_hooks(cfg, seed)
+    mixers = mixers_of([hook for _, hook in hooks])
+    if len(mixers) > 1:
+        keys = ", ".join(key for key, hook in hooks if hook in mixers)
+        raise ConfigError(
+            f"{len(mixers)} mixing regularizers configured ({keys}); "
+            "each would mix every batch: keep one, or combine them in one entry with mixhook.OneOf"
+        )
+    mixup = mixers[0] if mixers else None
+    _attach_and_check(model, hooks, data)
 
     optimizer, scheduler = _optimizer(cfg.optim, model, epochs)
     settings = {
         "mixup": OmegaConf.to_container(cfg.mixup, resolve=True),
+        "hooks": {key: repr(hook) for key, hook in hooks if hook is not mixup},
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "data": cfg.data.name,
         "seed": seed,
         "device": str(device),
         "torch": torch.__version__,
     }
-    return Run(model, data, mixup, optimizer, scheduler, device, epochs, settings)
+    return Run(
+        model, data, mixup, [hook for _, hook in hooks], optimizer, scheduler, device, epochs, settings
+    )
 
 
-def _check_model(model: nn.Module, mixup, data: Data) -> None:
-    """Attach the mixup hooks (resolving the layer names) and run one sample batch through the model
-    in eval mode, checking that it runs on this data and that each mixup layer returns a mixable
-    tensor."""
-    if mixup is not None:
+def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
+    """Every configured hook with the config key it came from: ``mixup``, ``input_scale``,
+    ``grad_scale``, ``grad_clip`` (each off while its ``layer`` is null) and the ``hooks`` list."""
+    hooks: list[tuple[str, object]] = []
+    if cfg.mixup.get("_target_"):
+        hooks.append(
+            ("mixup", _instantiate(cfg.mixup, "mixup", generator=torch.Generator().manual_seed(seed)))
+        )
+    simple = {"input_scale": InputScale, "grad_scale": GradScale, "grad_clip": GradClip}
+    for key, cls in simple.items():
+        options = OmegaConf.to_container(cfg[key], resolve=True)
+        if options.get("layer") is None:
+            continue
+        if cls is InputScale:
+            options["generator"] = torch.Generator().manual_seed(seed + 1)
         try:
-            mixup.attach(model)
+            hooks.append((key, cls(**options)))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{key}: {err}") from err
+    for i, node in enumerate(cfg.hooks):
+        key = f"hooks[{i}]"
+        if not isinstance(node, DictConfig) or not node.get("_target_"):
+            raise ConfigError(
+                f"{key}: each entry needs a _target_ (a hook class such as mixhook.GradClip), got {node}"
+            )
+        hook = _instantiate(node, key)
+        if not callable(getattr(hook, "attach", None)):
+            raise ConfigError(
+                f"{key}: {node._target_} built a {type(hook).__name__}, which has no attach(model)"
+            )
+        hooks.append((key, hook))
+    return hooks
+
+
+def _attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Data) -> None:
+    """Attach every hook (resolving layer names) and run one sample batch through the model in eval
+    mode, checking that it runs on this data and that each mixing layer returns what its regularizer
+    can mix."""
+    for key, hook in hooks:
+        try:
+            hook.attach(model)
         except UnknownLayerError as err:
-            raise ConfigError(f"mixup.layer: {err}") from err
+            raise ConfigError(f"{key}.layer: {err}") from err
     x = next(iter(data.test))[0][:2]
-    layers = mixup.layers if mixup is not None else ()
+    checks = [(key, hook) for key, hook in hooks if callable(getattr(hook, "check_output", None))]
+    layers = list(dict.fromkeys(name for _, hook in checks for name in hook.layers))
     try:
         outputs = trace_outputs(model, layers, x)
     except Exception as err:  # whatever the model raises on this input is a model/data mismatch
@@ -142,13 +189,14 @@ def _check_model(model: nn.Module, mixup, data: Data) -> None:
             f"model: {type(model).__name__} fails on a {data.name} batch of shape {tuple(x.shape)}: "
             f"{type(err).__name__}: {reason}"
         ) from err
-    for name in layers:
-        if name not in outputs:
-            raise ConfigError(f"mixup.layer: {name!r} does not run in {type(model).__name__}.forward()")
-        try:
-            check_mixable(name, outputs[name], x[:2].shape[0])
-        except TypeError as err:
-            raise ConfigError(f"mixup.layer: {err}") from err
+    for key, hook in checks:
+        for name in hook.layers:
+            if name not in outputs:
+                raise ConfigError(f"{key}.layer: {name!r} does not run in {type(model).__name__}.forward()")
+            try:
+                hook.check_output(name, outputs[name], x.shape[0])
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"{key}.layer: {err}") from err
 
 
 def _optimizer(cfg: DictConfig, model: nn.Module, epochs: int):

@@ -123,9 +123,10 @@ class OneOf(LayerHook):
             self.chosen._on_model_output(model, args, output)
 
 
-def mixers_of(hooks: Sequence[LayerHook]) -> list[LayerHook]:
-    """The mixing regularizers among ``hooks`` (a :class:`OneOf` counts as one)."""
-    return [h for h in hooks if isinstance(h, (Mixer, OneOf))]
+def mixers_of(hooks: Sequence) -> list:
+    """The mixing regularizers among ``hooks``: those with a ``loss`` method, as the training loop takes
+    its loss from them (a :class:`OneOf` counts as one; a user's own mixing class counts too)."""
+    return [h for h in hooks if callable(getattr(h, "loss", None))]
 
 
 def attach(model: nn.Module, *hooks: LayerHook) -> HookHandle:
@@ -145,8 +146,10 @@ def attach(model: nn.Module, *hooks: LayerHook) -> HookHandle:
     handles: list[HookHandle] = []
     try:
         for hook in hooks:
-            if not isinstance(hook, LayerHook):
-                raise TypeError(f"attach() takes mixhook hooks, got {type(hook).__name__}")
+            if not callable(getattr(hook, "attach", None)):
+                raise TypeError(
+                    f"attach() takes hooks with an attach(model) method, got {type(hook).__name__}"
+                )
             handles.append(hook.attach(model))
     except BaseException:
         for handle in handles:

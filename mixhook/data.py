@@ -67,10 +67,18 @@ def build_data(
 # ------------------------------------------------------------------------------------------- digits
 
 
-def _digits(name: str, test_size: float = 0.2, split_seed: int = 0, num_workers: int = 0):
+def _digits(
+    name: str,
+    test_size: float = 0.2,
+    split_seed: int = 0,
+    train_size: int | None = None,
+    num_workers: int = 0,
+):
     """scikit-learn's bundled handwritten digits: 1797 8x8 grey images of 0-9, shipped with the package.
 
-    A stratified train/test split with ``split_seed``; pixels scaled by the training set's mean and std.
+    A stratified train/test split with ``split_seed``; ``train_size`` keeps only that many training
+    images (a stratified subset, for studies where regularization matters); pixels scaled by the
+    training set's mean and std.
     """
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -83,6 +91,19 @@ def _digits(name: str, test_size: float = 0.2, split_seed: int = 0, num_workers:
     x_train, x_test, y_train, y_test = train_test_split(
         x, y, test_size=float(test_size), stratify=y, random_state=int(split_seed)
     )
+    if train_size is not None:
+        if (
+            isinstance(train_size, bool)
+            or not isinstance(train_size, int)
+            or not 10 <= train_size <= len(y_train)
+        ):
+            raise ValueError(
+                f"data.train_size must be an integer from 10 to {len(y_train)}, got {train_size!r}"
+            )
+        if train_size < len(y_train):
+            x_train, _, y_train, _ = train_test_split(
+                x_train, y_train, train_size=train_size, stratify=y_train, random_state=int(split_seed)
+            )
     mean, std = x_train.mean(), x_train.std()
 
     def tensors(images, labels):

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from mixhook import ManifoldMixup, app
 from tests.conftest import ROOT, write_cifar
@@ -170,3 +171,100 @@ def test_cli_default_experiment_reaches_95_percent(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mixup"]["layer"] == ["input", "layer1", "layer2"] and summary["mixup"]["alpha"] == 2.0
     assert summary["epochs"] == 15 and summary["test_acc"] >= 0.95
+
+
+# ------------------------------------------------------------------------ the hook catalogue in the app
+
+FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kinds"),
+    [
+        (["mixup=cutmix", "mixup.layer=input"], {"mixup": "CutMix(layer='input'"}),
+        (["mixup=cutmix", "mixup.layer=layer2"], {"mixup": "CutMix(layer='layer2'"}),
+        (["mixup=patchup", "mixup.layer=[input,layer1]"], {"mixup": "PatchUp(layer=['input', 'layer1']"}),
+        (["mixup=nfm"], {"mixup": "NoisyFeatureMixup(layer=['input', 'layer1', 'layer2']"}),
+        (["mixup=input"], {"mixup": "ManifoldMixup(layer='input', alpha=1.0"}),
+        (["mixup=mixup_cutmix"], {"mixup": "OneOf([ManifoldMixup(layer='input', alpha=0.8"}),
+        (
+            ["input_scale.layer=layer1", "input_scale.factor=0.5"],
+            {"input_scale": "InputScale(layer='layer1'"},
+        ),
+        (
+            ["grad_scale.layer=layer3", "grad_scale.factor=0.1"],
+            {"grad_scale": "GradScale(layer='layer3', factor=0.1)"},
+        ),
+        (
+            ["mixup=none", "grad_scale.layer=layer3", "grad_scale.factor=-1.0"],
+            {"grad_scale": "GradScale(layer='layer3', factor=-1.0)"},
+        ),
+        (
+            [
+                "mixup.mode=elem",
+                "grad_clip.layer=layer2",
+                "input_scale.layer=input",
+                "input_scale.factor=[0.8,1.2]",
+            ],
+            {"grad_clip": "GradClip(layer='layer2'", "input_scale": "factor=(0.8, 1.2)"},
+        ),
+    ],
+)
+def test_catalogue_commands_train_with_their_hooks(tmp_path, overrides, kinds):
+    cfg = config(*overrides, *FAST)
+    run = app.build(cfg)
+    described = {key: repr(hook) for key, hook in zip(_keys(cfg), run.hooks, strict=True)}
+    for key, text in kinds.items():
+        assert text in described[key], described
+    for hook in run.hooks:
+        hook.remove()
+    acc = app.main(cfg, out_dir=str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["test_acc"] == acc
+    assert summary["mixup"] == OmegaConf.to_container(cfg.mixup)
+    for key, text in kinds.items():
+        if key != "mixup":
+            assert text in summary["hooks"][key]
+
+
+def _keys(cfg):
+    keys = ["mixup"] if cfg.mixup.get("_target_") else []
+    keys += [k for k in ("input_scale", "grad_scale", "grad_clip") if cfg[k].layer is not None]
+    return keys + [f"hooks[{i}]" for i in range(len(cfg.hooks))]
+
+
+def test_hooks_list_instantiates_a_users_own_hook_class():
+    cfg = config("hooks=[{_target_: tests.toy_models.CountForwards, layer: layer2}]", *FAST)
+    run = app.build(cfg)
+    counter = run.hooks[-1]
+    assert type(counter).__name__ == "CountForwards" and counter.calls == 1  # the sample batch check
+    run.model(torch.randn(3, 1, 8, 8))
+    assert counter.calls == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["mixup=cutmix", "mixup.layer=linear"],
+            "mixup.layer: CutMix at layer 'linear' needs an output with two",
+        ),
+        (["mixup=patchup", "mixup.layer=layer2"], "PatchUp block_size=7 is larger than the 4x4 feature map"),
+        (
+            ["hooks=[{_target_: mixhook.CutMix, layer: input}]"],
+            "2 mixing regularizers configured (mixup, hooks[0])",
+        ),
+        (["grad_scale.layer=nosuch"], "grad_scale.layer: unknown layer 'nosuch'"),
+        (
+            ["input_scale.layer=input", "input_scale.factor=[2,1]"],
+            "input_scale: factor range (low, high) needs low",
+        ),
+        (["grad_clip.layer=input"], "grad_clip: GradClip clips the gradient at a layer's output"),
+        (["hooks=[{layer: layer2}]"], "hooks[0]: each entry needs a _target_"),
+        (["mixup.mode=pairs"], "mixup: mode must be 'batch' or 'elem', got 'pairs'"),
+    ],
+)
+def test_catalogue_misconfigurations_fail_in_build(overrides, message):
+    with pytest.raises(app.ConfigError) as info:
+        app.build(config(*overrides))
+    assert message in str(info.value) and "\n" not in str(info.value)

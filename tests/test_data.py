@@ -76,3 +76,12 @@ def test_missing_cifar_says_where_to_put_it(tmp_path):
     )
     assert "cifar-10-python.tar.gz" in message and "data.download=true" in message
     assert "\n" not in message
+
+
+def test_digits_train_size_keeps_a_stratified_subset():
+    data = build_data("digits", batch_size=500, train_size=200)
+    y = torch.cat([y for _, y in data.train])
+    assert y.shape == (200,) and torch.bincount(y).min() >= 18
+    assert len(data.test.dataset) == 360  # the test set is unchanged
+    with pytest.raises(ValueError, match="data.train_size must be an integer from 10 to 1437, got 5"):
+        build_data("digits", batch_size=8, train_size=5)

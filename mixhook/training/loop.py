@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from ..mixing import ManifoldMixup
+from ..mixing import Mixer
 
 log = logging.getLogger("mixhook")
 
@@ -32,7 +32,7 @@ def train_one_epoch(
     loader,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
-    mixup: ManifoldMixup | None = None,
+    mixup: Mixer | None = None,
     desc: str = "train",
     progress_bar: bool = True,
 ) -> float:
@@ -45,16 +45,20 @@ def train_one_epoch(
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)
-        if mixup is not None:
-            loss = mixup.loss(F.cross_entropy, logits, y)
-        else:
-            loss = F.cross_entropy(logits, y)
+        # per-sample losses, so that a mixer with one lam per sample (mode="elem") weights each one
+        loss = (
+            mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
+        ).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         total += loss.detach() * y.shape[0]
         count += y.shape[0]
     return float(total) / max(count, 1)
+
+
+def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, target, reduction="none")
 
 
 @torch.no_grad()
@@ -81,7 +85,7 @@ def train(
     epochs: int,
     device: torch.device,
     out_dir: str | os.PathLike,
-    mixup: ManifoldMixup | None = None,
+    mixup: Mixer | None = None,
     settings: dict | None = None,
     progress_bar: bool = True,
 ) -> dict:

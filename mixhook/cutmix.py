@@ -84,7 +84,7 @@ class CutMix(Mixer):
                 f"but it returned {describe(h)}"
             )
 
-    def _mix(self, name, h, lam, index, pinned):
+    def _mix(self, name, h, lam, index, inverse, pinned):
         height, width = h.shape[-2:]
         box = pinned.get("box")
         if box is None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.hooks import RemovableHandle
 
 from .hooks import LayerHook, own_generator
@@ -53,15 +54,50 @@ def _per_sample(lam: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return lam.view(-1, *([1] * (like.ndim - 1))) if lam.ndim == 1 else lam
 
 
-def blend(h: torch.Tensor, lam: torch.Tensor | float, index: torch.Tensor) -> torch.Tensor:
-    """``lam * h + (1 - lam) * h[index]``, computed in ``h``'s dtype on ``h``'s device.
+class _PermutedBlend(torch.autograd.Function):
+    """``lerp(h[index], h, lam)`` whose backward gathers through the inverse permutation.
+
+    Indexing's own backward scatter-adds into a zeroed tensor; when ``index`` is a permutation the
+    gradient of ``h[index]`` is just ``g[inverse]``, so the backward is one gather and one fused
+    multiply-add: ``lam * g + ((1 - lam) * g)[inverse]``."""
+
+    @staticmethod
+    def forward(ctx, h, lam, index, inverse):
+        ctx.save_for_backward(lam, inverse)
+        return torch.lerp(h[index], h, lam)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        lam, inverse = ctx.saved_tensors
+        return torch.addcmul(((1 - lam) * grad)[inverse], lam, grad), None, None, None
+
+
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor | None:
+    """The inverse of ``index`` if it is a permutation of ``0..n-1``, else ``None``."""
+    n = index.shape[0]
+    if not torch.equal(torch.sort(index).values, torch.arange(n, device=index.device)):
+        return None
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(n, device=index.device)
+    return inverse
+
+
+def blend(
+    h: torch.Tensor, lam: torch.Tensor | float, index: torch.Tensor, inverse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``lam * h + (1 - lam) * h[index]``, in ``h``'s dtype on ``h``'s device.
 
     ``lam`` is a number, a 0-d tensor, or one value per sample (a 1-D tensor of the batch's length).
-    Differentiable in ``h`` through both terms, exactly like the hand-edited forward of the papers.
+    Computed as one gather and one ``torch.lerp`` (equal to the formula up to rounding). Differentiable
+    in ``h`` through both terms, exactly like the hand-edited forward of the papers; given ``inverse``
+    (``index``'s inverse permutation), the backward gathers through it instead of scatter-adding.
     """
-    if isinstance(lam, torch.Tensor):
-        lam = _per_sample(lam, h)
-    return lam * h + (1 - lam) * h[index.to(h.device)]
+    lam = _per_sample(torch.as_tensor(lam, dtype=torch.float64), h)
+    index = index.to(h.device)
+    if inverse is not None and h.requires_grad and torch.is_grad_enabled():
+        return _PermutedBlend.apply(h, lam, index, inverse.to(h.device))
+    return torch.lerp(h[index], h, lam)
 
 
 def smooth_one_hot(target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
@@ -334,7 +370,7 @@ class Mixer(LayerHook):
                 f"does not index the batch of {n} at layer {name!r}"
             )
         draw.done = True
-        mixed, self.last = self._mix(name, h, lam, index, draw.pinned)
+        mixed, self.last = self._mix(name, h, lam, index, _inverse(index, draw.pinned), draw.pinned)
         return mixed
 
     # ------------------------------------------------------------------------------ for subclasses
@@ -343,9 +379,16 @@ class Mixer(LayerHook):
         return sample_lam(self.alpha, self.generator)
 
     def _mix(
-        self, name: str, h: torch.Tensor, lam: torch.Tensor, index: torch.Tensor, pinned: dict
+        self,
+        name: str,
+        h: torch.Tensor,
+        lam: torch.Tensor,
+        index: torch.Tensor,
+        inverse: torch.Tensor | None,
+        pinned: dict,
     ) -> tuple[torch.Tensor, MixState]:
-        """Return the mixed tensor and the :class:`MixState` that ``loss``/``targets`` will use."""
+        """Return the mixed tensor and the :class:`MixState` that ``loss``/``targets`` will use.
+        ``inverse`` is ``index``'s inverse permutation (``None`` for a pinned index that is not one)."""
         raise NotImplementedError
 
     def _index_for(self, target: torch.Tensor, what: str) -> torch.Tensor:
@@ -411,10 +454,10 @@ class ManifoldMixup(Mixer):
             return sample_beta(self.alpha, self.alpha, self.generator, size=n)
         return sample_lam(self.alpha, self.generator)
 
-    def _mix(self, name, h, lam, index, pinned):
+    def _mix(self, name, h, lam, index, inverse, pinned):
         if self.mode == "elem" and lam.ndim == 0:
             lam = lam.expand(h.shape[0])
-        return blend(h, lam, index), MixState(layer=name, lam=lam, index=index)
+        return blend(h, lam, index, inverse), MixState(layer=name, lam=lam, index=index)
 
 
 class NoisyFeatureMixup(ManifoldMixup):
@@ -448,8 +491,8 @@ class NoisyFeatureMixup(ManifoldMixup):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, add_noise={self.add_noise}, mult_noise={self.mult_noise})"
 
-    def _mix(self, name, h, lam, index, pinned):
-        mixed, state = super()._mix(name, h, lam, index, pinned)
+    def _mix(self, name, h, lam, index, inverse, pinned):
+        mixed, state = super()._mix(name, h, lam, index, inverse, pinned)
         g = self.generator
         if self.mult_noise > 0:
             level = self.mult_noise * sample_beta(2.0, 5.0, g)
@@ -460,6 +503,15 @@ class NoisyFeatureMixup(ManifoldMixup):
             normal = torch.randn(h.shape, generator=g, device=g.device, dtype=torch.float64)
             mixed = mixed + (level * normal).to(device=h.device, dtype=h.dtype)
         return mixed, state
+
+
+def _inverse(index: torch.Tensor, pinned: dict) -> torch.Tensor | None:
+    """The inverse of a drawn permutation (built by a scatter), or of a pinned index that is one."""
+    if "index" in pinned:
+        return inverse_permutation(index)
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.shape[0], device=index.device)
+    return inverse
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int | None:

@@ -102,7 +102,7 @@ class PatchUp(Mixer):
                 f"feature map of layer {name!r}; use a smaller block_size or an earlier layer"
             )
 
-    def _mix(self, name, h, lam, index, pinned):
+    def _mix(self, name, h, lam, index, inverse, pinned):
         channels, height, width = h.shape[1:]
         mask = pinned.get("mask")
         if mask is None:
@@ -119,7 +119,7 @@ class PatchUp(Mixer):
             mixed = (1 - m) * h + m * h[index.to(h.device)]
             weight = 1.0 - altered
         else:
-            mixed = (1 - m) * h + m * blend(h, lam, index)
+            mixed = (1 - m) * h + m * blend(h, lam, index, inverse)
             weight = 1.0 - altered * (1.0 - float(lam))
         state = MixState(layer=name, lam=torch.tensor(weight, dtype=torch.float64), index=index, mask=mask)
         return mixed, state

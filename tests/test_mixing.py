@@ -12,9 +12,14 @@ import torchvision
 from scipy import stats
 from torch import nn
 
-from mixhook import ManifoldMixup, MixState, NoisyFeatureMixup, sample_lam, smooth_one_hot
+from mixhook import ManifoldMixup, MixState, NoisyFeatureMixup, blend, sample_lam, smooth_one_hot
 from mixhook.models import PreActResNet18
 from tests.helpers import hook_count, mlp
+
+
+def exact(actual, expected):
+    """Equal to the hand-written formula up to float64 rounding (the blend is computed as a lerp)."""
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
 def gen(seed=0):
@@ -39,8 +44,8 @@ def test_hidden_layer_output_is_blended_and_other_layers_untouched():
     h2 = model[2](model[1](h0))
     mixed = 0.3 * h2 + 0.7 * h2[index]
     assert torch.equal(seen["0"], h0)  # before the mix point: untouched
-    assert torch.equal(seen["3"], torch.tanh(mixed))  # after it: computed from the mix
-    assert torch.equal(out, model[4](torch.tanh(mixed)))
+    exact(seen["3"], torch.tanh(mixed))  # after it: computed from the mix
+    exact(out, model[4](torch.tanh(mixed)))
     assert mix.last.layer == "2" and float(mix.last.lam) == pytest.approx(0.3)
     assert torch.equal(mix.last.index, index)
 
@@ -53,7 +58,7 @@ def test_input_mixup_mixes_the_models_first_argument():
         out = model(x)
     lam, index = mix.last.lam.double(), mix.last.index
     assert sorted(index.tolist()) == list(range(6))
-    assert torch.equal(out, model(lam * x + (1 - lam) * x[index]))
+    exact(out, model(lam * x + (1 - lam) * x[index]))
 
 
 def test_eval_mode_is_bit_identical_to_unhooked_model_and_keeps_last():
@@ -92,7 +97,7 @@ def test_gradients_equal_hand_split_resnet18_forward_mixed_at_layer2():
     loss = lam * F.cross_entropy(expected, y) + (1 - lam) * F.cross_entropy(expected, y[index])
     loss.backward()
 
-    assert torch.equal(logits, expected)
+    exact(logits, expected)
     for (name, p), q in zip(hooked.named_parameters(), by_hand.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
     assert hook_count(hooked) == 0
@@ -127,7 +132,7 @@ def test_a_layer_called_twice_in_one_forward_is_mixed_once():
         mix.pin(lam=0.5, index=[3, 2, 1, 0])
         out = model(x)
     h = shared(x)
-    assert torch.equal(out, shared(0.5 * h + 0.5 * h[[3, 2, 1, 0]]))
+    exact(out, shared(0.5 * h + 0.5 * h[[3, 2, 1, 0]]))
 
 
 def test_batch_of_one_mixes_to_identity():
@@ -416,7 +421,7 @@ def test_elem_mode_draws_one_lam_per_sample_and_weights_per_sample():
     lam, index = mix.last.lam, mix.last.index
     assert lam.shape == (6,) and len(set(lam.tolist())) == 6
     h = model[2](model[1](model[0](x)))
-    assert torch.equal(seen["h"], lam[:, None] * h + (1 - lam[:, None]) * h[index])
+    exact(seen["h"], lam[:, None] * h + (1 - lam[:, None]) * h[index])
     per_sample = mix.loss(lambda a, b: F.cross_entropy(a, b, reduction="none"), logits, y)
     expected = lam * F.cross_entropy(logits, y, reduction="none") + (1 - lam) * F.cross_entropy(
         logits, y[index], reduction="none"
@@ -456,3 +461,20 @@ def test_noisy_feature_mixup_noise_levels_bound_the_perturbation():
         noise = model(x) - x  # 0.4 * b * N(0, 1)
     assert abs(float(noise.mean())) < 0.05 and 0.0 < float(noise.std()) < 0.4
     assert stats.normaltest(noise.flatten().numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("lam", [torch.tensor(0.3, dtype=torch.float64), torch.rand(5, dtype=torch.float64)])
+def test_blend_backward_through_the_inverse_permutation_is_the_exact_gradient(lam):
+    from mixhook.mixing import inverse_permutation
+
+    h = torch.randn(5, 3, 2, dtype=torch.double, requires_grad=True)
+    index = torch.tensor([3, 0, 4, 1, 2])
+    inverse = inverse_permutation(index)
+    assert torch.equal(index[inverse], torch.arange(5))
+    assert torch.autograd.gradcheck(lambda t: blend(t, lam, index, inverse), (h,))
+    lam_b = lam.view(-1, 1, 1) if lam.ndim else lam
+    exact(blend(h, lam, index, inverse), lam_b * h + (1 - lam_b) * h[index])
+    # an index that is not a permutation has no inverse and takes indexing's own backward
+    repeated = torch.tensor([0, 0, 1, 2, 2])
+    assert inverse_permutation(repeated) is None
+    assert torch.autograd.gradcheck(lambda t: blend(t, lam, repeated), (h,))

@@ -1,0 +1,65 @@
+"""The benchmark suite keeps working: `benchmarks/run.py --quick` runs and writes complete results.
+
+Speed itself is measured by the suite, not asserted here; what is asserted are the properties that do
+not depend on timing (the compiled model does not recompile after warm-up) and the results' shape.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+
+def run_bench(*args, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def ratios_in(node):
+    if isinstance(node, dict):
+        if {"median", "min", "max", "n"} <= set(node):
+            yield node
+        for value in node.values():
+            yield from ratios_in(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from ratios_in(value)
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_json_and_markdown(tmp_path):
+    result = run_bench("--quick", "--device", "cpu", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (json_file,) = tmp_path.glob("cpu-*-quick.json")
+    data = json.loads(json_file.read_text())
+    assert data["meta"]["device"].startswith("CPU") and data["meta"]["torch"] == torch.__version__
+    found = list(ratios_in(data))
+    assert len(found) >= 6
+    for r in found:
+        assert r["n"] >= 5 and 0 < r["min"] <= r["median"] <= r["max"] and math.isfinite(r["max"])
+    step = data["training_step"][0]
+    assert {"none", "mixup_random", "hand_layer2"} <= set(step["seconds_per_step"])
+    rc = data["recompiles"]
+    assert rc["distinct_layers_mixed"] == 3 and rc["distinct_lams"] == rc["steps"]
+    assert rc["graphs_compiled_after_warmup"] == 0 and rc["graphs_compiled_total"] > 0
+    assert {g["goal"] for g in data["goals"]} >= {"mixup_vs_none", "mixup_vs_hand", "recompiles_after_warmup"}
+    markdown = json_file.with_suffix(".md").read_text()
+    assert "## Goals" in markdown and "| mixup_vs_hand |" in markdown
+
+
+def test_bad_arguments_are_refused():
+    result = run_bench("--quick", "--reps", "3")
+    assert result.returncode == 2 and "--reps must be at least 5, got 3" in result.stderr
+    if not torch.cuda.is_available():
+        result = run_bench("--device", "cuda")
+        assert result.returncode == 2 and "no CUDA device is available" in result.stderr

@@ -26,10 +26,12 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 import torchvision
 from torch import nn
@@ -111,6 +113,20 @@ def hand_edited_forward(model: nn.Module, x, lam: float, index, where: str) -> t
     return model.fc(torch.flatten(model.avgpool(out), 1))
 
 
+class FullBackwardHookScale:
+    """GradScale done with ``register_full_backward_hook`` (the mechanism GradScale does not use):
+    for comparison only; it fails on a layer whose output is then modified in place."""
+
+    def __init__(self, layer: str, factor: float):
+        self.layer, self.factor = layer, factor
+
+    def attach(self, model):
+        def hook(module, grad_input, grad_output):
+            return tuple(None if g is None else g * self.factor for g in grad_input)
+
+        return model.get_submodule(self.layer).register_full_backward_hook(hook)
+
+
 def per_sample_ce(logits, y):
     return F.cross_entropy(logits, y, reduction="none")
 
@@ -127,6 +143,15 @@ def training_steps(
     compile_: bool = False,
     autocast: bool = False,
 ) -> dict:
+    # Dynamo does not guard on module hooks by default, so two compiled instances of one class, one hooked
+    # and one not, would share compiled code: guard on them here, for every variant alike.
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not compile_):
+        return _training_steps(
+            model_name, batch, size, device, timer, reps, inner, variants_wanted, compile_, autocast
+        )
+
+
+def _training_steps(model_name, batch, size, device, timer, reps, inner, variants_wanted, compile_, autocast):
     torch.manual_seed(0)
     if model_name == "preact_resnet18":
         base = PreActResNet18(in_channels=3, num_classes=10)
@@ -148,6 +173,7 @@ def training_steps(
             "hand_layer2": None,
             "cutmix_input": CutMix("input"),
             "gradscale_layer3": GradScale("layer3", 0.5),
+            "fullhook_scale_layer3": FullBackwardHookScale("layer3", 0.5),
             "inputscale_layer2": InputScale("layer2", 0.5),
         }[name]
 
@@ -157,16 +183,20 @@ def training_steps(
         hook = hooks_for(name)
         if hook is not None:
             hook.attach(model)
-        runner = torch.compile(model) if compile_ else model
+        if name == "hand_layer2":  # compiled too, with lam as a tensor so that no value is specialised on
+            runner = partial(hand_edited_forward, model, where="layer2")
+        else:
+            runner = model
+        runner = torch.compile(runner) if compile_ else runner
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         mixer = hook if hasattr(hook, "loss") else None
 
         def step(runner=runner, opt=opt, mixer=mixer, name=name, model=model):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                if name == "hand_layer2":
+                if name == "hand_layer2":  # the reference code's draws: numpy's beta, torch's randperm
                     lam = float(rng.beta(2.0, 2.0))
                     index = torch.randperm(batch, device=device)
-                    logits = hand_edited_forward(model, x, lam, index, "layer2")
+                    logits = runner(x, torch.tensor(lam, device=device) if compile_ else lam, index)
                     loss = (
                         lam * per_sample_ce(logits, y) + (1 - lam) * per_sample_ce(logits, y[index])
                     ).mean()
@@ -187,6 +217,7 @@ def training_steps(
         "image_size": size,
         "compiled": compile_,
         "autocast_bf16": autocast,
+        "hook_guards": "torch._dynamo.config.skip_nnmodule_hook_guards=False" if compile_ else None,
         "seconds_per_step": {k: statistics.median(v) for k, v in times.items()},
         "vs_none": {k: ratio(times, k, "none") for k in times if k != "none"},
     }
@@ -336,8 +367,6 @@ def blend_bandwidth(device, timer, reps, shape) -> dict:
 
 
 def recompiles(device, steps, warmup, batch, size, small: bool) -> dict:
-    import torch._dynamo
-
     torch._dynamo.reset()
     graphs = []
 
@@ -591,6 +620,7 @@ def main(argv=None) -> dict:
         "cutmix_input",
         "gradscale_layer3",
         "inputscale_layer2",
+        "fullhook_scale_layer3",
     ]
     if args.quick:
         plan = [

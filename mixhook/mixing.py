@@ -332,8 +332,11 @@ class Mixer(LayerHook):
         draw, self._draw = self._draw, None
         if draw is not None and not draw.done:
             raise RuntimeError(
-                f"mixup layer {draw.layer!r} did not run during {type(model).__name__}.forward(), "
-                f"so nothing was mixed; choose a layer that forward() calls"
+                f"mixup layer {draw.layer!r} did not run during {type(model).__name__}.forward(), so nothing "
+                "was mixed; choose a layer that forward() calls. (Under torch.compile: attach before "
+                "compiling, and if hooks changed after compiling, or another instance of this class was "
+                "compiled without them, set torch._dynamo.config.skip_nnmodule_hook_guards = False before "
+                "compiling.)"
             )
 
     def _decide(self, batch: int | None) -> _Draw | None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .mixing import Mixer, MixState, check_mixable, describe
+from .mixing import Mixer, MixState, check_spatial
 
 
 def rand_box(height: int, width: int, lam: float, generator: torch.Generator) -> tuple[int, int, int, int]:
@@ -77,12 +77,7 @@ class CutMix(Mixer):
         super().__init__(layer, alpha, prob, generator)
 
     def check_output(self, name: str, h, batch: int | None) -> None:
-        check_mixable(name, h, batch)
-        if h.ndim != 4:
-            raise TypeError(
-                f"CutMix at layer {name!r} needs an output with two spatial dimensions (B, C, H, W), "
-                f"but it returned {describe(h)}"
-            )
+        check_spatial("CutMix", name, h, batch)
 
     def _mix(self, name, h, lam, index, inverse, pinned):
         height, width = h.shape[-2:]

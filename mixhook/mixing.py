@@ -545,6 +545,16 @@ def check_mixable(name: str, h, batch: int | None) -> None:
         )
 
 
+def check_spatial(kind: str, name: str, h, batch: int | None) -> None:
+    """:func:`check_mixable`, and ``h`` must be ``(B, C, H, W)``: for the mixers that cut regions."""
+    check_mixable(name, h, batch)
+    if h.ndim != 4:
+        raise TypeError(
+            f"{kind} at layer {name!r} needs an output with two spatial dimensions (B, C, H, W), "
+            f"but it returned {describe(h)}"
+        )
+
+
 def _number(name: str, value) -> float:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {value!r}")

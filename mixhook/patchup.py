@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .mixing import Mixer, MixState, blend, check_fraction, check_mixable, describe
+from .mixing import Mixer, MixState, blend, check_fraction, check_spatial
 
 
 def block_mask(
@@ -90,12 +90,7 @@ class PatchUp(Mixer):
         return f"{super().__repr__()[:-1]}, {extra})"
 
     def check_output(self, name: str, h, batch: int | None) -> None:
-        check_mixable(name, h, batch)
-        if h.ndim != 4:
-            raise TypeError(
-                f"PatchUp at layer {name!r} needs an output with two spatial dimensions (B, C, H, W), "
-                f"but it returned {describe(h)}"
-            )
+        check_spatial("PatchUp", name, h, batch)
         if min(h.shape[-2:]) < self.block_size:
             raise ValueError(
                 f"PatchUp block_size={self.block_size} is larger than the {h.shape[-2]}x{h.shape[-1]} "

@@ -210,6 +210,10 @@ def _training_steps(model_name, batch, size, device, timer, reps, inner, variant
             opt.step()
 
         steps[name] = step
+        if mixer is not None:  # warm up on every layer, so that no compile happens while timing
+            for layer in mixer.layers:
+                mixer.pin(layer=layer)
+                step()
     times = timer.side_by_side(steps, reps=reps, inner=inner, warmup=3 if compile_ else 2)
     result = {
         "model": model_name,
@@ -654,7 +658,7 @@ def main(argv=None) -> dict:
             "date": datetime.date.today().isoformat(),
             "quick": args.quick,
             "reps": reps,
-            "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": " ".join(["python benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
         }
     }
 

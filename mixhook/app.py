@@ -9,6 +9,7 @@ raises instead, so that Hydra records the failed job and the sweep goes on).
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from .gradients import GradClip, GradScale
 from .layers import UnknownLayerError, trace_outputs
 from .mixing import Mixer
 from .scaling import InputScale
-from .training import train
+from .training import LOSSES, train
 
 log = logging.getLogger("mixhook")
 
@@ -55,17 +56,34 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
 
     Results go to ``out_dir``, by default the Hydra run's output directory.
     """
-    try:
-        run = build(cfg)
-    except ConfigError as err:
-        if _in_multirun():
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
     if out_dir is None:
         from hydra.core.hydra_config import HydraConfig
 
         out_dir = HydraConfig.get().runtime.output_dir
+    try:
+        return _main(cfg, out_dir)
+    except ConfigError as err:
+        if _in_multirun():
+            _record_failure(out_dir, err)
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as err:
+        if _in_multirun():  # the sweep report lists the run as failed with this line
+            _record_failure(out_dir, err)
+        raise
+
+
+def _record_failure(out_dir: str, err: BaseException) -> None:
+    from .report import ERROR_FILE
+
+    lines = str(err).strip().splitlines()
+    with open(os.path.join(out_dir, ERROR_FILE), "w") as f:
+        f.write(f"{type(err).__name__}: {lines[-1] if lines else ''}\n")
+
+
+def _main(cfg: DictConfig, out_dir: str) -> float:
+    run = build(cfg)
     log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
              cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
     summary = train(
@@ -79,6 +97,7 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
         mixup=run.mixup,
         settings=run.settings,
         progress_bar=bool(cfg.trainer.progress_bar),
+        loss=cfg.trainer.loss,
     )
     log.info(
         "done: test_acc %.2f%%  best %.2f%% (epoch %d)  test_nll %.4f  %.0fs  -> %s/summary.json",
@@ -95,6 +114,8 @@ def build(cfg: DictConfig) -> Run:
     batch_size = _integer(cfg, "trainer.batch_size", minimum=1)
     eval_batch_size = _integer(cfg, "trainer.eval_batch_size", minimum=1)
     device = _device(cfg.trainer.device)
+    if cfg.trainer.loss not in LOSSES:
+        raise ConfigError(f"trainer.loss={cfg.trainer.loss!r} is not a loss; valid: {', '.join(LOSSES)}")
     _seed_everything(seed)
 
     data_options = OmegaConf.to_container(cfg.data, resolve=True)
@@ -129,6 +150,8 @@ def build(cfg: DictConfig) -> Run:
         "seed": seed,
         "device": str(device),
         "torch": torch.__version__,
+        "loss": cfg.trainer.loss,
+        "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
     }
     return Run(
         model, data, mixup, [hook for _, hook in hooks], optimizer, scheduler, device, epochs, settings

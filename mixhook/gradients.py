@@ -64,8 +64,7 @@ class GradScale(LayerHook):
         self.factor = _finite("factor", factor)
 
     def __repr__(self) -> str:
-        layers = self.layers[0] if len(self.layers) == 1 else list(self.layers)
-        return f"GradScale(layer={layers!r}, factor={self.factor})"
+        return f"GradScale(layer={self._layer_spec!r}, factor={self.factor})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         for name, module in modules.items():
@@ -123,8 +122,7 @@ class GradClip(LayerHook):
         self.last_norms: torch.Tensor | None = None
 
     def __repr__(self) -> str:
-        layers = self.layers[0] if len(self.layers) == 1 else list(self.layers)
-        return f"GradClip(layer={layers!r}, max_norm={self.max_norm})"
+        return f"GradClip(layer={self._layer_spec!r}, max_norm={self.max_norm})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         for module in modules.values():

@@ -75,6 +75,11 @@ class LayerHook:
         self._handle: HookHandle | None = None
 
     @property
+    def _layer_spec(self) -> str | list[str]:
+        """The layer spec as the user wrote it: one name, or a list (for ``__repr__``)."""
+        return self.layers[0] if len(self.layers) == 1 else list(self.layers)
+
+    @property
     def model(self) -> nn.Module | None:
         """The model this is attached to, or ``None``."""
         return self._model

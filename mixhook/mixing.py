@@ -183,8 +183,7 @@ class Mixer(LayerHook):
         self._pinned: dict | None = None
 
     def __repr__(self) -> str:
-        layers = self.layers[0] if len(self.layers) == 1 else list(self.layers)
-        return f"{type(self).__name__}(layer={layers!r}, alpha={self.alpha}, prob={self.prob})"
+        return f"{type(self).__name__}(layer={self._layer_spec!r}, alpha={self.alpha}, prob={self.prob})"
 
     # ----------------------------------------------------------------------------------- user API
 

@@ -43,8 +43,7 @@ class InputScale(LayerHook):
         self.last: torch.Tensor | None = None
 
     def __repr__(self) -> str:
-        layers = self.layers[0] if len(self.layers) == 1 else list(self.layers)
-        return f"InputScale(layer={layers!r}, factor={self.factor}, in_eval={self.in_eval})"
+        return f"InputScale(layer={self._layer_spec!r}, factor={self.factor}, in_eval={self.in_eval})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         for module in modules.values():  # "input" resolves to the model itself: its pre-hook

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from ..mixing import Mixer
+from ..mixing import Mixer, smooth_one_hot
 
 log = logging.getLogger("mixhook")
 
 METRICS = ["epoch", "train_loss", "test_loss", "test_acc", "lr", "seconds"]
+LOSSES = ("ce", "bce_softmax")
 
 
 def train_one_epoch(
@@ -35,8 +36,13 @@ def train_one_epoch(
     mixup: Mixer | None = None,
     desc: str = "train",
     progress_bar: bool = True,
+    loss: str = "ce",
 ) -> float:
-    """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing)."""
+    """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing).
+
+    ``loss="ce"``: cross-entropy, mixed by the mixer's ``loss``. ``loss="bce_softmax"``: binary
+    cross-entropy between the softmax and the mixer's soft ``targets``, averaged over samples and
+    classes, as the Manifold Mixup reference code trains (``nn.BCELoss()(softmax(out), target)``)."""
     model.train()
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = 0
@@ -45,14 +51,19 @@ def train_one_epoch(
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)
-        # per-sample losses, so that a mixer with one lam per sample (mode="elem") weights each one
-        loss = (
-            mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
-        ).mean()
+        if loss == "bce_softmax":
+            classes = logits.shape[1]
+            soft = mixup.targets(y, classes) if mixup is not None else smooth_one_hot(y, classes)
+            value = F.binary_cross_entropy(F.softmax(logits, dim=1), soft.to(logits.dtype))
+        else:  # per-sample losses, so that a mixer with one lam per sample (mode="elem") weights each one
+            per_sample = (
+                mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
+            )
+            value = per_sample.mean()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         optimizer.step()
-        total += loss.detach() * y.shape[0]
+        total += value.detach() * y.shape[0]
         count += y.shape[0]
     return float(total) / max(count, 1)
 
@@ -88,6 +99,7 @@ def train(
     mixup: Mixer | None = None,
     settings: dict | None = None,
     progress_bar: bool = True,
+    loss: str = "ce",
 ) -> dict:
     """Train for ``epochs`` epochs; write ``metrics.csv`` and ``summary.json`` into ``out_dir``.
 
@@ -106,7 +118,9 @@ def train(
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             desc = f"epoch {epoch}/{epochs}"
-            train_loss = train_one_epoch(model, data.train, optimizer, device, mixup, desc, progress_bar)
+            train_loss = train_one_epoch(
+                model, data.train, optimizer, device, mixup, desc, progress_bar=progress_bar, loss=loss
+            )
             if not math.isfinite(train_loss):
                 raise FloatingPointError(f"the training loss became {train_loss} in epoch {epoch}; stopping")
             if scheduler is not None:

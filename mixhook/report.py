@@ -1,0 +1,266 @@
+"""Sweep reports: one table, one summary and one picture for a Hydra multirun directory.
+
+    python -m mixhook.report <sweep_dir>
+
+writes into ``<sweep_dir>``:
+
+- ``summary.csv``: one row per run: its overrides (one column per key), status (``ok``, ``failed`` with the
+  last line of its error, or ``incomplete`` for a run still going or killed), and its ``summary.json``
+  metrics, with the paper's figure when the run's config carries one;
+- ``summary.md``: runs grouped by their overrides other than ``seed``: n, mean ± std of test error (%) and
+  test NLL, best first, beside the paper's figure; failed runs listed below;
+- ``summary.png``: the groups' test error with error bars.
+
+:class:`ReportCallback` (configured in ``conf/config.yaml``) writes the report after every job of a
+multirun and at its end, so a sweep in which some runs crashed is still reported.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+METRICS = ["test_acc", "test_error", "test_nll", "best_test_acc", "epochs", "seconds"]
+ERROR_FILE = "error.txt"
+
+
+def run_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
+    """The run directories of a sweep: those holding ``.hydra/overrides.yaml``, in job order."""
+    found = [p.parent.parent for p in Path(sweep_dir).glob("**/.hydra/overrides.yaml")]
+
+    def order(path: Path):
+        rel = path.relative_to(sweep_dir).parts
+        return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in rel)
+
+    return sorted(found, key=order)
+
+
+def read_run(run_dir: Path) -> dict:
+    """One row: overrides, status, error line, metrics and the paper's figure (if any)."""
+    overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    row: dict = {"job": str(run_dir.name), "overrides": " ".join(overrides)}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        row[key.lstrip("+~")] = value
+    summary_file, error_file = run_dir / "summary.json", run_dir / ERROR_FILE
+    if summary_file.exists():
+        summary = json.loads(summary_file.read_text())
+        row["status"], row["error"] = "ok", ""
+        for key in METRICS:
+            if key == "test_error":
+                row[key] = 100.0 * (1.0 - summary["test_acc"])
+            elif key in summary:
+                row[key] = summary[key]
+        paper = summary.get("paper") or {}
+        for key in ("metric", "value", "std", "source"):
+            if key in paper:
+                row[f"paper_{key}"] = paper[key]
+    elif error_file.exists():
+        lines = [line for line in error_file.read_text().splitlines() if line.strip()]
+        row["status"], row["error"] = "failed", lines[-1] if lines else "failed"
+    else:
+        row["status"], row["error"] = "incomplete", ""
+    return row
+
+
+def _override_items(row: dict) -> list[tuple[str, str]]:
+    items = []
+    for part in row["overrides"].split(" "):
+        key, _, value = part.partition("=")
+        if part and key.lstrip("+~") != "seed":
+            items.append((key.lstrip("+~"), value))
+    return items
+
+
+def _varying_keys(rows: list[dict]) -> set[str]:
+    """The override keys (other than ``seed``) whose values differ between runs: what was swept."""
+    seen: dict[str, set] = {}
+    for row in rows:
+        for key, value in _override_items(row):
+            seen.setdefault(key, set()).add(value)
+    present_everywhere = {k for k in seen if all(k in dict(_override_items(r)) for r in rows)}
+    return {k for k, values in seen.items() if len(values) > 1 or k not in present_everywhere}
+
+
+def _group_key(row: dict, varying: set[str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in _override_items(row) if k in varying) or "(all runs)"
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def groups(rows: list[dict]) -> list[dict]:
+    """Successful runs grouped by the swept overrides other than ``seed`` (those common to every run
+    are left out of the label), best mean test error first."""
+    varying = _varying_keys(rows)
+    by_key: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            by_key.setdefault(_group_key(row, varying), []).append(row)
+    out = []
+    for key, members in by_key.items():
+        err_mean, err_std = _mean_std([r["test_error"] for r in members])
+        nll_mean, nll_std = _mean_std([r["test_nll"] for r in members])
+        paper = next((r for r in members if "paper_value" in r), None)
+        out.append({
+            "group": key, "n": len(members), "test_error_mean": err_mean, "test_error_std": err_std,
+            "test_nll_mean": nll_mean, "test_nll_std": nll_std,
+            "paper": None if paper is None else {k[6:]: paper[k] for k in paper if k.startswith("paper_")},
+        })  # fmt: skip
+    return sorted(out, key=lambda g: g["test_error_mean"])
+
+
+def _pm(mean: float, std: float, digits: int) -> str:
+    if math.isnan(mean):
+        return "—"
+    return f"{mean:.{digits}f}" + ("" if math.isnan(std) else f" ± {std:.{digits}f}")
+
+
+def write_report(sweep_dir: str | os.PathLike) -> dict:
+    """Write ``summary.csv``, ``summary.md`` and ``summary.png`` into ``sweep_dir``; return the data."""
+    sweep_dir = Path(sweep_dir)
+    rows = [read_run(d) for d in run_dirs(sweep_dir)]
+    grouped = groups(rows)
+    _write_csv(sweep_dir / "summary.csv", rows)
+    _write_atomic(sweep_dir / "summary.md", _markdown(sweep_dir, rows, grouped))
+    _plot(sweep_dir / "summary.png", grouped, sweep_dir)
+    return {"rows": rows, "groups": grouped}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    fixed = ["job", "overrides"]
+    keys = [k for row in rows for k in row if k not in fixed]
+    columns = fixed + list(dict.fromkeys(keys))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict]) -> str:
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "incomplete")}
+    varying = _varying_keys(rows)
+    common = sorted({f"{k}={v}" for r in rows for k, v in _override_items(r) if k not in varying})
+    lines = [
+        f"# Sweep report: {sweep_dir}",
+        "",
+        f"{len(rows)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['incomplete']} incomplete. "
+        "Groups are the runs' swept overrides other than `seed`, best mean test error first; ± is the "
+        "standard deviation over the group's runs.",
+        "",
+        f"Common to every run: `{' '.join(common)}`." if common else "",
+        "",
+        "| group | n | test error % | test NLL | paper |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for g in grouped:
+        paper = ""
+        if g["paper"]:
+            p = g["paper"]
+            spread = f" ± {p['std']}" if "std" in p else ""
+            paper = f"{p.get('value')}{spread} ({p.get('source', '')})"
+        lines.append(
+            f"| {g['group']} | {g['n']} | {_pm(g['test_error_mean'], g['test_error_std'], 2)} | "
+            f"{_pm(g['test_nll_mean'], g['test_nll_std'], 4)} | {paper} |"
+        )
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## Runs without a result", "", "| job | overrides | status | error |"]
+        lines += ["| --- | --- | --- | --- |"]
+        lines += [f"| {r['job']} | {r['overrides']} | {r['status']} | {r['error']} |" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(path: Path, grouped: list[dict], sweep_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    height = 1.2 + 0.45 * max(len(grouped), 1)
+    fig, ax = plt.subplots(figsize=(8, height), dpi=120)
+    if grouped:
+        labels = [f"{g['group']}  (n={g['n']})" for g in grouped]
+        means = [g["test_error_mean"] for g in grouped]
+        stds = [0.0 if math.isnan(g["test_error_std"]) else g["test_error_std"] for g in grouped]
+        y = list(range(len(grouped)))
+        ax.barh(y, means, xerr=stds, capsize=4, color="#4C72B0", alpha=0.85)
+        ax.set_yticks(y, labels)
+        ax.invert_yaxis()  # best first, at the top
+        for yi, (m, s) in enumerate(zip(means, stds, strict=True)):
+            ax.text(m + s, yi, f"  {m:.2f}", va="center", fontsize=9)
+        for yi, g in enumerate(grouped):
+            if g["paper"] and isinstance(g["paper"].get("value"), (int, float)):
+                ax.plot(g["paper"]["value"], yi, marker="D", color="#C44E52")
+        ax.set_xlim(0, max(m + s for m, s in zip(means, stds, strict=True)) * 1.25 or 1)
+    else:
+        ax.text(0.5, 0.5, "no finished runs yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("test error (%), mean ± std over seeds")
+    ax.set_title(str(sweep_dir), fontsize=9)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - Hydra is a dependency of the app
+    Callback = object
+
+
+class ReportCallback(Callback):
+    """Hydra callback: rewrite the sweep report after every job of a multirun and at its end."""
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            write_report(hydra_cfg.sweep.dir)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        write_report(config.hydra.sweep.dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print("usage: python -m mixhook.report <sweep_dir>", file=sys.stderr)
+        return 2
+    sweep_dir = Path(args[0])
+    if not sweep_dir.is_dir() or not run_dirs(sweep_dir):
+        print(
+            f"error: {sweep_dir} is not a sweep directory (no */.hydra/overrides.yaml below it)",
+            file=sys.stderr,
+        )
+        return 2
+    data = write_report(sweep_dir)
+    counts = f"{len(data['rows'])} runs, {len(data['groups'])} groups"
+    print(f"{counts} -> {sweep_dir}/summary.csv, summary.md, summary.png")
+    print((sweep_dir / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

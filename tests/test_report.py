@@ -1,0 +1,129 @@
+"""Sweep reports: on fabricated run directories (the arithmetic), and on real Hydra multiruns (the
+callback, a failed run, Optuna, the submitit local launcher)."""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+import yaml
+
+from mixhook.report import main as report_main
+from mixhook.report import write_report
+from tests.conftest import ROOT
+
+FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false"]
+
+
+def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None):
+    run = sweep / str(job)
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if acc is not None:
+        summary = {"test_acc": acc, "test_nll": nll, "best_test_acc": acc, "epochs": 3, "seconds": 1.0}
+        summary["paper"] = paper
+        (run / "summary.json").write_text(json.dumps(summary))
+    if error is not None:
+        (run / "error.txt").write_text(f"Traceback...\n{error}\n")
+
+
+def test_report_groups_by_overrides_other_than_seed(tmp_path):
+    paper = {"metric": "test_error", "value": 2.95, "std": 0.05, "source": "Verma et al. 2019"}
+    fake_run(tmp_path, 0, ["mixup.alpha=0.2", "seed=0"], acc=0.90, nll=0.30)
+    fake_run(tmp_path, 1, ["mixup.alpha=0.2", "seed=1"], acc=0.80, nll=0.50)
+    fake_run(tmp_path, 2, ["mixup.alpha=2", "seed=0"], acc=0.96, nll=0.10, paper=paper)
+    fake_run(tmp_path, 3, ["mixup.alpha=2", "seed=1"], error="ValueError: boom")
+    fake_run(tmp_path, 10, ["mixup.alpha=2", "seed=2"])  # still running: no summary, no error
+    data = write_report(tmp_path)
+    first, second = data["groups"]
+    assert first["group"] == "mixup.alpha=2" and first["n"] == 1
+    assert math.isclose(first["test_error_mean"], 4.0)
+    assert second["group"] == "mixup.alpha=0.2" and second["n"] == 2
+    assert math.isclose(second["test_error_mean"], 15.0)
+    assert math.isclose(second["test_error_std"], 7.0710678, rel_tol=1e-6)
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3", "10"]
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "failed", "incomplete"]
+    assert rows[3]["error"] == "ValueError: boom" and rows[0]["mixup.alpha"] == "0.2"
+    assert rows[2]["paper_value"] == "2.95"
+    md = (tmp_path / "summary.md").read_text()
+    assert "5 runs: 3 ok, 1 failed, 1 incomplete" in md
+    best, worse = "| mixup.alpha=2 | 1 | 4.00 |", "| mixup.alpha=0.2 | 2 | 15.00 ± 7.07 | 0.4000 ± 0.1414 |"
+    assert md.index(best) < md.index(worse)
+    assert "2.95 ± 0.05 (Verma et al. 2019)" in md
+    assert "| 3 | mixup.alpha=2 seed=1 | failed | ValueError: boom |" in md
+    assert matplotlib.image.imread(tmp_path / "summary.png").shape[2] in (3, 4)
+
+
+def test_report_cli_refuses_a_directory_without_runs(tmp_path, capsys):
+    assert report_main([str(tmp_path)]) == 2
+    assert "is not a sweep directory" in capsys.readouterr().err
+
+
+def multirun(*overrides, cwd):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", *overrides],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.mark.slow
+def test_a_real_2x2_sweep_reports_itself_and_on_demand(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = multirun("mixup.alpha=0.5,2", "seed=0,1", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}
+    md = (sweep / "summary.md").read_text()
+    assert "| mixup.alpha=0.5 | 2 |" in md and "| mixup.alpha=2 | 2 |" in md
+    assert matplotlib.image.imread(sweep / "summary.png").ndim == 3
+    for name in ("summary.csv", "summary.md", "summary.png"):
+        (sweep / name).unlink()
+    command = [sys.executable, "-m", "mixhook.report", str(sweep)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0 and "4 runs, 2 groups" in result.stdout
+    assert len(list(csv.DictReader(open(sweep / "summary.csv")))) == 4
+
+
+@pytest.mark.slow
+def test_a_sweep_with_a_failing_run_still_reports_the_others(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = multirun("mixup.alpha=1,-1", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode != 0  # Hydra raises the failed job's error once the sweep has finished
+    rows = {r["mixup.alpha"]: r for r in csv.DictReader(open(sweep / "summary.csv"))}
+    assert rows["1"]["status"] == "ok"
+    assert rows["-1"]["status"] == "failed"
+    assert rows["-1"]["error"] == "ConfigError: mixup: alpha must be a finite number > 0, got -1"
+    assert "| 1 | mixup.alpha=-1" in (sweep / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_optuna_search_completes_and_reports(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = multirun(
+        "hparams_search=optuna", "hydra.sweeper.n_trials=3", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert len(rows) == 3 and all(r["status"] == "ok" for r in rows)
+    assert all(0.1 <= float(r["mixup.alpha"]) <= 4.0 for r in rows)
+    assert all(r["mixup.layer"] in ("input", "layer1", "layer2") for r in rows)
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["best_value"] == max(float(r["test_acc"]) for r in rows)
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_and_reports(tmp_path):
+    sweep = tmp_path / "sweep"
+    launcher = "hydra/launcher=submitit_local"
+    result = multirun(launcher, "seed=0,1", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [r["seed"] for r in rows] == ["0", "1"] and all(r["status"] == "ok" for r in rows)
+    assert (sweep / ".submitit").is_dir()

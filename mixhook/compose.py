@@ -94,8 +94,9 @@ class OneOf(LayerHook):
         handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
         for mixer in self.mixers:
             mixer._register(model, {n: modules[n] for n in mixer.layers}, handles, root=False)
-            mixer._model = model
         handles.append(model.register_forward_hook(self._on_model_output))
+        for mixer in self.mixers:  # only once everything is registered: a failure leaves them detached
+            mixer._model = model
 
     def _reset(self) -> None:
         for mixer in self.mixers:

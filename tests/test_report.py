@@ -127,3 +127,20 @@ def test_submitit_local_launcher_runs_and_reports(tmp_path):
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert [r["seed"] for r in rows] == ["0", "1"] and all(r["status"] == "ok" for r in rows)
     assert (sweep / ".submitit").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("launcher", "setting", "target"),
+    [("joblib", "n_jobs=2", "JoblibLauncher"), ("submitit_slurm", "partition=gpu", "SlurmLauncher")],
+)
+def test_launcher_configs_compose(launcher, setting, target):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=[f"hydra/launcher={launcher}", f"hydra.launcher.{setting}"],
+            return_hydra_config=True,
+        )
+    key, _, value = setting.partition("=")
+    assert cfg.hydra.launcher._target_.endswith(target) and str(cfg.hydra.launcher[key]) == value

@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .hooks import LayerHook
 from .layers import INPUT
+from .mixing import per_sample
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -93,7 +94,7 @@ def clip_per_sample(grad: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, 
     flat = grad.reshape(grad.shape[0], -1)
     norms = flat.float().norm(dim=1) if flat.dtype in (torch.float16, torch.bfloat16) else flat.norm(dim=1)
     scale = (max_norm / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp(max=1.0)
-    return grad * scale.to(grad.dtype).view(-1, *([1] * (grad.ndim - 1))), norms
+    return grad * per_sample(scale, grad), norms
 
 
 class GradClip(LayerHook):

@@ -48,10 +48,11 @@ def sample_lam(alpha: float, generator: torch.Generator) -> torch.Tensor:
     return sample_beta(alpha, alpha, generator)
 
 
-def _per_sample(lam: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``lam`` in ``like``'s dtype and device, shaped to broadcast over its non-batch dimensions."""
-    lam = lam.to(device=like.device, dtype=like.dtype)
-    return lam.view(-1, *([1] * (like.ndim - 1))) if lam.ndim == 1 else lam
+def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``values`` in ``like``'s dtype and device; one value per sample (1-D) is shaped to broadcast over
+    ``like``'s non-batch dimensions, a 0-d tensor is left as it is."""
+    values = values.to(device=like.device, dtype=like.dtype)
+    return values.view(-1, *([1] * (like.ndim - 1))) if values.ndim == 1 else values
 
 
 class _PermutedBlend(torch.autograd.Function):
@@ -75,11 +76,15 @@ class _PermutedBlend(torch.autograd.Function):
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor | None:
     """The inverse of ``index`` if it is a permutation of ``0..n-1``, else ``None``."""
-    n = index.shape[0]
-    if not torch.equal(torch.sort(index).values, torch.arange(n, device=index.device)):
+    if not torch.equal(torch.sort(index).values, torch.arange(index.shape[0], device=index.device)):
         return None
+    return _scatter_inverse(index)
+
+
+def _scatter_inverse(index: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation ``index``, by one scatter (no check that it is one)."""
     inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(n, device=index.device)
+    inverse[index] = torch.arange(index.shape[0], device=index.device)
     return inverse
 
 
@@ -93,7 +98,7 @@ def blend(
     in ``h`` through both terms, exactly like the hand-edited forward of the papers; given ``inverse``
     (``index``'s inverse permutation), the backward gathers through it instead of scatter-adding.
     """
-    lam = _per_sample(torch.as_tensor(lam, dtype=torch.float64), h)
+    lam = per_sample(torch.as_tensor(lam, dtype=torch.float64), h)
     index = index.to(h.device)
     if inverse is not None and h.requires_grad and torch.is_grad_enabled():
         return _PermutedBlend.apply(h, lam, index, inverse.to(h.device))
@@ -509,11 +514,7 @@ class NoisyFeatureMixup(ManifoldMixup):
 
 def _inverse(index: torch.Tensor, pinned: dict) -> torch.Tensor | None:
     """The inverse of a drawn permutation (built by a scatter), or of a pinned index that is one."""
-    if "index" in pinned:
-        return inverse_permutation(index)
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.shape[0], device=index.device)
-    return inverse
+    return inverse_permutation(index) if "index" in pinned else _scatter_inverse(index)
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int | None:

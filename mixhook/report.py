@@ -18,6 +18,7 @@ multirun and at its end, so a sweep in which some runs crashed is still reported
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -46,9 +47,7 @@ def read_run(run_dir: Path) -> dict:
     """One row: overrides, status, error line, metrics and the paper's figure (if any)."""
     overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []
     row: dict = {"job": str(run_dir.name), "overrides": " ".join(overrides)}
-    for item in overrides:
-        key, _, value = item.partition("=")
-        row[key.lstrip("+~")] = value
+    row.update(_parse_overrides(overrides))
     summary_file, error_file = run_dir / "summary.json", run_dir / ERROR_FILE
     if summary_file.exists():
         summary = json.loads(summary_file.read_text())
@@ -70,23 +69,27 @@ def read_run(run_dir: Path) -> dict:
     return row
 
 
+def _parse_overrides(overrides: list[str]) -> dict[str, str]:
+    """``["+a.b=1", "seed=0"]`` -> ``{"a.b": "1", "seed": "0"}`` (Hydra's ``+``/``~`` prefixes dropped)."""
+    parsed = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if item:
+            parsed[key.lstrip("+~")] = value
+    return parsed
+
+
 def _override_items(row: dict) -> list[tuple[str, str]]:
-    items = []
-    for part in row["overrides"].split(" "):
-        key, _, value = part.partition("=")
-        if part and key.lstrip("+~") != "seed":
-            items.append((key.lstrip("+~"), value))
-    return items
+    """A run's overrides other than ``seed``, in the order given."""
+    return [(k, v) for k, v in _parse_overrides(row["overrides"].split(" ")).items() if k != "seed"]
 
 
 def _varying_keys(rows: list[dict]) -> set[str]:
-    """The override keys (other than ``seed``) whose values differ between runs: what was swept."""
-    seen: dict[str, set] = {}
-    for row in rows:
-        for key, value in _override_items(row):
-            seen.setdefault(key, set()).add(value)
-    present_everywhere = {k for k in seen if all(k in dict(_override_items(r)) for r in rows)}
-    return {k for k, values in seen.items() if len(values) > 1 or k not in present_everywhere}
+    """The override keys (other than ``seed``) whose values differ between runs, or that some runs
+    lack: what was swept."""
+    per_run = [dict(_override_items(row)) for row in rows]
+    keys = {k for items in per_run for k in items}
+    return {k for k in keys if len({items.get(k) for items in per_run}) > 1}
 
 
 def _group_key(row: dict, varying: set[str]) -> str:
@@ -99,10 +102,11 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
 
 
-def groups(rows: list[dict]) -> list[dict]:
+def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
     """Successful runs grouped by the swept overrides other than ``seed`` (those common to every run
-    are left out of the label), best mean test error first."""
-    varying = _varying_keys(rows)
+    are left out of the label), best mean test error first. ``varying``: :func:`_varying_keys` of
+    ``rows``, when the caller has it already."""
+    varying = _varying_keys(rows) if varying is None else varying
     by_key: dict[str, list[dict]] = {}
     for row in rows:
         if row["status"] == "ok":
@@ -130,9 +134,10 @@ def write_report(sweep_dir: str | os.PathLike) -> dict:
     """Write ``summary.csv``, ``summary.md`` and ``summary.png`` into ``sweep_dir``; return the data."""
     sweep_dir = Path(sweep_dir)
     rows = [read_run(d) for d in run_dirs(sweep_dir)]
-    grouped = groups(rows)
+    varying = _varying_keys(rows)
+    grouped = groups(rows, varying)
     _write_csv(sweep_dir / "summary.csv", rows)
-    _write_atomic(sweep_dir / "summary.md", _markdown(sweep_dir, rows, grouped))
+    _write_atomic(sweep_dir / "summary.md", _markdown(sweep_dir, rows, grouped, varying))
     _plot(sweep_dir / "summary.png", grouped, sweep_dir)
     return {"rows": rows, "groups": grouped}
 
@@ -146,18 +151,15 @@ def _write_atomic(path: Path, text: str) -> None:
 def _write_csv(path: Path, rows: list[dict]) -> None:
     fixed = ["job", "overrides"]
     keys = [k for row in rows for k in row if k not in fixed]
-    columns = fixed + list(dict.fromkeys(keys))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=fixed + list(dict.fromkeys(keys)), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    _write_atomic(path, text.getvalue())
 
 
-def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict]) -> str:
+def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: set[str]) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "incomplete")}
-    varying = _varying_keys(rows)
     common = sorted({f"{k}={v}" for r in rows for k, v in _override_items(r) if k not in varying})
     lines = [
         f"# Sweep report: {sweep_dir}",

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .hooks import LayerHook, own_generator
+from .mixing import per_sample
 
 
 class InputScale(LayerHook):
@@ -65,10 +66,7 @@ class InputScale(LayerHook):
         else:
             factor = torch.tensor(sum(self.factor) / 2, dtype=torch.float64)
         self.last = factor
-        factor = factor.to(device=x.device, dtype=x.dtype)
-        if factor.ndim == 1:
-            factor = factor.view(-1, *([1] * (x.ndim - 1)))
-        return (x * factor, *args[1:])
+        return (x * per_sample(factor, x), *args[1:])
 
 
 def _check_factor(factor) -> float | tuple[float, float]:
@@ -77,7 +75,7 @@ def _check_factor(factor) -> float | tuple[float, float]:
         numbers = [float(v) for v in values] if values is not None else [float(factor)]
     except (TypeError, ValueError):
         raise TypeError(f"factor must be a number or a pair (low, high), got {factor!r}") from None
-    if len(numbers) not in (1, 2) or (values is not None and len(numbers) != 2):
+    if values is not None and len(numbers) != 2:
         raise ValueError(f"factor must be a number or a pair (low, high), got {factor!r}")
     if not all(math.isfinite(v) for v in numbers):
         raise ValueError(f"factor must be finite, got {factor!r}")

@@ -232,10 +232,20 @@ def _optimizer(cfg: DictConfig, model: nn.Module, epochs: int):
         weight_decay=cfg.weight_decay,
         nesterov=cfg.nesterov,
     )
+    milestones = list(cfg.milestones)
+    if cfg.scheduler == "multistep" and (
+        not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in milestones)
+        or milestones != sorted(set(milestones))
+    ):
+        raise ConfigError(
+            f"optim.milestones must be increasing epoch numbers >= 1 for multistep, got {milestones}"
+        )
+    if not cfg.gamma > 0:
+        raise ConfigError(f"optim.gamma must be > 0, got {cfg.gamma}")
     schedulers = {
         "cosine": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs),
         "multistep": lambda: torch.optim.lr_scheduler.MultiStepLR(
-            optimizer, milestones=list(cfg.milestones), gamma=cfg.gamma
+            optimizer, milestones=milestones, gamma=cfg.gamma
         ),
         "constant": lambda: None,
     }

@@ -58,6 +58,12 @@ def test_mixup_none_builds_without_a_regularizer():
         (["trainer.device=tpu"], "trainer.device='tpu'"),
         (["optim.lr=-1"], "optim.lr must be > 0, got -1"),
         (
+            ["optim.scheduler=multistep", "optim.milestones=[150,100]"],
+            "optim.milestones must be increasing epoch numbers >= 1 for multistep, got [150, 100]",
+        ),
+        (["optim.scheduler=multistep", "optim.milestones=[0.5]"], "got [0.5]"),
+        (["optim.gamma=0"], "optim.gamma must be > 0, got 0"),
+        (
             ["optim.scheduler=step"],
             "optim.scheduler='step' is not a schedule; valid: cosine, multistep, constant",
         ),

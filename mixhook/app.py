@@ -28,6 +28,8 @@ from .layers import UnknownLayerError, trace_outputs
 from .mixing import Mixer
 from .scaling import InputScale
 from .training import LOSSES, train
+from .training import checkpoint as ckpt
+from .training.loop import Interrupted, NonFiniteLoss
 
 log = logging.getLogger("mixhook")
 
@@ -49,6 +51,7 @@ class Run:
     device: torch.device
     epochs: int
     settings: dict
+    handles: list  # what each hook's attach() returned: removing them detaches everything
 
 
 def main(cfg: DictConfig, out_dir: str | None = None) -> float:
@@ -68,6 +71,18 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
             raise
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Interrupted as err:
+        if _in_multirun():
+            _record_failure(out_dir, err)
+            raise
+        print(str(err), file=sys.stderr)
+        raise SystemExit(128 + err.signum) from None
+    except NonFiniteLoss as err:
+        if _in_multirun():
+            _record_failure(out_dir, err)
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
     except Exception as err:
         if _in_multirun():  # the sweep report lists the run as failed with this line
             _record_failure(out_dir, err)
@@ -82,23 +97,43 @@ def _record_failure(out_dir: str, err: BaseException) -> None:
         f.write(f"{type(err).__name__}: {lines[-1] if lines else ''}\n")
 
 
+# Keys that may differ between a run and its resumption: where things are, how they are shown.
+RESUMABLE_CHANGES = {
+    "trainer.resume", "trainer.progress_bar", "trainer.checkpoint_every", "trainer.device",
+    "data.root", "data.num_workers", "data.download",
+}  # fmt: skip
+
+
 def _main(cfg: DictConfig, out_dir: str) -> float:
+    _check_writable(out_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    state = _resume_state(cfg, out_dir, config)
     run = build(cfg)
     log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
              cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
-    summary = train(
-        run.model,
-        run.data,
-        run.optimizer,
-        run.scheduler,
-        run.epochs,
-        run.device,
-        out_dir,
-        mixup=run.mixup,
-        settings=run.settings,
-        progress_bar=bool(cfg.trainer.progress_bar),
-        loss=cfg.trainer.loss,
-    )
+    try:
+        summary = train(
+            run.model,
+            run.data,
+            run.optimizer,
+            run.scheduler,
+            run.epochs,
+            run.device,
+            out_dir,
+            mixup=run.mixup,
+            settings=run.settings,
+            progress_bar=bool(cfg.trainer.progress_bar),
+            loss=cfg.trainer.loss,
+            hooks=run.hooks,
+            checkpoint_every=cfg.trainer.checkpoint_every,
+            resume=state,
+            config=config,
+        )
+    except ckpt.CheckpointError as err:
+        raise ConfigError(f"trainer.resume: {err}") from err
+    finally:  # no hook outlives the run, whatever ended it
+        for handle in run.handles:
+            handle.remove()
     log.info(
         "done: test_acc %.2f%%  best %.2f%% (epoch %d)  test_nll %.4f  %.0fs  -> %s/summary.json",
         100 * summary["test_acc"], 100 * summary["best_test_acc"], summary["best_epoch"],
@@ -113,6 +148,7 @@ def build(cfg: DictConfig) -> Run:
     epochs = _integer(cfg, "trainer.epochs", minimum=1)
     batch_size = _integer(cfg, "trainer.batch_size", minimum=1)
     eval_batch_size = _integer(cfg, "trainer.eval_batch_size", minimum=1)
+    _integer(cfg, "trainer.checkpoint_every", minimum=0)
     device = _device(cfg.trainer.device)
     if cfg.trainer.loss not in LOSSES:
         raise ConfigError(f"trainer.loss={cfg.trainer.loss!r} is not a loss; valid: {', '.join(LOSSES)}")
@@ -139,7 +175,7 @@ def build(cfg: DictConfig) -> Run:
             "each would mix every batch: keep one, or combine them in one entry with mixhook.OneOf"
         )
     mixup = mixers[0] if mixers else None
-    _attach_and_check(model, hooks, data)
+    handles = _attach_and_check(model, hooks, data)
 
     optimizer, scheduler = _optimizer(cfg.optim, model, epochs)
     settings = {
@@ -153,9 +189,64 @@ def build(cfg: DictConfig) -> Run:
         "loss": cfg.trainer.loss,
         "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
     }
-    return Run(
-        model, data, mixup, [hook for _, hook in hooks], optimizer, scheduler, device, epochs, settings
-    )
+    hook_objects = [hook for _, hook in hooks]
+    return Run(model, data, mixup, hook_objects, optimizer, scheduler, device, epochs, settings, handles)
+
+
+def _check_writable(out_dir: str) -> None:
+    """Fail before anything else if the run directory cannot be created or written."""
+    probe = os.path.join(out_dir, ".mixhook-write-test")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise ConfigError(f"the run directory {out_dir} cannot be written: {err.strerror or err}") from None
+
+
+def _resume_state(cfg: DictConfig, out_dir: str, config: dict) -> dict | None:
+    """The checkpoint to continue from (``trainer.resume``), checked to belong to this run's config;
+    ``None`` for a fresh start. Refuses to start afresh over a run directory's existing checkpoint."""
+    resume = cfg.trainer.get("resume")
+    here = os.path.join(out_dir, ckpt.FILE)
+    if resume is None:
+        if os.path.exists(here):
+            raise ConfigError(
+                f"the run directory {out_dir} already holds a checkpoint ({ckpt.FILE}); continue it with "
+                "trainer.resume=auto, or choose another hydra.run.dir"
+            )
+        return None
+    if not isinstance(resume, str) or not resume:
+        raise ConfigError(f"trainer.resume must be null, auto or a checkpoint path, got {resume!r}")
+    if resume == "auto" and not os.path.exists(here):
+        log.info("trainer.resume=auto: no %s in %s yet, starting from the beginning", ckpt.FILE, out_dir)
+        return None
+    path = here if resume == "auto" else resume
+    try:
+        state = ckpt.load(path)
+    except ckpt.CheckpointError as err:
+        raise ConfigError(f"trainer.resume: {err}") from None
+    saved, current = _flat(state.get("config") or {}), _flat(config)
+    for key in sorted(saved.keys() | current.keys()):
+        if key in RESUMABLE_CHANGES or key.startswith("hydra."):
+            continue
+        old, new = saved.get(key, "<unset>"), current.get(key, "<unset>")
+        if old != new:
+            raise ConfigError(
+                f"trainer.resume: {path} was written with {key}={old!r}, this run has {key}={new!r}; "
+                "resume with the checkpoint's settings"
+            )
+    return state
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
 
 
 def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
@@ -192,15 +283,27 @@ def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
     return hooks
 
 
-def _attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Data) -> None:
+def _attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Data) -> list:
     """Attach every hook (resolving layer names) and run one sample batch through the model in eval
     mode, checking that it runs on this data and that each mixing layer returns what its regularizer
-    can mix."""
-    for key, hook in hooks:
-        try:
-            hook.attach(model)
-        except UnknownLayerError as err:
-            raise ConfigError(f"{key}.layer: {err}") from err
+    can mix. Returns the handles; on any failure, what was attached is removed again."""
+    handles: list = []
+    try:
+        for key, hook in hooks:
+            try:
+                handles.append(hook.attach(model))
+            except UnknownLayerError as err:
+                raise ConfigError(f"{key}.layer: {err}") from err
+        _check_sample_batch(model, hooks, data)
+    except BaseException:
+        for handle in handles:
+            if callable(getattr(handle, "remove", None)):
+                handle.remove()
+        raise
+    return [h for h in handles if callable(getattr(h, "remove", None))]
+
+
+def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: Data) -> None:
     x = next(iter(data.test))[0][:2]
     checks = [(key, hook) for key, hook in hooks if callable(getattr(hook, "check_output", None))]
     layers = list(dict.fromkeys(name for _, hook in checks for name in hook.layers))

@@ -1,8 +1,13 @@
 """Data sets for the experiment app: scikit-learn's digits (offline, the default) and CIFAR-10/100.
 
 :func:`build_data` returns a :class:`Data` bundle: train and test loaders and what the model needs to
-know (channels, classes, image size). Shuffling draws from a generator seeded by the run's seed, so the
-same seed gives the same batches.
+know (channels, classes, image size).
+
+The training order and the random augmentation are functions of (seed, epoch, position), not of a
+stream that the run consumes: :class:`EpochSampler` draws each epoch's permutation and one augmentation
+seed per sample from ``(seed, epoch)``, and :class:`SeededSamples` applies a sample's augmentation under
+its own seed. So the same seed gives the same batches, whatever the number of loader workers, and a run
+resumed at step k of an epoch sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -51,17 +56,75 @@ def build_data(
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
     train_set, test_set, info = builders[name](name=name, **options)
     num_workers = int(options.get("num_workers", 0))
-    generator = torch.Generator().manual_seed(seed)
+    sampler = EpochSampler(len(train_set), seed=seed)
     train = DataLoader(
-        train_set,
+        SeededSamples(train_set),
         batch_size=batch_size,
-        shuffle=True,
-        generator=generator,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(seed),  # the workers' base seed, not the global stream
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
     )
-    test = DataLoader(test_set, batch_size=eval_batch_size, shuffle=False, num_workers=num_workers)
+    test = DataLoader(
+        test_set,
+        batch_size=eval_batch_size,
+        shuffle=False,
+        generator=torch.Generator().manual_seed(seed),
+        num_workers=num_workers,
+    )
     return Data(name=name, train=train, test=test, **info)
+
+
+class EpochSampler(Sampler):
+    """The training order: epoch ``e``'s permutation and one augmentation seed per sample, drawn from a
+    generator seeded by ``(seed, e)``; optionally this rank's share, as ``DistributedSampler`` shards
+    (the permutation padded to a multiple of ``world_size``, then every ``world_size``-th index).
+
+    Yields ``(index, augmentation seed)`` pairs for :class:`SeededSamples`. Call :meth:`set_epoch`
+    before each epoch; ``start`` skips that many of this rank's samples (a resumed epoch), without
+    loading them.
+    """
+
+    def __init__(self, size: int, seed: int = 0, shuffle: bool = True, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return max(-(-self.size // self.world_size) - self.start, 0)
+
+    def __iter__(self):
+        mixed = np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0]
+        g = torch.Generator().manual_seed(int(mixed))
+        order = torch.randperm(self.size, generator=g) if self.shuffle else torch.arange(self.size)
+        seeds = torch.randint(2**62, (self.size,), generator=g)
+        total = -(-self.size // self.world_size) * self.world_size
+        order = torch.cat([order, order[: total - self.size]])[self.rank :: self.world_size]
+        for i in order[self.start :].tolist():
+            yield i, int(seeds[i])
+
+
+class SeededSamples(Dataset):
+    """Wraps a data set so that sample ``(i, s)`` is ``dataset[i]`` computed under torch seed ``s``:
+    random augmentation depends on the sample's seed only, never on the global stream, which it leaves
+    as it was."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
 
 
 # ------------------------------------------------------------------------------------------- digits

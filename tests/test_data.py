@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mixhook.data import DataNotFoundError, build_data
+from mixhook.data import DataNotFoundError, EpochSampler, build_data
 from tests.conftest import write_cifar
 
 
@@ -48,9 +48,8 @@ def test_cifar10_loader_reads_files_and_augments(cifar10_root):
 
     augmented = build_data("cifar10", batch_size=4, seed=0, root=str(root), num_workers=0, augment=True)
     dataset = augmented.train.dataset
-    torch.manual_seed(0)
     for i in range(8):
-        out = dataset[i][0] * std + mean
+        out = dataset[(i, 100 + i)][0] * std + mean
         raw = torch.from_numpy(files["data_batch_1"][0][i]).float() / 255
         padded = torch.nn.functional.pad(raw, (4, 4, 4, 4))
         # the output is a 32x32 window of the 4-pixel zero-padded image, possibly mirrored
@@ -85,3 +84,49 @@ def test_digits_train_size_keeps_a_stratified_subset():
     assert len(data.test.dataset) == 360  # the test set is unchanged
     with pytest.raises(ValueError, match="data.train_size must be an integer from 10 to 1437, got 5"):
         build_data("digits", batch_size=8, train_size=5)
+
+
+def test_epoch_order_is_a_function_of_seed_and_epoch_and_resumes_part_way():
+    sampler = EpochSampler(10, seed=3)
+    sampler.set_epoch(1)
+    first = list(sampler)
+    assert sorted(i for i, _ in first) == list(range(10)) and len({s for _, s in first}) == 10
+    assert list(sampler) == first  # no stream consumed: the same epoch gives the same order again
+    sampler.set_epoch(2)
+    assert list(sampler) != first
+    sampler.set_epoch(1, start=4)
+    assert list(sampler) == first[4:] and len(sampler) == 6
+    other = EpochSampler(10, seed=4)
+    other.set_epoch(0)
+    shifted = EpochSampler(10, seed=3)
+    shifted.set_epoch(0)
+    assert list(other) != list(shifted)  # (seed 4, epoch 0) is not (seed 3, epoch 1)
+
+
+def test_epoch_sampler_shards_like_distributed_sampler():
+    shards = []
+    for rank in range(3):
+        sampler = EpochSampler(10, seed=0, rank=rank, world_size=3)
+        sampler.set_epoch(5)
+        shards.append([i for i, _ in sampler])
+    assert [len(s) for s in shards] == [4, 4, 4]  # padded to 12, as DistributedSampler pads
+    assert sorted(set().union(*shards)) == list(range(10))
+    with pytest.raises(ValueError, match="rank must be in"):
+        EpochSampler(10, rank=2, world_size=2)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_augmented_batches_depend_on_seed_and_epoch_only(cifar10_root, workers):
+    root, _ = cifar10_root
+    reference = build_data("cifar10", batch_size=8, seed=1, root=str(root), num_workers=0)
+    data = build_data("cifar10", batch_size=8, seed=1, root=str(root), num_workers=workers)
+    for loader in (reference.train, data.train):
+        loader.sampler.set_epoch(2)
+    expected = [x for x, _ in reference.train]
+    torch.manual_seed(123)  # the global stream neither changes the batches nor is consumed by them
+    before = torch.get_rng_state()
+    got = [x for x, _ in data.train]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    data.train.sampler.set_epoch(2, start=16)  # a resumed epoch: batches 3, 4, 5
+    assert all(torch.equal(a, b) for a, (b, _) in zip(expected[2:], data.train, strict=True))

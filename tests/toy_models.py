@@ -33,3 +33,20 @@ class CountForwards:
 
     def _hook(self, module, args, output):
         self.calls += 1
+
+
+class NanAt:
+    """A user's own hook class: from the ``step``-th training forward on, ``layer`` returns NaN."""
+
+    def __init__(self, layer: str, step: int):
+        self.layer, self.step, self.calls = layer, step, 0
+
+    def attach(self, model):
+        return model.get_submodule(self.layer).register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if module.training:
+            self.calls += 1
+            if self.calls >= self.step:
+                return output * float("nan")
+        return None

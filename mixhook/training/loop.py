@@ -1,8 +1,14 @@
 """The training loop: read it top to bottom.
 
-:func:`train` runs the epochs, appends one row per epoch to ``metrics.csv`` and, only once every epoch
-has finished, writes ``summary.json`` atomically (a temporary file, then a rename), so a run that dies
-never leaves a summary that looks like a success.
+:func:`train` runs the epochs, appends one row per epoch to ``metrics.csv``, keeps ``last.pt`` (see
+:mod:`mixhook.training.checkpoint`) at the end of every epoch and every ``checkpoint_every`` steps, and,
+only once every epoch has finished, writes ``summary.json`` atomically (a temporary file, then a
+rename), so a run that dies never leaves a summary that looks like a success.
+
+It stops early, keeping the last good checkpoint, in two cases: SIGTERM or SIGINT (what SLURM, submitit
+and Ctrl-C send), after finishing the current step and writing a checkpoint (:class:`Interrupted`);
+and a non-finite loss, before that step updates anything, naming the first layer whose output is
+non-finite (:class:`NonFiniteLoss`).
 """
 
 from __future__ import annotations
@@ -10,9 +16,11 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 import os
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -21,11 +29,29 @@ from torch import nn
 from tqdm import tqdm
 
 from ..mixing import Mixer, smooth_one_hot
+from . import checkpoint as ckpt
 
 log = logging.getLogger("mixhook")
 
 METRICS = ["epoch", "train_loss", "test_loss", "test_acc", "lr", "seconds"]
 LOSSES = ("ce", "bce_softmax")
+
+
+class Interrupted(RuntimeError):
+    """SIGTERM/SIGINT arrived: the step finished, the checkpoint was written, the run stops."""
+
+    def __init__(self, signum: int, path: Path, epoch: int, step: int):
+        self.signum, self.path, self.epoch, self.step = signum, path, epoch, step
+        where = f"in epoch {epoch} after step {step}" if step else f"at the end of epoch {epoch}"
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} {where}; checkpoint "
+            f"written to {path}; continue with trainer.resume=auto (same run directory) or "
+            f"trainer.resume={path}"
+        )
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite; nothing of that step was applied or saved."""
 
 
 def train_one_epoch(
@@ -37,15 +63,22 @@ def train_one_epoch(
     desc: str = "train",
     progress_bar: bool = True,
     loss: str = "ce",
+    totals: list | None = None,
+    after_step=None,
 ) -> float:
     """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing).
 
     ``loss="ce"``: cross-entropy, mixed by the mixer's ``loss``. ``loss="bce_softmax"``: binary
     cross-entropy between the softmax and the mixer's soft ``targets``, averaged over samples and
-    classes, as the Manifold Mixup reference code trains (``nn.BCELoss()(softmax(out), target)``)."""
+    classes, as the Manifold Mixup reference code trains (``nn.BCELoss()(softmax(out), target)``).
+
+    ``totals``: ``[loss sum (float64 tensor), sample count, steps]`` carried over from the part of the
+    epoch already done (a resumed epoch); updated in place. ``after_step(totals)`` runs after each step.
+    Raises :class:`NonFiniteLoss` before applying a step whose loss is not finite."""
     model.train()
-    total = torch.zeros((), device=device, dtype=torch.float64)
-    count = 0
+    if totals is None:
+        totals = [torch.zeros((), dtype=torch.float64), 0, 0]
+    totals[0] = totals[0].to(device)
     # disable=None: a bar only where stderr is a terminal, so logs and CI output stay clean
     bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
     for x, y in bar:
@@ -60,16 +93,62 @@ def train_one_epoch(
                 mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
             )
             value = per_sample.mean()
+        if not bool(torch.isfinite(value)):
+            raise NonFiniteLoss(
+                f"the loss became {float(value.detach())}; {locate_nonfinite(model, x, mixup)}"
+            )
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()
-        total += value.detach() * y.shape[0]
-        count += y.shape[0]
-    return float(total) / max(count, 1)
+        totals[0] += value.detach() * y.shape[0]
+        totals[1] += y.shape[0]
+        totals[2] += 1
+        if after_step is not None:
+            after_step(totals)
+    return float(totals[0]) / max(totals[1], 1)
 
 
 def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target, reduction="none")
+
+
+@torch.no_grad()
+def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = None) -> str:
+    """Replay the forward of ``x`` (in training mode, with the mixer's last mix pinned) with a forward
+    hook on every module, and say which module first returned a non-finite value, in call order, and
+    which parameters are non-finite."""
+    first: list[str] = []
+    names = {module: name for name, module in model.named_modules()}
+
+    def hook(module, args, output):
+        if isinstance(output, dict):
+            output = list(output.values())
+        items = output if isinstance(output, (tuple, list)) else [output]
+        tensors = [t for t in items if isinstance(t, torch.Tensor)]
+        bad = any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors)
+        if bad and not first and module is not model:
+            first.append(f"{names[module]} ({type(module).__name__})")
+
+    if mixup is not None and mixup.last is not None:
+        last = mixup.last
+        keys = getattr(mixup, "_pin_keys", ())
+        extra = {k: getattr(last, k) for k in keys if getattr(last, k, None) is not None}
+        try:
+            mixup.pin(layer=last.layer, lam=last.lam, index=last.index, **extra)
+        except (TypeError, ValueError):  # a mixer that cannot replay its mix: the hooks still locate
+            pass
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    params = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    where = f"first non-finite layer output: {first[0]}" if first else "every layer output is finite"
+    if params:
+        more = f" and {len(params) - 1} more" if len(params) > 1 else ""
+        where += f"; non-finite parameters: {params[0]}{more}"
+    return where
 
 
 @torch.no_grad()
@@ -88,6 +167,27 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, flo
     return float(nll) / count, int(correct) / count
 
 
+@contextmanager
+def stop_signals():
+    """Within the block, SIGTERM and SIGINT only set ``flag[0]`` (to the signal number); the loop
+    stops at the next step boundary. The previous handlers come back afterwards. Outside the main
+    thread (where Python cannot install handlers) nothing is installed."""
+    flag = [0]
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        flag[0] = signum
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def train(
     model: nn.Module,
     data,
@@ -100,29 +200,80 @@ def train(
     settings: dict | None = None,
     progress_bar: bool = True,
     loss: str = "ce",
+    hooks=(),
+    checkpoint_every: int = 0,
+    resume: dict | None = None,
+    config: dict | None = None,
 ) -> dict:
-    """Train for ``epochs`` epochs; write ``metrics.csv`` and ``summary.json`` into ``out_dir``.
+    """Train for ``epochs`` epochs; write ``metrics.csv``, ``last.pt`` and ``summary.json`` into ``out_dir``.
+
+    ``hooks``: every hook attached to the model (their generators are checkpointed). ``resume``: a
+    checkpoint from :func:`mixhook.training.checkpoint.load`; training continues exactly where it was
+    written. ``config``: saved in the checkpoint for the resuming side to compare.
 
     Returns the summary: ``test_acc``, ``test_nll``, ``best_test_acc``, ``best_epoch``, ``epochs``,
     ``seconds``, ``train_loss`` and whatever ``settings`` holds (the mixup settings, seed, ...).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / ckpt.FILE
     model.to(device)
-    start = time.perf_counter()
-    best_acc, best_epoch = -1.0, 0
-    with open(out_dir / "metrics.csv", "w", newline="") as f:
+    sampler = data.train.sampler
+    kept = ("epoch", "step", "global_step", "rows", "seconds")
+    state = {"epoch": 0, "step": 0, "global_step": 0, "rows": [], "totals": None, "seconds": 0.0}
+    state["best"] = (-1.0, 0)  # (test accuracy, epoch)
+    if resume is not None:
+        _load_training_state(resume, model, optimizer, scheduler, hooks)
+        state.update({k: resume[k] for k in (*kept, "totals")})
+        state["best"] = tuple(resume["best"])
+        log.info("resuming after epoch %d, step %d of the next", state["epoch"], state["step"])
+    start = time.perf_counter() - state["seconds"]
+
+    def checkpoint(epoch_done: int, step: int, totals) -> None:
+        state.update(epoch=epoch_done, step=step, totals=totals, seconds=time.perf_counter() - start)
+        ckpt.save(path, {
+            **{k: state[k] for k in kept},
+            "best": list(state["best"]),
+            "totals": None if totals is None else [totals[0].detach().cpu(), totals[1], totals[2]],
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "scaler": None,
+            "random": ckpt.random_states(hooks),
+            "config": config,
+        })  # fmt: skip
+
+    with open(out_dir / "metrics.csv", "w", newline="") as f, stop_signals() as stop:
         writer = csv.DictWriter(f, fieldnames=METRICS)
         writer.writeheader()
-        for epoch in range(1, epochs + 1):
+        writer.writerows(state["rows"])  # the epochs before the checkpoint (none when starting)
+        f.flush()
+        for epoch in range(state["epoch"] + 1, epochs + 1):
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            desc = f"epoch {epoch}/{epochs}"
-            train_loss = train_one_epoch(
-                model, data.train, optimizer, device, mixup, desc, progress_bar=progress_bar, loss=loss
-            )
-            if not math.isfinite(train_loss):
-                raise FloatingPointError(f"the training loss became {train_loss} in epoch {epoch}; stopping")
+            skip = state["step"] if epoch == state["epoch"] + 1 else 0
+            if skip:
+                totals = [state["totals"][0].clone(), state["totals"][1], state["totals"][2]]
+            else:
+                totals = [torch.zeros((), dtype=torch.float64), 0, 0]
+            sampler.set_epoch(epoch, start=skip * data.train.batch_size)
+
+            def after_step(totals, epoch=epoch):
+                state["global_step"] += 1
+                if stop[0]:
+                    checkpoint(epoch - 1, totals[2], totals)
+                    raise Interrupted(stop[0], path, epoch, totals[2])
+                if checkpoint_every and state["global_step"] % checkpoint_every == 0:
+                    checkpoint(epoch - 1, totals[2], totals)
+
+            try:
+                train_loss = train_one_epoch(
+                    model, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
+                    progress_bar=progress_bar, loss=loss, totals=totals, after_step=after_step,
+                )  # fmt: skip
+            except NonFiniteLoss as err:
+                note = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint yet"
+                raise NonFiniteLoss(f"epoch {epoch}, step {totals[2] + 1}: {err}; {note}") from None
             if scheduler is not None:
                 scheduler.step()
             test_loss, test_acc = evaluate(model, data.test, device)
@@ -136,24 +287,40 @@ def train(
             }
             writer.writerow(row)
             f.flush()
-            if test_acc > best_acc:
-                best_acc, best_epoch = test_acc, epoch
+            state["rows"].append(row)
+            if test_acc > state["best"][0]:
+                state["best"] = (test_acc, epoch)
             log.info(
                 "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  lr %.4g  %.1fs",
                 epoch, epochs, train_loss, test_loss, 100 * test_acc, lr, row["seconds"],
             )  # fmt: skip
+            checkpoint(epoch, 0, None)
+            if stop[0] and epoch < epochs:
+                raise Interrupted(stop[0], path, epoch, 0)
+    last = state["rows"][-1]
     summary = {
-        "test_acc": test_acc,
-        "test_nll": test_loss,
-        "best_test_acc": best_acc,
-        "best_epoch": best_epoch,
-        "train_loss": train_loss,
+        "test_acc": last["test_acc"],
+        "test_nll": last["test_loss"],
+        "best_test_acc": state["best"][0],
+        "best_epoch": state["best"][1],
+        "train_loss": last["train_loss"],
         "epochs": epochs,
         "seconds": time.perf_counter() - start,
         **(settings or {}),
     }
     write_json_atomic(out_dir / "summary.json", summary)
     return summary
+
+
+def _load_training_state(state: dict, model, optimizer, scheduler, hooks) -> None:
+    """Put a checkpoint's model, optimizer, scheduler and random states in place."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if (scheduler is None) != (state["scheduler"] is None):
+        raise ckpt.CheckpointError("the checkpoint's LR schedule does not match this run's")
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    ckpt.restore_random_states(state["random"], hooks)
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

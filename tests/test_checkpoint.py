@@ -1,0 +1,243 @@
+"""Nothing lost: exact resume after SIGKILL and SIGTERM, safe checkpoint loading, non-finite losses.
+
+The runs are real `train.py` processes on a small digits problem, killed with real signals."""
+
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mixhook import app
+from mixhook.training import checkpoint as ckpt
+from tests.conftest import ROOT
+from tests.test_app import config, run_cli
+
+SMALL = [
+    "data.train_size=200", "trainer.epochs=4", "trainer.batch_size=32", "trainer.checkpoint_every=1",
+    "trainer.progress_bar=false", "seed=5",
+]  # fmt: skip
+
+
+def results(run_dir):
+    """metrics.csv rows and summary.json without the wall-clock fields (the only ones that differ)."""
+    rows = [
+        {k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(open(run_dir / "metrics.csv"))
+    ]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.pop("seconds")
+    return rows, summary
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "run"
+    result = run_cli(*SMALL, f"hydra.run.dir={out}", cwd=out.parent)
+    assert result.returncode == 0, result.stderr
+    assert torch.load(out / "last.pt", weights_only=True)["epoch"] == 4
+    return results(out)
+
+
+def start(out, *extra):
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *SMALL, *extra, f"hydra.run.dir={out}"],
+        cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for_checkpoint(out, proc, after=0.0):
+    deadline = time.time() + 120
+    while not (out / "last.pt").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.02)
+    time.sleep(after)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+
+
+def test_sigkill_at_a_random_step_then_resume_auto_ends_identical(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    proc = start(out)
+    wait_for_checkpoint(out, proc, after=random.Random(os.getpid()).uniform(0.0, 1.5))
+    proc.kill()
+    proc.wait()
+    state = torch.load(out / "last.pt", weights_only=True)
+    assert not (out / "summary.json").exists() and state["epoch"] * 7 + state["step"] >= 1
+    result = run_cli(*SMALL, "trainer.resume=auto", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "resuming after epoch" in result.stdout + result.stderr
+    assert results(out) == uninterrupted
+
+
+def test_sigterm_finishes_the_step_writes_the_checkpoint_and_exits_non_zero(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    proc = start(out)
+    wait_for_checkpoint(out, proc, after=0.3)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    lines = stderr.strip().splitlines()
+    assert (
+        len(lines) == 1 and lines[0].startswith("stopped by SIGTERM ") and "trainer.resume=auto" in lines[0]
+    )
+    state = ckpt.load(out / "last.pt")
+    assert not (out / "summary.json").exists()
+    assert f"after step {state['step']}" in lines[0] or f"end of epoch {state['epoch']}" in lines[0]
+    result = run_cli(*SMALL, "trainer.resume=auto", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert results(out) == uninterrupted
+
+
+def test_resume_from_a_given_file_into_a_new_run_directory(tmp_path, uninterrupted):
+    first = tmp_path / "first"
+    proc = start(first)
+    wait_for_checkpoint(first, proc, after=0.5)
+    proc.kill()
+    proc.wait()
+    second = tmp_path / "second"
+    result = run_cli(*SMALL, f"trainer.resume={first / 'last.pt'}", f"hydra.run.dir={second}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert results(second) == uninterrupted
+
+
+class RunsCode:
+    """Unpickling this runs code (what a crafted checkpoint does)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def refused(tmp_path, resume, capsys, run_dir=None):
+    out = run_dir or tmp_path / "run"
+    cfg = config(*SMALL, f"trainer.resume={resume}")
+    with pytest.raises(SystemExit) as info:
+        app.main(cfg, out_dir=str(out))
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: trainer.resume: ")
+    assert not (out / "metrics.csv").exists() and not (out / "summary.json").exists()
+    return lines[0]
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_its_code(tmp_path, capsys):
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": ckpt.FORMAT, "version": ckpt.VERSION, "model": RunsCode(tmp_path / "ran")}, evil)
+    line = refused(tmp_path, evil, capsys)
+    assert "is not a mixhook checkpoint: it holds objects that weights-only loading refuses" in line
+    assert not (tmp_path / "ran").exists()
+    torch.load(evil, weights_only=False)  # the file really is harmful when loaded unsafely
+    assert (tmp_path / "ran").read_text() == "ran"
+
+
+def test_foreign_truncated_and_missing_files_are_refused_in_one_line(tmp_path, capsys):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {}}, foreign)
+    assert "is not a mixhook checkpoint (no 'mixhook-checkpoint' marker)" in refused(
+        tmp_path, foreign, capsys
+    )
+    real = tmp_path / "real.pt"
+    ckpt.save(real, {"model": {"w": torch.zeros(1000)}})
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(real.read_bytes()[: real.stat().st_size // 2])
+    assert "cannot be read as a checkpoint (truncated or corrupt" in refused(tmp_path, truncated, capsys)
+    assert "no checkpoint at" in refused(tmp_path, tmp_path / "nowhere.pt", capsys)
+
+
+def test_resume_auto_with_a_corrupt_checkpoint_leaves_it_untouched(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "last.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    refused(tmp_path, "auto", capsys, run_dir=out)
+    assert (out / "last.pt").read_bytes() == b"PK\x03\x04 not really a zip"
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert app.main(config(*SMALL, "trainer.epochs=1"), out_dir=str(out)) > 0
+    cfg = config(*SMALL, "trainer.epochs=1", "mixup.alpha=0.5", "trainer.resume=auto")
+    with pytest.raises(SystemExit):
+        app.main(cfg, out_dir=str(out))
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: trainer.resume: {out / 'last.pt'} was written with mixup.alpha=2.0, this run has "
+        "mixup.alpha=0.5; resume with the checkpoint's settings"
+    )
+
+
+def test_a_fresh_run_does_not_overwrite_a_run_directory_with_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    app.main(config(*SMALL, "trainer.epochs=1"), out_dir=str(out))
+    before = (out / "last.pt").read_bytes(), (out / "summary.json").read_text()
+    with pytest.raises(SystemExit):
+        app.main(config(*SMALL, "trainer.epochs=1"), out_dir=str(out))
+    assert (
+        "already holds a checkpoint (last.pt); continue it with trainer.resume=auto"
+        in capsys.readouterr().err
+    )
+    assert ((out / "last.pt").read_bytes(), (out / "summary.json").read_text()) == before
+
+
+def test_resume_auto_of_a_finished_run_rewrites_the_same_summary(tmp_path):
+    out = tmp_path / "run"
+    app.main(config(*SMALL, "trainer.epochs=1"), out_dir=str(out))
+    first = results(out)
+    app.main(config(*SMALL, "trainer.epochs=1", "trainer.resume=auto"), out_dir=str(out))
+    assert results(out) == first
+
+
+def test_a_nan_names_the_step_and_the_first_non_finite_layer_and_keeps_the_last_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    hook = "hooks=[{_target_: tests.toy_models.NanAt, layer: layer1.0.conv2, step: 3}]"
+    with pytest.raises(SystemExit) as info:
+        app.main(config(*SMALL, hook), out_dir=str(out))
+    assert info.value.code == 3
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: epoch 1, step 3: the loss became nan; first non-finite layer output: "
+        f"layer1.0.conv2 (Conv2d); the last good checkpoint is {out / 'last.pt'}"
+    )
+    state = ckpt.load(out / "last.pt")
+    assert (state["epoch"], state["step"]) == (0, 2) and not (out / "summary.json").exists()
+    assert all(bool(torch.isfinite(t).all()) for t in state["model"].values() if t.is_floating_point())
+
+
+def test_every_random_stream_is_restored():
+    import numpy as np
+
+    from mixhook import ManifoldMixup, OneOf
+
+    hooks = [OneOf([ManifoldMixup("input"), ManifoldMixup("input")])]
+    states = ckpt.random_states(hooks)
+    expected = (
+        torch.rand(3),
+        np.random.rand(3),
+        random.random(),
+        [torch.rand(2, generator=g) for g in ckpt.hook_generators(hooks).values()],
+    )
+    ckpt.restore_random_states(states, hooks)
+    again = (
+        torch.rand(3),
+        np.random.rand(3),
+        random.random(),
+        [torch.rand(2, generator=g) for g in ckpt.hook_generators(hooks).values()],
+    )
+    assert sorted(ckpt.hook_generators(hooks)) == [
+        "0.generator",
+        "0.mixers.0.generator",
+        "0.mixers.1.generator",
+    ]
+    assert (
+        torch.equal(expected[0], again[0])
+        and np.array_equal(expected[1], again[1])
+        and expected[2] == again[2]
+    )
+    assert all(torch.equal(a, b) for a, b in zip(expected[3], again[3], strict=True))

@@ -1,5 +1,8 @@
 """Train one experiment: `python train.py [key=value ...]`. See README.md for the keys."""
 
+import os
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -12,4 +15,10 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    problem = app.check_command_line(
+        sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+    )
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

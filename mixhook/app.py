@@ -89,6 +89,31 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
         raise
 
 
+def check_command_line(argv: list[str], conf_dir: str) -> str | None:
+    """What Hydra would reject only with a multi-line report, said in one line before it starts: an
+    option that is not in its config group (``mixup=nosuch``), and a ``hydra.run.dir`` or
+    ``hydra.sweep.dir`` that cannot be created. Returns the line, or ``None``."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or arg.startswith("-") or "${" in value or "(" in value:
+            continue
+        group = os.path.join(conf_dir, key)
+        if not key.startswith("hydra") and os.path.isdir(group):
+            options = sorted(f[:-5] for f in os.listdir(group) if f.endswith(".yaml"))
+            for option in value.split(","):
+                if option not in ("null", "") and not os.path.isfile(os.path.join(group, f"{option}.yaml")):
+                    return f"{key}={option} is not an option of {key}; valid: {', '.join(options)}"
+        if key in ("hydra.run.dir", "hydra.sweep.dir"):
+            parent = os.path.abspath(value)
+            while not os.path.exists(parent):
+                parent = os.path.dirname(parent)
+            if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+                why = "is not a directory" if not os.path.isdir(parent) else "is not writable"
+                return f"{key}={value} cannot be created: {parent} {why}"
+    return None
+
+
 def _record_failure(out_dir: str, err: BaseException) -> None:
     from .report import ERROR_FILE
 

@@ -22,6 +22,31 @@ class _Pair(nn.Module):
         return x.relu(), x.abs().mean()
 
 
+class OddOutputsNet(nn.Module):
+    """Layers whose outputs cannot be mixed: `named` returns a dict, `pooled` loses the batch dim."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, 4, 3, padding=1)
+        self.named = _Named()
+        self.pooled = _BatchMean()
+        self.head = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        h = self.named(self.stem(x))["features"]
+        return self.head(h.mean((2, 3)) + self.pooled(h).mean((1, 2)))
+
+
+class _Named(nn.Module):
+    def forward(self, x):
+        return {"features": x.relu()}
+
+
+class _BatchMean(nn.Module):
+    def forward(self, x):
+        return x.mean(0)
+
+
 class CountForwards:
     """A user's own hook class, not derived from mixhook's: counts the forwards of one layer."""
 

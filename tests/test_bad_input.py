@@ -1,0 +1,100 @@
+"""The bad-input matrix: each bad setting gets one line naming it, a non-zero exit before any training,
+and leaves no metrics.csv, summary.json or checkpoint behind. Batch size 1 is not bad input."""
+
+import json
+
+import pytest
+
+from mixhook import app
+from tests.conftest import write_cifar
+from tests.test_app import config, run_cli
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["mixup.layer=layr2"],
+            "error: mixup.layer: unknown layer 'layr2' in PreActResNet; did you mean 'layer2'",
+        ),
+        (["mixup.alpha=0"], "error: mixup: alpha must be a finite number > 0, got 0"),
+        (["mixup.alpha=-1"], "error: mixup: alpha must be a finite number > 0, got -1"),
+        (["mixup.prob=1.5"], "error: mixup: prob must be in [0, 1], got 1.5"),
+        (["mixup.prob=-0.1"], "error: mixup: prob must be in [0, 1], got -0.1"),
+        (["trainer.batch_size=0"], "error: trainer.batch_size must be an integer >= 1, got 0"),
+        (["trainer.epochs=-1"], "error: trainer.epochs must be an integer >= 1, got -1"),
+        (["trainer.checkpoint_every=-5"], "error: trainer.checkpoint_every must be an integer >= 0, got -5"),
+        (["trainer.resume=3"], "error: trainer.resume must be null, auto or a checkpoint path, got 3"),
+        (
+            ["data=cifar10", "data.root=/nonexistent"],
+            "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",
+        ),
+        (
+            ["model._target_=tests.toy_models.TupleBlockNet", "mixup.layer=block"],
+            "error: mixup.layer: cannot mix layer 'block': it returned a tuple of 2",
+        ),
+        (
+            ["model._target_=tests.toy_models.OddOutputsNet", "mixup.layer=named"],
+            "error: mixup.layer: cannot mix layer 'named': it returned a dict",
+        ),
+        (
+            ["model._target_=tests.toy_models.OddOutputsNet", "mixup.layer=pooled"],
+            "error: mixup.layer: cannot mix layer 'pooled': it returned a tensor of shape (4, 8, 8), but "
+            "mixing needs a tensor whose first dimension is the batch size 2",
+        ),
+        (
+            ["mixup=cutmix", "mixup.layer=linear"],
+            "error: mixup.layer: CutMix at layer 'linear' needs an output",
+        ),
+    ],
+)
+def test_bad_input_gets_one_line_and_a_non_zero_exit_before_training(tmp_path, capsys, overrides, line):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        app.main(config(*overrides), out_dir=str(out))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(line), err
+    assert not any((out / name).exists() for name in ("metrics.csv", "summary.json", "last.pt"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (["mixup=nosuch"], "error: mixup=nosuch is not an option of mixup; valid: cutmix, input, manifold, "),
+        (["-m", "mixup=none,nosuch"], "error: mixup=nosuch is not an option of mixup"),
+        (["hydra.run.dir=afile/run"], "error: hydra.run.dir=afile/run cannot be created: "),
+        (
+            ["-m", "seed=0,1", "hydra.sweep.dir=afile/sweep"],
+            "error: hydra.sweep.dir=afile/sweep cannot be created: ",
+        ),
+    ],
+)
+def test_what_hydra_would_reject_gets_one_line_too(tmp_path, overrides, line):
+    (tmp_path / "afile").write_text("a file, not a directory")
+    result = run_cli(*overrides, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(line), result.stderr
+    assert not list(tmp_path.glob("**/summary.json")) and not (tmp_path / "outputs").exists()
+
+
+def test_an_unwritable_run_directory_is_refused_by_the_app_too(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as info:
+        app.main(config(), out_dir=str(tmp_path / "afile" / "run"))
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: the run directory {tmp_path / 'afile' / 'run'} cannot be written"
+    )
+
+
+def test_batch_size_1_while_mixing_trains(tmp_path):
+    write_cifar(tmp_path / "cifar", "cifar10", per_file=3)
+    out = tmp_path / "run"
+    cfg = config(
+        "data=cifar10", f"data.root={tmp_path / 'cifar'}", "data.num_workers=0", "trainer.batch_size=1",
+        "trainer.epochs=1", "trainer.progress_bar=false", "mixup.layer=[input,layer1,layer2]",
+    )  # fmt: skip
+    acc = app.main(cfg, out_dir=str(out))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_acc"] == acc and summary["epochs"] == 1

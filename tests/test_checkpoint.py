@@ -116,9 +116,9 @@ class RunsCode:
         return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
 
 
-def refused(tmp_path, resume, capsys, run_dir=None):
+def refused(tmp_path, resume, capsys, run_dir=None, extra=()):
     out = run_dir or tmp_path / "run"
-    cfg = config(*SMALL, f"trainer.resume={resume}")
+    cfg = config(*SMALL, *extra, f"trainer.resume={resume}")
     with pytest.raises(SystemExit) as info:
         app.main(cfg, out_dir=str(out))
     assert info.value.code == 2
@@ -241,3 +241,13 @@ def test_every_random_stream_is_restored():
         and expected[2] == again[2]
     )
     assert all(torch.equal(a, b) for a, b in zip(expected[3], again[3], strict=True))
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_the_model_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    app.main(config(*SMALL, "trainer.epochs=1"), out_dir=str(out))
+    state = ckpt.load(out / "last.pt")
+    state["model"].pop("linear.weight")
+    ckpt.save(tmp_path / "edited.pt", {k: v for k, v in state.items() if k not in ("format", "version")})
+    line = refused(tmp_path, tmp_path / "edited.pt", capsys, tmp_path / "other", ["trainer.epochs=1"])
+    assert "the checkpoint's model or optimizer does not fit this run: " in line and "linear.weight" in line

@@ -314,8 +314,14 @@ def train(
 
 def _load_training_state(state: dict, model, optimizer, scheduler, hooks) -> None:
     """Put a checkpoint's model, optimizer, scheduler and random states in place."""
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as err:
+        said = " ".join(str(err).split())[:300] or type(err).__name__  # torch's report, on one line
+        raise ckpt.CheckpointError(
+            f"the checkpoint's model or optimizer does not fit this run: {said}"
+        ) from None
     if (scheduler is None) != (state["scheduler"] is None):
         raise ckpt.CheckpointError("the checkpoint's LR schedule does not match this run's")
     if scheduler is not None:

@@ -57,7 +57,9 @@ class Run:
 def main(cfg: DictConfig, out_dir: str | None = None) -> float:
     """Build, check and run one experiment; return its final test accuracy (what Optuna maximises).
 
-    Results go to ``out_dir``, by default the Hydra run's output directory.
+    Results go to ``out_dir``, by default the Hydra run's output directory. Outside a multirun, a
+    configuration error exits with status 2, a non-finite loss with 3 and SIGTERM/SIGINT with 128 +
+    the signal, each after one line on stderr.
     """
     if out_dir is None:
         from hydra.core.hydra_config import HydraConfig
@@ -65,24 +67,16 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
         out_dir = HydraConfig.get().runtime.output_dir
     try:
         return _main(cfg, out_dir)
-    except ConfigError as err:
+    except (ConfigError, NonFiniteLoss, Interrupted) as err:
         if _in_multirun():
             _record_failure(out_dir, err)
             raise
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except Interrupted as err:
-        if _in_multirun():
-            _record_failure(out_dir, err)
-            raise
-        print(str(err), file=sys.stderr)
-        raise SystemExit(128 + err.signum) from None
-    except NonFiniteLoss as err:
-        if _in_multirun():
-            _record_failure(out_dir, err)
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(3) from None
+        if isinstance(err, Interrupted):  # status 128 + the signal, as a shell reports a kill
+            line, status = str(err), 128 + err.signum
+        else:
+            line, status = f"error: {err}", 2 if isinstance(err, ConfigError) else 3
+        print(line, file=sys.stderr)
+        raise SystemExit(status) from None
     except Exception as err:
         if _in_multirun():  # the sweep report lists the run as failed with this line
             _record_failure(out_dir, err)

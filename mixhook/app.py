@@ -165,25 +165,11 @@ def build(cfg: DictConfig) -> Run:
     """Turn the config into checked objects. Raises :class:`ConfigError` for anything a user set wrong."""
     seed = _integer(cfg, "seed", minimum=0)
     epochs = _integer(cfg, "trainer.epochs", minimum=1)
-    batch_size = _integer(cfg, "trainer.batch_size", minimum=1)
-    eval_batch_size = _integer(cfg, "trainer.eval_batch_size", minimum=1)
     _integer(cfg, "trainer.checkpoint_every", minimum=0)
     device = _device(cfg.trainer.device)
     if cfg.trainer.loss not in LOSSES:
         raise ConfigError(f"trainer.loss={cfg.trainer.loss!r} is not a loss; valid: {', '.join(LOSSES)}")
-    _seed_everything(seed)
-
-    data_options = OmegaConf.to_container(cfg.data, resolve=True)
-    try:
-        data = build_data(batch_size=batch_size, eval_batch_size=eval_batch_size, seed=seed, **data_options)
-    except DataNotFoundError as err:
-        raise ConfigError(str(err)) from err
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"data: {err}") from err
-
-    model = _instantiate(cfg.model, "model", in_channels=data.in_channels, num_classes=data.num_classes)
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model: {cfg.model._target_} built a {type(model).__name__}, not an nn.Module")
+    model, data = build_model_and_data(cfg)
 
     hooks = _build_hooks(cfg, seed)
     mixers = mixers_of([hook for _, hook in hooks])
@@ -210,6 +196,26 @@ def build(cfg: DictConfig) -> Run:
     }
     hook_objects = [hook for _, hook in hooks]
     return Run(model, data, mixup, hook_objects, optimizer, scheduler, device, epochs, settings, handles)
+
+
+def build_model_and_data(cfg: DictConfig) -> tuple[nn.Module, Data]:
+    """Seed everything with ``cfg.seed``, then build the data and the model for it (what the layer
+    browser needs, and the first part of :func:`build`)."""
+    seed = _integer(cfg, "seed", minimum=0)
+    batch_size = _integer(cfg, "trainer.batch_size", minimum=1)
+    eval_batch_size = _integer(cfg, "trainer.eval_batch_size", minimum=1)
+    _seed_everything(seed)
+    data_options = OmegaConf.to_container(cfg.data, resolve=True)
+    try:
+        data = build_data(batch_size=batch_size, eval_batch_size=eval_batch_size, seed=seed, **data_options)
+    except DataNotFoundError as err:
+        raise ConfigError(str(err)) from err
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"data: {err}") from err
+    model = _instantiate(cfg.model, "model", in_channels=data.in_channels, num_classes=data.num_classes)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model: {cfg.model._target_} built a {type(model).__name__}, not an nn.Module")
+    return model, data
 
 
 def _check_writable(out_dir: str) -> None:
@@ -312,7 +318,10 @@ def _attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: D
             try:
                 handles.append(hook.attach(model))
             except UnknownLayerError as err:
-                raise ConfigError(f"{key}.layer: {err}") from err
+                raise ConfigError(
+                    f"{key}.layer: {err}. `python -m mixhook.layers` with this run's model and data "
+                    "overrides lists every layer with its output and whether it can be mixed"
+                ) from err
         _check_sample_batch(model, hooks, data)
     except BaseException:
         for handle in handles:

@@ -1,0 +1,92 @@
+"""The layer browser: mixable layers, residual-block membership read from the autograd graph, and the
+`python -m mixhook.layers` command."""
+
+import subprocess
+import sys
+
+import torch
+import torchvision
+from torch import nn
+
+from mixhook import app
+from mixhook.browse import browse, format_table
+from mixhook.models import PreActResNet18
+from tests.conftest import ROOT
+from tests.test_app import config
+from tests.toy_models import TupleBlockNet
+
+
+def rows_of(model, x):
+    return {r.name: r for r in browse(model, x)}
+
+
+def test_torchvision_resnet18_stages_are_mixable_and_their_insides_are_residual():
+    rows = rows_of(torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32))
+    assert list(rows)[:2] == ["input", "conv1"]
+    for name in ("layer1", "layer2", "layer2.0", "layer3.1", "avgpool", "fc"):
+        assert rows[name].mixable and rows[name].residual_in is None, name
+    inside = (
+        "layer2.0.bn1",
+        "layer2.0.conv2",
+        "layer2.0.downsample",
+        "layer2.0.downsample.0",
+        "layer4.1.bn2",
+    )
+    for name in inside:
+        assert rows[name].mixable and rows[name].residual_in == ".".join(name.split(".")[:2]), name
+    assert rows["layer2.0.relu"].calls == 2
+    assert rows["layer2"].output == "a tensor of shape (2, 128, 4, 4)"
+
+
+def test_the_papers_preactresnet_and_a_model_with_a_global_skip():
+    rows = rows_of(PreActResNet18(in_channels=1, num_classes=10), torch.randn(2, 1, 8, 8))
+    assert rows["layer1"].residual_in is None and rows["layer1.0.bn1"].residual_in == "layer1.0"
+
+    class GlobalSkip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 3, 1), nn.ReLU())
+
+        def forward(self, x):
+            return (self.body(x) + x).mean((2, 3))
+
+    rows = rows_of(GlobalSkip(), torch.randn(2, 3, 4, 4))
+    assert rows["body"].residual_in == "(the model)" and rows["body.0"].residual_in == "(the model)"
+
+
+def test_a_tuple_output_is_not_mixable_and_nothing_is_left_behind():
+    model = TupleBlockNet()
+    before = [p.clone() for p in model.parameters()]
+    rows = rows_of(model, torch.randn(2, 1, 8, 8))
+    assert not rows["block"].mixable and rows["block"].output.startswith("a tuple of 2")
+    assert rows["stem"].mixable and model.training
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    table = format_table(browse(model, torch.randn(2, 1, 8, 8)))
+    assert table.splitlines()[0].split() == ["layer", "type", "output", "mixable", "note"]
+
+
+def test_the_command_lists_layers_as_the_issue_asks(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mixhook.layers", "model=torchvision", "model.name=resnet18"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()[2:]}
+    assert lines["layer2"].split()[1:] == ["Sequential", "(2,", "128,", "1,", "1)", "yes"]
+    assert "inside residual block layer2.0: the skip path stays unmixed" in lines["layer2.0.bn1"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "mixhook.layers", "model=nosuch"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error: model=nosuch is not an option of model")
+
+
+def test_the_unknown_layer_error_points_to_the_browser():
+    try:
+        app.build(config("mixup.layer=layr2"))
+    except app.ConfigError as err:
+        assert "`python -m mixhook.layers` with this run's model and data overrides lists every layer" in str(
+            err
+        )
+    else:
+        raise AssertionError("an unknown layer was accepted")

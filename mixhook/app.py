@@ -29,7 +29,7 @@ from .mixing import Mixer
 from .scaling import InputScale
 from .training import LOSSES, train
 from .training import checkpoint as ckpt
-from .training.loop import Interrupted, NonFiniteLoss
+from .training.loop import PRECISIONS, Interrupted, NonFiniteLoss
 
 log = logging.getLogger("mixhook")
 
@@ -147,6 +147,9 @@ def _main(cfg: DictConfig, out_dir: str) -> float:
             checkpoint_every=cfg.trainer.checkpoint_every,
             resume=state,
             config=config,
+            precision=str(cfg.trainer.precision),
+            compile=cfg.trainer.compile,
+            channels_last=cfg.trainer.channels_last,
         )
     except ckpt.CheckpointError as err:
         raise ConfigError(f"trainer.resume: {err}") from err
@@ -169,6 +172,13 @@ def build(cfg: DictConfig) -> Run:
     device = _device(cfg.trainer.device)
     if cfg.trainer.loss not in LOSSES:
         raise ConfigError(f"trainer.loss={cfg.trainer.loss!r} is not a loss; valid: {', '.join(LOSSES)}")
+    if str(cfg.trainer.precision) not in PRECISIONS:
+        raise ConfigError(
+            f"trainer.precision={cfg.trainer.precision!r} is not a precision; valid: {', '.join(PRECISIONS)}"
+        )
+    for key in ("trainer.compile", "trainer.channels_last"):
+        if not isinstance(OmegaConf.select(cfg, key), bool):
+            raise ConfigError(f"{key} must be true or false, got {OmegaConf.select(cfg, key)!r}")
     model, data = build_model_and_data(cfg)
 
     hooks = _build_hooks(cfg, seed)
@@ -192,6 +202,7 @@ def build(cfg: DictConfig) -> Run:
         "device": str(device),
         "torch": torch.__version__,
         "loss": cfg.trainer.loss,
+        "precision": str(cfg.trainer.precision),
         "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
     }
     hook_objects = [hook for _, hook in hooks]

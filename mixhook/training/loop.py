@@ -35,6 +35,7 @@ log = logging.getLogger("mixhook")
 
 METRICS = ["epoch", "train_loss", "test_loss", "test_acc", "lr", "seconds"]
 LOSSES = ("ce", "bce_softmax")
+PRECISIONS = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype per setting
 
 
 class Interrupted(RuntimeError):
@@ -65,6 +66,9 @@ def train_one_epoch(
     loss: str = "ce",
     totals: list | None = None,
     after_step=None,
+    precision: str = "32",
+    scaler=None,
+    channels_last: bool = False,
 ) -> float:
     """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing).
 
@@ -74,7 +78,11 @@ def train_one_epoch(
 
     ``totals``: ``[loss sum (float64 tensor), sample count, steps]`` carried over from the part of the
     epoch already done (a resumed epoch); updated in place. ``after_step(totals)`` runs after each step.
-    Raises :class:`NonFiniteLoss` before applying a step whose loss is not finite."""
+    Raises :class:`NonFiniteLoss` before applying a step whose loss is not finite.
+
+    ``precision``: ``"32"``, or ``"bf16"``/``"fp16"`` for a forward under ``torch.autocast`` (the loss is
+    computed in float32 from the logits); ``scaler``: a ``torch.amp.GradScaler`` for fp16."""
+    dtype = PRECISIONS[precision]
     model.train()
     if totals is None:
         totals = [torch.zeros((), dtype=torch.float64), 0, 0]
@@ -83,7 +91,11 @@ def train_one_epoch(
     bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
+        if channels_last and x.ndim == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits = model(x)
+        logits = logits.float()
         if loss == "bce_softmax":
             classes = logits.shape[1]
             soft = mixup.targets(y, classes) if mixup is not None else smooth_one_hot(y, classes)
@@ -95,11 +107,16 @@ def train_one_epoch(
             value = per_sample.mean()
         if not bool(torch.isfinite(value)):
             raise NonFiniteLoss(
-                f"the loss became {float(value.detach())}; {locate_nonfinite(model, x, mixup)}"
+                f"the loss became {float(value.detach())}; {locate_nonfinite(model, x, mixup, dtype)}"
             )
         optimizer.zero_grad(set_to_none=True)
-        value.backward()
-        optimizer.step()
+        if scaler is not None:
+            scaler.scale(value).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            value.backward()
+            optimizer.step()
         totals[0] += value.detach() * y.shape[0]
         totals[1] += y.shape[0]
         totals[2] += 1
@@ -113,10 +130,11 @@ def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = None) -> str:
+def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = None, dtype=None) -> str:
     """Replay the forward of ``x`` (in training mode, with the mixer's last mix pinned) with a forward
     hook on every module, and say which module first returned a non-finite value, in call order, and
     which parameters are non-finite."""
+    model = getattr(model, "_orig_mod", model)  # replay eagerly, through what torch.compile wraps
     first: list[str] = []
     names = {module: name for name, module in model.named_modules()}
 
@@ -139,7 +157,8 @@ def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = No
             pass
     handles = [m.register_forward_hook(hook) for m in model.modules()]
     try:
-        model(x)
+        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+            model(x)
     finally:
         for handle in handles:
             handle.remove()
@@ -152,15 +171,22 @@ def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = No
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, loader, device: torch.device, precision: str = "32", channels_last: bool = False
+) -> tuple[float, float]:
     """Mean cross-entropy (test NLL) and accuracy (a fraction) of ``model`` in eval mode."""
+    dtype = PRECISIONS[precision]
     model.eval()
     nll = torch.zeros((), device=device, dtype=torch.float64)
     correct = torch.zeros((), device=device, dtype=torch.int64)
     count = 0
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
+        if channels_last and x.ndim == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits = model(x)
+        logits = logits.float()
         nll += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(1) == y).sum()
         count += y.shape[0]
@@ -204,12 +230,18 @@ def train(
     checkpoint_every: int = 0,
     resume: dict | None = None,
     config: dict | None = None,
+    precision: str = "32",
+    compile: bool = False,
+    channels_last: bool = False,
 ) -> dict:
     """Train for ``epochs`` epochs; write ``metrics.csv``, ``last.pt`` and ``summary.json`` into ``out_dir``.
 
     ``hooks``: every hook attached to the model (their generators are checkpointed). ``resume``: a
     checkpoint from :func:`mixhook.training.checkpoint.load`; training continues exactly where it was
-    written. ``config``: saved in the checkpoint for the resuming side to compare.
+    written. ``config``: saved in the checkpoint for the resuming side to compare. ``precision``:
+    ``"32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a grad scaler). ``compile``: train and
+    evaluate through ``torch.compile(model)`` (the hooks, attached before, are compiled with it; the
+    checkpoint holds the model's own state). ``channels_last``: model and image batches in NHWC.
 
     Returns the summary: ``test_acc``, ``test_nll``, ``best_test_acc``, ``best_epoch``, ``epochs``,
     ``seconds``, ``train_loss`` and whatever ``settings`` holds (the mixup settings, seed, ...).
@@ -217,13 +249,17 @@ def train(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / ckpt.FILE
-    model.to(device)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not a precision; valid: {', '.join(PRECISIONS)}")
+    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    net = torch.compile(model) if compile else model
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     sampler = data.train.sampler
     kept = ("epoch", "step", "global_step", "rows", "seconds")
     state = {"epoch": 0, "step": 0, "global_step": 0, "rows": [], "totals": None, "seconds": 0.0}
     state["best"] = (-1.0, 0)  # (test accuracy, epoch)
     if resume is not None:
-        _load_training_state(resume, model, optimizer, scheduler, hooks)
+        _load_training_state(resume, model, optimizer, scheduler, hooks, scaler)
         state.update({k: resume[k] for k in (*kept, "totals")})
         state["best"] = tuple(resume["best"])
         log.info("resuming after epoch %d, step %d of the next", state["epoch"], state["step"])
@@ -238,7 +274,7 @@ def train(
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "scaler": None,
+            "scaler": None if scaler is None else scaler.state_dict(),
             "random": ckpt.random_states(hooks),
             "config": config,
         })  # fmt: skip
@@ -268,15 +304,16 @@ def train(
 
             try:
                 train_loss = train_one_epoch(
-                    model, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
+                    net, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
                     progress_bar=progress_bar, loss=loss, totals=totals, after_step=after_step,
+                    precision=precision, scaler=scaler, channels_last=channels_last,
                 )  # fmt: skip
             except NonFiniteLoss as err:
                 note = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint yet"
                 raise NonFiniteLoss(f"epoch {epoch}, step {totals[2] + 1}: {err}; {note}") from None
             if scheduler is not None:
                 scheduler.step()
-            test_loss, test_acc = evaluate(model, data.test, device)
+            test_loss, test_acc = evaluate(net, data.test, device, precision, channels_last)
             row = {
                 "epoch": epoch,
                 "train_loss": train_loss,
@@ -312,8 +349,8 @@ def train(
     return summary
 
 
-def _load_training_state(state: dict, model, optimizer, scheduler, hooks) -> None:
-    """Put a checkpoint's model, optimizer, scheduler and random states in place."""
+def _load_training_state(state: dict, model, optimizer, scheduler, hooks, scaler=None) -> None:
+    """Put a checkpoint's model, optimizer, scheduler, grad scaler and random states in place."""
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -326,6 +363,8 @@ def _load_training_state(state: dict, model, optimizer, scheduler, hooks) -> Non
         raise ckpt.CheckpointError("the checkpoint's LR schedule does not match this run's")
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
     ckpt.restore_random_states(state["random"], hooks)
 
 

@@ -1,0 +1,72 @@
+"""trainer.precision (autocast bf16/fp16 with a grad scaler), trainer.compile and trainer.channels_last
+in the app: runs finish on CPU, the mix happens in the activation's dtype, checkpoints carry the scaler."""
+
+import json
+
+import pytest
+import torch
+
+from mixhook import CutMix, ManifoldMixup, app
+from mixhook.training import checkpoint as ckpt
+from tests.test_app import config
+
+TINY = [
+    "model._target_=tests.toy_models.TinyConvNet", "mixup.layer=[input,conv1,bn,conv2]",
+    "data.train_size=200", "trainer.epochs=2", "trainer.batch_size=32", "trainer.progress_bar=false",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_runs_finish_and_say_their_precision(tmp_path, precision):
+    out = tmp_path / precision
+    acc = app.main(config(*TINY, f"trainer.precision={precision}"), out_dir=str(out))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["precision"] == precision and summary["test_acc"] == acc
+    state = ckpt.load(out / "last.pt")
+    if precision == "fp16":  # the grad scaler's state travels with the checkpoint
+        assert state["scaler"]["scale"] > 0 and state["scaler"]["growth_interval"] == 2000
+    else:
+        assert state["scaler"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", [ManifoldMixup, CutMix])
+def test_the_mix_runs_in_the_activations_dtype_under_autocast(dtype, kind):
+    from tests.toy_models import TinyConvNet
+
+    torch.manual_seed(0)
+    model, mixer, seen = TinyConvNet(3, 5).train(), kind("conv2"), {}
+
+    def record(module, args):  # what the head receives: the mixed map, pooled
+        seen["dtype"] = args[0].dtype
+
+    model.head.register_forward_pre_hook(record)
+    with mixer.attach(model), torch.autocast("cpu", dtype=dtype):
+        mixer.pin(lam=0.3, index=[1, 0, 3, 2])
+        logits = model(torch.randn(4, 3, 8, 8))
+    assert seen["dtype"] == dtype and mixer.last.lam.dtype == torch.float64
+    loss = mixer.loss(torch.nn.functional.cross_entropy, logits.float(), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+def test_compile_and_channels_last_runs_finish_with_the_same_checkpoint_layout(tmp_path):
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    app.main(config(*TINY, "trainer.epochs=1"), out_dir=str(eager))
+    acc = app.main(config(*TINY, "trainer.epochs=1", "trainer.compile=true", "trainer.channels_last=true"),
+                   out_dir=str(compiled))  # fmt: skip
+    assert 0.0 <= acc <= 1.0
+    keys = [set(ckpt.load(d / "last.pt")["model"]) for d in (eager, compiled)]
+    assert keys[0] == keys[1] and not any(k.startswith("_orig_mod") for k in keys[1])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.precision=16", "trainer.precision=16 is not a precision; valid: 32, bf16, fp16"),
+        ("trainer.compile=yes", "trainer.compile must be true or false, got 'yes'"),
+    ],
+)
+def test_bad_precision_and_flags_are_refused(override, message):
+    with pytest.raises(app.ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        app.build(config(override))

@@ -29,6 +29,7 @@ from .mixing import Mixer
 from .scaling import InputScale
 from .training import LOSSES, train
 from .training import checkpoint as ckpt
+from .training.distributed import Dist
 from .training.loop import PRECISIONS, Interrupted, NonFiniteLoss
 
 log = logging.getLogger("mixhook")
@@ -124,10 +125,20 @@ RESUMABLE_CHANGES = {
 
 
 def _main(cfg: DictConfig, out_dir: str) -> float:
+    dist = Dist.from_env(cuda=_device(cfg.trainer.device).type == "cuda")
+    try:
+        return _run(cfg, dist.broadcast(out_dir), dist)  # every rank works in rank 0's run directory
+    finally:
+        dist.close()
+
+
+def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
+    if not dist.main:
+        log.setLevel(logging.WARNING)  # rank 0 reports
     _check_writable(out_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     state = _resume_state(cfg, out_dir, config)
-    run = build(cfg)
+    run = build(cfg, dist)
     log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
              cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
     try:
@@ -150,6 +161,7 @@ def _main(cfg: DictConfig, out_dir: str) -> float:
             precision=str(cfg.trainer.precision),
             compile=cfg.trainer.compile,
             channels_last=cfg.trainer.channels_last,
+            dist=dist,
         )
     except ckpt.CheckpointError as err:
         raise ConfigError(f"trainer.resume: {err}") from err
@@ -164,12 +176,15 @@ def _main(cfg: DictConfig, out_dir: str) -> float:
     return summary["test_acc"]
 
 
-def build(cfg: DictConfig) -> Run:
-    """Turn the config into checked objects. Raises :class:`ConfigError` for anything a user set wrong."""
+def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
+    """Turn the config into checked objects. Raises :class:`ConfigError` for anything a user set wrong.
+
+    ``dist``: in a data-parallel job, this rank's data share, CUDA device and random streams."""
+    dist = dist or Dist()
     seed = _integer(cfg, "seed", minimum=0)
     epochs = _integer(cfg, "trainer.epochs", minimum=1)
     _integer(cfg, "trainer.checkpoint_every", minimum=0)
-    device = _device(cfg.trainer.device)
+    device = dist.device if dist.enabled and dist.device.type == "cuda" else _device(cfg.trainer.device)
     if cfg.trainer.loss not in LOSSES:
         raise ConfigError(f"trainer.loss={cfg.trainer.loss!r} is not a loss; valid: {', '.join(LOSSES)}")
     if str(cfg.trainer.precision) not in PRECISIONS:
@@ -179,9 +194,11 @@ def build(cfg: DictConfig) -> Run:
     for key in ("trainer.compile", "trainer.channels_last"):
         if not isinstance(OmegaConf.select(cfg, key), bool):
             raise ConfigError(f"{key} must be true or false, got {OmegaConf.select(cfg, key)!r}")
-    model, data = build_model_and_data(cfg)
+    model, data = build_model_and_data(cfg, dist)
 
-    hooks = _build_hooks(cfg, seed)
+    if dist.enabled:  # the model is built alike on every rank; each rank then mixes its own way
+        torch.manual_seed(dist.seed(seed))
+    hooks = _build_hooks(cfg, dist.seed(seed))
     mixers = mixers_of([hook for _, hook in hooks])
     if len(mixers) > 1:
         keys = ", ".join(key for key, hook in hooks if hook in mixers)
@@ -203,13 +220,14 @@ def build(cfg: DictConfig) -> Run:
         "torch": torch.__version__,
         "loss": cfg.trainer.loss,
         "precision": str(cfg.trainer.precision),
+        "processes": dist.world,
         "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
     }
     hook_objects = [hook for _, hook in hooks]
     return Run(model, data, mixup, hook_objects, optimizer, scheduler, device, epochs, settings, handles)
 
 
-def build_model_and_data(cfg: DictConfig) -> tuple[nn.Module, Data]:
+def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.Module, Data]:
     """Seed everything with ``cfg.seed``, then build the data and the model for it (what the layer
     browser needs, and the first part of :func:`build`)."""
     seed = _integer(cfg, "seed", minimum=0)
@@ -218,7 +236,11 @@ def build_model_and_data(cfg: DictConfig) -> tuple[nn.Module, Data]:
     _seed_everything(seed)
     data_options = OmegaConf.to_container(cfg.data, resolve=True)
     try:
-        data = build_data(batch_size=batch_size, eval_batch_size=eval_batch_size, seed=seed, **data_options)
+        rank, world = (dist.rank, dist.world) if dist else (0, 1)
+        data = build_data(
+            batch_size=batch_size, eval_batch_size=eval_batch_size, seed=seed, rank=rank, world_size=world,
+            **data_options,
+        )  # fmt: skip
     except DataNotFoundError as err:
         raise ConfigError(str(err)) from err
     except (ValueError, TypeError) as err:

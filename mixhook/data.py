@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -45,9 +45,15 @@ def build_data(
     batch_size: int,
     eval_batch_size: int = 512,
     seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
     **options,
 ) -> Data:
-    """Build the data set ``name`` (``digits``, ``cifar10`` or ``cifar100``) with its ``options``."""
+    """Build the data set ``name`` (``digits``, ``cifar10`` or ``cifar100``) with its ``options``.
+
+    With ``world_size`` > 1 (data-parallel training) the loaders hold rank ``rank``'s share: every
+    ``world_size``-th sample of each epoch's order for training, and a disjoint shard of the test set
+    (the ranks' test metrics sum to the whole set's)."""
     builders = {"digits": _digits, "cifar10": _cifar, "cifar100": _cifar}
     if name not in builders:
         raise ValueError(f"data.name={name!r} is not a data set; valid: {', '.join(builders)}")
@@ -56,7 +62,9 @@ def build_data(
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
     train_set, test_set, info = builders[name](name=name, **options)
     num_workers = int(options.get("num_workers", 0))
-    sampler = EpochSampler(len(train_set), seed=seed)
+    sampler = EpochSampler(len(train_set), seed=seed, rank=rank, world_size=world_size)
+    if world_size > 1:
+        test_set = Subset(test_set, range(rank, len(test_set), world_size))
     train = DataLoader(
         SeededSamples(train_set),
         batch_size=batch_size,

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from ..mixing import Mixer, smooth_one_hot
 from . import checkpoint as ckpt
+from .distributed import Dist
 
 log = logging.getLogger("mixhook")
 
@@ -69,6 +70,7 @@ def train_one_epoch(
     precision: str = "32",
     scaler=None,
     channels_last: bool = False,
+    dist: Dist | None = None,
 ) -> float:
     """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing).
 
@@ -81,8 +83,10 @@ def train_one_epoch(
     Raises :class:`NonFiniteLoss` before applying a step whose loss is not finite.
 
     ``precision``: ``"32"``, or ``"bf16"``/``"fp16"`` for a forward under ``torch.autocast`` (the loss is
-    computed in float32 from the logits); ``scaler``: a ``torch.amp.GradScaler`` for fp16."""
+    computed in float32 from the logits); ``scaler``: a ``torch.amp.GradScaler`` for fp16. ``dist``: the
+    data-parallel job this process is part of (a single process by default)."""
     dtype = PRECISIONS[precision]
+    dist = dist or Dist()
     model.train()
     if totals is None:
         totals = [torch.zeros((), dtype=torch.float64), 0, 0]
@@ -105,10 +109,10 @@ def train_one_epoch(
                 mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
             )
             value = per_sample.mean()
-        if not bool(torch.isfinite(value)):
-            raise NonFiniteLoss(
-                f"the loss became {float(value.detach())}; {locate_nonfinite(model, x, mixup, dtype)}"
-            )
+        bad = not bool(torch.isfinite(value))
+        if dist.any(bad):  # every rank stops at the same step, before any of them applies it
+            where = locate_nonfinite(model, x, mixup, dtype) if bad else "not finite on another rank"
+            raise NonFiniteLoss(f"the loss became {float(value.detach())} on rank {dist.rank}; {where}")
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.scale(value).backward()
@@ -172,9 +176,15 @@ def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = No
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader, device: torch.device, precision: str = "32", channels_last: bool = False
+    model: nn.Module,
+    loader,
+    device: torch.device,
+    precision: str = "32",
+    channels_last: bool = False,
+    dist: Dist | None = None,
 ) -> tuple[float, float]:
-    """Mean cross-entropy (test NLL) and accuracy (a fraction) of ``model`` in eval mode."""
+    """Mean cross-entropy (test NLL) and accuracy (a fraction) of ``model`` in eval mode; with ``dist``,
+    over the union of the ranks' shards."""
     dtype = PRECISIONS[precision]
     model.eval()
     nll = torch.zeros((), device=device, dtype=torch.float64)
@@ -190,7 +200,8 @@ def evaluate(
         nll += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(1) == y).sum()
         count += y.shape[0]
-    return float(nll) / count, int(correct) / count
+    nll, correct, count = (dist or Dist()).sum([float(nll), float(correct), float(count)])
+    return nll / count, int(correct) / int(count)
 
 
 @contextmanager
@@ -233,6 +244,7 @@ def train(
     precision: str = "32",
     compile: bool = False,
     channels_last: bool = False,
+    dist: Dist | None = None,
 ) -> dict:
     """Train for ``epochs`` epochs; write ``metrics.csv``, ``last.pt`` and ``summary.json`` into ``out_dir``.
 
@@ -242,6 +254,8 @@ def train(
     ``"32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a grad scaler). ``compile``: train and
     evaluate through ``torch.compile(model)`` (the hooks, attached before, are compiled with it; the
     checkpoint holds the model's own state). ``channels_last``: model and image batches in NHWC.
+    ``dist``: the data-parallel job (see :mod:`mixhook.training.distributed`): the model is wrapped in
+    ``DistributedDataParallel`` here, after the hooks were attached to it, and only rank 0 writes.
 
     Returns the summary: ``test_acc``, ``test_nll``, ``best_test_acc``, ``best_epoch``, ``epochs``,
     ``seconds``, ``train_loss`` and whatever ``settings`` holds (the mixup settings, seed, ...).
@@ -251,15 +265,21 @@ def train(
     path = out_dir / ckpt.FILE
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not a precision; valid: {', '.join(PRECISIONS)}")
+    dist = dist or Dist()
     model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
-    net = torch.compile(model) if compile else model
+    net = model
+    if dist.enabled:
+        net = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+    net = torch.compile(net) if compile else net
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     sampler = data.train.sampler
     kept = ("epoch", "step", "global_step", "rows", "seconds")
     state = {"epoch": 0, "step": 0, "global_step": 0, "rows": [], "totals": None, "seconds": 0.0}
     state["best"] = (-1.0, 0)  # (test accuracy, epoch)
     if resume is not None:
-        _load_training_state(resume, model, optimizer, scheduler, hooks, scaler)
+        _load_training_state(resume, model, optimizer, scheduler, hooks, scaler, dist)
         state.update({k: resume[k] for k in (*kept, "totals")})
         state["best"] = tuple(resume["best"])
         log.info("resuming after epoch %d, step %d of the next", state["epoch"], state["step"])
@@ -267,6 +287,9 @@ def train(
 
     def checkpoint(epoch_done: int, step: int, totals) -> None:
         state.update(epoch=epoch_done, step=step, totals=totals, seconds=time.perf_counter() - start)
+        randoms = dist.gather(ckpt.random_states(hooks))  # every rank's streams, in rank order
+        if not dist.main:
+            return
         ckpt.save(path, {
             **{k: state[k] for k in kept},
             "best": list(state["best"]),
@@ -275,11 +298,12 @@ def train(
             "optimizer": optimizer.state_dict(),
             "scheduler": None if scheduler is None else scheduler.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
-            "random": ckpt.random_states(hooks),
+            "random": randoms,
             "config": config,
         })  # fmt: skip
 
-    with open(out_dir / "metrics.csv", "w", newline="") as f, stop_signals() as stop:
+    metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
+    with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
         writer = csv.DictWriter(f, fieldnames=METRICS)
         writer.writeheader()
         writer.writerows(state["rows"])  # the epochs before the checkpoint (none when starting)
@@ -296,9 +320,9 @@ def train(
 
             def after_step(totals, epoch=epoch):
                 state["global_step"] += 1
-                if stop[0]:
+                if dist.any(bool(stop[0])):  # a signal on any rank stops all of them after this step
                     checkpoint(epoch - 1, totals[2], totals)
-                    raise Interrupted(stop[0], path, epoch, totals[2])
+                    raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, totals[2])
                 if checkpoint_every and state["global_step"] % checkpoint_every == 0:
                     checkpoint(epoch - 1, totals[2], totals)
 
@@ -306,14 +330,17 @@ def train(
                 train_loss = train_one_epoch(
                     net, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
                     progress_bar=progress_bar, loss=loss, totals=totals, after_step=after_step,
-                    precision=precision, scaler=scaler, channels_last=channels_last,
+                    precision=precision, scaler=scaler, channels_last=channels_last, dist=dist,
                 )  # fmt: skip
+                if dist.enabled:  # the epoch's mean over every rank's samples
+                    loss_sum, count = dist.sum([float(totals[0]), float(totals[1])])
+                    train_loss = loss_sum / max(count, 1)
             except NonFiniteLoss as err:
                 note = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint yet"
                 raise NonFiniteLoss(f"epoch {epoch}, step {totals[2] + 1}: {err}; {note}") from None
             if scheduler is not None:
                 scheduler.step()
-            test_loss, test_acc = evaluate(net, data.test, device, precision, channels_last)
+            test_loss, test_acc = evaluate(net, data.test, device, precision, channels_last, dist)
             row = {
                 "epoch": epoch,
                 "train_loss": train_loss,
@@ -332,8 +359,8 @@ def train(
                 epoch, epochs, train_loss, test_loss, 100 * test_acc, lr, row["seconds"],
             )  # fmt: skip
             checkpoint(epoch, 0, None)
-            if stop[0] and epoch < epochs:
-                raise Interrupted(stop[0], path, epoch, 0)
+            if dist.any(bool(stop[0])) and epoch < epochs:
+                raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, 0)
     last = state["rows"][-1]
     summary = {
         "test_acc": last["test_acc"],
@@ -345,11 +372,12 @@ def train(
         "seconds": time.perf_counter() - start,
         **(settings or {}),
     }
-    write_json_atomic(out_dir / "summary.json", summary)
+    if dist.main:
+        write_json_atomic(out_dir / "summary.json", summary)
     return summary
 
 
-def _load_training_state(state: dict, model, optimizer, scheduler, hooks, scaler=None) -> None:
+def _load_training_state(state: dict, model, optimizer, scheduler, hooks, scaler=None, dist=None) -> None:
     """Put a checkpoint's model, optimizer, scheduler, grad scaler and random states in place."""
     try:
         model.load_state_dict(state["model"])
@@ -365,7 +393,12 @@ def _load_training_state(state: dict, model, optimizer, scheduler, hooks, scaler
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    ckpt.restore_random_states(state["random"], hooks)
+    dist = dist or Dist()
+    if len(state["random"]) != dist.world:
+        raise ckpt.CheckpointError(
+            f"the checkpoint was written by {len(state['random'])} process(es), this run has {dist.world}"
+        )
+    ckpt.restore_random_states(state["random"][dist.rank], hooks)
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

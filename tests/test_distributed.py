@@ -1,0 +1,69 @@
+"""DDP through torchrun: two processes on CPU with gloo, one summary, test metrics over both ranks'
+shards, each rank's own mixing stream, and the same metrics again for the same seed."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from mixhook.data import build_data
+from mixhook.models import PreActResNet18
+from mixhook.training import checkpoint as ckpt
+from mixhook.training import evaluate
+from tests.conftest import ROOT
+
+ARGS = [
+    "data.train_size=200",
+    "trainer.epochs=1",
+    "trainer.batch_size=32",
+    "trainer.progress_bar=false",
+    "seed=2",
+]
+
+
+def metrics_without_time(run_dir):
+    return [
+        {k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(open(run_dir / "metrics.csv"))
+    ]
+
+
+def torchrun(out, cwd):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "train.py"), *ARGS, f"hydra.run.dir={out}"],
+        cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp_path):
+    out = tmp_path / "run"
+    result = torchrun(out, tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["epochs"] == 1
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(rows) == 1 and float(rows[0]["test_acc"]) == summary["test_acc"]
+    assert (result.stdout + result.stderr).count("epoch 1/1  train_loss") == 1  # rank 0 reports
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+    # the reduced test metrics are the whole test set's: evaluate the saved model on one process
+    state = ckpt.load(out / "last.pt")
+    model = PreActResNet18(in_channels=1, num_classes=10)
+    model.load_state_dict(state["model"])
+    data = build_data("digits", batch_size=32, seed=2, train_size=200, num_workers=0)
+    nll, acc = evaluate(model, data.test, torch.device("cpu"))
+    assert acc == summary["test_acc"] and abs(nll - summary["test_nll"]) < 1e-6
+
+    # each rank mixed with its own stream, and both are in the checkpoint
+    ranks = state["random"]
+    assert len(ranks) == 2 and not torch.equal(
+        ranks[0]["hooks"]["0.generator"], ranks[1]["hooks"]["0.generator"]
+    )
+
+    again = tmp_path / "again"
+    torchrun(again, tmp_path)
+    assert metrics_without_time(out) == metrics_without_time(again)

@@ -80,13 +80,13 @@ class NanAt:
 class TinyConvNet(nn.Module):
     """conv - BN - ReLU - conv - pool - linear: a small (B, C, H, W) model for quick app runs."""
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 8):
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, 8, 3, padding=1)
-        self.bn = nn.BatchNorm2d(8)
+        self.conv1 = nn.Conv2d(in_channels, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
         self.act = nn.ReLU()
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.head = nn.Linear(8, num_classes)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.head = nn.Linear(width, num_classes)
 
     def forward(self, x):
         return self.head(self.conv2(self.act(self.bn(self.conv1(x)))).mean((2, 3)))

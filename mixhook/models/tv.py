@@ -11,8 +11,10 @@ def classification_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
-def torchvision_model(name: str, in_channels: int = 3, num_classes: int = 1000) -> nn.Module:
-    """``torchvision.models.get_model(name, weights=None, num_classes=num_classes)``, randomly initialised.
+def torchvision_model(name: str, in_channels: int = 3, num_classes: int = 1000, **options) -> nn.Module:
+    """``torchvision.models.get_model(name, weights=None, num_classes=num_classes, **options)``, randomly
+    initialised. ``options`` go to the model's builder (``image_size=32`` for a ViT on CIFAR-sized
+    images: ``+model.image_size=32`` on the command line).
 
     When ``in_channels`` is not 3 (the 1-channel digits), the first ``Conv2d`` in ``named_modules()``
     order (the stem of every torchvision classifier, never a grouped one) is replaced by one with
@@ -28,7 +30,7 @@ def torchvision_model(name: str, in_channels: int = 3, num_classes: int = 1000) 
         raise ValueError(
             f"model.name={name!r} is not a torchvision classification model{hint} Valid: {', '.join(valid)}"
         )
-    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **options)
     if in_channels != 3:
         _replace_first_conv(model, in_channels)
     return model

@@ -1,5 +1,6 @@
 """DDP through torchrun: two processes on CPU with gloo, one summary, test metrics over both ranks'
-shards, each rank's own mixing stream, and the same metrics again for the same seed."""
+shards, each rank's own mixing stream, and the same metrics again for the same seed through Hydra's
+submitit launcher with two tasks."""
 
 import csv
 import json
@@ -64,6 +65,14 @@ def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp
         ranks[0]["hooks"]["0.generator"], ranks[1]["hooks"]["0.generator"]
     )
 
-    again = tmp_path / "again"
-    torchrun(again, tmp_path)
-    assert metrics_without_time(out) == metrics_without_time(again)
+    # the same job through Hydra's submitit launcher with two tasks (the SLURM path, on submitit's local
+    # executor) trains the same: same seed, same ranks, same metrics
+    sweep = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=submitit_local",
+         "hydra.launcher.tasks_per_node=2", *ARGS, f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((sweep / "0" / "summary.json").read_text())["processes"] == 2
+    assert metrics_without_time(out) == metrics_without_time(sweep / "0")

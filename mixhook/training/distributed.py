@@ -37,7 +37,15 @@ class Dist:
 
     @classmethod
     def from_env(cls, cuda: bool) -> Dist:
-        """Join the job ``torchrun`` started (``WORLD_SIZE`` > 1), or a single process otherwise."""
+        """Join the job ``torchrun`` started (``WORLD_SIZE`` > 1) or that submitit started with several
+        tasks (Hydra's submitit launchers with ``tasks_per_node`` > 1; submitit's own helper exports the
+        variables), or a single process otherwise."""
+        if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
+            from submitit import JobEnvironment
+            from submitit.helpers import TorchDistributedEnvironment
+
+            if JobEnvironment().num_tasks > 1:
+                TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()

@@ -25,13 +25,17 @@ from .mixing import (
     smooth_one_hot,
 )
 from .patchup import PatchUp
+from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
 from .scaling import InputScale
 
 __all__ = [
     "INPUT",
+    "ActivationStats",
     "CutMix",
+    "FeatureRecorder",
     "GradClip",
     "GradScale",
+    "GradStats",
     "HookHandle",
     "InputScale",
     "LayerHook",
@@ -41,6 +45,7 @@ __all__ = [
     "NoisyFeatureMixup",
     "OneOf",
     "PatchUp",
+    "ShapeTrace",
     "UnknownLayerError",
     "attach",
     "blend",

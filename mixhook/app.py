@@ -24,12 +24,14 @@ from torch import nn
 from .compose import mixers_of
 from .data import Data, DataNotFoundError, build_data
 from .gradients import GradClip, GradScale
-from .layers import UnknownLayerError, trace_outputs
+from .layers import INPUT, UnknownLayerError, trace_outputs
 from .mixing import Mixer
+from .probes import ActivationStats, GradStats
 from .scaling import InputScale
 from .training import LOSSES, train
 from .training import checkpoint as ckpt
 from .training.distributed import Dist
+from .training.logging import RunLogger
 from .training.loop import PRECISIONS, Interrupted, NonFiniteLoss
 
 log = logging.getLogger("mixhook")
@@ -141,6 +143,16 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
     run = build(cfg, dist)
     log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
              cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
+    probes = [h for h in run.hooks if isinstance(h, (ActivationStats, GradStats))]
+    logger = None
+    if dist.main:
+        try:
+            logger = RunLogger(out_dir, cfg.trainer.logger, probes, state["global_step"] if state else None)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    feature_maps = None
+    if cfg.probes.feature_maps and probe_layers(cfg):
+        feature_maps = (probe_layers(cfg), next(iter(run.data.test))[0][:4])
     try:
         summary = train(
             run.model,
@@ -162,12 +174,16 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
             compile=cfg.trainer.compile,
             channels_last=cfg.trainer.channels_last,
             dist=dist,
+            logger=logger,
+            feature_maps=feature_maps,
         )
     except ckpt.CheckpointError as err:
         raise ConfigError(f"trainer.resume: {err}") from err
     finally:  # no hook outlives the run, whatever ended it
         for handle in run.handles:
             handle.remove()
+        if logger is not None:
+            logger.close()
     log.info(
         "done: test_acc %.2f%%  best %.2f%% (epoch %d)  test_nll %.4f  %.0fs  -> %s/summary.json",
         100 * summary["test_acc"], 100 * summary["best_test_acc"], summary["best_epoch"],
@@ -199,6 +215,8 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     if dist.enabled:  # the model is built alike on every rank; each rank then mixes its own way
         torch.manual_seed(dist.seed(seed))
     hooks = _build_hooks(cfg, dist.seed(seed))
+    if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
+        hooks = [(key, hook) for key, hook in hooks if key != "probes"]
     mixers = mixers_of([hook for _, hook in hooks])
     if len(mixers) > 1:
         keys = ", ".join(key for key, hook in hooks if hook in mixers)
@@ -249,6 +267,12 @@ def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model: {cfg.model._target_} built a {type(model).__name__}, not an nn.Module")
     return model, data
+
+
+def probe_layers(cfg: DictConfig) -> list[str]:
+    """``probes.layers`` as a list (empty: no probes)."""
+    layers = OmegaConf.select(cfg, "probes.layers") or []
+    return [layers] if isinstance(layers, str) else list(layers)
 
 
 def _check_writable(out_dir: str) -> None:
@@ -326,6 +350,15 @@ def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
             hooks.append((key, cls(**options)))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{key}: {err}") from err
+    if probe_layers(cfg):
+        every = OmegaConf.select(cfg, "probes.every")
+        try:
+            hooks.append(("probes", ActivationStats(probe_layers(cfg), every=every)))
+            graded = [name for name in probe_layers(cfg) if name != INPUT]
+            if graded:
+                hooks.append(("probes", GradStats(graded, every=every)))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"probes: {err}") from err
     for i, node in enumerate(cfg.hooks):
         key = f"hooks[{i}]"
         if not isinstance(node, DictConfig) or not node.get("_target_"):

@@ -45,6 +45,7 @@ class _Probe(LayerHook):
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
         self.every, self.train_only = every, train_only
         self.step = 0  # training forwards seen
+        self.paused = False  # while true, forwards are neither counted nor recorded
         self._active = False
 
     def _register_root(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
@@ -52,7 +53,7 @@ class _Probe(LayerHook):
         handles.append(model.register_forward_pre_hook(self._on_model_input, prepend=True))
 
     def _on_model_input(self, model: nn.Module, args) -> None:
-        if self.train_only and not model.training:
+        if self.paused or (self.train_only and not model.training):
             self._active = False
             return
         self.step += 1

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from ..mixing import Mixer, smooth_one_hot
 from . import checkpoint as ckpt
 from .distributed import Dist
+from .logging import save_feature_maps
 
 log = logging.getLogger("mixhook")
 
@@ -245,6 +246,8 @@ def train(
     compile: bool = False,
     channels_last: bool = False,
     dist: Dist | None = None,
+    logger=None,
+    feature_maps: tuple | None = None,
 ) -> dict:
     """Train for ``epochs`` epochs; write ``metrics.csv``, ``last.pt`` and ``summary.json`` into ``out_dir``.
 
@@ -256,6 +259,8 @@ def train(
     checkpoint holds the model's own state). ``channels_last``: model and image batches in NHWC.
     ``dist``: the data-parallel job (see :mod:`mixhook.training.distributed`): the model is wrapped in
     ``DistributedDataParallel`` here, after the hooks were attached to it, and only rank 0 writes.
+    ``logger``: a :class:`~mixhook.training.logging.RunLogger` for probe rows and TensorBoard;
+    ``feature_maps``: ``(layers, batch)`` to draw after every epoch into ``feature_maps/``.
 
     Returns the summary: ``test_acc``, ``test_nll``, ``best_test_acc``, ``best_epoch``, ``epochs``,
     ``seconds``, ``train_loss`` and whatever ``settings`` holds (the mixup settings, seed, ...).
@@ -283,6 +288,9 @@ def train(
         state.update({k: resume[k] for k in (*kept, "totals")})
         state["best"] = tuple(resume["best"])
         log.info("resuming after epoch %d, step %d of the next", state["epoch"], state["step"])
+    probes = [h for h in hooks if hasattr(h, "paused")]
+    for probe in probes:  # probe steps are the run's training steps
+        probe.step = state["global_step"]
     start = time.perf_counter() - state["seconds"]
 
     def checkpoint(epoch_done: int, step: int, totals) -> None:
@@ -301,6 +309,8 @@ def train(
             "random": randoms,
             "config": config,
         })  # fmt: skip
+        if logger is not None:
+            logger.probe_rows(epoch_done + (1 if step else 0))
 
     metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
     with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
@@ -352,6 +362,15 @@ def train(
             writer.writerow(row)
             f.flush()
             state["rows"].append(row)
+            if logger is not None:
+                logger.epoch(row)
+            if feature_maps is not None and dist.main:
+                folder = out_dir / "feature_maps"
+                folder.mkdir(exist_ok=True)
+                layers, batch = feature_maps
+                save_feature_maps(
+                    model, mixup, layers, batch.to(device), folder / f"epoch{epoch:03d}", pause=probes
+                )
             if test_acc > state["best"][0]:
                 state["best"] = (test_acc, epoch)
             log.info(

@@ -1,0 +1,100 @@
+"""Probes in the app: probes.csv with per-layer rows, TensorBoard event files with those series and the
+epoch metrics, feature-map pictures, and training unchanged by all of it."""
+
+import csv
+import json
+
+import matplotlib.image
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mixhook import ActivationStats, ManifoldMixup
+from mixhook.models import PreActResNet18
+from mixhook.training import checkpoint as ckpt
+from mixhook.training.logging import RunLogger, save_feature_maps
+from tests.test_app import config, run_cli
+
+SMALL = ["data.train_size=200", "trainer.epochs=1", "trainer.batch_size=32", "trainer.progress_bar=false"]
+
+
+def test_probes_and_tensorboard_from_the_command_line(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        *SMALL, "probes.layers=[layer1,layer2]", "probes.every=3", "trainer.logger=tensorboard",
+        "probes.feature_maps=true", f"hydra.run.dir={out}", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(open(out / "probes.csv")))  # 7 steps: steps 1, 4 and 7 recorded
+    assert [(r["step"], r["layer"]) for r in rows] == [
+        (s, layer) for s in ("1", "4", "7") for layer in ("layer1", "layer2")
+    ]
+    assert all(
+        float(r["std"]) > 0 and float(r["grad_norm"]) > 0 and float(r["param_grad_norm"]) > 0 for r in rows
+    )
+
+    events = EventAccumulator(str(out))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"epoch/test_acc", "epoch/train_loss", "probes/layer1/mean", "probes/layer2/grad_norm"} <= set(
+        tags
+    )
+    assert [e.step for e in events.Scalars("probes/layer2/max_abs")] == [1, 4, 7]
+    acc = events.Scalars("epoch/test_acc")[0].value
+    assert abs(acc - json.loads((out / "summary.json").read_text())["test_acc"]) < 1e-6
+
+    for layer in ("layer1", "layer2"):
+        image = matplotlib.image.imread(out / "feature_maps" / f"epoch001_{layer}.png")
+        assert image.shape[0] > 100 and image.shape[1] > 400 and image.std() > 0.05
+
+    # the same run without probes trains identically
+    plain = tmp_path / "plain"
+    assert run_cli(*SMALL, f"hydra.run.dir={plain}", cwd=tmp_path).returncode == 0
+    strip = [[v for k, v in r.items() if k != "seconds"] for r in csv.DictReader(open(out / "metrics.csv"))]
+    plain_rows = [
+        [v for k, v in r.items() if k != "seconds"] for r in csv.DictReader(open(plain / "metrics.csv"))
+    ]
+    assert strip == plain_rows
+
+
+def test_feature_maps_show_the_mix_and_leave_training_untouched(tmp_path):
+    torch.manual_seed(0)
+    model = PreActResNet18(in_channels=1, num_classes=10).eval()
+    mixer, stats = ManifoldMixup(["layer1", "layer2"]), ActivationStats("layer1")
+    mixer.attach(model)
+    stats.attach(model)
+    x = torch.randn(4, 1, 8, 8)
+    streams, buffers = ckpt.random_states([mixer]), {k: v.clone() for k, v in model.named_buffers()}
+    drawn = save_feature_maps(model, mixer, ["layer1", "linear"], x, tmp_path / "e1", pause=[stats])
+    assert list(drawn) == ["layer1"] and (tmp_path / "e1_layer1.png").exists()  # linear is not (B, C, H, W)
+    plain, mixed = drawn["layer1"]
+    torch.testing.assert_close(mixed, 0.5 * plain + 0.5 * plain.flip(0))
+    assert not model.training and stats.step == 0 and stats.rows() == []
+    after = ckpt.random_states([mixer])
+    assert all(
+        torch.equal(a, b) for a, b in zip(after["hooks"].values(), streams["hooks"].values(), strict=True)
+    )
+    assert torch.equal(after["torch"], streams["torch"])
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+
+
+def test_a_resumed_run_cuts_probes_csv_back_to_the_checkpoint(tmp_path):
+    stats = ActivationStats("x")
+    path = tmp_path / "probes.csv"
+    path.write_text("step,epoch,layer,mean\n1,1,x,0.1\n5,1,x,0.2\n9,2,x,0.3\n")
+    RunLogger(tmp_path, "csv", [stats], resume_step=5).close()
+    assert [r["step"] for r in csv.DictReader(open(path))] == ["1", "5"]
+
+
+def test_bad_probe_settings_are_refused():
+    from mixhook import app
+
+    for overrides, message in (
+        (["probes.layers=[layr1]"], "probes.layer: unknown layer 'layr1'"),
+        (["probes.layers=[layer1]", "probes.every=0"], "probes: every must be an integer >= 1, got 0"),
+    ):
+        try:
+            app.build(config(*overrides))
+        except app.ConfigError as err:
+            assert message in str(err), str(err)
+        else:
+            raise AssertionError(overrides)

@@ -31,7 +31,7 @@ from .scaling import InputScale
 from .training import LOSSES, train
 from .training import checkpoint as ckpt
 from .training.distributed import Dist
-from .training.logging import RunLogger
+from .training.logging import LOGGERS, RunLogger
 from .training.loop import PRECISIONS, Interrupted, NonFiniteLoss
 
 log = logging.getLogger("mixhook")
@@ -144,16 +144,17 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
     log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
              cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
     probes = [h for h in run.hooks if isinstance(h, (ActivationStats, GradStats))]
-    logger = None
-    if dist.main:
-        try:
-            logger = RunLogger(out_dir, cfg.trainer.logger, probes, state["global_step"] if state else None)
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
-    feature_maps = None
+    logger = feature_maps = None
     if cfg.probes.feature_maps and probe_layers(cfg):
         feature_maps = (probe_layers(cfg), next(iter(run.data.test))[0][:4])
     try:
+        if dist.main:
+            try:
+                logger = RunLogger(
+                    out_dir, cfg.trainer.logger, probes, state["global_step"] if state else None
+                )
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
         summary = train(
             run.model,
             run.data,
@@ -207,6 +208,10 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         raise ConfigError(
             f"trainer.precision={cfg.trainer.precision!r} is not a precision; valid: {', '.join(PRECISIONS)}"
         )
+    if cfg.trainer.logger not in LOGGERS:
+        raise ConfigError(
+            f"trainer.logger={cfg.trainer.logger!r} is not a logger; valid: {', '.join(LOGGERS)}"
+        )
     for key in ("trainer.compile", "trainer.channels_last"):
         if not isinstance(OmegaConf.select(cfg, key), bool):
             raise ConfigError(f"{key} must be true or false, got {OmegaConf.select(cfg, key)!r}")
@@ -216,7 +221,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         torch.manual_seed(dist.seed(seed))
     hooks = _build_hooks(cfg, dist.seed(seed))
     if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
-        hooks = [(key, hook) for key, hook in hooks if key != "probes"]
+        hooks = [(key, hook) for key, hook in hooks if not key.startswith("probes")]
     mixers = mixers_of([hook for _, hook in hooks])
     if len(mixers) > 1:
         keys = ", ".join(key for key, hook in hooks if hook in mixers)
@@ -356,7 +361,7 @@ def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
             hooks.append(("probes", ActivationStats(probe_layers(cfg), every=every)))
             graded = [name for name in probe_layers(cfg) if name != INPUT]
             if graded:
-                hooks.append(("probes", GradStats(graded, every=every)))
+                hooks.append(("probes.grad", GradStats(graded, every=every)))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"probes: {err}") from err
     for i, node in enumerate(cfg.hooks):

@@ -24,6 +24,9 @@ from tests.test_app import config, run_cli
         (["trainer.batch_size=0"], "error: trainer.batch_size must be an integer >= 1, got 0"),
         (["trainer.epochs=-1"], "error: trainer.epochs must be an integer >= 1, got -1"),
         (["trainer.checkpoint_every=-5"], "error: trainer.checkpoint_every must be an integer >= 0, got -5"),
+        (["trainer.logger=wandb"], "error: trainer.logger='wandb' is not a logger; valid: csv, tensorboard"),
+        (["trainer.precision=8"], "error: trainer.precision=8 is not a precision; valid: 32, bf16, fp16"),
+        (["probes.layers=[layr1]"], "error: probes.layer: unknown layer 'layr1'"),
         (["trainer.resume=3"], "error: trainer.resume must be null, auto or a checkpoint path, got 3"),
         (
             ["data=cifar10", "data.root=/nonexistent"],

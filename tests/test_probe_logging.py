@@ -39,8 +39,12 @@ def test_probes_and_tensorboard_from_the_command_line(tmp_path):
         tags
     )
     assert [e.step for e in events.Scalars("probes/layer2/max_abs")] == [1, 4, 7]
-    acc = events.Scalars("epoch/test_acc")[0].value
-    assert abs(acc - json.loads((out / "summary.json").read_text())["test_acc"]) < 1e-6
+    summary = json.loads((out / "summary.json").read_text())
+    assert abs(events.Scalars("epoch/test_acc")[0].value - summary["test_acc"]) < 1e-6
+    assert summary["hooks"] == {
+        "probes": "ActivationStats(layer=['layer1', 'layer2'], every=3)",
+        "probes.grad": "GradStats(layer=['layer1', 'layer2'], every=3)",
+    }
 
     for layer in ("layer1", "layer2"):
         image = matplotlib.image.imread(out / "feature_maps" / f"epoch001_{layer}.png")

@@ -17,6 +17,7 @@ import torch
 
 from ..probes import ActivationStats, GradStats
 
+LOGGERS = ("csv", "tensorboard")
 PROBE_COLUMNS = ["step", "epoch", "layer", *ActivationStats.STATS, "grad_norm", "param_grad_norm"]
 
 
@@ -26,8 +27,8 @@ class RunLogger:
     def __init__(
         self, out_dir: str | os.PathLike, kind: str = "csv", probes=(), resume_step: int | None = None
     ):
-        if kind not in ("csv", "tensorboard"):
-            raise ValueError(f"trainer.logger={kind!r} is not a logger; valid: csv, tensorboard")
+        if kind not in LOGGERS:
+            raise ValueError(f"trainer.logger={kind!r} is not a logger; valid: {', '.join(LOGGERS)}")
         self.out_dir = Path(out_dir)
         self.probes = [p for p in probes if isinstance(p, (ActivationStats, GradStats))]
         self.writer = None

@@ -113,7 +113,8 @@ def train_one_epoch(
         bad = not bool(torch.isfinite(value))
         if dist.any(bad):  # every rank stops at the same step, before any of them applies it
             where = locate_nonfinite(model, x, mixup, dtype) if bad else "not finite on another rank"
-            raise NonFiniteLoss(f"the loss became {float(value.detach())} on rank {dist.rank}; {where}")
+            rank = f" on rank {dist.rank}" if dist.enabled else ""
+            raise NonFiniteLoss(f"the loss became {float(value.detach())}{rank}; {where}")
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.scale(value).backward()

@@ -62,3 +62,67 @@ def test_a_hooked_twin_of_a_compiled_model_is_caught_not_silently_unmixed():
             torch.compile(plain, backend="eager")(x)
             torch.compile(hooked, backend="eager")(x)
         assert mix.last is not None and mix.last.layer == "conv2"
+
+
+def _every_hook():
+    from mixhook import (
+        ActivationStats,
+        CutMix,
+        FeatureRecorder,
+        GradClip,
+        GradScale,
+        GradStats,
+        InputScale,
+        NoisyFeatureMixup,
+        PatchUp,
+    )
+
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    return {
+        "manifold": lambda: ManifoldMixup(["input", "conv1", "conv2"], generator=g()),
+        "cutmix": lambda: CutMix("conv1", generator=g()),
+        "patchup": lambda: PatchUp("conv1", block_size=3, generator=g()),
+        "nfm": lambda: NoisyFeatureMixup(["input", "conv2"], generator=g()),
+        "input_scale": lambda: InputScale("conv2", factor=[0.5, 1.5], generator=g()),
+        "grad_scale": lambda: GradScale("conv2", factor=-0.5),
+        "grad_clip": lambda: GradClip("conv1", max_norm=0.01),
+        "features": lambda: FeatureRecorder(["conv1", "conv2"]),
+        "activations": lambda: ActivationStats(["conv1", "conv2"]),
+        "gradients": lambda: GradStats(["conv1", "conv2"]),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_every_hook()))
+def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
+    """Attach, then compile: three training steps give the eager run's losses, gradients and records."""
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = SmallCNN().train()
+        hook = _every_hook()[kind]()
+        hook.attach(model)
+        net = torch.compile(model, backend="eager") if compiled else model
+        x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
+        losses, grads = [], []
+        for _ in range(3):
+            model.zero_grad()
+            logits = net(x)
+            loss = (
+                hook.loss(F.cross_entropy, logits, y) if hasattr(hook, "loss") else F.cross_entropy(logits, y)
+            )
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in model.parameters()])
+        records = hook.rows() if hasattr(hook, "rows") else getattr(hook, "features", None)
+        hook.remove()
+        results.append((losses, grads, records))
+    (eager_losses, eager_grads, eager_records), (losses, grads, records) = results
+    torch.testing.assert_close(losses, eager_losses)
+    torch.testing.assert_close(grads, eager_grads)
+    if isinstance(records, list):
+        assert [(r["step"], r["layer"]) for r in records] == [(r["step"], r["layer"]) for r in eager_records]
+        for a, b in zip(records, eager_records, strict=True):
+            assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a if isinstance(a[k], float))
+    elif isinstance(records, dict):
+        torch.testing.assert_close(records, eager_records)

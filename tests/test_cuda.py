@@ -59,3 +59,40 @@ def test_quick_benchmark_on_cuda(tmp_path):
     data = json.loads(json_file.read_text())
     assert data["memory"]["peak_MiB"]["none"] > 0
     assert data["recompiles"]["graphs_compiled_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_app_trains_on_cuda_in_mixed_precision_compiled_with_probes(tmp_path, precision):
+    from mixhook import app
+    from tests.test_app import config
+
+    out = tmp_path / precision
+    cfg = config(
+        "trainer.device=cuda", f"trainer.precision={precision}", "trainer.compile=true",
+        "trainer.channels_last=true", "data.train_size=200", "trainer.epochs=1", "trainer.progress_bar=false",
+        "probes.layers=[layer1,layer2]", "probes.every=2",
+    )  # fmt: skip
+    acc = app.main(cfg, out_dir=str(out))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"] == "cuda" and summary["precision"] == precision and summary["test_acc"] == acc
+    assert (out / "probes.csv").read_text().count("layer2") >= 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_torchrun_with_nccl_on_two_gpus(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "train.py"), "data.train_size=200", "trainer.epochs=1", "trainer.progress_bar=false",
+         f"hydra.run.dir={out}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=dict(os.environ),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["device"].startswith("cuda")

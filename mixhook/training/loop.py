@@ -112,8 +112,10 @@ def train_one_epoch(
             value = per_sample.mean()
         bad = not bool(torch.isfinite(value))
         if dist.any(bad):  # every rank stops at the same step, before any of them applies it
-            where = locate_nonfinite(model, x, mixup, dtype) if bad else "not finite on another rank"
+            if not bad:
+                raise NonFiniteLoss(f"the loss became non-finite on another rank than {dist.rank}")
             rank = f" on rank {dist.rank}" if dist.enabled else ""
+            where = locate_nonfinite(model, x, mixup, dtype)
             raise NonFiniteLoss(f"the loss became {float(value.detach())}{rank}; {where}")
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
@@ -140,7 +142,9 @@ def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = No
     """Replay the forward of ``x`` (in training mode, with the mixer's last mix pinned) with a forward
     hook on every module, and say which module first returned a non-finite value, in call order, and
     which parameters are non-finite."""
-    model = getattr(model, "_orig_mod", model)  # replay eagerly, through what torch.compile wraps
+    model = getattr(model, "_orig_mod", model)  # replay eagerly, through what torch.compile wraps,
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # and without DDP's collectives
+        model = model.module
     first: list[str] = []
     names = {module: name for name, module in model.named_modules()}
 

@@ -134,7 +134,9 @@ def test_cli_same_seed_same_metrics(tmp_path):
     metrics = []
     for name in ("a", "b"):
         out = tmp_path / name
-        result = run_cli("trainer.epochs=1", "seed=3", f"hydra.run.dir={out}", cwd=tmp_path)
+        result = run_cli(
+            "trainer.epochs=1", "seed=3", "data.train_size=400", f"hydra.run.dir={out}", cwd=tmp_path
+        )
         assert result.returncode == 0, result.stderr
         rows = list(csv.DictReader(open(out / "metrics.csv")))
         metrics.append([{k: v for k, v in r.items() if k != "seconds"} for r in rows])

@@ -61,7 +61,7 @@ def wait_for_checkpoint(out, proc, after=0.0):
     assert proc.poll() is None, "the run finished before it could be interrupted"
 
 
-def test_sigkill_at_a_random_step_then_resume_auto_ends_identical(tmp_path, uninterrupted):
+def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = start(out)
     wait_for_checkpoint(out, proc, after=random.Random(os.getpid()).uniform(0.0, 1.5))
@@ -69,6 +69,12 @@ def test_sigkill_at_a_random_step_then_resume_auto_ends_identical(tmp_path, unin
     proc.wait()
     state = torch.load(out / "last.pt", weights_only=True)
     assert not (out / "summary.json").exists() and state["epoch"] * 7 + state["step"] >= 1
+    # the killed run's checkpoint, continued in another directory by path ...
+    other = tmp_path / "other"
+    result = run_cli(*SMALL, f"trainer.resume={out / 'last.pt'}", f"hydra.run.dir={other}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert results(other) == uninterrupted
+    # ... and in its own directory with resume=auto
     result = run_cli(*SMALL, "trainer.resume=auto", f"hydra.run.dir={out}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "resuming after epoch" in result.stdout + result.stderr
@@ -92,18 +98,6 @@ def test_sigterm_finishes_the_step_writes_the_checkpoint_and_exits_non_zero(tmp_
     result = run_cli(*SMALL, "trainer.resume=auto", f"hydra.run.dir={out}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert results(out) == uninterrupted
-
-
-def test_resume_from_a_given_file_into_a_new_run_directory(tmp_path, uninterrupted):
-    first = tmp_path / "first"
-    proc = start(first)
-    wait_for_checkpoint(first, proc, after=0.5)
-    proc.kill()
-    proc.wait()
-    second = tmp_path / "second"
-    result = run_cli(*SMALL, f"trainer.resume={first / 'last.pt'}", f"hydra.run.dir={second}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert results(second) == uninterrupted
 
 
 class RunsCode:

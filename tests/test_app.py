@@ -130,6 +130,7 @@ def test_cli_trains_and_writes_metrics_and_summary(tmp_path):
     assert not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_cli_same_seed_same_metrics(tmp_path):
     metrics = []
     for name in ("a", "b"):

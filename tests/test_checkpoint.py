@@ -61,6 +61,7 @@ def wait_for_checkpoint(out, proc, after=0.0):
     assert proc.poll() is None, "the run finished before it could be interrupted"
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = start(out)
@@ -81,6 +82,7 @@ def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp
     assert results(out) == uninterrupted
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_writes_the_checkpoint_and_exits_non_zero(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = start(out)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from mixhook.data import build_data
@@ -41,6 +42,7 @@ def torchrun(out, cwd):
     return result
 
 
+@pytest.mark.slow
 def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp_path):
     out = tmp_path / "run"
     result = torchrun(out, tmp_path)

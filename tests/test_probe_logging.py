@@ -5,6 +5,7 @@ import csv
 import json
 
 import matplotlib.image
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -17,6 +18,7 @@ from tests.test_app import config, run_cli
 SMALL = ["data.train_size=200", "trainer.epochs=1", "trainer.batch_size=32", "trainer.progress_bar=false"]
 
 
+@pytest.mark.slow
 def test_probes_and_tensorboard_from_the_command_line(tmp_path):
     out = tmp_path / "run"
     result = run_cli(

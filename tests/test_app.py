@@ -130,20 +130,6 @@ def test_cli_trains_and_writes_metrics_and_summary(tmp_path):
     assert not list(out.glob(".*.tmp"))
 
 
-@pytest.mark.slow
-def test_cli_same_seed_same_metrics(tmp_path):
-    metrics = []
-    for name in ("a", "b"):
-        out = tmp_path / name
-        result = run_cli(
-            "trainer.epochs=1", "seed=3", "data.train_size=400", f"hydra.run.dir={out}", cwd=tmp_path
-        )
-        assert result.returncode == 0, result.stderr
-        rows = list(csv.DictReader(open(out / "metrics.csv")))
-        metrics.append([{k: v for k, v in r.items() if k != "seconds"} for r in rows])
-    assert metrics[0] == metrics[1]
-
-
 def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path):
     out = tmp_path / "run"
     result = run_cli("mixup.layer=nosuch", f"hydra.run.dir={out}", cwd=tmp_path)

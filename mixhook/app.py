@@ -143,7 +143,6 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
     run = build(cfg, dist)
     log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
              cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
-    probes = [h for h in run.hooks if isinstance(h, (ActivationStats, GradStats))]
     logger = feature_maps = None
     if cfg.probes.feature_maps and probe_layers(cfg):
         feature_maps = (probe_layers(cfg), next(iter(run.data.test))[0][:4])
@@ -151,7 +150,7 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
         if dist.main:
             try:
                 logger = RunLogger(
-                    out_dir, cfg.trainer.logger, probes, state["global_step"] if state else None
+                    out_dir, cfg.trainer.logger, run.hooks, state["global_step"] if state else None
                 )
             except ValueError as err:
                 raise ConfigError(str(err)) from err

@@ -22,7 +22,9 @@ PROBE_COLUMNS = ["step", "epoch", "layer", *ActivationStats.STATS, "grad_norm", 
 
 
 class RunLogger:
-    """Writes probe statistics and (optionally) TensorBoard scalars for one run; rank 0 only."""
+    """Writes probe statistics and (optionally) TensorBoard scalars for one run; rank 0 only. ``probes``
+    may be every hook of the run: the :class:`ActivationStats` and :class:`GradStats` among them are
+    the ones logged."""
 
     def __init__(
         self, out_dir: str | os.PathLike, kind: str = "csv", probes=(), resume_step: int | None = None

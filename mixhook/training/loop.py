@@ -96,11 +96,7 @@ def train_one_epoch(
     bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if channels_last and x.ndim == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            logits = model(x)
-        logits = logits.float()
+        x, logits = _forward(model, x, dtype, channels_last)
         if loss == "bce_softmax":
             classes = logits.shape[1]
             soft = mixup.targets(y, classes) if mixup is not None else smooth_one_hot(y, classes)
@@ -131,6 +127,18 @@ def train_one_epoch(
         if after_step is not None:
             after_step(totals)
     return float(totals[0]) / max(totals[1], 1)
+
+
+def _forward(
+    model: nn.Module, x: torch.Tensor, dtype, channels_last: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch as the model gets it (NHWC when ``channels_last``) and its logits in float32, the
+    forward under autocast in ``dtype`` (``None``: none)."""
+    if channels_last and x.ndim == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        logits = model(x)
+    return x, logits.float()
 
 
 def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -198,11 +206,7 @@ def evaluate(
     count = 0
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if channels_last and x.ndim == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            logits = model(x)
-        logits = logits.float()
+        _, logits = _forward(model, x, dtype, channels_last)
         nll += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(1) == y).sum()
         count += y.shape[0]

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import recompute
 from .hooks import HookHandle, LayerHook, own_generator
-from .mixing import Mixer, MixState, _batch_size
+from .mixing import _MIXING, Mixer, MixState
+from .sites import BatchDims
 
 
 class OneOf(LayerHook):
@@ -81,11 +83,14 @@ class OneOf(LayerHook):
         """The chosen regularizer's ``targets``."""
         return (self.chosen or self.mixers[0]).targets(target, num_classes, smoothing)
 
-    def check_output(self, name: str, h, batch: int | None) -> None:
-        """Each regularizer that may mix ``name`` must accept its output."""
+    def check_output(self, spec: str, value) -> None:
+        """Each regularizer that may mix ``spec`` must accept what it returned."""
         for mixer in self.mixers:
-            if name in mixer.layers:
-                mixer.check_output(name, h, batch)
+            if spec in mixer.layers:
+                mixer.check_output(spec, value)
+
+    def _check_attach(self, model: nn.Module) -> None:
+        Mixer._check_attach(self, model)
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         busy = [type(m).__name__ for m in self.mixers if m.model is not None]
@@ -93,17 +98,30 @@ class OneOf(LayerHook):
             raise RuntimeError(f"OneOf: {busy} already attached on their own; remove them first")
         handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
         for mixer in self.mixers:
+            mixer._dims = {s: BatchDims(model, mixer.sites[s], mixer._explicit(s)) for s in mixer.layers}
             mixer._register(model, {n: modules[n] for n in mixer.layers}, handles, root=False)
         handles.append(model.register_forward_hook(self._on_model_output))
         for mixer in self.mixers:  # only once everything is registered: a failure leaves them detached
-            mixer._model = model
+            mixer._model, mixer._tracker = model, recompute.acquire(model)
+        _MIXING[model] = self
 
     def _reset(self) -> None:
         for mixer in self.mixers:
-            mixer._model = None
+            if mixer._tracker is not None:
+                recompute.release(mixer._model, mixer._tracker)
+            mixer._model, mixer._tracker = None, None
             mixer._reset()
+        for model, hook in list(_MIXING.items()):
+            if hook is self:
+                del _MIXING[model]
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
+        if recompute.in_backward():  # the whole model is recomputed: each mixer replays its own input mix
+            for mixer in self.mixers:
+                result = mixer._replay_input(model, args, kwargs)
+                if result is not None:
+                    return result
+            return None
         if not model.training:
             for mixer in self.mixers:
                 mixer._draw = None
@@ -116,11 +134,10 @@ class OneOf(LayerHook):
         for mixer in self.mixers:
             if mixer is not self.chosen:
                 mixer._begin(model, args, kwargs, None)
-        batch = _batch_size(args, kwargs)
-        return self.chosen._begin(model, args, kwargs, self.chosen._decide(batch))
+        return self.chosen._begin(model, args, kwargs, self.chosen._decide())
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
-        if self.chosen is not None and model.training:
+        if self.chosen is not None and model.training and not recompute.in_backward():
             self.chosen._on_model_output(model, args, output)
 
 

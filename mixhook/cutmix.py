@@ -60,9 +60,12 @@ class CutMix(Mixer):
         layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
         alpha: Beta concentration, > 0 (the paper uses 1.0).
         prob: probability that a batch is mixed (the paper's cutmix_prob), in [0, 1].
-        generator: as :class:`~mixhook.ManifoldMixup`.
+        generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
 
-    ``pin`` also takes ``box=(y1, y2, x1, x2)``; a pinned ``lam`` sets the box size, its centre is drawn.
+    The layer (or the selected element, ``"block[0]"``) must give one ``(B, C, H, W)`` map with
+    ``H, W >= 2`` (a smaller map can never hold a pasted box: refused when first checked);
+    ``.last.elements`` names the element that was cut. ``pin`` also takes ``box=(y1, y2, x1, x2)``; a
+    pinned ``lam`` sets the box size, its centre is drawn.
     """
 
     _pin_keys = ("box",)
@@ -73,13 +76,21 @@ class CutMix(Mixer):
         alpha: float = 1.0,
         prob: float = 1.0,
         generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
     ):
-        super().__init__(layer, alpha, prob, generator)
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
 
-    def check_output(self, name: str, h, batch: int | None) -> None:
-        check_spatial("CutMix", name, h, batch)
+    def _check_leaves(self, spec, leaves) -> None:
+        h = check_spatial("CutMix", spec, leaves)
+        if min(h.shape[-2:]) < 2:
+            raise ValueError(
+                f"CutMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map is too small to ever paste a box "
+                "(a box side is 2 * (int(side * sqrt(1 - lam)) // 2)); choose an earlier layer"
+            )
 
-    def _mix(self, name, h, lam, index, inverse, pinned):
+    def _mix(self, spec, leaves, lam, index, inverse, pinned):
+        name, h, path = spec, leaves[0].tensor, leaves[0].path
         height, width = h.shape[-2:]
         box = pinned.get("box")
         if box is None:
@@ -90,4 +101,4 @@ class CutMix(Mixer):
             if not (0 <= y1 <= y2 <= height and 0 <= x1 <= x2 <= width):
                 raise ValueError(f"pinned box {box} does not fit the {height}x{width} map of layer {name!r}")
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
-        return paste_box(h, index, box), MixState(layer=name, lam=lam, index=index, box=box)
+        return {path: paste_box(h, index, box)}, MixState(layer=name, lam=lam, index=index, box=box)

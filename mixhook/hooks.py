@@ -15,7 +15,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import recompute
 from .layers import normalize_layers, resolve_layers
+from .sites import BatchDims, Site, parse_site
 
 
 def own_generator(generator: torch.Generator | None) -> torch.Generator:
@@ -66,13 +68,20 @@ class LayerHook:
 
     Args:
         layer: a module name as ``model.named_modules()`` spells it, ``"input"`` for the model's input,
-            or a list of such names.
+            or a list of such names; each may carry a selector (``"lstm[0]"``, see :mod:`mixhook.sites`).
+        batch_dim: the batch dimension of the tensors acted on, where mixhook cannot find it itself
+            (see :class:`~mixhook.sites.BatchDims`): an int for every layer, or a dict from layer spec to
+            int. ``None`` (default): found from the modules' ``batch_first`` or PyTorch's convention.
     """
 
-    def __init__(self, layer: str | Sequence[str]):
+    def __init__(self, layer: str | Sequence[str], batch_dim: int | dict | None = None):
         self.layers: tuple[str, ...] = normalize_layers(layer)
+        self.sites: dict[str, Site] = {spec: parse_site(spec) for spec in self.layers}
+        self.batch_dim = _check_batch_dim(batch_dim, self.layers)
         self._model: nn.Module | None = None
         self._handle: HookHandle | None = None
+        self._dims: dict[str, BatchDims] = {}
+        self._tracker: recompute.Tracker | None = None
 
     @property
     def _layer_spec(self) -> str | list[str]:
@@ -98,14 +107,18 @@ class LayerHook:
                 "remove that handle first, or create a second instance"
             )
         modules = resolve_layers(model, self.layers)
+        self._check_attach(model)
         handles: list[RemovableHandle] = []
+        tracker = recompute.acquire(model)
         try:
+            self._dims = {spec: BatchDims(model, self.sites[spec], self._explicit(spec)) for spec in self.layers}
             self._register(model, modules, handles)
         except BaseException:
             for handle in handles:
                 handle.remove()
+            recompute.release(model, tracker)
             raise
-        self._model = model
+        self._model, self._tracker = model, tracker
         self._handle = HookHandle(handles, on_remove=self._detach)
         return self._handle
 
@@ -115,9 +128,29 @@ class LayerHook:
             self._handle.remove()
 
     def _detach(self) -> None:
+        if self._tracker is not None:
+            recompute.release(self._model, self._tracker)
         self._model = None
         self._handle = None
+        self._tracker = None
         self._reset()
+
+    def _check_attach(self, model: nn.Module) -> None:
+        """Refuse to attach to ``model`` (before anything is registered); nothing by default."""
+
+    def _explicit(self, spec: str) -> int | None:
+        if isinstance(self.batch_dim, dict):
+            return self.batch_dim.get(spec)
+        return self.batch_dim
+
+    def _note(self, spec: str, payload: object = None) -> None:
+        """In a training forward inside a recomputable region, remember what a recomputation must redo."""
+        if self._tracker is not None and recompute.may_be_recomputed():
+            self._tracker.note(self, spec, payload)
+
+    def _replayed(self, spec: str) -> object:
+        """During backward (a recomputation): what the forward noted at ``spec``."""
+        return self._tracker.replay(self, spec, type(self).__name__)
 
     def _register(
         self, model: nn.Module, modules: dict[str, nn.Module], handles: list[RemovableHandle]
@@ -130,3 +163,21 @@ class LayerHook:
     @property
     def _training(self) -> bool:
         return self._model is not None and self._model.training
+
+
+def _check_batch_dim(batch_dim, specs: tuple[str, ...]):
+    def valid(d) -> bool:
+        return isinstance(d, int) and not isinstance(d, bool) and d >= 0
+
+    if batch_dim is None or valid(batch_dim):
+        return batch_dim
+    if isinstance(batch_dim, dict):
+        unknown = sorted(set(batch_dim) - set(specs))
+        if unknown:
+            raise ValueError(f"batch_dim names layers {unknown} that are not among {list(specs)}")
+        bad = {k: v for k, v in batch_dim.items() if not valid(v)}
+        if not bad:
+            return dict(batch_dim)
+    raise ValueError(
+        f"batch_dim must be a non-negative int or a dict from layer spec to one, got {batch_dim!r}"
+    )

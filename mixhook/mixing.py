@@ -17,7 +17,10 @@ in their own modules.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,8 +29,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils.hooks import RemovableHandle
 
+from . import recompute
 from .hooks import LayerHook, own_generator
-from .layers import INPUT
+from .sites import INPUT, Inputs, Leaf, batch_first, batch_leaves, describe, embedding_layers, replace_leaves
 
 
 def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None = None) -> torch.Tensor:
@@ -133,13 +137,16 @@ class MixState:
     """What one training forward mixed.
 
     Attributes:
-        layer: the name of the layer that was mixed.
+        layer: the layer spec that was mixed (as given, selector included).
         lam: the weight of each sample's own target (float64): a 0-d tensor, or one per sample (1-D) in
             ``mode="elem"``. For CutMix it is the area-corrected lam, for PatchUp the paper's target
             weight; ``loss`` and ``targets`` use it as is.
         index: 1-D int64 tensor: sample ``i`` was mixed with sample ``index[i]``.
         box: CutMix's pasted box ``(y1, y2, x1, x2)`` (rows ``y1:y2``, columns ``x1:x2``), else ``None``.
         mask: PatchUp's block mask ``(C, H, W)`` (1 where features were altered), else ``None``.
+        elements: the elements of the layer's output (or of the model's inputs) that were mixed, as
+            selector paths (``("[0]", "[1.0]")``; ``("[]",)`` for a plain tensor), with their batch
+            dimensions in ``batch_dims``.
     """
 
     layer: str
@@ -147,6 +154,8 @@ class MixState:
     index: torch.Tensor
     box: tuple[int, int, int, int] | None = None
     mask: torch.Tensor | None = None
+    elements: tuple[str, ...] = ("[]",)
+    batch_dims: tuple[int, ...] = (0,)
 
 
 @dataclass
@@ -154,9 +163,21 @@ class _Draw:
     """A mix decided at the start of a forward and applied when its layer runs."""
 
     layer: str
-    batch: int | None
     pinned: dict = field(default_factory=dict)
     done: bool = False
+    batch: int | None = None  # the batch size of the model's input, where it can be told
+    index: torch.Tensor | None = None  # once mixed: for the padding-mask policy downstream
+
+
+PADDING = ("union", "keep")
+# Arguments that carry a per-sample padding mask, and how two samples' masks combine so that a mixed
+# sample attends to the positions that are real in either partner: "max" where larger means "attend"
+# (HuggingFace's 0/1, boolean True-attends and additive 0/-inf masks), "min" where True means "ignore"
+# (PyTorch's boolean key_padding_mask).
+_MASK_ARGS = {"attention_mask": "max", "key_padding_mask": "min", "src_key_padding_mask": "min",
+              "tgt_key_padding_mask": "min", "memory_key_padding_mask": "min"}  # fmt: skip
+
+_MIXING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixing regularizer
 
 
 class Mixer(LayerHook):
@@ -164,10 +185,15 @@ class Mixer(LayerHook):
 
     The shared mechanism: at the start of each training forward (a forward pre-hook on the model)
     decide, with probability ``prob``, to mix, and at which layer (uniformly); when that layer runs (a
-    forward hook; for ``"input"`` the model's pre-hook) replace its output by :meth:`_mix`'s result;
-    after the forward (a forward hook on the model) check that the layer did run. ``pin``, ``last``,
-    ``loss`` and ``targets`` work the same for every subclass. Subclasses implement :meth:`_mix` and may
-    extend :meth:`check_output` and ``_pin_keys``.
+    forward hook; for ``"input"`` the model's pre-hook) replace the tensors it returns that carry the
+    batch (all of them, or the selected ones, each along its own batch dimension, see
+    :mod:`mixhook.sites`) by :meth:`_mix`'s result; after the forward (a forward hook on the model) check
+    that the layer did run. A recomputation by activation checkpointing replays the same mix
+    (:mod:`mixhook.recompute`). ``pin``, ``last``, ``loss`` and ``targets`` work the same for every
+    subclass. Subclasses implement :meth:`_mix` and may extend :meth:`_check_leaves` and ``_pin_keys``.
+
+    A model has at most one mixing regularizer attached at a time (two would each mix every batch):
+    combine several with :class:`~mixhook.OneOf`.
     """
 
     _pin_keys: tuple[str, ...] = ()
@@ -178,14 +204,20 @@ class Mixer(LayerHook):
         alpha: float,
         prob: float = 1.0,
         generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
     ):
-        super().__init__(layer)
+        super().__init__(layer, batch_dim)
         self.alpha = _check_positive("alpha", alpha)
         self.prob = check_fraction("prob", prob)
         self.generator = own_generator(generator)
+        if padding not in PADDING:
+            raise ValueError(f"padding must be one of {', '.join(PADDING)}, got {padding!r}")
+        self.padding = padding
         self.last: MixState | None = None
         self._draw: _Draw | None = None
         self._pinned: dict | None = None
+        self._mask_stack: list[bool] = []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layer={self._layer_spec!r}, alpha={self.alpha}, prob={self.prob})"
@@ -212,9 +244,7 @@ class Mixer(LayerHook):
             valid = ", ".join(("layer", "lam", "index", *self._pin_keys))
             raise TypeError(f"{type(self).__name__}.pin() got unknown values {unknown}; valid: {valid}")
         if layer is not None and layer not in self.layers:
-            raise ValueError(
-                f"pin(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}"
-            )  # noqa: E501
+            raise ValueError(f"pin(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}")
         if lam is not None:
             lam = torch.as_tensor(lam, dtype=torch.float64).detach().cpu()
             if lam.ndim > 1 or not bool(((lam >= 0) & (lam <= 1)).all()):
@@ -276,13 +306,24 @@ class Mixer(LayerHook):
             return smooth_one_hot(target, num_classes, smoothing)
         return mix_targets(target, num_classes, self.last.lam, self._index_for(target, "targets"), smoothing)
 
-    def check_output(self, name: str, h, batch: int | None) -> None:
-        """Raise ``TypeError`` unless ``h`` (what layer ``name`` returned) can be mixed by this class.
+    def check_output(self, spec: str, value, batch: int | None = None) -> None:
+        """Raise ``TypeError``/``ValueError`` (one line) unless what layer ``spec`` returned (for
+        ``"input"``: the model's :class:`~mixhook.sites.Inputs`) can be mixed by this class, for a model
+        input of ``batch`` samples.
 
-        The app calls it on a sample batch before training; the hooks call it on every mix."""
-        check_mixable(name, h, batch)
+        The app calls it on a sample batch before training; the hooks check every mix the same way.
+        Needs the regularizer to be attached (the batch dimensions depend on the model)."""
+        self._leaves(spec, self._site_value(spec, value), batch)
 
     # ---------------------------------------------------------------------------------- the hooks
+
+    def _check_attach(self, model: nn.Module) -> None:
+        other = _MIXING.get(model)
+        if other is not None and other is not self:
+            raise RuntimeError(
+                f"{type(model).__name__} already has a mixing regularizer attached ({other!r}); two would "
+                "each mix every batch: remove it first, or combine both with mixhook.OneOf([...])"
+            )
 
     def _register(
         self,
@@ -291,48 +332,89 @@ class Mixer(LayerHook):
         handles: list[RemovableHandle],
         root: bool = True,
     ) -> None:
-        """Register the layer hooks, and (``root``) the model hooks that start and end each forward.
-        :class:`~mixhook.compose.OneOf` registers the model hooks itself and passes ``root=False``."""
+        """Register the layer hooks, the padding-mask hooks, and (``root``) the model hooks that start
+        and end each forward. :class:`~mixhook.compose.OneOf` registers the model hooks itself and passes
+        ``root=False``."""
         if root:
             handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
-        for name, module in modules.items():
-            if name != INPUT:
-                handles.append(module.register_forward_hook(self._layer_hook(name)))
+        for spec, module in modules.items():
+            if self.sites[spec].layer != INPUT:
+                handles.append(module.register_forward_hook(self._layer_hook(spec)))
+        if self.padding == "union":
+            for name, module in model.named_modules():
+                if module is not model and _mask_params(module):
+                    pre, post = self._mask_hooks(f"padding mask of {name}")
+                    handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                    handles.append(module.register_forward_hook(post, always_call=True))
         if root:
             handles.append(model.register_forward_hook(self._on_model_output))
+            _MIXING[model] = self
 
     def _reset(self) -> None:
         self._draw = None
+        for model, mixer in list(_MIXING.items()):
+            if mixer is self:
+                del _MIXING[model]
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
+        if recompute.in_backward():  # the whole model is being recomputed: replay its input's mix
+            return self._replay_input(model, args, kwargs)
         if not model.training:
             self._draw = None
             return None
-        return self._begin(model, args, kwargs, self._decide(_batch_size(args, kwargs)))
+        return self._begin(model, args, kwargs, self._decide())
 
     def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Draw | None):
         """Start a training forward with ``draw`` (or no mix); mix the input now if it is the layer."""
         self.last = None
         self._draw = draw
-        if draw is None or draw.layer != INPUT:
+        self._mask_stack = []
+        if draw is None:
             return None
-        if not args:
-            raise TypeError(
-                f"mixup layer 'input' mixes the model's first positional argument, but "
-                f"{type(model).__name__} was called without one"
-            )
-        return (self._apply(INPUT, args[0]), *args[1:]), kwargs
+        draw.batch = self._reference_batch(model, args, kwargs)
+        if self.sites[draw.layer].layer != INPUT:
+            return None
+        inputs = Inputs(model, args, kwargs)
+        self._note(draw.layer, (recompute.generator_state(self.generator), draw.pinned))
+        value, self.last = self._apply(draw.layer, inputs, draw.pinned, self.generator, draw.batch)
+        draw.done, draw.index = True, self.last.index
+        args, kwargs = _rebuild_inputs(inputs, self.sites[draw.layer], value)
+        return self._union_masks(model, args, kwargs, draw.index, root=True)
 
-    def _layer_hook(self, name: str):
+    def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
+        for spec, site in self.sites.items():
+            if site.layer == INPUT:
+                payload = self._replayed(spec)
+                if payload is not None:
+                    state, pinned = payload
+                    inputs = Inputs(model, args, kwargs)
+                    gen = recompute.replay_generator(self.generator, state)
+                    value, _ = self._apply(spec, inputs, pinned, gen)
+                    return _rebuild_inputs(inputs, site, value)
+        return None
+
+    def _layer_hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, output):
+            if recompute.in_backward():
+                payload = self._replayed(spec)
+                if payload is None:
+                    return None
+                state, pinned = payload
+                return self._apply(spec, output, pinned, recompute.replay_generator(self.generator, state))[0]
             draw = self._draw
-            if draw is None or draw.done or draw.layer != name:
+            if draw is None or draw.done or draw.layer != spec:
+                self._note(spec)
                 return None
-            return self._apply(name, output)
+            self._note(spec, (recompute.generator_state(self.generator), draw.pinned))
+            mixed, self.last = self._apply(spec, output, draw.pinned, self.generator, draw.batch)
+            draw.done, draw.index = True, self.last.index
+            return mixed
 
         return hook
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
+        if recompute.in_backward():
+            return
         draw, self._draw = self._draw, None
         if draw is not None and not draw.done:
             raise RuntimeError(
@@ -343,7 +425,7 @@ class Mixer(LayerHook):
                 "compiling.)"
             )
 
-    def _decide(self, batch: int | None) -> _Draw | None:
+    def _decide(self) -> _Draw | None:
         """Whether this forward mixes, and where (pinned values win; a pinned forward always mixes)."""
         pinned, self._pinned = self._pinned, None
         g = self.generator
@@ -357,28 +439,140 @@ class Mixer(LayerHook):
             if len(self.layers) > 1:
                 k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
             layer = self.layers[k]
-        return _Draw(layer=layer, batch=batch, pinned=pinned)
+        return _Draw(layer=layer, pinned=pinned)
 
-    def _apply(self, name: str, h) -> torch.Tensor:
-        draw = self._draw
-        self.check_output(name, h, draw.batch)
-        n = h.shape[0]
-        index = draw.pinned.get("index")
-        lam = draw.pinned.get("lam")
-        if lam is None:
-            lam = self._sample_lam(n)
-        elif lam.ndim == 1 and lam.shape[0] != n:
-            raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {name!r} has {n}")
-        if index is None:
-            index = torch.randperm(n, generator=self.generator, device=self.generator.device)
-        elif index.shape[0] != n or (n and (int(index.min()) < -n or int(index.max()) >= n)):
-            raise ValueError(
-                f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
-                f"does not index the batch of {n} at layer {name!r}"
+    # -------------------------------------------------------------------------- padding masks
+
+    def _mask_hooks(self, key: str):
+        """Downstream of a mix, a module that takes a padding mask gets the union of the partners' masks:
+        only the outermost such call (the calls inside it get what it hands them). ``key`` names the
+        module for a recomputation, which applies the same union again."""
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict):
+            if recompute.in_backward():
+                index = self._replayed(key)
+                return None if index is None else self._union_masks(module, args, kwargs, index)
+            draw = self._draw
+            if draw is None or draw.index is None or any(self._mask_stack):
+                self._mask_stack.append(False)
+                self._note(key)
+                return None
+            result = self._union_masks(module, args, kwargs, draw.index)
+            self._mask_stack.append(result is not None)
+            self._note(key, draw.index if result is not None else None)
+            return result
+
+        def post(module: nn.Module, args: tuple, output) -> None:
+            if self._mask_stack and not recompute.in_backward():
+                self._mask_stack.pop()
+
+        return pre, post
+
+    def _union_masks(self, module: nn.Module, args: tuple, kwargs: dict, index: torch.Tensor, root=False):
+        if self.padding != "union":
+            return (args, kwargs) if root else None
+        inputs = Inputs(module, args, kwargs)
+        new = {}
+        for name, how in _MASK_ARGS.items():
+            mask = inputs.get(name)
+            if isinstance(mask, torch.Tensor) and mask.ndim >= 1 and mask.shape[0] == index.shape[0]:
+                partner = mask[index.to(mask.device)]
+                new[name] = torch.maximum(mask, partner) if how == "max" else torch.minimum(mask, partner)
+        if root:
+            if new:
+                self._mask_stack.append(True)
+            return inputs.rebuild(new) if new else (args, kwargs)
+        return inputs.rebuild(new) if new else None
+
+    # ------------------------------------------------------------------------------ the mix itself
+
+    def _site_value(self, spec: str, value):
+        """What a spec acts on in a layer's output or, for ``"input"``, the model's :class:`Inputs`:
+        with a selector, the whole (the selector picks), else the output or the first argument."""
+        site = self.sites[spec]
+        if site.layer != INPUT:
+            return value
+        if not len(value):
+            raise TypeError(f"mixup layer {spec!r}: the model was called without arguments; nothing to mix")
+        return value if site.paths is not None else value[0]
+
+    def _leaves(self, spec: str, value, expected: int | None = None) -> tuple[list[Leaf], int]:
+        site = self.sites[spec]
+        if site.layer == INPUT:
+            self._check_token_ids(spec, value)
+        if self._model is None:
+            raise RuntimeError(f"{type(self).__name__}.check_output() needs the regularizer attached")
+        kind = type(self).__name__
+        found, batch = batch_leaves(value, site, self._dims[spec], kind, inputs=site.layer == INPUT)
+        if expected is not None and batch != expected:
+            raise TypeError(
+                f"{kind} at {spec!r}: it returned {describe(value)}, whose batch dimension "
+                f"{found[0].dim} has size {batch}, but the model's input has a batch of {expected}: the layer "
+                "loses or reshapes the batch dimension; choose another layer, or pass batch_dim"
             )
-        draw.done = True
-        mixed, self.last = self._mix(name, h, lam, index, _inverse(index, draw.pinned), draw.pinned)
-        return mixed
+        self._check_leaves(spec, found)
+        return found, batch
+
+    def _reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
+        """The batch size of the model's input, to check each mixed layer against: the first tensor
+        argument's batch dimension, where the model's layout tells it (``None`` where it does not)."""
+        dims = next(iter(self._dims.values()), None)
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        if dims is None or first is None or first.ndim == 0:
+            return None
+        model_layout = batch_first(model)
+        if model_layout is None and dims.seq_first:
+            return None
+        dim = 0 if model_layout in (None, True) else 1
+        return first.shape[dim] if first.ndim > dim else None
+
+    def _check_token_ids(self, spec: str, value) -> None:
+        selected = value if isinstance(value, torch.Tensor) else None
+        if selected is None and isinstance(value, Inputs):
+            paths = self.sites[spec].paths or ()
+            picked = [value.get(value.key(p[0])) if isinstance(p[0], str) or p[0] < len(value) else None
+                      for p in paths]  # fmt: skip
+            selected = next((t for t in picked if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
+        if isinstance(selected, torch.Tensor) and not (selected.is_floating_point() or selected.is_complex()):
+            embeddings = embedding_layers(self._model) if self._model is not None else []
+            where = (f"mix the embeddings instead: {', '.join(embeddings[:4])}, or a layer after them"
+                     if embeddings else "mix a layer whose output is floating point")  # fmt: skip
+            raise TypeError(
+                f"mixup layer {spec!r}: the model's input is a {str(selected.dtype).removeprefix('torch.')} "
+                f"tensor of shape {tuple(selected.shape)} (token ids or labels), which cannot be blended; {where}"
+            )
+
+    def _check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        """Subclasses refuse what they cannot mix (CutMix: anything but one (B, C, H, W) map)."""
+
+    def _apply(self, spec: str, value, pinned: dict, generator: torch.Generator, batch: int | None = None):
+        """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
+        mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`."""
+        site_value = self._site_value(spec, value)
+        found, n = self._leaves(spec, site_value, batch)
+        saved, self.generator = self.generator, generator  # a replay draws from a copy of the state
+        try:
+            index = pinned.get("index")
+            lam = pinned.get("lam")
+            if lam is None:
+                lam = self._sample_lam(n)
+            elif lam.ndim == 1 and lam.shape[0] != n:
+                raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
+            if index is None:
+                index = torch.randperm(n, generator=generator, device=generator.device)
+            elif index.shape[0] != n or (n and (int(index.min()) < -n or int(index.max()) >= n)):
+                raise ValueError(
+                    f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
+                    f"does not index the batch of {n} at layer {spec!r}"
+                )
+            inverse = _inverse(index, pinned)
+            mixed, state = self._mix(spec, found, lam, index, inverse, pinned)
+        finally:
+            self.generator = saved
+        state = dataclasses.replace(
+            state, elements=tuple(leaf.name for leaf in found), batch_dims=tuple(leaf.dim for leaf in found)
+        )
+        return replace_leaves(site_value, mixed), state
 
     # ------------------------------------------------------------------------------ for subclasses
 
@@ -387,15 +581,17 @@ class Mixer(LayerHook):
 
     def _mix(
         self,
-        name: str,
-        h: torch.Tensor,
+        spec: str,
+        leaves: list[Leaf],
         lam: torch.Tensor,
         index: torch.Tensor,
         inverse: torch.Tensor | None,
         pinned: dict,
-    ) -> tuple[torch.Tensor, MixState]:
-        """Return the mixed tensor and the :class:`MixState` that ``loss``/``targets`` will use.
-        ``inverse`` is ``index``'s inverse permutation (``None`` for a pinned index that is not one)."""
+    ) -> tuple[dict, MixState]:
+        """Return ``{path: mixed tensor}`` for the ``leaves`` (each carrying the batch along
+        ``leaf.dim``) and the :class:`MixState` that ``loss``/``targets`` will use. ``inverse`` is
+        ``index``'s inverse permutation (``None`` for a pinned index that is not one). Draws come from
+        ``self.generator``."""
         raise NotImplementedError
 
     def _index_for(self, target: torch.Tensor, what: str) -> torch.Tensor:
@@ -406,6 +602,29 @@ class Mixer(LayerHook):
                 f"{index.shape[0]}"
             )
         return index.to(target.device)
+
+
+def _rebuild_inputs(inputs: Inputs, site, value) -> tuple[tuple, dict]:
+    """The model's ``(args, kwargs)`` with the mixed value put back: the first argument, or the selected
+    arguments of the :class:`Inputs` copy."""
+    if site.paths is None:
+        return inputs.rebuild({next(iter(inputs)): value})
+    return inputs.rebuild({name: value[name] for name in value})
+
+
+def _mask_params(module: nn.Module) -> bool:
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in params for name in _MASK_ARGS)
+
+
+def along(dim: int, fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """``fn`` applied with the batch moved to dim 0 and moved back (a view; nothing copied for dim 0)."""
+    if dim == 0:
+        return fn(h)
+    return fn(h.movedim(dim, 0)).movedim(0, dim)
 
 
 class ManifoldMixup(Mixer):
@@ -435,7 +654,15 @@ class ManifoldMixup(Mixer):
         generator: the ``torch.Generator`` every draw comes from. By default a CPU generator seeded from
             ``torch.initial_seed()``, so ``torch.manual_seed(s)`` makes the draws reproducible without
             consuming the global random stream.
+        batch_dim: where mixhook cannot find the batch dimension itself (see :mod:`mixhook.sites`): an
+            int, or a dict from layer spec to int.
+        padding: ``"union"`` (default): downstream of the mixed layer, every module that takes a padding
+            mask (``attention_mask``, ``key_padding_mask``, ...) gets the union of the two partners'
+            masks, so a mixed sample attends to the positions that are real in either; ``"keep"``:
+            masks are left as they are.
 
+    A layer's output is mixed as a whole: every tensor in it that carries the batch, each along its
+    own batch dimension, with one lam and one permutation; a selector (``"lstm[1.0]"``) restricts it.
     A layer called several times in one forward is mixed at its first call only.
     """
 
@@ -446,8 +673,10 @@ class ManifoldMixup(Mixer):
         prob: float = 1.0,
         generator: torch.Generator | None = None,
         mode: str = "batch",
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
     ):
-        super().__init__(layer, alpha, prob, generator)
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
         if mode not in ("batch", "elem"):
             raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
         self.mode = mode
@@ -461,10 +690,11 @@ class ManifoldMixup(Mixer):
             return sample_beta(self.alpha, self.alpha, self.generator, size=n)
         return sample_lam(self.alpha, self.generator)
 
-    def _mix(self, name, h, lam, index, inverse, pinned):
+    def _mix(self, spec, leaves, lam, index, inverse, pinned):
         if self.mode == "elem" and lam.ndim == 0:
-            lam = lam.expand(h.shape[0])
-        return blend(h, lam, index, inverse), MixState(layer=name, lam=lam, index=index)
+            lam = lam.expand(index.shape[0])
+        mixed = {leaf.path: along(leaf.dim, lambda h: blend(h, lam, index, inverse), leaf.tensor) for leaf in leaves}
+        return mixed, MixState(layer=spec, lam=lam, index=index)
 
 
 class NoisyFeatureMixup(ManifoldMixup):
@@ -476,7 +706,8 @@ class NoisyFeatureMixup(ManifoldMixup):
     ``mult_noise=0`` nothing more is drawn or computed: it equals :class:`ManifoldMixup` exactly.
 
     Args:
-        layer, alpha, prob, generator, mode: as :class:`ManifoldMixup` (alpha defaults to the paper's 1.0).
+        layer, alpha, prob, generator, mode, batch_dim, padding: as :class:`ManifoldMixup` (alpha defaults
+            to the paper's 1.0).
         add_noise: the additive noise level, >= 0 (paper: 0.4).
         mult_noise: the multiplicative noise level, >= 0 (paper: 0.2).
     """
@@ -490,25 +721,29 @@ class NoisyFeatureMixup(ManifoldMixup):
         prob: float = 1.0,
         generator: torch.Generator | None = None,
         mode: str = "batch",
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
     ):
-        super().__init__(layer, alpha, prob, generator, mode)
+        super().__init__(layer, alpha, prob, generator, mode, batch_dim, padding)
         self.add_noise = _check_non_negative("add_noise", add_noise)
         self.mult_noise = _check_non_negative("mult_noise", mult_noise)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, add_noise={self.add_noise}, mult_noise={self.mult_noise})"
 
-    def _mix(self, name, h, lam, index, inverse, pinned):
-        mixed, state = super()._mix(name, h, lam, index, inverse, pinned)
+    def _mix(self, spec, leaves, lam, index, inverse, pinned):
+        mixed, state = super()._mix(spec, leaves, lam, index, inverse, pinned)
         g = self.generator
-        if self.mult_noise > 0:
+        if self.mult_noise > 0:  # the levels are drawn once per batch, the noise per element
             level = self.mult_noise * sample_beta(2.0, 5.0, g)
-            uniform = torch.rand(h.shape, generator=g, device=g.device, dtype=torch.float64)
-            mixed = mixed * (1 + level * (2 * uniform - 1)).to(device=h.device, dtype=h.dtype)
+            for path, m in mixed.items():
+                uniform = torch.rand(m.shape, generator=g, device=g.device, dtype=torch.float64)
+                mixed[path] = m * (1 + level * (2 * uniform - 1)).to(device=m.device, dtype=m.dtype)
         if self.add_noise > 0:
             level = self.add_noise * sample_beta(2.0, 5.0, g)
-            normal = torch.randn(h.shape, generator=g, device=g.device, dtype=torch.float64)
-            mixed = mixed + (level * normal).to(device=h.device, dtype=h.dtype)
+            for path, m in mixed.items():
+                normal = torch.randn(m.shape, generator=g, device=g.device, dtype=torch.float64)
+                mixed[path] = m + (level * normal).to(device=m.device, dtype=m.dtype)
         return mixed, state
 
 
@@ -517,42 +752,23 @@ def _inverse(index: torch.Tensor, pinned: dict) -> torch.Tensor | None:
     return inverse_permutation(index) if "index" in pinned else _scatter_inverse(index)
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.shape[0] if value.ndim else None
-    return None
-
-
-def describe(value) -> str:
-    """A short description of what a layer returned, for error messages."""
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        inner = ", ".join(describe(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4])
-        return f"a {type(value).__name__} of {len(value)} ({inner}{', ...' if len(value) > 4 else ''})"
-    return f"a {type(value).__name__}"
-
-
-def check_mixable(name: str, h, batch: int | None) -> None:
-    """Raise ``TypeError`` unless ``h`` (what layer ``name`` returned) is a tensor of batch size ``batch``."""
-    ok = isinstance(h, torch.Tensor) and h.ndim >= 1 and (batch is None or h.shape[0] == batch)
-    if not ok:
-        want = f"the batch size {batch}" if batch is not None else "the batch size"
+def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
+    """The one ``(B, C, H, W)`` map (batch at dim 0) that the mixers cutting regions act on, or a one-line
+    ``TypeError`` naming the elements to choose from."""
+    if len(leaves) != 1:
+        names = ", ".join(f"{leaf.name} {tuple(leaf.tensor.shape)}" for leaf in leaves)
         raise TypeError(
-            f"cannot mix layer {name!r}: it returned {describe(h)}, but mixing needs a tensor whose "
-            f"first dimension is {want}"
+            f"{kind} at {spec!r}: the layer returns {len(leaves)} tensors that carry the batch ({names}); "
+            f"{kind} cuts one map: select it, e.g. '{spec.split('[')[0]}{leaves[0].name}'"
         )
-
-
-def check_spatial(kind: str, name: str, h, batch: int | None) -> None:
-    """:func:`check_mixable`, and ``h`` must be ``(B, C, H, W)``: for the mixers that cut regions."""
-    check_mixable(name, h, batch)
-    if h.ndim != 4:
+    h = leaves[0].tensor
+    if h.ndim != 4 or leaves[0].dim != 0:
+        element = f" element {leaves[0].name}" if leaves[0].path else ""
         raise TypeError(
-            f"{kind} at layer {name!r} needs an output with two spatial dimensions (B, C, H, W), "
-            f"but it returned {describe(h)}"
+            f"{kind} at {spec!r} needs a (B, C, H, W) map with the batch first, but{element} has shape "
+            f"{tuple(h.shape)} with the batch at dim {leaves[0].dim}"
         )
+    return h
 
 
 def _number(name: str, value) -> float:

@@ -54,8 +54,9 @@ class PatchUp(Mixer):
         mode: ``"soft"`` or ``"hard"``.
         alpha: Beta concentration for soft PatchUp's lam (the paper's code: 2.0).
         prob: probability that a batch is mixed, in [0, 1].
-        generator: as :class:`~mixhook.ManifoldMixup`.
+        generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
 
+    The layer (or the selected element) must give one ``(B, C, H, W)`` map; ``.last.elements`` names it.
     ``pin`` also takes ``mask`` (a ``(C, H, W)`` 0/1 tensor); a pinned ``lam`` is soft mode's lam.
     """
 
@@ -70,8 +71,10 @@ class PatchUp(Mixer):
         alpha: float = 2.0,
         prob: float = 1.0,
         generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
     ):
-        super().__init__(layer, alpha, prob, generator)
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
         if (
             isinstance(block_size, bool)
             or not isinstance(block_size, int)
@@ -89,15 +92,17 @@ class PatchUp(Mixer):
         extra = f"block_size={self.block_size}, gamma={self.gamma}, mode={self.mode!r}"
         return f"{super().__repr__()[:-1]}, {extra})"
 
-    def check_output(self, name: str, h, batch: int | None) -> None:
-        check_spatial("PatchUp", name, h, batch)
+    def _check_leaves(self, spec, leaves) -> None:
+        h = check_spatial("PatchUp", spec, leaves)
+        name = spec
         if min(h.shape[-2:]) < self.block_size:
             raise ValueError(
                 f"PatchUp block_size={self.block_size} is larger than the {h.shape[-2]}x{h.shape[-1]} "
                 f"feature map of layer {name!r}; use a smaller block_size or an earlier layer"
             )
 
-    def _mix(self, name, h, lam, index, inverse, pinned):
+    def _mix(self, spec, leaves, lam, index, inverse, pinned):
+        name, h, path = spec, leaves[0].tensor, leaves[0].path
         channels, height, width = h.shape[1:]
         mask = pinned.get("mask")
         if mask is None:
@@ -117,4 +122,4 @@ class PatchUp(Mixer):
             mixed = (1 - m) * h + m * blend(h, lam, index, inverse)
             weight = 1.0 - altered * (1.0 - float(lam))
         state = MixState(layer=name, lam=torch.tensor(weight, dtype=torch.float64), index=index, mask=mask)
-        return mixed, state
+        return {path: mixed}, state

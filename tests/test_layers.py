@@ -63,7 +63,7 @@ def test_trace_outputs_records_layers_restores_mode_and_leaves_no_hooks():
     model = PreActResNet18(in_channels=1).train()
     x = torch.randn(2, 1, 8, 8)
     outputs = trace_outputs(model, ["input", "layer1", "layer3"], x)
-    assert outputs["input"] is x
+    assert outputs["input"][0] is x and list(outputs["input"]) == ["x"]  # the model's arguments by name
     assert outputs["layer1"].shape == (2, 64, 8, 8) and outputs["layer3"].shape == (2, 256, 2, 2)
     assert model.training
     assert all(not m._forward_hooks for m in model.modules())

@@ -1,8 +1,9 @@
 """Layer specs: turn the names a user writes into the modules of a model.
 
 A layer is named exactly as ``model.named_modules()`` spells it (``"layer2"``, ``"layer3.1.conv2"``),
-or by the special name ``"input"``, which stands for the model's own input (its first positional
-argument). Unknown names raise :class:`UnknownLayerError` with the closest names and the valid ones.
+or by the special name ``"input"``, which stands for the model's own input; either may carry a selector
+(``"lstm[1.0]"``, ``"input[x,meta]"``, see :mod:`mixhook.sites`). Unknown names raise
+:class:`UnknownLayerError` with the closest names and the valid ones.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-INPUT = "input"
-"""The special layer name for the model's input (classic input mixup)."""
+from ..sites import INPUT, Inputs, parse_site
 
 _LISTED_DEPTH = 2  # names with at most this many dotted parts are listed in full in errors
 
@@ -42,6 +42,7 @@ def normalize_layers(layer: str | Sequence[str]) -> tuple[str, ...]:
     for name in names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"layer names must be non-empty strings, got {name!r} in {list(names)!r}")
+        parse_site(name)  # a malformed selector is refused here, before any model is seen
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"layer lists {duplicates} more than once; name each layer once")
@@ -54,18 +55,20 @@ def layer_names(model: nn.Module) -> list[str]:
 
 
 def resolve_layers(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
-    """Map each name to its module (``"input"`` maps to ``model`` itself), in the order given.
+    """Map each name (a site spec: a layer name with an optional selector) to its module (``"input"``
+    maps to ``model`` itself), in the order given.
 
     Raises :class:`UnknownLayerError` naming the first unknown name, the closest valid names and the
     valid names (all names with up to two dotted parts, and how many deeper ones exist).
     """
     modules = dict(model.named_modules())
     resolved: dict[str, nn.Module] = {}
-    for name in names:
+    for spec in names:
+        name = parse_site(spec).layer if spec else spec
         if name == INPUT:
-            resolved[name] = model
+            resolved[spec] = model
         elif name and name in modules:
-            resolved[name] = modules[name]
+            resolved[spec] = modules[name]
         else:
             raise UnknownLayerError(_unknown_layer_message(model, name))
     return resolved
@@ -83,7 +86,8 @@ def _unknown_layer_message(model: nn.Module, name: str) -> str:
 
 def trace_outputs(model: nn.Module, names: Sequence[str], *args, **kwargs) -> dict[str, object]:
     """Run ``model(*args, **kwargs)`` once in eval mode without gradients and return what each named
-    layer returned (``"input"``: the first positional argument). Layers that did not run are absent.
+    layer returned (``"input"``: the model's :class:`~mixhook.sites.Inputs`). Layers that did not run are
+    absent. Keys are the names (site specs) given; a selector is not applied here.
 
     Used to check, before training starts, that the chosen layers can be mixed. The model's
     training flag is restored afterwards and no hook is left behind.
@@ -103,9 +107,8 @@ def trace_outputs(model: nn.Module, names: Sequence[str], *args, **kwargs) -> di
     was_training = model.training
     try:
         for name, module in modules.items():
-            if name == INPUT:
-                if args:
-                    outputs[name] = args[0]
+            if parse_site(name).layer == INPUT:
+                outputs[name] = Inputs(model, args, kwargs)
             else:
                 handles.append(module.register_forward_hook(recorder(name)))
         model.eval()

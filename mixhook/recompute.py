@@ -1,0 +1,175 @@
+"""Activation checkpointing: a recomputed forward re-applies exactly what the original forward applied.
+
+``torch.utils.checkpoint`` (both ``use_reentrant`` modes), ``checkpoint_sequential``, timm's
+``set_grad_checkpointing()`` and HuggingFace's ``gradient_checkpointing_enable()`` run a block's forward a
+second time during backward, and every module hook fires again. A hook that draws at random (a mix's lam,
+permutation, box, mask or noise; a per-sample scale) would draw anew, so the recomputed activations, and
+with them the gradients, would differ from the forward's (reentrant mode), or the recomputation would
+fail (non-reentrant mode). So:
+
+- In a training forward, a hook that acts inside a region that may be recomputed (gradients disabled in a
+  training forward: reentrant mode; saved-tensor hooks active: non-reentrant mode) notes what it needs to
+  act again (its generator's state before the draw, its pinned values) in this forward's
+  :class:`ForwardRecord`.
+- When the model's forward returns, every autograd node that forward created is tagged with its record
+  (``node.metadata``), so the record lives exactly as long as the graph.
+- During backward (:func:`in_backward`), a hook that fires again finds the record of the forward being
+  recomputed through the autograd node that backward is executing (``torch._C._current_autograd_node``)
+  and replays from it, without touching its own generator. Anything it cannot find is refused in one
+  line: never a silently different recomputation.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .sites import leaves
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread: a module forward now is a
+    recomputation (activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # an older torch: assume it may be a checkpointed region
+        return True
+    return top(False) is not None
+
+
+def may_be_recomputed() -> bool:
+    """In a training forward: whether what runs now may be recomputed in backward (activation
+    checkpointing): gradients are off (reentrant mode) or saved-tensor hooks are on (non-reentrant)."""
+    return not torch.is_grad_enabled() or _saved_tensor_hooks_active()
+
+
+class RecomputeError(RuntimeError):
+    """A recomputation that mixhook cannot make exact: refused instead of silently different."""
+
+
+class ForwardRecord:
+    """What the hooks did in one training forward that a recomputation must do again."""
+
+    def __init__(self):
+        self.needed = False
+        self.entries: dict[tuple[int, str], object] = {}
+        self.calls: dict[tuple[int, str], int] = {}
+
+
+class Tracker:
+    """One per model: opens a :class:`ForwardRecord` at each forward and tags the autograd
+    graph with it when the forward returns (only when a hook inside a recomputable region asked)."""
+
+    def __init__(self, model: nn.Module):
+        self.key = f"mixhook.record.{id(self)}"
+        self.users = 0
+        self.record: ForwardRecord | None = None
+        self._stop: set = set()
+        self._handles = [
+            model.register_forward_pre_hook(self._begin, with_kwargs=True, prepend=True),
+            model.register_forward_hook(self._end, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _begin(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if in_backward():
+            return  # a recomputation of the whole model keeps the record it is replaying
+        self.record = ForwardRecord()
+        self._stop = {t.grad_fn for _, t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+
+    def _end(self, model: nn.Module, args: tuple, output) -> None:
+        record = self.record
+        if record is None or in_backward():
+            return
+        self.record = None
+        if record.needed:
+            self._tag(output, record)
+
+    def note(self, hook: object, spec: str, payload: object = None) -> None:
+        """Inside a recomputable region of a training forward: remember ``payload`` for ``hook`` at
+        ``spec`` (``None``: the site ran and did nothing a recomputation must repeat)."""
+        record = self.record
+        if record is None:
+            return
+        record.needed = True
+        key = (id(hook), spec)
+        record.calls[key] = record.calls.get(key, 0) + 1
+        if payload is not None and key not in record.entries:
+            record.entries[key] = payload
+
+    def replay(self, hook: object, spec: str, what: str) -> object:
+        """During backward: the payload ``hook`` noted at ``spec`` in the forward being recomputed, or
+        ``None`` if it acted on nothing there. Raises :class:`RecomputeError` where it cannot be known."""
+        node = torch._C._current_autograd_node()
+        record = node.metadata.get(self.key) if node is not None else None
+        if record is None:
+            raise RecomputeError(
+                f"{what} at {spec!r} ran again during backward (activation checkpointing), but mixhook "
+                "cannot find the forward it recomputes (a checkpoint around the whole hooked model in "
+                "reentrant mode, or a recomputation outside torch.utils.checkpoint); checkpoint inner "
+                "blocks, or use use_reentrant=False"
+            )
+        key = (id(hook), spec)
+        payload = record.entries.get(key)
+        if payload is not None and record.calls.get(key, 0) > 1:
+            raise RecomputeError(
+                f"{what} at {spec!r}: the layer runs {record.calls[key]} times per forward and is "
+                "recomputed by activation checkpointing, so mixhook cannot tell which call is being "
+                "recomputed; choose a layer that runs once"
+            )
+        return payload
+
+    def _tag(self, output, record: ForwardRecord) -> None:
+        stack = [t.grad_fn for _, t in leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn]
+        seen = set(self._stop)
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            metadata = node.metadata
+            if self.key in metadata:  # an earlier forward's graph: not ours to relabel
+                continue
+            metadata[self.key] = record
+            for child, _ in node.next_functions:
+                if child is not None and child not in seen and type(child).__name__ != "AccumulateGrad":
+                    stack.append(child)
+
+
+_TRACKERS: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
+
+
+def acquire(model: nn.Module) -> Tracker:
+    """The model's tracker (registered with the first hook that needs it)."""
+    tracker = _TRACKERS.get(model)
+    if tracker is None:
+        tracker = _TRACKERS[model] = Tracker(model)
+    tracker.users += 1
+    return tracker
+
+
+def release(model: nn.Module, tracker: Tracker) -> None:
+    """Drop one user of the tracker; the last one removes its hooks."""
+    tracker.users -= 1
+    if tracker.users <= 0:
+        tracker.remove()
+        if _TRACKERS.get(model) is tracker:
+            del _TRACKERS[model]
+
+
+def generator_state(generator: torch.Generator) -> torch.Tensor:
+    return generator.get_state()
+
+
+def replay_generator(generator: torch.Generator, state: torch.Tensor) -> torch.Generator:
+    """A new generator on ``generator``'s device in ``state``: replays the draws without advancing the
+    hook's own generator."""
+    return torch.Generator(device=generator.device).set_state(state)

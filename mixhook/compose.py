@@ -83,11 +83,11 @@ class OneOf(LayerHook):
         """The chosen regularizer's ``targets``."""
         return (self.chosen or self.mixers[0]).targets(target, num_classes, smoothing)
 
-    def check_output(self, spec: str, value) -> None:
+    def check_output(self, spec: str, value, batch: int | None = None) -> None:
         """Each regularizer that may mix ``spec`` must accept what it returned."""
         for mixer in self.mixers:
             if spec in mixer.layers:
-                mixer.check_output(spec, value)
+                mixer.check_output(spec, value, batch)
 
     def _check_attach(self, model: nn.Module) -> None:
         Mixer._check_attach(self, model)

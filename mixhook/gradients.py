@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .hooks import LayerHook
-from .layers import INPUT
 from .mixing import per_sample
+from .sites import INPUT, Inputs, batch_leaves, replace_leaves, select
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -51,12 +51,14 @@ class GradScale(LayerHook):
     The forward pass is unchanged, and so are the layer's own parameter gradients and everything
     downstream of the layer. ``factor < 0`` is a gradient reversal layer (Ganin & Lempitsky 2015,
     "Unsupervised Domain Adaptation by Backpropagation", ICML); ``0 < factor < 1`` slows the learning of
-    everything before the layer. Every positional tensor input that requires grad is scaled.
+    everything before the layer. Every tensor input that requires grad is scaled, positional or
+    keyword (``layer(hidden_states=h)`` like ``layer(h)``), or those a selector picks (``"block[x]"``).
     ``layer="input"`` scales the gradient with respect to the model's input. Training mode only.
     See the module docstring for the mechanism.
 
     Args:
-        layer: a module name, ``"input"``, or a list of names (each is scaled).
+        layer: a module name, ``"input"``, or a list of names (each is scaled); each may carry a selector
+            of the layer's arguments.
         factor: a finite number.
     """
 
@@ -68,22 +70,24 @@ class GradScale(LayerHook):
         return f"GradScale(layer={self._layer_spec!r}, factor={self.factor})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        for name, module in modules.items():
-            copy = name != INPUT and any(getattr(m, "inplace", False) is True for m in module.modules())
-            handles.append(module.register_forward_pre_hook(self._pre_hook(copy)))
+        for spec, module in modules.items():
+            inner = self.sites[spec].layer != INPUT
+            copy = inner and any(getattr(m, "inplace", False) is True for m in module.modules())
+            handles.append(module.register_forward_pre_hook(self._pre_hook(spec, copy), with_kwargs=True))
 
-    def _pre_hook(self, copy: bool):
-        def hook(module: nn.Module, args: tuple):
+    def _pre_hook(self, spec: str, copy: bool):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
             if not self._model.training or not torch.is_grad_enabled():
+                return None  # (a reentrant checkpoint's forward: its recomputation scales instead)
+            inputs = Inputs(module, args, kwargs)
+            found = [
+                (path, t)
+                for path, t in select(inputs, self.sites[spec], "its input")
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if not found:
                 return None
-            if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-                return None
-            return tuple(
-                _ScaleGrad.apply(a, self.factor, copy)
-                if isinstance(a, torch.Tensor) and a.requires_grad
-                else a
-                for a in args
-            )
+            return inputs.rebuild(replace_leaves(inputs, {p: _ScaleGrad.apply(t, self.factor, copy) for p, t in found}))
 
         return hook
 
@@ -105,14 +109,18 @@ class GradClip(LayerHook):
     ``.last_norms`` holds the per-sample norms seen by the last backward (before clipping). Training
     mode only. See the module docstring for the mechanism (a tensor hook on the output).
 
+    Every tensor in the layer's output that carries the batch is clipped per sample along its own
+    batch dimension (see :mod:`mixhook.sites`), or those a selector picks (``"lstm[0]"``).
+
     Args:
         layer: a module name or a list of names (``"input"`` has no output gradient to clip).
         max_norm: a finite number > 0.
+        batch_dim: where mixhook cannot find the batch dimension itself.
     """
 
-    def __init__(self, layer: str | Sequence[str], max_norm: float):
-        super().__init__(layer)
-        if INPUT in self.layers:
+    def __init__(self, layer: str | Sequence[str], max_norm: float, batch_dim: int | dict | None = None):
+        super().__init__(layer, batch_dim)
+        if any(site.layer == INPUT for site in self.sites.values()):
             raise ValueError(
                 "GradClip clips the gradient at a layer's output; 'input' (the model's input) is not a "
                 "layer with an output: name a module"
@@ -126,19 +134,29 @@ class GradClip(LayerHook):
         return f"GradClip(layer={self._layer_spec!r}, max_norm={self.max_norm})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        for module in modules.values():
-            handles.append(module.register_forward_hook(self._forward_hook))
+        for spec, module in modules.items():
+            handles.append(module.register_forward_hook(self._forward_hook(spec)))
 
-    def _forward_hook(self, module: nn.Module, args: tuple, output) -> None:
-        if not self._model.training or not torch.is_grad_enabled():
-            return
-        for tensor in output if isinstance(output, (tuple, list)) else (output,):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.ndim >= 1:
-                tensor.register_hook(self._clip)
+    def _forward_hook(self, spec: str):
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            # (in a reentrant checkpoint's forward gradients are off: its recomputation registers instead)
+            if not self._model.training or not torch.is_grad_enabled():
+                return
+            found, _ = batch_leaves(output, self.sites[spec], self._dims[spec], "GradClip")
+            for i, leaf in enumerate(found):
+                if leaf.tensor.requires_grad:
+                    leaf.tensor.register_hook(self._clipper(leaf.dim, first=i == 0))
 
-    def _clip(self, grad: torch.Tensor) -> torch.Tensor:
-        clipped, self.last_norms = clip_per_sample(grad, self.max_norm)
-        return clipped
+        return hook
+
+    def _clipper(self, dim: int, first: bool):
+        def clip(grad: torch.Tensor) -> torch.Tensor:
+            clipped, norms = clip_per_sample(grad.movedim(dim, 0), self.max_norm)
+            if first:
+                self.last_norms = norms
+            return clipped.movedim(0, dim)
+
+        return clip
 
 
 def _finite(name: str, value) -> float:

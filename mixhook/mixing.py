@@ -608,8 +608,8 @@ def _rebuild_inputs(inputs: Inputs, site, value) -> tuple[tuple, dict]:
     """The model's ``(args, kwargs)`` with the mixed value put back: the first argument, or the selected
     arguments of the :class:`Inputs` copy."""
     if site.paths is None:
-        return inputs.rebuild({next(iter(inputs)): value})
-    return inputs.rebuild({name: value[name] for name in value})
+        return inputs.rebuild({inputs.first()[0]: value})
+    return inputs.rebuild(value)
 
 
 def _mask_params(module: nn.Module) -> bool:

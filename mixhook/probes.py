@@ -22,17 +22,24 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import recompute
 from .hooks import LayerHook
-from .layers import INPUT
+from .sites import INPUT, Inputs, select
 
 
 def _tensor(output) -> torch.Tensor | None:
-    """The tensor a layer returned, or the first tensor of a tuple/list (a layer's main output)."""
+    """The tensor a probe reads: ``output`` itself, or the first tensor in it (a layer's main output)."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, (tuple, list)):
-        return next((t for t in output if isinstance(t, torch.Tensor)), None)
-    return None
+    return next((t for _, t in select(output, _WHOLE, "") if isinstance(t, torch.Tensor)), None)
+
+
+class _Whole:
+    paths = None
+    spec = ""
+
+
+_WHOLE = _Whole()
 
 
 class _Probe(LayerHook):
@@ -53,23 +60,48 @@ class _Probe(LayerHook):
         handles.append(model.register_forward_pre_hook(self._on_model_input, prepend=True))
 
     def _on_model_input(self, model: nn.Module, args) -> None:
+        if recompute.in_backward():  # a recomputation (activation checkpointing) is not a new forward
+            return
         if self.paused or (self.train_only and not model.training):
             self._active = False
             return
         self.step += 1
         self._active = (self.step - 1) % self.every == 0
 
-    def _output_hooks(self, modules: dict, handles: list, record, prepend: bool = False) -> None:
-        for name, module in modules.items():
-            if name == INPUT:  # the model's own input: read it before anything (input mixup) changes it
+    def _output_hooks(
+        self, modules: dict, handles: list, record, prepend: bool = False, recomputed=None
+    ) -> None:
+        """``record(spec, value)`` with what each site gives (its selected element, or the output/first
+        argument), once per forward: a recomputation by activation checkpointing is not recorded again
+        (``recomputed(spec, value)`` is called instead, where given)."""
+        for spec, module in modules.items():
+
+            def look(spec: str, value) -> None:
+                if recompute.in_backward():
+                    if recomputed is not None:
+                        recomputed(spec, self._pick(spec, value))
+                    return
+                record(spec, self._pick(spec, value))
+
+            if self.sites[spec].layer == INPUT:  # the model's input: read before anything (input mixup)
                 hook = module.register_forward_pre_hook(
-                    lambda m, args, name=name: record(name, args[0] if args else None), prepend=prepend
+                    lambda m, args, kwargs, spec=spec: look(spec, Inputs(m, args, kwargs)),
+                    prepend=prepend,
+                    with_kwargs=True,
                 )
             else:
-                hook = module.register_forward_hook(
-                    lambda m, args, out, name=name: record(name, out), prepend=prepend
-                )
+                hook = module.register_forward_hook(lambda m, a, out, spec=spec: look(spec, out), prepend=prepend)
             handles.append(hook)
+
+    def _pick(self, spec: str, value):
+        """The selected element (the first tensor of a selection), or the value as the layer gave it."""
+        site = self.sites[spec]
+        if isinstance(value, Inputs):
+            if site.paths is None:
+                return value.first()[1] if len(value) else None
+        elif site.paths is None:
+            return value
+        return next((t for _, t in select(value, site, "its output") if isinstance(t, torch.Tensor)), None)
 
 
 class FeatureRecorder(_Probe):
@@ -179,7 +211,7 @@ class GradStats(_Probe):
 
     def __init__(self, layer: str | Sequence[str], every: int = 1):
         super().__init__(layer, every)
-        if INPUT in self.layers:
+        if any(site.layer == INPUT for site in self.sites.values()):
             raise ValueError(
                 "GradStats reads gradients at layers' outputs and parameters; 'input' has neither"
             )
@@ -189,7 +221,7 @@ class GradStats(_Probe):
         return f"GradStats(layer={self._layer_spec!r}, every={self.every})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        self._output_hooks(modules, handles, self._on_output)
+        self._output_hooks(modules, handles, self._on_output, recomputed=self._on_recomputed)
         self._register_root(model, handles)
         for name, module in modules.items():
             for p in module.parameters():
@@ -198,8 +230,18 @@ class GradStats(_Probe):
 
     def _on_output(self, name: str, output) -> None:
         t = _tensor(output)
-        if self._active and t is not None and t.requires_grad:
+        if not self._active or t is None:
+            return
+        if t.requires_grad:
             step = self.step
+            t.register_hook(lambda g, name=name, step=step: self._add(step, name, "grad_norm", g))
+        else:  # gradients off: a reentrant checkpoint's forward, whose recomputation carries the gradient
+            self._note(name, self.step)
+
+    def _on_recomputed(self, name: str, output) -> None:
+        step = self._replayed(name)
+        t = _tensor(output)
+        if step is not None and t is not None and t.requires_grad:
             t.register_hook(lambda g, name=name, step=step: self._add(step, name, "grad_norm", g))
 
     def _param_hook(self, name: str):

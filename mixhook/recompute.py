@@ -31,8 +31,9 @@ from .sites import leaves
 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread: a module forward now is a
-    recomputation (activation checkpointing)."""
-    return torch._C._current_graph_task_id() != -1
+    recomputation (activation checkpointing). Inside ``torch.compile``'s tracing: False (a compiled
+    region recomputes without running Python hooks)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -45,6 +46,8 @@ def _saved_tensor_hooks_active() -> bool:
 def may_be_recomputed() -> bool:
     """In a training forward: whether what runs now may be recomputed in backward (activation
     checkpointing): gradients are off (reentrant mode) or saved-tensor hooks are on (non-reentrant)."""
+    if torch.compiler.is_compiling():
+        return False
     return not torch.is_grad_enabled() or _saved_tensor_hooks_active()
 
 

@@ -9,25 +9,33 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import recompute
 from .hooks import LayerHook, own_generator
-from .mixing import per_sample
+from .mixing import along, per_sample
+from .sites import Inputs, batch_leaves, replace_leaves, select
 
 
 class InputScale(LayerHook):
-    """Multiply a layer's first positional input by ``factor`` before the layer runs (a forward pre-hook).
+    """Multiply a layer's first input by ``factor`` before the layer runs (a forward pre-hook).
 
+    The first input is the first argument the layer was called with, positional or keyword
+    (``layer(hidden_states=h)`` is scaled like ``layer(h)``); a selector picks others by name or position
+    (``"block[x,meta]"``), and every floating-point tensor in what it picks is scaled.
     ``factor`` is a number, or a pair ``(low, high)``: then each sample of each training batch gets its
     own factor drawn uniformly from ``[low, high)`` (a per-sample intensity or feature-scale
     augmentation). ``layer="input"`` scales the model's own input. Applies in training mode only,
     unless ``in_eval=True``; in eval a range applies its midpoint ``(low + high) / 2``, so evaluation
     stays deterministic. ``.last`` is the factor tensor the last scaled forward used (``None`` when it
-    scaled nothing).
+    scaled nothing). Under activation checkpointing a recomputed layer gets the same factors.
 
     Args:
-        layer: a module name, ``"input"``, or a list of names (all of them are scaled).
+        layer: a module name, ``"input"``, or a list of names (all of them are scaled); each may carry a
+            selector of the layer's arguments.
         factor: a finite number, or ``(low, high)`` with ``low <= high``.
         in_eval: also scale in eval mode.
         generator: the ``torch.Generator`` for per-sample factors (as :class:`~mixhook.ManifoldMixup`).
+        batch_dim: where mixhook cannot find the batch dimension of a per-sample factor's tensors itself
+            (see :mod:`mixhook.sites`).
     """
 
     def __init__(
@@ -36,8 +44,9 @@ class InputScale(LayerHook):
         factor: float | Sequence[float],
         in_eval: bool = False,
         generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
     ):
-        super().__init__(layer)
+        super().__init__(layer, batch_dim)
         self.factor = _check_factor(factor)
         self.in_eval = bool(in_eval)
         self.generator = own_generator(generator)
@@ -47,26 +56,58 @@ class InputScale(LayerHook):
         return f"InputScale(layer={self._layer_spec!r}, factor={self.factor}, in_eval={self.in_eval})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        for module in modules.values():  # "input" resolves to the model itself: its pre-hook
-            handles.append(module.register_forward_pre_hook(self._scale))
+        for spec, module in modules.items():  # "input" resolves to the model itself: its pre-hook
+            handles.append(module.register_forward_pre_hook(self._hook(spec), with_kwargs=True))
 
-    def _scale(self, module: nn.Module, args: tuple):
-        training = self._model.training
-        if not (training or self.in_eval) or not args or not isinstance(args[0], torch.Tensor):
-            return None
-        x = args[0]
-        if isinstance(self.factor, float):
-            factor = torch.tensor(self.factor, dtype=torch.float64)
-        elif training:
-            low, high = self.factor
-            u = torch.rand(
-                x.shape[0], generator=self.generator, device=self.generator.device, dtype=torch.float64
-            )
-            factor = low + (high - low) * u
+    def _hook(self, spec: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            training = self._model.training
+            if not (training or self.in_eval):
+                return None
+            per_sample_draw = training and not isinstance(self.factor, float)
+            if recompute.in_backward():  # activation checkpointing: the forward's factors again
+                state = self._replayed(spec)
+                if per_sample_draw and state is None:
+                    raise recompute.RecomputeError(f"InputScale at {spec!r}: the factors of the forward being "
+                                                   "recomputed were not recorded")  # fmt: skip
+                generator = recompute.replay_generator(self.generator, state) if state is not None else None
+            else:
+                generator = self.generator
+                self._note(spec, recompute.generator_state(generator) if per_sample_draw else None)
+            return self._scale(spec, module, args, kwargs, training, generator)
+
+        return hook
+
+    def _scale(self, spec, module, args, kwargs, training, generator):
+        inputs = Inputs(module, args, kwargs)
+        site = self.sites[spec]
+        if site.paths is None:
+            if not len(inputs):
+                return None
+            name, value = inputs.first()
         else:
-            factor = torch.tensor(sum(self.factor) / 2, dtype=torch.float64)
-        self.last = factor
-        return (x * per_sample(factor, x), *args[1:])
+            value = inputs
+        if isinstance(self.factor, float) or not training:
+            number = self.factor if isinstance(self.factor, float) else sum(self.factor) / 2
+            factor = torch.tensor(number, dtype=torch.float64)
+            found = [(p, t) for p, t in select(value, site, "its input") if _floating(t)]
+            if not found:
+                raise TypeError(f"InputScale at {spec!r}: no floating-point tensor to scale in its input")
+            new = {p: t * factor.to(device=t.device, dtype=t.dtype) for p, t in found}
+        else:
+            found, n = batch_leaves(value, site, self._dims[spec], "InputScale", inputs=True)
+            low, high = self.factor
+            u = torch.rand(n, generator=generator, device=generator.device, dtype=torch.float64)
+            factor = low + (high - low) * u
+            new = {f.path: along(f.dim, lambda t: t * per_sample(factor, t), f.tensor) for f in found}
+        if not recompute.in_backward():
+            self.last = factor
+        changed = replace_leaves(value, new)
+        return inputs.rebuild({name: changed} if site.paths is None else changed)
+
+
+def _floating(t) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
 def _check_factor(factor) -> float | tuple[float, float]:

@@ -94,6 +94,9 @@ def leaves(value, path: Path = ()) -> Iterator[tuple[Path, object]]:
     elif isinstance(value, Mapping):
         for key, item in value.items():
             yield from leaves(item, (*path, key))
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: by field name
+        for key, item in zip(value._fields, value, strict=True):
+            yield from leaves(item, (*path, key))
     elif isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
             yield from leaves(item, (*path, i))
@@ -109,7 +112,7 @@ def _child(value, key):
         return value[key]
     if isinstance(value, (tuple, list)) and isinstance(key, int):
         return value[key]
-    if dataclasses.is_dataclass(value) and isinstance(key, str):
+    if isinstance(key, str) and (hasattr(value, "_fields") or dataclasses.is_dataclass(value)):
         return getattr(value, key)
     raise KeyError(key)
 
@@ -118,6 +121,13 @@ def _normalize(value, path: Path) -> Path | None:
     """``path`` with negative indices made positive, or ``None`` if it does not exist in ``value``."""
     out = []
     for key in path:
+        if isinstance(value, Inputs) and isinstance(key, int):
+            try:
+                key = value.key(key)
+            except IndexError:
+                return None
+        elif hasattr(value, "_fields") and isinstance(key, int) and -len(value) <= key < len(value):
+            key = value._fields[key]
         try:
             child = _child(value, key)
         except (KeyError, IndexError, AttributeError, TypeError):
@@ -138,6 +148,8 @@ def replace_leaves(value, new: dict[Path, object]):
     heads: dict = {}
     for path, item in new.items():
         heads.setdefault(path[0], {})[path[1:]] = item
+    if isinstance(value, Inputs):  # a call's arguments: the changed ones, for Inputs.rebuild
+        return {k: replace_leaves(value[k], sub) for k, sub in heads.items()}
     if isinstance(value, Mapping):
         changed = {k: replace_leaves(value[k], sub) for k, sub in heads.items()}
         if dataclasses.is_dataclass(value):  # a HuggingFace ModelOutput: an ordered dict and a dataclass
@@ -145,13 +157,13 @@ def replace_leaves(value, new: dict[Path, object]):
         out = copy.copy(value)
         out.update(changed)
         return out
+    if hasattr(value, "_fields"):
+        return value._replace(**{k: replace_leaves(getattr(value, k), sub) for k, sub in heads.items()})
     if isinstance(value, (tuple, list)):
         items = list(value)
         for k, sub in heads.items():
             items[k] = replace_leaves(items[k], sub)
-        if type(value) in (tuple, list):
-            return type(value)(items)
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return type(value)(items)
     if dataclasses.is_dataclass(value):
         return dataclasses.replace(value, **{k: replace_leaves(getattr(value, k), s) for k, s in heads.items()})
     raise TypeError(f"cannot replace an element of a {type(value).__name__}")
@@ -221,22 +233,17 @@ class Inputs(Mapping):
         """The name of argument ``key`` (an int position among those given, or a name)."""
         return list(self._items)[key] if isinstance(key, int) else key
 
+    def first(self) -> tuple[str, object]:
+        """The first argument's name and value; ``TypeError`` when there is none."""
+        if not self._items:
+            raise TypeError("called without arguments")
+        return next(iter(self._items.items()))
+
     def rebuild(self, new: dict) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with the arguments named in ``new`` replaced."""
         args = tuple(new.get(name, a) for name, a in zip(self._names, self.args, strict=True))
         kwargs = {k: new.get(k, v) for k, v in self.kwargs.items()}
         return args, kwargs
-
-
-def bind_paths(inputs: Inputs, paths: Sequence[Path]) -> list[Path]:
-    """Selector paths against a call's inputs with their first key turned into the argument's name."""
-    out = []
-    for path in paths:
-        try:
-            out.append((inputs.key(path[0]), *path[1:]))
-        except IndexError:
-            out.append(path)
-    return out
 
 
 # ----------------------------------------------------------------------------- batch dimensions
@@ -337,6 +344,12 @@ class Leaf:
     @property
     def name(self) -> str:
         return format_path(self.path)
+
+
+def select(value, site: Site, what: str) -> list[tuple[Path, object]]:
+    """The leaves of ``value`` that ``site``'s selector picks (all of them without one), with their paths;
+    a selected path that does not exist is refused in one line listing the elements there are."""
+    return _select(value, site, what)
 
 
 def _select(value, site: Site, what: str) -> list[tuple[Path, object]]:

@@ -84,11 +84,16 @@ def test_cuda_requested_without_cuda_is_refused():
         app.build(config("trainer.device=cuda"))
 
 
-def test_layer_with_a_tuple_output_is_refused_before_training():
-    cfg = config("model._target_=tests.toy_models.TupleBlockNet", "mixup.layer=[stem,block]")
-    with pytest.raises(
-        app.ConfigError, match=r"mixup.layer: cannot mix layer 'block': it returned a tuple of 2"
-    ):
+def test_a_layer_with_a_tuple_output_is_mixed_and_a_selector_without_the_batch_is_refused():
+    run = app.build(config("model._target_=tests.toy_models.TupleBlockNet", "mixup.layer=[stem,block]"))
+    run.model.train()(next(iter(run.data.train))[0])  # mixes whichever layer is drawn
+    for handle in run.handles:
+        handle.remove()
+    cutmix = app.build(config("model._target_=tests.toy_models.OddOutputsNet", "mixup=cutmix", "mixup.layer=named"))
+    for handle in cutmix.handles:  # a dict holding one (B, C, H, W) map: CutMix cuts it
+        handle.remove()
+    cfg = config("model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[1]"')
+    with pytest.raises(app.ConfigError, match=r"mixup.layer: ManifoldMixup at 'block\[1\]'.*no batch dimension"):
         app.build(cfg)
 
 
@@ -242,7 +247,7 @@ def test_hooks_list_instantiates_a_users_own_hook_class():
     [
         (
             ["mixup=cutmix", "mixup.layer=linear"],
-            "mixup.layer: CutMix at layer 'linear' needs an output with two",
+            "mixup.layer: CutMix at 'linear' needs a (B, C, H, W) map",
         ),
         (["mixup=patchup", "mixup.layer=layer2"], "PatchUp block_size=7 is larger than the 4x4 feature map"),
         (

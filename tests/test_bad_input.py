@@ -33,22 +33,29 @@ from tests.test_app import config, run_cli
             "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",
         ),
         (
-            ["model._target_=tests.toy_models.TupleBlockNet", "mixup.layer=block"],
-            "error: mixup.layer: cannot mix layer 'block': it returned a tuple of 2",
+            ["model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[1]"'],
+            "error: mixup.layer: ManifoldMixup at 'block[1]': its output element [1] is a tensor of shape (), "
+            "which has no batch dimension 0",
         ),
         (
-            ["model._target_=tests.toy_models.OddOutputsNet", "mixup.layer=named"],
-            "error: mixup.layer: cannot mix layer 'named': it returned a dict",
+            ["model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[2]"'],
+            "error: mixup.layer: 'block[2]': its output has no element [2]; its elements: [0] tensor (2, 4, 8, 8)",
         ),
+        (['mixup.layer="layer2["'], "error: mixup: layer spec 'layer2[' is malformed"),
         (
             ["model._target_=tests.toy_models.OddOutputsNet", "mixup.layer=pooled"],
-            "error: mixup.layer: cannot mix layer 'pooled': it returned a tensor of shape (4, 8, 8), but "
-            "mixing needs a tensor whose first dimension is the batch size 2",
+            "error: mixup.layer: ManifoldMixup at 'pooled': it returned a tensor of shape (4, 8, 8), whose batch "
+            "dimension 0 has size 4, but the model's input has a batch of 2",
         ),
         (
             ["mixup=cutmix", "mixup.layer=linear"],
-            "error: mixup.layer: CutMix at layer 'linear' needs an output",
+            "error: mixup.layer: CutMix at 'linear' needs a (B, C, H, W) map",
         ),
+        (
+            ["mixup=cutmix", "mixup.layer=layer4"],
+            "error: mixup.layer: CutMix at 'layer4': its 1x1 map is too small to ever paste a box",
+        ),
+
     ],
 )
 def test_bad_input_gets_one_line_and_a_non_zero_exit_before_training(tmp_path, capsys, overrides, line):

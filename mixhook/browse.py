@@ -2,13 +2,19 @@
 
 ``python -m mixhook.layers model=<...> data=<...>`` (any of the app's overrides) builds the model for the
 data, runs one sample batch through it, and prints every named module in call order with its output
-and two verdicts:
+its structure and two verdicts:
 
-- **mixable**: it returns a tensor whose first dimension is the batch, which every mixer can blend;
+- **output**: its shape, or for a tuple, dict or ``ModelOutput`` each element (``[0]``, ``[1.0]``,
+  ``[last_hidden_state]``: the selectors a layer spec takes), with the dimension along which each one
+  carries the batch (``batch@1`` for a sequence-first LSTM's output and its ``h_n``);
+- **mixable**: whether a mixer can blend it as a whole (every tensor in it that carries the batch, along
+  its own batch dimension), and if not, why;
 - **inside a residual block**: some enclosing module's output also depends on that module's input by a
-  path that avoids this layer (a skip connection). Mixing here blends one branch while the skip path
-  carries the unmixed input past it, so the block's output is only partly mixed: the pitfall the
-  Manifold Mixup authors warn about. Mixing at the block itself (or outside it) mixes everything.
+  path that avoids this layer (a skip connection). Mixing here blends one branch while the other carries
+  the unmixed input past it, so the block's output is only partly mixed: the pitfall the Manifold Mixup
+  authors warn about. A layer *on* the skip path (torchvision's ``downsample``, PreAct's ``shortcut``) is
+  told from one inside the residual branch: of the block's parallel branches, it lies on the one with
+  fewer modules. Mixing at the block itself (or outside it) mixes everything.
 
 The residual test reads the autograd graph of that one forward: from the enclosing module's output it
 walks back towards its input, never through the layer in question, and reports a skip if it arrives.
@@ -23,17 +29,31 @@ import torch
 from torch import nn
 
 from . import layers
-from .mixing import describe
+from .sites import BatchDims, batch_leaves, format_path, input_batch, leaves, parse_site
+
+USAGE = """usage: python -m mixhook.layers [OVERRIDE ...]
+
+Lists every layer of the experiment app's model, in call order, on one sample batch of its data: what it
+returns (elements and the dimension along which each carries the batch), whether a mixer can mix it, and
+whether it sits inside a residual block or on its skip path.
+
+OVERRIDE: any of train.py's model and data overrides, e.g.
+  python -m mixhook.layers model=torchvision model.name=resnet18
+  python -m mixhook.layers model=timm model.name=vit_tiny_patch16_224 +model.img_size=8 +model.patch_size=4
+  python -m mixhook.layers data=cifar10 data.root=/path/to/data
+"""
 
 
 @dataclass
 class LayerInfo:
     name: str
     kind: str
-    output: str
+    output: str  # its shape, or its elements with their shapes and batch dimensions
     mixable: bool
     residual_in: str | None  # the innermost enclosing module with a skip around this layer
     calls: int = 1  # how often it ran in one forward (a mixer mixes at the first)
+    on_skip: bool = False  # the layer lies on the skip path of residual_in, not in its residual branch
+    why_not: str = ""  # why it cannot be mixed
 
 
 def browse(model: nn.Module, x: torch.Tensor) -> list[LayerInfo]:
@@ -73,21 +93,72 @@ def browse(model: nn.Module, x: torch.Tensor) -> list[LayerInfo]:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    rows = [LayerInfo(layers.INPUT, "input", describe(x), True, None)]
+    input_dims = BatchDims(model, parse_site(layers.INPUT))
+    batch = input_batch(model, x, input_dims.seq_first)
+    structure, mixable, why_not = _structure(x, parse_site(layers.INPUT), input_dims, batch)
+    rows = [LayerInfo(layers.INPUT, "input", structure, mixable, None, why_not=why_not)]
     for name in order:
         if not name:
             continue
         output, _, out_node = seen[name]
-        mixable = isinstance(output, torch.Tensor) and output.ndim >= 1 and output.shape[0] == x.shape[0]
-        residual = None
+        structure, mixable, why_not = _structure(
+            output, parse_site(name), BatchDims(model, parse_site(name)), batch
+        )
+        residual, on_skip = None, False
         for parent in _ancestors(name) if mixable else []:
             _, parent_in, parent_out = seen.get(parent, (None, None, None))
-            if _reaches(parent_out, parent_in, blocked=out_node):
+            if _reaches(parent_out, parent_in, blocked={out_node}):
                 residual = parent or "(the model)"
+                on_skip = _on_skip_path(model, names, seen, name, parent)
                 break
         kind = type(model.get_submodule(name)).__name__
-        rows.append(LayerInfo(name, kind, describe(output), mixable, residual, counts[name]))
+        rows.append(LayerInfo(name, kind, structure, mixable, residual, counts[name], on_skip, why_not))
     return rows
+
+
+def _structure(output, site, dims: BatchDims, batch: int | None) -> tuple[str, bool, str]:
+    """What a layer returned, element by element with each batch dimension, whether it can be mixed as a
+    whole, and if not why (the refusal a mixer would give)."""
+    try:
+        found, size = batch_leaves(output, site, dims, "a mixer")
+        if batch is not None and size != batch:
+            raise TypeError(f"its batch dimension has size {size}, not the batch's {batch}")
+        carried, why = {leaf.path: leaf.dim for leaf in found}, ""
+    except (TypeError, ValueError) as err:
+        carried, why = {}, str(err).removeprefix(f"a mixer at {site.spec!r}: ")
+    if isinstance(output, torch.Tensor):
+        shape = str(tuple(output.shape))
+        return (shape if carried.get((), 0) == 0 else f"{shape} batch@{carried[()]}"), bool(carried), why
+    parts = []
+    for path, value in leaves(output):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        text = f"{format_path(path)} {shape}"
+        parts.append(text + (f" batch@{carried[path]}" if path in carried else ""))
+    return f"{type(output).__name__}: {', '.join(parts)}", bool(carried), why
+
+
+def _on_skip_path(model: nn.Module, names: dict, seen: dict, name: str, parent: str) -> bool:
+    """Whether ``name`` lies on the skip path of residual block ``parent``: the child of ``parent`` that
+    holds it belongs to the parallel branch with the fewest modules. Two children are on different
+    branches when blocking both cuts every path from the block's output back to its input."""
+    _, parent_in, parent_out = seen[parent]
+    prefix = f"{parent}." if parent else ""
+    children = [
+        n
+        for n in seen
+        if n.startswith(prefix) and n and "." not in n[len(prefix) :] and seen[n][2] is not None
+    ]
+    mine = next((c for c in children if name == c or name.startswith(c + ".")), None)
+    if mine is None:
+        return False
+
+    def branch(child: str) -> set[str]:
+        return {
+            c for c in children if c == child or _reaches(parent_out, parent_in, {seen[child][2], seen[c][2]})
+        }
+
+    own = branch(mine)
+    return any(len(branch(c)) > len(own) for c in children if c not in own)
 
 
 def _ancestors(name: str) -> list[str]:
@@ -96,12 +167,12 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
 
 
-def _reaches(start, target, blocked) -> bool:
+def _reaches(start, target, blocked: set) -> bool:
     """Whether the autograd graph leads from node ``start`` back to node ``target`` without passing
-    through node ``blocked``."""
-    if start is None or target is None or start is blocked:
+    through a node in ``blocked``."""
+    if start is None or target is None or start in blocked:
         return False
-    stack, visited = [start], {start, blocked}
+    stack, visited = [start], {start, *blocked}
     while stack:
         current = stack.pop()
         if current is target:
@@ -136,7 +207,13 @@ def format_table(rows: list[LayerInfo]) -> str:
 
 def _note(row: LayerInfo) -> str:
     notes = []
-    if row.residual_in:
+    if row.why_not:
+        notes.append(row.why_not)
+    if row.residual_in and row.on_skip:
+        notes.append(
+            f"on the skip path of residual block {row.residual_in}: the residual branch stays unmixed"
+        )
+    elif row.residual_in:
         notes.append(f"inside residual block {row.residual_in}: the skip path stays unmixed")
     if row.calls > 1:
         notes.append(f"runs {row.calls} times per forward: a mixer mixes its first output")
@@ -147,6 +224,9 @@ def main(argv: list[str]) -> int:
     """``python -m mixhook.layers [overrides]``: print the table for the app's model and data."""
     from pathlib import Path
 
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE, end="")
+        return 0
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 

@@ -87,7 +87,9 @@ class GradScale(LayerHook):
             ]
             if not found:
                 return None
-            return inputs.rebuild(replace_leaves(inputs, {p: _ScaleGrad.apply(t, self.factor, copy) for p, t in found}))
+            return inputs.rebuild(
+                replace_leaves(inputs, {p: _ScaleGrad.apply(t, self.factor, copy) for p, t in found})
+            )
 
         return hook
 

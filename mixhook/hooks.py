@@ -111,7 +111,9 @@ class LayerHook:
         handles: list[RemovableHandle] = []
         tracker = recompute.acquire(model)
         try:
-            self._dims = {spec: BatchDims(model, self.sites[spec], self._explicit(spec)) for spec in self.layers}
+            self._dims = {
+                spec: BatchDims(model, self.sites[spec], self._explicit(spec)) for spec in self.layers
+            }
             self._register(model, modules, handles)
         except BaseException:
             for handle in handles:

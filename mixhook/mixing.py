@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import recompute
 from .hooks import LayerHook, own_generator
-from .sites import INPUT, Inputs, Leaf, batch_first, batch_leaves, describe, embedding_layers, replace_leaves
+from .sites import INPUT, Inputs, Leaf, batch_leaves, describe, embedding_layers, input_batch, replace_leaves
 
 
 def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None = None) -> torch.Tensor:
@@ -244,7 +244,9 @@ class Mixer(LayerHook):
             valid = ", ".join(("layer", "lam", "index", *self._pin_keys))
             raise TypeError(f"{type(self).__name__}.pin() got unknown values {unknown}; valid: {valid}")
         if layer is not None and layer not in self.layers:
-            raise ValueError(f"pin(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}")
+            raise ValueError(
+                f"pin(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}"
+            )
         if lam is not None:
             lam = torch.as_tensor(lam, dtype=torch.float64).detach().cpu()
             if lam.ndim > 1 or not bool(((lam >= 0) & (lam <= 1)).all()):
@@ -507,8 +509,8 @@ class Mixer(LayerHook):
         if expected is not None and batch != expected:
             raise TypeError(
                 f"{kind} at {spec!r}: it returned {describe(value)}, whose batch dimension "
-                f"{found[0].dim} has size {batch}, but the model's input has a batch of {expected}: the layer "
-                "loses or reshapes the batch dimension; choose another layer, or pass batch_dim"
+                f"{found[0].dim} has size {batch}, but the model's input has a batch of {expected}: the "
+                "layer loses or reshapes the batch dimension; choose another layer, or pass batch_dim"
             )
         self._check_leaves(spec, found)
         return found, batch
@@ -518,13 +520,7 @@ class Mixer(LayerHook):
         argument's batch dimension, where the model's layout tells it (``None`` where it does not)."""
         dims = next(iter(self._dims.values()), None)
         first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
-        if dims is None or first is None or first.ndim == 0:
-            return None
-        model_layout = batch_first(model)
-        if model_layout is None and dims.seq_first:
-            return None
-        dim = 0 if model_layout in (None, True) else 1
-        return first.shape[dim] if first.ndim > dim else None
+        return input_batch(model, first, dims.seq_first) if dims is not None else None
 
     def _check_token_ids(self, spec: str, value) -> None:
         selected = value if isinstance(value, torch.Tensor) else None
@@ -532,14 +528,17 @@ class Mixer(LayerHook):
             paths = self.sites[spec].paths or ()
             picked = [value.get(value.key(p[0])) if isinstance(p[0], str) or p[0] < len(value) else None
                       for p in paths]  # fmt: skip
-            selected = next((t for t in picked if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
+            selected = next(
+                (t for t in picked if isinstance(t, torch.Tensor) and not t.is_floating_point()), None
+            )
         if isinstance(selected, torch.Tensor) and not (selected.is_floating_point() or selected.is_complex()):
             embeddings = embedding_layers(self._model) if self._model is not None else []
             where = (f"mix the embeddings instead: {', '.join(embeddings[:4])}, or a layer after them"
                      if embeddings else "mix a layer whose output is floating point")  # fmt: skip
+            dtype = str(selected.dtype).removeprefix("torch.")
             raise TypeError(
-                f"mixup layer {spec!r}: the model's input is a {str(selected.dtype).removeprefix('torch.')} "
-                f"tensor of shape {tuple(selected.shape)} (token ids or labels), which cannot be blended; {where}"
+                f"mixup layer {spec!r}: the model's input is a {dtype} tensor of shape "
+                f"{tuple(selected.shape)} (token ids or labels), which cannot be blended; {where}"
             )
 
     def _check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
@@ -557,7 +556,9 @@ class Mixer(LayerHook):
             if lam is None:
                 lam = self._sample_lam(n)
             elif lam.ndim == 1 and lam.shape[0] != n:
-                raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
+                raise ValueError(
+                    f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}"
+                )
             if index is None:
                 index = torch.randperm(n, generator=generator, device=generator.device)
             elif index.shape[0] != n or (n and (int(index.min()) < -n or int(index.max()) >= n)):
@@ -693,7 +694,10 @@ class ManifoldMixup(Mixer):
     def _mix(self, spec, leaves, lam, index, inverse, pinned):
         if self.mode == "elem" and lam.ndim == 0:
             lam = lam.expand(index.shape[0])
-        mixed = {leaf.path: along(leaf.dim, lambda h: blend(h, lam, index, inverse), leaf.tensor) for leaf in leaves}
+        mixed = {
+            leaf.path: along(leaf.dim, lambda h: blend(h, lam, index, inverse), leaf.tensor)
+            for leaf in leaves
+        }
         return mixed, MixState(layer=spec, lam=lam, index=index)
 
 

@@ -90,7 +90,9 @@ class _Probe(LayerHook):
                     with_kwargs=True,
                 )
             else:
-                hook = module.register_forward_hook(lambda m, a, out, spec=spec: look(spec, out), prepend=prepend)
+                hook = module.register_forward_hook(
+                    lambda m, a, out, spec=spec: look(spec, out), prepend=prepend
+                )
             handles.append(hook)
 
     def _pick(self, spec: str, value):

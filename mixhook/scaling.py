@@ -68,8 +68,9 @@ class InputScale(LayerHook):
             if recompute.in_backward():  # activation checkpointing: the forward's factors again
                 state = self._replayed(spec)
                 if per_sample_draw and state is None:
-                    raise recompute.RecomputeError(f"InputScale at {spec!r}: the factors of the forward being "
-                                                   "recomputed were not recorded")  # fmt: skip
+                    raise recompute.RecomputeError(
+                        f"InputScale at {spec!r}: the factors of the recomputed forward were not recorded"
+                    )
                 generator = recompute.replay_generator(self.generator, state) if state is not None else None
             else:
                 generator = self.generator

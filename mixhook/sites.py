@@ -30,7 +30,7 @@ import copy
 import dataclasses
 import inspect
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +60,10 @@ def parse_site(spec: str) -> Site:
     malformed selector, naming the spec and the valid forms."""
     match = _SPEC.match(spec)
     if not match:
-        raise ValueError(f"layer spec {spec!r} is malformed; write a layer name, optionally with a selector "
-                         "such as 'lstm[0]', 'lstm[1.0]', 'encoder[last_hidden_state]' or 'input[x,meta]'")  # fmt: skip
+        raise ValueError(
+            f"layer spec {spec!r} is malformed; write a layer name, optionally with a selector such as "
+            "'lstm[0]', 'lstm[1.0]', 'encoder[last_hidden_state]' or 'input[x,meta]'"
+        )
     layer, select = match["layer"].strip(), match["select"]
     if select is None:
         return Site(spec, layer)
@@ -165,7 +167,9 @@ def replace_leaves(value, new: dict[Path, object]):
             items[k] = replace_leaves(items[k], sub)
         return type(value)(items)
     if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{k: replace_leaves(getattr(value, k), s) for k, s in heads.items()})
+        return dataclasses.replace(
+            value, **{k: replace_leaves(getattr(value, k), s) for k, s in heads.items()}
+        )
     raise TypeError(f"cannot replace an element of a {type(value).__name__}")
 
 
@@ -209,9 +213,7 @@ class Inputs(Mapping):
             params = list(inspect.signature(module.forward).parameters.values())
         except (TypeError, ValueError):
             params = []
-        positional = [
-            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         for i in range(len(args)):
             self._names.append(positional[i] if i < len(positional) else i)
         order = {p.name: i for i, p in enumerate(params)}
@@ -322,9 +324,26 @@ class BatchDims:
     def unbatched(self, tensor: torch.Tensor, inputs: bool) -> bool:
         """Whether a declaring module itself was called without a batch (an unbatched 2-D sequence)."""
         m = self.declarer
-        return m is self.module and m is not None and self.explicit is None and tensor.ndim == 2 and (
-            isinstance(m, (nn.RNNBase, nn.MultiheadAttention)) or not inputs
+        return (
+            m is self.module
+            and m is not None
+            and self.explicit is None
+            and tensor.ndim == 2
+            and (isinstance(m, (nn.RNNBase, nn.MultiheadAttention)) or not inputs)
         )
+
+
+def input_batch(model: nn.Module, first: torch.Tensor | None, seq_first: list[str]) -> int | None:
+    """The batch size of a model call whose first tensor argument is ``first``, where the model's layout
+    tells it: the model's own ``batch_first`` if it declares one, else dim 0 unless the model holds
+    sequence-first modules (``seq_first``), where it cannot be told (``None``)."""
+    if first is None or first.ndim == 0:
+        return None
+    layout = batch_first(model)
+    if layout is None and seq_first:
+        return None
+    dim = 0 if layout in (None, True) else 1
+    return first.shape[dim] if first.ndim > dim else None
 
 
 def _enclosing(model: nn.Module, name: str) -> list[nn.Module]:
@@ -403,8 +422,10 @@ def batch_leaves(
         dim, how = dims.dim(path, t, inputs)
         first = batch is None
         if dims.unbatched(t, inputs):
-            raise TypeError(f"{where}: {type(dims.module).__name__} was called without a batch "
-                            f"(element {format_path(path)} has shape {tuple(t.shape)}); nothing to act on")  # fmt: skip
+            raise TypeError(
+                f"{where}: {type(dims.module).__name__} was called without a batch "
+                f"(element {format_path(path)} has shape {tuple(t.shape)}); nothing to act on"
+            )
         if first:
             if t.ndim <= dim:
                 raise TypeError(

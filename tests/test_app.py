@@ -89,11 +89,15 @@ def test_a_layer_with_a_tuple_output_is_mixed_and_a_selector_without_the_batch_i
     run.model.train()(next(iter(run.data.train))[0])  # mixes whichever layer is drawn
     for handle in run.handles:
         handle.remove()
-    cutmix = app.build(config("model._target_=tests.toy_models.OddOutputsNet", "mixup=cutmix", "mixup.layer=named"))
+    cutmix = app.build(
+        config("model._target_=tests.toy_models.OddOutputsNet", "mixup=cutmix", "mixup.layer=named")
+    )
     for handle in cutmix.handles:  # a dict holding one (B, C, H, W) map: CutMix cuts it
         handle.remove()
     cfg = config("model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[1]"')
-    with pytest.raises(app.ConfigError, match=r"mixup.layer: ManifoldMixup at 'block\[1\]'.*no batch dimension"):
+    with pytest.raises(
+        app.ConfigError, match=r"mixup.layer: ManifoldMixup at 'block\[1\]'.*no batch dimension"
+    ):
         app.build(cfg)
 
 

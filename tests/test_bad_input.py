@@ -34,18 +34,19 @@ from tests.test_app import config, run_cli
         ),
         (
             ["model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[1]"'],
-            "error: mixup.layer: ManifoldMixup at 'block[1]': its output element [1] is a tensor of shape (), "
-            "which has no batch dimension 0",
+            "error: mixup.layer: ManifoldMixup at 'block[1]': its output element [1] is a tensor of "
+            "shape (), which has no batch dimension 0",
         ),
         (
             ["model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[2]"'],
-            "error: mixup.layer: 'block[2]': its output has no element [2]; its elements: [0] tensor (2, 4, 8, 8)",
+            "error: mixup.layer: 'block[2]': its output has no element [2]; its elements: "
+            "[0] tensor (2, 4, 8, 8)",
         ),
         (['mixup.layer="layer2["'], "error: mixup: layer spec 'layer2[' is malformed"),
         (
             ["model._target_=tests.toy_models.OddOutputsNet", "mixup.layer=pooled"],
-            "error: mixup.layer: ManifoldMixup at 'pooled': it returned a tensor of shape (4, 8, 8), whose batch "
-            "dimension 0 has size 4, but the model's input has a batch of 2",
+            "error: mixup.layer: ManifoldMixup at 'pooled': it returned a tensor of shape (4, 8, 8), "
+            "whose batch dimension 0 has size 4, but the model's input has a batch of 2",
         ),
         (
             ["mixup=cutmix", "mixup.layer=linear"],
@@ -55,7 +56,6 @@ from tests.test_app import config, run_cli
             ["mixup=cutmix", "mixup.layer=layer4"],
             "error: mixup.layer: CutMix at 'layer4': its 1x1 map is too small to ever paste a box",
         ),
-
     ],
 )
 def test_bad_input_gets_one_line_and_a_non_zero_exit_before_training(tmp_path, capsys, overrides, line):

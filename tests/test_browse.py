@@ -34,13 +34,21 @@ def test_torchvision_resnet18_stages_are_mixable_and_their_insides_are_residual(
     )
     for name in inside:
         assert rows[name].mixable and rows[name].residual_in == ".".join(name.split(".")[:2]), name
+    for name in ("layer2.0.downsample", "layer2.0.downsample.0", "layer3.0.downsample.1"):
+        assert rows[name].on_skip, name  # the shortcut, told from the residual branch
+    for name in ("layer2.0.bn1", "layer2.0.conv2", "layer1.0.conv1"):
+        assert not rows[name].on_skip, name
     assert rows["layer2.0.relu"].calls == 2
-    assert rows["layer2"].output == "a tensor of shape (2, 128, 4, 4)"
+    assert rows["layer2"].output == "(2, 128, 4, 4)"
+    table = format_table(browse(torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)))
+    assert "on the skip path of residual block layer2.0: the residual branch stays unmixed" in table
 
 
 def test_the_papers_preactresnet_and_a_model_with_a_global_skip():
     rows = rows_of(PreActResNet18(in_channels=1, num_classes=10), torch.randn(2, 1, 8, 8))
-    assert rows["layer1"].residual_in is None and rows["layer1.0.bn1"].residual_in == "layer1.0"
+    assert rows["layer1"].residual_in is None and rows["layer1.0.conv1"].residual_in == "layer1.0"
+    assert rows["layer2.0.shortcut"].on_skip and not rows["layer2.0.conv2"].on_skip
+    assert rows["layer2.0.bn1"].residual_in is None  # before the fork: both branches start from it
 
     class GlobalSkip(nn.Module):
         def __init__(self):
@@ -54,12 +62,28 @@ def test_the_papers_preactresnet_and_a_model_with_a_global_skip():
     assert rows["body"].residual_in == "(the model)" and rows["body.0"].residual_in == "(the model)"
 
 
-def test_a_tuple_output_is_not_mixable_and_nothing_is_left_behind():
+def test_structures_show_their_elements_and_batch_dimensions_and_nothing_is_left_behind():
     model = TupleBlockNet()
     before = [p.clone() for p in model.parameters()]
     rows = rows_of(model, torch.randn(2, 1, 8, 8))
-    assert not rows["block"].mixable and rows["block"].output.startswith("a tuple of 2")
+    assert rows["block"].mixable and rows["block"].output == "tuple: [0] (2, 4, 8, 8) batch@0, [1] ()"
     assert rows["stem"].mixable and model.training
+
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(3, 4)  # sequence first
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.lstm(x)[1][0][-1])
+
+    rows = rows_of(Seq(), torch.randn(5, 2, 3))
+    assert (
+        rows["lstm"].output
+        == "tuple: [0] (5, 2, 4) batch@1, [1.0] (1, 2, 4) batch@1, [1.1] (1, 2, 4) batch@1"
+    )
+    assert not rows["head"].mixable and "cannot tell the batch dimension" in rows["head"].why_not
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     table = format_table(browse(model, torch.randn(2, 1, 8, 8)))
@@ -75,6 +99,18 @@ def test_the_command_lists_layers_as_the_issue_asks(tmp_path):
     lines = {line.split()[0]: line for line in result.stdout.splitlines()[2:]}
     assert lines["layer2"].split()[1:] == ["Sequential", "(2,", "128,", "1,", "1)", "yes"]
     assert "inside residual block layer2.0: the skip path stays unmixed" in lines["layer2.0.bn1"]
+    assert "on the skip path of residual block layer2.0" in lines["layer2.0.downsample"]
+    usage = subprocess.run(
+        [sys.executable, "-m", "mixhook.layers", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: python -m mixhook.layers [OVERRIDE ...]")
+    vit = subprocess.run(
+        [sys.executable, "-m", "mixhook.layers", "model=timm", "model.name=vit_tiny_patch16_224",
+         "+model.img_size=8", "+model.patch_size=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert vit.returncode == 0, vit.stderr
+    assert "blocks.0.attn.qkv" in vit.stdout and "(2, 5, 576)" in vit.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "mixhook.layers", "model=nosuch"], cwd=ROOT, capture_output=True, text=True
     )

@@ -21,8 +21,8 @@ from mixhook import (
     ManifoldMixup,
     NoisyFeatureMixup,
     PatchUp,
+    recompute,
 )
-from mixhook import recompute
 from mixhook.recompute import RecomputeError
 from tests.helpers import grads, hook_count
 
@@ -64,7 +64,11 @@ class Blocks(nn.Module):
     def forward(self, x):
         h = self.stem(x)
         for block in (self.a, self.b):
-            h = block(h) if self.mode is None else checkpoint(block, h, use_reentrant=self.mode == "reentrant")
+            h = (
+                block(h)
+                if self.mode is None
+                else checkpoint(block, h, use_reentrant=self.mode == "reentrant")
+            )
         return self.head(h)
 
 
@@ -163,12 +167,17 @@ def test_checkpoint_sequential_with_a_mix_and_scaling(reentrant):
     x = torch.randn(4, 6, dtype=torch.double, requires_grad=True)
     results = []
     for model in (plain, ckpt):
-        hooks = [NoisyFeatureMixup("body.1.0", generator=gen()), InputScale("body.2", (0.5, 2.0), generator=gen(5))]
+        hooks = [
+            NoisyFeatureMixup("body.1.0", generator=gen()),
+            InputScale("body.2", (0.5, 2.0), generator=gen(5)),
+        ]
         stats = GradStats("body.1")
         results.append(run(model, [*hooks, stats], x))
         results[-1] += (stats.rows(),)
     (out_a, g_a, _, rows_a), (out_b, g_b, _, rows_b) = results
-    for a, b in zip(out_a + [g["head.weight"] for g in g_a], out_b + [g["head.weight"] for g in g_b], strict=True):
+    for a, b in zip(
+        out_a + [g["head.weight"] for g in g_a], out_b + [g["head.weight"] for g in g_b], strict=True
+    ):
         exact(b, a)
     for name in g_a[-1]:
         exact(g_b[-1][name], g_a[-1][name])
@@ -198,7 +207,11 @@ def test_region_mixers_replay_their_box_and_mask(cls):
     class Conv(nn.Module):
         def __init__(self, mode):
             super().__init__()
-            self.mode, self.stem, self.block = mode, nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1)
+            self.mode, self.stem, self.block = (
+                mode,
+                nn.Conv2d(2, 3, 3, padding=1),
+                nn.Conv2d(3, 3, 3, padding=1),
+            )
             self.head = nn.Linear(3, 2)
 
         def forward(self, x):
@@ -236,7 +249,9 @@ def test_the_whole_hooked_model_inside_a_checkpoint():
     for name, g in grads(reference).items():
         exact(grads(inner)[name], g)
     with ManifoldMixup("a.0", generator=gen()).attach(inner):  # reentrant: its graph is made after
-        with pytest.raises(RecomputeError, match=r"cannot find the forward it recomputes.*use_reentrant=False"):
+        with pytest.raises(
+            RecomputeError, match=r"cannot find the forward it recomputes.*use_reentrant=False"
+        ):
             checkpoint(inner, x.requires_grad_(True), use_reentrant=True).sum().backward()
 
 
@@ -247,7 +262,9 @@ def test_a_layer_that_runs_twice_inside_a_recomputed_region_is_refused():
             self.stem, self.shared, self.head = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
 
         def forward(self, x):
-            return self.head(checkpoint(lambda h: self.shared(self.shared(h)), self.stem(x), use_reentrant=False))
+            return self.head(
+                checkpoint(lambda h: self.shared(self.shared(h)), self.stem(x), use_reentrant=False)
+            )
 
     model = Twice().train()
     with ManifoldMixup("shared").attach(model):
@@ -264,11 +281,18 @@ def test_timm_vit_with_grad_checkpointing(replays):
     x = torch.randn(3, 3, 16, 16, dtype=torch.double)
     results = []
     for model in (plain, ckpt):
-        hooks = [NoisyFeatureMixup("blocks.1", generator=gen()), InputScale("blocks.2.mlp", (0.5, 1.5), generator=gen(2))]
+        hooks = [
+            NoisyFeatureMixup("blocks.1", generator=gen()),
+            InputScale("blocks.2.mlp", (0.5, 1.5), generator=gen(2)),
+        ]
         results.append(run(model, hooks, x, steps=1))
     for name, g in results[0][1][0].items():
         exact(results[1][1][0][name], g)
-    assert ("NoisyFeatureMixup", "blocks.1", True) in replays and ("InputScale", "blocks.2.mlp", True) in replays
+    assert ("NoisyFeatureMixup", "blocks.1", True) in replays and (
+        "InputScale",
+        "blocks.2.mlp",
+        True,
+    ) in replays
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

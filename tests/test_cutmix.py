@@ -81,7 +81,8 @@ def test_a_layer_without_two_spatial_dimensions_is_refused_clearly():
     model = torchvision.models.resnet18(num_classes=3).train()
     with CutMix("fc").attach(model):
         with pytest.raises(
-            TypeError, match=r"CutMix at 'fc' needs a \(B, C, H, W\) map with the batch first, but has shape \(2, 3\)"
+            TypeError,
+            match=r"CutMix at 'fc' needs a \(B, C, H, W\) map with the batch first, but has shape \(2, 3\)",
         ):
             model(torch.randn(2, 3, 32, 32))
     assert hook_count(model) == 0

@@ -355,7 +355,9 @@ def test_output_without_the_batch_dimension_raises():
 
     model = nn.Sequential(Pool(), nn.Linear(6, 2)).train()
     with ManifoldMixup("0").attach(model):
-        with pytest.raises(TypeError, match=r"'0': it returned a tensor of shape \(6,\).*model's input has a batch of 4"):
+        with pytest.raises(
+            TypeError, match=r"'0': it returned a tensor of shape \(6,\).*model's input has a batch of 4"
+        ):
             model(torch.randn(4, 6))
 
 

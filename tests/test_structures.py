@@ -9,7 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from mixhook import ActivationStats, CutMix, GradClip, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup, OneOf
+from mixhook import (
+    ActivationStats,
+    CutMix,
+    GradClip,
+    GradScale,
+    InputScale,
+    ManifoldMixup,
+    NoisyFeatureMixup,
+    OneOf,
+)
 from mixhook.sites import parse_site
 from tests.helpers import grads
 
@@ -106,13 +115,20 @@ def test_a_selector_mixes_one_element_and_a_missing_one_lists_what_there_is():
     exact(seen["mixed"]["b"].features, mixed(h.view(-1, 2, 2), torch.tensor([1, 0, 3, 2])))
     assert mix.last.elements == ("[b.features]",)
     with ManifoldMixup("block[e]").attach(model):
-        with pytest.raises(ValueError, match=r"'block\[e\]': its output has no element \[e\]; its elements: \[a\]"):
+        with pytest.raises(
+            ValueError, match=r"'block\[e\]': its output has no element \[e\]; its elements: \[a\]"
+        ):
             model(x)
 
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("lstm[", "malformed"), ("lstm[]", "selector"), ("lstm[0,0]", "same element twice"), ("a[b c]", "selector")],
+    [
+        ("lstm[", "malformed"),
+        ("lstm[]", "selector"),
+        ("lstm[0,0]", "same element twice"),
+        ("a[b c]", "selector"),
+    ],
 )
 def test_malformed_specs_are_refused_at_construction(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -143,7 +159,9 @@ def test_cutmix_on_a_tuple_asks_for_a_selector_and_says_which_map_it_cut():
     model = Net().double().train()
     x = torch.randn(3, 3, 6, 6, dtype=torch.double)
     with CutMix("block").attach(model):
-        with pytest.raises(TypeError, match=r"returns 2 tensors that carry the batch .*select it, e.g. 'block\[0\]'"):
+        with pytest.raises(
+            TypeError, match=r"returns 2 tensors that carry the batch .*select it, e.g. 'block\[0\]'"
+        ):
             model(x)
     mix = CutMix("block[0]")
     with mix.attach(model):
@@ -246,7 +264,9 @@ def test_transformer_encoder_with_default_batch_first_false_mixes_dim_1_inside_a
             y = model(x)
         assert mix.last.batch_dims[0] == 1, spec
         handle = hand.get_submodule(spec).register_forward_hook(
-            lambda m, a, out: mixed(out, index, 1) if torch.is_tensor(out) else (mixed(out[0], index, 1), out[1])
+            lambda m, a, out: (
+                mixed(out, index, 1) if torch.is_tensor(out) else (mixed(out[0], index, 1), out[1])
+            )
         )
         expected = hand(x)
         handle.remove()
@@ -276,7 +296,9 @@ def test_an_undeclared_layer_in_a_sequence_first_model_is_refused_unless_batch_d
     x = torch.randn(5, 3, 2, dtype=torch.double)
     for spec in ("emb", "input"):
         with ManifoldMixup(spec).attach(model):
-            with pytest.raises(ValueError, match=rf"cannot tell the batch dimension at '{spec}'.*pass batch_dim"):
+            with pytest.raises(
+                ValueError, match=rf"cannot tell the batch dimension at '{spec}'.*pass batch_dim"
+            ):
                 model(x)
     hand = copy.deepcopy(model)
     mix = ManifoldMixup("emb", batch_dim=1)
@@ -293,7 +315,9 @@ def test_a_second_tensor_whose_batch_dimension_is_in_doubt_is_refused():
 
     model = nn.Sequential(nn.Linear(3, 4), Transposed()).train()
     with ManifoldMixup("1").attach(model):
-        with pytest.raises(ValueError, match=r"cannot tell the batch dimension of element \[1\] of shape \(4, 2\)"):
+        with pytest.raises(
+            ValueError, match=r"cannot tell the batch dimension of element \[1\] of shape \(4, 2\)"
+        ):
             model(torch.randn(2, 3))
     mix = ManifoldMixup("1[0]")
     with mix.attach(model):
@@ -320,7 +344,11 @@ def test_several_inputs_are_mixed_with_one_draw_however_they_are_passed():
     x, meta = torch.randn(4, 4, dtype=torch.double), torch.randn(4, 2, dtype=torch.double)
     index = torch.tensor([3, 2, 1, 0])
     expected = model(mixed(x, index), mixed(meta, index), 2.0)
-    for call in (lambda: model(x, meta, 2.0), lambda: model(x=x, meta=meta, scale=2.0), lambda: model(x, meta=meta, scale=2.0)):
+    for call in (
+        lambda: model(x, meta, 2.0),
+        lambda: model(x=x, meta=meta, scale=2.0),
+        lambda: model(x, meta=meta, scale=2.0),
+    ):
         mix = ManifoldMixup("input[x,meta]")
         with mix.attach(model):
             mix.pin(lam=LAM, index=index)

@@ -35,7 +35,7 @@ def compare(model, hand, spec, call, hand_call, **options):
     exact(y, expected)
     y.pow(2).sum().backward()
     expected.pow(2).sum().backward()
-    for (name, p), q in zip(model.named_parameters(), hand.parameters(), strict=True):
+    for p, q in zip(model.parameters(), hand.parameters(), strict=True):
         if p.grad is not None or q.grad is not None:
             exact(p.grad, q.grad)
     return mix
@@ -64,7 +64,8 @@ def layer_mask(model, mask):
     seen = []
     layer = model.bert.encoder.layer[0]
     handle = layer.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append(args[1] if len(args) > 1 else kwargs["attention_mask"]), with_kwargs=True
+        lambda m, args, kwargs: seen.append(args[1] if len(args) > 1 else kwargs["attention_mask"]),
+        with_kwargs=True,
     )
     with torch.no_grad():
         model(input_ids=IDS, attention_mask=mask)
@@ -90,7 +91,9 @@ def test_bert_layer_with_a_padded_batch_attends_to_the_union_downstream(implemen
         union = torch.maximum(PADDED, PADDED[INDEX])  # real in either partner
         return run_layers(m, mixed(h), layer_mask(m, union), 1)
 
-    compare(model, hand, "bert.encoder.layer.0", lambda m: m(input_ids=IDS, attention_mask=PADDED).logits, by_hand)
+    compare(
+        model, hand, "bert.encoder.layer.0", lambda m: m(input_ids=IDS, attention_mask=PADDED).logits, by_hand
+    )
 
 
 def test_bert_padding_keep_leaves_the_masks_and_differs_from_union():
@@ -139,7 +142,9 @@ def test_bert_attention_submodule_tuple_and_encoder_model_output():
 def test_bert_token_ids_at_the_input_are_refused_naming_the_embeddings_and_inputs_embeds_mix():
     model = bert()
     with ManifoldMixup("input").attach(model):
-        with pytest.raises(TypeError, match=r"int64 tensor of shape \(4, 6\) \(token ids.*bert\.embeddings\.word_embeddings"):
+        with pytest.raises(
+            TypeError, match=r"int64 tensor of shape \(4, 6\) \(token ids.*bert\.embeddings\.word_embeddings"
+        ):
             model(input_ids=IDS)
     hand = copy.deepcopy(model)
     embeds = model.bert.embeddings.word_embeddings(IDS).detach()
@@ -188,8 +193,8 @@ def test_gpt2_block_with_padding_and_gradscale_on_keyword_arguments():
 def test_timm_vit_tokens_and_a_keyword_called_block():
     torch.manual_seed(0)
     model = timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2,
-        num_classes=3,
+        "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=16, depth=2,
+        num_heads=2, num_classes=3,
     ).double().train()  # fmt: skip
     hand = copy.deepcopy(model)
     x = torch.randn(4, 3, 16, 16, dtype=torch.double)

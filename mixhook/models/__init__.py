@@ -1,6 +1,14 @@
-"""Models for the experiment app: the papers' PreActResNet-18 and any torchvision classifier."""
+"""Models for the experiment app: the papers' PreActResNet-18, any torchvision classifier, any timm model."""
 
 from .preact_resnet import PreActBlock, PreActResNet, PreActResNet18
+from .timm_models import timm_model
 from .tv import classification_models, torchvision_model
 
-__all__ = ["PreActBlock", "PreActResNet", "PreActResNet18", "classification_models", "torchvision_model"]
+__all__ = [
+    "PreActBlock",
+    "PreActResNet",
+    "PreActResNet18",
+    "classification_models",
+    "timm_model",
+    "torchvision_model",
+]

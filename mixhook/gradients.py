@@ -77,8 +77,11 @@ class GradScale(LayerHook):
 
     def _pre_hook(self, spec: str, copy: bool):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
-            if not self._model.training or not torch.is_grad_enabled():
-                return None  # (a reentrant checkpoint's forward: its recomputation scales instead)
+            if not self._model.training:
+                return None
+            if not torch.is_grad_enabled():  # a reentrant checkpoint's forward: its recomputation scales
+                self._note(spec, True)
+                return None
             inputs = Inputs(module, args, kwargs)
             found = [
                 (path, t)
@@ -141,8 +144,10 @@ class GradClip(LayerHook):
 
     def _forward_hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, output) -> None:
-            # (in a reentrant checkpoint's forward gradients are off: its recomputation registers instead)
-            if not self._model.training or not torch.is_grad_enabled():
+            if not self._model.training:
+                return
+            if not torch.is_grad_enabled():  # a reentrant checkpoint's forward: its recomputation clips
+                self._note(spec, True)
                 return
             found, _ = batch_leaves(output, self.sites[spec], self._dims[spec], "GradClip")
             for i, leaf in enumerate(found):

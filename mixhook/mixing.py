@@ -171,11 +171,17 @@ class _Draw:
 
 PADDING = ("union", "keep")
 # Arguments that carry a per-sample padding mask, and how two samples' masks combine so that a mixed
-# sample attends to the positions that are real in either partner: "max" where larger means "attend"
-# (HuggingFace's 0/1, boolean True-attends and additive 0/-inf masks), "min" where True means "ignore"
-# (PyTorch's boolean key_padding_mask).
-_MASK_ARGS = {"attention_mask": "max", "key_padding_mask": "min", "src_key_padding_mask": "min",
-              "tgt_key_padding_mask": "min", "memory_key_padding_mask": "min"}  # fmt: skip
+# sample attends to the positions that are real in either partner: the elementwise max where larger means
+# "attend" (HuggingFace's 0/1, boolean True-attends and additive 0/-inf masks), the min where a boolean
+# True means "padding" (PyTorch's key_padding_mask; as an additive float mask it is max again).
+# A mask under another name is left as it is.
+_MASK_ARGS = {  # name -> whether a boolean True means padding
+    "attention_mask": False,
+    "key_padding_mask": True,
+    "src_key_padding_mask": True,
+    "tgt_key_padding_mask": True,
+    "memory_key_padding_mask": True,
+}
 
 _MIXING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixing regularizer
 
@@ -475,11 +481,12 @@ class Mixer(LayerHook):
             return (args, kwargs) if root else None
         inputs = Inputs(module, args, kwargs)
         new = {}
-        for name, how in _MASK_ARGS.items():
+        for name, true_is_padding in _MASK_ARGS.items():
             mask = inputs.get(name)
             if isinstance(mask, torch.Tensor) and mask.ndim >= 1 and mask.shape[0] == index.shape[0]:
                 partner = mask[index.to(mask.device)]
-                new[name] = torch.maximum(mask, partner) if how == "max" else torch.minimum(mask, partner)
+                padding = true_is_padding and mask.dtype == torch.bool
+                new[name] = torch.minimum(mask, partner) if padding else torch.maximum(mask, partner)
         if root:
             if new:
                 self._mask_stack.append(True)

@@ -24,22 +24,14 @@ from torch.utils.hooks import RemovableHandle
 
 from . import recompute
 from .hooks import LayerHook
-from .sites import INPUT, Inputs, select
+from .sites import INPUT, Inputs, leaves, select
 
 
 def _tensor(output) -> torch.Tensor | None:
     """The tensor a probe reads: ``output`` itself, or the first tensor in it (a layer's main output)."""
     if isinstance(output, torch.Tensor):
         return output
-    return next((t for _, t in select(output, _WHOLE, "") if isinstance(t, torch.Tensor)), None)
-
-
-class _Whole:
-    paths = None
-    spec = ""
-
-
-_WHOLE = _Whole()
+    return next((t for _, t in leaves(output) if isinstance(t, torch.Tensor)), None)
 
 
 class _Probe(LayerHook):

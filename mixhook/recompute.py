@@ -17,6 +17,9 @@ fail (non-reentrant mode). So:
   recomputed through the autograd node that backward is executing (``torch._C._current_autograd_node``)
   and replays from it, without touching its own generator. Anything it cannot find is refused in one
   line: never a silently different recomputation.
+- A hook removed before the backward of such a forward could not replay anything: the model output's
+  autograd node checks, before backward goes past it, that every hook that acted inside a recomputable
+  region is still attached, and refuses otherwise.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class ForwardRecord:
         self.needed = False
         self.entries: dict[tuple[int, str], object] = {}
         self.calls: dict[tuple[int, str], int] = {}
+        self.hooks: dict[int, object] = {}  # the hooks a recomputation needs attached
 
 
 class Tracker:
@@ -72,29 +76,28 @@ class Tracker:
         self.key = f"mixhook.record.{id(self)}"
         self.users = 0
         self.record: ForwardRecord | None = None
-        self._stop: set = set()
         self._handles = [
-            model.register_forward_pre_hook(self._begin, with_kwargs=True, prepend=True),
-            model.register_forward_hook(self._end, always_call=True),
+            model.register_forward_pre_hook(self._begin, prepend=True),
+            model.register_forward_hook(self._end, with_kwargs=True, always_call=True),
         ]
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
 
-    def _begin(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _begin(self, model: nn.Module, args: tuple) -> None:
         if in_backward():
             return  # a recomputation of the whole model keeps the record it is replaying
         self.record = ForwardRecord()
-        self._stop = {t.grad_fn for _, t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
 
-    def _end(self, model: nn.Module, args: tuple, output) -> None:
+    def _end(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         record = self.record
         if record is None or in_backward():
             return
         self.record = None
-        if record.needed:
-            self._tag(output, record)
+        if record.needed:  # the walk stops at the graph that produced the model's inputs
+            stop = {t.grad_fn for _, t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            self._tag(output, record, stop)
 
     def note(self, hook: object, spec: str, payload: object = None) -> None:
         """Inside a recomputable region of a training forward: remember ``payload`` for ``hook`` at
@@ -107,6 +110,7 @@ class Tracker:
         record.calls[key] = record.calls.get(key, 0) + 1
         if payload is not None and key not in record.entries:
             record.entries[key] = payload
+            record.hooks[id(hook)] = hook
 
     def replay(self, hook: object, spec: str, what: str) -> object:
         """During backward: the payload ``hook`` noted at ``spec`` in the forward being recomputed, or
@@ -130,9 +134,12 @@ class Tracker:
             )
         return payload
 
-    def _tag(self, output, record: ForwardRecord) -> None:
+    def _tag(self, output, record: ForwardRecord, stop: set) -> None:
         stack = [t.grad_fn for _, t in leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn]
-        seen = set(self._stop)
+        if record.hooks:
+            for node in set(stack):
+                node.register_prehook(_guard(record))
+        seen = set(stop)
         while stack:
             node = stack.pop()
             if node in seen:
@@ -145,6 +152,20 @@ class Tracker:
             for child, _ in node.next_functions:
                 if child is not None and child not in seen and type(child).__name__ != "AccumulateGrad":
                     stack.append(child)
+
+
+def _guard(record: ForwardRecord):
+    def check(grad_outputs):
+        removed = [hook for hook in record.hooks.values() if getattr(hook, "model", None) is None]
+        if removed:
+            names = ", ".join(sorted({type(h).__name__ for h in removed}))
+            raise RecomputeError(
+                f"{names} acted inside an activation-checkpointed region of this forward but was removed "
+                "before its backward, so the recomputation could not repeat it; call backward() before "
+                "removing the hooks (inside the `with` block)"
+            )
+
+    return check
 
 
 _TRACKERS: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()

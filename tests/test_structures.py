@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mixhook import (
     ActivationStats,
@@ -424,3 +425,64 @@ def test_probes_read_the_selected_element():
     h_n = model.lstm(x)[1][0]
     assert row["layer"] == "lstm[1.0]"
     assert row["mean"] == pytest.approx(float(h_n.mean()), rel=1e-6)
+
+
+class PaddedEncoder(nn.Module):
+    """Two sequence-first encoder layers with a boolean key padding mask (True: padding); the second
+    optionally under activation checkpointing, so its mask-taking call is recomputed."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.first = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.second = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, key_padding_mask):
+        h = self.first(x, src_key_padding_mask=key_padding_mask)
+        if self.checkpointed:
+            h = checkpoint(self.second, h, None, key_padding_mask, use_reentrant=False)
+        else:
+            h = self.second(h, src_key_padding_mask=key_padding_mask)
+        return self.head(h.mean(0))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_boolean_key_padding_mask_downstream_is_the_union_of_real_positions(checkpointed):
+    torch.manual_seed(0)
+    model = PaddedEncoder(checkpointed).double().train()
+    hand = copy.deepcopy(model)
+    x = torch.randn(5, 3, 8, dtype=torch.double)  # (T, B, D)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    pad[2, 1:] = True
+    index = torch.tensor([2, 0, 1])
+    mix = ManifoldMixup("first")
+    with mix.attach(model):
+        mix.pin(lam=LAM, index=index)
+        y = model(x, pad)
+        y.pow(2).sum().backward()  # inside the with block: a recomputation needs the hooks
+    union = pad & pad[index]  # padding only where both partners pad: real in either
+    expected = hand.head(
+        hand.second(
+            mixed(hand.first(x, src_key_padding_mask=pad), index, 1), src_key_padding_mask=union
+        ).mean(0)
+    )
+    exact(y, expected)
+    expected.pow(2).sum().backward()
+    same_grads(model, hand)
+
+
+def test_removing_the_hooks_before_the_backward_of_a_recomputed_forward_is_refused():
+    torch.manual_seed(0)
+    model = PaddedEncoder(checkpointed=True).double().train()
+    x, pad = torch.randn(5, 3, 8, dtype=torch.double), torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, 2:] = True
+    with ManifoldMixup("first").attach(model):
+        y = model(x, pad)  # the padding union was applied inside the checkpointed second layer
+    with pytest.raises(RuntimeError, match=r"ManifoldMixup acted inside an activation-checkpointed region.*"
+                       r"call backward\(\) before removing the hooks"):  # fmt: skip
+        y.sum().backward()
+    with ManifoldMixup("first").attach(model):
+        y = model(x, pad)
+        y.sum().backward()  # inside: fine

@@ -403,25 +403,25 @@ class Mixer(LayerHook):
 
     def _layer_hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, output):
-            if recompute.in_backward():
+            draw = self._draw
+            if draw is not None and not draw.done and draw.layer == spec:  # this forward mixes here
+                self._note(spec, (recompute.generator_state(self.generator), draw.pinned))
+                mixed, self.last = self._apply(spec, output, draw.pinned, self.generator, draw.batch)
+                draw.done, draw.index = True, self.last.index
+                return mixed
+            if draw is None and recompute.in_backward():  # a recomputation, after its forward ended
                 payload = self._replayed(spec)
                 if payload is None:
                     return None
                 state, pinned = payload
                 return self._apply(spec, output, pinned, recompute.replay_generator(self.generator, state))[0]
-            draw = self._draw
-            if draw is None or draw.done or draw.layer != spec:
-                self._note(spec)
-                return None
-            self._note(spec, (recompute.generator_state(self.generator), draw.pinned))
-            mixed, self.last = self._apply(spec, output, draw.pinned, self.generator, draw.batch)
-            draw.done, draw.index = True, self.last.index
-            return mixed
+            self._note(spec)
+            return None
 
         return hook
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
-        if recompute.in_backward():
+        if self._draw is None:  # (also during a recomputation, which runs after its forward ended)
             return
         draw, self._draw = self._draw, None
         if draw is not None and not draw.done:

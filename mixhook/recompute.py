@@ -69,26 +69,27 @@ class ForwardRecord:
 
 
 class Tracker:
-    """One per model: opens a :class:`ForwardRecord` at each forward and tags the autograd
-    graph with it when the forward returns (only when a hook inside a recomputable region asked)."""
+    """One per model: keeps a :class:`ForwardRecord` per forward and tags the autograd graph with it when
+    the forward returns. Its model hooks are registered by the first note, in the first forward that
+    runs inside a recomputable region (a model that is never checkpointed pays nothing); that forward's
+    own output hook still runs, as PyTorch reads a module's forward hooks once its forward returns."""
 
     def __init__(self, model: nn.Module):
         self.key = f"mixhook.record.{id(self)}"
         self.users = 0
         self.record: ForwardRecord | None = None
-        self._handles = [
-            model.register_forward_pre_hook(self._begin, prepend=True),
-            model.register_forward_hook(self._end, with_kwargs=True, always_call=True),
-        ]
+        self._model = model
+        self._handles: list = []
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._handles = []
 
     def _begin(self, model: nn.Module, args: tuple) -> None:
         if in_backward():
             return  # a recomputation of the whole model keeps the record it is replaying
-        self.record = ForwardRecord()
+        self.record = None  # opened by the first note of this forward
 
     def _end(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         record = self.record
@@ -102,9 +103,14 @@ class Tracker:
     def note(self, hook: object, spec: str, payload: object = None) -> None:
         """Inside a recomputable region of a training forward: remember ``payload`` for ``hook`` at
         ``spec`` (``None``: the site ran and did nothing a recomputation must repeat)."""
+        if not self._handles:
+            self._handles = [
+                self._model.register_forward_pre_hook(self._begin, prepend=True),
+                self._model.register_forward_hook(self._end, with_kwargs=True, always_call=True),
+            ]
+        if self.record is None:
+            self.record = ForwardRecord()
         record = self.record
-        if record is None:
-            return
         record.needed = True
         key = (id(hook), spec)
         record.calls[key] = record.calls.get(key, 0) + 1

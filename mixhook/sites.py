@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Iterator, Mapping
@@ -208,15 +209,9 @@ class Inputs(Mapping):
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
         self.args, self.kwargs = args, kwargs
-        self._names: list = []  # for each positional arg, its parameter name (or its index)
-        try:
-            params = list(inspect.signature(module.forward).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        for i in range(len(args)):
-            self._names.append(positional[i] if i < len(positional) else i)
-        order = {p.name: i for i, p in enumerate(params)}
+        positional, order = _signature(getattr(module.forward, "__func__", module.forward))
+        # for each positional arg, its parameter name (or its index)
+        self._names: list = [positional[i] if i < len(positional) else i for i in range(len(args))]
         self._keyword = sorted(kwargs, key=lambda k: order.get(k, len(order)))
         self._items = {**dict(zip(self._names, args, strict=True)), **{k: kwargs[k] for k in self._keyword}}
 
@@ -246,6 +241,20 @@ class Inputs(Mapping):
         args = tuple(new.get(name, a) for name, a in zip(self._names, self.args, strict=True))
         kwargs = {k: new.get(k, v) for k, v in self.kwargs.items()}
         return args, kwargs
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(forward) -> tuple[list[str], dict[str, int]]:
+    """A ``forward``'s positional parameter names and every parameter's position (cached: hooks bind a
+    call's arguments on every forward). ``forward`` is the function behind the bound method."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return [], {}
+    if params and params[0].name == "self":
+        params = params[1:]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional, {p.name: i for i, p in enumerate(params)}
 
 
 # ----------------------------------------------------------------------------- batch dimensions

@@ -82,6 +82,16 @@ class GradScale(LayerHook):
             if not torch.is_grad_enabled():  # a reentrant checkpoint's forward: its recomputation scales
                 self._note(spec, True)
                 return None
+            if not kwargs and self.sites[spec].paths is None:  # positional only, nothing selected
+                if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                    return None
+                scaled = tuple(
+                    _ScaleGrad.apply(a, self.factor, copy)
+                    if isinstance(a, torch.Tensor) and a.requires_grad
+                    else a
+                    for a in args
+                )
+                return scaled, kwargs
             inputs = Inputs(module, args, kwargs)
             found = [
                 (path, t)

@@ -146,9 +146,10 @@ class LayerHook:
         return self.batch_dim
 
     def _note(self, spec: str, payload: object = None) -> None:
-        """In a training forward inside a recomputable region, remember what a recomputation must redo."""
+        """Inside a recomputable region, remember what a recomputation must redo: ``payload``, or what
+        it returns when it is a function (computed only there)."""
         if self._tracker is not None and recompute.may_be_recomputed():
-            self._tracker.note(self, spec, payload)
+            self._tracker.note(self, spec, payload() if callable(payload) else payload)
 
     def _replayed(self, spec: str) -> object:
         """During backward (a recomputation): what the forward noted at ``spec``."""

@@ -383,7 +383,7 @@ class Mixer(LayerHook):
         if self.sites[draw.layer].layer != INPUT:
             return None
         inputs = Inputs(model, args, kwargs)
-        self._note(draw.layer, (recompute.generator_state(self.generator), draw.pinned))
+        self._note(draw.layer, lambda: (recompute.generator_state(self.generator), draw.pinned))
         value, self.last = self._apply(draw.layer, inputs, draw.pinned, self.generator, draw.batch)
         draw.done, draw.index = True, self.last.index
         args, kwargs = _rebuild_inputs(inputs, self.sites[draw.layer], value)
@@ -405,7 +405,7 @@ class Mixer(LayerHook):
         def hook(module: nn.Module, args: tuple, output):
             draw = self._draw
             if draw is not None and not draw.done and draw.layer == spec:  # this forward mixes here
-                self._note(spec, (recompute.generator_state(self.generator), draw.pinned))
+                self._note(spec, lambda: (recompute.generator_state(self.generator), draw.pinned))
                 mixed, self.last = self._apply(spec, output, draw.pinned, self.generator, draw.batch)
                 draw.done, draw.index = True, self.last.index
                 return mixed

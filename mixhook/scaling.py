@@ -74,7 +74,7 @@ class InputScale(LayerHook):
                 generator = recompute.replay_generator(self.generator, state) if state is not None else None
             else:
                 generator = self.generator
-                self._note(spec, recompute.generator_state(generator) if per_sample_draw else None)
+                self._note(spec, (lambda: recompute.generator_state(generator)) if per_sample_draw else None)
             return self._scale(spec, module, args, kwargs, training, generator)
 
         return hook

@@ -397,8 +397,11 @@ class Mixer(LayerHook):
                     state, pinned = payload
                     inputs = Inputs(model, args, kwargs)
                     gen = recompute.replay_generator(self.generator, state)
-                    value, _ = self._apply(spec, inputs, pinned, gen)
-                    return _rebuild_inputs(inputs, site, value)
+                    value, state = self._apply(spec, inputs, pinned, gen)
+                    args, kwargs = _rebuild_inputs(inputs, site, value)
+                    if self.padding != "union":
+                        return args, kwargs
+                    return self._union_masks(model, args, kwargs, state.index) or (args, kwargs)
         return None
 
     def _layer_hook(self, spec: str):

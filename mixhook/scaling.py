@@ -80,14 +80,18 @@ class InputScale(LayerHook):
         return hook
 
     def _scale(self, spec, module, args, kwargs, training, generator):
-        inputs = Inputs(module, args, kwargs)
         site = self.sites[spec]
-        if site.paths is None:
-            if not len(inputs):
-                return None
-            name, value = inputs.first()
+        inputs = name = None
+        if site.paths is None and args:  # the common call: no argument binding (nor, compiled, its cache)
+            value = args[0]
         else:
-            value = inputs
+            inputs = Inputs(module, args, kwargs)
+            if site.paths is None:
+                if not len(inputs):
+                    return None
+                name, value = inputs.first()
+            else:
+                value = inputs
         if isinstance(self.factor, float) or not training:
             number = self.factor if isinstance(self.factor, float) else sum(self.factor) / 2
             factor = torch.tensor(number, dtype=torch.float64)
@@ -104,6 +108,8 @@ class InputScale(LayerHook):
         if not recompute.in_backward():
             self.last = factor
         changed = replace_leaves(value, new)
+        if inputs is None:
+            return (changed, *args[1:]), kwargs
         return inputs.rebuild({name: changed} if site.paths is None else changed)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import inspect
 import re
 from collections.abc import Iterator, Mapping
@@ -243,18 +242,26 @@ class Inputs(Mapping):
         return args, kwargs
 
 
-@functools.lru_cache(maxsize=1024)
+_SIGNATURES: dict = {}  # a plain dict, not functools.lru_cache, which torch.compile warns of and bypasses
+
+
 def _signature(forward) -> tuple[list[str], dict[str, int]]:
     """A ``forward``'s positional parameter names and every parameter's position (cached: hooks bind a
     call's arguments on every forward). ``forward`` is the function behind the bound method."""
+    found = _SIGNATURES.get(forward)
+    if found is not None:
+        return found
     try:
         params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):
-        return [], {}
+        params = []
     if params and params[0].name == "self":
         params = params[1:]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return positional, {p.name: i for i, p in enumerate(params)}
+    if len(_SIGNATURES) >= 1024:
+        _SIGNATURES.clear()
+    found = _SIGNATURES[forward] = (positional, {p.name: i for i, p in enumerate(params)})
+    return found
 
 
 # ----------------------------------------------------------------------------- batch dimensions

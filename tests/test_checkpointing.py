@@ -304,7 +304,11 @@ def test_huggingface_gradient_checkpointing(reentrant, replays):
     )  # fmt: skip
     plain = BertForSequenceClassification(config).double().train()
     ckpt = copy.deepcopy(plain)
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable = getattr(ckpt, "activation_checkpointing_enable", None)  # transformers >= 5 renames it
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ids = torch.randint(1, 40, (4, 6))
     mask = torch.ones(4, 6, dtype=torch.long)
     mask[1, 4:] = 0

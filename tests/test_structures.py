@@ -424,7 +424,7 @@ def test_probes_read_the_selected_element():
     (row,) = stats.rows()
     h_n = model.lstm(x)[1][0]
     assert row["layer"] == "lstm[1.0]"
-    assert row["mean"] == pytest.approx(float(h_n.mean()), rel=1e-6)
+    assert row["mean"] == pytest.approx(float(h_n.detach().mean()), rel=1e-6)
 
 
 class PaddedEncoder(nn.Module):
@@ -468,6 +468,26 @@ def test_a_boolean_key_padding_mask_downstream_is_the_union_of_real_positions(ch
             mixed(hand.first(x, src_key_padding_mask=pad), index, 1), src_key_padding_mask=union
         ).mean(0)
     )
+    exact(y, expected)
+    expected.pow(2).sum().backward()
+    same_grads(model, hand)
+
+
+def test_an_input_mix_in_a_whole_model_checkpoint_replays_the_union_of_the_models_mask():
+    torch.manual_seed(0)
+    model = PaddedEncoder(checkpointed=False).double().train()
+    hand = copy.deepcopy(model)
+    x = torch.randn(5, 3, 8, dtype=torch.double)  # (T, B, D)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    pad[2, 1:] = True
+    index = torch.tensor([2, 0, 1])
+    mix = ManifoldMixup("input", batch_dim=1)
+    with mix.attach(model):
+        mix.pin(lam=LAM, index=index)
+        y = checkpoint(model, x, pad, use_reentrant=False)  # the recomputation runs the model's hooks
+        y.pow(2).sum().backward()
+    expected = hand(mixed(x, index, 1), pad & pad[index])
     exact(y, expected)
     expected.pow(2).sum().backward()
     same_grads(model, hand)

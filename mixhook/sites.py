@@ -395,6 +395,11 @@ def _select(value, site: Site, what: str) -> list[tuple[Path, object]]:
     for path in site.paths:
         path = _normalize(value, path) or path
         under = [(p, v) for p, v in found if p[: len(path)] == path]
+        if not under and found and found[0][0] == ():
+            raise ValueError(
+                f"{site.spec!r}: {what} is a single {_short(found[0][1])}, which has no element "
+                f"{format_path(path)}: leave out the selector ({site.layer!r})"
+            )
         if not under:
             available = ", ".join(f"{format_path(p)} {_short(v)}" for p, v in found[:8]) or "none"
             raise ValueError(

@@ -120,6 +120,10 @@ def test_a_selector_mixes_one_element_and_a_missing_one_lists_what_there_is():
             ValueError, match=r"'block\[e\]': its output has no element \[e\]; its elements: \[a\]"
         ):
             model(x)
+    with ManifoldMixup("block.lin[0]").attach(model):  # a plain tensor has no elements to select
+        with pytest.raises(ValueError, match=r"is a single tensor \(4, 4\), which has no element \[0\]: "
+                           r"leave out the selector \('block.lin'\)"):  # fmt: skip
+            model(x)
 
 
 @pytest.mark.parametrize(

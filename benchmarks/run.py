@@ -39,8 +39,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixhook import CutMix, GradScale, InputScale, ManifoldMixup, blend  # noqa: E402
+from mixhook.app.models import PreActResNet18  # noqa: E402
 from mixhook.mixing import inverse_permutation  # noqa: E402
-from mixhook.models import PreActResNet18  # noqa: E402
 
 GOALS = {
     "mixup_vs_none": 1.02,  # active Manifold Mixup eager step / no-mixup step

@@ -11,12 +11,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mixhook import ManifoldMixup, app
+from mixhook import ManifoldMixup
+from mixhook.app import CONF_DIR
+from mixhook.app import run as app
 from tests.conftest import ROOT, write_cifar
 
 
 def config(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
 
@@ -32,7 +34,7 @@ def run_cli(*overrides, cwd):
 
 def test_default_config_is_the_papers_manifold_mixup_on_digits():
     cfg = config()
-    assert cfg.data.name == "digits" and cfg.model._target_ == "mixhook.models.PreActResNet18"
+    assert cfg.data.name == "digits" and cfg.model._target_ == "mixhook.app.models.PreActResNet18"
     assert list(cfg.mixup.layer) == ["input", "layer1", "layer2"] and cfg.mixup.alpha == 2.0
     run = app.build(cfg)
     assert isinstance(run.mixup, ManifoldMixup) and run.mixup.model is run.model

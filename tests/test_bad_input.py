@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mixhook import app
+from mixhook.app import run as app
 from tests.conftest import write_cifar
 from tests.test_app import config, run_cli
 

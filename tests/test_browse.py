@@ -8,9 +8,9 @@ import torch
 import torchvision
 from torch import nn
 
-from mixhook import app
-from mixhook.browse import browse, format_table
-from mixhook.models import PreActResNet18
+from mixhook.app import run as app
+from mixhook.app.browse import browse, format_table
+from mixhook.app.models import PreActResNet18
 from tests.conftest import ROOT
 from tests.test_app import config
 from tests.toy_models import TupleBlockNet

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from mixhook import app
-from mixhook.training import checkpoint as ckpt
+from mixhook.app import run as app
+from mixhook.app.training import checkpoint as ckpt
 from tests.conftest import ROOT
 from tests.test_app import config, run_cli
 

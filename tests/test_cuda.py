@@ -63,7 +63,7 @@ def test_quick_benchmark_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_app_trains_on_cuda_in_mixed_precision_compiled_with_probes(tmp_path, precision):
-    from mixhook import app
+    from mixhook.app import run as app
     from tests.test_app import config
 
     out = tmp_path / precision

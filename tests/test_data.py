@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mixhook.data import DataNotFoundError, EpochSampler, build_data
+from mixhook.app.data import DataNotFoundError, EpochSampler, build_data
 from tests.conftest import write_cifar
 
 

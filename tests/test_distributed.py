@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from mixhook.data import build_data
-from mixhook.models import PreActResNet18
-from mixhook.training import checkpoint as ckpt
-from mixhook.training import evaluate
+from mixhook.app.data import build_data
+from mixhook.app.models import PreActResNet18
+from mixhook.app.training import checkpoint as ckpt
+from mixhook.app.training import evaluate
 from tests.conftest import ROOT
 
 ARGS = [

@@ -9,11 +9,13 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from mixhook import CutMix, ManifoldMixup, app
+from mixhook import CutMix, ManifoldMixup
+from mixhook.app import CONF_DIR
+from mixhook.app import run as app
 from tests.conftest import ROOT, write_cifar
 from tests.test_app import config, run_cli
 
-EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 VERMA = {  # Verma et al. 2019, Appendix C, and the authors' code where the paper is silent
     "optim": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": True,
@@ -58,7 +60,7 @@ def test_experiment_sets_the_papers_hyperparameters_and_figure(name):
     recipe, data, mixup, value, std = EXPECTED[name]
     cfg = OmegaConf.to_container(config(f"experiment={name}"), resolve=True)
     assert cfg["data"]["name"] == data and cfg["data"]["augment"] is True
-    assert cfg["model"] == {"_target_": "mixhook.models.PreActResNet18"}
+    assert cfg["model"] == {"_target_": "mixhook.app.models.PreActResNet18"}
     for group in ("optim", "trainer"):
         assert {k: cfg[group][k] for k in recipe[group]} == recipe[group]
     assert {k: cfg["mixup"][k] for k in mixup} == mixup and (mixup or cfg["mixup"] == {})

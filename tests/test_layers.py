@@ -6,8 +6,8 @@ import torchvision
 from torch import nn
 
 from mixhook import INPUT, UnknownLayerError, layer_names, resolve_layers
+from mixhook.app.models import PreActResNet18
 from mixhook.layers import normalize_layers, trace_outputs
-from mixhook.models import PreActResNet18
 
 
 def test_normalize_accepts_a_name_or_a_list():

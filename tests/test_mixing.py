@@ -13,7 +13,7 @@ from scipy import stats
 from torch import nn
 
 from mixhook import ManifoldMixup, MixState, NoisyFeatureMixup, blend, sample_lam, smooth_one_hot
-from mixhook.models import PreActResNet18
+from mixhook.app.models import PreActResNet18
 from tests.helpers import hook_count, mlp
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from mixhook import ManifoldMixup
-from mixhook.models import torchvision_model
+from mixhook.app.models import torchvision_model
 
 ZOO = [
     ("resnet18", "layer2", {}),
@@ -45,7 +45,7 @@ def test_mixing_a_middle_block_matches_the_formula(name, layer, options):
 def test_a_users_own_model_with_its_own_arguments_through_target(tmp_path):
     import json
 
-    from mixhook import app
+    from mixhook.app import run as app
     from tests.test_app import config
 
     cfg = config(
@@ -62,7 +62,7 @@ def test_a_users_own_model_with_its_own_arguments_through_target(tmp_path):
 
 
 def test_a_torchvision_vit_trains_in_the_app_on_cifar_sized_images(tmp_path):
-    from mixhook import app
+    from mixhook.app import run as app
     from tests.conftest import write_cifar
     from tests.test_app import config
 

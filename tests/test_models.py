@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mixhook.models import PreActResNet18, classification_models, torchvision_model
+from mixhook.app.models import PreActResNet18, classification_models, torchvision_model
 
 
 @pytest.mark.parametrize(("channels", "size"), [(1, 8), (3, 32)])

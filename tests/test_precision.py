@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from mixhook import CutMix, ManifoldMixup, app
-from mixhook.training import checkpoint as ckpt
+from mixhook import CutMix, ManifoldMixup
+from mixhook.app import run as app
+from mixhook.app.training import checkpoint as ckpt
 from tests.test_app import config
 
 TINY = [

@@ -10,9 +10,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mixhook import ActivationStats, ManifoldMixup
-from mixhook.models import PreActResNet18
-from mixhook.training import checkpoint as ckpt
-from mixhook.training.logging import RunLogger, save_feature_maps
+from mixhook.app.models import PreActResNet18
+from mixhook.app.training import checkpoint as ckpt
+from mixhook.app.training.logging import RunLogger, save_feature_maps
 from tests.test_app import config, run_cli
 
 SMALL = ["data.train_size=200", "trainer.epochs=1", "trainer.batch_size=32", "trainer.progress_bar=false"]
@@ -92,7 +92,7 @@ def test_a_resumed_run_cuts_probes_csv_back_to_the_checkpoint(tmp_path):
 
 
 def test_bad_probe_settings_are_refused():
-    from mixhook import app
+    from mixhook.app import run as app
 
     for overrides, message in (
         (["probes.layers=[layr1]"], "probes.layer: unknown layer 'layr1'"),

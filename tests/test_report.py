@@ -11,8 +11,9 @@ import matplotlib.image
 import pytest
 import yaml
 
-from mixhook.report import main as report_main
-from mixhook.report import write_report
+from mixhook.app import CONF_DIR
+from mixhook.app.report import main as report_main
+from mixhook.app.report import write_report
 from tests.conftest import ROOT
 
 FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false"]
@@ -85,7 +86,7 @@ def test_a_real_2x2_sweep_reports_itself_and_on_demand(tmp_path):
     assert matplotlib.image.imread(sweep / "summary.png").ndim == 3
     for name in ("summary.csv", "summary.md", "summary.png"):
         (sweep / name).unlink()
-    command = [sys.executable, "-m", "mixhook.report", str(sweep)]
+    command = [sys.executable, "-m", "mixhook.app.report", str(sweep)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0 and "4 runs, 2 groups" in result.stdout
     assert len(list(csv.DictReader(open(sweep / "summary.csv")))) == 4
@@ -136,7 +137,7 @@ def test_submitit_local_launcher_runs_and_reports(tmp_path):
 def test_launcher_configs_compose(launcher, setting, target):
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
             config_name="config",
             overrides=[f"hydra/launcher={launcher}", f"hydra.launcher.{setting}"],

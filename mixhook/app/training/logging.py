@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..probes import ActivationStats, GradStats
+from mixhook.probes import ActivationStats, GradStats
 
 LOGGERS = ("csv", "tensorboard")
 PROBE_COLUMNS = ["step", "epoch", "layer", *ActivationStats.STATS, "grad_norm", "param_grad_norm"]
@@ -104,7 +104,8 @@ def save_feature_maps(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..probes import FeatureRecorder
+    from mixhook.probes import FeatureRecorder
+
     from .checkpoint import random_states, restore_random_states
 
     hooks = [mixer] if mixer is not None else []

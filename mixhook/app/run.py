@@ -21,13 +21,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from .compose import mixers_of
+from mixhook.compose import mixers_of
+from mixhook.gradients import GradClip, GradScale
+from mixhook.layers import INPUT, UnknownLayerError, trace_outputs
+from mixhook.mixing import Mixer
+from mixhook.probes import ActivationStats, GradStats
+from mixhook.scaling import InputScale
+
 from .data import Data, DataNotFoundError, build_data
-from .gradients import GradClip, GradScale
-from .layers import INPUT, UnknownLayerError, trace_outputs
-from .mixing import Mixer
-from .probes import ActivationStats, GradStats
-from .scaling import InputScale
 from .training import LOSSES, train
 from .training import checkpoint as ckpt
 from .training.distributed import Dist
@@ -43,7 +44,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class Run:
-    """Everything :func:`build` made from the config, ready for :func:`mixhook.training.train`."""
+    """Everything :func:`build` made from the config, ready for :func:`mixhook.app.training.train`."""
 
     model: nn.Module
     data: Data

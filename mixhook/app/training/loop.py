@@ -1,7 +1,7 @@
 """The training loop: read it top to bottom.
 
 :func:`train` runs the epochs, appends one row per epoch to ``metrics.csv``, keeps ``last.pt`` (see
-:mod:`mixhook.training.checkpoint`) at the end of every epoch and every ``checkpoint_every`` steps, and,
+:mod:`mixhook.app.training.checkpoint`) at the end of every epoch and every ``checkpoint_every`` steps, and,
 only once every epoch has finished, writes ``summary.json`` atomically (a temporary file, then a
 rename), so a run that dies never leaves a summary that looks like a success.
 
@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from ..mixing import Mixer, smooth_one_hot
+from mixhook.mixing import Mixer, smooth_one_hot
+
 from . import checkpoint as ckpt
 from .distributed import Dist
 from .logging import save_feature_maps
@@ -261,14 +262,14 @@ def train(
     """Train for ``epochs`` epochs; write ``metrics.csv``, ``last.pt`` and ``summary.json`` into ``out_dir``.
 
     ``hooks``: every hook attached to the model (their generators are checkpointed). ``resume``: a
-    checkpoint from :func:`mixhook.training.checkpoint.load`; training continues exactly where it was
+    checkpoint from :func:`mixhook.app.training.checkpoint.load`; training continues exactly where it was
     written. ``config``: saved in the checkpoint for the resuming side to compare. ``precision``:
     ``"32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a grad scaler). ``compile``: train and
     evaluate through ``torch.compile(model)`` (the hooks, attached before, are compiled with it; the
     checkpoint holds the model's own state). ``channels_last``: model and image batches in NHWC.
-    ``dist``: the data-parallel job (see :mod:`mixhook.training.distributed`): the model is wrapped in
+    ``dist``: the data-parallel job (see :mod:`mixhook.app.training.distributed`): the model is wrapped in
     ``DistributedDataParallel`` here, after the hooks were attached to it, and only rank 0 writes.
-    ``logger``: a :class:`~mixhook.training.logging.RunLogger` for probe rows and TensorBoard;
+    ``logger``: a :class:`~mixhook.app.training.logging.RunLogger` for probe rows and TensorBoard;
     ``feature_maps``: ``(layers, batch)`` to draw after every epoch into ``feature_maps/``.
 
     Returns the summary: ``test_acc``, ``test_nll``, ``best_test_acc``, ``best_epoch``, ``epochs``,

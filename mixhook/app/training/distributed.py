@@ -1,7 +1,7 @@
 """Data-parallel training on PyTorch's own engine: ``torchrun`` starts the processes, this module joins
 them (NCCL on CUDA, gloo on CPU) and gives the loop the few collective operations it needs.
 
-One process per device. Each rank trains on its share of every epoch (:class:`mixhook.data.EpochSampler`
+One process per device. Each rank trains on its share of every epoch (:class:`mixhook.app.data.EpochSampler`
 shards like ``DistributedSampler``), mixes its own local batch with its own generator stream, and takes
 part in agreeing when to stop (a signal or a non-finite loss on any rank stops every rank at the same
 step). Only rank 0 writes logs, ``metrics.csv``, checkpoints and ``summary.json``; test metrics are

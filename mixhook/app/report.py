@@ -1,6 +1,6 @@
 """Sweep reports: one table, one summary and one picture for a Hydra multirun directory.
 
-    python -m mixhook.report <sweep_dir>
+    python -m mixhook.app.report <sweep_dir>
 
 writes into ``<sweep_dir>``:
 
@@ -248,7 +248,7 @@ class ReportCallback(Callback):
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: python -m mixhook.report <sweep_dir>", file=sys.stderr)
+        print("usage: python -m mixhook.app.report <sweep_dir>", file=sys.stderr)
         return 2
     sweep_dir = Path(args[0])
     if not sweep_dir.is_dir() or not run_dirs(sweep_dir):

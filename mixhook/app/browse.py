@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import layers
-from .sites import BatchDims, batch_leaves, format_path, input_batch, leaves, parse_site
+from mixhook import layers
+from mixhook.sites import BatchDims, batch_leaves, format_path, input_batch, leaves, parse_site
 
 USAGE = """usage: python -m mixhook.layers [OVERRIDE ...]
 
@@ -222,23 +222,21 @@ def _note(row: LayerInfo) -> str:
 
 def main(argv: list[str]) -> int:
     """``python -m mixhook.layers [overrides]``: print the table for the app's model and data."""
-    from pathlib import Path
-
     if any(arg in ("-h", "--help") for arg in argv):
         print(USAGE, end="")
         return 0
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
 
-    from . import app
+    from . import CONF_DIR, CONF_MODULE
+    from . import run as app
 
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    problem = app.check_command_line(argv, str(conf))
+    problem = app.check_command_line(argv, str(CONF_DIR))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
             cfg = compose(config_name="config", overrides=argv)
         model, data = app.build_model_and_data(cfg)
     except (app.ConfigError, HydraException) as err:

@@ -3,7 +3,7 @@
 A checkpoint is one file (``last.pt`` in the run directory) holding everything the rest of a run
 depends on: model, optimizer, LR scheduler, AMP grad scaler, the position (epoch, step), every random
 state (torch CPU and CUDA, numpy, python, each hook's generator; the data order is a function of the
-seed and the epoch, see :class:`mixhook.data.EpochSampler`), the metrics so far and the run's config.
+seed and the epoch, see :class:`mixhook.app.data.EpochSampler`), the metrics so far and the run's config.
 
 It is written atomically (a temporary file beside it, fsynced, then renamed), so a kill at any moment
 leaves either the previous checkpoint or the new one, never half of one. It is read with
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..hooks import LayerHook
+from mixhook.hooks import LayerHook
 
 FORMAT = "mixhook-checkpoint"
 VERSION = 1

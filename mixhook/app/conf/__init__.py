@@ -1,0 +1,1 @@
+"""The app's Hydra config groups, as package data (``pkg://mixhook.app.conf``)."""

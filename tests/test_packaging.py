@@ -1,0 +1,104 @@
+"""The two layers of the package: the library core imports and works with torch alone (the app's
+dependencies made unimportable), and the app, built into a wheel, carries its configs so the layer
+browser works from the installed files outside a checkout."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import ROOT
+
+# what the app and the tests use, none of which the core may need
+BLOCKED = ("hydra", "omegaconf", "torchvision", "sklearn", "matplotlib", "tqdm", "yaml", "numpy", "scipy",
+           "timm", "transformers", "tensorboard", "optuna", "submitit")  # fmt: skip
+
+BLOCKER = f"""
+import importlib.abc, sys, warnings
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+CORE_USE = """
+import pkgutil, importlib, torch, torch.nn.functional as F
+from torch import nn
+import mixhook
+core = []
+def walk(package):  # every module of the core, the app's package never entered
+    for m in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        if m.name == "mixhook.app" or m.name.endswith("__main__"):
+            continue
+        core.append(m.name)
+        module = importlib.import_module(m.name)
+        if m.ispkg:
+            walk(module)
+walk(mixhook)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).train()
+mix = mixhook.ManifoldMixup("1", generator=torch.Generator().manual_seed(0))
+stats = mixhook.ActivationStats(["0"])
+with mixhook.attach(model, mix, mixhook.GradScale("2", 0.5), stats):
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    mix.loss(F.cross_entropy, model(x), y).backward()
+assert mix.last is not None and stats.rows(), "nothing mixed or recorded"
+leaked = sorted(m for m in sys.modules if m.startswith("mixhook.app") or m.split(".")[0] in {blocked!r})
+print(len(core), "core modules;", "leaked:", leaked)
+"""
+
+
+def test_the_core_imports_and_trains_with_torch_alone():
+    code = BLOCKER + CORE_USE.replace("{blocked!r}", repr(BLOCKED))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    count, _, leaked = result.stdout.strip().partition(" core modules; leaked: ")
+    assert int(count) >= 10 and leaked == "[]", result.stdout
+
+
+def test_the_layer_browser_without_the_app_says_what_to_install():
+    code = BLOCKER + "import runpy; runpy.run_module('mixhook.layers', run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: the layer browser is part of the experiment app, which needs hydra: "
+        "pip install 'mixhook[app]'"
+    ]
+
+
+@pytest.mark.slow
+def test_the_layer_browser_runs_from_a_built_wheel(tmp_path):
+    source = tmp_path / "source"  # a copy: building writes build/ and *.egg-info beside the sources
+    shutil.copytree(ROOT / "mixhook", source / "mixhook", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+         str(tmp_path / "dist"), str(source)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("mixhook-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mixhook/app/conf/config.yaml" in names
+    assert "mixhook/app/conf/experiment/_recipes/verma2019.yaml" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)  # what pip would install, away from any checkout
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import mixhook; print(mixhook.__file__)"],
+        capture_output=True, text=True, cwd=run, env=env, check=True,
+    )  # fmt: skip
+    assert where.stdout.strip().startswith(str(site))
+    result = subprocess.run(
+        [sys.executable, "-m", "mixhook.layers", "mixup=cutmix"],
+        capture_output=True, text=True, cwd=run, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("PreActResNet on a digits batch of shape (2, 1, 8, 8):")
+    assert "layer4.0.shortcut" in result.stdout

@@ -28,6 +28,10 @@ from tests.test_app import config, run_cli
         (["trainer.precision=8"], "error: trainer.precision=8 is not a precision; valid: 32, bf16, fp16"),
         (["probes.layers=[layr1]"], "error: probes.layer: unknown layer 'layr1'"),
         (["trainer.resume=3"], "error: trainer.resume must be null, auto or a checkpoint path, got 3"),
+        (["optim.momentum=-1"], "error: optim.momentum must be a number >= 0, got -1"),
+        (["optim.weight_decay=-1"], "error: optim.weight_decay must be a number >= 0, got -1"),
+        (["optim.lr=0"], "error: optim.lr must be a number > 0, got 0"),
+        (["optim.nesterov=true", "optim.momentum=0"], "error: optim.nesterov=true needs optim.momentum > 0"),
         (
             ["data=cifar10", "data.root=/nonexistent"],
             "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",
@@ -74,6 +78,8 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit_before_training(tmp_path, c
         (["mixup=nosuch"], "error: mixup=nosuch is not an option of mixup; valid: cutmix, input, manifold, "),
         (["-m", "mixup=none,nosuch"], "error: mixup=nosuch is not an option of mixup"),
         (["hydra.run.dir=afile/run"], "error: hydra.run.dir=afile/run cannot be created: "),
+        (["hydra.run.dir=/proc/x"], "error: hydra.run.dir=/proc/x cannot be created: "),  # exists, writable
+        (["hparams_search=optuna"], "error: hparams_search=optuna runs a sweep: add -m"),  # not one plain job
         (
             ["-m", "seed=0,1", "hydra.sweep.dir=afile/sweep"],
             "error: hydra.sweep.dir=afile/sweep cannot be created: ",
@@ -96,6 +102,26 @@ def test_an_unwritable_run_directory_is_refused_by_the_app_too(tmp_path, capsys)
     assert capsys.readouterr().err.startswith(
         f"error: the run directory {tmp_path / 'afile' / 'run'} cannot be written"
     )
+
+
+def test_a_text_file_as_the_checkpoint_to_resume_is_refused_and_kept(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "last.pt").write_text("hello, not a checkpoint\n")
+    with pytest.raises(SystemExit) as info:
+        app.main(config("trainer.resume=auto"), out_dir=str(out))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: trainer.resume: {out / 'last.pt'} cannot be read")
+    assert (out / "last.pt").read_text() == "hello, not a checkpoint\n"
+    assert not (out / "summary.json").exists()
+
+
+def test_a_last_batch_of_one_sample_trains(tmp_path):
+    out = tmp_path / "run"  # 129 = 2 * 64 + 1 and 8x8 digits: layer4's BatchNorm sees 1 value per channel
+    cfg = config("data.train_size=129", "trainer.epochs=1", "trainer.progress_bar=false")
+    app.main(cfg, out_dir=str(out))
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 1
 
 
 def test_batch_size_1_while_mixing_trains(tmp_path):

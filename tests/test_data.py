@@ -115,6 +115,30 @@ def test_epoch_sampler_shards_like_distributed_sampler():
         EpochSampler(10, rank=2, world_size=2)
 
 
+def test_a_last_batch_of_one_sample_is_left_out_a_different_one_each_epoch():
+    full = EpochSampler(129, seed=0)
+    short = EpochSampler(129, seed=0, batch_size=64)  # 64 + 64 + 1: BatchNorm cannot train on 1
+    left_out = set()
+    for epoch in range(4):
+        full.set_epoch(epoch)
+        short.set_epoch(epoch)
+        order = list(full)
+        assert list(short) == order[:128] and len(short) == 128
+        left_out.add(order[128][0])
+        short.set_epoch(epoch, start=64)  # a resumed epoch skips the first batch, as before
+        assert list(short) == order[64:128] and len(short) == 64
+    assert len(left_out) > 1
+    for size, batch in ((130, 64), (128, 64), (129, 1), (1, 64)):  # nothing left out
+        sampler = EpochSampler(size, batch_size=batch)
+        assert len(sampler) == len(list(sampler)) == size
+    shares = [EpochSampler(129, rank=r, world_size=2, batch_size=13) for r in range(2)]
+    assert [len(s) for s in shares] == [65, 65]  # 65 each = 5 * 13: nothing left out
+    assert [len(EpochSampler(53, rank=r, world_size=2, batch_size=13)) for r in range(2)] == [
+        26,
+        26,
+    ]  # 27 = 2 * 13 + 1, every rank alike
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_augmented_batches_depend_on_seed_and_epoch_only(cifar10_root, workers):
     root, _ = cifar10_root

@@ -62,7 +62,7 @@ def build_data(
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
     train_set, test_set, info = builders[name](name=name, **options)
     num_workers = int(options.get("num_workers", 0))
-    sampler = EpochSampler(len(train_set), seed=seed, rank=rank, world_size=world_size)
+    sampler = EpochSampler(len(train_set), seed=seed, rank=rank, world_size=world_size, batch_size=batch_size)
     if world_size > 1:
         test_set = Subset(test_set, range(rank, len(test_set), world_size))
     train = DataLoader(
@@ -90,21 +90,33 @@ class EpochSampler(Sampler):
 
     Yields ``(index, augmentation seed)`` pairs for :class:`SeededSamples`. Call :meth:`set_epoch`
     before each epoch; ``start`` skips that many of this rank's samples (a resumed epoch), without
-    loading them.
+    loading them. With ``batch_size``, an epoch whose last batch would hold a single sample leaves that
+    sample out (BatchNorm cannot train on one sample, nor can a mixer pair it): a different sample each
+    epoch, since the order is drawn afresh.
     """
 
-    def __init__(self, size: int, seed: int = 0, shuffle: bool = True, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int | None = None,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.size, self.seed, self.shuffle = size, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.epoch, self.start = 0, 0
+        share = -(-size // world_size)
+        self.share = share - 1 if batch_size and share > 1 and share % batch_size == 1 else share
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return max(-(-self.size // self.world_size) - self.start, 0)
+        return max(self.share - self.start, 0)
 
     def __iter__(self):
         mixed = np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0]
@@ -113,7 +125,7 @@ class EpochSampler(Sampler):
         seeds = torch.randint(2**62, (self.size,), generator=g)
         total = -(-self.size // self.world_size) * self.world_size
         order = torch.cat([order, order[: total - self.size]])[self.rank :: self.world_size]
-        for i in order[self.start :].tolist():
+        for i in order[self.start : self.share].tolist():
             yield i, int(seeds[i])
 
 

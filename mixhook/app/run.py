@@ -9,6 +9,7 @@ raises instead, so that Hydra records the failed job and the sweep goes on).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import sys
@@ -89,8 +90,10 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
 
 def check_command_line(argv: list[str], conf_dir: str) -> str | None:
     """What Hydra would reject only with a multi-line report, said in one line before it starts: an
-    option that is not in its config group (``mixup=nosuch``), and a ``hydra.run.dir`` or
-    ``hydra.sweep.dir`` that cannot be created. Returns the line, or ``None``."""
+    option that is not in its config group (``mixup=nosuch``), a ``hydra.run.dir`` or
+    ``hydra.sweep.dir`` that cannot be created, and a search (``hparams_search=...``) without ``-m``,
+    which Hydra would run as one plain job. Returns the line, or ``None``."""
+    multirun = any(arg in ("-m", "--multirun") for arg in argv)
     for arg in argv:
         key, sep, value = arg.partition("=")
         key = key.lstrip("+~")
@@ -103,12 +106,39 @@ def check_command_line(argv: list[str], conf_dir: str) -> str | None:
                 if option not in ("null", "") and not os.path.isfile(os.path.join(group, f"{option}.yaml")):
                     return f"{key}={option} is not an option of {key}; valid: {', '.join(options)}"
         if key in ("hydra.run.dir", "hydra.sweep.dir"):
-            parent = os.path.abspath(value)
-            while not os.path.exists(parent):
-                parent = os.path.dirname(parent)
-            if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-                why = "is not a directory" if not os.path.isdir(parent) else "is not writable"
-                return f"{key}={value} cannot be created: {parent} {why}"
+            problem = _creatable(value)
+            if problem:
+                return f"{key}={value} cannot be created: {problem}"
+        if key == "hparams_search" and value not in ("null", "") and not multirun:
+            return f"hparams_search={value} runs a sweep: add -m (python train.py -m {arg} ...)"
+    return None
+
+
+def _creatable(path: str) -> str | None:
+    """Why directory ``path`` cannot be created and written (``None`` if it can): tried for real, and
+    whatever this check created is removed again."""
+    path = os.path.abspath(path)
+    missing = []
+    parent = path
+    while not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".mixhook-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        return f"{err.strerror or err} ({err.filename or path})"
+    finally:
+        for created in missing:  # deepest first
+            try:
+                os.rmdir(created)
+            except OSError:
+                pass
     return None
 
 
@@ -425,8 +455,17 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
 
 
 def _optimizer(cfg: DictConfig, model: nn.Module, epochs: int):
-    if not cfg.lr > 0:
-        raise ConfigError(f"optim.lr must be > 0, got {cfg.lr}")
+    for key, minimum, strict in (("lr", 0, True), ("momentum", 0, False), ("weight_decay", 0, False)):
+        value = cfg.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or value < minimum or (strict and value == minimum):
+            raise ConfigError(
+                f"optim.{key} must be a number {'>' if strict else '>='} {minimum}, got {value!r}"
+            )
+    if not isinstance(cfg.nesterov, bool):
+        raise ConfigError(f"optim.nesterov must be true or false, got {cfg.nesterov!r}")
+    if cfg.nesterov and not cfg.momentum > 0:
+        raise ConfigError(f"optim.nesterov=true needs optim.momentum > 0, got {cfg.momentum}")
     optimizer = torch.optim.SGD(
         model.parameters(),
         lr=cfg.lr,

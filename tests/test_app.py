@@ -58,7 +58,7 @@ def test_mixup_none_builds_without_a_regularizer():
         (["trainer.epochs=0"], "trainer.epochs must be an integer >= 1, got 0"),
         (["trainer.batch_size=0"], "trainer.batch_size must be an integer >= 1, got 0"),
         (["trainer.device=tpu"], "trainer.device='tpu'"),
-        (["optim.lr=-1"], "optim.lr must be > 0, got -1"),
+        (["optim.lr=-1"], "optim.lr must be a number > 0, got -1"),
         (
             ["optim.scheduler=multistep", "optim.milestones=[150,100]"],
             "optim.milestones must be increasing epoch numbers >= 1 for multistep, got [150, 100]",

@@ -31,7 +31,17 @@ from torch.utils.hooks import RemovableHandle
 
 from . import recompute
 from .hooks import LayerHook, own_generator
-from .sites import INPUT, Inputs, Leaf, batch_leaves, describe, embedding_layers, input_batch, replace_leaves
+from .sites import (
+    INPUT,
+    Inputs,
+    Leaf,
+    batch_leaves,
+    blendable,
+    describe,
+    embedding_layers,
+    input_batch,
+    replace_leaves,
+)
 
 
 def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None = None) -> torch.Tensor:
@@ -538,10 +548,8 @@ class Mixer(LayerHook):
             paths = self.sites[spec].paths or ()
             picked = [value.get(value.key(p[0])) if isinstance(p[0], str) or p[0] < len(value) else None
                       for p in paths]  # fmt: skip
-            selected = next(
-                (t for t in picked if isinstance(t, torch.Tensor) and not t.is_floating_point()), None
-            )
-        if isinstance(selected, torch.Tensor) and not (selected.is_floating_point() or selected.is_complex()):
+            selected = next((t for t in picked if isinstance(t, torch.Tensor) and not blendable(t)), None)
+        if isinstance(selected, torch.Tensor) and not blendable(selected):
             embeddings = embedding_layers(self._model) if self._model is not None else []
             where = (f"mix the embeddings instead: {', '.join(embeddings[:4])}, or a layer after them"
                      if embeddings else "mix a layer whose output is floating point")  # fmt: skip

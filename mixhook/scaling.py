@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 from . import recompute
 from .hooks import LayerHook, own_generator
 from .mixing import along, per_sample
-from .sites import Inputs, batch_leaves, replace_leaves, select
+from .sites import Inputs, batch_leaves, blendable, replace_leaves, select
 
 
 class InputScale(LayerHook):
@@ -95,7 +95,7 @@ class InputScale(LayerHook):
         if isinstance(self.factor, float) or not training:
             number = self.factor if isinstance(self.factor, float) else sum(self.factor) / 2
             factor = torch.tensor(number, dtype=torch.float64)
-            found = [(p, t) for p, t in select(value, site, "its input") if _floating(t)]
+            found = [(p, t) for p, t in select(value, site, "its input") if blendable(t)]
             if not found:
                 raise TypeError(f"InputScale at {spec!r}: no floating-point tensor to scale in its input")
             new = {p: t * factor.to(device=t.device, dtype=t.dtype) for p, t in found}
@@ -111,10 +111,6 @@ class InputScale(LayerHook):
         if inputs is None:
             return (changed, *args[1:]), kwargs
         return inputs.rebuild({name: changed} if site.paths is None else changed)
-
-
-def _floating(t) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
 def _check_factor(factor) -> float | tuple[float, float]:

@@ -197,6 +197,11 @@ def _short(value) -> str:
     return type(value).__name__
 
 
+def blendable(t) -> bool:
+    """Whether ``t`` is a tensor that can be blended or scaled: floating point or complex."""
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
 # ----------------------------------------------------------------------------- a layer's inputs
 
 
@@ -471,7 +476,7 @@ def batch_leaves(
                 f"{where}: element {format_path(path)} of shape {tuple(t.shape)} does not have the batch "
                 f"size {batch} at its batch dimension {dim}; select the elements to act on, or pass batch_dim"
             )
-        if floating and not (t.is_floating_point() or t.is_complex()):
+        if floating and not blendable(t):
             raise TypeError(
                 f"{where}: element {format_path(path)} is a {str(t.dtype).removeprefix('torch.')} tensor "
                 f"of shape {tuple(t.shape)}, which cannot be blended; select the floating-point elements"

@@ -397,7 +397,10 @@ class Mixer(LayerHook):
         value, self.last = self._apply(draw.layer, inputs, draw.pinned, self.generator, draw.batch)
         draw.done, draw.index = True, self.last.index
         args, kwargs = _rebuild_inputs(inputs, self.sites[draw.layer], value)
-        return self._union_masks(model, args, kwargs, draw.index, root=True)
+        unioned = self._union_masks(model, args, kwargs, draw.index)
+        if unioned is not None:  # the modules inside get the model's unioned mask: none unions again
+            self._mask_stack.append(True)
+        return unioned or (args, kwargs)
 
     def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
         for spec, site in self.sites.items():
@@ -409,8 +412,6 @@ class Mixer(LayerHook):
                     gen = recompute.replay_generator(self.generator, state)
                     value, state = self._apply(spec, inputs, pinned, gen)
                     args, kwargs = _rebuild_inputs(inputs, site, value)
-                    if self.padding != "union":
-                        return args, kwargs
                     return self._union_masks(model, args, kwargs, state.index) or (args, kwargs)
         return None
 
@@ -489,9 +490,11 @@ class Mixer(LayerHook):
 
         return pre, post
 
-    def _union_masks(self, module: nn.Module, args: tuple, kwargs: dict, index: torch.Tensor, root=False):
+    def _union_masks(self, module: nn.Module, args: tuple, kwargs: dict, index: torch.Tensor):
+        """``(args, kwargs)`` with every padding mask among them replaced by the union of the partners'
+        masks, or ``None`` when there is none to change (or ``padding="keep"``)."""
         if self.padding != "union":
-            return (args, kwargs) if root else None
+            return None
         inputs = Inputs(module, args, kwargs)
         new = {}
         for name, true_is_padding in _MASK_ARGS.items():
@@ -500,10 +503,6 @@ class Mixer(LayerHook):
                 partner = mask[index.to(mask.device)]
                 padding = true_is_padding and mask.dtype == torch.bool
                 new[name] = torch.minimum(mask, partner) if padding else torch.maximum(mask, partner)
-        if root:
-            if new:
-                self._mask_stack.append(True)
-            return inputs.rebuild(new) if new else (args, kwargs)
         return inputs.rebuild(new) if new else None
 
     # ------------------------------------------------------------------------------ the mix itself

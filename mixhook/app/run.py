@@ -126,11 +126,7 @@ def _creatable(path: str) -> str | None:
     if not os.path.isdir(parent):
         return f"{parent} is not a directory"
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".mixhook-write-test")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        _make_writable_dir(path)
     except OSError as err:
         return f"{err.strerror or err} ({err.filename or path})"
     finally:
@@ -140,6 +136,16 @@ def _creatable(path: str) -> str | None:
             except OSError:
                 pass
     return None
+
+
+def _make_writable_dir(path: str) -> None:
+    """Create directory ``path`` (and its parents) and write and remove a file in it; ``OSError`` if
+    either cannot be done."""
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, ".mixhook-write-test")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
 
 
 def _record_failure(out_dir: str, err: BaseException) -> None:
@@ -312,12 +318,8 @@ def probe_layers(cfg: DictConfig) -> list[str]:
 
 def _check_writable(out_dir: str) -> None:
     """Fail before anything else if the run directory cannot be created or written."""
-    probe = os.path.join(out_dir, ".mixhook-write-test")
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        _make_writable_dir(out_dir)
     except OSError as err:
         raise ConfigError(f"the run directory {out_dir} cannot be written: {err.strerror or err}") from None
 
@@ -455,13 +457,11 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
 
 
 def _optimizer(cfg: DictConfig, model: nn.Module, epochs: int):
-    for key, minimum, strict in (("lr", 0, True), ("momentum", 0, False), ("weight_decay", 0, False)):
+    for key, positive in (("lr", True), ("momentum", False), ("weight_decay", False)):
         value = cfg.get(key)
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not number or value < minimum or (strict and value == minimum):
-            raise ConfigError(
-                f"optim.{key} must be a number {'>' if strict else '>='} {minimum}, got {value!r}"
-            )
+        if not number or value < 0 or (positive and value == 0):
+            raise ConfigError(f"optim.{key} must be a number {'>' if positive else '>='} 0, got {value!r}")
     if not isinstance(cfg.nesterov, bool):
         raise ConfigError(f"optim.nesterov must be true or false, got {cfg.nesterov!r}")
     if cfg.nesterov and not cfg.momentum > 0:

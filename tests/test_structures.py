@@ -451,16 +451,21 @@ class PaddedEncoder(nn.Module):
         return self.head(h.mean(0))
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
-def test_a_boolean_key_padding_mask_downstream_is_the_union_of_real_positions(checkpointed):
+def padded_batch(checkpointed: bool):
+    """A :class:`PaddedEncoder`, its copy for the hand computation, a (T, B, D) batch of 3 with its
+    padding mask (True: padding; sample 1 has none), and the pinned permutation."""
     torch.manual_seed(0)
     model = PaddedEncoder(checkpointed).double().train()
-    hand = copy.deepcopy(model)
-    x = torch.randn(5, 3, 8, dtype=torch.double)  # (T, B, D)
+    x = torch.randn(5, 3, 8, dtype=torch.double)
     pad = torch.zeros(3, 5, dtype=torch.bool)
     pad[0, 3:] = True
     pad[2, 1:] = True
-    index = torch.tensor([2, 0, 1])
+    return model, copy.deepcopy(model), x, pad, torch.tensor([2, 0, 1])
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_boolean_key_padding_mask_downstream_is_the_union_of_real_positions(checkpointed):
+    model, hand, x, pad, index = padded_batch(checkpointed)
     mix = ManifoldMixup("first")
     with mix.attach(model):
         mix.pin(lam=LAM, index=index)
@@ -478,14 +483,7 @@ def test_a_boolean_key_padding_mask_downstream_is_the_union_of_real_positions(ch
 
 
 def test_an_input_mix_in_a_whole_model_checkpoint_replays_the_union_of_the_models_mask():
-    torch.manual_seed(0)
-    model = PaddedEncoder(checkpointed=False).double().train()
-    hand = copy.deepcopy(model)
-    x = torch.randn(5, 3, 8, dtype=torch.double)  # (T, B, D)
-    pad = torch.zeros(3, 5, dtype=torch.bool)
-    pad[0, 3:] = True
-    pad[2, 1:] = True
-    index = torch.tensor([2, 0, 1])
+    model, hand, x, pad, index = padded_batch(checkpointed=False)
     mix = ManifoldMixup("input", batch_dim=1)
     with mix.attach(model):
         mix.pin(lam=LAM, index=index)

@@ -134,3 +134,13 @@ def test_batch_size_1_while_mixing_trains(tmp_path):
     acc = app.main(cfg, out_dir=str(out))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["test_acc"] == acc and summary["epochs"] == 1
+
+
+def test_a_search_is_accepted_in_either_multirun_form():
+    from mixhook.app import CONF_DIR
+
+    for flag in ("-m", "--multirun", "hydra.mode=MULTIRUN"):
+        assert app.check_command_line([flag, "hparams_search=optuna"], str(CONF_DIR)) is None
+    assert app.check_command_line(["hparams_search=optuna"], str(CONF_DIR)).startswith(
+        "hparams_search=optuna runs a sweep: add -m"
+    )

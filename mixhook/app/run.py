@@ -93,7 +93,7 @@ def check_command_line(argv: list[str], conf_dir: str) -> str | None:
     option that is not in its config group (``mixup=nosuch``), a ``hydra.run.dir`` or
     ``hydra.sweep.dir`` that cannot be created, and a search (``hparams_search=...``) without ``-m``,
     which Hydra would run as one plain job. Returns the line, or ``None``."""
-    multirun = any(arg in ("-m", "--multirun") for arg in argv)
+    multirun = any(arg in ("-m", "--multirun", "hydra.mode=MULTIRUN") for arg in argv)
     for arg in argv:
         key, sep, value = arg.partition("=")
         key = key.lstrip("+~")

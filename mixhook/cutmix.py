@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from .mixing import Mixer, MixState, check_spatial
+from .transfer import to_device
 
 
 def rand_box(height: int, width: int, lam: float, generator: torch.Generator) -> tuple[int, int, int, int]:
@@ -42,7 +43,7 @@ def paste_box(h: torch.Tensor, index: torch.Tensor, box: tuple[int, int, int, in
     Gradients flow to ``h`` outside the box and to ``h[index]`` inside it."""
     y1, y2, x1, x2 = box
     out = h.clone()
-    out[:, :, y1:y2, x1:x2] = h[:, :, y1:y2, x1:x2][index.to(h.device)]
+    out[:, :, y1:y2, x1:x2] = h[:, :, y1:y2, x1:x2][to_device(index, h.device)]
     return out
 
 

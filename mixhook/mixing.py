@@ -42,6 +42,7 @@ from .sites import (
     input_batch,
     replace_leaves,
 )
+from .transfer import to_device
 
 
 def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None = None) -> torch.Tensor:
@@ -65,7 +66,7 @@ def sample_lam(alpha: float, generator: torch.Generator) -> torch.Tensor:
 def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``values`` in ``like``'s dtype and device; one value per sample (1-D) is shaped to broadcast over
     ``like``'s non-batch dimensions, a 0-d tensor is left as it is."""
-    values = values.to(device=like.device, dtype=like.dtype)
+    values = to_device(values, like.device, like.dtype)
     return values.view(-1, *([1] * (like.ndim - 1))) if values.ndim == 1 else values
 
 
@@ -113,9 +114,9 @@ def blend(
     (``index``'s inverse permutation), the backward gathers through it instead of scatter-adding.
     """
     lam = per_sample(torch.as_tensor(lam, dtype=torch.float64), h)
-    index = index.to(h.device)
+    index = to_device(index, h.device)
     if inverse is not None and h.requires_grad and torch.is_grad_enabled():
-        return _PermutedBlend.apply(h, lam, index, inverse.to(h.device))
+        return _PermutedBlend.apply(h, lam, index, to_device(inverse, h.device))
     return torch.lerp(h[index], h, lam)
 
 
@@ -294,7 +295,7 @@ class Mixer(LayerHook):
         index = self._index_for(target, "loss")
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, target[index])
-        lam = last.lam.to(device=loss_a.device, dtype=loss_a.dtype)
+        lam = to_device(last.lam, loss_a.device, loss_a.dtype)
         if lam.ndim == 1 and loss_a.shape != lam.shape:
             raise ValueError(
                 f"loss(): lam has one value per sample ({lam.shape[0]}), so the criterion must return one "
@@ -500,7 +501,7 @@ class Mixer(LayerHook):
         for name, true_is_padding in _MASK_ARGS.items():
             mask = inputs.get(name)
             if isinstance(mask, torch.Tensor) and mask.ndim >= 1 and mask.shape[0] == index.shape[0]:
-                partner = mask[index.to(mask.device)]
+                partner = mask[to_device(index, mask.device)]
                 padding = true_is_padding and mask.dtype == torch.bool
                 new[name] = torch.minimum(mask, partner) if padding else torch.maximum(mask, partner)
         return inputs.rebuild(new) if new else None
@@ -619,7 +620,7 @@ class Mixer(LayerHook):
                 f"{what}(): target has {target.shape[0]} rows but the last forward mixed a batch of "
                 f"{index.shape[0]}"
             )
-        return index.to(target.device)
+        return to_device(index, target.device)
 
 
 def _rebuild_inputs(inputs: Inputs, site, value) -> tuple[tuple, dict]:
@@ -759,12 +760,12 @@ class NoisyFeatureMixup(ManifoldMixup):
             level = self.mult_noise * sample_beta(2.0, 5.0, g)
             for path, m in mixed.items():
                 uniform = torch.rand(m.shape, generator=g, device=g.device, dtype=torch.float64)
-                mixed[path] = m * (1 + level * (2 * uniform - 1)).to(device=m.device, dtype=m.dtype)
+                mixed[path] = m * to_device(1 + level * (2 * uniform - 1), m.device, m.dtype)
         if self.add_noise > 0:
             level = self.add_noise * sample_beta(2.0, 5.0, g)
             for path, m in mixed.items():
                 normal = torch.randn(m.shape, generator=g, device=g.device, dtype=torch.float64)
-                mixed[path] = m + (level * normal).to(device=m.device, dtype=m.dtype)
+                mixed[path] = m + to_device(level * normal, m.device, m.dtype)
         return mixed, state
 
 

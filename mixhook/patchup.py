@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .mixing import Mixer, MixState, blend, check_fraction, check_spatial
+from .transfer import to_device
 
 
 def block_mask(
@@ -113,10 +114,10 @@ class PatchUp(Mixer):
                 raise ValueError(
                     f"pinned mask of shape {tuple(mask.shape)} does not fit {tuple(h.shape[1:])}"
                 )
-        m = mask.to(device=h.device, dtype=h.dtype)
+        m = to_device(mask, h.device, h.dtype)
         altered = float(mask.mean())
         if self.mode == "hard":
-            mixed = (1 - m) * h + m * h[index.to(h.device)]
+            mixed = (1 - m) * h + m * h[to_device(index, h.device)]
             weight = 1.0 - altered
         else:
             mixed = (1 - m) * h + m * blend(h, lam, index, inverse)

@@ -13,6 +13,7 @@ from . import recompute
 from .hooks import LayerHook, own_generator
 from .mixing import along, per_sample
 from .sites import Inputs, batch_leaves, blendable, replace_leaves, select
+from .transfer import to_device
 
 
 class InputScale(LayerHook):
@@ -98,7 +99,7 @@ class InputScale(LayerHook):
             found = [(p, t) for p, t in select(value, site, "its input") if blendable(t)]
             if not found:
                 raise TypeError(f"InputScale at {spec!r}: no floating-point tensor to scale in its input")
-            new = {p: t * factor.to(device=t.device, dtype=t.dtype) for p, t in found}
+            new = {p: t * to_device(factor, t.device, t.dtype) for p, t in found}
         else:
             found, n = batch_leaves(value, site, self._dims[spec], "InputScale", inputs=True)
             low, high = self.factor

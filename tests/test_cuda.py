@@ -3,13 +3,14 @@ Skipped cleanly where no GPU is present (CI has none)."""
 
 import copy
 import json
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
 
-from mixhook import CutMix, GradScale, ManifoldMixup, NoisyFeatureMixup, PatchUp
+from mixhook import CutMix, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup, PatchUp
 from tests.test_benchmarks import run_bench
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -30,6 +31,43 @@ def test_mixing_on_cuda_matches_cpu(cls):
             mix.loss(F.cross_entropy, out, torch.tensor([0, 1, 2, 3], device=device)).backward()
         outs.append(out.cpu())
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ManifoldMixup(["input", "layer1"]),
+        lambda: ManifoldMixup("layer2", mode="elem"),
+        lambda: CutMix("layer1"),
+        lambda: PatchUp("layer1", block_size=3),
+        lambda: PatchUp("layer1", block_size=3, mode="hard"),
+        lambda: NoisyFeatureMixup("layer1", add_noise=0.4, mult_noise=0.2),
+        lambda: GradScale("layer2", 0.5),
+        lambda: InputScale("layer2", (0.5, 1.5)),
+    ],
+    ids=["mixup", "mixup-elem", "cutmix", "patchup-soft", "patchup-hard", "nfm", "gradscale", "inputscale"],
+)
+def test_a_hooked_training_step_never_waits_for_the_gpu(make):
+    """The draws are made on the CPU; their copies to the GPU must be queued, not synchronised: a host
+    sync each step stalls the launch of the next one (torch's sync debug mode raises on any sync)."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4).cuda().train()
+    hook = make()
+    per_sample = partial(F.cross_entropy, reduction="none")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 3, 32, 32, device="cuda"), torch.tensor([0, 1, 2, 3] * 2, device="cuda")
+    with hook.attach(model):
+        for step in range(4):  # the first steps warm up (cuDNN, the caching host allocator)
+            torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")
+            try:
+                out = model(x)
+                loss = (hook.loss(per_sample, out, y) if hasattr(hook, "loss") else per_sample(out, y)).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss.detach().cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

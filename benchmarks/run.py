@@ -42,6 +42,8 @@ from mixhook import CutMix, GradScale, InputScale, ManifoldMixup, blend  # noqa:
 from mixhook.app.models import PreActResNet18  # noqa: E402
 from mixhook.mixing import inverse_permutation  # noqa: E402
 
+CASES = ("eager", "compiled", "bf16", "peers", "dispatch", "blend", "recompiles", "memory")
+
 GOALS = {
     "mixup_vs_none": 1.02,  # active Manifold Mixup eager step / no-mixup step
     "mixup_vs_hand": 1.01,  # ... / the hand-edited forward
@@ -465,7 +467,7 @@ def device_name(device) -> str:
 
 def goals(results: dict, device) -> list[dict]:
     rows = []
-    eager = results["training_step"]
+    eager = results.get("training_step", [])
     compiled = results.get("training_step_compiled", [])
 
     def add(goal, measured, limit, where, lower_is_better=True):
@@ -491,20 +493,22 @@ def goals(results: dict, device) -> list[dict]:
             GOALS["compiled_mixup_vs_compiled"],
             f"{run['model']} compiled",
         )
-    add(
-        "inactive_vs_unhooked",
-        results["dispatch"]["eval_forward_inactive_vs_unhooked"]["median"],
-        GOALS["inactive_vs_unhooked"],
-        "preact_resnet18 eval forward",
-    )
-    rc = results["recompiles"]
-    add(
-        "recompiles_after_warmup",
-        rc["graphs_compiled_after_warmup"],
-        0,
-        f"{rc['model']}, {rc['steps']} steps",
-    )
-    if device.type == "cuda":
+    if "dispatch" in results:
+        add(
+            "inactive_vs_unhooked",
+            results["dispatch"]["eval_forward_inactive_vs_unhooked"]["median"],
+            GOALS["inactive_vs_unhooked"],
+            "preact_resnet18 eval forward",
+        )
+    if "recompiles" in results:
+        rc = results["recompiles"]
+        add(
+            "recompiles_after_warmup",
+            rc["graphs_compiled_after_warmup"],
+            0,
+            f"{rc['model']}, {rc['steps']} steps",
+        )
+    if device.type == "cuda" and "blend" in results:
         add(
             "blend_vs_copy_bandwidth",
             results["blend"]["fraction_of_copy"]["mixhook_blend"],
@@ -525,6 +529,9 @@ def markdown(results: dict) -> str:
         "",
         "Ratios: median (min..max) over alternating repetitions in this run; below 1 is faster.",
         "",
+    ]
+    lines += [f"- {note}" for note in meta.get("notes", [])] + ([""] if meta.get("notes") else [])
+    lines += [
         "## Goals",
         "",
         "| goal | measured | limit | where | met |",
@@ -552,43 +559,47 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {name} | {sec:.4f} | {rel} |")
             if "mixup_layer2_vs_hand_layer2" in run:
                 lines += ["", f"mixup_layer2 / hand_layer2: {fmt(run['mixup_layer2_vs_hand_layer2'])}"]
-    p = results["peers"]
-    lines += [
-        "",
-        f"## Peers: input mixup step, {p['model']}, batch {p['batch']}",
-        "",
-        "| variant | s/step | vs mixhook |",
-    ]
-    lines += ["| --- | --- | --- |"]
-    for name, sec in p["seconds_per_step"].items():
-        rel = fmt(p["vs_mixhook_input"][name]) if name in p["vs_mixhook_input"] else "1"
-        lines.append(f"| {name} | {sec:.4f} | {rel} |")
-    for name, note in p["notes"].items():
-        lines.append(f"| {name} | {note} | |")
-    d = results["dispatch"]
-    lines += ["", "## Dispatch", "", "| module call | µs |", "| --- | --- |"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in d["microseconds_per_call"].items()]
-    lines += [
-        "",
-        f"Eval forward with inactive hooks / unhooked: {fmt(d['eval_forward_inactive_vs_unhooked'])}",
-    ]
-    b = results["blend"]
-    lines += ["", f"## Blend forward + backward, {b['shape']} float32 ({b['megabytes']:.0f} MB)", ""]
-    lines += ["| variant | GB/s | of copy |", "| --- | --- | --- |"]
-    lines += [f"| {k} | {v:.1f} | {b['fraction_of_copy'][k]:.2f} |" for k, v in b["GBps"].items()]
-    lines += [f"| copy (limit) | {b['copy_GBps']:.1f} | 1 |"]
-    rc = results["recompiles"]
-    lines += [
-        "",
-        "## Recompiles",
-        "",
-        f"{rc['model']}, {rc['steps']} compiled training steps, ManifoldMixup over "
-        f"{rc['layers']} ({rc['distinct_layers_mixed']} layers and {rc['distinct_lams']} lams drawn): "
-        f"{rc['graphs_compiled_total']} graphs compiled, {rc['graphs_compiled_after_warmup']} after the "
-        f"{rc['warmup_steps']} warm-up steps.",
-    ]
-    m = results["memory"]
-    lines += ["", "## Memory", "", json.dumps(m)]
+    if "peers" in results:
+        p = results["peers"]
+        lines += [
+            "",
+            f"## Peers: input mixup step, {p['model']}, batch {p['batch']}",
+            "",
+            "| variant | s/step | vs mixhook |",
+        ]
+        lines += ["| --- | --- | --- |"]
+        for name, sec in p["seconds_per_step"].items():
+            rel = fmt(p["vs_mixhook_input"][name]) if name in p["vs_mixhook_input"] else "1"
+            lines.append(f"| {name} | {sec:.4f} | {rel} |")
+        for name, note in p["notes"].items():
+            lines.append(f"| {name} | {note} | |")
+    if "dispatch" in results:
+        d = results["dispatch"]
+        lines += ["", "## Dispatch", "", "| module call | µs |", "| --- | --- |"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in d["microseconds_per_call"].items()]
+        lines += [
+            "",
+            f"Eval forward with inactive hooks / unhooked: {fmt(d['eval_forward_inactive_vs_unhooked'])}",
+        ]
+    if "blend" in results:
+        b = results["blend"]
+        lines += ["", f"## Blend forward + backward, {b['shape']} float32 ({b['megabytes']:.0f} MB)", ""]
+        lines += ["| variant | GB/s | of copy |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v:.1f} | {b['fraction_of_copy'][k]:.2f} |" for k, v in b["GBps"].items()]
+        lines += [f"| copy (limit) | {b['copy_GBps']:.1f} | 1 |"]
+    if "recompiles" in results:
+        rc = results["recompiles"]
+        lines += [
+            "",
+            "## Recompiles",
+            "",
+            f"{rc['model']}, {rc['steps']} compiled training steps, ManifoldMixup over "
+            f"{rc['layers']} ({rc['distinct_layers_mixed']} layers and {rc['distinct_lams']} lams drawn): "
+            f"{rc['graphs_compiled_total']} graphs compiled, {rc['graphs_compiled_after_warmup']} after the "
+            f"{rc['warmup_steps']} warm-up steps.",
+        ]
+    if "memory" in results:
+        lines += ["", "## Memory", "", json.dumps(results["memory"])]
     if results.get("misses"):
         lines += ["", "## Goals missed: by how much and why", ""] + [f"- {m}" for m in results["misses"]]
     return "\n".join(lines) + "\n"
@@ -602,7 +613,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (seconds)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--reps", type=int, default=None, help="repetitions per case (>= 5)")
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated subset of {','.join(CASES)} (default: all); the file name gains the subset",
+    )
     args = parser.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown or not cases:
+        parser.error(f"--cases {args.cases!r}: unknown {unknown}; valid: {','.join(CASES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     device = torch.device(args.device)
@@ -612,6 +632,9 @@ def main(argv=None) -> dict:
         parser.error(f"--reps must be at least 5, got {reps}")
     timer = Timer(device)
     torch.backends.cudnn.benchmark = True
+    # Steps per timed repetition: a GPU step of these models takes milliseconds, and one step alone is
+    # mostly launch jitter.
+    inner = 10 if cuda and not args.quick else 1
 
     everything = [
         "none",
@@ -658,6 +681,7 @@ def main(argv=None) -> dict:
             "date": datetime.date.today().isoformat(),
             "quick": args.quick,
             "reps": reps,
+            "steps_per_rep": inner,
             "command": " ".join(["python benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
         }
     }
@@ -665,48 +689,72 @@ def main(argv=None) -> dict:
     def log(msg):
         print(msg, flush=True)
 
-    results["training_step"] = []
-    for model_name, batch, size, variants in plan:
-        log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
-        results["training_step"].append(
-            training_steps(model_name, batch, size, device, timer, reps, 1, variants)
-        )
-    if compiled_plan:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    subset = "" if set(cases) == set(CASES) else "-" + "_".join(cases)
+    stem = f"{device.type}-{results['meta']['date']}{'-quick' if args.quick else ''}{subset}"
+    results["meta"]["cases"] = cases
+
+    def checkpoint():
+        # What has run so far, in case the rest is cut off (a device lease ends): the final files replace it.
+        (out / f"{stem}.partial.json").write_text(json.dumps(results, indent=2) + "\n")
+
+    if "eager" in cases:
+        results["training_step"] = []
+        for model_name, batch, size, variants in plan:
+            log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
+            results["training_step"].append(
+                training_steps(model_name, batch, size, device, timer, reps, inner, variants)
+            )
+            checkpoint()
+    if compiled_plan and "compiled" in cases:
         results["training_step_compiled"] = []
         for model_name, batch, size, variants in compiled_plan:
             log(f"training step: {model_name} batch {batch} compiled (inductor; compiling takes a while) ...")
             results["training_step_compiled"].append(
-                training_steps(model_name, batch, size, device, timer, reps, 1, variants, compile_=True)
+                training_steps(model_name, batch, size, device, timer, reps, inner, variants, compile_=True)
             )
-    if bf16_plan:
+            checkpoint()
+    if bf16_plan and "bf16" in cases:
+        log("training step: bf16 autocast ...")
         results["training_step_bf16"] = [
-            training_steps(m, b, s, device, timer, reps, 1, v, autocast=True) for m, b, s, v in bf16_plan
+            training_steps(m, b, s, device, timer, reps, inner, v, autocast=True) for m, b, s, v in bf16_plan
         ]
-    log("peers ...")
-    results["peers"] = peers(
-        device, timer, reps, 1, *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32)))
-    )
-    log("dispatch ...")
-    results["dispatch"] = dispatch(
-        device,
-        timer,
-        reps,
-        200 if args.quick else 2000,
-        *((8, 16) if args.quick else ((256, 32) if cuda else (32, 32))),
-    )
-    log("blend ...")
-    shape = (16, 32, 16, 16) if args.quick else ((128, 256, 32, 32) if cuda else (64, 64, 32, 32))
-    results["blend"] = blend_bandwidth(device, timer, reps, shape)
-    log("recompiles ...")
-    results["recompiles"] = recompiles(
-        device,
-        30 if args.quick else 100,
-        10,
-        8 if args.quick else 16,
-        8 if args.quick else 32,
-        small=args.quick,
-    )
-    results["memory"] = memory(device, 128, 32)
+        checkpoint()
+    if "peers" in cases:
+        log("peers ...")
+        results["peers"] = peers(
+            device, timer, reps, 1, *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32)))
+        )
+        checkpoint()
+    if "dispatch" in cases:
+        log("dispatch ...")
+        results["dispatch"] = dispatch(
+            device,
+            timer,
+            reps,
+            200 if args.quick else 2000,
+            *((8, 16) if args.quick else ((256, 32) if cuda else (32, 32))),
+        )
+        checkpoint()
+    if "blend" in cases:
+        log("blend ...")
+        shape = (16, 32, 16, 16) if args.quick else ((128, 256, 32, 32) if cuda else (64, 64, 32, 32))
+        results["blend"] = blend_bandwidth(device, timer, reps, shape)
+        checkpoint()
+    if "recompiles" in cases:
+        log("recompiles ...")
+        results["recompiles"] = recompiles(
+            device,
+            30 if args.quick else 100,
+            10,
+            8 if args.quick else 16,
+            8 if args.quick else 32,
+            small=args.quick,
+        )
+        checkpoint()
+    if "memory" in cases:
+        results["memory"] = memory(device, 128, 32)
     results["goals"] = goals(results, device)
     results["misses"] = [
         f"{g['goal']} ({g['where']}): {g['measured']:.3f} against {g['limit']}"
@@ -714,11 +762,9 @@ def main(argv=None) -> dict:
         if not g["met"]
     ]
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{device.type}-{results['meta']['date']}{'-quick' if args.quick else ''}"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(results))
+    (out / f"{stem}.partial.json").unlink(missing_ok=True)
     print(markdown(results))
     print(f"wrote {out / stem}.json and .md")
     return results

@@ -57,9 +57,22 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert "## Goals" in markdown and "| mixup_vs_hand |" in markdown
 
 
+def test_a_subset_of_cases_writes_only_those_under_its_own_name(tmp_path):
+    result = run_bench("--quick", "--device", "cpu", "--cases", "blend,dispatch", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (json_file,) = tmp_path.glob("*.json")  # the partial file of a finished run is gone
+    assert json_file.name.endswith("-quick-blend_dispatch.json")
+    data = json.loads(json_file.read_text())
+    assert {"blend", "dispatch"} <= set(data) and not {"training_step", "peers", "recompiles"} & set(data)
+    assert [g["goal"] for g in data["goals"]] == ["inactive_vs_unhooked"]
+    assert "## Dispatch" in json_file.with_suffix(".md").read_text()
+
+
 def test_bad_arguments_are_refused():
     result = run_bench("--quick", "--reps", "3")
     assert result.returncode == 2 and "--reps must be at least 5, got 3" in result.stderr
+    result = run_bench("--quick", "--cases", "blend,eagre")
+    assert result.returncode == 2 and "unknown ['eagre']; valid: eager,compiled," in result.stderr
     if not torch.cuda.is_available():
         result = run_bench("--device", "cuda")
         assert result.returncode == 2 and "no CUDA device is available" in result.stderr

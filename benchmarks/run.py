@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixhook import CutMix, GradScale, InputScale, ManifoldMixup, blend  # noqa: E402
 from mixhook.app.models import PreActResNet18  # noqa: E402
-from mixhook.mixing import inverse_permutation  # noqa: E402
+from mixhook.mixers import inverse_permutation  # noqa: E402
 
 CASES = ("eager", "compiled", "bf16", "peers", "dispatch", "blend", "recompiles", "memory")
 

@@ -8,30 +8,18 @@ The library core imports torch only::
         loss = mix.loss(F.cross_entropy, model(x), y)
 """
 
-from .compose import OneOf, attach
-from .cutmix import CutMix
+from . import mixers
+from .compose import attach
 from .gradients import GradClip, GradScale
 from .hooks import HookHandle, LayerHook
 from .layers import INPUT, UnknownLayerError, layer_names, resolve_layers
-from .mixing import (
-    ManifoldMixup,
-    Mixer,
-    MixState,
-    NoisyFeatureMixup,
-    blend,
-    mix_targets,
-    sample_beta,
-    sample_lam,
-    smooth_one_hot,
-)
-from .patchup import PatchUp
+from .mixers import *  # noqa: F403  (every mixer, found in mixhook/mixers/, and the contract)
 from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
 from .scaling import InputScale
 
 __all__ = [
     "INPUT",
     "ActivationStats",
-    "CutMix",
     "FeatureRecorder",
     "GradClip",
     "GradScale",
@@ -39,22 +27,13 @@ __all__ = [
     "HookHandle",
     "InputScale",
     "LayerHook",
-    "ManifoldMixup",
-    "MixState",
-    "Mixer",
-    "NoisyFeatureMixup",
-    "OneOf",
-    "PatchUp",
     "ShapeTrace",
     "UnknownLayerError",
     "attach",
-    "blend",
     "layer_names",
-    "mix_targets",
+    "mixers",
     "resolve_layers",
-    "sample_beta",
-    "sample_lam",
-    "smooth_one_hot",
 ]
+__all__ += mixers.__all__
 
 __version__ = "0.1.0"

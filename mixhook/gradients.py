@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .hooks import LayerHook
-from .mixing import per_sample
+from .mixers.functional import per_sample
 from .sites import INPUT, Inputs, batch_leaves, replace_leaves, select
 
 

@@ -119,6 +119,7 @@ class LayerHook:
             for handle in handles:
                 handle.remove()
             recompute.release(model, tracker)
+            self._reset()  # nothing of a failed attach stays (a mixer's claim on the model included)
             raise
         self._model, self._tracker = model, tracker
         self._handle = HookHandle(handles, on_remove=self._detach)

@@ -11,7 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import recompute
 from .hooks import LayerHook, own_generator
-from .mixing import along, per_sample
+from .mixers.functional import along, per_sample
 from .sites import Inputs, batch_leaves, blendable, replace_leaves, select
 from .transfer import to_device
 

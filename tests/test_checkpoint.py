@@ -231,6 +231,10 @@ def test_every_random_stream_is_restored():
         "0.mixers.0.generator",
         "0.mixers.1.generator",
     ]
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2)).train()
+    with hooks[0].attach(model):
+        model(torch.randn(4, 3))  # OneOf.chosen now names one of its mixers: still each generator once
+    assert sorted(ckpt.hook_generators(hooks)) == sorted(states["hooks"])
     assert (
         torch.equal(expected[0], again[0])
         and np.array_equal(expected[1], again[1])

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import torchvision
 
 from mixhook import CutMix
-from mixhook.cutmix import box_lam, rand_box
+from mixhook.mixers.cutmix import box_lam, rand_box
 from tests.helpers import SmallCNN, hook_count
 
 
@@ -44,7 +44,7 @@ def test_cutmix_at_the_input_pastes_the_box_and_corrects_lam():
         for _ in range(50):
             seen.clear()
             model(x)
-            y1, y2, x1, x2 = mix.last.box
+            y1, y2, x1, x2 = mix.last.info["box"]
             expected = x.clone()
             expected[:, :, y1:y2, x1:x2] = x[mix.last.index][:, :, y1:y2, x1:x2]
             assert torch.equal(seen["x"], expected)
@@ -65,7 +65,7 @@ def test_cutmix_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients
         mix.pin(box=(1, 5, 2, 8), index=index)
         logits = model(x)
         mix.loss(F.cross_entropy, logits, y).backward()
-    assert mix.last.box == (1, 5, 2, 8) and float(mix.last.lam) == 1 - 24 / 64  # layer2 is 8x8 here
+    assert mix.last.info["box"] == (1, 5, 2, 8) and float(mix.last.lam) == 1 - 24 / 64  # layer2 is 8x8 here
     m = by_hand
     h = m.layer2(m.layer1(m.maxpool(m.relu(m.bn1(m.conv1(x))))))
     pasted = torch.cat([h[:, :, :1], torch.cat([h[:, :, 1:5, :2], h[index, :, 1:5, 2:8]], 3), h[:, :, 5:]], 2)

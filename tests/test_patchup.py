@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from mixhook import PatchUp
-from mixhook.patchup import block_mask
+from mixhook.mixers.patchup import block_mask
 from tests.helpers import SmallCNN
 
 
@@ -45,7 +45,7 @@ def test_hard_patchup_swaps_blocks_and_weights_targets_by_the_kept_fraction():
     mix, x, m, index, mixed, logits = setup_pinned("hard")
     assert torch.equal(mixed, (1 - m) * x + m * x[index])
     p = float(m.mean())
-    assert float(mix.last.lam) == pytest.approx(1 - p) and torch.equal(mix.last.mask, m.double())
+    assert float(mix.last.lam) == pytest.approx(1 - p) and torch.equal(mix.last.info["mask"], m.double())
     y = torch.tensor([0, 1, 2, 3])
     onehot = F.one_hot(y, 5).float()
     torch.testing.assert_close(mix.targets(y, 5), (1 - p) * onehot + p * onehot[index])
@@ -70,8 +70,8 @@ def test_patchup_draws_fresh_masks_at_a_hidden_layer_and_trains():
         for _ in range(6):
             loss = mix.loss(F.cross_entropy, model(x), y)
             loss.backward()
-            masks.append(mix.last.mask)
-            assert mix.last.mask.shape == ((3, 10, 10) if mix.last.layer == "input" else (8, 10, 10))
+            masks.append(mix.last.info["mask"])
+            assert mix.last.info["mask"].shape == ((3, 10, 10) if mix.last.layer == "input" else (8, 10, 10))
             assert 0 <= float(mix.last.lam) <= 1
     assert len({float(m.sum()) for m in masks}) > 1
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mixhook import ActivationStats, ManifoldMixup
+from mixhook import ActivationStats, CutMix, ManifoldMixup, OneOf
 from mixhook.app.models import PreActResNet18
 from mixhook.app.training import checkpoint as ckpt
 from mixhook.app.training.logging import RunLogger, save_feature_maps
@@ -81,6 +81,18 @@ def test_feature_maps_show_the_mix_and_leave_training_untouched(tmp_path):
     )
     assert torch.equal(after["torch"], streams["torch"])
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+
+
+def test_feature_maps_pin_a_oneof_through_the_mixer_that_owns_the_layer(tmp_path):
+    torch.manual_seed(0)
+    model = PreActResNet18(in_channels=1, num_classes=10)
+    both = OneOf([ManifoldMixup("layer1"), CutMix("layer2")])
+    both.attach(model)
+    x = torch.randn(4, 1, 8, 8)
+    plain, mixed = save_feature_maps(model, both, ["layer1"], x, tmp_path / "a")["layer1"]
+    torch.testing.assert_close(mixed, 0.5 * plain + 0.5 * plain.flip(0))  # pinned through ManifoldMixup
+    drawn = save_feature_maps(model, both, ["conv1"], x, tmp_path / "b")  # no mixer owns conv1: as drawn
+    assert list(drawn) == ["conv1"] and (tmp_path / "b_conv1.png").exists()
 
 
 def test_a_resumed_run_cuts_probes_csv_back_to_the_checkpoint(tmp_path):

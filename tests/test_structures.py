@@ -172,7 +172,7 @@ def test_cutmix_on_a_tuple_asks_for_a_selector_and_says_which_map_it_cut():
     with mix.attach(model):
         mix.pin(index=torch.tensor([2, 0, 1]), box=(1, 4, 2, 5))
         y = model(x)
-    assert mix.last.elements == ("[0]",) and mix.last.box == (1, 4, 2, 5)
+    assert mix.last.elements == ("[0]",) and mix.last.info["box"] == (1, 4, 2, 5)
     h = model.block.conv(x)
     cut = h.clone()
     cut[:, :, 1:4, 2:5] = h[[2, 0, 1], :, 1:4, 2:5]

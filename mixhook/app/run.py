@@ -25,7 +25,7 @@ from torch import nn
 from mixhook.compose import mixers_of
 from mixhook.gradients import GradClip, GradScale
 from mixhook.layers import INPUT, UnknownLayerError, trace_outputs
-from mixhook.mixing import Mixer
+from mixhook.mixers import MixingHook
 from mixhook.probes import ActivationStats, GradStats
 from mixhook.scaling import InputScale
 
@@ -49,7 +49,7 @@ class Run:
 
     model: nn.Module
     data: Data
-    mixup: Mixer | None
+    mixup: MixingHook | None
     hooks: list
     optimizer: torch.optim.Optimizer
     scheduler: object

@@ -75,10 +75,15 @@ def load(path: str | os.PathLike) -> dict:
 
 def hook_generators(hooks) -> dict[str, torch.Generator]:
     """Every ``torch.Generator`` the hooks draw from, by a stable path (``"0.generator"``,
-    ``"0.mixers.1.generator"`` for a :class:`~mixhook.OneOf`'s second mixer, ...)."""
+    ``"0.mixers.1.generator"`` for a :class:`~mixhook.OneOf`'s second mixer, ...), each once, whatever
+    the hooks' per-forward state."""
     found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()  # a hook reached twice (OneOf's ``chosen`` is one of its ``mixers``) counts once
 
     def walk(obj, path: str) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
         for key, value in vars(obj).items():
             if isinstance(value, torch.Generator):
                 found[f"{path}.{key}"] = value

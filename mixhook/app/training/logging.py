@@ -122,7 +122,7 @@ def save_feature_maps(
                 index = torch.arange(x.shape[0] - 1, -1, -1)
                 try:
                     mixer.pin(**({"layer": at} if at else {}), lam=0.5, index=index)
-                except TypeError:  # e.g. OneOf, which needs a choice: draw without the mix
+                except (TypeError, ValueError):  # e.g. OneOf without a layer of one mixer: as drawn
                     pass
             model(x)
     finally:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from mixhook.mixing import Mixer, smooth_one_hot
+from mixhook.mixers import MixingHook, smooth_one_hot
 
 from . import checkpoint as ckpt
 from .distributed import Dist
@@ -63,7 +63,7 @@ def train_one_epoch(
     loader,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
-    mixup: Mixer | None = None,
+    mixup: MixingHook | None = None,
     desc: str = "train",
     progress_bar: bool = True,
     loss: str = "ce",
@@ -147,8 +147,8 @@ def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = None, dtype=None) -> str:
-    """Replay the forward of ``x`` (in training mode, with the mixer's last mix pinned) with a forward
+def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: MixingHook | None = None, dtype=None) -> str:
+    """Replay the forward of ``x`` (in training mode, repeating the mixer's last mix) with a forward
     hook on every module, and say which module first returned a non-finite value, in call order, and
     which parameters are non-finite."""
     model = getattr(model, "_orig_mod", model)  # replay eagerly, through what torch.compile wraps,
@@ -166,14 +166,8 @@ def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: Mixer | None = No
         if bad and not first and module is not model:
             first.append(f"{names[module]} ({type(module).__name__})")
 
-    if mixup is not None and mixup.last is not None:
-        last = mixup.last
-        keys = getattr(mixup, "_pin_keys", ())
-        extra = {k: getattr(last, k) for k in keys if getattr(last, k, None) is not None}
-        try:
-            mixup.pin(layer=last.layer, lam=last.lam, index=last.index, **extra)
-        except (TypeError, ValueError):  # a mixer that cannot replay its mix: the hooks still locate
-            pass
+    if mixup is not None:
+        mixup.pin_last()  # the same mix as the step that went non-finite
     handles = [m.register_forward_hook(hook) for m in model.modules()]
     try:
         with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
@@ -244,7 +238,7 @@ def train(
     epochs: int,
     device: torch.device,
     out_dir: str | os.PathLike,
-    mixup: Mixer | None = None,
+    mixup: MixingHook | None = None,
     settings: dict | None = None,
     progress_bar: bool = True,
     loss: str = "ce",

@@ -1,37 +1,31 @@
-"""The Mixup family: sampling (lam, index), the blend, mixed targets and the mixed loss.
+"""The contract every mixing regularizer keeps, and the mechanism the single-method mixers share.
 
-Papers:
-    - Zhang, Cisse, Dauphin, Lopez-Paz. "mixup: Beyond Empirical Risk Minimization." ICLR 2018.
-      https://arxiv.org/abs/1710.09412 (mixing at the input)
-    - Verma, Lamb, Beckham, Najafi, Mitliagkas, Lopez-Paz, Bengio. "Manifold Mixup: Better
-      Representations by Interpolating Hidden States." ICML 2019. https://arxiv.org/abs/1806.05236
-      (mixing at a hidden layer drawn per batch)
-    - Lim, Erichson, Utrera, Xu, Mahoney. "Noisy Feature Mixup." ICLR 2022. https://arxiv.org/abs/2110.02180
-
-The math is a handful of small pure functions (:func:`sample_beta`, :func:`blend`, :func:`smooth_one_hot`,
-:func:`mix_targets`). :class:`Mixer` is the one mechanism every mixing regularizer shares (which layer,
-whether to mix, ``pin``, ``last``, ``loss``, ``targets``); :class:`ManifoldMixup` and
-:class:`NoisyFeatureMixup` live here, :class:`~mixhook.cutmix.CutMix` and :class:`~mixhook.patchup.PatchUp`
-in their own modules.
+:class:`MixingHook` is what the training loop relies on (``last``, ``loss``, ``targets``, ``pin``,
+``pin_last``, ``skip_next``, ``check_output``); ``isinstance(hook, MixingHook)`` is the one way to tell a
+mixing regularizer from other hooks. :class:`Mixer` implements it for one method: which layer, whether
+to mix, the hooks, pinning, activation-checkpoint replay, padding masks, ``loss`` and ``targets``. A
+method subclasses it and implements :meth:`Mixer.mix` (and, where it needs to, :meth:`Mixer.sample_lam`
+and :meth:`Mixer.check_leaves`); :class:`~mixhook.mixers.oneof.OneOf` keeps the same contract by
+delegating to the mixers it chooses among. See "Adding a mixer" in the README.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import abc
 import inspect
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.utils.hooks import RemovableHandle
 
-from . import recompute
-from .hooks import LayerHook, own_generator
-from .sites import (
+from .. import recompute
+from ..hooks import LayerHook, own_generator
+from ..sites import (
     INPUT,
     Inputs,
     Leaf,
@@ -42,119 +36,22 @@ from .sites import (
     input_batch,
     replace_leaves,
 )
-from .transfer import to_device
-
-
-def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None = None) -> torch.Tensor:
-    """Draw from ``Beta(a, b)`` with ``generator``: a 0-d float64 tensor, or ``size`` of them.
-
-    ``torch.distributions.Beta`` cannot take a generator, so this draws the same Dirichlet(a, b) sample
-    it would (Beta is its first coordinate) through the generator-aware kernel. Values are float64 and
-    are cast to the activation's (or the loss's) dtype where they are used.
-    """
-    concentration = torch.tensor([a, b], dtype=torch.float64, device=generator.device)
-    if size is not None:
-        concentration = concentration.expand(size, 2).contiguous()
-    return torch._sample_dirichlet(concentration, generator=generator)[..., 0]
-
-
-def sample_lam(alpha: float, generator: torch.Generator) -> torch.Tensor:
-    """``lam ~ Beta(alpha, alpha)`` as a 0-d float64 tensor (see :func:`sample_beta`)."""
-    return sample_beta(alpha, alpha, generator)
-
-
-def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``values`` in ``like``'s dtype and device; one value per sample (1-D) is shaped to broadcast over
-    ``like``'s non-batch dimensions, a 0-d tensor is left as it is."""
-    values = to_device(values, like.device, like.dtype)
-    return values.view(-1, *([1] * (like.ndim - 1))) if values.ndim == 1 else values
-
-
-class _PermutedBlend(torch.autograd.Function):
-    """``lerp(h[index], h, lam)`` whose backward gathers through the inverse permutation.
-
-    Indexing's own backward scatter-adds into a zeroed tensor; when ``index`` is a permutation the
-    gradient of ``h[index]`` is just ``g[inverse]``, so the backward is one gather and one fused
-    multiply-add: ``lam * g + ((1 - lam) * g)[inverse]``."""
-
-    @staticmethod
-    def forward(ctx, h, lam, index, inverse):
-        ctx.save_for_backward(lam, inverse)
-        return torch.lerp(h[index], h, lam)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        lam, inverse = ctx.saved_tensors
-        return torch.addcmul(((1 - lam) * grad)[inverse], lam, grad), None, None, None
-
-
-def inverse_permutation(index: torch.Tensor) -> torch.Tensor | None:
-    """The inverse of ``index`` if it is a permutation of ``0..n-1``, else ``None``."""
-    if not torch.equal(torch.sort(index).values, torch.arange(index.shape[0], device=index.device)):
-        return None
-    return _scatter_inverse(index)
-
-
-def _scatter_inverse(index: torch.Tensor) -> torch.Tensor:
-    """The inverse of a permutation ``index``, by one scatter (no check that it is one)."""
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.shape[0], device=index.device)
-    return inverse
-
-
-def blend(
-    h: torch.Tensor, lam: torch.Tensor | float, index: torch.Tensor, inverse: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``lam * h + (1 - lam) * h[index]``, in ``h``'s dtype on ``h``'s device.
-
-    ``lam`` is a number, a 0-d tensor, or one value per sample (a 1-D tensor of the batch's length).
-    Computed as one gather and one ``torch.lerp`` (equal to the formula up to rounding). Differentiable
-    in ``h`` through both terms, exactly like the hand-edited forward of the papers; given ``inverse``
-    (``index``'s inverse permutation), the backward gathers through it instead of scatter-adding.
-    """
-    lam = per_sample(torch.as_tensor(lam, dtype=torch.float64), h)
-    index = to_device(index, h.device)
-    if inverse is not None and h.requires_grad and torch.is_grad_enabled():
-        return _PermutedBlend.apply(h, lam, index, to_device(inverse, h.device))
-    return torch.lerp(h[index], h, lam)
-
-
-def smooth_one_hot(target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
-    """One-hot class probabilities with label smoothing (timm's convention).
-
-    The true class gets ``1 - smoothing + smoothing / num_classes``, every other class
-    ``smoothing / num_classes``; rows sum to 1.
-    """
-    off = smoothing / num_classes
-    out = torch.full((target.shape[0], num_classes), off, device=target.device)
-    return out.scatter_(1, target.unsqueeze(1), 1.0 - smoothing + off)
-
-
-def mix_targets(
-    target: torch.Tensor,
-    num_classes: int,
-    lam: torch.Tensor | float,
-    index: torch.Tensor,
-    smoothing: float = 0.0,
-) -> torch.Tensor:
-    """``lam * s(target) + (1 - lam) * s(target[index])`` with ``s`` = :func:`smooth_one_hot`."""
-    soft = smooth_one_hot(target, num_classes, smoothing)
-    return blend(soft, lam, index)
+from ..transfer import to_device
+from .functional import _scatter_inverse, inverse_permutation, mix_targets, sample_lam, smooth_one_hot
 
 
 @dataclass(frozen=True)
 class MixState:
-    """What one training forward mixed.
+    """What one training forward mixed (a mixer's ``.last``).
 
     Attributes:
         layer: the layer spec that was mixed (as given, selector included).
-        lam: the weight of each sample's own target (float64): a 0-d tensor, or one per sample (1-D) in
-            ``mode="elem"``. For CutMix it is the area-corrected lam, for PatchUp the paper's target
-            weight; ``loss`` and ``targets`` use it as is.
+        lam: the weight of each sample's own target (float64): a 0-d tensor, or one per sample (1-D).
+            ``loss`` and ``targets`` use it as is: for CutMix it is the area-corrected lam, for PatchUp
+            the paper's target weight, for Manifold Mixup the drawn lam.
         index: 1-D int64 tensor: sample ``i`` was mixed with sample ``index[i]``.
-        box: CutMix's pasted box ``(y1, y2, x1, x2)`` (rows ``y1:y2``, columns ``x1:x2``), else ``None``.
-        mask: PatchUp's block mask ``(C, H, W)`` (1 where features were altered), else ``None``.
+        info: what the method records beyond these, by name (CutMix: ``"box"``; PatchUp: ``"mask"``);
+            each mixer's docstring says what it puts here.
         elements: the elements of the layer's output (or of the model's inputs) that were mixed, as
             selector paths (``("[0]", "[1.0]")``; ``("[]",)`` for a plain tensor), with their batch
             dimensions in ``batch_dims``.
@@ -163,21 +60,102 @@ class MixState:
     layer: str
     lam: torch.Tensor
     index: torch.Tensor
-    box: tuple[int, int, int, int] | None = None
-    mask: torch.Tensor | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
     elements: tuple[str, ...] = ("[]",)
     batch_dims: tuple[int, ...] = (0,)
 
 
+@dataclass(frozen=True)
+class Draw:
+    """What :meth:`Mixer.mix` is given for one mix.
+
+    Attributes:
+        layer: the layer spec being mixed.
+        lam: float64 on the CPU, from :meth:`Mixer.sample_lam` or pinned: a 0-d tensor, or one per sample.
+        index: int64 on the CPU: sample ``i`` is mixed with sample ``index[i]`` (drawn or pinned).
+        inverse: ``index``'s inverse permutation, or ``None`` for a pinned index that is not one.
+        generator: where every further draw of this mix must come from (a box, a mask, noise), so that
+            a recomputation under activation checkpointing and ``pin_last`` repeat it exactly.
+        pinned: the values pinned for this forward, the method's own (its ``pin_keys``) among them.
+    """
+
+    layer: str
+    lam: torch.Tensor
+    index: torch.Tensor
+    inverse: torch.Tensor | None
+    generator: torch.Generator
+    pinned: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """What :meth:`Mixer.mix` returns.
+
+    Attributes:
+        tensors: the mixed tensor for every leaf it was given, by ``leaf.path``, each of the leaf's shape.
+        lam: the target weight ``loss``/``targets`` use, where it differs from the drawn ``draw.lam``
+            (CutMix's area-corrected lam); ``None``: ``draw.lam``.
+        info: what to record in :attr:`MixState.info`.
+    """
+
+    tensors: dict
+    lam: torch.Tensor | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass
-class _Draw:
+class _Decision:
     """A mix decided at the start of a forward and applied when its layer runs."""
 
     layer: str
     pinned: dict = field(default_factory=dict)
+    state: torch.Tensor | None = None  # pin_last: the generator state the repeated mix drew from
     done: bool = False
     batch: int | None = None  # the batch size of the model's input, where it can be told
     index: torch.Tensor | None = None  # once mixed: for the padding-mask policy downstream
+
+
+_SKIP = object()  # pinned for a forward that must not mix (skip_next)
+
+
+class MixingHook(abc.ABC):
+    """The contract of a mixing regularizer: what a training loop may rely on.
+
+    ``isinstance(hook, MixingHook)`` tells a mixing regularizer from other hooks (the app, ``attach()``
+    and the one-mixer-per-model rule use it). Implemented by :class:`Mixer` (one method) and
+    :class:`~mixhook.OneOf` (one of several per batch); a class of your own that mixes should subclass
+    one of those, or this.
+    """
+
+    last: MixState | None
+
+    @abc.abstractmethod
+    def loss(self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The criterion of the last training forward's mix (``criterion(logits, target)`` if none)."""
+
+    @abc.abstractmethod
+    def targets(self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
+        """Soft targets of the last training forward's mix."""
+
+    @abc.abstractmethod
+    def pin(self, **values) -> None:
+        """Make the next training forward mix with exactly these values."""
+
+    @abc.abstractmethod
+    def pin_last(self) -> None:
+        """Make the next training forward repeat the last one's mix exactly (or not mix, if it did not)."""
+
+    @abc.abstractmethod
+    def skip_next(self) -> None:
+        """Make the next training forward not mix (whatever ``prob``); sampling resumes after it."""
+
+    @abc.abstractmethod
+    def check_output(self, spec: str, value, batch: int | None = None) -> None:
+        """Raise (one line) unless what layer ``spec`` returned can be mixed."""
+
+    def owns(self, hook: MixingHook) -> bool:
+        """Whether ``hook`` may be attached to a model that this one mixes (itself, or a part of it)."""
+        return hook is self
 
 
 PADDING = ("union", "keep")
@@ -197,23 +175,53 @@ _MASK_ARGS = {  # name -> whether a boolean True means padding
 _MIXING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixing regularizer
 
 
-class Mixer(LayerHook):
-    """Base class of the Mixup family: mixes the output of one of ``layer`` per training batch.
+def claim(model: nn.Module, hook: MixingHook) -> None:
+    """Make ``hook`` the mixing regularizer of ``model``; refuse a second one (two would each mix every
+    batch), unless the one there owns ``hook`` (a :class:`~mixhook.OneOf` attaching its mixers)."""
+    other = _MIXING.get(model)
+    if other is None:
+        _MIXING[model] = hook
+    elif not other.owns(hook):
+        raise RuntimeError(
+            f"{type(model).__name__} already has a mixing regularizer attached ({other!r}); two would "
+            "each mix every batch: remove it first, or combine both with mixhook.OneOf([...])"
+        )
+
+
+def unclaim(hook: MixingHook) -> None:
+    """Forget ``hook`` as the mixing regularizer of any model (on removal)."""
+    for model, owner in list(_MIXING.items()):
+        if owner is hook:
+            del _MIXING[model]
+
+
+class Mixer(LayerHook, MixingHook):
+    """Base class of the single-method mixers: mixes the output of one of ``layer`` per training batch.
 
     The shared mechanism: at the start of each training forward (a forward pre-hook on the model)
     decide, with probability ``prob``, to mix, and at which layer (uniformly); when that layer runs (a
-    forward hook; for ``"input"`` the model's pre-hook) replace the tensors it returns that carry the
-    batch (all of them, or the selected ones, each along its own batch dimension, see
-    :mod:`mixhook.sites`) by :meth:`_mix`'s result; after the forward (a forward hook on the model) check
-    that the layer did run. A recomputation by activation checkpointing replays the same mix
-    (:mod:`mixhook.recompute`). ``pin``, ``last``, ``loss`` and ``targets`` work the same for every
-    subclass. Subclasses implement :meth:`_mix` and may extend :meth:`_check_leaves` and ``_pin_keys``.
+    forward hook; for ``"input"`` the model's pre-hook) draw ``lam`` (:meth:`sample_lam`) and a
+    permutation ``index``, and replace the tensors it returns that carry the batch (all of them, or the
+    selected ones, each along its own batch dimension, see :mod:`mixhook.sites`) by what :meth:`mix`
+    returns; after the forward (a forward hook on the model) check that the layer did run. A
+    recomputation by activation checkpointing replays the same mix (:mod:`mixhook.recompute`).
+    ``pin``, ``pin_last``, ``skip_next``, ``last``, ``loss`` and ``targets`` work the same for every
+    method.
+
+    A method implements:
+
+    - :meth:`mix` (required): the mixed tensors, and what ``loss``/``targets`` use if not the drawn lam;
+    - :meth:`sample_lam` (optional): the draw of lam; by default one ``Beta(alpha, alpha)`` per batch;
+    - :meth:`check_leaves` (optional): refuse, in one line, what it cannot mix (CutMix: anything but one
+      ``(B, C, H, W)`` map);
+    - ``pin_keys`` (optional): the names of its own values that ``pin`` accepts (CutMix: ``("box",)``),
+      which :meth:`mix` finds in ``draw.pinned``.
 
     A model has at most one mixing regularizer attached at a time (two would each mix every batch):
     combine several with :class:`~mixhook.OneOf`.
     """
 
-    _pin_keys: tuple[str, ...] = ()
+    pin_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -225,15 +233,16 @@ class Mixer(LayerHook):
         padding: str = "union",
     ):
         super().__init__(layer, batch_dim)
-        self.alpha = _check_positive("alpha", alpha)
+        self.alpha = check_positive("alpha", alpha)
         self.prob = check_fraction("prob", prob)
         self.generator = own_generator(generator)
         if padding not in PADDING:
             raise ValueError(f"padding must be one of {', '.join(PADDING)}, got {padding!r}")
         self.padding = padding
         self.last: MixState | None = None
-        self._draw: _Draw | None = None
-        self._pinned: dict | None = None
+        self._draw: _Decision | None = None
+        self._pinned: dict | object | None = None
+        self._last_draw: tuple | None = None  # (layer, generator state, pinned) of the last mix
         self._mask_stack: list[bool] = []
 
     def __repr__(self) -> str:
@@ -256,9 +265,9 @@ class Mixer(LayerHook):
         in [0, 1] (or, in ``mode="elem"``, one per sample). Subclasses take more values (CutMix ``box``,
         PatchUp ``mask``).
         """
-        unknown = sorted(set(values) - set(self._pin_keys))
+        unknown = sorted(set(values) - set(self.pin_keys))
         if unknown:
-            valid = ", ".join(("layer", "lam", "index", *self._pin_keys))
+            valid = ", ".join(("layer", "lam", "index", *self.pin_keys))
             raise TypeError(f"{type(self).__name__}.pin() got unknown values {unknown}; valid: {valid}")
         if layer is not None and layer not in self.layers:
             raise ValueError(
@@ -277,6 +286,20 @@ class Mixer(LayerHook):
             index = index.to(torch.int64)
         pinned = {"layer": layer, "lam": lam, "index": index, **values}
         self._pinned = {k: v for k, v in pinned.items() if v is not None}
+
+    def pin_last(self) -> None:
+        """Make the next training forward repeat the last training forward's mix exactly: the same
+        layer and every draw (lam, index, and the method's own: box, mask, noise), or no mix if the last
+        forward did not mix. The mixer's generator is not advanced by the repeat."""
+        if self.last is None or self._last_draw is None:
+            self.skip_next()
+            return
+        layer, state, pinned = self._last_draw
+        self._pinned = {**pinned, "layer": layer, "_state": state}
+
+    def skip_next(self) -> None:
+        """Make the next training forward not mix, whatever ``prob`` (nothing is drawn for it)."""
+        self._pinned = _SKIP
 
     def loss(
         self,
@@ -337,25 +360,14 @@ class Mixer(LayerHook):
     # ---------------------------------------------------------------------------------- the hooks
 
     def _check_attach(self, model: nn.Module) -> None:
-        other = _MIXING.get(model)
-        if other is not None and other is not self:
-            raise RuntimeError(
-                f"{type(model).__name__} already has a mixing regularizer attached ({other!r}); two would "
-                "each mix every batch: remove it first, or combine both with mixhook.OneOf([...])"
-            )
+        claim(model, self)
 
     def _register(
-        self,
-        model: nn.Module,
-        modules: dict[str, nn.Module],
-        handles: list[RemovableHandle],
-        root: bool = True,
+        self, model: nn.Module, modules: dict[str, nn.Module], handles: list[RemovableHandle]
     ) -> None:
-        """Register the layer hooks, the padding-mask hooks, and (``root``) the model hooks that start
-        and end each forward. :class:`~mixhook.compose.OneOf` registers the model hooks itself and passes
-        ``root=False``."""
-        if root:
-            handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
+        """Register the model hooks that start and end each forward, the layer hooks and the
+        padding-mask hooks."""
+        handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
         for spec, module in modules.items():
             if self.sites[spec].layer != INPUT:
                 handles.append(module.register_forward_hook(self._layer_hook(spec)))
@@ -365,15 +377,11 @@ class Mixer(LayerHook):
                     pre, post = self._mask_hooks(f"padding mask of {name}")
                     handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                     handles.append(module.register_forward_hook(post, always_call=True))
-        if root:
-            handles.append(model.register_forward_hook(self._on_model_output))
-            _MIXING[model] = self
+        handles.append(model.register_forward_hook(self._on_model_output))
 
     def _reset(self) -> None:
         self._draw = None
-        for model, mixer in list(_MIXING.items()):
-            if mixer is self:
-                del _MIXING[model]
+        unclaim(self)
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
         if recompute.in_backward():  # the whole model is being recomputed: replay its input's mix
@@ -383,7 +391,7 @@ class Mixer(LayerHook):
             return None
         return self._begin(model, args, kwargs, self._decide())
 
-    def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Draw | None):
+    def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Decision | None):
         """Start a training forward with ``draw`` (or no mix); mix the input now if it is the layer."""
         self.last = None
         self._draw = draw
@@ -394,9 +402,7 @@ class Mixer(LayerHook):
         if self.sites[draw.layer].layer != INPUT:
             return None
         inputs = Inputs(model, args, kwargs)
-        self._note(draw.layer, lambda: (recompute.generator_state(self.generator), draw.pinned))
-        value, self.last = self._apply(draw.layer, inputs, draw.pinned, self.generator, draw.batch)
-        draw.done, draw.index = True, self.last.index
+        value, self.last = self._mix_now(draw.layer, inputs, draw)
         args, kwargs = _rebuild_inputs(inputs, self.sites[draw.layer], value)
         unioned = self._union_masks(model, args, kwargs, draw.index)
         if unioned is not None:  # the modules inside get the model's unioned mask: none unions again
@@ -420,9 +426,7 @@ class Mixer(LayerHook):
         def hook(module: nn.Module, args: tuple, output):
             draw = self._draw
             if draw is not None and not draw.done and draw.layer == spec:  # this forward mixes here
-                self._note(spec, lambda: (recompute.generator_state(self.generator), draw.pinned))
-                mixed, self.last = self._apply(spec, output, draw.pinned, self.generator, draw.batch)
-                draw.done, draw.index = True, self.last.index
+                mixed, self.last = self._mix_now(spec, output, draw)
                 return mixed
             if draw is None and recompute.in_backward():  # a recomputation, after its forward ended
                 payload = self._replayed(spec)
@@ -434,6 +438,19 @@ class Mixer(LayerHook):
             return None
 
         return hook
+
+    def _mix_now(self, spec: str, value, draw: _Decision):
+        """The forward's mix at ``spec``: drawn from the mixer's generator (or, for ``pin_last``, from a
+        copy in the repeated mix's state); the state is noted for a recomputation and for ``pin_last``."""
+        generator = self.generator
+        if draw.state is not None:
+            generator = recompute.replay_generator(self.generator, draw.state)
+        state = recompute.generator_state(generator)
+        self._note(spec, (state, draw.pinned))
+        mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch)
+        self._last_draw = (spec, state, draw.pinned)
+        draw.done, draw.index = True, last.index
+        return mixed, last
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
         if self._draw is None:  # (also during a recomputation, which runs after its forward ended)
@@ -448,10 +465,16 @@ class Mixer(LayerHook):
                 "compiling.)"
             )
 
-    def _decide(self) -> _Draw | None:
+    def _decide(self) -> _Decision | None:
         """Whether this forward mixes, and where (pinned values win; a pinned forward always mixes)."""
         pinned, self._pinned = self._pinned, None
+        if pinned is _SKIP:
+            return None
         g = self.generator
+        state = None
+        if pinned is not None and "_state" in pinned:
+            pinned = dict(pinned)
+            state = pinned.pop("_state")
         if pinned is None:
             if self.prob < 1.0 and float(torch.rand((), generator=g, device=g.device)) >= self.prob:
                 return None
@@ -462,7 +485,7 @@ class Mixer(LayerHook):
             if len(self.layers) > 1:
                 k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
             layer = self.layers[k]
-        return _Draw(layer=layer, pinned=pinned)
+        return _Decision(layer=layer, pinned=pinned, state=state)
 
     # -------------------------------------------------------------------------- padding masks
 
@@ -532,7 +555,7 @@ class Mixer(LayerHook):
                 f"{found[0].dim} has size {batch}, but the model's input has a batch of {expected}: the "
                 "layer loses or reshapes the batch dimension; choose another layer, or pass batch_dim"
             )
-        self._check_leaves(spec, found)
+        self.check_leaves(spec, found)
         return found, batch
 
     def _reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
@@ -559,20 +582,17 @@ class Mixer(LayerHook):
                 f"{tuple(selected.shape)} (token ids or labels), which cannot be blended; {where}"
             )
 
-    def _check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        """Subclasses refuse what they cannot mix (CutMix: anything but one (B, C, H, W) map)."""
-
     def _apply(self, spec: str, value, pinned: dict, generator: torch.Generator, batch: int | None = None):
         """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
         mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`."""
         site_value = self._site_value(spec, value)
         found, n = self._leaves(spec, site_value, batch)
-        saved, self.generator = self.generator, generator  # a replay draws from a copy of the state
+        saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
             index = pinned.get("index")
             lam = pinned.get("lam")
             if lam is None:
-                lam = self._sample_lam(n)
+                lam = torch.as_tensor(self.sample_lam(n, generator), dtype=torch.float64)
             elif lam.ndim == 1 and lam.shape[0] != n:
                 raise ValueError(
                     f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}"
@@ -584,34 +604,58 @@ class Mixer(LayerHook):
                     f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
                     f"does not index the batch of {n} at layer {spec!r}"
                 )
-            inverse = _inverse(index, pinned)
-            mixed, state = self._mix(spec, found, lam, index, inverse, pinned)
+            draw = Draw(spec, lam, index, _inverse(index, pinned), generator, pinned)
+            mixed = self.mix(found, draw)
         finally:
             self.generator = saved
-        state = dataclasses.replace(
-            state, elements=tuple(leaf.name for leaf in found), batch_dims=tuple(leaf.dim for leaf in found)
+        tensors = self._check_mixed(spec, found, mixed)
+        state = MixState(
+            layer=spec,
+            lam=lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64),
+            index=index,
+            info=dict(mixed.info),
+            elements=tuple(leaf.name for leaf in found),
+            batch_dims=tuple(leaf.dim for leaf in found),
         )
-        return replace_leaves(site_value, mixed), state
+        return replace_leaves(site_value, tensors), state
 
-    # ------------------------------------------------------------------------------ for subclasses
+    def _check_mixed(self, spec: str, leaves: list[Leaf], mixed: Mixed) -> dict:
+        """``mixed.tensors``, once it gives every leaf a tensor of the leaf's shape (a method that skipped
+        one would leave it silently unmixed)."""
+        kind = type(self).__name__
+        if not isinstance(mixed, Mixed):
+            raise TypeError(f"{kind}.mix() must return a mixhook.mixers.Mixed, got {type(mixed).__name__}")
+        expected = {leaf.path: leaf for leaf in leaves}
+        if set(mixed.tensors) != set(expected):
+            raise RuntimeError(
+                f"{kind}.mix() at {spec!r} returned tensors for {sorted(map(str, mixed.tensors))} but was "
+                f"given {sorted(map(str, expected))}: every leaf must be mixed"
+            )
+        for path, t in mixed.tensors.items():
+            if t.shape != expected[path].tensor.shape:
+                raise RuntimeError(
+                    f"{kind}.mix() at {spec!r} changed the shape of {expected[path].name} from "
+                    f"{tuple(expected[path].tensor.shape)} to {tuple(t.shape)}"
+                )
+        return mixed.tensors
 
-    def _sample_lam(self, n: int) -> torch.Tensor:
-        return sample_lam(self.alpha, self.generator)
+    # ------------------------------------------------------------------------- what a method implements
 
-    def _mix(
-        self,
-        spec: str,
-        leaves: list[Leaf],
-        lam: torch.Tensor,
-        index: torch.Tensor,
-        inverse: torch.Tensor | None,
-        pinned: dict,
-    ) -> tuple[dict, MixState]:
-        """Return ``{path: mixed tensor}`` for the ``leaves`` (each carrying the batch along
-        ``leaf.dim``) and the :class:`MixState` that ``loss``/``targets`` will use. ``inverse`` is
-        ``index``'s inverse permutation (``None`` for a pinned index that is not one). Draws come from
-        ``self.generator``."""
-        raise NotImplementedError
+    def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """The draw of lam for a batch of ``n``: a float64 0-d tensor (one lam for the batch) or ``n``
+        values (one per sample), drawn from ``generator`` only. By default ``Beta(alpha, alpha)``."""
+        return sample_lam(self.alpha, generator)
+
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        """Refuse, with a one-line ``TypeError``/``ValueError``, what this method cannot mix: ``leaves``
+        are the tensors carrying the batch at ``spec`` (each with its ``path``, ``name`` and batch
+        ``dim``). Runs before every mix and in :meth:`check_output`. Accepts anything by default."""
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        """The mix itself: a mixed tensor for every leaf (``leaf.tensor`` carries the batch along
+        ``leaf.dim``), partner ``draw.index[i]`` for sample ``i``, weights from ``draw.lam``; further
+        draws from ``draw.generator`` only. Gradients must flow as in a hand-edited ``forward()``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement mix(leaves, draw)")
 
     def _index_for(self, target: torch.Tensor, what: str) -> torch.Tensor:
         index = self.last.index
@@ -637,136 +681,6 @@ def _mask_params(module: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return any(name in params for name in _MASK_ARGS)
-
-
-def along(dim: int, fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    """``fn`` applied with the batch moved to dim 0 and moved back (a view; nothing copied for dim 0)."""
-    if dim == 0:
-        return fn(h)
-    return fn(h.movedim(dim, 0)).movedim(0, dim)
-
-
-class ManifoldMixup(Mixer):
-    """Manifold Mixup (Verma et al. 2019) at any named layer of any model, through forward hooks.
-
-    On each forward in training mode (``model.training``), with probability ``prob``: one layer is drawn
-    uniformly from ``layer``, ``lam ~ Beta(alpha, alpha)`` and a uniformly random permutation ``index``
-    of the batch are drawn, and that layer's output ``h`` is replaced by
-    ``lam * h + (1 - lam) * h[index]``. ``layer="input"`` mixes the model's input (its first positional
-    argument): classic input mixup (Zhang et al. 2018). Gradients flow through ``h`` and ``h[index]``
-    exactly as in a hand-edited ``forward()``. In eval mode nothing is mixed.
-
-    Train with :meth:`loss` (the mixed criterion) or :meth:`targets` (mixed soft targets)::
-
-        mix = ManifoldMixup(["input", "layer1", "layer2"], alpha=2.0)
-        with mix.attach(model):
-            logits = model(x)
-            loss = mix.loss(F.cross_entropy, logits, y)
-
-    Args:
-        layer: a module name as ``model.named_modules()`` spells it, ``"input"``, or a list of names
-            (one is drawn per training batch).
-        alpha: the Beta distribution's concentration, > 0 (the paper uses 2.0; input mixup 1.0).
-        prob: the probability that a training batch is mixed at all, in [0, 1].
-        mode: ``"batch"`` (one lam for the batch, as in the papers) or ``"elem"`` (one lam per sample,
-            timm's elem mode; ``loss`` then needs a per-sample criterion, ``reduction="none"``).
-        generator: the ``torch.Generator`` every draw comes from. By default a CPU generator seeded from
-            ``torch.initial_seed()``, so ``torch.manual_seed(s)`` makes the draws reproducible without
-            consuming the global random stream.
-        batch_dim: where mixhook cannot find the batch dimension itself (see :mod:`mixhook.sites`): an
-            int, or a dict from layer spec to int.
-        padding: ``"union"`` (default): downstream of the mixed layer, every module that takes a padding
-            mask (``attention_mask``, ``key_padding_mask``, ...) gets the union of the two partners'
-            masks, so a mixed sample attends to the positions that are real in either; ``"keep"``:
-            masks are left as they are.
-
-    A layer's output is mixed as a whole: every tensor in it that carries the batch, each along its
-    own batch dimension, with one lam and one permutation; a selector (``"lstm[1.0]"``) restricts it.
-    A layer called several times in one forward is mixed at its first call only.
-    """
-
-    def __init__(
-        self,
-        layer: str | Sequence[str],
-        alpha: float = 2.0,
-        prob: float = 1.0,
-        generator: torch.Generator | None = None,
-        mode: str = "batch",
-        batch_dim: int | dict | None = None,
-        padding: str = "union",
-    ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
-        if mode not in ("batch", "elem"):
-            raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
-        self.mode = mode
-
-    def __repr__(self) -> str:
-        base = super().__repr__()
-        return base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
-
-    def _sample_lam(self, n: int) -> torch.Tensor:
-        if self.mode == "elem":
-            return sample_beta(self.alpha, self.alpha, self.generator, size=n)
-        return sample_lam(self.alpha, self.generator)
-
-    def _mix(self, spec, leaves, lam, index, inverse, pinned):
-        if self.mode == "elem" and lam.ndim == 0:
-            lam = lam.expand(index.shape[0])
-        mixed = {
-            leaf.path: along(leaf.dim, lambda h: blend(h, lam, index, inverse), leaf.tensor)
-            for leaf in leaves
-        }
-        return mixed, MixState(layer=spec, lam=lam, index=index)
-
-
-class NoisyFeatureMixup(ManifoldMixup):
-    """Noisy Feature Mixup (Lim et al. 2022): Manifold Mixup, then additive and multiplicative noise.
-
-    The mixed tensor ``m = lam * h + (1 - lam) * h[index]`` becomes ``mult * m + add`` with, as in the
-    paper's code, ``add = add_noise * b1 * N(0, 1)`` and ``mult = 1 + mult_noise * b2 * U(-1, 1)``
-    elementwise, where ``b1, b2 ~ Beta(2, 5)`` are drawn once per batch. With ``add_noise=0`` and
-    ``mult_noise=0`` nothing more is drawn or computed: it equals :class:`ManifoldMixup` exactly.
-
-    Args:
-        layer, alpha, prob, generator, mode, batch_dim, padding: as :class:`ManifoldMixup` (alpha defaults
-            to the paper's 1.0).
-        add_noise: the additive noise level, >= 0 (paper: 0.4).
-        mult_noise: the multiplicative noise level, >= 0 (paper: 0.2).
-    """
-
-    def __init__(
-        self,
-        layer: str | Sequence[str],
-        alpha: float = 1.0,
-        add_noise: float = 0.4,
-        mult_noise: float = 0.2,
-        prob: float = 1.0,
-        generator: torch.Generator | None = None,
-        mode: str = "batch",
-        batch_dim: int | dict | None = None,
-        padding: str = "union",
-    ):
-        super().__init__(layer, alpha, prob, generator, mode, batch_dim, padding)
-        self.add_noise = _check_non_negative("add_noise", add_noise)
-        self.mult_noise = _check_non_negative("mult_noise", mult_noise)
-
-    def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, add_noise={self.add_noise}, mult_noise={self.mult_noise})"
-
-    def _mix(self, spec, leaves, lam, index, inverse, pinned):
-        mixed, state = super()._mix(spec, leaves, lam, index, inverse, pinned)
-        g = self.generator
-        if self.mult_noise > 0:  # the levels are drawn once per batch, the noise per element
-            level = self.mult_noise * sample_beta(2.0, 5.0, g)
-            for path, m in mixed.items():
-                uniform = torch.rand(m.shape, generator=g, device=g.device, dtype=torch.float64)
-                mixed[path] = m * to_device(1 + level * (2 * uniform - 1), m.device, m.dtype)
-        if self.add_noise > 0:
-            level = self.add_noise * sample_beta(2.0, 5.0, g)
-            for path, m in mixed.items():
-                normal = torch.randn(m.shape, generator=g, device=g.device, dtype=torch.float64)
-                mixed[path] = m + to_device(level * normal, m.device, m.dtype)
-        return mixed, state
 
 
 def _inverse(index: torch.Tensor, pinned: dict) -> torch.Tensor | None:
@@ -802,14 +716,16 @@ def _number(name: str, value) -> float:
         raise TypeError(f"{name} must be a number, got {value!r}") from None
 
 
-def _check_positive(name: str, value) -> float:
+def check_positive(name: str, value) -> float:
+    """``value`` as a finite float > 0, or a ``ValueError`` naming ``name``."""
     number = _number(name, value)
     if not (number > 0 and math.isfinite(number)):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return number
 
 
-def _check_non_negative(name: str, value) -> float:
+def check_non_negative(name: str, value) -> float:
+    """``value`` as a finite float >= 0, or a ``ValueError`` naming ``name``."""
     number = _number(name, value)
     if not (number >= 0 and math.isfinite(number)):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .mixing import Mixer, MixState, check_spatial
-from .transfer import to_device
+from ..sites import Leaf
+from ..transfer import to_device
+from .base import Draw, Mixed, Mixer, check_spatial
 
 
 def rand_box(height: int, width: int, lam: float, generator: torch.Generator) -> tuple[int, int, int, int]:
@@ -55,7 +56,7 @@ class CutMix(Mixer):
     (:func:`rand_box`); the box of ``h[index]`` is pasted into ``h`` (the same box for the whole
     batch), and lam is corrected to the area actually kept after clipping to the borders:
     ``lam = 1 - box area / (H * W)``. ``loss`` and ``targets`` use the corrected lam. At ``"input"`` this
-    is classic CutMix; at a hidden layer it is Feature (Manifold) CutMix. ``.last.box`` is the box.
+    is classic CutMix; at a hidden layer it is Feature (Manifold) CutMix. ``.last.info["box"]`` is the box.
 
     Args:
         layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
@@ -69,7 +70,7 @@ class CutMix(Mixer):
     pinned ``lam`` sets the box size, its centre is drawn.
     """
 
-    _pin_keys = ("box",)
+    pin_keys = ("box",)
 
     def __init__(
         self,
@@ -82,7 +83,7 @@ class CutMix(Mixer):
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
 
-    def _check_leaves(self, spec, leaves) -> None:
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         h = check_spatial("CutMix", spec, leaves)
         if min(h.shape[-2:]) < 2:
             raise ValueError(
@@ -90,16 +91,16 @@ class CutMix(Mixer):
                 "(a box side is 2 * (int(side * sqrt(1 - lam)) // 2)); choose an earlier layer"
             )
 
-    def _mix(self, spec, leaves, lam, index, inverse, pinned):
-        name, h, path = spec, leaves[0].tensor, leaves[0].path
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        name, h, path = draw.layer, leaves[0].tensor, leaves[0].path
         height, width = h.shape[-2:]
-        box = pinned.get("box")
+        box = draw.pinned.get("box")
         if box is None:
-            box = rand_box(height, width, float(lam), self.generator)
+            box = rand_box(height, width, float(draw.lam), draw.generator)
         else:
             box = tuple(int(v) for v in box)
             y1, y2, x1, x2 = box
             if not (0 <= y1 <= y2 <= height and 0 <= x1 <= x2 <= width):
                 raise ValueError(f"pinned box {box} does not fit the {height}x{width} map of layer {name!r}")
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
-        return {path: paste_box(h, index, box)}, MixState(layer=name, lam=lam, index=index, box=box)
+        return Mixed({path: paste_box(h, draw.index, box)}, lam=lam, info={"box": box})

@@ -11,8 +11,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .mixing import Mixer, MixState, blend, check_fraction, check_spatial
-from .transfer import to_device
+from ..sites import Leaf
+from ..transfer import to_device
+from .base import Draw, Mixed, Mixer, check_fraction, check_spatial
+from .functional import blend
 
 
 def block_mask(
@@ -45,7 +47,7 @@ class PatchUp(Mixer):
       ``1 - p * (1 - lam)``.
 
     The kept fraction keeps its label, as in the paper's ``target_reweighted``; ``.last.lam`` is that
-    weight and ``.last.mask`` the mask, and ``loss``/``targets`` use them.
+    weight and ``.last.info["mask"]`` the mask, and ``loss``/``targets`` use them.
 
     Args:
         layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``
@@ -61,7 +63,7 @@ class PatchUp(Mixer):
     ``pin`` also takes ``mask`` (a ``(C, H, W)`` 0/1 tensor); a pinned ``lam`` is soft mode's lam.
     """
 
-    _pin_keys = ("mask",)
+    pin_keys = ("mask",)
 
     def __init__(
         self,
@@ -93,7 +95,7 @@ class PatchUp(Mixer):
         extra = f"block_size={self.block_size}, gamma={self.gamma}, mode={self.mode!r}"
         return f"{super().__repr__()[:-1]}, {extra})"
 
-    def _check_leaves(self, spec, leaves) -> None:
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         h = check_spatial("PatchUp", spec, leaves)
         name = spec
         if min(h.shape[-2:]) < self.block_size:
@@ -102,12 +104,12 @@ class PatchUp(Mixer):
                 f"feature map of layer {name!r}; use a smaller block_size or an earlier layer"
             )
 
-    def _mix(self, spec, leaves, lam, index, inverse, pinned):
-        name, h, path = spec, leaves[0].tensor, leaves[0].path
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        h, path = leaves[0].tensor, leaves[0].path
         channels, height, width = h.shape[1:]
-        mask = pinned.get("mask")
+        mask = draw.pinned.get("mask")
         if mask is None:
-            mask = block_mask(channels, height, width, self.block_size, self.gamma, self.generator)
+            mask = block_mask(channels, height, width, self.block_size, self.gamma, draw.generator)
         else:
             mask = torch.as_tensor(mask, dtype=torch.float64)
             if tuple(mask.shape) != (channels, height, width):
@@ -117,10 +119,9 @@ class PatchUp(Mixer):
         m = to_device(mask, h.device, h.dtype)
         altered = float(mask.mean())
         if self.mode == "hard":
-            mixed = (1 - m) * h + m * h[to_device(index, h.device)]
+            mixed = (1 - m) * h + m * h[to_device(draw.index, h.device)]
             weight = 1.0 - altered
         else:
-            mixed = (1 - m) * h + m * blend(h, lam, index, inverse)
-            weight = 1.0 - altered * (1.0 - float(lam))
-        state = MixState(layer=name, lam=torch.tensor(weight, dtype=torch.float64), index=index, mask=mask)
-        return {path: mixed}, state
+            mixed = (1 - m) * h + m * blend(h, draw.lam, draw.index, draw.inverse)
+            weight = 1.0 - altered * (1.0 - float(draw.lam))
+        return Mixed({path: mixed}, lam=torch.tensor(weight, dtype=torch.float64), info={"mask": mask})

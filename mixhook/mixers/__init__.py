@@ -1,0 +1,60 @@
+"""The mixing regularizers: one module per method, one public contract.
+
+:class:`~mixhook.mixers.base.MixingHook` is the contract a training loop relies on;
+:class:`~mixhook.mixers.base.Mixer` is the base a method subclasses (see "Adding a mixer" in the README);
+:mod:`~mixhook.mixers.functional` holds the math. Every ``MixingHook`` class defined in a module of this
+package is exported here and from ``mixhook`` under its own name: a new method is a new module, found
+when the package is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+from .base import Draw, Mixed, Mixer, MixingHook, MixState
+from .functional import blend, inverse_permutation, mix_targets, sample_beta, sample_lam, smooth_one_hot
+
+_CORE = ("base", "functional")
+
+
+def _discover() -> dict[str, type]:
+    """Every public MixingHook class defined in this package's method modules, by name."""
+    found: dict[str, type] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.name in _CORE or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, MixingHook)
+                and obj.__module__ == module.__name__
+                and not name.startswith("_")
+            ):
+                if name in found:
+                    raise ImportError(
+                        f"two mixers named {name}: {found[name].__module__} and {obj.__module__}"
+                    )
+                found[name] = obj
+    return found
+
+
+METHODS: dict[str, type] = _discover()
+globals().update(METHODS)
+
+__all__ = [
+    *sorted(METHODS),
+    "Draw",
+    "Mixed",
+    "Mixer",
+    "MixingHook",
+    "MixState",
+    "blend",
+    "inverse_permutation",
+    "mix_targets",
+    "sample_beta",
+    "sample_lam",
+    "smooth_one_hot",
+]

@@ -1,0 +1,93 @@
+"""Manifold Mixup and input mixup: the blend ``lam * h + (1 - lam) * h[index]`` at any layer.
+
+Papers:
+    - Zhang, Cisse, Dauphin, Lopez-Paz. "mixup: Beyond Empirical Risk Minimization." ICLR 2018.
+      https://arxiv.org/abs/1710.09412 (mixing at the input)
+    - Verma, Lamb, Beckham, Najafi, Mitliagkas, Lopez-Paz, Bengio. "Manifold Mixup: Better
+      Representations by Interpolating Hidden States." ICML 2019. https://arxiv.org/abs/1806.05236
+      (mixing at a hidden layer drawn per batch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..sites import Leaf
+from .base import Draw, Mixed, Mixer
+from .functional import along, blend, sample_beta, sample_lam
+
+
+class ManifoldMixup(Mixer):
+    """Manifold Mixup (Verma et al. 2019) at any named layer of any model, through forward hooks.
+
+    On each forward in training mode (``model.training``), with probability ``prob``: one layer is drawn
+    uniformly from ``layer``, ``lam ~ Beta(alpha, alpha)`` and a uniformly random permutation ``index``
+    of the batch are drawn, and that layer's output ``h`` is replaced by
+    ``lam * h + (1 - lam) * h[index]``. ``layer="input"`` mixes the model's input (its first positional
+    argument): classic input mixup (Zhang et al. 2018). Gradients flow through ``h`` and ``h[index]``
+    exactly as in a hand-edited ``forward()``. In eval mode nothing is mixed.
+
+    Train with :meth:`loss` (the mixed criterion) or :meth:`targets` (mixed soft targets)::
+
+        mix = ManifoldMixup(["input", "layer1", "layer2"], alpha=2.0)
+        with mix.attach(model):
+            logits = model(x)
+            loss = mix.loss(F.cross_entropy, logits, y)
+
+    Args:
+        layer: a module name as ``model.named_modules()`` spells it, ``"input"``, or a list of names
+            (one is drawn per training batch).
+        alpha: the Beta distribution's concentration, > 0 (the paper uses 2.0; input mixup 1.0).
+        prob: the probability that a training batch is mixed at all, in [0, 1].
+        mode: ``"batch"`` (one lam for the batch, as in the papers) or ``"elem"`` (one lam per sample,
+            timm's elem mode; ``loss`` then needs a per-sample criterion, ``reduction="none"``).
+        generator: the ``torch.Generator`` every draw comes from. By default a CPU generator seeded from
+            ``torch.initial_seed()``, so ``torch.manual_seed(s)`` makes the draws reproducible without
+            consuming the global random stream.
+        batch_dim: where mixhook cannot find the batch dimension itself (see :mod:`mixhook.sites`): an
+            int, or a dict from layer spec to int.
+        padding: ``"union"`` (default): downstream of the mixed layer, every module that takes a padding
+            mask (``attention_mask``, ``key_padding_mask``, ...) gets the union of the two partners'
+            masks, so a mixed sample attends to the positions that are real in either; ``"keep"``:
+            masks are left as they are.
+
+    A layer's output is mixed as a whole: every tensor in it that carries the batch, each along its
+    own batch dimension, with one lam and one permutation; a selector (``"lstm[1.0]"``) restricts it.
+    A layer called several times in one forward is mixed at its first call only.
+    """
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 2.0,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        mode: str = "batch",
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+    ):
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        if mode not in ("batch", "elem"):
+            raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
+        self.mode = mode
+
+    def __repr__(self) -> str:
+        base = super().__repr__()
+        return base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
+
+    def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        if self.mode == "elem":
+            return sample_beta(self.alpha, self.alpha, generator, size=n)
+        return sample_lam(self.alpha, generator)
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        lam, index = draw.lam, draw.index
+        if self.mode == "elem" and lam.ndim == 0:  # a pinned number: the same for every sample
+            lam = lam.expand(index.shape[0])
+        tensors = {
+            leaf.path: along(leaf.dim, lambda h: blend(h, lam, index, draw.inverse), leaf.tensor)
+            for leaf in leaves
+        }
+        return Mixed(tensors, lam=lam)

@@ -1,0 +1,72 @@
+"""Noisy Feature Mixup: Manifold Mixup followed by additive and multiplicative noise.
+
+Paper: Lim, Erichson, Utrera, Xu, Mahoney. "Noisy Feature Mixup." ICLR 2022. https://arxiv.org/abs/2110.02180
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..sites import Leaf
+from ..transfer import to_device
+from .base import Draw, Mixed, check_non_negative
+from .functional import sample_beta
+from .manifold import ManifoldMixup
+
+
+class NoisyFeatureMixup(ManifoldMixup):
+    """Noisy Feature Mixup (Lim et al. 2022): Manifold Mixup, then additive and multiplicative noise.
+
+    The mixed tensor ``m = lam * h + (1 - lam) * h[index]`` becomes ``mult * m + add`` with, as in the
+    paper's code, ``add = add_noise * b1 * N(0, 1)`` and ``mult = 1 + mult_noise * b2 * U(-1, 1)``
+    elementwise, where ``b1, b2 ~ Beta(2, 5)`` are drawn once per batch. With ``add_noise=0`` and
+    ``mult_noise=0`` nothing more is drawn or computed: it equals :class:`ManifoldMixup` exactly.
+
+    ``.last.info`` holds the batch's noise levels ``"mult_level"`` (``mult_noise * b2``) and
+    ``"add_level"`` (``add_noise * b1``) where they were drawn.
+
+    Args:
+        layer, alpha, prob, generator, mode, batch_dim, padding: as :class:`ManifoldMixup` (alpha defaults
+            to the paper's 1.0).
+        add_noise: the additive noise level, >= 0 (paper: 0.4).
+        mult_noise: the multiplicative noise level, >= 0 (paper: 0.2).
+    """
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 1.0,
+        add_noise: float = 0.4,
+        mult_noise: float = 0.2,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        mode: str = "batch",
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+    ):
+        super().__init__(layer, alpha, prob, generator, mode, batch_dim, padding)
+        self.add_noise = check_non_negative("add_noise", add_noise)
+        self.mult_noise = check_non_negative("mult_noise", mult_noise)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, add_noise={self.add_noise}, mult_noise={self.mult_noise})"
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        mixed = super().mix(leaves, draw)
+        tensors, g = dict(mixed.tensors), draw.generator
+        info = {}
+        if self.mult_noise > 0:  # the levels are drawn once per batch, the noise per element
+            level = self.mult_noise * sample_beta(2.0, 5.0, g)
+            info["mult_level"] = level
+            for path, m in tensors.items():
+                uniform = torch.rand(m.shape, generator=g, device=g.device, dtype=torch.float64)
+                tensors[path] = m * to_device(1 + level * (2 * uniform - 1), m.device, m.dtype)
+        if self.add_noise > 0:
+            level = self.add_noise * sample_beta(2.0, 5.0, g)
+            info["add_level"] = level
+            for path, m in tensors.items():
+                normal = torch.randn(m.shape, generator=g, device=g.device, dtype=torch.float64)
+                tensors[path] = m + to_device(level * normal, m.device, m.dtype)
+        return Mixed(tensors, lam=mixed.lam, info=info)

@@ -1,0 +1,151 @@
+"""One mixing regularizer of several per batch: timm's switch between mixup and CutMix, generalised."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import recompute
+from ..hooks import LayerHook, own_generator
+from .base import MixingHook, MixState, claim, unclaim
+
+
+class OneOf(LayerHook, MixingHook):
+    """Use one of several mixing regularizers per training batch, drawn with probabilities ``p``
+    (timm's switch between mixup and CutMix: ``OneOf([ManifoldMixup("input", 0.8), CutMix("input")])``).
+
+    The chosen regularizer then decides, as it would alone, whether (its ``prob``) and where to mix; the
+    others are told to skip that forward. ``loss``, ``targets`` and ``last`` are the chosen one's;
+    ``chosen`` is the regularizer drawn for the last training forward. It works through the mixers'
+    public contract only (:class:`~mixhook.mixers.MixingHook`): each is attached as it would be alone, so
+    a mixer of your own composes too.
+
+    Args:
+        mixers: two or more mixing regularizers (:class:`~mixhook.mixers.MixingHook`: ManifoldMixup,
+            CutMix, PatchUp, NoisyFeatureMixup, a OneOf, yours), not attached elsewhere.
+        p: their probabilities (non-negative, summing to 1); uniform by default.
+        generator: the generator for the choice (as :class:`~mixhook.ManifoldMixup`).
+    """
+
+    def __init__(
+        self,
+        mixers: Sequence[MixingHook],
+        p: Sequence[float] | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        mixers = list(mixers)
+        if len(mixers) < 2 or not all(isinstance(m, MixingHook) and isinstance(m, LayerHook) for m in mixers):
+            raise TypeError(
+                "OneOf needs two or more mixing regularizers (ManifoldMixup, CutMix, PatchUp, "
+                f"NoisyFeatureMixup, ...), got {[type(m).__name__ for m in mixers]}"
+            )
+        if len({id(m) for m in mixers}) != len(mixers):
+            raise ValueError("OneOf got the same regularizer twice")
+        layers = list(dict.fromkeys(name for m in mixers for name in m.layers))
+        super().__init__(layers)
+        p = [1.0 / len(mixers)] * len(mixers) if p is None else [float(v) for v in p]
+        if (
+            len(p) != len(mixers)
+            or any(not (v >= 0) for v in p)
+            or not math.isclose(sum(p), 1.0, abs_tol=1e-6)
+        ):
+            raise ValueError(f"p must be {len(mixers)} non-negative probabilities summing to 1, got {p}")
+        self.mixers = mixers
+        self.p = p
+        self.generator = own_generator(generator)
+        self.chosen: MixingHook | None = None
+        self._pinned_choice: int | None = None
+        self._skip = False
+
+    def __repr__(self) -> str:
+        return f"OneOf({self.mixers!r}, p={self.p})"
+
+    @property
+    def last(self) -> MixState | None:
+        """The chosen regularizer's :class:`~mixhook.MixState`, or ``None`` when nothing was mixed."""
+        return self.chosen.last if self.chosen is not None else None
+
+    def pin(self, choice: int | None = None, **values) -> None:
+        """The next training forward uses ``mixers[choice]``, pinned with ``values`` (see its ``pin``).
+        Without ``choice``, ``values["layer"]`` must name a layer of exactly one of the mixers."""
+        if choice is None:
+            owners = [i for i, m in enumerate(self.mixers) if values.get("layer") in m.layers]
+            if len(owners) != 1:
+                raise ValueError(
+                    f"OneOf.pin(): say which mixer with choice=0..{len(self.mixers) - 1}"
+                    + (f" (layer {values['layer']!r} is {len(owners)} mixers')" if "layer" in values else "")
+                )
+            (choice,) = owners
+        if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < len(self.mixers):
+            raise ValueError(f"pin(choice={choice!r}): choose 0..{len(self.mixers) - 1}")
+        self.mixers[choice].pin(**values)
+        self._pinned_choice, self._skip = choice, False
+
+    def pin_last(self) -> None:
+        """The next training forward repeats the last one: the same mixer, repeating its mix."""
+        if self.chosen is None:
+            self.skip_next()
+            return
+        self.chosen.pin_last()
+        self._pinned_choice, self._skip = self.mixers.index(self.chosen), False
+
+    def skip_next(self) -> None:
+        """The next training forward mixes with none of the mixers (and draws no choice)."""
+        self._skip, self._pinned_choice = True, None
+
+    def loss(self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The chosen regularizer's ``loss`` (``criterion(logits, target)`` before any forward)."""
+        return self.chosen.loss(criterion, logits, target) if self.chosen else criterion(logits, target)
+
+    def targets(self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
+        """The chosen regularizer's ``targets``."""
+        return (self.chosen or self.mixers[0]).targets(target, num_classes, smoothing)
+
+    def check_output(self, spec: str, value, batch: int | None = None) -> None:
+        """Each regularizer that may mix ``spec`` must accept what it returned."""
+        for mixer in self.mixers:
+            if spec in mixer.layers:
+                mixer.check_output(spec, value, batch)
+
+    def owns(self, hook: MixingHook) -> bool:
+        return hook is self or any(m.owns(hook) for m in self.mixers)
+
+    # ---------------------------------------------------------------------------------- the hooks
+
+    def _check_attach(self, model: nn.Module) -> None:
+        claim(model, self)  # the model's mixing regularizer: its mixers then attach as its parts
+        busy = [type(m).__name__ for m in self.mixers if m.model is not None]
+        if busy:
+            unclaim(self)
+            raise RuntimeError(f"OneOf: {busy} already attached on their own; remove them first")
+
+    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        # The choice is made before any mixer's own pre-hook runs: registered first, it runs first.
+        handles.append(model.register_forward_pre_hook(self._choose))
+        for mixer in self.mixers:
+            handles.append(mixer.attach(model))  # a HookHandle: removed like the others
+
+    def _reset(self) -> None:
+        unclaim(self)
+
+    def _choose(self, model: nn.Module, args: tuple) -> None:
+        if recompute.in_backward() or not model.training:  # each mixer replays or skips on its own
+            return
+        skip, self._skip = self._skip, False
+        choice, self._pinned_choice = self._pinned_choice, None
+        if skip:
+            self.chosen = None
+            for mixer in self.mixers:
+                mixer.skip_next()
+            return
+        if choice is None:
+            probs = torch.tensor(self.p, dtype=torch.float64)
+            choice = int(torch.multinomial(probs, 1, generator=self.generator))
+        self.chosen = self.mixers[choice]
+        for mixer in self.mixers:
+            if mixer is not self.chosen:
+                mixer.skip_next()

@@ -5,6 +5,7 @@ The runs are real `train.py` processes on a small digits problem, killed with re
 import csv
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -146,6 +147,16 @@ def test_foreign_truncated_and_missing_files_are_refused_in_one_line(tmp_path, c
     truncated.write_bytes(real.read_bytes()[: real.stat().st_size // 2])
     assert "cannot be read as a checkpoint (truncated or corrupt" in refused(tmp_path, truncated, capsys)
     assert "no checkpoint at" in refused(tmp_path, tmp_path / "nowhere.pt", capsys)
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_path):
+    path = tmp_path / "last.pt"
+    ckpt.save(path, {"model": {"w": torch.zeros(3)}})
+    before = path.read_bytes()
+    with pytest.raises((pickle.PicklingError, AttributeError)):  # a local lambda cannot be pickled
+        ckpt.save(path, {"model": {"w": torch.ones(3)}, "bad": lambda: None})
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    assert torch.equal(ckpt.load(path)["model"]["w"], torch.zeros(3))
 
 
 def test_resume_auto_with_a_corrupt_checkpoint_leaves_it_untouched(tmp_path, capsys):

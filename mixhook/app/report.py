@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from .files import atomic_write
+
 METRICS = ["test_acc", "test_error", "test_nll", "best_test_acc", "epochs", "seconds"]
 ERROR_FILE = "error.txt"
 
@@ -143,9 +145,8 @@ def write_report(sweep_dir: str | os.PathLike) -> dict:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -218,10 +219,9 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path) -> None:
     ax.set_xlabel("test error (%), mean ± std over seeds")
     ax.set_title(str(sweep_dir), fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 try:

@@ -23,6 +23,8 @@ import torch
 
 from mixhook.hooks import LayerHook
 
+from ..files import atomic_write
+
 FORMAT = "mixhook-checkpoint"
 VERSION = 1
 FILE = "last.pt"
@@ -33,14 +35,10 @@ class CheckpointError(ValueError):
 
 
 def save(path: str | os.PathLike, state: dict) -> None:
-    """Write ``state`` (as :func:`capture` makes it) to ``path`` atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    """Write ``state`` (the training loop's run state: position, metrics, model, optimizer, scheduler,
+    scaler, random states, config) to ``path`` atomically, marked with this format and version."""
+    with atomic_write(path, "wb") as f:
         torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load(path: str | os.PathLike) -> dict:

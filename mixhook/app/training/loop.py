@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from mixhook.mixers import MixingHook, smooth_one_hot
 
+from ..files import atomic_write
 from . import checkpoint as ckpt
 from .distributed import Dist
 from .logging import save_feature_maps
@@ -425,12 +426,7 @@ def _load_training_state(state: dict, model, optimizer, scheduler, hooks, scaler
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write ``obj`` as JSON to a temporary file beside ``path``, then rename it into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    """Write ``obj`` as JSON to ``path`` atomically (:func:`~mixhook.app.files.atomic_write`)."""
+    with atomic_write(path) as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

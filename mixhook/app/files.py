@@ -1,0 +1,34 @@
+"""The app's one way to write a file that others read: atomically.
+
+A checkpoint, ``summary.json``, a sweep's report: each is written to a temporary file beside its target,
+flushed to disk, then renamed over it, so a reader (a resumed run, a sweep report, a person) sees the old
+file or the new one, never half of one, and a failure leaves the old one in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """Open a temporary file beside ``path`` (``mode`` ``"w"`` or ``"wb"``); when the block ends, flush
+    and fsync it and rename it to ``path``. If the block raises, the temporary file is removed and
+    ``path`` is left as it was."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, mode, **({"newline": ""} if mode == "w" else {})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

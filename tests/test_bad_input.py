@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from mixhook.app import CONF_DIR
 from mixhook.app import run as app
 from tests.conftest import write_cifar
 from tests.test_app import config, run_cli
@@ -81,6 +82,10 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit_before_training(tmp_path, c
         (["hydra.run.dir=/proc/x"], "error: hydra.run.dir=/proc/x cannot be created: "),  # exists, writable
         (["hparams_search=optuna"], "error: hparams_search=optuna runs a sweep: add -m"),  # not one plain job
         (
+            ["trainer.epoch=1"],
+            "error: trainer.epoch=1: trainer has no key 'epoch'; did you mean trainer.epochs?",
+        ),
+        (
             ["-m", "seed=0,1", "hydra.sweep.dir=afile/sweep"],
             "error: hydra.sweep.dir=afile/sweep cannot be created: ",
         ),
@@ -137,10 +142,34 @@ def test_batch_size_1_while_mixing_trains(tmp_path):
 
 
 def test_a_search_is_accepted_in_either_multirun_form():
-    from mixhook.app import CONF_DIR
 
     for flag in ("-m", "--multirun", "hydra.mode=MULTIRUN"):
         assert app.check_command_line([flag, "hparams_search=optuna"], str(CONF_DIR)) is None
     assert app.check_command_line(["hparams_search=optuna"], str(CONF_DIR)).startswith(
         "hparams_search=optuna runs a sweep: add -m"
     )
+
+
+def test_a_misspelled_key_is_named_with_the_closest_valid_one():
+    def check(*argv):
+        return app.check_command_line(list(argv), str(CONF_DIR))
+
+    assert check("mixup.alpa=0.3").startswith(
+        "mixup.alpa=0.3: mixup has no key 'alpa'; did you mean mixup.alpha?"
+    )
+    assert check("seedd=1").startswith(
+        "seedd=1: the config has no key 'seedd'; did you mean seed? valid: data,"
+    )
+    # the keys of the group option chosen on the same command line (CutMix has no mode)
+    assert check("mixup=cutmix", "mixup.mode=elem") == (
+        "mixup.mode=elem: mixup has no key 'mode'; valid: _target_, alpha, layer, prob"
+    )
+    assert check("-m", "mixup=cutmix,manifold", "mixup.mode=elem").startswith("mixup.mode=elem: mixup has no")
+    for fine in (
+        ["mixup=nfm", "mixup.add_noise=0.1"],
+        ["-m", "mixup.alpha=0.2,0.4", "trainer.epochs=1"],
+        ["grad_scale.layer=layer1", "+extra=1", "hydra.job.chdir=false"],
+        ["mixup=none"],
+        ["experiment=verma2019_cifar10_manifold", "trainer.epochs=1"],
+    ):
+        assert check(*fine) is None, fine

@@ -91,8 +91,9 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
 def check_command_line(argv: list[str], conf_dir: str) -> str | None:
     """What Hydra would reject only with a multi-line report, said in one line before it starts: an
     option that is not in its config group (``mixup=nosuch``), a ``hydra.run.dir`` or
-    ``hydra.sweep.dir`` that cannot be created, and a search (``hparams_search=...``) without ``-m``,
-    which Hydra would run as one plain job. Returns the line, or ``None``."""
+    ``hydra.sweep.dir`` that cannot be created, a search (``hparams_search=...``) without ``-m``,
+    which Hydra would run as one plain job, and a key that is not in the config
+    (``trainer.epoch=1``, named with the closest valid key). Returns the line, or ``None``."""
     multirun = any(arg in ("-m", "--multirun", "hydra.mode=MULTIRUN") for arg in argv)
     for arg in argv:
         key, sep, value = arg.partition("=")
@@ -111,6 +112,51 @@ def check_command_line(argv: list[str], conf_dir: str) -> str | None:
                 return f"{key}={value} cannot be created: {problem}"
         if key == "hparams_search" and value not in ("null", "") and not multirun:
             return f"hparams_search={value} runs a sweep: add -m (python train.py -m {arg} ...)"
+    return _unknown_key(argv, conf_dir)
+
+
+def _unknown_key(argv: list[str], conf_dir: str) -> str | None:
+    """A key that is not in the composed config (``trainer.epoch=1``), named with the closest valid one.
+
+    The config is composed with the command line's group choices (the first option of a sweep); keys
+    added with ``+`` and Hydra's own are left to Hydra. ``None`` when every key exists (or when the
+    config cannot be composed here: Hydra then reports that itself)."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import DictConfig
+
+    groups, keys = [], []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or arg.startswith(("-", "+", "~")) or key.startswith("hydra"):
+            continue
+        if os.path.isdir(os.path.join(conf_dir, key)):
+            if key != "hparams_search":  # a sweeper's config needs its plugin: Hydra's business
+                groups.append(f"{key}={value.split(',')[0]}")
+        else:
+            keys.append((key, arg))
+    if not keys:
+        return None
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(conf_dir), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=groups)
+    except Exception:  # noqa: BLE001  (whatever stops composing here, Hydra will say itself)
+        return None
+    for key, arg in keys:
+        node, walked = cfg, []
+        for part in key.split("."):
+            if not isinstance(node, DictConfig):
+                break  # into a list or a value: Hydra checks that
+            if part not in node:
+                where = ".".join(walked) or "the config"
+                valid = sorted(str(k) for k in node.keys())
+                close = difflib.get_close_matches(part, valid, n=1, cutoff=0.5)
+                prefix = ".".join(walked) + "." if walked else ""
+                hint = f"did you mean {prefix}{close[0]}? " if close else ""
+                return f"{arg}: {where} has no key {part!r}; {hint}valid: {', '.join(valid)}"
+            walked.append(part)
+            node = node[part]
     return None
 
 

@@ -75,10 +75,8 @@ class OneOf(LayerHook, MixingHook):
         if choice is None:
             owners = [i for i, m in enumerate(self.mixers) if values.get("layer") in m.layers]
             if len(owners) != 1:
-                raise ValueError(
-                    f"OneOf.pin(): say which mixer with choice=0..{len(self.mixers) - 1}"
-                    + (f" (layer {values['layer']!r} is {len(owners)} mixers')" if "layer" in values else "")
-                )
+                why = f" (layer {values['layer']!r} is in {len(owners)} of them)" if "layer" in values else ""
+                raise ValueError(f"OneOf.pin(): say which mixer with choice=0..{len(self.mixers) - 1}{why}")
             (choice,) = owners
         if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < len(self.mixers):
             raise ValueError(f"pin(choice={choice!r}): choose 0..{len(self.mixers) - 1}")

@@ -45,6 +45,8 @@ def test_oneof_pin_and_validation():
         assert both.chosen is cutmix and both.last.info["box"] == (0, 2, 0, 2)
         with pytest.raises(RuntimeError, match="already attached"):
             mixup.attach(model)
+    with pytest.raises(ValueError, match=r"choice=0..1 \(layer 'conv1' is in 2 of them\)"):
+        both.pin(layer="conv1")
     with pytest.raises(ValueError, match="p must be 2 non-negative probabilities summing to 1"):
         OneOf([ManifoldMixup("input"), CutMix("input")], p=[0.5, 0.6])
     with pytest.raises(TypeError, match="two or more mixing regularizers"):

@@ -3,33 +3,15 @@ run as a subprocess the way a user runs it."""
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from mixhook import ManifoldMixup
-from mixhook.app import CONF_DIR
 from mixhook.app import run as app
-from tests.conftest import ROOT, write_cifar
-
-
-def config(*overrides):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def run_cli(*overrides, cwd):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *overrides],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+from tests.app_helpers import config, run_cli
+from tests.conftest import write_cifar
 
 
 def test_default_config_is_the_papers_manifold_mixup_on_digits():

@@ -7,8 +7,8 @@ import pytest
 
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
+from tests.app_helpers import config, run_cli
 from tests.conftest import write_cifar
-from tests.test_app import config, run_cli
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from torch import nn
 from mixhook.app import run as app
 from mixhook.app.browse import browse, format_table
 from mixhook.app.models import PreActResNet18
+from tests.app_helpers import config
 from tests.conftest import ROOT
-from tests.test_app import config
 from tests.toy_models import TupleBlockNet
 
 

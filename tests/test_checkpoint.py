@@ -17,8 +17,8 @@ import torch
 
 from mixhook.app import run as app
 from mixhook.app.training import checkpoint as ckpt
+from tests.app_helpers import config, run_cli
 from tests.conftest import ROOT
-from tests.test_app import config, run_cli
 
 SMALL = [
     "data.train_size=200", "trainer.epochs=4", "trainer.batch_size=32", "trainer.checkpoint_every=1",

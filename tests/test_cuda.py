@@ -102,7 +102,7 @@ def test_quick_benchmark_on_cuda(tmp_path):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_app_trains_on_cuda_in_mixed_precision_compiled_with_probes(tmp_path, precision):
     from mixhook.app import run as app
-    from tests.test_app import config
+    from tests.app_helpers import config
 
     out = tmp_path / precision
     cfg = config(

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from mixhook import CutMix, ManifoldMixup
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
+from tests.app_helpers import config, run_cli
 from tests.conftest import ROOT, write_cifar
-from tests.test_app import config, run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 

@@ -46,7 +46,7 @@ def test_a_users_own_model_with_its_own_arguments_through_target(tmp_path):
     import json
 
     from mixhook.app import run as app
-    from tests.test_app import config
+    from tests.app_helpers import config
 
     cfg = config(
         "model._target_=tests.toy_models.TinyConvNet", "+model.width=12", "mixup.layer=conv2",
@@ -63,8 +63,8 @@ def test_a_users_own_model_with_its_own_arguments_through_target(tmp_path):
 
 def test_a_torchvision_vit_trains_in_the_app_on_cifar_sized_images(tmp_path):
     from mixhook.app import run as app
+    from tests.app_helpers import config
     from tests.conftest import write_cifar
-    from tests.test_app import config
 
     write_cifar(tmp_path / "cifar", "cifar10", per_file=2)
     cfg = config(

@@ -9,7 +9,7 @@ import torch
 from mixhook import CutMix, ManifoldMixup
 from mixhook.app import run as app
 from mixhook.app.training import checkpoint as ckpt
-from tests.test_app import config
+from tests.app_helpers import config
 
 TINY = [
     "model._target_=tests.toy_models.TinyConvNet", "mixup.layer=[input,conv1,bn,conv2]",

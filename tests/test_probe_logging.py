@@ -13,7 +13,7 @@ from mixhook import ActivationStats, CutMix, ManifoldMixup, OneOf
 from mixhook.app.models import PreActResNet18
 from mixhook.app.training import checkpoint as ckpt
 from mixhook.app.training.logging import RunLogger, save_feature_maps
-from tests.test_app import config, run_cli
+from tests.app_helpers import config, run_cli
 
 SMALL = ["data.train_size=200", "trainer.epochs=1", "trainer.batch_size=32", "trainer.progress_bar=false"]
 

@@ -1,0 +1,26 @@
+"""Shared pieces for the app's tests: a composed config, and `train.py` run the way a user runs it."""
+
+import subprocess
+import sys
+
+from hydra import compose, initialize_config_dir
+
+from mixhook.app import CONF_DIR
+from tests.conftest import ROOT
+
+
+def config(*overrides):
+    """The app's config composed with ``overrides``, as Hydra composes it for ``train.py``."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_cli(*overrides, cwd):
+    """``python train.py *overrides`` in ``cwd``: the completed process (stdout, stderr, returncode)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

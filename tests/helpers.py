@@ -1,7 +1,14 @@
-"""Small shared pieces for the tests: models no library code was written for, and hook counting."""
+"""Small shared pieces for the tests: models no library code was written for, hook counting, and
+running the benchmark script."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -41,3 +48,14 @@ def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def grads(model: nn.Module) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_bench(*args, cwd=ROOT):
+    """``python benchmarks/run.py *args``: the completed process."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

@@ -6,23 +6,11 @@ not depend on timing (the compiled model does not recompile after warm-up) and t
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT
-
-
-def run_bench(*args, cwd=ROOT):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+from tests.helpers import run_bench
 
 
 def ratios_in(node):

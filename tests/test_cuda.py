@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torchvision
 
 from mixhook import CutMix, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup, PatchUp
-from tests.test_benchmarks import run_bench
+from tests.helpers import run_bench
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

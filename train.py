@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 
 from mixhook.app import CONF_DIR, CONF_MODULE
 from mixhook.app import run as app
+from mixhook.app.command_line import check_command_line
 
 
 @hydra.main(config_path=f"pkg://{CONF_MODULE}", config_name="config", version_base="1.3")
@@ -15,7 +16,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    problem = app.check_command_line(sys.argv[1:], str(CONF_DIR))
+    problem = check_command_line(sys.argv[1:], str(CONF_DIR))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

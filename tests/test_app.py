@@ -20,14 +20,14 @@ def test_default_config_is_the_papers_manifold_mixup_on_digits():
     assert list(cfg.mixup.layer) == ["input", "layer1", "layer2"] and cfg.mixup.alpha == 2.0
     run = app.build(cfg)
     assert isinstance(run.mixup, ManifoldMixup) and run.mixup.model is run.model
-    assert run.mixup.layers == ("input", "layer1", "layer2") and run.epochs == cfg.trainer.epochs
+    assert run.mixup.layers == ("input", "layer1", "layer2") and run.settings.epochs == cfg.trainer.epochs
     assert run.model.conv1.in_channels == 1 and run.model.linear.out_features == 10
     run.mixup.remove()
 
 
 def test_mixup_none_builds_without_a_regularizer():
     run = app.build(config("mixup=none"))
-    assert run.mixup is None and run.settings["mixup"] == {}
+    assert run.mixup is None and run.summary["mixup"] == {}
 
 
 @pytest.mark.parametrize(
@@ -37,20 +37,31 @@ def test_mixup_none_builds_without_a_regularizer():
         (["mixup.layer=[input,layr2]"], "did you mean 'layer2'"),
         (["mixup.alpha=0"], "mixup: alpha must be a finite number > 0"),
         (["mixup.prob=1.5"], "mixup: prob must be in [0, 1], got 1.5"),
-        (["trainer.epochs=0"], "trainer.epochs must be an integer >= 1, got 0"),
+        (["trainer.epochs=0"], "trainer.epochs must be an integer >= 1, got 0"),  # before T_max's
         (["trainer.batch_size=0"], "trainer.batch_size must be an integer >= 1, got 0"),
         (["trainer.device=tpu"], "trainer.device='tpu'"),
-        (["optim.lr=-1"], "optim.lr must be a number > 0, got -1"),
+        (["optim.lr=-1"], "optim.lr must be > 0, got -1"),
+        (["optim.lr=0"], "optim.lr must be > 0, got 0"),  # torch accepts it: a run that learns nothing
+        (["optim=adamw", "optim.lr=0"], "optim.lr must be > 0, got 0"),
+        (["optim.lr=abc"], "optim.lr must be a number, got 'abc'"),  # the signature's default is one
+        (["optim.nesterov=maybe"], "optim.nesterov must be true or false, got 'maybe'"),
+        (["optim.momentum=-1"], "optim: Invalid momentum value: -1"),  # torch's own check
         (
-            ["optim.scheduler=multistep", "optim.milestones=[150,100]"],
-            "optim.milestones must be increasing epoch numbers >= 1 for multistep, got [150, 100]",
+            ["scheduler=multistep", "scheduler.milestones=[150,100]"],
+            "scheduler.milestones must be increasing numbers >= 1, got [150, 100]",
         ),
-        (["optim.scheduler=multistep", "optim.milestones=[0.5]"], "got [0.5]"),
-        (["optim.gamma=0"], "optim.gamma must be > 0, got 0"),
+        (["scheduler=multistep", "scheduler.milestones=[0,3]"], "got [0, 3]"),
+        (["scheduler=multistep", "scheduler.gamma=0"], "scheduler.gamma must be > 0, got 0"),
+        (["scheduler.T_max=0"], "scheduler.T_max must be an integer >= 1, got 0"),
         (
-            ["optim.scheduler=step"],
-            "optim.scheduler='step' is not a schedule; valid: cosine, multistep, constant",
+            ["optim._target_=torch.nn.Identity"],
+            "optim: torch.nn.Identity built a Identity, not a torch.optim",
         ),
+        (
+            ["scheduler=constant", "+scheduler._target_=torch.optim.lr_scheduler.ReduceLROnPlateau"],
+            "scheduler: ReduceLROnPlateau steps on a validation metric",
+        ),
+        (["mixup=mixup_cutmix", "mixup.mixers.0.alpha=abc"], "mixup.mixers[0].alpha must be a number"),
         (["model=torchvision", "model.name=resnet"], "model: model.name='resnet' is not a torchvision"),
         (["data=cifar10", "data.root=/nonexistent"], "CIFAR-10 not found: /nonexistent/cifar-10-batches-py"),
     ],
@@ -256,3 +267,36 @@ def test_catalogue_misconfigurations_fail_in_build(overrides, message):
     with pytest.raises(app.ConfigError) as info:
         app.build(config(*overrides))
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_any_torch_optimizer_and_schedule_are_targets():
+    run = app.build(
+        config(
+            "optim._target_=torch.optim.RMSprop", "~optim.nesterov", "+optim.alpha=0.8",
+            "scheduler=multistep", "scheduler.milestones=[2,5]", "scheduler.gamma=0.5",
+        )
+    )  # fmt: skip
+    try:
+        group = run.optimizer.param_groups[0]
+        assert isinstance(run.optimizer, torch.optim.RMSprop) and group["alpha"] == 0.8
+        assert group["lr"] == 0.05 and group["momentum"] == 0.9 and group["weight_decay"] == 5e-4
+        assert isinstance(run.scheduler, torch.optim.lr_scheduler.MultiStepLR)
+        assert run.scheduler.milestones == {2: 1, 5: 1} and run.scheduler.gamma == 0.5
+        assert {id(p) for p in group["params"]} == {id(p) for p in run.model.parameters()}
+    finally:
+        for handle in run.handles:
+            handle.remove()
+    adamw = app.build(config("optim=adamw", "scheduler=constant"))
+    try:
+        assert isinstance(adamw.optimizer, torch.optim.AdamW) and adamw.scheduler is None
+        assert adamw.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    finally:
+        for handle in adamw.handles:
+            handle.remove()
+    cosine = app.build(config("trainer.epochs=7"))  # the default: cosine over the run's epochs
+    try:
+        assert isinstance(cosine.scheduler, torch.optim.lr_scheduler.CosineAnnealingLR)
+        assert cosine.scheduler.T_max == 7 and cosine.scheduler.eta_min == 0.0
+    finally:
+        for handle in cosine.handles:
+            handle.remove()

@@ -7,6 +7,7 @@ import pytest
 
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
+from mixhook.app.command_line import check_command_line
 from tests.app_helpers import config, run_cli
 from tests.conftest import write_cifar
 
@@ -26,13 +27,17 @@ from tests.conftest import write_cifar
         (["trainer.epochs=-1"], "error: trainer.epochs must be an integer >= 1, got -1"),
         (["trainer.checkpoint_every=-5"], "error: trainer.checkpoint_every must be an integer >= 0, got -5"),
         (["trainer.logger=wandb"], "error: trainer.logger='wandb' is not a logger; valid: csv, tensorboard"),
-        (["trainer.precision=8"], "error: trainer.precision=8 is not a precision; valid: 32, bf16, fp16"),
+        (["trainer.precision=8"], "error: trainer.precision='8' is not a precision; valid: 32, bf16, fp16"),
         (["probes.layers=[layr1]"], "error: probes.layer: unknown layer 'layr1'"),
-        (["trainer.resume=3"], "error: trainer.resume must be null, auto or a checkpoint path, got 3"),
-        (["optim.momentum=-1"], "error: optim.momentum must be a number >= 0, got -1"),
-        (["optim.weight_decay=-1"], "error: optim.weight_decay must be a number >= 0, got -1"),
-        (["optim.lr=0"], "error: optim.lr must be a number > 0, got 0"),
-        (["optim.nesterov=true", "optim.momentum=0"], "error: optim.nesterov=true needs optim.momentum > 0"),
+        (["trainer.resume=3"], "error: trainer.resume: no checkpoint at 3"),
+        (["trainer.resume=''"], "error: trainer.resume must be null, auto or a checkpoint path, got ''"),
+        (["optim.momentum=-1"], "error: optim: Invalid momentum value: -1"),
+        (["optim.weight_decay=-1"], "error: optim: Invalid weight_decay value: -1"),
+        (["optim.lr=0"], "error: optim.lr must be > 0, got 0"),
+        (["optim.nesterov=true", "optim.momentum=0"], "error: optim: Nesterov momentum requires a momentum"),
+        (["data.test_size=1.5"], "error: data.test_size must be in (0, 1), got 1.5"),
+        (["seed=-1"], "error: seed must be an integer >= 0, got -1"),
+        (["probes.every=0"], "error: probes.every must be an integer >= 1, got 0"),
         (
             ["data=cifar10", "data.root=/nonexistent"],
             "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",
@@ -84,6 +89,10 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit_before_training(tmp_path, c
         (
             ["trainer.epoch=1"],
             "error: trainer.epoch=1: trainer has no key 'epoch'; did you mean trainer.epochs?",
+        ),
+        (
+            ["-m", "trainer.epochs=1,abc"],  # Hydra: a 5-line report, exit 1
+            "error: trainer.epochs=abc: Value 'abc' of type 'str' could not be converted to Integer",
         ),
         (
             ["-m", "seed=0,1", "hydra.sweep.dir=afile/sweep"],
@@ -144,15 +153,15 @@ def test_batch_size_1_while_mixing_trains(tmp_path):
 def test_a_search_is_accepted_in_either_multirun_form():
 
     for flag in ("-m", "--multirun", "hydra.mode=MULTIRUN"):
-        assert app.check_command_line([flag, "hparams_search=optuna"], str(CONF_DIR)) is None
-    assert app.check_command_line(["hparams_search=optuna"], str(CONF_DIR)).startswith(
+        assert check_command_line([flag, "hparams_search=optuna"], str(CONF_DIR)) is None
+    assert check_command_line(["hparams_search=optuna"], str(CONF_DIR)).startswith(
         "hparams_search=optuna runs a sweep: add -m"
     )
 
 
 def test_a_misspelled_key_is_named_with_the_closest_valid_one():
     def check(*argv):
-        return app.check_command_line(list(argv), str(CONF_DIR))
+        return check_command_line(list(argv), str(CONF_DIR))
 
     assert check("mixup.alpa=0.3").startswith(
         "mixup.alpa=0.3: mixup has no key 'alpa'; did you mean mixup.alpha?"
@@ -171,5 +180,29 @@ def test_a_misspelled_key_is_named_with_the_closest_valid_one():
         ["grad_scale.layer=layer1", "+extra=1", "hydra.job.chdir=false"],
         ["mixup=none"],
         ["experiment=verma2019_cifar10_manifold", "trainer.epochs=1"],
+    ):
+        assert check(*fine) is None, fine
+
+
+def test_a_value_of_the_wrong_type_is_named_before_hydra_starts():
+    def check(*argv):
+        return check_command_line(list(argv), str(CONF_DIR))
+
+    assert check("trainer.epochs=abc") == (
+        "trainer.epochs=abc: Value 'abc' of type 'str' could not be converted to Integer"
+    )
+    assert (
+        check("trainer.compile=maybe")
+        == "trainer.compile=maybe: Value 'maybe' is not a valid bool (type str)"
+    )
+    assert check("data.test_size=x").startswith("data.test_size=x: Value 'x' of type 'str' could not be")
+    assert check("-m", "seed=0,1,x").startswith("seed=x: Value 'x'")  # every value of a sweep
+    assert check("data=cifar10", "data.num_workers=two").startswith("data.num_workers=two: Value 'two'")
+    for fine in (
+        ["trainer.epochs=3", "trainer.precision=bf16", "trainer.resume=auto", "data.train_size=null"],
+        ["-m", "seed=range(0,3)", "trainer.epochs=1,2"],
+        ["-m", "hparams_search=optuna", "mixup.alpha=interval(0.1,4.0)"],
+        ["trainer.epochs=${seed}"],
+        ["probes.layers=[layer1,layer2]", "input_scale.factor=[0.5,2.0]"],
     ):
         assert check(*fine) is None, fine

@@ -18,18 +18,21 @@ from tests.conftest import ROOT, write_cifar
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 VERMA = {  # Verma et al. 2019, Appendix C, and the authors' code where the paper is silent
-    "optim": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": True,
-              "scheduler": "multistep", "milestones": [400, 800], "gamma": 0.1},
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
+              "nesterov": True},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [400, 800], "gamma": 0.1},
     "trainer": {"epochs": 1200, "batch_size": 100, "loss": "bce_softmax"},
 }  # fmt: skip
 ZHANG = {  # Zhang et al. 2018, Section 3.2, and the authors' code
-    "optim": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": False,
-              "scheduler": "multistep", "milestones": [100, 150], "gamma": 0.1},
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
+              "nesterov": False},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [100, 150], "gamma": 0.1},
     "trainer": {"epochs": 200, "batch_size": 128, "loss": "ce"},
 }  # fmt: skip
 YUN = {  # Yun et al. 2019: the authors' CIFAR-100 command and code
-    "optim": {"lr": 0.25, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": True,
-              "scheduler": "multistep", "milestones": [150, 225], "gamma": 0.1},
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.25, "momentum": 0.9, "weight_decay": 1e-4,
+              "nesterov": True},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [150, 225], "gamma": 0.1},
     "trainer": {"epochs": 300, "batch_size": 64, "loss": "ce"},
 }  # fmt: skip
 CUTMIX = {"_target_": "mixhook.CutMix", "layer": "input", "alpha": 1.0, "prob": 0.5}
@@ -61,7 +64,7 @@ def test_experiment_sets_the_papers_hyperparameters_and_figure(name):
     cfg = OmegaConf.to_container(config(f"experiment={name}"), resolve=True)
     assert cfg["data"]["name"] == data and cfg["data"]["augment"] is True
     assert cfg["model"] == {"_target_": "mixhook.app.models.PreActResNet18"}
-    for group in ("optim", "trainer"):
+    for group in ("optim", "scheduler", "trainer"):
         assert {k: cfg[group][k] for k in recipe[group]} == recipe[group]
     assert {k: cfg["mixup"][k] for k in mixup} == mixup and (mixup or cfg["mixup"] == {})
     assert cfg["paper"]["metric"] == "test_error"
@@ -76,7 +79,7 @@ def test_the_cutmix_experiment_says_its_model_is_a_substitute_and_carries_no_fig
 
 def test_command_line_overrides_win_over_the_experiment():
     cfg = config("experiment=verma2019_cifar10_manifold", "trainer.epochs=3", "trainer.loss=ce")
-    assert cfg.trainer.epochs == 3 and cfg.trainer.loss == "ce" and cfg.optim.milestones == [400, 800]
+    assert cfg.trainer.epochs == 3 and cfg.trainer.loss == "ce" and cfg.scheduler.milestones == [400, 800]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -86,13 +89,13 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
     run = app.build(config(f"experiment={name}", f"data.root={tmp_path}", "data.num_workers=0"))
     try:
         classes = 10 if data == "cifar10" else 100
-        assert run.model.linear.out_features == classes and run.epochs == recipe["trainer"]["epochs"]
+        assert run.model.linear.out_features == classes and run.settings.epochs == recipe["trainer"]["epochs"]
         assert run.optimizer.param_groups[0]["nesterov"] == recipe["optim"]["nesterov"]
-        assert run.scheduler.milestones == dict.fromkeys(recipe["optim"]["milestones"], 1)
+        assert run.scheduler.milestones == dict.fromkeys(recipe["scheduler"]["milestones"], 1)
         kind = {"mixhook.ManifoldMixup": ManifoldMixup, "mixhook.CutMix": CutMix}
         expected = kind.get(mixup.get("_target_"))
         assert (run.mixup is None) if expected is None else isinstance(run.mixup, expected)
-        assert run.settings["paper"] == OmegaConf.to_container(config(f"experiment={name}").paper)
+        assert run.summary["paper"] == OmegaConf.to_container(config(f"experiment={name}").paper)
     finally:
         if run.mixup is not None:
             run.mixup.remove()
@@ -105,7 +108,7 @@ def test_cfg_job_prints_the_papers_hyperparameters(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     printed = OmegaConf.to_container(OmegaConf.create(result.stdout))
-    assert printed["optim"]["milestones"] == [400, 800] and printed["trainer"]["epochs"] == 1200
+    assert printed["scheduler"]["milestones"] == [400, 800] and printed["trainer"]["epochs"] == 1200
     assert printed["paper"]["value"] == 20.34 and printed["data"]["name"] == "cifar100"
 
 

@@ -108,7 +108,7 @@ def test_bad_probe_settings_are_refused():
 
     for overrides, message in (
         (["probes.layers=[layr1]"], "probes.layer: unknown layer 'layr1'"),
-        (["probes.layers=[layer1]", "probes.every=0"], "probes: every must be an integer >= 1, got 0"),
+        (["probes.layers=[layer1]", "probes.every=0"], "probes.every must be an integer >= 1, got 0"),
     ):
         try:
             app.build(config(*overrides))

@@ -10,3 +10,7 @@ from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 CONF_MODULE = "mixhook.app.conf"
+
+from . import schema  # noqa: E402  (Hydra must know the schemas before it composes ``conf/``)
+
+schema.register()

@@ -230,8 +230,9 @@ def main(argv: list[str]) -> int:
 
     from . import CONF_DIR, CONF_MODULE
     from . import run as app
+    from .command_line import check_command_line
 
-    problem = app.check_command_line(argv, str(CONF_DIR))
+    problem = check_command_line(argv, str(CONF_DIR))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""The app's one way to write a file that others read: atomically.
+"""The app's one way to write a file that others read: atomically (and to check that a directory can
+be written before a run starts).
 
 A checkpoint, ``summary.json``, a sweep's report: each is written to a temporary file beside its target,
 flushed to disk, then renamed over it, so a reader (a resumed run, a sweep report, a person) sees the old
@@ -32,3 +33,13 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def make_writable_dir(path: str | os.PathLike) -> None:
+    """Create directory ``path`` (and its parents) and write and remove a file in it; ``OSError`` if
+    either cannot be done."""
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, ".mixhook-write-test")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)

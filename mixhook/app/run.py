@@ -8,12 +8,11 @@ raises instead, so that Hydra records the failed job and the sweep goes on).
 
 from __future__ import annotations
 
+import inspect
 import logging
-import math
 import os
 import random
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,40 +22,23 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from mixhook.compose import mixers_of
-from mixhook.gradients import GradClip, GradScale
 from mixhook.layers import INPUT, UnknownLayerError, trace_outputs
-from mixhook.mixers import MixingHook
 from mixhook.probes import ActivationStats, GradStats
-from mixhook.scaling import InputScale
 
+from . import schema
 from .data import Data, DataNotFoundError, build_data
-from .training import LOSSES, train
+from .files import make_writable_dir
+from .training import Run, Settings, train
 from .training import checkpoint as ckpt
 from .training.distributed import Dist
-from .training.logging import LOGGERS, RunLogger
-from .training.loop import PRECISIONS, Interrupted, NonFiniteLoss
+from .training.logging import RunLogger
+from .training.loop import Interrupted, NonFiniteLoss
 
 log = logging.getLogger("mixhook")
 
 
 class ConfigError(ValueError):
     """A configuration problem, said in one line."""
-
-
-@dataclass
-class Run:
-    """Everything :func:`build` made from the config, ready for :func:`mixhook.app.training.train`."""
-
-    model: nn.Module
-    data: Data
-    mixup: MixingHook | None
-    hooks: list
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    device: torch.device
-    epochs: int
-    settings: dict
-    handles: list  # what each hook's attach() returned: removing them detaches everything
 
 
 def main(cfg: DictConfig, out_dir: str | None = None) -> float:
@@ -88,112 +70,6 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
         raise
 
 
-def check_command_line(argv: list[str], conf_dir: str) -> str | None:
-    """What Hydra would reject only with a multi-line report, said in one line before it starts: an
-    option that is not in its config group (``mixup=nosuch``), a ``hydra.run.dir`` or
-    ``hydra.sweep.dir`` that cannot be created, a search (``hparams_search=...``) without ``-m``,
-    which Hydra would run as one plain job, and a key that is not in the config
-    (``trainer.epoch=1``, named with the closest valid key). Returns the line, or ``None``."""
-    multirun = any(arg in ("-m", "--multirun", "hydra.mode=MULTIRUN") for arg in argv)
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        key = key.lstrip("+~")
-        if not sep or arg.startswith("-") or "${" in value or "(" in value:
-            continue
-        group = os.path.join(conf_dir, key)
-        if not key.startswith("hydra") and os.path.isdir(group):
-            options = sorted(f[:-5] for f in os.listdir(group) if f.endswith(".yaml"))
-            for option in value.split(","):
-                if option not in ("null", "") and not os.path.isfile(os.path.join(group, f"{option}.yaml")):
-                    return f"{key}={option} is not an option of {key}; valid: {', '.join(options)}"
-        if key in ("hydra.run.dir", "hydra.sweep.dir"):
-            problem = _creatable(value)
-            if problem:
-                return f"{key}={value} cannot be created: {problem}"
-        if key == "hparams_search" and value not in ("null", "") and not multirun:
-            return f"hparams_search={value} runs a sweep: add -m (python train.py -m {arg} ...)"
-    return _unknown_key(argv, conf_dir)
-
-
-def _unknown_key(argv: list[str], conf_dir: str) -> str | None:
-    """A key that is not in the composed config (``trainer.epoch=1``), named with the closest valid one.
-
-    The config is composed with the command line's group choices (the first option of a sweep); keys
-    added with ``+`` and Hydra's own are left to Hydra. ``None`` when every key exists (or when the
-    config cannot be composed here: Hydra then reports that itself)."""
-    import difflib
-
-    from hydra import compose, initialize_config_dir
-    from omegaconf import DictConfig
-
-    groups, keys = [], []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or arg.startswith(("-", "+", "~")) or key.startswith("hydra"):
-            continue
-        if os.path.isdir(os.path.join(conf_dir, key)):
-            if key != "hparams_search":  # a sweeper's config needs its plugin: Hydra's business
-                groups.append(f"{key}={value.split(',')[0]}")
-        else:
-            keys.append((key, arg))
-    if not keys:
-        return None
-    try:
-        with initialize_config_dir(config_dir=os.path.abspath(conf_dir), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=groups)
-    except Exception:  # noqa: BLE001  (whatever stops composing here, Hydra will say itself)
-        return None
-    for key, arg in keys:
-        node, walked = cfg, []
-        for part in key.split("."):
-            if not isinstance(node, DictConfig):
-                break  # into a list or a value: Hydra checks that
-            if part not in node:
-                where = ".".join(walked) or "the config"
-                valid = sorted(str(k) for k in node.keys())
-                close = difflib.get_close_matches(part, valid, n=1, cutoff=0.5)
-                prefix = ".".join(walked) + "." if walked else ""
-                hint = f"did you mean {prefix}{close[0]}? " if close else ""
-                return f"{arg}: {where} has no key {part!r}; {hint}valid: {', '.join(valid)}"
-            walked.append(part)
-            node = node[part]
-    return None
-
-
-def _creatable(path: str) -> str | None:
-    """Why directory ``path`` cannot be created and written (``None`` if it can): tried for real, and
-    whatever this check created is removed again."""
-    path = os.path.abspath(path)
-    missing = []
-    parent = path
-    while not os.path.exists(parent):
-        missing.append(parent)
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{parent} is not a directory"
-    try:
-        _make_writable_dir(path)
-    except OSError as err:
-        return f"{err.strerror or err} ({err.filename or path})"
-    finally:
-        for created in missing:  # deepest first
-            try:
-                os.rmdir(created)
-            except OSError:
-                pass
-    return None
-
-
-def _make_writable_dir(path: str) -> None:
-    """Create directory ``path`` (and its parents) and write and remove a file in it; ``OSError`` if
-    either cannot be done."""
-    os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, ".mixhook-write-test")
-    with open(probe, "w") as f:
-        f.write("ok")
-    os.remove(probe)
-
-
 def _record_failure(out_dir: str, err: BaseException) -> None:
     from .report import ERROR_FILE
 
@@ -221,15 +97,15 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
     if not dist.main:
         log.setLevel(logging.WARNING)  # rank 0 reports
     _check_writable(out_dir)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    state = _resume_state(cfg, out_dir, config)
     run = build(cfg, dist)
-    log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
-             cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
-    logger = feature_maps = None
-    if cfg.probes.feature_maps and probe_layers(cfg):
-        feature_maps = (probe_layers(cfg), next(iter(run.data.test))[0][:4])
     try:
+        run.config = OmegaConf.to_container(cfg, resolve=True)
+        state = _resume_state(cfg, out_dir, run.config)
+        log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
+                 cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
+        if cfg.probes.feature_maps and probe_layers(cfg):
+            run.feature_maps = (probe_layers(cfg), next(iter(run.data.test))[0][:4])
+        logger = None
         if dist.main:
             try:
                 logger = RunLogger(
@@ -237,36 +113,16 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
                 )
             except ValueError as err:
                 raise ConfigError(str(err)) from err
-        summary = train(
-            run.model,
-            run.data,
-            run.optimizer,
-            run.scheduler,
-            run.epochs,
-            run.device,
-            out_dir,
-            mixup=run.mixup,
-            settings=run.settings,
-            progress_bar=bool(cfg.trainer.progress_bar),
-            loss=cfg.trainer.loss,
-            hooks=run.hooks,
-            checkpoint_every=cfg.trainer.checkpoint_every,
-            resume=state,
-            config=config,
-            precision=str(cfg.trainer.precision),
-            compile=cfg.trainer.compile,
-            channels_last=cfg.trainer.channels_last,
-            dist=dist,
-            logger=logger,
-            feature_maps=feature_maps,
-        )
-    except ckpt.CheckpointError as err:
-        raise ConfigError(f"trainer.resume: {err}") from err
+        try:
+            summary = train(run, out_dir, resume=state, dist=dist, logger=logger)
+        except ckpt.CheckpointError as err:
+            raise ConfigError(f"trainer.resume: {err}") from err
+        finally:
+            if logger is not None:
+                logger.close()
     finally:  # no hook outlives the run, whatever ended it
         for handle in run.handles:
             handle.remove()
-        if logger is not None:
-            logger.close()
     log.info(
         "done: test_acc %.2f%%  best %.2f%% (epoch %d)  test_nll %.4f  %.0fs  -> %s/summary.json",
         100 * summary["test_acc"], 100 * summary["best_test_acc"], summary["best_epoch"],
@@ -280,28 +136,12 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
 
     ``dist``: in a data-parallel job, this rank's data share, CUDA device and random streams."""
     dist = dist or Dist()
-    seed = _integer(cfg, "seed", minimum=0)
-    epochs = _integer(cfg, "trainer.epochs", minimum=1)
-    _integer(cfg, "trainer.checkpoint_every", minimum=0)
+    model, data = build_model_and_data(cfg, dist)  # checks the schema's ranges first
     device = dist.device if dist.enabled and dist.device.type == "cuda" else _device(cfg.trainer.device)
-    if cfg.trainer.loss not in LOSSES:
-        raise ConfigError(f"trainer.loss={cfg.trainer.loss!r} is not a loss; valid: {', '.join(LOSSES)}")
-    if str(cfg.trainer.precision) not in PRECISIONS:
-        raise ConfigError(
-            f"trainer.precision={cfg.trainer.precision!r} is not a precision; valid: {', '.join(PRECISIONS)}"
-        )
-    if cfg.trainer.logger not in LOGGERS:
-        raise ConfigError(
-            f"trainer.logger={cfg.trainer.logger!r} is not a logger; valid: {', '.join(LOGGERS)}"
-        )
-    for key in ("trainer.compile", "trainer.channels_last"):
-        if not isinstance(OmegaConf.select(cfg, key), bool):
-            raise ConfigError(f"{key} must be true or false, got {OmegaConf.select(cfg, key)!r}")
-    model, data = build_model_and_data(cfg, dist)
 
     if dist.enabled:  # the model is built alike on every rank; each rank then mixes its own way
-        torch.manual_seed(dist.seed(seed))
-    hooks = _build_hooks(cfg, dist.seed(seed))
+        torch.manual_seed(dist.seed(cfg.seed))
+    hooks = _build_hooks(cfg, dist.seed(cfg.seed))
     if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
         hooks = [(key, hook) for key, hook in hooks if not key.startswith("probes")]
     mixers = mixers_of([hook for _, hook in hooks])
@@ -313,38 +153,57 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         )
     mixup = mixers[0] if mixers else None
     handles = _attach_and_check(model, hooks, data)
-
-    optimizer, scheduler = _optimizer(cfg.optim, model, epochs)
-    settings = {
+    try:
+        optimizer = _optimizer(cfg.optim, model)
+        scheduler = _scheduler(cfg.scheduler, optimizer)
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    trainer = cfg.trainer
+    settings = Settings(
+        epochs=trainer.epochs,
+        loss=trainer.loss,
+        precision=trainer.precision,
+        compile=trainer.compile,
+        channels_last=trainer.channels_last,
+        progress_bar=trainer.progress_bar,
+        checkpoint_every=trainer.checkpoint_every,
+    )
+    summary = {
         "mixup": OmegaConf.to_container(cfg.mixup, resolve=True),
         "hooks": {key: repr(hook) for key, hook in hooks if hook is not mixup},
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "data": cfg.data.name,
-        "seed": seed,
+        "seed": cfg.seed,
         "device": str(device),
         "torch": torch.__version__,
-        "loss": cfg.trainer.loss,
-        "precision": str(cfg.trainer.precision),
+        "loss": trainer.loss,
+        "precision": trainer.precision,
         "processes": dist.world,
         "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
     }
-    hook_objects = [hook for _, hook in hooks]
-    return Run(model, data, mixup, hook_objects, optimizer, scheduler, device, epochs, settings, handles)
+    return Run(
+        model, data, optimizer, scheduler, device, settings,
+        mixup=mixup, hooks=[hook for _, hook in hooks], handles=handles, summary=summary,
+    )  # fmt: skip
 
 
 def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.Module, Data]:
-    """Seed everything with ``cfg.seed``, then build the data and the model for it (what the layer
-    browser needs, and the first part of :func:`build`)."""
-    seed = _integer(cfg, "seed", minimum=0)
-    batch_size = _integer(cfg, "trainer.batch_size", minimum=1)
-    eval_batch_size = _integer(cfg, "trainer.eval_batch_size", minimum=1)
-    _seed_everything(seed)
+    """Check the config's ranges (:func:`mixhook.app.schema.check`), seed everything with ``cfg.seed``,
+    then build the data and the model for it (what the layer browser needs, and the first part of
+    :func:`build`)."""
+    try:
+        schema.check(cfg)
+    except schema.SchemaError as err:
+        raise ConfigError(str(err)) from None
+    _seed_everything(cfg.seed)
     data_options = OmegaConf.to_container(cfg.data, resolve=True)
     try:
         rank, world = (dist.rank, dist.world) if dist else (0, 1)
         data = build_data(
-            batch_size=batch_size, eval_batch_size=eval_batch_size, seed=seed, rank=rank, world_size=world,
-            **data_options,
+            batch_size=cfg.trainer.batch_size, eval_batch_size=cfg.trainer.eval_batch_size, seed=cfg.seed,
+            rank=rank, world_size=world, **data_options,
         )  # fmt: skip
     except DataNotFoundError as err:
         raise ConfigError(str(err)) from err
@@ -365,7 +224,7 @@ def probe_layers(cfg: DictConfig) -> list[str]:
 def _check_writable(out_dir: str) -> None:
     """Fail before anything else if the run directory cannot be created or written."""
     try:
-        _make_writable_dir(out_dir)
+        make_writable_dir(out_dir)
     except OSError as err:
         raise ConfigError(f"the run directory {out_dir} cannot be written: {err.strerror or err}") from None
 
@@ -416,25 +275,17 @@ def _flat(tree, prefix: str = "") -> dict:
 
 def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
     """Every configured hook with the config key it came from: ``mixup``, ``input_scale``,
-    ``grad_scale``, ``grad_clip`` (each off while its ``layer`` is null) and the ``hooks`` list."""
+    ``grad_scale``, ``grad_clip`` (``_target_`` nodes, each off while its ``layer`` is null), the
+    probes and the ``hooks`` list. A hook whose constructor takes a ``generator`` and is not given one
+    gets its own, seeded from ``seed`` and its place (so that ``seed`` changes every hook's draws)."""
     hooks: list[tuple[str, object]] = []
     if cfg.mixup.get("_target_"):
-        hooks.append(
-            ("mixup", _instantiate(cfg.mixup, "mixup", generator=torch.Generator().manual_seed(seed)))
-        )
-    simple = {"input_scale": InputScale, "grad_scale": GradScale, "grad_clip": GradClip}
-    for key, cls in simple.items():
-        options = OmegaConf.to_container(cfg[key], resolve=True)
-        if options.get("layer") is None:
-            continue
-        if cls is InputScale:
-            options["generator"] = torch.Generator().manual_seed(seed + 1)
-        try:
-            hooks.append((key, cls(**options)))
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"{key}: {err}") from err
+        hooks.append(("mixup", _build_hook(cfg.mixup, "mixup", seed)))
+    for offset, key in enumerate(("input_scale", "grad_scale", "grad_clip"), start=1):
+        if cfg[key].get("layer") is not None:
+            hooks.append((key, _build_hook(cfg[key], key, seed + offset)))
     if probe_layers(cfg):
-        every = OmegaConf.select(cfg, "probes.every")
+        every = cfg.probes.every
         try:
             hooks.append(("probes", ActivationStats(probe_layers(cfg), every=every)))
             graded = [name for name in probe_layers(cfg) if name != INPUT]
@@ -448,13 +299,30 @@ def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
             raise ConfigError(
                 f"{key}: each entry needs a _target_ (a hook class such as mixhook.GradClip), got {node}"
             )
-        hook = _instantiate(node, key)
-        if not callable(getattr(hook, "attach", None)):
-            raise ConfigError(
-                f"{key}: {node._target_} built a {type(hook).__name__}, which has no attach(model)"
-            )
-        hooks.append((key, hook))
+        hooks.append((key, _build_hook(node, key, seed + 4 + i)))
     return hooks
+
+
+def _build_hook(node: DictConfig, key: str, seed: int):
+    """The hook a ``_target_`` node describes, checked to have ``attach(model)``."""
+    extra = {}
+    if "generator" not in node and "generator" in _parameters(node._target_):
+        extra["generator"] = torch.Generator().manual_seed(seed)
+    hook = _instantiate(node, key, **extra)
+    if not callable(getattr(hook, "attach", None)):
+        raise ConfigError(f"{key}: {node._target_} built a {type(hook).__name__}, which has no attach(model)")
+    return hook
+
+
+def _parameters(target: str) -> set[str]:
+    """The names of the parameters of what ``target`` names (empty when it cannot be found: building it
+    then says why)."""
+    from hydra.utils import get_object
+
+    try:
+        return set(inspect.signature(get_object(target)).parameters)
+    except Exception:  # noqa: BLE001
+        return set()
 
 
 def _attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Data) -> list:
@@ -502,45 +370,35 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
                 raise ConfigError(f"{key}.layer: {err}") from err
 
 
-def _optimizer(cfg: DictConfig, model: nn.Module, epochs: int):
-    for key, positive in (("lr", True), ("momentum", False), ("weight_decay", False)):
-        value = cfg.get(key)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not number or value < 0 or (positive and value == 0):
-            raise ConfigError(f"optim.{key} must be a number {'>' if positive else '>='} 0, got {value!r}")
-    if not isinstance(cfg.nesterov, bool):
-        raise ConfigError(f"optim.nesterov must be true or false, got {cfg.nesterov!r}")
-    if cfg.nesterov and not cfg.momentum > 0:
-        raise ConfigError(f"optim.nesterov=true needs optim.momentum > 0, got {cfg.momentum}")
-    optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        nesterov=cfg.nesterov,
-    )
-    milestones = list(cfg.milestones)
-    if cfg.scheduler == "multistep" and (
-        not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in milestones)
-        or milestones != sorted(set(milestones))
-    ):
+def _optimizer(node: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The ``optim`` node's ``torch.optim`` optimizer over the model's parameters (its constructor
+    checks the values: ``optim: Invalid learning rate: -1``)."""
+    if not node.get("_target_"):
+        raise ConfigError("optim needs a _target_ (an optimizer class such as torch.optim.SGD)")
+    optimizer = _instantiate(node, "optim", params=model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
-            f"optim.milestones must be increasing epoch numbers >= 1 for multistep, got {milestones}"
+            f"optim: {node._target_} built a {type(optimizer).__name__}, not a torch.optim optimizer"
         )
-    if not cfg.gamma > 0:
-        raise ConfigError(f"optim.gamma must be > 0, got {cfg.gamma}")
-    schedulers = {
-        "cosine": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs),
-        "multistep": lambda: torch.optim.lr_scheduler.MultiStepLR(
-            optimizer, milestones=milestones, gamma=cfg.gamma
-        ),
-        "constant": lambda: None,
-    }
-    if cfg.scheduler not in schedulers:
+    return optimizer
+
+
+def _scheduler(node: DictConfig, optimizer: torch.optim.Optimizer):
+    """The ``scheduler`` node's learning-rate schedule on ``optimizer`` (``None`` without a
+    ``_target_``), stepped once at the end of every epoch."""
+    if not node.get("_target_"):
+        return None
+    scheduler = _instantiate(node, "scheduler", optimizer=optimizer)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ConfigError(
-            f"optim.scheduler={cfg.scheduler!r} is not a schedule; valid: {', '.join(schedulers)}"
+            "scheduler: ReduceLROnPlateau steps on a validation metric, and this app has only the test "
+            "set: choose a schedule over epochs (cosine, multistep, or any other torch.optim.lr_scheduler)"
         )
-    return optimizer, schedulers[cfg.scheduler]()
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigError(
+            f"scheduler: {node._target_} built a {type(scheduler).__name__}, not a torch.optim.lr_scheduler"
+        )
+    return scheduler
 
 
 def _instantiate(node: DictConfig, key: str, **kwargs):
@@ -550,13 +408,6 @@ def _instantiate(node: DictConfig, key: str, **kwargs):
     except InstantiationException as err:
         cause = err.__cause__ or err
         raise ConfigError(f"{key}: {cause}") from err
-
-
-def _integer(cfg: DictConfig, key: str, minimum: int) -> int:
-    value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _device(spec: str) -> torch.device:

@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -231,50 +232,71 @@ def stop_signals():
             signal.signal(sig, old)
 
 
+@dataclass
+class Settings:
+    """How to train: the ``trainer`` keys the loop reads (ranges checked by the app's schema)."""
+
+    epochs: int
+    loss: str = "ce"  # one of LOSSES
+    precision: str = "32"  # one of PRECISIONS
+    compile: bool = False
+    channels_last: bool = False
+    progress_bar: bool = True
+    checkpoint_every: int = 0
+
+
+@dataclass
+class Run:
+    """Everything one run trains with: built and checked by :func:`mixhook.app.run.build`, or by hand.
+
+    ``hooks``: every hook attached to ``model`` (their generators are checkpointed); ``mixup`` the one
+    mixing regularizer among them, if any; ``handles``: what their ``attach()`` returned (removing them
+    detaches everything). ``summary``: copied into ``summary.json`` (the mixup settings, seed, ...);
+    ``config``: saved in the checkpoint for a resuming run to compare with its own.
+    ``feature_maps``: ``(layers, batch)`` to draw after every epoch into ``feature_maps/``."""
+
+    model: nn.Module
+    data: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    device: torch.device
+    settings: Settings
+    mixup: MixingHook | None = None
+    hooks: list = field(default_factory=list)
+    handles: list = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    config: dict | None = None
+    feature_maps: tuple | None = None
+
+
 def train(
-    model: nn.Module,
-    data,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    epochs: int,
-    device: torch.device,
+    run: Run,
     out_dir: str | os.PathLike,
-    mixup: MixingHook | None = None,
-    settings: dict | None = None,
-    progress_bar: bool = True,
-    loss: str = "ce",
-    hooks=(),
-    checkpoint_every: int = 0,
     resume: dict | None = None,
-    config: dict | None = None,
-    precision: str = "32",
-    compile: bool = False,
-    channels_last: bool = False,
     dist: Dist | None = None,
     logger=None,
-    feature_maps: tuple | None = None,
 ) -> dict:
-    """Train for ``epochs`` epochs; write ``metrics.csv``, ``last.pt`` and ``summary.json`` into ``out_dir``.
+    """Train ``run`` for ``run.settings.epochs`` epochs; write ``metrics.csv``, ``last.pt`` and
+    ``summary.json`` into ``out_dir``.
 
-    ``hooks``: every hook attached to the model (their generators are checkpointed). ``resume``: a
-    checkpoint from :func:`mixhook.app.training.checkpoint.load`; training continues exactly where it was
-    written. ``config``: saved in the checkpoint for the resuming side to compare. ``precision``:
-    ``"32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a grad scaler). ``compile``: train and
-    evaluate through ``torch.compile(model)`` (the hooks, attached before, are compiled with it; the
-    checkpoint holds the model's own state). ``channels_last``: model and image batches in NHWC.
-    ``dist``: the data-parallel job (see :mod:`mixhook.app.training.distributed`): the model is wrapped in
+    ``resume``: a checkpoint from :func:`mixhook.app.training.checkpoint.load`; training continues
+    exactly where it was written. ``run.settings``: ``precision`` ``"32"``, ``"bf16"`` or ``"fp16"``
+    (autocast; fp16 with a grad scaler); ``compile``: train and evaluate through
+    ``torch.compile(model)`` (the hooks, attached before, are compiled with it; the checkpoint holds the
+    model's own state); ``channels_last``: model and image batches in NHWC. ``dist``: the data-parallel
+    job (see :mod:`mixhook.app.training.distributed`): the model is wrapped in
     ``DistributedDataParallel`` here, after the hooks were attached to it, and only rank 0 writes.
-    ``logger``: a :class:`~mixhook.app.training.logging.RunLogger` for probe rows and TensorBoard;
-    ``feature_maps``: ``(layers, batch)`` to draw after every epoch into ``feature_maps/``.
+    ``logger``: a :class:`~mixhook.app.training.logging.RunLogger` for probe rows and TensorBoard.
 
     Returns the summary: ``test_acc``, ``test_nll``, ``best_test_acc``, ``best_epoch``, ``epochs``,
-    ``seconds``, ``train_loss`` and whatever ``settings`` holds (the mixup settings, seed, ...).
+    ``seconds``, ``train_loss`` and whatever ``run.summary`` holds.
     """
+    model, data, optimizer, scheduler, device = run.model, run.data, run.optimizer, run.scheduler, run.device
+    mixup, hooks, opts = run.mixup, run.hooks, run.settings
+    epochs, precision, channels_last = opts.epochs, opts.precision, opts.channels_last
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / ckpt.FILE
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not a precision; valid: {', '.join(PRECISIONS)}")
     dist = dist or Dist()
     model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     net = model
@@ -282,7 +304,7 @@ def train(
         net = nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None
         )
-    net = torch.compile(net) if compile else net
+    net = torch.compile(net) if opts.compile else net
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     sampler = data.train.sampler
     kept = ("epoch", "step", "global_step", "rows", "seconds")
@@ -312,7 +334,7 @@ def train(
             "scheduler": None if scheduler is None else scheduler.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
             "random": randoms,
-            "config": config,
+            "config": run.config,
         })  # fmt: skip
         if logger is not None:
             logger.probe_rows(epoch_done + (1 if step else 0))
@@ -338,13 +360,13 @@ def train(
                 if dist.any(bool(stop[0])):  # a signal on any rank stops all of them after this step
                     checkpoint(epoch - 1, totals[2], totals)
                     raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, totals[2])
-                if checkpoint_every and state["global_step"] % checkpoint_every == 0:
+                if opts.checkpoint_every and state["global_step"] % opts.checkpoint_every == 0:
                     checkpoint(epoch - 1, totals[2], totals)
 
             try:
                 train_loss = train_one_epoch(
                     net, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
-                    progress_bar=progress_bar, loss=loss, totals=totals, after_step=after_step,
+                    progress_bar=opts.progress_bar, loss=opts.loss, totals=totals, after_step=after_step,
                     precision=precision, scaler=scaler, channels_last=channels_last, dist=dist,
                 )  # fmt: skip
                 if dist.enabled:  # the epoch's mean over every rank's samples
@@ -369,10 +391,10 @@ def train(
             state["rows"].append(row)
             if logger is not None:
                 logger.epoch(row)
-            if feature_maps is not None and dist.main:
+            if run.feature_maps is not None and dist.main:
                 folder = out_dir / "feature_maps"
                 folder.mkdir(exist_ok=True)
-                layers, batch = feature_maps
+                layers, batch = run.feature_maps
                 save_feature_maps(
                     model, mixup, layers, batch.to(device), folder / f"epoch{epoch:03d}", pause=probes
                 )
@@ -394,7 +416,7 @@ def train(
         "train_loss": last["train_loss"],
         "epochs": epochs,
         "seconds": time.perf_counter() - start,
-        **(settings or {}),
+        **run.summary,
     }
     if dist.main:
         write_json_atomic(out_dir / "summary.json", summary)

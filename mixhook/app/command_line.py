@@ -1,0 +1,135 @@
+"""The command line checked before Hydra starts, so that what Hydra would reject only with a multi-line
+report (exit 1) is said in one line (exit 2): an option that is not in its config group
+(``mixup=nosuch``), a key that is not in the config (``trainer.epoch=1``, with the closest valid key),
+a value of the wrong type (``trainer.epochs=abc``), a ``hydra.run.dir`` or ``hydra.sweep.dir`` that
+cannot be created, and a search (``hparams_search=...``) without ``-m``, which Hydra would run as one
+plain job.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+
+from .files import make_writable_dir
+
+
+def check_command_line(argv: list[str], conf_dir: str) -> str | None:
+    """The first problem of ``argv`` (``train.py``'s arguments) in one line, or ``None``."""
+    multirun = any(arg in ("-m", "--multirun", "hydra.mode=MULTIRUN") for arg in argv)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or arg.startswith("-") or "${" in value or "(" in value:
+            continue
+        group = os.path.join(conf_dir, key)
+        if not key.startswith("hydra") and os.path.isdir(group):
+            options = sorted(f[:-5] for f in os.listdir(group) if f.endswith(".yaml"))
+            for option in value.split(","):
+                if option not in ("null", "") and not os.path.isfile(os.path.join(group, f"{option}.yaml")):
+                    return f"{key}={option} is not an option of {key}; valid: {', '.join(options)}"
+        if key in ("hydra.run.dir", "hydra.sweep.dir"):
+            problem = _creatable(value)
+            if problem:
+                return f"{key}={value} cannot be created: {problem}"
+        if key == "hparams_search" and value not in ("null", "") and not multirun:
+            return f"hparams_search={value} runs a sweep: add -m (python train.py -m {arg} ...)"
+    return _check_keys(argv, conf_dir)
+
+
+def _check_keys(argv: list[str], conf_dir: str) -> str | None:
+    """A key that is not in the composed config (``trainer.epoch=1``), named with the closest valid one,
+    or a value its schema refuses (``trainer.epochs=abc``; each value of a sweep ``a=1,2``).
+
+    The config is composed with the command line's group choices (the first option of a sweep); keys
+    added with ``+`` and Hydra's own are left to Hydra. ``None`` when every key and value is fine (or
+    when the command line cannot be parsed or the config composed here: Hydra then says why itself)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([arg for arg in argv if not arg.startswith("-")])
+    except Exception:  # noqa: BLE001  (a line Hydra cannot parse: Hydra says so itself)
+        return None
+    groups, keys = [], []
+    for override in overrides:
+        key = override.key_or_group
+        if override.type != OverrideType.CHANGE or key.startswith("hydra") or override.package:
+            continue
+        if os.path.isdir(os.path.join(conf_dir, key)):
+            if key != "hparams_search":  # a sweeper's config needs its plugin: Hydra's business
+                values = _values(override) if override.is_sweep_override() else [override.value()]
+                if values:
+                    groups.append(f"{key}={_text(values[0])}")
+        else:
+            keys.append(override)
+    if not keys:
+        return None
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(conf_dir), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=groups)
+    except Exception:  # noqa: BLE001  (whatever stops composing here, Hydra will say itself)
+        return None
+    for override in keys:
+        key, arg = override.key_or_group, override.input_line
+        node, walked = cfg, []
+        for part in key.split("."):
+            if not isinstance(node, DictConfig):
+                break  # into a list or a value: Hydra checks that
+            if part not in node:
+                where = ".".join(walked) or "the config"
+                valid = sorted(str(k) for k in node.keys())
+                close = difflib.get_close_matches(part, valid, n=1, cutoff=0.5)
+                prefix = ".".join(walked) + "." if walked else ""
+                hint = f"did you mean {prefix}{close[0]}? " if close else ""
+                return f"{arg}: {where} has no key {part!r}; {hint}valid: {', '.join(valid)}"
+            walked.append(part)
+            node = node[part]
+        values = _values(override) if override.is_sweep_override() else [override.value()]
+        for value in values:
+            try:
+                OmegaConf.update(cfg, key, value, merge=True)
+            except OmegaConfBaseException as err:
+                reason = str(err).strip().splitlines()[0]
+                return f"{key}={_text(value)}: {reason}"
+    return None
+
+
+def _values(override) -> list:
+    """The values of a sweep override (``a=1,2``, ``choice(...)``, ``range(...)``); ``[]`` for one that
+    cannot be listed (``interval(...)``, for a search)."""
+    try:
+        return list(override.sweep_iterator())
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _text(value) -> str:
+    return "null" if value is None else str(value)
+
+
+def _creatable(path: str) -> str | None:
+    """Why directory ``path`` cannot be created and written (``None`` if it can): tried for real, and
+    whatever this check created is removed again."""
+    path = os.path.abspath(path)
+    missing = []
+    parent = path
+    while not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    try:
+        make_writable_dir(path)
+    except OSError as err:
+        return f"{err.strerror or err} ({err.filename or path})"
+    finally:
+        for created in missing:  # deepest first
+            try:
+                os.rmdir(created)
+            except OSError:
+                pass
+    return None

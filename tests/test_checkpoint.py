@@ -175,9 +175,37 @@ def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
         app.main(cfg, out_dir=str(out))
     err = capsys.readouterr().err.strip()
     assert err == (
-        f"error: trainer.resume: {out / 'last.pt'} was written with mixup.alpha=2.0, this run has "
+        f"error: trainer.resume: {out / 'last.pt'}: written with mixup.alpha=2.0, this run has "
         "mixup.alpha=0.5; resume with the checkpoint's settings"
     )
+
+
+def test_extending_a_finished_run_equals_training_that_long_from_the_start(tmp_path):
+    multistep = ["scheduler=multistep", "scheduler.milestones=[3]"]  # a schedule that ignores epochs
+    reference, extended = tmp_path / "reference", tmp_path / "extended"
+    app.main(config(*SMALL, *multistep), out_dir=str(reference))  # 4 epochs
+    app.main(config(*SMALL, *multistep, "trainer.epochs=2"), out_dir=str(extended))
+    assert json.loads((extended / "summary.json").read_text())["epochs"] == 2
+    app.main(config(*SMALL, *multistep, "trainer.resume=auto"), out_dir=str(extended))
+    assert results(extended) == results(reference)
+    assert [int(r["epoch"]) for r in results(extended)[0]] == [1, 2, 3, 4]
+
+
+def test_extending_is_refused_where_the_schedule_would_change_or_epochs_shrink(tmp_path, capsys):
+    out = tmp_path / "run"
+    app.main(config(*SMALL, "trainer.epochs=2"), out_dir=str(out))  # cosine, T_max = 2
+    before = (out / "last.pt").read_bytes(), (out / "summary.json").read_text()
+    for epochs, line in (
+        (4, "extending the run from 2 to 4 epochs would change scheduler.T_max from 2 to 4, a schedule "
+            "the 2 epochs already trained did not follow: extend a run whose schedule does not follow "
+            "trainer.epochs (scheduler=constant or multistep), or train 4 epochs from the start"),
+        (1, "2 epochs trained, more than trainer.epochs=1"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            app.main(config(*SMALL, f"trainer.epochs={epochs}", "trainer.resume=auto"), out_dir=str(out))
+        assert info.value.code == 2
+        assert capsys.readouterr().err.strip() == f"error: trainer.resume: {out / 'last.pt'}: {line}"
+    assert ((out / "last.pt").read_bytes(), (out / "summary.json").read_text()) == before
 
 
 def test_a_fresh_run_does_not_overwrite_a_run_directory_with_a_checkpoint(tmp_path, capsys):

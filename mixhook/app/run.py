@@ -8,6 +8,7 @@ raises instead, so that Hydra records the failed job and the sweep goes on).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -33,6 +34,7 @@ from .training import checkpoint as ckpt
 from .training.distributed import Dist
 from .training.logging import RunLogger
 from .training.loop import Interrupted, NonFiniteLoss
+from .training.state import check_resumable
 
 log = logging.getLogger("mixhook")
 
@@ -76,13 +78,6 @@ def _record_failure(out_dir: str, err: BaseException) -> None:
     lines = str(err).strip().splitlines()
     with open(os.path.join(out_dir, ERROR_FILE), "w") as f:
         f.write(f"{type(err).__name__}: {lines[-1] if lines else ''}\n")
-
-
-# Keys that may differ between a run and its resumption: where things are, how they are shown.
-RESUMABLE_CHANGES = {
-    "trainer.resume", "trainer.progress_bar", "trainer.checkpoint_every", "trainer.device",
-    "data.root", "data.num_workers", "data.download",
-}  # fmt: skip
 
 
 def _main(cfg: DictConfig, out_dir: str) -> float:
@@ -251,26 +246,17 @@ def _resume_state(cfg: DictConfig, out_dir: str, config: dict) -> dict | None:
         state = ckpt.load(path)
     except ckpt.CheckpointError as err:
         raise ConfigError(f"trainer.resume: {err}") from None
-    saved, current = _flat(state.get("config") or {}), _flat(config)
-    for key in sorted(saved.keys() | current.keys()):
-        if key in RESUMABLE_CHANGES or key.startswith("hydra."):
-            continue
-        old, new = saved.get(key, "<unset>"), current.get(key, "<unset>")
-        if old != new:
-            raise ConfigError(
-                f"trainer.resume: {path} was written with {key}={old!r}, this run has {key}={new!r}; "
-                "resume with the checkpoint's settings"
-            )
+    saved_epochs = OmegaConf.select(OmegaConf.create(state.get("config") or {}), "trainer.epochs")
+    as_saved = None
+    if isinstance(saved_epochs, int) and saved_epochs != cfg.trainer.epochs:  # extending the run
+        before = copy.deepcopy(cfg)
+        before.trainer.epochs = saved_epochs
+        as_saved = OmegaConf.to_container(before, resolve=True)
+    try:
+        check_resumable(state, config, as_saved)
+    except ckpt.CheckpointError as err:
+        raise ConfigError(f"trainer.resume: {path}: {err}") from None
     return state
-
-
-def _flat(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        out = {}
-        for key, value in tree.items():
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
 
 
 def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:

@@ -35,6 +35,7 @@ from ..files import atomic_write
 from . import checkpoint as ckpt
 from .distributed import Dist
 from .logging import save_feature_maps
+from .state import RunState
 
 log = logging.getLogger("mixhook")
 
@@ -307,60 +308,44 @@ def train(
     net = torch.compile(net) if opts.compile else net
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     sampler = data.train.sampler
-    kept = ("epoch", "step", "global_step", "rows", "seconds")
-    state = {"epoch": 0, "step": 0, "global_step": 0, "rows": [], "totals": None, "seconds": 0.0}
-    state["best"] = (-1.0, 0)  # (test accuracy, epoch)
+    state = RunState()
     if resume is not None:
-        _load_training_state(resume, model, optimizer, scheduler, hooks, scaler, dist)
-        state.update({k: resume[k] for k in (*kept, "totals")})
-        state["best"] = tuple(resume["best"])
-        log.info("resuming after epoch %d, step %d of the next", state["epoch"], state["step"])
+        state = RunState.restore(resume, run, scaler, dist)
+        log.info("resuming after epoch %d, step %d of the next", state.epoch, state.step)
     probes = [h for h in hooks if hasattr(h, "paused")]
     for probe in probes:  # probe steps are the run's training steps
-        probe.step = state["global_step"]
-    start = time.perf_counter() - state["seconds"]
+        probe.step = state.global_step
+    start = time.perf_counter() - state.seconds
 
     def checkpoint(epoch_done: int, step: int, totals) -> None:
-        state.update(epoch=epoch_done, step=step, totals=totals, seconds=time.perf_counter() - start)
-        randoms = dist.gather(ckpt.random_states(hooks))  # every rank's streams, in rank order
-        if not dist.main:
-            return
-        ckpt.save(path, {
-            **{k: state[k] for k in kept},
-            "best": list(state["best"]),
-            "totals": None if totals is None else [totals[0].detach().cpu(), totals[1], totals[2]],
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "scaler": None if scaler is None else scaler.state_dict(),
-            "random": randoms,
-            "config": run.config,
-        })  # fmt: skip
-        if logger is not None:
+        state.epoch, state.step, state.totals = epoch_done, step, totals
+        state.seconds = time.perf_counter() - start
+        state.save(path, run, scaler, dist)
+        if logger is not None and dist.main:
             logger.probe_rows(epoch_done + (1 if step else 0))
 
     metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
     with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
         writer = csv.DictWriter(f, fieldnames=METRICS)
         writer.writeheader()
-        writer.writerows(state["rows"])  # the epochs before the checkpoint (none when starting)
+        writer.writerows(state.rows)  # the epochs before the checkpoint (none when starting)
         f.flush()
-        for epoch in range(state["epoch"] + 1, epochs + 1):
+        for epoch in range(state.epoch + 1, epochs + 1):
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            skip = state["step"] if epoch == state["epoch"] + 1 else 0
+            skip = state.step if epoch == state.epoch + 1 else 0
             if skip:
-                totals = [state["totals"][0].clone(), state["totals"][1], state["totals"][2]]
+                totals = [state.totals[0].clone(), state.totals[1], state.totals[2]]
             else:
                 totals = [torch.zeros((), dtype=torch.float64), 0, 0]
             sampler.set_epoch(epoch, start=skip * data.train.batch_size)
 
             def after_step(totals, epoch=epoch):
-                state["global_step"] += 1
+                state.global_step += 1
                 if dist.any(bool(stop[0])):  # a signal on any rank stops all of them after this step
                     checkpoint(epoch - 1, totals[2], totals)
                     raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, totals[2])
-                if opts.checkpoint_every and state["global_step"] % opts.checkpoint_every == 0:
+                if opts.checkpoint_every and state.global_step % opts.checkpoint_every == 0:
                     checkpoint(epoch - 1, totals[2], totals)
 
             try:
@@ -388,7 +373,7 @@ def train(
             }
             writer.writerow(row)
             f.flush()
-            state["rows"].append(row)
+            state.rows.append(row)
             if logger is not None:
                 logger.epoch(row)
             if run.feature_maps is not None and dist.main:
@@ -398,8 +383,8 @@ def train(
                 save_feature_maps(
                     model, mixup, layers, batch.to(device), folder / f"epoch{epoch:03d}", pause=probes
                 )
-            if test_acc > state["best"][0]:
-                state["best"] = (test_acc, epoch)
+            if test_acc > state.best[0]:
+                state.best = (test_acc, epoch)
             log.info(
                 "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  lr %.4g  %.1fs",
                 epoch, epochs, train_loss, test_loss, 100 * test_acc, lr, row["seconds"],
@@ -407,12 +392,12 @@ def train(
             checkpoint(epoch, 0, None)
             if dist.any(bool(stop[0])) and epoch < epochs:
                 raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, 0)
-    last = state["rows"][-1]
+    last = state.rows[-1]
     summary = {
         "test_acc": last["test_acc"],
         "test_nll": last["test_loss"],
-        "best_test_acc": state["best"][0],
-        "best_epoch": state["best"][1],
+        "best_test_acc": state.best[0],
+        "best_epoch": state.best[1],
         "train_loss": last["train_loss"],
         "epochs": epochs,
         "seconds": time.perf_counter() - start,
@@ -421,30 +406,6 @@ def train(
     if dist.main:
         write_json_atomic(out_dir / "summary.json", summary)
     return summary
-
-
-def _load_training_state(state: dict, model, optimizer, scheduler, hooks, scaler=None, dist=None) -> None:
-    """Put a checkpoint's model, optimizer, scheduler, grad scaler and random states in place."""
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, KeyError, ValueError) as err:
-        said = " ".join(str(err).split())[:300] or type(err).__name__  # torch's report, on one line
-        raise ckpt.CheckpointError(
-            f"the checkpoint's model or optimizer does not fit this run: {said}"
-        ) from None
-    if (scheduler is None) != (state["scheduler"] is None):
-        raise ckpt.CheckpointError("the checkpoint's LR schedule does not match this run's")
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    dist = dist or Dist()
-    if len(state["random"]) != dist.world:
-        raise ckpt.CheckpointError(
-            f"the checkpoint was written by {len(state['random'])} process(es), this run has {dist.world}"
-        )
-    ckpt.restore_random_states(state["random"][dist.rank], hooks)
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

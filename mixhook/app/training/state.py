@@ -1,0 +1,141 @@
+"""A run's state, owned here: what a run has done so far, captured into one checkpoint and restored
+from it, and the rule for which checkpoints a run may continue.
+
+:class:`RunState` holds the position (epochs finished, steps into the next one, training steps in
+all), the metrics rows and running totals, the elapsed time and the best epoch. :meth:`RunState.save`
+captures it together with everything else the rest of a run depends on (model, optimizer, LR schedule,
+AMP grad scaler, every random stream of every rank, the config) into one atomically written file
+(:mod:`~mixhook.app.training.checkpoint`); :meth:`RunState.restore` puts all of it back, so training
+continues exactly as if it had not stopped. :func:`check_resumable` says whether a checkpoint belongs to
+a run's config: the same settings, or the same settings with more epochs (*extending* a run), as long as
+the schedule the trained epochs followed stays the same.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import checkpoint as ckpt
+from .distributed import Dist
+
+# Keys that may differ between a run and its resumption: where things are, how they are shown.
+RESUMABLE_CHANGES = {
+    "trainer.resume", "trainer.progress_bar", "trainer.checkpoint_every", "trainer.device",
+    "data.root", "data.num_workers", "data.download",
+}  # fmt: skip
+EPOCHS = "trainer.epochs"  # may grow: the run is extended
+
+
+@dataclass
+class RunState:
+    """Where a run is: ``epoch`` epochs finished and ``step`` steps into the next (0 at an epoch's end),
+    ``global_step`` training steps in all; ``rows`` the ``metrics.csv`` rows so far; ``totals`` the
+    running ``[loss sum, samples, steps]`` of a part-done epoch; ``seconds`` of training so far;
+    ``best`` the best ``(test accuracy, epoch)``."""
+
+    epoch: int = 0
+    step: int = 0
+    global_step: int = 0
+    rows: list = field(default_factory=list)
+    totals: list | None = None
+    seconds: float = 0.0
+    best: tuple = (-1.0, 0)
+
+    def save(self, path: str | os.PathLike, run, scaler=None, dist: Dist | None = None) -> None:
+        """Write the checkpoint of ``run`` (a :class:`~mixhook.app.training.loop.Run`) at this state to
+        ``path``. Every rank must call it (the random streams are gathered); rank 0 writes."""
+        dist = dist or Dist()
+        randoms = dist.gather(ckpt.random_states(run.hooks))  # every rank's streams, in rank order
+        if not dist.main:
+            return
+        totals = None if self.totals is None else [self.totals[0].detach().cpu(), *self.totals[1:]]
+        ckpt.save(path, {
+            "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
+            "rows": self.rows, "seconds": self.seconds, "best": list(self.best), "totals": totals,
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
+            "scaler": None if scaler is None else scaler.state_dict(),
+            "random": randoms,
+            "config": run.config,
+        })  # fmt: skip
+
+    @classmethod
+    def restore(cls, saved: dict, run, scaler=None, dist: Dist | None = None) -> RunState:
+        """Put a checkpoint (:func:`~mixhook.app.training.checkpoint.load`) back into ``run``: model,
+        optimizer, schedule, scaler and this rank's random streams; return its state.
+        :class:`~mixhook.app.training.checkpoint.CheckpointError` when it does not fit the run."""
+        try:
+            run.model.load_state_dict(saved["model"])
+            run.optimizer.load_state_dict(saved["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as err:
+            said = " ".join(str(err).split())[:300] or type(err).__name__  # torch's report, on one line
+            raise ckpt.CheckpointError(
+                f"the checkpoint's model or optimizer does not fit this run: {said}"
+            ) from None
+        if (run.scheduler is None) != (saved["scheduler"] is None):
+            raise ckpt.CheckpointError("the checkpoint's LR schedule does not match this run's")
+        if run.scheduler is not None:
+            run.scheduler.load_state_dict(saved["scheduler"])
+        if scaler is not None and saved.get("scaler"):
+            scaler.load_state_dict(saved["scaler"])
+        dist = dist or Dist()
+        if len(saved["random"]) != dist.world:
+            raise ckpt.CheckpointError(
+                f"the checkpoint was written by {len(saved['random'])} process(es), this run has {dist.world}"
+            )
+        ckpt.restore_random_states(saved["random"][dist.rank], run.hooks)
+        return cls(
+            epoch=saved["epoch"], step=saved["step"], global_step=saved["global_step"],
+            rows=list(saved["rows"]), totals=saved["totals"], seconds=saved["seconds"],
+            best=tuple(saved["best"]),
+        )  # fmt: skip
+
+
+def check_resumable(saved: dict, config: dict, as_saved_epochs: dict | None = None) -> None:
+    """Whether checkpoint ``saved`` (as :func:`~mixhook.app.training.checkpoint.load` returns it) may be
+    continued by a run with ``config``: raises
+    :class:`~mixhook.app.training.checkpoint.CheckpointError` (one line) when not.
+
+    The settings must be the checkpoint's, except :data:`RESUMABLE_CHANGES` and ``trainer.epochs``,
+    which may grow (extending a run; never below the epochs already trained). ``as_saved_epochs``:
+    ``config`` as it would be with the checkpoint's ``trainer.epochs``; a key that differs in
+    ``config`` but not there follows the epochs (``scheduler.T_max: ${trainer.epochs}``), and changing
+    it would change the schedule the trained epochs followed: refused, saying so."""
+    old, new = _flat(saved.get("config") or {}), _flat(config)
+    changed = [
+        key
+        for key in sorted(old.keys() | new.keys())
+        if key not in RESUMABLE_CHANGES
+        and not key.startswith("hydra.")
+        and old.get(key, "<unset>") != new.get(key, "<unset>")
+    ]
+    extending = EPOCHS in changed
+    if extending and isinstance(new.get(EPOCHS), int) and new[EPOCHS] < saved["epoch"]:
+        raise ckpt.CheckpointError(f"{saved['epoch']} epochs trained, more than {EPOCHS}={new[EPOCHS]}")
+    following = _flat(as_saved_epochs) if extending and as_saved_epochs is not None else {}
+    for key in changed:
+        if key == EPOCHS:
+            continue
+        before, now = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if following and following.get(key, "<unset>") == before:
+            raise ckpt.CheckpointError(
+                f"extending the run from {old[EPOCHS]} to {new[EPOCHS]} epochs would change {key} from "
+                f"{before!r} to {now!r}, a schedule the {saved['epoch']} epochs already trained did not "
+                "follow: extend a run whose schedule does not follow trainer.epochs (scheduler=constant "
+                f"or multistep), or train {new[EPOCHS]} epochs from the start"
+            )
+        raise ckpt.CheckpointError(
+            f"written with {key}={before!r}, this run has {key}={now!r}; "
+            "resume with the checkpoint's settings"
+        )
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}

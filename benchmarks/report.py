@@ -1,0 +1,172 @@
+"""The results as goals met or missed, and as Markdown (``<stem>.md`` beside ``<stem>.json``)."""
+
+from __future__ import annotations
+
+import json
+import platform
+
+import torch
+
+from benchmarks.timing import fmt
+
+GOALS = {
+    "mixup_vs_none": 1.02,  # active Manifold Mixup eager step / no-mixup step
+    "mixup_vs_hand": 1.01,  # ... / the hand-edited forward
+    "inactive_vs_unhooked": 1.01,  # eval forward with inactive hooks / unhooked
+    "compiled_mixup_vs_compiled": 1.02,
+    "recompiles_after_warmup": 0,
+    "blend_vs_copy_bandwidth": 0.80,  # on a GPU
+    "gradscale_vs_none": 1.02,
+}
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"CPU: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def goals(results: dict, device) -> list[dict]:
+    rows = []
+    eager = results.get("training_step", [])
+    compiled = results.get("training_step_compiled", [])
+
+    def add(goal, measured, limit, where, lower_is_better=True):
+        ok = measured <= limit if lower_is_better else measured >= limit
+        rows.append({"goal": goal, "measured": measured, "limit": limit, "where": where, "met": ok})
+
+    for run in eager:
+        tag = f"{run['model']} eager"
+        add("mixup_vs_none", run["vs_none"]["mixup_random"]["median"], GOALS["mixup_vs_none"], tag)
+        if "mixup_layer2_vs_hand_layer2" in run:
+            add("mixup_vs_hand", run["mixup_layer2_vs_hand_layer2"]["median"], GOALS["mixup_vs_hand"], tag)
+        if "gradscale_layer3" in run["vs_none"]:
+            add(
+                "gradscale_vs_none",
+                run["vs_none"]["gradscale_layer3"]["median"],
+                GOALS["gradscale_vs_none"],
+                tag,
+            )
+    for run in compiled:
+        add(
+            "compiled_mixup_vs_compiled",
+            run["vs_none"]["mixup_random"]["median"],
+            GOALS["compiled_mixup_vs_compiled"],
+            f"{run['model']} compiled",
+        )
+    if "dispatch" in results:
+        add(
+            "inactive_vs_unhooked",
+            results["dispatch"]["eval_forward_inactive_vs_unhooked"]["median"],
+            GOALS["inactive_vs_unhooked"],
+            "preact_resnet18 eval forward",
+        )
+    if "recompiles" in results:
+        rc = results["recompiles"]
+        add(
+            "recompiles_after_warmup",
+            rc["graphs_compiled_after_warmup"],
+            0,
+            f"{rc['model']}, {rc['steps']} steps",
+        )
+    if device.type == "cuda" and "blend" in results:
+        add(
+            "blend_vs_copy_bandwidth",
+            results["blend"]["fraction_of_copy"]["mixhook_blend"],
+            GOALS["blend_vs_copy_bandwidth"],
+            "blend fwd+bwd",
+            lower_is_better=False,
+        )
+    return rows
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [
+        f"# mixhook benchmark: {meta['device']}",
+        "",
+        f"{meta['date']}, torch {meta['torch']}, torchvision {meta['torchvision']}, Python {meta['python']}, "
+        f"`{meta['command']}`{' (quick)' if meta['quick'] else ''}.",
+        "",
+        "Ratios: median (min..max) over alternating repetitions in this run; below 1 is faster.",
+        "",
+    ]
+    lines += [f"- {note}" for note in meta.get("notes", [])] + ([""] if meta.get("notes") else [])
+    lines += [
+        "## Goals",
+        "",
+        "| goal | measured | limit | where | met |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for g in results["goals"]:
+        measured = g["measured"] if isinstance(g["measured"], int) else f"{g['measured']:.3f}"
+        lines.append(
+            f"| {g['goal']} | {measured} | {g['limit']} | {g['where']} | {'yes' if g['met'] else 'NO'} |"
+        )
+    for key, title in (
+        ("training_step", "Training step, eager"),
+        ("training_step_compiled", "Training step, compiled"),
+        ("training_step_bf16", "Training step, bf16 autocast"),
+    ):
+        for run in results.get(key, []):
+            lines += [
+                "",
+                f"## {title}: {run['model']}, batch {run['batch']}, {run['image_size']}x{run['image_size']}",
+                "",
+            ]
+            lines += ["| variant | s/step | vs none |", "| --- | --- | --- |"]
+            for name, sec in run["seconds_per_step"].items():
+                rel = fmt(run["vs_none"][name]) if name in run["vs_none"] else "1"
+                lines.append(f"| {name} | {sec:.4f} | {rel} |")
+            if "mixup_layer2_vs_hand_layer2" in run:
+                lines += ["", f"mixup_layer2 / hand_layer2: {fmt(run['mixup_layer2_vs_hand_layer2'])}"]
+    if "peers" in results:
+        p = results["peers"]
+        lines += [
+            "",
+            f"## Peers: input mixup step, {p['model']}, batch {p['batch']}",
+            "",
+            "| variant | s/step | vs mixhook |",
+        ]
+        lines += ["| --- | --- | --- |"]
+        for name, sec in p["seconds_per_step"].items():
+            rel = fmt(p["vs_mixhook_input"][name]) if name in p["vs_mixhook_input"] else "1"
+            lines.append(f"| {name} | {sec:.4f} | {rel} |")
+        for name, note in p["notes"].items():
+            lines.append(f"| {name} | {note} | |")
+    if "dispatch" in results:
+        d = results["dispatch"]
+        lines += ["", "## Dispatch", "", "| module call | µs |", "| --- | --- |"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in d["microseconds_per_call"].items()]
+        lines += [
+            "",
+            f"Eval forward with inactive hooks / unhooked: {fmt(d['eval_forward_inactive_vs_unhooked'])}",
+        ]
+    if "blend" in results:
+        b = results["blend"]
+        lines += ["", f"## Blend forward + backward, {b['shape']} float32 ({b['megabytes']:.0f} MB)", ""]
+        lines += ["| variant | GB/s | of copy |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v:.1f} | {b['fraction_of_copy'][k]:.2f} |" for k, v in b["GBps"].items()]
+        lines += [f"| copy (limit) | {b['copy_GBps']:.1f} | 1 |"]
+    if "recompiles" in results:
+        rc = results["recompiles"]
+        lines += [
+            "",
+            "## Recompiles",
+            "",
+            f"{rc['model']}, {rc['steps']} compiled training steps, ManifoldMixup over "
+            f"{rc['layers']} ({rc['distinct_layers_mixed']} layers and {rc['distinct_lams']} lams drawn): "
+            f"{rc['graphs_compiled_total']} graphs compiled, {rc['graphs_compiled_after_warmup']} after the "
+            f"{rc['warmup_steps']} warm-up steps.",
+        ]
+    if "memory" in results:
+        lines += ["", "## Memory", "", json.dumps(results["memory"])]
+    if results.get("misses"):
+        lines += ["", "## Goals missed: by how much and why", ""] + [f"- {m}" for m in results["misses"]]
+    return "\n".join(lines) + "\n"

@@ -100,12 +100,20 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit_before_training(tmp_path, c
         ),
     ],
 )
-def test_what_hydra_would_reject_gets_one_line_too(tmp_path, overrides, line):
+def test_what_hydra_would_reject_gets_one_line_too(tmp_path, monkeypatch, overrides, line):
     (tmp_path / "afile").write_text("a file, not a directory")
+    monkeypatch.chdir(tmp_path)  # where train.py would run
+    assert f"error: {check_command_line(overrides, str(CONF_DIR))}".startswith(line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # the checks created nothing
+
+
+@pytest.mark.parametrize("overrides", [["trainer.epoch=1"], ["-m", "trainer.epochs=1,abc"]])
+def test_train_py_says_it_in_one_line_and_exits_2_before_hydra_starts(tmp_path, overrides):
     result = run_cli(*overrides, cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith(line), result.stderr
-    assert not list(tmp_path.glob("**/summary.json")) and not (tmp_path / "outputs").exists()
+    line = f"error: {check_command_line(overrides, str(CONF_DIR))}\n"
+    assert result.stderr == line and result.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # no outputs/ or multirun/ directory
 
 
 def test_an_unwritable_run_directory_is_refused_by_the_app_too(tmp_path, capsys):

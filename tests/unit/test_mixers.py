@@ -30,7 +30,7 @@ from mixhook import (
 )
 from tests.helpers import grads
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def gen(seed=0):
@@ -261,7 +261,9 @@ def test_every_method_comes_with_its_module_test_config_and_readme_row():
         module = cls.__module__.rsplit(".", 1)[1]
         modules.setdefault(module, []).append(name)
         assert getattr(mixhook, name) is cls and name in mixhook.__all__
-        assert (ROOT / "tests" / f"test_{module}.py").is_file(), f"{name}: no tests/test_{module}.py"
+        assert (ROOT / "tests" / "unit" / f"test_{module}.py").is_file(), (
+            f"{name}: no tests/unit/test_{module}.py"
+        )
         assert configs.get(f"mixhook.{name}"), (
             f"{name}: no config under conf/mixup/ with _target_ mixhook.{name}"
         )

@@ -100,21 +100,21 @@ def test_the_command_lists_layers_as_the_issue_asks(tmp_path):
     assert lines["layer2"].split()[1:] == ["Sequential", "(2,", "128,", "1,", "1)", "yes"]
     assert "inside residual block layer2.0: the skip path stays unmixed" in lines["layer2.0.bn1"]
     assert "on the skip path of residual block layer2.0" in lines["layer2.0.downsample"]
-    usage = subprocess.run(
-        [sys.executable, "-m", "mixhook.layers", "--help"], cwd=ROOT, capture_output=True, text=True
+
+
+def test_the_browser_help_other_models_and_bad_options_in_process(capsys):
+    from mixhook.app.browse import main
+
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m mixhook.layers [OVERRIDE ...]")
+    assert (
+        main(["model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=4"])
+        == 0
     )
-    assert usage.returncode == 0 and usage.stdout.startswith("usage: python -m mixhook.layers [OVERRIDE ...]")
-    vit = subprocess.run(
-        [sys.executable, "-m", "mixhook.layers", "model=timm", "model.name=vit_tiny_patch16_224",
-         "+model.img_size=8", "+model.patch_size=4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert vit.returncode == 0, vit.stderr
-    assert "blocks.0.attn.qkv" in vit.stdout and "(2, 5, 576)" in vit.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "mixhook.layers", "model=nosuch"], cwd=ROOT, capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and bad.stderr.startswith("error: model=nosuch is not an option of model")
+    out = capsys.readouterr().out
+    assert "blocks.0.attn.qkv" in out and "(2, 5, 576)" in out
+    assert main(["model=nosuch"]) == 2
+    assert capsys.readouterr().err.startswith("error: model=nosuch is not an option of model")
 
 
 def test_the_unknown_layer_error_points_to_the_browser():

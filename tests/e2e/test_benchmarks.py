@@ -1,4 +1,5 @@
-"""The benchmark suite keeps working: `benchmarks/run.py --quick` runs and writes complete results.
+"""The benchmark suite keeps working: `benchmarks/run.py --quick` runs (as a user runs it, once) and writes
+complete results; the runner's subsets and argument checks run in this process.
 
 Speed itself is measured by the suite, not asserted here; what is asserted are the properties that do
 not depend on timing (the compiled model does not recompile after warm-up) and the results' shape.
@@ -10,6 +11,7 @@ import math
 import pytest
 import torch
 
+from benchmarks import run as bench
 from tests.helpers import run_bench
 
 
@@ -46,8 +48,7 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
 
 
 def test_a_subset_of_cases_writes_only_those_under_its_own_name(tmp_path):
-    result = run_bench("--quick", "--device", "cpu", "--cases", "blend,dispatch", "--out", str(tmp_path))
-    assert result.returncode == 0, result.stderr[-3000:]
+    bench.main(["--quick", "--device", "cpu", "--cases", "blend,dispatch", "--out", str(tmp_path)])
     (json_file,) = tmp_path.glob("*.json")  # the partial file of a finished run is gone
     assert json_file.name.endswith("-quick-blend_dispatch.json")
     data = json.loads(json_file.read_text())
@@ -56,11 +57,14 @@ def test_a_subset_of_cases_writes_only_those_under_its_own_name(tmp_path):
     assert "## Dispatch" in json_file.with_suffix(".md").read_text()
 
 
-def test_bad_arguments_are_refused():
-    result = run_bench("--quick", "--reps", "3")
-    assert result.returncode == 2 and "--reps must be at least 5, got 3" in result.stderr
-    result = run_bench("--quick", "--cases", "blend,eagre")
-    assert result.returncode == 2 and "unknown ['eagre']; valid: eager,compiled," in result.stderr
+def test_bad_arguments_are_refused(capsys):  # the runner's own parser, in this process
+    bad = [
+        (["--quick", "--reps", "3"], "--reps must be at least 5, got 3"),
+        (["--quick", "--cases", "blend,eagre"], "unknown ['eagre']; valid: eager,compiled,"),
+    ]
     if not torch.cuda.is_available():
-        result = run_bench("--device", "cuda")
-        assert result.returncode == 2 and "no CUDA device is available" in result.stderr
+        bad.append((["--device", "cuda"], "no CUDA device is available"))
+    for argv, message in bad:
+        with pytest.raises(SystemExit) as info:
+            bench.main(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err

@@ -20,10 +20,11 @@ from mixhook.app.training import checkpoint as ckpt
 from tests.app_helpers import config, run_cli
 from tests.conftest import ROOT
 
-SMALL = [
+COSINE = [  # the default schedule: cosine over trainer.epochs
     "data.train_size=200", "trainer.epochs=4", "trainer.batch_size=32", "trainer.checkpoint_every=1",
     "trainer.progress_bar=false", "seed=5",
 ]  # fmt: skip
+SMALL = [*COSINE, "scheduler=multistep", "scheduler.milestones=[3]"]  # a schedule that does not follow epochs
 
 
 def results(run_dir):
@@ -180,20 +181,18 @@ def test_resuming_with_other_settings_is_refused(tmp_path, capsys):
     )
 
 
-def test_extending_a_finished_run_equals_training_that_long_from_the_start(tmp_path):
-    multistep = ["scheduler=multistep", "scheduler.milestones=[3]"]  # a schedule that ignores epochs
-    reference, extended = tmp_path / "reference", tmp_path / "extended"
-    app.main(config(*SMALL, *multistep), out_dir=str(reference))  # 4 epochs
-    app.main(config(*SMALL, *multistep, "trainer.epochs=2"), out_dir=str(extended))
+def test_extending_a_finished_run_equals_training_that_long_from_the_start(tmp_path, uninterrupted):
+    extended = tmp_path / "extended"
+    app.main(config(*SMALL, "trainer.epochs=2"), out_dir=str(extended))
     assert json.loads((extended / "summary.json").read_text())["epochs"] == 2
-    app.main(config(*SMALL, *multistep, "trainer.resume=auto"), out_dir=str(extended))
-    assert results(extended) == results(reference)
+    app.main(config(*SMALL, "trainer.resume=auto"), out_dir=str(extended))  # 4 epochs
+    assert results(extended) == uninterrupted
     assert [int(r["epoch"]) for r in results(extended)[0]] == [1, 2, 3, 4]
 
 
 def test_extending_is_refused_where_the_schedule_would_change_or_epochs_shrink(tmp_path, capsys):
     out = tmp_path / "run"
-    app.main(config(*SMALL, "trainer.epochs=2"), out_dir=str(out))  # cosine, T_max = 2
+    app.main(config(*COSINE, "trainer.epochs=2"), out_dir=str(out))  # cosine, T_max = 2
     before = (out / "last.pt").read_bytes(), (out / "summary.json").read_text()
     for epochs, line in (
         (4, "extending the run from 2 to 4 epochs would change scheduler.T_max from 2 to 4, a schedule "
@@ -202,7 +201,7 @@ def test_extending_is_refused_where_the_schedule_would_change_or_epochs_shrink(t
         (1, "2 epochs trained, more than trainer.epochs=1"),
     ):  # fmt: skip
         with pytest.raises(SystemExit) as info:
-            app.main(config(*SMALL, f"trainer.epochs={epochs}", "trainer.resume=auto"), out_dir=str(out))
+            app.main(config(*COSINE, f"trainer.epochs={epochs}", "trainer.resume=auto"), out_dir=str(out))
         assert info.value.code == 2
         assert capsys.readouterr().err.strip() == f"error: trainer.resume: {out / 'last.pt'}: {line}"
     assert ((out / "last.pt").read_bytes(), (out / "summary.json").read_text()) == before

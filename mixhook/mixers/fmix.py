@@ -1,0 +1,189 @@
+"""FMix at any layer with two spatial dimensions: masks cut from thresholded low-frequency Fourier noise.
+
+Paper: Harris, Marcu, Painter, Niranjan, Prügel-Bennett, Hare. "FMix: Enhancing Mixed Sample Data
+Augmentation." arXiv:2002.12047, 2020. Authors' code: github.com/ecs-vlc/FMix (``fmix.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..sites import Leaf
+from ..transfer import to_device
+from .base import Draw, Mixed, Mixer, check_non_negative, check_positive, check_spatial
+
+SPECTRA = ("reference", "complex")
+
+
+def fmix_frequencies(height: int, width: int) -> torch.Tensor:
+    """The magnitude ``sqrt(fy^2 + fx^2)`` of each frequency of a real 2-D FFT of a ``height x width``
+    image (float64, ``(height, width // 2 + 1)``; for odd ``width`` one column more, as the authors'
+    ``fftfreqnd``)."""
+    fy = torch.fft.fftfreq(height, dtype=torch.float64)[:, None]
+    fx = torch.fft.fftfreq(width, dtype=torch.float64)[: width // 2 + (2 if width % 2 else 1)]
+    return torch.sqrt(fx * fx + fy * fy)
+
+
+def low_freq_image(
+    param: torch.Tensor, decay_power: float, height: int, width: int, spectrum: str
+) -> torch.Tensor:
+    """A ``height x width`` image in [0, 1] of Fourier noise whose amplitudes decay as ``1 / f**decay_power``.
+
+    ``param``: the Gaussian draws, ``(height, F, 2)`` with ``F`` columns of :func:`fmix_frequencies`, each
+    frequency's scale ``1 / max(f, 1 / max(height, width)) ** decay_power`` times them. ``spectrum``:
+
+    - ``"reference"``: as the authors' ``make_low_freq_image``, which reshapes the ``(..., F, 2)``
+      spectrum to ``(..., 2F)`` before ``irfftn``, so the draws are read as real coefficients (the
+      ``2`` pairs interleaved along the frequency axis, the first ``width // 2 + 1`` kept). Its masks are
+      therefore mirror-symmetric along the width (``m[:, x] == m[:, -x mod width]``). Kept so that masks
+      equal the authors' on the same draw, which every published FMix figure used.
+    - ``"complex"``: the paper's description: ``param[..., 0] + i * param[..., 1]`` as complex
+      coefficients.
+
+    Then, as the authors' code: the real inverse FFT, minus its minimum, divided by its maximum.
+    """
+    freqs = fmix_frequencies(height, width)
+    scale = 1.0 / torch.clamp(freqs, min=1.0 / max(height, width)) ** decay_power
+    weighted = scale[..., None] * param
+    if spectrum == "reference":
+        coefficients = weighted.reshape(height, -1).to(torch.complex128)
+    else:
+        coefficients = torch.complex(weighted[..., 0], weighted[..., 1])
+    image = torch.fft.irfftn(coefficients, s=(height, width))
+    image = image - image.min()
+    return image / image.max()
+
+
+def binarise(image: torch.Tensor, lam: float, max_soft: float, round_up: bool) -> torch.Tensor:
+    """The mask of the authors' ``binarise_mask``: the ``num`` highest pixels of ``image`` are 1, the rest
+    0, with ``num = ceil(lam * size)`` if ``round_up`` else ``floor(lam * size)``; with ``max_soft > 0``
+    the ``2 * soft`` pixels around the threshold (``soft = int(size * min(max_soft, lam, 1 - lam))``)
+    fall linearly from 1 to 0. Its mean is ``num / size``."""
+    flat = image.reshape(-1)
+    size = flat.numel()
+    order = torch.argsort(flat, stable=True).flip(0)  # as numpy's argsort()[::-1], ties included
+    num = math.ceil(lam * size) if round_up else math.floor(lam * size)
+    soft_fraction = max_soft if max_soft <= min(lam, 1 - lam) else min(lam, 1 - lam)
+    soft = int(size * soft_fraction)
+    low, high = num - soft, num + soft
+    mask = torch.zeros(size, dtype=torch.float64)
+    mask[order[:high]] = 1.0
+    mask[order[low:]] = 0.0
+    mask[order[low:high]] = _linspace_down(high - low)
+    return mask.reshape(image.shape)
+
+
+def _linspace_down(n: int) -> torch.Tensor:
+    """``np.linspace(1, 0, n)`` to the last bit (torch's linspace rounds differently)."""
+    if n <= 1:
+        return torch.ones(n, dtype=torch.float64)
+    values = torch.arange(n, dtype=torch.float64) * (-1.0 / (n - 1)) + 1.0
+    values[-1] = 0.0
+    return values
+
+
+def fmix_mask(
+    height: int,
+    width: int,
+    lam: float,
+    decay_power: float,
+    max_soft: float,
+    spectrum: str,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """One FMix mask (float64 ``(height, width)``, on the CPU): Gaussian spectrum draws and the rounding
+    coin from ``generator``, then :func:`low_freq_image` and :func:`binarise`."""
+    columns = fmix_frequencies(height, width).shape[1]
+    param = torch.randn(height, columns, 2, dtype=torch.float64, generator=generator)
+    round_up = bool(torch.rand((), dtype=torch.float64, generator=generator) > 0.5)
+    image = low_freq_image(param, decay_power, height, width, spectrum)
+    return binarise(image, lam, max_soft, round_up)
+
+
+class FMix(Mixer):
+    """FMix (Harris et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)``.
+
+    On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
+    ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and a mask ``M`` (``H x W``, one for the batch,
+    the same for every channel) that keeps the ``lam`` fraction of pixels where low-frequency Fourier
+    noise is highest (:func:`fmix_mask`):
+
+        ``h' = M * h + (1 - M) * h[index]``
+
+    ``loss`` and ``targets`` use the mask's mean (the fraction of each sample actually kept), which
+    differs from the drawn lam by the rounding to whole pixels (< 1 / (H * W)); the authors' code uses
+    the drawn lam. ``.last.info["mask"]`` is ``M``.
+
+    Args:
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
+        alpha: Beta concentration, > 0 (the authors' default 1.0).
+        decay_power: the spectrum's decay ``1 / f**decay_power``, > 0: larger, smoother masks (the
+            authors' default 3.0).
+        max_soft: soften the mask's edge over up to this fraction of pixels, in [0, 0.5] (default 0.0,
+            a binary mask).
+        spectrum: ``"reference"`` (default: the authors' code, masks equal to theirs on the same draw)
+            or ``"complex"`` (the paper's description); see :func:`low_freq_image`.
+        prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+
+    ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]).
+    """
+
+    pin_keys = ("mask",)
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 1.0,
+        decay_power: float = 3.0,
+        max_soft: float = 0.0,
+        spectrum: str = "reference",
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+    ):
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        self.decay_power = check_positive("decay_power", decay_power)
+        self.max_soft = check_non_negative("max_soft", max_soft)
+        if self.max_soft > 0.5:
+            raise ValueError(f"max_soft must be in [0, 0.5], got {max_soft!r}")
+        if spectrum not in SPECTRA:
+            raise ValueError(f"spectrum must be one of {', '.join(SPECTRA)}, got {spectrum!r}")
+        self.spectrum = spectrum
+
+    def __repr__(self) -> str:
+        extra = f"decay_power={self.decay_power}, max_soft={self.max_soft}, spectrum={self.spectrum!r}"
+        return f"{super().__repr__()[:-1]}, {extra})"
+
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        h = check_spatial("FMix", spec, leaves)
+        if h.shape[-2] * h.shape[-1] < 2:
+            raise ValueError(
+                f"FMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has a single pixel, which a mask "
+                "cannot split; choose an earlier layer"
+            )
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        h, path = leaves[0].tensor, leaves[0].path
+        height, width = h.shape[-2:]
+        if draw.lam.ndim:
+            raise ValueError(f"FMix cuts one mask per batch: pin one lam, not {draw.lam.shape[0]}")
+        mask = draw.pinned.get("mask")
+        if mask is None:
+            mask = fmix_mask(
+                height, width, float(draw.lam), self.decay_power, self.max_soft, self.spectrum, draw.generator
+            )
+        else:
+            mask = torch.as_tensor(mask, dtype=torch.float64)
+            if tuple(mask.shape) != (height, width):
+                raise ValueError(
+                    f"pinned mask of shape {tuple(mask.shape)} does not fit the {height}x{width} map"
+                )
+            if not bool(((mask >= 0) & (mask <= 1)).all()):
+                raise ValueError("pinned mask must hold weights in [0, 1]")
+        m = to_device(mask, h.device, h.dtype)
+        mixed = m * h + (1 - m) * h[to_device(draw.index, h.device)]
+        return Mixed({path: mixed}, lam=mask.mean(), info={"mask": mask})

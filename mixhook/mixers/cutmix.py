@@ -14,6 +14,7 @@ import torch
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Draw, Mixed, Mixer, check_spatial
+from .functional import sample_beta, sample_lam
 
 
 def rand_box(height: int, width: int, lam: float, generator: torch.Generator) -> tuple[int, int, int, int]:
@@ -30,6 +31,37 @@ def rand_box(height: int, width: int, lam: float, generator: torch.Generator) ->
     y1, y2 = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, height)
     x1, x2 = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, width)
     return y1, y2, x1, x2
+
+
+def rand_boxes(height: int, width: int, lam: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One :func:`rand_box` per value of ``lam`` (1-D float64), vectorised: an ``(n, 4)`` int64 tensor of
+    ``(y1, y2, x1, x2)`` rows, on the CPU. Box ``i`` is the box :func:`rand_box` makes from ``lam[i]`` and
+    the centre ``(cy[i], cx[i])``, where all ``n`` row centres are drawn first, then all column centres."""
+    ratio = torch.sqrt(1.0 - lam.to(torch.float64).cpu())
+    cut_h, cut_w = (height * ratio).floor().long(), (width * ratio).floor().long()
+    n = lam.shape[0]
+    cy = torch.randint(height, (n,), generator=generator, device=generator.device).cpu()
+    cx = torch.randint(width, (n,), generator=generator, device=generator.device).cpu()
+    y1, y2 = (cy - cut_h // 2).clamp(min=0), (cy + cut_h // 2).clamp(max=height)
+    x1, x2 = (cx - cut_w // 2).clamp(min=0), (cx + cut_w // 2).clamp(max=width)
+    return torch.stack([y1, y2, x1, x2], dim=1)
+
+
+def boxes_mask(boxes: torch.Tensor, height: int, width: int, device=None) -> torch.Tensor:
+    """``(n, 1, height, width)`` bool: True inside box ``i`` (rows ``y1:y2``, columns ``x1:x2``) of
+    sample ``i``."""
+    boxes = boxes.to(device)
+    rows = torch.arange(height, device=device)
+    cols = torch.arange(width, device=device)
+    in_rows = (rows >= boxes[:, :1]) & (rows < boxes[:, 1:2])
+    in_cols = (cols >= boxes[:, 2:3]) & (cols < boxes[:, 3:4])
+    return (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)
+
+
+def boxes_lam(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Per sample, the lam its pasted box leaves: ``1 - box area / (height * width)`` (float64)."""
+    area = (boxes[:, 1] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 2])
+    return 1.0 - area.to(torch.float64) / (height * width)
 
 
 def box_lam(box: tuple[int, int, int, int], height: int, width: int) -> float:
@@ -58,16 +90,24 @@ class CutMix(Mixer):
     ``lam = 1 - box area / (H * W)``. ``loss`` and ``targets`` use the corrected lam. At ``"input"`` this
     is classic CutMix; at a hidden layer it is Feature (Manifold) CutMix. ``.last.info["box"]`` is the box.
 
+    ``mode="elem"`` cuts one box per sample (asked for in clovaai/CutMix-PyTorch#4; timm's ``elem``
+    mode): ``lam_i ~ Beta(alpha, alpha)`` and a centre for each sample, box ``i`` of ``h[index[i]]``
+    pasted into ``h[i]``, and one corrected lam per sample for ``loss`` (which then needs a per-sample
+    criterion, ``reduction="none"``) and ``targets``; ``.last.info["box"]`` is then an ``(B, 4)`` int64
+    tensor of ``(y1, y2, x1, x2)`` rows.
+
     Args:
         layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
         alpha: Beta concentration, > 0 (the paper uses 1.0).
         prob: probability that a batch is mixed (the paper's cutmix_prob), in [0, 1].
+        mode: ``"batch"`` (one box for the batch, as the paper) or ``"elem"`` (one box per sample).
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
 
     The layer (or the selected element, ``"block[0]"``) must give one ``(B, C, H, W)`` map with
     ``H, W >= 2`` (a smaller map can never hold a pasted box: refused when first checked);
-    ``.last.elements`` names the element that was cut. ``pin`` also takes ``box=(y1, y2, x1, x2)``; a
-    pinned ``lam`` sets the box size, its centre is drawn.
+    ``.last.elements`` names the element that was cut. ``pin`` also takes ``box=(y1, y2, x1, x2)`` (in
+    ``mode="elem"`` also one row per sample, ``(B, 4)``); a pinned ``lam`` sets the box size, its centre
+    is drawn.
     """
 
     pin_keys = ("box",)
@@ -80,8 +120,21 @@ class CutMix(Mixer):
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
+        mode: str = "batch",
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        if mode not in ("batch", "elem"):
+            raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
+        self.mode = mode
+
+    def __repr__(self) -> str:
+        base = super().__repr__()
+        return base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
+
+    def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        if self.mode == "elem":
+            return sample_beta(self.alpha, self.alpha, generator, size=n)
+        return sample_lam(self.alpha, generator)
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         h = check_spatial("CutMix", spec, leaves)
@@ -92,8 +145,15 @@ class CutMix(Mixer):
             )
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        if self.mode == "elem":
+            return self._mix_elem(leaves, draw)
         name, h, path = draw.layer, leaves[0].tensor, leaves[0].path
         height, width = h.shape[-2:]
+        if draw.lam.ndim:
+            raise ValueError(
+                f"CutMix(mode='batch') cuts one box per batch: pin one lam, not {draw.lam.shape[0]} "
+                "(one box per sample is mode='elem')"
+            )
         box = draw.pinned.get("box")
         if box is None:
             box = rand_box(height, width, float(draw.lam), draw.generator)
@@ -104,3 +164,27 @@ class CutMix(Mixer):
                 raise ValueError(f"pinned box {box} does not fit the {height}x{width} map of layer {name!r}")
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
         return Mixed({path: paste_box(h, draw.index, box)}, lam=lam, info={"box": box})
+
+    def _mix_elem(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        name, h, path = draw.layer, leaves[0].tensor, leaves[0].path
+        n, height, width = h.shape[0], h.shape[-2], h.shape[-1]
+        lam = draw.lam.expand(n) if draw.lam.ndim == 0 else draw.lam
+        boxes = draw.pinned.get("box")
+        if boxes is None:
+            boxes = rand_boxes(height, width, lam, draw.generator)
+        else:
+            boxes = torch.as_tensor(boxes).to(torch.int64).cpu()
+            boxes = boxes.expand(n, 4) if boxes.shape == (4,) else boxes
+            if boxes.shape != (n, 4):
+                raise ValueError(
+                    f"pinned box of shape {tuple(boxes.shape)}: CutMix(mode='elem') takes one "
+                    f"(y1, y2, x1, x2) or one row per sample, ({n}, 4)"
+                )
+            y1, y2, x1, x2 = boxes.unbind(1)
+            if not bool(
+                ((0 <= y1) & (y1 <= y2) & (y2 <= height) & (0 <= x1) & (x1 <= x2) & (x2 <= width)).all()
+            ):
+                raise ValueError(f"a pinned box does not fit the {height}x{width} map of layer {name!r}")
+        mask = boxes_mask(boxes, height, width, h.device)
+        mixed = torch.where(mask, h[to_device(draw.index, h.device)], h)
+        return Mixed({path: mixed}, lam=boxes_lam(boxes, height, width), info={"box": boxes})

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import torchvision
 
 from mixhook import CutMix
-from mixhook.mixers.cutmix import box_lam, rand_box
+from mixhook.mixers.cutmix import box_lam, rand_box, rand_boxes
 from tests.helpers import SmallCNN, hook_count
 
 
@@ -97,3 +97,110 @@ def test_pinned_box_must_fit():
             model(torch.randn(2, 3, 8, 8))
     with pytest.raises(TypeError, match="unknown values \\['mask'\\]; valid: layer, lam, index, box"):
         mix.pin(mask=1)
+
+
+# ------------------------------------------------------------------ mode="elem": one box per sample
+
+
+def test_rand_boxes_are_rand_box_per_sample_with_all_row_centres_drawn_first():
+    lam = torch.tensor([0.05, 0.3, 0.5, 0.77, 0.999], dtype=torch.float64)
+    boxes = rand_boxes(30, 20, lam, gen(5))
+    twin = gen(5)
+    cy, cx = torch.randint(30, (5,), generator=twin), torch.randint(20, (5,), generator=twin)
+    for i in range(5):
+        ratio = (1 - float(lam[i])) ** 0.5
+        cut_h, cut_w = int(30 * ratio), int(20 * ratio)
+        expected = (
+            max(int(cy[i]) - cut_h // 2, 0),
+            min(int(cy[i]) + cut_h // 2, 30),
+            max(int(cx[i]) - cut_w // 2, 0),
+            min(int(cx[i]) + cut_w // 2, 20),
+        )
+        assert tuple(boxes[i].tolist()) == expected
+
+
+def test_elem_mode_pastes_one_box_per_sample_with_its_own_lam():
+    model = SmallCNN(channels=1).train()
+    x = torch.randn(6, 1, 8, 8)
+    seen = {}
+    model.conv1.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]))
+    mix = CutMix("input", mode="elem", generator=gen(2))
+    spread = []
+    with mix.attach(model):
+        for _ in range(20):
+            model(x)
+            boxes, index = mix.last.info["box"], mix.last.index
+            assert boxes.shape == (6, 4) and mix.last.lam.shape == (6,)
+            expected = x.clone()
+            for i, (y1, y2, x1, x2) in enumerate(boxes.tolist()):
+                expected[i, :, y1:y2, x1:x2] = x[index[i], :, y1:y2, x1:x2]
+                assert float(mix.last.lam[i]) == 1 - (y2 - y1) * (x2 - x1) / 64
+            assert torch.equal(seen["x"], expected)
+            spread.append(float(mix.last.lam.max() - mix.last.lam.min()))
+            targets = mix.targets(torch.arange(6), 6)
+            lam = mix.last.lam.float()[:, None]
+            eye = torch.eye(6)
+            torch.testing.assert_close(targets, lam * eye + (1 - lam) * eye[index], rtol=0, atol=1e-7)
+    assert max(spread) > 0.3  # the boxes (and lams) differ within a batch
+
+
+def test_elem_mode_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=3).double().train()
+    by_hand = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 64, 64, dtype=torch.double), torch.tensor([0, 1, 2, 0])
+    index = torch.tensor([3, 2, 1, 0])
+    boxes = torch.tensor([[1, 5, 2, 8], [0, 8, 0, 8], [3, 3, 0, 8], [6, 8, 0, 1]])  # layer2 is 8x8 here
+    mix = CutMix("layer2", mode="elem", generator=gen())
+    with mix.attach(model):
+        mix.pin(box=boxes, index=index)
+        logits = model(x)
+        mix.loss(lambda o, t: F.cross_entropy(o, t, reduction="none"), logits, y).mean().backward()
+    lam = torch.tensor([1 - 24 / 64, 0.0, 1.0, 1 - 2 / 64], dtype=torch.float64)
+    assert torch.equal(mix.last.lam, lam)
+    m = by_hand
+    h = m.layer2(m.layer1(m.maxpool(m.relu(m.bn1(m.conv1(x))))))
+    rows = []
+    for i, (y1, y2, x1, x2) in enumerate(boxes.tolist()):
+        inside = torch.zeros(1, 8, 8, dtype=torch.bool)
+        inside[:, y1:y2, x1:x2] = True
+        rows.append(torch.where(inside, h[index[i]], h[i]))
+    expected = m.fc(torch.flatten(m.avgpool(m.layer4(m.layer3(torch.stack(rows)))), 1))
+    per_sample = lam * F.cross_entropy(expected, y, reduction="none")
+    (per_sample + (1 - lam) * F.cross_entropy(expected, y[index], reduction="none")).mean().backward()
+    assert torch.equal(logits, expected)
+    for (name, p), q in zip(model.named_parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_elem_mode_repeats_its_boxes_for_pin_last_and_refuses_what_does_not_fit():
+    model = SmallCNN().train()
+    x = torch.randn(4, 3, 8, 8)
+    mix = CutMix(["input", "conv1"], mode="elem", generator=gen(7))
+    assert repr(mix) == "CutMix(layer=['input', 'conv1'], alpha=1.0, prob=1.0, mode='elem')"
+    with mix.attach(model):
+        first = model(x)
+        boxes = mix.last.info["box"]
+        mix.pin_last()
+        assert torch.equal(model(x), first) and torch.equal(mix.last.info["box"], boxes)
+        mix.pin(layer="conv1", lam=0.5)  # one number: the same box size for every sample
+        model(x)
+        sides = mix.last.info["box"][:, 1] - mix.last.info["box"][:, 0]
+        assert mix.last.lam.shape == (4,) and int(sides.max()) <= 4
+        mix.pin(layer="conv1", box=torch.zeros(3, 4))
+        with pytest.raises(
+            ValueError, match=r"pinned box of shape \(3, 4\): CutMix\(mode='elem'\) takes one"
+        ):
+            model(x)
+        mix.pin(layer="conv1", box=[[0, 9, 0, 1]] * 4)
+        with pytest.raises(ValueError, match="a pinned box does not fit the 8x8 map of layer 'conv1'"):
+            model(x)
+    batch = CutMix("conv1")
+    with batch.attach(model):
+        batch.pin(lam=torch.tensor([0.2, 0.8, 0.5, 0.5]))
+        with pytest.raises(
+            ValueError, match=r"CutMix\(mode='batch'\) cuts one box per batch: pin one lam, not 4"
+        ):
+            model(x)
+    with pytest.raises(ValueError, match="mode must be 'batch' or 'elem', got 'sample'"):
+        CutMix("input", mode="sample")

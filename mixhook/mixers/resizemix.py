@@ -1,0 +1,137 @@
+"""ResizeMix at any layer with two spatial dimensions: the whole partner, shrunk into a box, pasted.
+
+Paper: Qin, Fang, Zhang, Liu, Wang, Wang. "ResizeMix: Mixing Data with Preserved Object
+Information and True Labels." arXiv:2012.11101, 2020. No code from the authors; OpenMixup's
+``openmixup/models/augments/resizemix.py`` (Westlake-AI/openmixup) is the implementation papers compare
+with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..sites import Leaf
+from ..transfer import to_device
+from .base import Draw, Mixed, Mixer, check_spatial
+from .cutmix import box_lam, rand_box
+
+INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
+
+
+def paste_resized(
+    h: torch.Tensor, index: torch.Tensor, box: tuple[int, int, int, int], interpolation: str
+) -> torch.Tensor:
+    """A copy of ``h`` (B, C, H, W) whose ``box`` holds the whole of ``h[index]`` resized to the box's size
+    (``F.interpolate``); ``h`` is not modified. An empty box pastes nothing. Gradients flow to ``h``
+    outside the box and, through the resize, to all of ``h[index]``."""
+    y1, y2, x1, x2 = box
+    out = h.clone()
+    if y2 > y1 and x2 > x1:
+        partner = h[to_device(index, h.device)]
+        out[:, :, y1:y2, x1:x2] = F.interpolate(partner, size=(y2 - y1, x2 - x1), mode=interpolation)
+    return out
+
+
+class ResizeMix(Mixer):
+    """ResizeMix (Qin et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)``.
+
+    On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a scale
+    ``tau ~ U(scope[0], scope[1])`` and a permutation ``index``; a box of sides ``int(H * tau)`` and
+    ``int(W * tau)`` around a uniformly drawn centre, clipped to the borders (CutMix's
+    :func:`~mixhook.mixers.cutmix.rand_box` with side ratio ``tau``), receives the *whole* partner map
+    ``h[index]`` resized to the box (``F.interpolate``, ``interpolation``); the rest of ``h`` is kept.
+    ``loss`` and ``targets`` use ``lam = 1 - box area / (H * W)``: the partner's label weighs what its
+    pasted area covers. ``.last.info["box"]`` is the box, ``["scale"]`` the drawn ``tau``.
+
+    As OpenMixup: the box is clipped before the resize, so a box at a border holds the whole partner
+    squeezed to the clipped shape. (OpenMixup names the first spatial side ``W``; on square maps, the
+    only ones its box is right for, the masks are equal — tested on the same draws.) Where
+    ``int(side * tau) < 2`` the box is empty: nothing is pasted and lam is 1 (OpenMixup's resize raises
+    there, e.g. on 16x16 maps for ``tau < 0.125``).
+
+    Args:
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
+        scope: the range of ``tau``, ``0 < scope[0] <= scope[1] < 1`` (the paper's and OpenMixup's
+            default ``(0.1, 0.8)``).
+        interpolation: ``F.interpolate``'s mode: ``"nearest"`` (OpenMixup's default), ``"nearest-exact"``,
+            ``"bilinear"``, ``"bicubic"`` or ``"area"``.
+        prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+
+    The draw is recorded as lam ``1 - tau**2`` (the box's area fraction before clipping), so ``pin(lam=)``
+    sets the box's size as for CutMix (``tau = sqrt(1 - lam)``); ``pin`` also takes ``box=(y1, y2, x1,
+    x2)``.
+    """
+
+    pin_keys = ("box",)
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        scope: Sequence[float] = (0.1, 0.8),
+        interpolation: str = "nearest",
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+    ):
+        super().__init__(layer, 1.0, prob, generator, batch_dim, padding)
+        low, high = _scope(scope)
+        self.scope = (low, high)
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(
+                f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}"
+            )
+        self.interpolation = interpolation
+
+    def __repr__(self) -> str:
+        return (
+            f"ResizeMix(layer={self._layer_spec!r}, scope={self.scope}, "
+            f"interpolation={self.interpolation!r}, prob={self.prob})"
+        )
+
+    def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        low, high = self.scope
+        u = torch.rand((), dtype=torch.float64, generator=generator, device=generator.device).cpu()
+        tau = low + (high - low) * u
+        return 1.0 - tau * tau
+
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        h = check_spatial("ResizeMix", spec, leaves)
+        if min(int(side * self.scope[1]) // 2 for side in h.shape[-2:]) == 0:
+            raise ValueError(
+                f"ResizeMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map is too small to ever paste a "
+                f"box at scales up to {self.scope[1]} (a box side is 2 * (int(side * scale) // 2)); choose "
+                "an earlier layer"
+            )
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        name, h, path = draw.layer, leaves[0].tensor, leaves[0].path
+        height, width = h.shape[-2:]
+        if draw.lam.ndim:
+            raise ValueError(f"ResizeMix pastes one box per batch: pin one lam, not {draw.lam.shape[0]}")
+        box = draw.pinned.get("box")
+        if box is None:
+            box = rand_box(height, width, float(draw.lam), draw.generator)
+        else:
+            box = tuple(int(v) for v in box)
+            y1, y2, x1, x2 = box
+            if not (0 <= y1 <= y2 <= height and 0 <= x1 <= x2 <= width):
+                raise ValueError(f"pinned box {box} does not fit the {height}x{width} map of layer {name!r}")
+        lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
+        mixed = paste_resized(h, draw.index, box, self.interpolation)
+        scale = math.sqrt(max(0.0, 1.0 - float(draw.lam)))
+        return Mixed({path: mixed}, lam=lam, info={"box": box, "scale": scale})
+
+
+def _scope(scope) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in scope)
+    except (TypeError, ValueError):
+        raise ValueError(f"scope must be two numbers (low, high), got {scope!r}") from None
+    if not 0.0 < low <= high < 1.0:
+        raise ValueError(f"scope must satisfy 0 < low <= high < 1, got {scope!r}")
+    return low, high

@@ -76,6 +76,7 @@ def _every_hook():
         NoisyFeatureMixup,
         PatchUp,
     )
+    from mixhook.mixers import METHODS
 
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     return {
@@ -89,6 +90,12 @@ def _every_hook():
         "features": lambda: FeatureRecorder(["conv1", "conv2"]),
         "activations": lambda: ActivationStats(["conv1", "conv2"]),
         "gradients": lambda: GradStats(["conv1", "conv2"]),
+        **{  # every method of the package at its defaults, so a new one is checked compiled too
+            f"method-{name}": (lambda cls=cls: cls("conv1", generator=g()))
+            for name, cls in METHODS.items()
+            if name != "OneOf"
+        },
+        "cutmix-elem": lambda: CutMix("conv1", mode="elem", generator=g()),
     }
 
 
@@ -108,9 +115,10 @@ def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
         for _ in range(3):
             model.zero_grad()
             logits = net(x)
-            loss = (
-                hook.loss(F.cross_entropy, logits, y) if hasattr(hook, "loss") else F.cross_entropy(logits, y)
-            )
+            per_sample = F.cross_entropy(logits, y, reduction="none")  # also for one lam per sample
+            if hasattr(hook, "loss"):
+                per_sample = hook.loss(lambda o, t: F.cross_entropy(o, t, reduction="none"), logits, y)
+            loss = per_sample.mean()
             loss.backward()
             losses.append(loss.detach())
             grads.append([p.grad.clone() for p in model.parameters()])

@@ -37,9 +37,9 @@ def low_freq_image(
 
     - ``"reference"``: as the authors' ``make_low_freq_image``, which reshapes the ``(..., F, 2)``
       spectrum to ``(..., 2F)`` before ``irfftn``, so the draws are read as real coefficients (the
-      ``2`` pairs interleaved along the frequency axis, the first ``width // 2 + 1`` kept). Its masks are
-      therefore mirror-symmetric along the width (``m[:, x] == m[:, -x mod width]``). Kept so that masks
-      equal the authors' on the same draw, which every published FMix figure used.
+      ``2`` pairs interleaved along the frequency axis, the first ``width // 2 + 1`` kept). Its images are
+      therefore point-symmetric (``m[y, x] == m[-y mod height, -x mod width]``: pixels tie in pairs).
+      Kept so that masks equal the authors' on the same draw, which every published FMix figure used.
     - ``"complex"``: the paper's description: ``param[..., 0] + i * param[..., 1]`` as complex
       coefficients.
 

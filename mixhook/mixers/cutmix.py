@@ -93,7 +93,7 @@ class CutMix(Mixer):
     ``mode="elem"`` cuts one box per sample (asked for in clovaai/CutMix-PyTorch#4; timm's ``elem``
     mode): ``lam_i ~ Beta(alpha, alpha)`` and a centre for each sample, box ``i`` of ``h[index[i]]``
     pasted into ``h[i]``, and one corrected lam per sample for ``loss`` (which then needs a per-sample
-    criterion, ``reduction="none"``) and ``targets``; ``.last.info["box"]`` is then an ``(B, 4)`` int64
+    criterion, ``reduction="none"``) and ``targets``; ``.last.info["box"]`` is then a ``(B, 4)`` int64
     tensor of ``(y1, y2, x1, x2)`` rows.
 
     Args:

@@ -41,20 +41,19 @@ def _check_keys(argv: list[str], conf_dir: str) -> str | None:
     """A key that is not in the composed config (``trainer.epoch=1``), named with the closest valid one,
     or a value its schema refuses (``trainer.epochs=abc``; each value of a sweep ``a=1,2``).
 
-    The config is composed with the command line's group choices (the first option of a sweep); keys
-    added with ``+`` and Hydra's own are left to Hydra. ``None`` when every key and value is fine (or
-    when the command line cannot be parsed or the config composed here: Hydra then says why itself)."""
-    from hydra import compose, initialize_config_dir
+    The config is composed with the command line's group choices, once with the first option of every
+    sweep and once more for each other option of a swept group (``mixup=cutmix,fmix mixup.mode=elem``:
+    FMix has no ``mode``); keys added with ``+`` and Hydra's own are left to Hydra. ``None`` when every
+    key and value is fine (or when the command line cannot be parsed or the config composed here: Hydra
+    then says why itself)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     try:
         overrides = OverridesParser.create().parse_overrides([arg for arg in argv if not arg.startswith("-")])
     except Exception:  # noqa: BLE001  (a line Hydra cannot parse: Hydra says so itself)
         return None
-    groups, keys = [], []
+    groups, keys = {}, []
     for override in overrides:
         key = override.key_or_group
         if override.type != OverrideType.CHANGE or key.startswith("hydra") or override.package:
@@ -63,14 +62,30 @@ def _check_keys(argv: list[str], conf_dir: str) -> str | None:
             if key != "hparams_search":  # a sweeper's config needs its plugin: Hydra's business
                 values = _values(override) if override.is_sweep_override() else [override.value()]
                 if values:
-                    groups.append(f"{key}={_text(values[0])}")
+                    groups[key] = [_text(v) for v in values]
         else:
             keys.append(override)
     if not keys:
         return None
+    first = {key: values[0] for key, values in groups.items()}
+    choices = [first] + [{**first, key: v} for key, values in groups.items() for v in values[1:]]
+    for choice in choices:
+        problem = _check_composed(keys, choice, conf_dir)
+        if problem:
+            return problem
+    return None
+
+
+def _check_composed(keys: list, groups: dict[str, str], conf_dir: str) -> str | None:
+    """The first key or value of ``keys`` that the config composed with the group choices ``groups``
+    does not have or refuses, in one line, or ``None``."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         with initialize_config_dir(config_dir=os.path.abspath(conf_dir), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=groups)
+            cfg = compose(config_name="config", overrides=[f"{k}={v}" for k, v in groups.items()])
     except Exception:  # noqa: BLE001  (whatever stops composing here, Hydra will say itself)
         return None
     for override in keys:

@@ -180,11 +180,11 @@ def test_a_misspelled_key_is_named_with_the_closest_valid_one():
     assert check("seedd=1").startswith(
         "seedd=1: the config has no key 'seedd'; did you mean seed? valid: data,"
     )
-    # the keys of the group option chosen on the same command line (CutMix has no mode)
-    assert check("mixup=cutmix", "mixup.mode=elem") == (
-        "mixup.mode=elem: mixup has no key 'mode'; valid: _target_, alpha, layer, prob"
+    # the keys of the group option chosen on the same command line (CutMix has no grid)
+    assert check("mixup=cutmix", "mixup.grid=2") == (
+        "mixup.grid=2: mixup has no key 'grid'; valid: _target_, alpha, layer, mode, prob"
     )
-    assert check("-m", "mixup=cutmix,manifold", "mixup.mode=elem").startswith("mixup.mode=elem: mixup has no")
+    assert check("-m", "mixup=cutmix,fmix", "mixup.mode=elem").startswith("mixup.mode=elem: mixup has no")
     for fine in (
         ["mixup=nfm", "mixup.add_noise=0.1"],
         ["-m", "mixup.alpha=0.2,0.4", "trainer.epochs=1"],

@@ -707,6 +707,29 @@ def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
     return h
 
 
+def check_splittable(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
+    """:func:`check_spatial`, and a one-line ``ValueError`` for a single-pixel map, which no mask can
+    split (the mask methods: FMix, SmoothMix)."""
+    h = check_spatial(kind, spec, leaves)
+    if h.shape[-2] * h.shape[-1] < 2:
+        raise ValueError(
+            f"{kind} at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has a single pixel, which a mask "
+            "cannot split; choose an earlier layer"
+        )
+    return h
+
+
+def check_pinned_mask(mask, height: int, width: int) -> torch.Tensor:
+    """A pinned ``(height, width)`` mask of weights in [0, 1], as a float64 CPU tensor, or a one-line
+    ``ValueError``."""
+    mask = torch.as_tensor(mask, dtype=torch.float64).cpu()
+    if tuple(mask.shape) != (height, width):
+        raise ValueError(f"pinned mask of shape {tuple(mask.shape)} does not fit the {height}x{width} map")
+    if not bool(((mask >= 0) & (mask <= 1)).all()):
+        raise ValueError("pinned mask must hold weights in [0, 1]")
+    return mask
+
+
 def _number(name: str, value) -> float:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {value!r}")

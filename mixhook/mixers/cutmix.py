@@ -70,6 +70,19 @@ def box_lam(box: tuple[int, int, int, int], height: int, width: int) -> float:
     return 1.0 - (y2 - y1) * (x2 - x1) / (height * width)
 
 
+def draw_box(draw: Draw, height: int, width: int) -> tuple[int, int, int, int]:
+    """The box of one mix: the pinned ``box`` once it fits the ``height x width`` map (else a one-line
+    ``ValueError``), or :func:`rand_box` from ``draw.lam`` and ``draw.generator``."""
+    box = draw.pinned.get("box")
+    if box is None:
+        return rand_box(height, width, float(draw.lam), draw.generator)
+    box = tuple(int(v) for v in box)
+    y1, y2, x1, x2 = box
+    if not (0 <= y1 <= y2 <= height and 0 <= x1 <= x2 <= width):
+        raise ValueError(f"pinned box {box} does not fit the {height}x{width} map of layer {draw.layer!r}")
+    return box
+
+
 def paste_box(h: torch.Tensor, index: torch.Tensor, box: tuple[int, int, int, int]) -> torch.Tensor:
     """A copy of ``h`` (B, C, H, W) whose ``box`` region comes from ``h[index]``; ``h`` is not modified.
 
@@ -147,21 +160,14 @@ class CutMix(Mixer):
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         if self.mode == "elem":
             return self._mix_elem(leaves, draw)
-        name, h, path = draw.layer, leaves[0].tensor, leaves[0].path
+        h, path = leaves[0].tensor, leaves[0].path
         height, width = h.shape[-2:]
         if draw.lam.ndim:
             raise ValueError(
                 f"CutMix(mode='batch') cuts one box per batch: pin one lam, not {draw.lam.shape[0]} "
                 "(one box per sample is mode='elem')"
             )
-        box = draw.pinned.get("box")
-        if box is None:
-            box = rand_box(height, width, float(draw.lam), draw.generator)
-        else:
-            box = tuple(int(v) for v in box)
-            y1, y2, x1, x2 = box
-            if not (0 <= y1 <= y2 <= height and 0 <= x1 <= x2 <= width):
-                raise ValueError(f"pinned box {box} does not fit the {height}x{width} map of layer {name!r}")
+        box = draw_box(draw, height, width)
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
         return Mixed({path: paste_box(h, draw.index, box)}, lam=lam, info={"box": box})
 

@@ -12,8 +12,16 @@ from collections.abc import Sequence
 import torch
 
 from ..sites import Leaf
-from ..transfer import to_device
-from .base import Draw, Mixed, Mixer, check_non_negative, check_positive, check_spatial
+from .base import (
+    Draw,
+    Mixed,
+    Mixer,
+    check_non_negative,
+    check_pinned_mask,
+    check_positive,
+    check_splittable,
+)
+from .functional import mask_blend
 
 SPECTRA = ("reference", "complex")
 
@@ -159,12 +167,7 @@ class FMix(Mixer):
         return f"{super().__repr__()[:-1]}, {extra})"
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        h = check_spatial("FMix", spec, leaves)
-        if h.shape[-2] * h.shape[-1] < 2:
-            raise ValueError(
-                f"FMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has a single pixel, which a mask "
-                "cannot split; choose an earlier layer"
-            )
+        check_splittable("FMix", spec, leaves)
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path
@@ -177,13 +180,5 @@ class FMix(Mixer):
                 height, width, float(draw.lam), self.decay_power, self.max_soft, self.spectrum, draw.generator
             )
         else:
-            mask = torch.as_tensor(mask, dtype=torch.float64)
-            if tuple(mask.shape) != (height, width):
-                raise ValueError(
-                    f"pinned mask of shape {tuple(mask.shape)} does not fit the {height}x{width} map"
-                )
-            if not bool(((mask >= 0) & (mask <= 1)).all()):
-                raise ValueError("pinned mask must hold weights in [0, 1]")
-        m = to_device(mask, h.device, h.dtype)
-        mixed = m * h + (1 - m) * h[to_device(draw.index, h.device)]
-        return Mixed({path: mixed}, lam=mask.mean(), info={"mask": mask})
+            mask = check_pinned_mask(mask, height, width)
+        return Mixed({path: mask_blend(h, mask, draw.index)}, lam=mask.mean(), info={"mask": mask})

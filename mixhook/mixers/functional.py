@@ -90,6 +90,13 @@ def blend(
     return torch.lerp(h[index], h, lam)
 
 
+def mask_blend(h: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``mask * h + (1 - mask) * h[index]`` for ``h`` (B, C, H, W) and one ``(H, W)`` mask of weights (1:
+    the sample's own), in ``h``'s dtype on ``h``'s device; gradients flow to both terms."""
+    m = to_device(mask, h.device, h.dtype)
+    return m * h + (1 - m) * h[to_device(index, h.device)]
+
+
 def smooth_one_hot(target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """One-hot class probabilities with label smoothing (timm's convention).
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from ..sites import Leaf
-from ..transfer import to_device
 from .base import Draw, Mixed, Mixer, check_spatial
+from .functional import mask_blend
 
 
 def cell_index(size: int, cells: int) -> torch.Tensor:
@@ -111,8 +111,7 @@ class GridMix(Mixer):
                 )
             cells = cells.to(torch.bool)
         mask = grid_mask(cells, height, width)
-        m = to_device(mask, h.device, h.dtype)
-        mixed = m * h + (1 - m) * h[to_device(draw.index, h.device)]
+        mixed = mask_blend(h, mask, draw.index)
         return Mixed({path: mixed}, lam=mask.mean(), info={"cells": cells, "mask": mask})
 
 

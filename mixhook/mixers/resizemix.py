@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Draw, Mixed, Mixer, check_spatial
-from .cutmix import box_lam, rand_box
+from .cutmix import box_lam, draw_box
 
 INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
 
@@ -109,18 +109,11 @@ class ResizeMix(Mixer):
             )
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        name, h, path = draw.layer, leaves[0].tensor, leaves[0].path
+        h, path = leaves[0].tensor, leaves[0].path
         height, width = h.shape[-2:]
         if draw.lam.ndim:
             raise ValueError(f"ResizeMix pastes one box per batch: pin one lam, not {draw.lam.shape[0]}")
-        box = draw.pinned.get("box")
-        if box is None:
-            box = rand_box(height, width, float(draw.lam), draw.generator)
-        else:
-            box = tuple(int(v) for v in box)
-            y1, y2, x1, x2 = box
-            if not (0 <= y1 <= y2 <= height and 0 <= x1 <= x2 <= width):
-                raise ValueError(f"pinned box {box} does not fit the {height}x{width} map of layer {name!r}")
+        box = draw_box(draw, height, width)
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
         mixed = paste_resized(h, draw.index, box, self.interpolation)
         scale = math.sqrt(max(0.0, 1.0 - float(draw.lam)))

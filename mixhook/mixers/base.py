@@ -38,6 +38,7 @@ from ..sites import (
 )
 from ..transfer import to_device
 from .functional import _scatter_inverse, inverse_permutation, mix_targets, sample_lam, smooth_one_hot
+from .tokens import TokenGrid
 
 
 @dataclass(frozen=True)
@@ -244,9 +245,17 @@ class Mixer(LayerHook, MixingHook):
         self._pinned: dict | object | None = None
         self._last_draw: tuple | None = None  # (layer, generator state, pinned) of the last mix
         self._mask_stack: list[bool] = []
+        self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(layer={self._layer_spec!r}, alpha={self.alpha}, prob={self.prob})"
+        tokens = (
+            ""
+            if self.token_grid is None
+            else f", tokens={self.token_grid}, prefix={self.token_grid.prefix!r}"
+        )
+        return (
+            f"{type(self).__name__}(layer={self._layer_spec!r}, alpha={self.alpha}, prob={self.prob}{tokens})"
+        )
 
     # ----------------------------------------------------------------------------------- user API
 
@@ -541,7 +550,9 @@ class Mixer(LayerHook, MixingHook):
             raise TypeError(f"mixup layer {spec!r}: the model was called without arguments; nothing to mix")
         return value if site.paths is not None else value[0]
 
-    def _leaves(self, spec: str, value, expected: int | None = None) -> tuple[list[Leaf], int]:
+    def _leaves(self, spec: str, value, expected: int | None = None) -> tuple[list[Leaf], list[Leaf], int]:
+        """The leaves that carry the batch at ``spec``, what the method is given for them (the same, or
+        with a token grid their ``(B, D, gh, gw)`` patch maps), and the batch size."""
         site = self.sites[spec]
         if site.layer == INPUT:
             self._check_token_ids(spec, value)
@@ -555,8 +566,9 @@ class Mixer(LayerHook, MixingHook):
                 f"{found[0].dim} has size {batch}, but the model's input has a batch of {expected}: the "
                 "layer loses or reshapes the batch dimension; choose another layer, or pass batch_dim"
             )
-        self.check_leaves(spec, found)
-        return found, batch
+        given = found if self.token_grid is None else self.token_grid.to_maps(spec, found, self._model)
+        self.check_leaves(spec, given)
+        return found, given, batch
 
     def _reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
         """The batch size of the model's input, to check each mixed layer against: the first tensor
@@ -586,7 +598,7 @@ class Mixer(LayerHook, MixingHook):
         """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
         mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`."""
         site_value = self._site_value(spec, value)
-        found, n = self._leaves(spec, site_value, batch)
+        found, given, n = self._leaves(spec, site_value, batch)
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
             index = pinned.get("index")
@@ -605,13 +617,19 @@ class Mixer(LayerHook, MixingHook):
                     f"does not index the batch of {n} at layer {spec!r}"
                 )
             draw = Draw(spec, lam, index, _inverse(index, pinned), generator, pinned)
-            mixed = self.mix(found, draw)
+            mixed = self.mix(given, draw)
         finally:
             self.generator = saved
-        tensors = self._check_mixed(spec, found, mixed)
+        tensors = self._check_mixed(spec, given, mixed)
+        target_lam = lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64)
+        if self.token_grid is not None:
+            tensors = {
+                leaf.path: self.token_grid.from_map(leaf, tensors[leaf.path], target_lam, index, draw.inverse)
+                for leaf in found
+            }
         state = MixState(
             layer=spec,
-            lam=lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64),
+            lam=target_lam,
             index=index,
             info=dict(mixed.info),
             elements=tuple(leaf.name for leaf in found),
@@ -700,9 +718,10 @@ def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
     h = leaves[0].tensor
     if h.ndim != 4 or leaves[0].dim != 0:
         element = f" element {leaves[0].name}" if leaves[0].path else ""
+        hint = "; for (B, T, D) tokens declare their patch grid: tokens=(rows, columns) or 'auto'"
         raise TypeError(
             f"{kind} at {spec!r} needs a (B, C, H, W) map with the batch first, but{element} has shape "
-            f"{tuple(h.shape)} with the batch at dim {leaves[0].dim}"
+            f"{tuple(h.shape)} with the batch at dim {leaves[0].dim}{hint if h.ndim == 3 else ''}"
         )
     return h
 

@@ -15,6 +15,7 @@ from ..sites import Leaf
 from ..transfer import to_device
 from .base import Draw, Mixed, Mixer, check_spatial
 from .functional import sample_beta, sample_lam
+from .tokens import token_grid
 
 
 def rand_box(height: int, width: int, lam: float, generator: torch.Generator) -> tuple[int, int, int, int]:
@@ -115,6 +116,8 @@ class CutMix(Mixer):
         prob: probability that a batch is mixed (the paper's cutmix_prob), in [0, 1].
         mode: ``"batch"`` (one box for the batch, as the paper) or ``"elem"`` (one box per sample).
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
     The layer (or the selected element, ``"block[0]"``) must give one ``(B, C, H, W)`` map with
     ``H, W >= 2`` (a smaller map can never hold a pasted box: refused when first checked);
@@ -134,8 +137,11 @@ class CutMix(Mixer):
         batch_dim: int | dict | None = None,
         padding: str = "union",
         mode: str = "batch",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "CutMix")
         if mode not in ("batch", "elem"):
             raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
         self.mode = mode

@@ -22,6 +22,7 @@ from .base import (
     check_splittable,
 )
 from .functional import mask_blend
+from .tokens import token_grid
 
 SPECTRA = ("reference", "complex")
 
@@ -135,6 +136,8 @@ class FMix(Mixer):
         spectrum: ``"reference"`` (default: the authors' code, masks equal to theirs on the same draw)
             or ``"complex"`` (the paper's description); see :func:`low_freq_image`.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
     ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]).
     """
@@ -152,8 +155,11 @@ class FMix(Mixer):
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "FMix")
         self.decay_power = check_positive("decay_power", decay_power)
         self.max_soft = check_non_negative("max_soft", max_soft)
         if self.max_soft > 0.5:

@@ -15,6 +15,7 @@ import torch
 from ..sites import Leaf
 from .base import Draw, Mixed, Mixer, check_spatial
 from .functional import mask_blend
+from .tokens import token_grid
 
 
 def cell_index(size: int, cells: int) -> torch.Tensor:
@@ -56,6 +57,8 @@ class GridMix(Mixer):
         grid: the number of cells along each side: an int (square) or ``(rows, columns)``, each >= 1,
             with at least 2 cells in all (default 4: 4 x 4 cells).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
     ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools).
     """
@@ -71,8 +74,11 @@ class GridMix(Mixer):
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "GridMix")
         self.grid = _grid(grid)
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from ..sites import Leaf
 from ..transfer import to_device
 from .base import Draw, Mixed, Mixer, check_fraction, check_spatial
 from .functional import blend
+from .tokens import token_grid
 
 
 def block_mask(
@@ -58,6 +59,8 @@ class PatchUp(Mixer):
         alpha: Beta concentration for soft PatchUp's lam (the paper's code: 2.0).
         prob: probability that a batch is mixed, in [0, 1].
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
     The layer (or the selected element) must give one ``(B, C, H, W)`` map; ``.last.elements`` names it.
     ``pin`` also takes ``mask`` (a ``(C, H, W)`` 0/1 tensor); a pinned ``lam`` is soft mode's lam.
@@ -76,8 +79,11 @@ class PatchUp(Mixer):
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "PatchUp")
         if (
             isinstance(block_size, bool)
             or not isinstance(block_size, int)

@@ -18,6 +18,7 @@ from ..sites import Leaf
 from ..transfer import to_device
 from .base import Draw, Mixed, Mixer, check_spatial
 from .cutmix import box_lam, draw_box
+from .tokens import token_grid
 
 INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
 
@@ -60,6 +61,8 @@ class ResizeMix(Mixer):
         interpolation: ``F.interpolate``'s mode: ``"nearest"`` (OpenMixup's default), ``"nearest-exact"``,
             ``"bilinear"``, ``"bicubic"`` or ``"area"``.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
     The draw is recorded as lam ``1 - tau**2`` (the box's area fraction before clipping), so ``pin(lam=)``
     sets the box's size as for CutMix (``tau = sqrt(1 - lam)``); ``pin`` also takes ``box=(y1, y2, x1,
@@ -77,8 +80,11 @@ class ResizeMix(Mixer):
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
     ):
         super().__init__(layer, 1.0, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "ResizeMix")
         low, high = _scope(scope)
         self.scope = (low, high)
         if interpolation not in INTERPOLATIONS:

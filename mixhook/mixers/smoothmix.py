@@ -14,6 +14,7 @@ import torch
 from ..sites import Leaf
 from .base import Draw, Mixed, Mixer, check_pinned_mask, check_splittable
 from .functional import mask_blend
+from .tokens import token_grid
 
 
 def gaussian_mask(
@@ -53,6 +54,8 @@ class SmoothMix(Mixer):
         sigma: the range of ``s`` (the Gaussian's width as a fraction of the side), ``0 < low <= high``
             (default ``(0.25, 0.5)``, OpenMixup's).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
     ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]).
     """
@@ -67,8 +70,11 @@ class SmoothMix(Mixer):
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
     ):
         super().__init__(layer, 1.0, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "SmoothMix")
         try:
             low, high = (float(v) for v in sigma)
         except (TypeError, ValueError):

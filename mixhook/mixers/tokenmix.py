@@ -1,0 +1,174 @@
+"""TokenMix at any layer with two spatial dimensions or on a ViT's tokens: a mask of whole tokens (blocks
+of them, or scattered), each from the sample or its partner.
+
+Paper: Liu, Liu, Zhou, Li, Liu. "TokenMix: Rethinking Image Mixing for Data Augmentation in
+Vision Transformers." ECCV 2022. https://arxiv.org/abs/2207.08409. Authors' code: github.com/Sense-X/TokenMix
+(the mask generators as carried into OpenMixup's ``openmixup/models/augments/tokenmix.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..sites import Leaf
+from .base import Draw, Mixed, Mixer, check_spatial
+from .functional import mask_blend
+from .gridmix import _grid, grid_mask
+from .tokens import token_grid
+
+MASK_TYPES = ("block", "random")
+MIN_ASPECT = 0.3  # the authors' block aspect ratios: log-uniform in [0.3, 1 / 0.3]
+
+
+def _uniform(low: float, high: float, generator: torch.Generator) -> float:
+    """Python's ``random.uniform(low, high)`` (``low + (high - low) * U``), drawn from ``generator``."""
+    u = float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
+    return low + (high - low) * u
+
+
+def _randint(low: int, high: int, generator: torch.Generator) -> int:
+    """Python's ``random.randint(low, high)`` (both ends included), drawn from ``generator``."""
+    return low + int(torch.randint(high - low + 1, (), generator=generator, device=generator.device))
+
+
+def block_token_mask(rows: int, cols: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """The authors' block mask: ``(rows, cols)`` bool, True on the tokens taken from the partner.
+
+    As their ``generate_mask`` (BEiT's block-wise masking): until ``count`` tokens are masked, up to 10
+    tries per round to draw a block of area ``U(1, remaining)`` and aspect ratio log-uniform in
+    ``[0.3, 1 / 0.3]`` (sides ``round(sqrt(area * aspect))`` by ``round(sqrt(area / aspect))``, each
+    smaller than the grid's), at a uniform position; a block is accepted when it masks between 1 and
+    ``remaining`` new tokens. A round with no accepted block ends the loop, so the mask may hold fewer
+    than ``count`` tokens (the method's lam is what it holds)."""
+    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    log_aspect = (math.log(MIN_ASPECT), math.log(1 / MIN_ASPECT))
+    masked = 0
+    while masked < count:
+        remaining = min(count - masked, rows * cols)
+        delta = 0
+        for _ in range(10):
+            area = _uniform(1, remaining, generator)
+            aspect = math.exp(_uniform(*log_aspect, generator))
+            h, w = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+            if w < cols and h < rows:
+                top, left = _randint(0, rows - h, generator), _randint(0, cols - w, generator)
+                block = mask[top : top + h, left : left + w]
+                new = h * w - int(block.sum())
+                if 0 < new <= remaining:
+                    block.fill_(True)
+                    delta += new
+                if delta > 0:
+                    break
+        if delta == 0:
+            break
+        masked += delta
+    return mask
+
+
+def random_token_mask(rows: int, cols: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """The authors' random mask: ``(rows, cols)`` bool, True on ``count`` tokens drawn uniformly without
+    replacement (the first ``count`` of a permutation)."""
+    mask = torch.zeros(rows * cols, dtype=torch.bool)
+    mask[torch.randperm(rows * cols, generator=generator, device=generator.device).cpu()[:count]] = True
+    return mask.view(rows, cols)
+
+
+class TokenMix(Mixer):
+    """TokenMix (Liu et al. 2022): whole tokens from the partner, at the input, at a ``(B, C, H, W)`` layer
+    or on a ViT block's tokens (``tokens=(gh, gw)`` or ``"auto"``).
+
+    On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
+    ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and a token mask on a ``grid`` of cells (one
+    cell per pixel, or per patch token, by default): ``min(N, int((1 - lam) * N) + extra_tokens)`` of the
+    ``N`` cells are to come from the partner, as blocks (``mask_type="block"``,
+    :func:`block_token_mask`) or scattered (``"random"``, :func:`random_token_mask`); one mask for the
+    batch:
+
+        ``h' = M * h + (1 - M) * h[index]``,   ``M`` = 0 on the partner's cells, 1 elsewhere
+
+    ``loss`` and ``targets`` use ``lam = mean(M)``, the fraction of the map (of the patch tokens) the
+    sample keeps. (The paper weighs the labels by a pre-trained teacher's activation over the mask, a
+    second network outside a hook's reach; the area rule is what the method is without it.)
+    ``.last.info["cells"]`` is the ``(gh, gw)`` bool pattern (True: the sample's own), ``["mask"]`` is
+    ``M``.
+
+    Args:
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``
+            (or, with ``tokens``, ``(B, T, D)``) with at least ``grid`` pixels along each side.
+        alpha: Beta concentration, > 0 (default 1.0).
+        grid: the cells of the mask, an int or ``(rows, columns)``, e.g. the patch grid ``(14, 14)`` at
+            the input of a ViT/16 on 224 px images; ``None`` (default): one cell per pixel or token.
+        mask_type: ``"block"`` (default, the paper's) or ``"random"``.
+        extra_tokens: cells mixed beyond ``int((1 - lam) * N)``, >= 0 (default 0; the authors' runs add
+            ``mask_token_num_start=14`` on their 14x14 grid: ``extra_tokens=14`` reproduces them).
+        prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+
+    ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools, 1: the sample's own).
+    """
+
+    pin_keys = ("cells",)
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 1.0,
+        grid: int | Sequence[int] | None = None,
+        mask_type: str = "block",
+        extra_tokens: int = 0,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
+    ):
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "TokenMix")
+        self.grid = None if grid is None else _grid(grid)
+        if mask_type not in MASK_TYPES:
+            raise ValueError(f"mask_type must be one of {', '.join(MASK_TYPES)}, got {mask_type!r}")
+        if isinstance(extra_tokens, bool) or not isinstance(extra_tokens, int) or extra_tokens < 0:
+            raise ValueError(f"extra_tokens must be an int >= 0, got {extra_tokens!r}")
+        self.mask_type = mask_type
+        self.extra_tokens = extra_tokens
+
+    def __repr__(self) -> str:
+        extra = f"grid={self.grid}, mask_type={self.mask_type!r}, extra_tokens={self.extra_tokens}"
+        return f"{super().__repr__()[:-1]}, {extra})"
+
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        h = check_spatial("TokenMix", spec, leaves)
+        rows, cols = self.grid or h.shape[-2:]
+        if h.shape[-2] < rows or h.shape[-1] < cols or rows * cols < 2:
+            raise ValueError(
+                f"TokenMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map cannot hold a {rows}x{cols} "
+                "grid of at least 2 cells; choose an earlier layer or a smaller grid"
+            )
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        h, path = leaves[0].tensor, leaves[0].path
+        height, width = h.shape[-2:]
+        if draw.lam.ndim:
+            raise ValueError(f"TokenMix cuts one mask per batch: pin one lam, not {draw.lam.shape[0]}")
+        rows, cols = self.grid or (height, width)
+        cells = draw.pinned.get("cells")
+        if cells is None:
+            n = rows * cols
+            count = min(n, int((1 - float(draw.lam)) * n) + self.extra_tokens)
+            make = block_token_mask if self.mask_type == "block" else random_token_mask
+            cells = ~make(rows, cols, count, draw.generator)
+        else:
+            cells = torch.as_tensor(cells).cpu()
+            if tuple(cells.shape) != (rows, cols) or not bool(((cells == 0) | (cells == 1)).all()):
+                raise ValueError(
+                    f"pinned cells must be a {rows}x{cols} tensor of 0/1, got shape {tuple(cells.shape)}"
+                )
+            cells = cells.to(torch.bool)
+        mask = grid_mask(cells, height, width)
+        mixed = mask_blend(h, mask, draw.index)
+        return Mixed({path: mixed}, lam=mask.mean(), info={"cells": cells, "mask": mask})

@@ -99,7 +99,8 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
         log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
                  cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
         if cfg.probes.feature_maps and probe_layers(cfg):
-            run.feature_maps = (probe_layers(cfg), next(iter(run.data.test))[0][:4])
+            x, y = next(iter(run.data.test))
+            run.feature_maps = (probe_layers(cfg), x[:4], y[:4])
         logger = None
         if dist.main:
             try:

@@ -158,6 +158,12 @@ class MixingHook(abc.ABC):
         """Whether ``hook`` may be attached to a model that this one mixes (itself, or a part of it)."""
         return hook is self
 
+    def use_targets(self, target: torch.Tensor) -> None:
+        """The labels of the next training forward, for a method that needs them to mix (gradient
+        saliency); the others ignore them. Call it before every forward, as the app's loop does: labels
+        are used for one forward only, so a method that needs them never mixes with stale ones."""
+        del target  # needed by none of the methods by default
+
 
 PADDING = ("union", "keep")
 # Arguments that carry a per-sample padding mask, and how two samples' masks combine so that a mixed
@@ -246,6 +252,8 @@ class Mixer(LayerHook, MixingHook):
         self._last_draw: tuple | None = None  # (layer, generator state, pinned) of the last mix
         self._mask_stack: list[bool] = []
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
+        self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
+        self._capture: dict | None = None  # during gradient_at(): the map whose gradient is taken
 
     def __repr__(self) -> str:
         tokens = (
@@ -309,6 +317,9 @@ class Mixer(LayerHook, MixingHook):
     def skip_next(self) -> None:
         """Make the next training forward not mix, whatever ``prob`` (nothing is drawn for it)."""
         self._pinned = _SKIP
+
+    def use_targets(self, target: torch.Tensor) -> None:
+        self._targets = target
 
     def loss(
         self,
@@ -393,6 +404,8 @@ class Mixer(LayerHook, MixingHook):
         unclaim(self)
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
+        if self._capture is not None:  # gradient_at()'s own pass
+            return self._capture_input(model, args, kwargs)
         if recompute.in_backward():  # the whole model is being recomputed: replay its input's mix
             return self._replay_input(model, args, kwargs)
         if not model.training:
@@ -403,6 +416,11 @@ class Mixer(LayerHook, MixingHook):
     def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Decision | None):
         """Start a training forward with ``draw`` (or no mix); mix the input now if it is the layer."""
         self.last = None
+        targets, self._targets = self._targets, None
+        if draw is not None:
+            extra = self.before_forward(model, args, kwargs, draw.layer, draw.pinned, targets)
+            if extra:
+                draw.pinned = {**draw.pinned, **extra}
         self._draw = draw
         self._mask_stack = []
         if draw is None:
@@ -433,6 +451,8 @@ class Mixer(LayerHook, MixingHook):
 
     def _layer_hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, output):
+            if self._capture is not None:  # gradient_at()'s own pass
+                return self._capture_layer(spec, output)
             draw = self._draw
             if draw is not None and not draw.done and draw.layer == spec:  # this forward mixes here
                 mixed, self.last = self._mix_now(spec, output, draw)
@@ -454,12 +474,87 @@ class Mixer(LayerHook, MixingHook):
         generator = self.generator
         if draw.state is not None:
             generator = recompute.replay_generator(self.generator, draw.state)
+        if type(self).before_mix is not Mixer.before_mix:
+            given = self._leaves(spec, self._site_value(spec, value), draw.batch)[1]
+            extra = self.before_mix(spec, given, draw.pinned)
+            if extra:  # noted with the draw below: a recomputation and pin_last mix with the same values
+                draw.pinned = {**draw.pinned, **extra}
         state = recompute.generator_state(generator)
         self._note(spec, (state, draw.pinned))
         mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch)
         self._last_draw = (spec, state, draw.pinned)
         draw.done, draw.index = True, last.index
         return mixed, last
+
+    # ------------------------------------------------------------------------- gradient of the loss
+
+    def gradient_at(self, model: nn.Module, args: tuple, kwargs: dict, spec: str, target) -> torch.Tensor:
+        """The gradient of the summed cross-entropy of ``model(*args, **kwargs)`` against ``target``
+        with respect to what :meth:`mix` would be given at ``spec`` (the first leaf: a ``(B, C, H, W)``
+        map, or the patch tokens' map): one more forward, in eval mode (no dropout, no batch-norm
+        statistics updated; each module's own mode restored after), and a backward down to ``spec``
+        only (``autograd.grad``, so no parameter's ``.grad`` changes). Other hooks active in training
+        mode only do not act in it."""
+        if target is None:
+            raise RuntimeError(
+                f"{type(self).__name__} needs the batch's labels for its gradient pass: call "
+                "use_targets(y) before each training forward (the app's loop does)"
+            )
+        modes = [(m, m.training) for m in model.modules()]
+        self._capture = {"spec": spec}
+        try:
+            model.eval()
+            with torch.enable_grad():
+                out = model(*args, **kwargs)
+                logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+                if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
+                    raise TypeError(
+                        f"{type(self).__name__}'s gradient pass needs (B, classes) logits from the model, "
+                        f"got {describe(out)}"
+                    )
+                leaf = self._capture.get("leaf")
+                if leaf is None:
+                    raise RuntimeError(f"mixup layer {spec!r} did not run in the gradient pass")
+                target = to_device(target, logits.device)
+                if target.shape != logits.shape[:1]:
+                    raise ValueError(
+                        f"use_targets(): {tuple(target.shape)} labels for a batch of {logits.shape[0]} logits"
+                    )
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16: in fp32
+                loss = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+                (grad,) = torch.autograd.grad(loss, [leaf.tensor])
+        finally:
+            self._capture = None
+            for module, mode in modes:
+                module.training = mode
+        grad_leaf = Leaf(leaf.path, grad, leaf.dim)
+        return (
+            grad_leaf.tensor
+            if self.token_grid is None
+            else self.token_grid.to_maps(spec, [grad_leaf], model)[0].tensor
+        )
+
+    def _capture_value(self, spec: str, site_value):
+        """``site_value`` with its first leaf replaced by a detached copy that requires grad (noted in
+        ``self._capture``): the gradient pass's backward stops there."""
+        found = self._leaves(spec, site_value)[0]
+        leaf = found[0]
+        fresh = leaf.tensor.detach().requires_grad_()
+        self._capture["leaf"] = Leaf(leaf.path, fresh, leaf.dim)
+        return replace_leaves(site_value, {leaf.path: fresh})
+
+    def _capture_input(self, model: nn.Module, args: tuple, kwargs: dict):
+        spec = self._capture["spec"]
+        if self.sites[spec].layer != INPUT:
+            return None
+        inputs = Inputs(model, args, kwargs)
+        value = self._capture_value(spec, self._site_value(spec, inputs))
+        return _rebuild_inputs(inputs, self.sites[spec], value)
+
+    def _capture_layer(self, spec: str, output):
+        if spec != self._capture["spec"] or "leaf" in self._capture:
+            return None
+        return self._capture_value(spec, output)
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
         if self._draw is None:  # (also during a recomputation, which runs after its forward ended)
@@ -668,6 +763,21 @@ class Mixer(LayerHook, MixingHook):
         """Refuse, with a one-line ``TypeError``/``ValueError``, what this method cannot mix: ``leaves``
         are the tensors carrying the batch at ``spec`` (each with its ``path``, ``name`` and batch
         ``dim``). Runs before every mix and in :meth:`check_output`. Accepts anything by default."""
+
+    def before_forward(
+        self, model: nn.Module, args: tuple, kwargs: dict, spec: str, pinned: Mapping, targets
+    ) -> Mapping:
+        """Called at the start of a training forward that will mix at ``spec``, with the model's
+        arguments, the values pinned so far and the labels given by :meth:`use_targets` (or ``None``);
+        what it returns joins the pinned values :meth:`mix` finds in ``draw.pinned`` (and that a
+        recomputation and ``pin_last`` reuse). Nothing by default; gradient saliency runs its pass here."""
+        return {}
+
+    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
+        """Called once per forward at the mixed layer, before the first :meth:`mix`, with the leaves
+        :meth:`mix` will get; what it returns joins the pinned values (so that a recomputation under
+        activation checkpointing reuses it rather than computing it again). Nothing by default."""
+        return {}
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         """The mix itself: a mixed tensor for every leaf (``leaf.tensor`` carries the batch along

@@ -38,14 +38,24 @@ def rand_boxes(height: int, width: int, lam: torch.Tensor, generator: torch.Gene
     """One :func:`rand_box` per value of ``lam`` (1-D float64), vectorised: an ``(n, 4)`` int64 tensor of
     ``(y1, y2, x1, x2)`` rows, on the CPU. Box ``i`` is the box :func:`rand_box` makes from ``lam[i]`` and
     the centre ``(cy[i], cx[i])``, where all ``n`` row centres are drawn first, then all column centres."""
-    ratio = torch.sqrt(1.0 - lam.to(torch.float64).cpu())
-    cut_h, cut_w = (height * ratio).floor().long(), (width * ratio).floor().long()
     n = lam.shape[0]
     cy = torch.randint(height, (n,), generator=generator, device=generator.device).cpu()
     cx = torch.randint(width, (n,), generator=generator, device=generator.device).cpu()
+    return boxes_around(height, width, lam, cy, cx)
+
+
+def boxes_around(
+    height: int, width: int, lam: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor
+) -> torch.Tensor:
+    """:func:`rand_box`'s boxes around given centres: side ratio ``sqrt(1 - lam)`` (``lam`` one value or
+    one per centre), half-sides ``int(side * ratio) // 2``, clipped to the borders; ``(n, 4)`` int64
+    ``(y1, y2, x1, x2)`` rows on the CPU."""
+    ratio = torch.sqrt(1.0 - torch.as_tensor(lam, dtype=torch.float64).cpu())
+    cut_h, cut_w = (height * ratio).floor().long(), (width * ratio).floor().long()
+    cy, cx = cy.cpu().long(), cx.cpu().long()
     y1, y2 = (cy - cut_h // 2).clamp(min=0), (cy + cut_h // 2).clamp(max=height)
     x1, x2 = (cx - cut_w // 2).clamp(min=0), (cx + cut_w // 2).clamp(max=width)
-    return torch.stack([y1, y2, x1, x2], dim=1)
+    return torch.stack(torch.broadcast_tensors(y1, y2, x1, x2), dim=1)
 
 
 def boxes_mask(boxes: torch.Tensor, height: int, width: int, device=None) -> torch.Tensor:
@@ -178,25 +188,37 @@ class CutMix(Mixer):
         return Mixed({path: paste_box(h, draw.index, box)}, lam=lam, info={"box": box})
 
     def _mix_elem(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        name, h, path = draw.layer, leaves[0].tensor, leaves[0].path
+        h, path = leaves[0].tensor, leaves[0].path
         n, height, width = h.shape[0], h.shape[-2], h.shape[-1]
         lam = draw.lam.expand(n) if draw.lam.ndim == 0 else draw.lam
         boxes = draw.pinned.get("box")
         if boxes is None:
             boxes = rand_boxes(height, width, lam, draw.generator)
         else:
-            boxes = torch.as_tensor(boxes).to(torch.int64).cpu()
-            boxes = boxes.expand(n, 4) if boxes.shape == (4,) else boxes
-            if boxes.shape != (n, 4):
-                raise ValueError(
-                    f"pinned box of shape {tuple(boxes.shape)}: CutMix(mode='elem') takes one "
-                    f"(y1, y2, x1, x2) or one row per sample, ({n}, 4)"
-                )
-            y1, y2, x1, x2 = boxes.unbind(1)
-            if not bool(
-                ((0 <= y1) & (y1 <= y2) & (y2 <= height) & (0 <= x1) & (x1 <= x2) & (x2 <= width)).all()
-            ):
-                raise ValueError(f"a pinned box does not fit the {height}x{width} map of layer {name!r}")
-        mask = boxes_mask(boxes, height, width, h.device)
-        mixed = torch.where(mask, h[to_device(draw.index, h.device)], h)
-        return Mixed({path: mixed}, lam=boxes_lam(boxes, height, width), info={"box": boxes})
+            boxes = pinned_boxes("CutMix(mode='elem')", boxes, n, height, width, draw.layer)
+        return paste_boxes(h, path, draw.index, boxes)
+
+
+def pinned_boxes(kind: str, boxes, n: int, height: int, width: int, layer: str) -> torch.Tensor:
+    """Pinned per-sample boxes, one ``(y1, y2, x1, x2)`` for all or one row per sample, as an ``(n, 4)``
+    int64 CPU tensor, or a one-line ``ValueError``."""
+    boxes = torch.as_tensor(boxes).to(torch.int64).cpu()
+    boxes = boxes.expand(n, 4) if boxes.shape == (4,) else boxes
+    if boxes.shape != (n, 4):
+        raise ValueError(
+            f"pinned box of shape {tuple(boxes.shape)}: {kind} takes one (y1, y2, x1, x2) or one row per "
+            f"sample, ({n}, 4)"
+        )
+    y1, y2, x1, x2 = boxes.unbind(1)
+    if not bool(((0 <= y1) & (y1 <= y2) & (y2 <= height) & (0 <= x1) & (x1 <= x2) & (x2 <= width)).all()):
+        raise ValueError(f"a pinned box does not fit the {height}x{width} map of layer {layer!r}")
+    return boxes
+
+
+def paste_boxes(h: torch.Tensor, path, index: torch.Tensor, boxes: torch.Tensor) -> Mixed:
+    """Box ``i`` of ``h[index[i]]`` pasted into ``h[i]``: the :class:`Mixed` with one lam per sample (the
+    area each box leaves) and ``info["box"]``."""
+    height, width = h.shape[-2:]
+    mask = boxes_mask(boxes, height, width, h.device)
+    mixed = torch.where(mask, h[to_device(index, h.device)], h)
+    return Mixed({path: mixed}, lam=boxes_lam(boxes, height, width), info={"box": boxes})

@@ -112,6 +112,11 @@ class OneOf(LayerHook, MixingHook):
     def owns(self, hook: MixingHook) -> bool:
         return hook is self or any(m.owns(hook) for m in self.mixers)
 
+    def use_targets(self, target: torch.Tensor) -> None:
+        """Every regularizer gets the labels (whichever is chosen uses them)."""
+        for mixer in self.mixers:
+            mixer.use_targets(target)
+
     # ---------------------------------------------------------------------------------- the hooks
 
     def _check_attach(self, model: nn.Module) -> None:

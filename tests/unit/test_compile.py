@@ -75,6 +75,7 @@ def _every_hook():
         InputScale,
         NoisyFeatureMixup,
         PatchUp,
+        SaliencyMix,
     )
     from mixhook.mixers import METHODS
 
@@ -96,6 +97,7 @@ def _every_hook():
             if name != "OneOf"
         },
         "cutmix-elem": lambda: CutMix("conv1", mode="elem", generator=g()),
+        "saliencymix-gradient": lambda: SaliencyMix(["input", "conv2"], saliency="gradient", generator=g()),
     }
 
 
@@ -114,6 +116,8 @@ def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
         losses, grads = [], []
         for _ in range(3):
             model.zero_grad()
+            if hasattr(hook, "use_targets"):
+                hook.use_targets(y)  # for gradient saliency
             logits = net(x)
             per_sample = F.cross_entropy(logits, y, reduction="none")  # also for one lam per sample
             if hasattr(hook, "loss"):

@@ -26,6 +26,7 @@ from mixhook import (
     NoisyFeatureMixup,
     OneOf,
     PatchUp,
+    SaliencyMix,
     attach,
 )
 from tests.helpers import grads
@@ -167,6 +168,7 @@ def every_kind():
         ("nfm", lambda: NoisyFeatureMixup(["input", "2"], generator=gen(1))),
         ("oneof", lambda: OneOf([CutMix("0", generator=gen(1)), NoisyFeatureMixup("2")], generator=gen(2))),
         ("own", lambda: ChannelSwap("0", generator=gen(1))),
+        ("saliencymix", lambda: SaliencyMix(["0", "2"], generator=gen(1))),
     ]
 
 

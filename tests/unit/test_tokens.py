@@ -40,7 +40,9 @@ REGION_MIXERS = sorted(
 
 
 def test_the_region_mixers_all_take_a_token_grid():
-    assert REGION_MIXERS == ["CutMix", "FMix", "GridMix", "PatchUp", "ResizeMix", "SmoothMix", "TokenMix"]
+    assert REGION_MIXERS == [
+        "CutMix", "FMix", "GridMix", "PatchUp", "ResizeMix", "SaliencyMix", "SmoothMix", "TokenMix"
+    ]  # fmt: skip
 
 
 def test_cutmix_on_a_timm_vit_block_equals_a_hand_split_forward_with_gradients():

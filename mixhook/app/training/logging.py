@@ -91,14 +91,15 @@ class RunLogger:
 
 @torch.no_grad()
 def save_feature_maps(
-    model, mixer, layers, x: torch.Tensor, path: Path, channels: int = 6, pause=()
+    model, mixer, layers, x: torch.Tensor, path: Path, channels: int = 6, pause=(), targets=None
 ) -> list[str]:
     """A PNG grid per layer of the first ``channels`` channels of its feature maps for batch ``x``: each
     sample's unmixed maps beside its mixed ones (the mixer pinned to lam 0.5 with the batch reversed,
     at that layer when it is one of the mixer's). The forward runs in training mode, so the mix
     happens, and every random stream and buffer is put back afterwards, and the probes in ``pause``
     do not count it: training goes on unchanged. Layers whose output is not ``(B, C, H, W)`` are
-    skipped. Returns ``{layer: (unmixed, mixed)}`` for the layers drawn."""
+    skipped. ``targets``: the batch's labels, for a mixer that mixes by them (gradient saliency).
+    Returns ``{layer: (unmixed, mixed)}`` for the layers drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,6 +125,8 @@ def save_feature_maps(
                     mixer.pin(**({"layer": at} if at else {}), lam=0.5, index=index)
                 except (TypeError, ValueError):  # e.g. OneOf without a layer of one mixer: as drawn
                     pass
+            if mixer is not None and targets is not None:
+                mixer.use_targets(targets)  # a method that mixes by the labels' gradient needs them
             model(x)
     finally:
         model.train(was_training)

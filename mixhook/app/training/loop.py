@@ -100,6 +100,8 @@ def train_one_epoch(
     bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if mixup is not None:
+            mixup.use_targets(y)  # for a method that needs the labels to mix (gradient saliency)
         x, logits = _forward(model, x, dtype, channels_last)
         if loss == "bce_softmax":
             classes = logits.shape[1]
@@ -254,7 +256,7 @@ class Run:
     mixing regularizer among them, if any; ``handles``: what their ``attach()`` returned (removing them
     detaches everything). ``summary``: copied into ``summary.json`` (the mixup settings, seed, ...);
     ``config``: saved in the checkpoint for a resuming run to compare with its own.
-    ``feature_maps``: ``(layers, batch)`` to draw after every epoch into ``feature_maps/``."""
+    ``feature_maps``: ``(layers, batch, labels)`` to draw after every epoch into ``feature_maps/``."""
 
     model: nn.Module
     data: object
@@ -379,10 +381,11 @@ def train(
             if run.feature_maps is not None and dist.main:
                 folder = out_dir / "feature_maps"
                 folder.mkdir(exist_ok=True)
-                layers, batch = run.feature_maps
+                layers, batch, labels = run.feature_maps
                 save_feature_maps(
-                    model, mixup, layers, batch.to(device), folder / f"epoch{epoch:03d}", pause=probes
-                )
+                    model, mixup, layers, batch.to(device), folder / f"epoch{epoch:03d}", pause=probes,
+                    targets=labels.to(device),
+                )  # fmt: skip
             if test_acc > state.best[0]:
                 state.best = (test_acc, epoch)
             log.info(

@@ -1,0 +1,138 @@
+"""Saliency for the saliency-guided mixers (SaliencyMix, Attentive CutMix), at any layer they mix.
+
+Two sources, each a ``(B, H, W)`` map over the map the mixer cuts:
+
+- ``"activation"``: the channel-mean magnitude ``mean_c |h|`` of the map being mixed, or of an earlier
+  layer's ``(B, C, H', W')`` output (``saliency_layer``, recorded in the same forward and resized
+  bilinearly to the mixed map). **No extra pass**: it is read from the forward that mixes. There is none
+  at ``"input"`` (the input is mixed before any layer runs).
+- ``"gradient"``: ``sqrt(mean_c g**2)`` of the gradient ``g`` of the summed cross-entropy of the batch's
+  labels with respect to the mixed map (PuzzleMix's and Co-Mixup's saliency): **one more forward and a
+  backward down to that layer**, in eval mode, before the training forward
+  (:meth:`~mixhook.mixers.base.Mixer.gradient_at`: no parameter gradient or batch-norm statistic is
+  touched). It needs the labels: ``mixer.use_targets(y)`` before each forward.
+
+The map is computed once per mixing forward and kept with the draw, so activation checkpointing's
+recomputation and ``pin_last`` cut the same region; ``pin(saliency=...)`` supplies one of your own (e.g.
+the OpenCV saliency SaliencyMix's authors compute on the images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import recompute
+from ..layers import resolve_layers
+from ..sites import INPUT, Leaf, describe
+
+SOURCES = ("activation", "gradient")
+KEY = "saliency"
+
+
+def activation_saliency(h: torch.Tensor) -> torch.Tensor:
+    """``mean_c |h|`` of a ``(B, C, H, W)`` map: ``(B, H, W)``, detached, in float32 at least."""
+    return h.detach().abs().mean(1, dtype=torch.promote_types(h.dtype, torch.float32))
+
+
+def gradient_saliency(grad: torch.Tensor) -> torch.Tensor:
+    """``sqrt(mean_c g**2)`` of a ``(B, C, H, W)`` gradient: ``(B, H, W)``, detached."""
+    g = grad.detach().to(torch.promote_types(grad.dtype, torch.float32))
+    return g.square().mean(1).sqrt()
+
+
+class Saliency:
+    """The saliency source of one mixer (``kind`` names it in errors)."""
+
+    def __init__(self, kind: str, source: str, layer: str | None, mixer_layers: tuple[str, ...]):
+        if source not in SOURCES:
+            raise ValueError(f"saliency must be one of {', '.join(SOURCES)}, got {source!r}")
+        if layer is not None and (source != "activation" or not isinstance(layer, str) or layer == INPUT):
+            raise ValueError(
+                f"saliency_layer={layer!r}: an earlier module's name, for saliency='activation' only"
+            )
+        if source == "activation" and layer is None and INPUT in mixer_layers:
+            raise ValueError(
+                f"{kind} at 'input' with saliency='activation': the input is mixed before any layer runs, "
+                "so there is no activation to read; use saliency='gradient' there (one more forward and "
+                "backward) or mix at a hidden layer"
+            )
+        self.kind, self.source, self.layer = kind, source, layer
+        self._recorded: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        layer = "" if self.layer is None else f", saliency_layer={self.layer!r}"
+        return f"saliency={self.source!r}{layer}"
+
+    def register(self, mixer, model: nn.Module, handles: list[RemovableHandle]) -> None:
+        """With ``saliency_layer``: a forward hook that records its activation saliency in a forward
+        that is about to mix."""
+        if self.layer is None:
+            return
+        module = resolve_layers(model, [self.layer])[self.layer]
+
+        def record(module: nn.Module, args: tuple, output) -> None:
+            draw = mixer._draw
+            if not model.training or draw is None or draw.done or recompute.in_backward():
+                return
+            if not isinstance(output, torch.Tensor) or output.ndim != 4:
+                raise TypeError(
+                    f"{self.kind}: saliency_layer {self.layer!r} must output a (B, C, H, W) map, "
+                    f"got {describe(output)}"
+                )
+            self._recorded = activation_saliency(output)
+
+        handles.append(module.register_forward_hook(record))
+
+    def before_forward(self, mixer, model, args, kwargs, spec: str, pinned: Mapping, targets) -> dict:
+        self._recorded = None
+        if self.source != "gradient" or KEY in pinned:
+            return {}
+        return {KEY: gradient_saliency(mixer.gradient_at(model, args, kwargs, spec, targets))}
+
+    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> dict:
+        if self.source != "activation" or KEY in pinned:
+            return {}
+        h = leaves[0].tensor
+        if self.layer is None:
+            return {KEY: activation_saliency(h)}
+        recorded, self._recorded = self._recorded, None
+        if recorded is None:
+            raise RuntimeError(
+                f"{self.kind}: saliency_layer {self.layer!r} did not run before the mixed layer {spec!r} "
+                "in this forward; choose a layer that runs earlier"
+            )
+        if recorded.shape[0] != h.shape[0]:
+            raise ValueError(
+                f"{self.kind}: saliency_layer {self.layer!r} has a batch of {recorded.shape[0]}, the mixed "
+                f"layer {spec!r} one of {h.shape[0]}"
+            )
+        if recorded.shape[-2:] != h.shape[-2:]:
+            recorded = F.interpolate(recorded[:, None], size=h.shape[-2:], mode="bilinear")[:, 0]
+        return {KEY: recorded}
+
+
+def pinned_saliency(kind: str, pinned: Mapping, batch: int, height: int, width: int) -> torch.Tensor:
+    """The ``(B, H, W)`` saliency of this mix, as a float64 CPU tensor, or a one-line error."""
+    saliency = pinned.get(KEY)
+    if saliency is None:
+        raise RuntimeError(f"{kind}: no saliency for this mix (pin one, or attach the mixer to the model)")
+    saliency = torch.as_tensor(saliency).detach()
+    if tuple(saliency.shape) != (batch, height, width):
+        raise ValueError(
+            f"{kind}: saliency of shape {tuple(saliency.shape)} does not fit the batch of {batch} "
+            f"{height}x{width} maps; it must be ({batch}, {height}, {width})"
+        )
+    return saliency.to("cpu", torch.float64)
+
+
+def peaks(saliency: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each map's maximum (the first in row-major order on ties, as numpy's
+    ``argmax``): two ``(B,)`` int64 tensors."""
+    flat = saliency.flatten(1).argmax(1)
+    width = saliency.shape[-1]
+    return flat // width, flat % width

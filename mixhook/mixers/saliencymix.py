@@ -1,0 +1,133 @@
+"""SaliencyMix at any layer with two spatial dimensions (or on a ViT's tokens): the partner's most salient
+box pasted at the same place.
+
+Paper: Uddin, Monira, Shin, Chung, Bae. "SaliencyMix: A Saliency Guided Data Augmentation Strategy for
+Better Regularization." ICLR 2021. https://arxiv.org/abs/2006.01791. Authors' code:
+github.com/afm-shahab-uddin/SaliencyMix (``SaliencyMix_CIFAR/saliencymix.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..sites import Leaf
+from .base import Draw, Mixed, Mixer, check_spatial
+from .cutmix import box_lam, boxes_around, draw_box, paste_box, paste_boxes, pinned_boxes
+from .saliency import Saliency, peaks, pinned_saliency
+from .tokens import token_grid
+
+
+class SaliencyMix(Mixer):
+    """SaliencyMix (Uddin et al. 2021) at any layer whose output is ``(B, C, H, W)`` (or, with ``tokens``,
+    a ViT block's tokens), with saliency from the same forward or from a gradient pass.
+
+    On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
+    ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and the saliency ``S`` of every sample's map
+    (:mod:`mixhook.mixers.saliency`); a CutMix box (side ratio ``sqrt(1 - lam)``, clipped to the borders)
+    is centred on the partner's most salient position and the partner's box is pasted into the sample at
+    the same place:
+
+    - ``mode="batch"`` (the authors' code): one box for the batch, centred on the peak of the saliency
+      of ``index[0]``'s map, the first partner (as ``saliency_bbox(input[rand_index[0]], lam)``);
+    - ``mode="elem"``: each sample's box centred on its own partner's peak; one lam per sample (``loss``
+      then needs a per-sample criterion, ``reduction="none"``).
+
+    lam is corrected to the area kept: ``1 - box area / (H * W)``. ``.last.info["box"]`` is the box (a
+    ``(B, 4)`` tensor in ``mode="elem"``), ``["saliency"]`` the ``(B, H, W)`` map it was placed by.
+
+    The authors compute the saliency of the **image** with OpenCV's fine-grained static saliency;
+    mixhook's sources are the activation (``saliency="activation"``, at a hidden layer: no extra pass)
+    and the loss gradient (``"gradient"``, anywhere, the input included: one more forward and backward,
+    and ``use_targets(y)`` before each forward). ``pin(saliency=...)`` takes a ``(B, H, W)`` map of
+    your own, e.g. the OpenCV maps, which reproduces the paper's recipe exactly.
+
+    Args:
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
+        alpha: Beta concentration, > 0 (the paper: 1.0).
+        saliency: ``"activation"`` (default) or ``"gradient"``.
+        saliency_layer: with ``"activation"``, an earlier layer whose channel-mean magnitude (resized)
+            is the saliency; ``None``: the mixed map's own.
+        mode: ``"batch"`` or ``"elem"``, as above.
+        prob: probability that a batch is mixed (the paper's ``mix_prob``, 0.5 in its CIFAR runs).
+        generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+
+    ``pin`` also takes ``box`` (as :class:`~mixhook.CutMix`) and ``saliency``.
+    """
+
+    pin_keys = ("box", "saliency")
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 1.0,
+        saliency: str = "activation",
+        saliency_layer: str | None = None,
+        mode: str = "batch",
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
+    ):
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "SaliencyMix")
+        self.saliency = Saliency("SaliencyMix", saliency, saliency_layer, self.layers)
+        if mode not in ("batch", "elem"):
+            raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
+        self.mode = mode
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, {self.saliency!r}, mode={self.mode!r})"
+
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        h = check_spatial("SaliencyMix", spec, leaves)
+        if min(h.shape[-2:]) < 2:
+            raise ValueError(
+                f"SaliencyMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map is too small to ever paste a "
+                "box; choose an earlier layer"
+            )
+
+    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        super()._register(model, modules, handles)
+        self.saliency.register(self, model, handles)
+
+    def before_forward(self, model, args, kwargs, spec, pinned: Mapping, targets) -> Mapping:
+        if "box" in pinned:
+            return {}
+        return self.saliency.before_forward(self, model, args, kwargs, spec, pinned, targets)
+
+    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
+        return {} if "box" in pinned else self.saliency.before_mix(spec, leaves, pinned)
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        h, path = leaves[0].tensor, leaves[0].path
+        n, height, width = h.shape[0], h.shape[-2], h.shape[-1]
+        if draw.lam.ndim:
+            raise ValueError(f"SaliencyMix draws one lam per batch: pin one lam, not {draw.lam.shape[0]}")
+        pinned = draw.pinned.get("box")
+        saliency = (
+            None if pinned is not None else pinned_saliency("SaliencyMix", draw.pinned, n, height, width)
+        )
+        if self.mode == "elem":
+            if pinned is not None:
+                boxes = pinned_boxes("SaliencyMix(mode='elem')", pinned, n, height, width, draw.layer)
+            else:
+                cy, cx = peaks(saliency[draw.index])
+                boxes = boxes_around(height, width, draw.lam, cy, cx)
+            mixed = paste_boxes(h, path, draw.index, boxes)
+            info = {**mixed.info, "saliency": saliency}
+            return Mixed(mixed.tensors, lam=mixed.lam, info=info)
+        if pinned is not None:
+            box = draw_box(draw, height, width)
+        else:
+            cy, cx = peaks(saliency[draw.index[:1]])
+            box = tuple(int(v) for v in boxes_around(height, width, draw.lam, cy, cx)[0])
+        lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
+        return Mixed({path: paste_box(h, draw.index, box)}, lam=lam, info={"box": box, "saliency": saliency})

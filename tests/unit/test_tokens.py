@@ -41,7 +41,7 @@ REGION_MIXERS = sorted(
 
 def test_the_region_mixers_all_take_a_token_grid():
     assert REGION_MIXERS == [
-        "CutMix", "FMix", "GridMix", "PatchUp", "ResizeMix", "SaliencyMix", "SmoothMix", "TokenMix"
+        "AttentiveCutMix", "CutMix", "FMix", "GridMix", "PatchUp", "ResizeMix", "SaliencyMix", "SmoothMix", "TokenMix"
     ]  # fmt: skip
 
 
@@ -105,7 +105,7 @@ def test_every_region_mixer_mixes_tokens_as_it_mixes_the_same_map(name):
     """The same mixer, the same seed: its tokens' patch part equals its mix of the (B, D, gh, gw) map the
     tokens are, and the leading tokens are blended with the lam the targets get."""
     cls = getattr(mixhook, name)
-    options = {"block_size": 3} if name == "PatchUp" else {}
+    options = {"PatchUp": {"block_size": 3}, "AttentiveCutMix": {"grid": 2, "top_k": 1}}.get(name, {})
     tokens = torch.randn(4, 2 + 20, 6, dtype=torch.double)  # 2 leading tokens, a 4x5 grid
     grid = tokens[:, 2:].transpose(1, 2).reshape(4, 6, 4, 5)
     results = []

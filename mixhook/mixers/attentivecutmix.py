@@ -1,0 +1,143 @@
+"""Attentive CutMix at any layer with two spatial dimensions (or on a ViT's tokens): the partner's most
+salient grid cells pasted at the same places.
+
+Paper: Walawalkar, Shen, Liu, Savvides. "Attentive CutMix: An Enhanced Data Augmentation Approach for
+Deep Learning Based Image Classification." ICASSP 2020. https://arxiv.org/abs/2003.13048. Authors' code:
+github.com/xden2331/attentive_cutmix (``attentive_transform.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..sites import Leaf
+from ..transfer import to_device
+from .base import Draw, Mixed, Mixer, check_spatial
+from .gridmix import _grid, cell_index
+from .saliency import Saliency, pinned_saliency
+from .tokens import token_grid
+
+
+def cell_scores(saliency: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The mean saliency of each cell of a ``rows x cols`` grid (:func:`~mixhook.mixers.gridmix.cell_index`)
+    over ``(B, H, W)`` maps: ``(B, rows, cols)`` float64."""
+    n, height, width = saliency.shape
+    cell = cell_index(height, rows)[:, None] * cols + cell_index(width, cols)[None, :]
+    sums = torch.zeros(n, rows * cols, dtype=torch.float64)
+    sums.index_add_(1, cell.flatten(), saliency.to(torch.float64).flatten(1))
+    counts = torch.bincount(cell.flatten(), minlength=rows * cols).to(torch.float64)
+    return (sums / counts).view(n, rows, cols)
+
+
+def top_cells(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``(B, rows, cols)`` bool: True on each map's ``k`` highest cells (ties to the lower index)."""
+    n, rows, cols = scores.shape
+    order = torch.sort(scores.flatten(1), dim=1, descending=True, stable=True).indices[:, :k]
+    cells = torch.zeros(n, rows * cols, dtype=torch.bool)
+    cells.scatter_(1, order, True)
+    return cells.view(n, rows, cols)
+
+
+class AttentiveCutMix(Mixer):
+    """Attentive CutMix (Walawalkar et al. 2020) at any layer whose output is ``(B, C, H, W)`` (or, with
+    ``tokens``, a ViT block's tokens), with saliency from the same forward or a gradient pass.
+
+    On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a permutation
+    ``index``, and the saliency ``S`` of every sample's map (:mod:`mixhook.mixers.saliency`); the map is
+    cut into a ``grid`` of cells, each scored by its mean saliency, and the ``top_k`` cells of the
+    partner's map are pasted into the sample at the same places (one pattern per sample):
+
+        ``h'_i = M_i * h_i + (1 - M_i) * h_index[i]``,   ``M_i`` = 0 on the partner's top cells
+
+    lam (one per sample: ``loss`` needs a per-sample criterion, ``reduction="none"``) is ``mean(M_i)``,
+    the area kept; no lam is drawn (``top_k`` fixes the area). ``.last.info["cells"]`` is the
+    ``(B, rows, cols)`` bool pattern (True: the sample's own), ``["mask"]`` the ``(B, H, W)`` masks,
+    ``["saliency"]`` the maps.
+
+    The paper scores a pre-trained ResNet-50's last 7x7 feature map of the image; here the scores come
+    from the model being trained (``saliency="activation"`` at a hidden layer, no extra pass, or
+    ``"gradient"``, anywhere; see :class:`~mixhook.SaliencyMix`). The authors' released code ranks the
+    cells by the feature map's last channel alone; this ranks them by the channel mean the paper
+    describes. (OpenMixup's ``attentivemix`` keeps the sample's own top cells instead.)
+
+    Args:
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``
+            with at least ``grid`` pixels along each side.
+        grid: cells along each side, an int or ``(rows, columns)`` (the paper: 7).
+        top_k: how many of the partner's cells are pasted, from 1 to cells - 1 (the paper: 6).
+        saliency, saliency_layer: the saliency source, as :class:`~mixhook.SaliencyMix`.
+        prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+
+    ``pin`` also takes ``saliency`` (``(B, H, W)``).
+    """
+
+    pin_keys = ("saliency",)
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        grid: int | Sequence[int] = 7,
+        top_k: int = 6,
+        saliency: str = "activation",
+        saliency_layer: str | None = None,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
+    ):
+        super().__init__(layer, 1.0, prob, generator, batch_dim, padding)
+        self.token_grid = token_grid(tokens, prefix, "AttentiveCutMix")
+        self.saliency = Saliency("AttentiveCutMix", saliency, saliency_layer, self.layers)
+        self.grid = _grid(grid)
+        cells = self.grid[0] * self.grid[1]
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k < cells:
+            raise ValueError(
+                f"top_k must be an int from 1 to {cells - 1} (the grid's cells - 1), got {top_k!r}"
+            )
+        self.top_k = top_k
+
+    def __repr__(self) -> str:
+        base = super().__repr__()[:-1].replace(", alpha=1.0", "")
+        return f"{base}, grid={self.grid}, top_k={self.top_k}, {self.saliency!r})"
+
+    def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.ones((), dtype=torch.float64)  # unused: top_k sets the area
+
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        h = check_spatial("AttentiveCutMix", spec, leaves)
+        if h.shape[-2] < self.grid[0] or h.shape[-1] < self.grid[1]:
+            raise ValueError(
+                f"AttentiveCutMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has fewer pixels than "
+                f"the {self.grid[0]}x{self.grid[1]} grid has cells along a side; choose an earlier layer or "
+                "a smaller grid"
+            )
+
+    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        super()._register(model, modules, handles)
+        self.saliency.register(self, model, handles)
+
+    def before_forward(self, model, args, kwargs, spec, pinned: Mapping, targets) -> Mapping:
+        return self.saliency.before_forward(self, model, args, kwargs, spec, pinned, targets)
+
+    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
+        return self.saliency.before_mix(spec, leaves, pinned)
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        h, path = leaves[0].tensor, leaves[0].path
+        n, height, width = h.shape[0], h.shape[-2], h.shape[-1]
+        saliency = pinned_saliency("AttentiveCutMix", draw.pinned, n, height, width)
+        rows, cols = self.grid
+        cells = ~top_cells(cell_scores(saliency[draw.index], rows, cols), self.top_k)
+        mask = cells.to(torch.float64)[:, cell_index(height, rows)][:, :, cell_index(width, cols)]
+        m = to_device(mask, h.device, h.dtype)[:, None]
+        mixed = m * h + (1 - m) * h[to_device(draw.index, h.device)]
+        info = {"cells": cells, "mask": mask, "saliency": saliency}
+        return Mixed({path: mixed}, lam=mask.flatten(1).mean(1), info=info)

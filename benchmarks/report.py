@@ -17,6 +17,7 @@ GOALS = {
     "recompiles_after_warmup": 0,
     "blend_vs_copy_bandwidth": 0.80,  # on a GPU
     "gradscale_vs_none": 1.02,
+    "activation_saliency_vs_manifold": 1.05,  # SaliencyMix (activation) step / Manifold Mixup step
 }
 
 
@@ -74,6 +75,14 @@ def goals(results: dict, device) -> list[dict]:
             rc["graphs_compiled_after_warmup"],
             0,
             f"{rc['model']}, {rc['steps']} steps",
+        )
+    if results.get("methods", {}).get("vs_manifold", {}).get("SaliencyMix"):
+        m = results["methods"]
+        add(
+            "activation_saliency_vs_manifold",
+            m["vs_manifold"]["SaliencyMix"]["median"],
+            GOALS["activation_saliency_vs_manifold"],
+            f"{m['model']} {m['layer']} eager",
         )
     if device.type == "cuda" and "blend" in results:
         add(
@@ -140,6 +149,24 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {sec:.4f} | {rel} |")
         for name, note in p["notes"].items():
             lines.append(f"| {name} | {note} | |")
+    if "methods" in results:
+        m = results["methods"]
+        lines += [
+            "",
+            f"## Methods: training step, {m['model']} at {m['layer']}, batch {m['batch']}, "
+            f"{m['image_size']}x{m['image_size']}",
+            "",
+            "| method | s/step | vs none | vs ManifoldMixup |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, sec in m["seconds_per_step"].items():
+            rel = fmt(m["vs_none"][name]) if name in m["vs_none"] else "1"
+            man = (
+                fmt(m["vs_manifold"][name])
+                if name in m["vs_manifold"]
+                else ("1" if name == "ManifoldMixup" else "")
+            )
+            lines.append(f"| {name} | {sec:.4f} | {rel} | {man} |")
     if "dispatch" in results:
         d = results["dispatch"]
         lines += ["", "## Dispatch", "", "| module call | µs |", "| --- | --- |"]

@@ -13,7 +13,9 @@ on CUDA); 2. peers (torchvision's v2.MixUp, timm's Mixup when installed) against
 ManifoldMixup("input"); 3. dispatch: microseconds per module call without, with an inactive and with
 an active hook, and an eval forward with inactive hooks; 4. the blend's forward + backward as GB/s next
 to the device's copy bandwidth; 5. recompiles of a compiled model over many steps with changing lam
-and layer; 6. peak memory of a training step (CUDA). Each case is a module of ``benchmarks/cases/``;
+and layer; 6. peak memory of a training step (CUDA); 7. methods: every mixing method's training step
+at layer2 of PreActResNet-18 against no mixing and against Manifold Mixup (the saliency methods with
+each source). Each case is a module of ``benchmarks/cases/``;
 ``timing.py`` times variants side by side, ``report.py`` turns results into goals and Markdown, and
 this file is the runner: the plan per device, the order, the files.
 """
@@ -35,13 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cases.blend import blend_bandwidth  # noqa: E402
 from benchmarks.cases.dispatch import dispatch  # noqa: E402
 from benchmarks.cases.memory import memory  # noqa: E402
+from benchmarks.cases.methods import methods  # noqa: E402
 from benchmarks.cases.peers import peers  # noqa: E402
 from benchmarks.cases.recompiles import recompiles  # noqa: E402
 from benchmarks.cases.training_step import VARIANTS, training_steps  # noqa: E402
 from benchmarks.report import device_name, goals, markdown  # noqa: E402
 from benchmarks.timing import Timer  # noqa: E402
 
-CASES = ("eager", "compiled", "bf16", "peers", "dispatch", "blend", "recompiles", "memory")
+CASES = ("eager", "compiled", "bf16", "peers", "methods", "dispatch", "blend", "recompiles", "memory")
 
 
 def main(argv=None) -> dict:
@@ -152,6 +155,18 @@ def main(argv=None) -> dict:
         log("peers ...")
         results["peers"] = peers(
             device, timer, reps, 1, *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32)))
+        )
+        checkpoint()
+    if "methods" in cases:
+        log("methods ...")
+        quick_methods = ["ManifoldMixup", "CutMix", "SaliencyMix", "SaliencyMix_gradient"]
+        results["methods"] = methods(
+            device,
+            timer,
+            reps,
+            inner,
+            *((8, 32) if args.quick else ((128, 32) if cuda else (16, 32))),
+            wanted=quick_methods if args.quick else None,
         )
         checkpoint()
     if "dispatch" in cases:

@@ -1,0 +1,72 @@
+"""Case 7: every mixing method's training step (forward + backward + SGD) of PreActResNet-18 at a hidden
+layer, against no mixing and against Manifold Mixup at the same layer; the saliency methods with each
+source (activation: read from the same forward; gradient: one more forward and a backward)."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.timing import ratio
+from mixhook import AttentiveCutMix, SaliencyMix
+from mixhook.app.models import PreActResNet18
+from mixhook.mixers import METHODS
+
+LAYER = "layer2"  # 16x16 maps at 32x32 images: room for every method's defaults (PatchUp's 7x7 blocks)
+
+
+def method_variants() -> dict:
+    """name -> a mixer at LAYER: every discovered method at its defaults, and the saliency variants."""
+    makers = {name: (lambda cls=cls: cls(LAYER)) for name, cls in sorted(METHODS.items()) if name != "OneOf"}
+    makers["SaliencyMix_gradient"] = lambda: SaliencyMix(LAYER, saliency="gradient")
+    makers["SaliencyMix_layer1_activation"] = lambda: SaliencyMix(LAYER, saliency_layer="layer1")
+    makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")
+    return makers
+
+
+def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
+    torch.manual_seed(0)
+    base = PreActResNet18(in_channels=3, num_classes=10).to(device).train()
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    makers = method_variants()
+    names = ["none", *(n for n in makers if wanted is None or n in wanted)]
+
+    def per_sample_ce(logits, target):
+        return F.cross_entropy(logits, target, reduction="none")
+
+    steps = {}
+    for name in names:
+        model = copy.deepcopy(base)
+        mixer = None if name == "none" else makers[name]()
+        if mixer is not None:
+            mixer.attach(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step(model=model, opt=opt, mixer=mixer):
+            if mixer is not None:
+                mixer.use_targets(y)
+            logits = model(x)
+            loss = (mixer.loss(per_sample_ce, logits, y) if mixer else per_sample_ce(logits, y)).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        steps[name] = step
+    times = timer.side_by_side(steps, reps=reps, inner=inner, warmup=2)
+    return {
+        "model": "preact_resnet18",
+        "layer": LAYER,
+        "batch": batch,
+        "image_size": size,
+        "seconds_per_step": {k: statistics.median(v) for k, v in times.items()},
+        "vs_none": {k: ratio(times, k, "none") for k in times if k != "none"},
+        "vs_manifold": {
+            k: ratio(times, k, "ManifoldMixup") for k in times if k not in ("none", "ManifoldMixup")
+        }
+        if "ManifoldMixup" in times
+        else {},
+    }

@@ -13,6 +13,7 @@ import inspect
 import logging
 import os
 import random
+import re
 import sys
 
 import numpy as np
@@ -312,6 +313,17 @@ def _parameters(target: str) -> set[str]:
         return set()
 
 
+def _layer_key(hook, err: UnknownLayerError) -> str:
+    """The config key that named the unknown layer: ``layer``, or a method's other layer argument
+    (TransMix's ``attention``, the saliency methods' ``saliency_layer``)."""
+    named = re.search(r"unknown layer '([^']+)'", str(err))
+    if named and getattr(hook, "attention", None) == named[1]:
+        return "attention"
+    if named and getattr(getattr(hook, "saliency", None), "layer", None) == named[1]:
+        return "saliency_layer"
+    return "layer"
+
+
 def _attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Data) -> list:
     """Attach every hook (resolving layer names) and run one sample batch through the model in eval
     mode, checking that it runs on this data and that each mixing layer returns what its regularizer
@@ -323,8 +335,8 @@ def _attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: D
                 handles.append(hook.attach(model))
             except UnknownLayerError as err:
                 raise ConfigError(
-                    f"{key}.layer: {err}. `python -m mixhook.layers` with this run's model and data "
-                    "overrides lists every layer with its output and whether it can be mixed"
+                    f"{key}.{_layer_key(hook, err)}: {err}. `python -m mixhook.layers` with this run's model "
+                    "and data overrides lists every layer with its output and whether it can be mixed"
                 ) from err
         _check_sample_batch(model, hooks, data)
     except BaseException:

@@ -1,0 +1,174 @@
+"""TransMix for ViTs: CutMix whose label weights follow the class token's attention over the pasted patches.
+
+Paper: Chen, Sun, He, Torr, Yuille, Bai. "TransMix: Attend to Mix for Vision
+Transformers." CVPR 2022. https://arxiv.org/abs/2111.09833. Authors' code: github.com/Beckschen/TransMix
+(``transmix.py``, ``transmix_label``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import recompute
+from ..layers import resolve_layers
+from ..sites import Inputs
+from .base import check_fraction
+from .cutmix import CutMix, boxes_mask
+from .tokens import model_grid
+
+
+def class_attention(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The class token's attention over every token, averaged over heads, ``(B, T)``, recomputed (without
+    gradients) from the inputs an attention module was called with: timm's ``Attention`` (its ``qkv``,
+    ``q_norm``/``k_norm``, ``scale``; fused or not) or ``nn.MultiheadAttention`` (batch first or not)."""
+    if isinstance(module, nn.MultiheadAttention):
+        inputs = Inputs(module, args, kwargs)
+        query, key = inputs.get("query"), inputs.get("key")
+        value = inputs.get("value")
+        masks = {k: inputs.get(k) for k in ("key_padding_mask", "attn_mask") if inputs.get(k) is not None}
+        _, weights = module(query, key, value, need_weights=True, average_attn_weights=True, **masks)
+        return weights[:, 0]  # (B, L, S) whatever the layout: the first query's row
+    x = args[0] if args else kwargs["x"]
+    b, t, _ = x.shape
+    qkv = module.qkv(x).reshape(b, t, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = module.q_norm(qkv[0]), module.k_norm(qkv[1])
+    scores = (q[:, :, :1] * module.scale) @ k.transpose(-2, -1)  # (B, heads, 1, T)
+    return scores.softmax(dim=-1).mean(1)[:, 0]
+
+
+def _attention_kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.MultiheadAttention):
+        return "mha"
+    if all(hasattr(module, a) for a in ("qkv", "num_heads", "scale", "q_norm", "k_norm")):
+        return "timm"
+    return None
+
+
+class TransMix(CutMix):
+    """TransMix (Chen et al. 2022): CutMix on a ViT (at the input, or on a block's tokens with ``tokens``)
+    whose target weights are re-weighted by the class token's attention in a named attention layer of the
+    same forward.
+
+    The mix is :class:`~mixhook.CutMix`'s (one box per batch). When ``attention`` runs, the class token's
+    attention ``a_i`` over the patch tokens (averaged over heads) is read and each sample's weight of its
+    partner's label becomes ``ratio * (pasted area) + (1 - ratio) * sum(a_i * P) / sum(a_i)``, ``P`` the
+    pasted region on the patch grid (the box resized to it, nearest); the sample keeps the rest. So
+    ``.last.lam`` is one value per sample (``loss`` needs a per-sample criterion,
+    ``reduction="none"``); ``.last.info["area_lam"]`` is CutMix's, ``["attention"]`` the ``(B, N)``
+    attention. Equal to the authors' ``transmix_label`` on the same attention (``ratio=0.5``, theirs).
+
+    The attention is recomputed from the layer's inputs without gradients (timm's fused attention never
+    forms it): one ``qkv`` projection of one block for timm's ``Attention``, one attention call for
+    ``nn.MultiheadAttention`` (torchvision's ViT). The patch grid and the leading tokens come from the
+    model (timm, torchvision and HuggingFace ViTs state them) or from ``tokens``.
+
+    Args:
+        layer: where CutMix cuts: ``"input"`` (the paper) or a block with ``tokens``.
+        attention: the attention module whose class-token row weighs the labels (the paper: the last
+            block's, e.g. ``"blocks.11.attn"`` in timm, ``"encoder.layers.encoder_layer_11.self_attention"``
+            in torchvision); it must run after ``layer``.
+        alpha: Beta concentration of the box size, > 0 (the paper: 1.0).
+        ratio: the weight of the area in the label weights, in [0, 1] (the authors' code: 0.5).
+        prob, generator, batch_dim, padding, tokens, prefix: as :class:`~mixhook.CutMix`.
+
+    ``pin`` takes what CutMix's does.
+    """
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        attention: str,
+        alpha: float = 1.0,
+        ratio: float = 0.5,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
+    ):
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, "batch", tokens, prefix)
+        if not isinstance(attention, str) or not attention:
+            raise ValueError(f"attention must be the name of an attention module, got {attention!r}")
+        self.attention = attention
+        self.ratio = check_fraction("ratio", ratio)
+        self._reading = False
+        self._map_size: tuple[int, int] | None = None  # the cut map's (H, W), set by each mix
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, attention={self.attention!r}, ratio={self.ratio})"
+
+    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        module = resolve_layers(model, [self.attention])[self.attention]
+        if _attention_kind(module) is None:
+            raise TypeError(
+                f"TransMix: attention={self.attention!r} is a {type(module).__name__}, not an attention "
+                "module whose weights can be read (timm's Attention, nn.MultiheadAttention); name the "
+                "block's attention, e.g. 'blocks.11.attn' or 'encoder.layers.encoder_layer_11.self_attention'"
+            )
+        super()._register(model, modules, handles)
+        handles.append(module.register_forward_hook(self._attention_hook(model), with_kwargs=True))
+
+    def _attention_hook(self, model: nn.Module):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            if self._reading or recompute.in_backward() or not model.training or self._capture is not None:
+                return
+            draw, last = self._draw, self.last
+            if draw is not None and not draw.done:
+                raise RuntimeError(
+                    f"TransMix: attention layer {self.attention!r} ran before the mixed layer "
+                    f"{draw.layer!r}; name an attention layer after it (the paper: the last block's)"
+                )
+            if draw is None or last is None or "attention" in last.info:  # no mix, or a second call
+                return
+            self._reading = True
+            try:
+                with torch.no_grad():
+                    weights = class_attention(module, args, kwargs)
+            finally:
+                self._reading = False
+            self.last = self._reweighted(model, last, weights)
+
+        return hook
+
+    def _reweighted(self, model: nn.Module, last, weights: torch.Tensor):
+        rows, cols, prefix = self._grid(model, weights.shape[1])
+        attention = weights[:, prefix:].to("cpu", torch.float64)
+        box = torch.as_tensor(last.info["box"]).view(1, 4)
+        height, width = self._map_size
+        pasted = boxes_mask(box, height, width)[0].to(torch.float64)  # (1, H, W): 1 inside the box
+        if (height, width) != (rows, cols):
+            pasted = F.interpolate(pasted[None], size=(rows, cols), mode="nearest")[0]
+        pasted = pasted.flatten()
+        w_partner, w_own = (attention * pasted).sum(1), (attention * (1 - pasted)).sum(1)
+        partner = self.ratio * (1 - last.lam) + (1 - self.ratio) * w_partner / (w_own + w_partner)
+        info = {**last.info, "area_lam": last.lam, "attention": attention}
+        return dataclasses.replace(last, lam=1 - partner, info=info)
+
+    def _grid(self, model: nn.Module, count: int) -> tuple[int, int, int]:
+        if self.token_grid is not None and self.token_grid.grid is not None:
+            rows, cols = self.token_grid.grid
+            return rows, cols, count - rows * cols
+        stated = model_grid(model)
+        if stated is None:
+            raise TypeError(
+                f"TransMix: {type(model).__name__} does not state its patch grid; use a timm, torchvision or "
+                "HuggingFace ViT, or mix its tokens with tokens=(rows, columns)"
+            )
+        prefix = count - stated.rows * stated.cols
+        if prefix < 0 or (stated.prefix is not None and prefix != stated.prefix):
+            raise ValueError(
+                f"TransMix: attention layer {self.attention!r} has {count} tokens, which do not fit the "
+                f"model's {stated.rows}x{stated.cols} patches and {stated.prefix} leading tokens"
+            )
+        return stated.rows, stated.cols, prefix
+
+    def mix(self, leaves, draw):
+        self._map_size = tuple(leaves[0].tensor.shape[-2:])
+        return super().mix(leaves, draw)

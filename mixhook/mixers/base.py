@@ -37,7 +37,8 @@ from ..sites import (
     replace_leaves,
 )
 from ..transfer import to_device
-from .functional import _scatter_inverse, inverse_permutation, mix_targets, sample_lam, smooth_one_hot
+from . import partners
+from .functional import _scatter_inverse, inverse_permutation, per_sample, sample_lam, smooth_one_hot
 from .tokens import TokenGrid
 
 
@@ -97,11 +98,14 @@ class Mixed:
         lam: the target weight ``loss``/``targets`` use, where it differs from the drawn ``draw.lam``
             (CutMix's area-corrected lam); ``None``: ``draw.lam``.
         info: what to record in :attr:`MixState.info`.
+        index: the partners actually used, where the method chose them itself (partners from the global
+            batch: indices into it); ``None``: ``draw.index``.
     """
 
     tensors: dict
     lam: torch.Tensor | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
+    index: torch.Tensor | None = None
 
 
 @dataclass
@@ -335,9 +339,8 @@ class Mixer(LayerHook, MixingHook):
         last = self.last
         if last is None:
             return criterion(logits, target)
-        index = self._index_for(target, "loss")
         loss_a = criterion(logits, target)
-        loss_b = criterion(logits, target[index])
+        loss_b = criterion(logits, self._partners_of(target, "loss"))
         lam = to_device(last.lam, loss_a.device, loss_a.dtype)
         if lam.ndim == 1 and loss_a.shape != lam.shape:
             raise ValueError(
@@ -366,7 +369,9 @@ class Mixer(LayerHook, MixingHook):
             )
         if self.last is None:
             return smooth_one_hot(target, num_classes, smoothing)
-        return mix_targets(target, num_classes, self.last.lam, self._index_for(target, "targets"), smoothing)
+        own = smooth_one_hot(target, num_classes, smoothing)
+        partner = smooth_one_hot(self._partners_of(target, "targets"), num_classes, smoothing)
+        return torch.lerp(partner, own, per_sample(self.last.lam, own))
 
     def check_output(self, spec: str, value, batch: int | None = None) -> None:
         """Raise ``TypeError``/``ValueError`` (one line) unless what layer ``spec`` returned (for
@@ -411,7 +416,7 @@ class Mixer(LayerHook, MixingHook):
         if not model.training:
             self._draw = None
             return None
-        return self._begin(model, args, kwargs, self._decide())
+        return self._begin(model, args, kwargs, self._agree(self._decide()))
 
     def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Decision | None):
         """Start a training forward with ``draw`` (or no mix); mix the input now if it is the layer."""
@@ -569,6 +574,15 @@ class Mixer(LayerHook, MixingHook):
                 "compiling.)"
             )
 
+    def _agree(self, draw: _Decision | None) -> _Decision | None:
+        """The decision this forward follows: its own (ranks that must agree override this)."""
+        return draw
+
+    def partner_pool(self, n: int) -> int:
+        """How many samples a batch of ``n`` draws its partners from: ``n`` (partners from the global
+        batch of a data-parallel job: ``world * n``); a pinned index is checked against it."""
+        return n
+
     def _decide(self) -> _Decision | None:
         """Whether this forward mixes, and where (pinned values win; a pinned forward always mixes)."""
         pinned, self._pinned = self._pinned, None
@@ -628,7 +642,9 @@ class Mixer(LayerHook, MixingHook):
         for name, true_is_padding in _MASK_ARGS.items():
             mask = inputs.get(name)
             if isinstance(mask, torch.Tensor) and mask.ndim >= 1 and mask.shape[0] == index.shape[0]:
-                partner = mask[to_device(index, mask.device)]
+                pool = self.partner_pool(mask.shape[0])  # partners from every rank: their masks too
+                source = mask if pool == mask.shape[0] else partners.gather_labels(mask)
+                partner = source[to_device(index, mask.device)]
                 padding = true_is_padding and mask.dtype == torch.bool
                 new[name] = torch.minimum(mask, partner) if padding else torch.maximum(mask, partner)
         return inputs.rebuild(new) if new else None
@@ -697,6 +713,7 @@ class Mixer(LayerHook, MixingHook):
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
             index = pinned.get("index")
+            pool = self.partner_pool(n)
             lam = pinned.get("lam")
             if lam is None:
                 lam = torch.as_tensor(self.sample_lam(n, generator), dtype=torch.float64)
@@ -706,12 +723,14 @@ class Mixer(LayerHook, MixingHook):
                 )
             if index is None:
                 index = torch.randperm(n, generator=generator, device=generator.device)
-            elif index.shape[0] != n or (n and (int(index.min()) < -n or int(index.max()) >= n)):
+            elif index.shape[0] != n or (n and (int(index.min()) < -pool or int(index.max()) >= pool)):
+                where = f"the batch of {n}" if pool == n else f"{pool} partners for a batch of {n}"
                 raise ValueError(
                     f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
-                    f"does not index the batch of {n} at layer {spec!r}"
+                    f"does not index {where} at layer {spec!r}"
                 )
-            draw = Draw(spec, lam, index, _inverse(index, pinned), generator, pinned)
+            inverse = _inverse(index, pinned) if pool == n else None
+            draw = Draw(spec, lam, index, inverse, generator, pinned)
             mixed = self.mix(given, draw)
         finally:
             self.generator = saved
@@ -725,7 +744,7 @@ class Mixer(LayerHook, MixingHook):
         state = MixState(
             layer=spec,
             lam=target_lam,
-            index=index,
+            index=index if mixed.index is None else mixed.index,
             info=dict(mixed.info),
             elements=tuple(leaf.name for leaf in found),
             batch_dims=tuple(leaf.dim for leaf in found),
@@ -785,14 +804,18 @@ class Mixer(LayerHook, MixingHook):
         draws from ``draw.generator`` only. Gradients must flow as in a hand-edited ``forward()``."""
         raise NotImplementedError(f"{type(self).__name__} must implement mix(leaves, draw)")
 
-    def _index_for(self, target: torch.Tensor, what: str) -> torch.Tensor:
+    def _partners_of(self, target: torch.Tensor, what: str) -> torch.Tensor:
+        """The partners' rows of ``target`` for the last mix (from every rank's ``target`` when the
+        partners came from the global batch)."""
         index = self.last.index
         if target.shape[0] != index.shape[0]:
             raise ValueError(
                 f"{what}(): target has {target.shape[0]} rows but the last forward mixed a batch of "
                 f"{index.shape[0]}"
             )
-        return to_device(index, target.device)
+        if self.last.info.get("partners") == "global":
+            target = partners.gather_labels(target)
+        return target[to_device(index, target.device)]
 
 
 def _rebuild_inputs(inputs: Inputs, site, value) -> tuple[tuple, dict]:

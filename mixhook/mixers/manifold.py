@@ -15,8 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from ..sites import Leaf
-from .base import Draw, Mixed, Mixer
-from .functional import along, blend, sample_beta, sample_lam
+from ..transfer import to_device
+from . import partners
+from .base import Draw, Mixed, Mixer, _Decision
+from .functional import along, blend, per_sample, sample_beta, sample_lam
+from .partners import check_partners, world
 
 
 class ManifoldMixup(Mixer):
@@ -52,6 +55,10 @@ class ManifoldMixup(Mixer):
             mask (``attention_mask``, ``key_padding_mask``, ...) gets the union of the two partners'
             masks, so a mixed sample attends to the positions that are real in either; ``"keep"``:
             masks are left as they are.
+        partners: ``"local"`` (default): partners from this process's batch; ``"global"``: from the
+            batches of every rank of a data-parallel job, as if one process mixed the global batch
+            (:mod:`mixhook.mixers.partners`; ``.last.index`` then indexes the global batch, and ``loss``
+            and ``targets`` gather the labels from every rank).
 
     A layer's output is mixed as a whole: every tensor in it that carries the batch, each along its
     own batch dimension, with one lam and one permutation; a selector (``"lstm[1.0]"``) restricts it.
@@ -67,15 +74,36 @@ class ManifoldMixup(Mixer):
         mode: str = "batch",
         batch_dim: int | dict | None = None,
         padding: str = "union",
+        partners: str = "local",
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
         if mode not in ("batch", "elem"):
             raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
         self.mode = mode
+        self.partners = check_partners(partners)
 
     def __repr__(self) -> str:
         base = super().__repr__()
-        return base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
+        base = base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
+        return base if self.partners == "local" else f"{base[:-1]}, partners={self.partners!r})"
+
+    def partner_pool(self, n: int) -> int:
+        return n if self.partners == "local" else n * world(type(self).__name__)[0]
+
+    def _agree(self, draw: _Decision | None) -> _Decision | None:
+        """With partners from the global batch, every rank follows rank 0's decision (whether to mix and
+        where): the all-gather at the mixed layer must run on all ranks at once."""
+        if self.partners == "local":
+            return draw
+        world(type(self).__name__)
+        mine = [0, 0] if draw is None else [1, self.layers.index(draw.layer)]
+        mixes, k = partners.broadcast(torch.tensor(mine, dtype=torch.int64)).tolist()
+        if not mixes:
+            return None
+        if draw is None:
+            return _Decision(layer=self.layers[k])
+        draw.layer = self.layers[k]
+        return draw
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "elem":
@@ -86,8 +114,26 @@ class ManifoldMixup(Mixer):
         lam, index = draw.lam, draw.index
         if self.mode == "elem" and lam.ndim == 0:  # a pinned number: the same for every sample
             lam = lam.expand(index.shape[0])
+        if self.partners == "global":
+            return self._mix_global(leaves, draw, lam)
         tensors = {
             leaf.path: along(leaf.dim, lambda h: blend(h, lam, index, draw.inverse), leaf.tensor)
             for leaf in leaves
         }
         return Mixed(tensors, lam=lam)
+
+    def _mix_global(self, leaves: list[Leaf], draw: Draw, lam: torch.Tensor) -> Mixed:
+        """Partners from every rank's batch: rank 0's permutation of the global batch (or the pinned
+        global index), the layer's output gathered from all ranks (gradients go back to each partner's
+        rank)."""
+        size, rank = world(type(self).__name__)
+        n = leaves[0].tensor.shape[leaves[0].dim]
+        index = draw.index if "index" in draw.pinned else partners.global_index(n, draw.generator)
+
+        def mixed(h: torch.Tensor) -> torch.Tensor:
+            partner = partners.gather(h)[to_device(index, h.device)]
+            return torch.lerp(partner, h, per_sample(lam, h))
+
+        tensors = {leaf.path: along(leaf.dim, mixed, leaf.tensor) for leaf in leaves}
+        info = {"partners": "global", "world": size, "rank": rank}
+        return Mixed(tensors, lam=lam, info=info, index=index)

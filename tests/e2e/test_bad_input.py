@@ -66,6 +66,25 @@ from tests.conftest import write_cifar
             ["mixup=cutmix", "mixup.layer=layer4"],
             "error: mixup.layer: CutMix at 'layer4': its 1x1 map is too small to ever paste a box",
         ),
+        (
+            ["mixup.partners=global"],
+            "error: mixup.partners=global draws partners from every rank's batch, but this run has one "
+            "process; launch it with torchrun",
+        ),
+        (
+            ["mixup=saliencymix", "mixup.layer=input"],
+            "error: mixup: SaliencyMix at 'input' with saliency='activation': the input is mixed before "
+            "any layer runs",
+        ),
+        (
+            ["mixup=transmix"],
+            "error: mixup.attention: unknown layer 'blocks.11.attn' in PreActResNet",
+        ),
+        (
+            ["mixup=cutmix", "mixup.tokens=auto"],
+            "error: mixup.layer: CutMix at 'input': tokens='auto' but PreActResNet does not state a fixed "
+            "patch grid",
+        ),
     ],
 )
 def test_bad_input_gets_one_line_and_a_non_zero_exit_before_training(tmp_path, capsys, overrides, line):

@@ -78,3 +78,22 @@ def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((sweep / "0" / "summary.json").read_text())["processes"] == 2
     assert metrics_without_time(out) == metrics_without_time(sweep / "0")
+
+
+def test_global_partners_in_ddp_equal_one_process_mixing_the_global_batch(tmp_path):
+    """ManifoldMixup(partners="global") under torchrun (gloo, 2 processes, DDP): over 12 steps with
+    prob 0.7 at three layers, each rank with its own stream, the ranks follow rank 0's decisions, the
+    partners are one permutation of the global batch, and logits, losses, targets and DDP gradients
+    equal one process mixing the whole batch by hand (float64)."""
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "e2e" / "global_partners_worker.py"), str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["mixed_steps"] >= 5 and found["layers"] == ["1", "3", "input"]
+    worst = found["worst"]
+    assert worst["logits"] < 1e-12 and worst["loss"] < 1e-12 and worst["grad"] < 1e-12, worst
+    assert worst["targets"] < 1e-6, worst  # targets() are float32

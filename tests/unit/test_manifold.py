@@ -433,3 +433,20 @@ def test_blend_backward_through_the_inverse_permutation_is_the_exact_gradient(la
     repeated = torch.tensor([0, 0, 1, 2, 2])
     assert inverse_permutation(repeated) is None
     assert torch.autograd.gradcheck(lambda t: blend(t, lam, repeated), (h,))
+
+
+def test_global_partners_need_a_process_group_and_partners_is_checked():
+    """partners="global" is tested under torchrun in tests/e2e/test_distributed.py; in one process it is
+    refused at the first training forward, in one line."""
+    with pytest.raises(ValueError, match="partners must be one of local, global, got 'world'"):
+        ManifoldMixup("0", partners="world")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3)).train()
+    mix = ManifoldMixup("0", partners="global")
+    assert repr(mix) == "ManifoldMixup(layer='0', alpha=2.0, prob=1.0, partners='global')"
+    with (
+        mix.attach(model),
+        pytest.raises(
+            RuntimeError, match=r"ManifoldMixup\(partners='global'\) needs torch.distributed initialised"
+        ),
+    ):
+        model(torch.randn(2, 3))

@@ -171,7 +171,10 @@ def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: MixingHook | None
         if bad and not first and module is not model:
             first.append(f"{names[module]} ({type(module).__name__})")
 
-    if mixup is not None:
+    partners = [m for m in [mixup, *getattr(mixup, "mixers", [])] if m is not None]
+    if any(getattr(m, "partners", "local") == "global" for m in partners):
+        mixup.skip_next()  # its partners were on the other ranks, which do not replay: unmixed
+    elif mixup is not None:
         mixup.pin_last()  # the same mix as the step that went non-finite
     handles = [m.register_forward_hook(hook) for m in model.modules()]
     try:

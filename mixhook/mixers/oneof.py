@@ -45,6 +45,11 @@ class OneOf(LayerHook, MixingHook):
             )
         if len({id(m) for m in mixers}) != len(mixers):
             raise ValueError("OneOf got the same regularizer twice")
+        if any(getattr(m, "partners", "local") == "global" for m in mixers):
+            raise ValueError(
+                "OneOf draws its choice on each rank, but a mixer with partners='global' must mix on every "
+                "rank at once; use partners='local' inside OneOf"
+            )
         layers = list(dict.fromkeys(name for m in mixers for name in m.layers))
         super().__init__(layers)
         p = [1.0 / len(mixers)] * len(mixers) if p is None else [float(v) for v in p]

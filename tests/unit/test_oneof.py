@@ -61,3 +61,11 @@ def test_oneof_pin_and_validation():
             OneOf([alone, CutMix("conv1")]).attach(model)
     with CutMix("conv1").attach(model):  # the refused OneOf left no claim on the model
         model(torch.randn(2, 3, 8, 8))
+
+
+def test_a_mixer_with_global_partners_is_refused_inside_oneof():
+    """OneOf chooses per rank; a cross-rank mix on some ranks only would wait forever."""
+    with pytest.raises(
+        ValueError, match="OneOf draws its choice on each rank, but a mixer with partners='global'"
+    ):
+        OneOf([ManifoldMixup("input", partners="global"), CutMix("input")])

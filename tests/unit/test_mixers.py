@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import mixhook
 from mixhook import (
     ActivationStats,
+    AttentiveCutMix,
     CutMix,
     GradScale,
     InputScale,
@@ -27,6 +28,7 @@ from mixhook import (
     OneOf,
     PatchUp,
     SaliencyMix,
+    TokenMix,
     attach,
 )
 from tests.helpers import grads
@@ -169,6 +171,8 @@ def every_kind():
         ("oneof", lambda: OneOf([CutMix("0", generator=gen(1)), NoisyFeatureMixup("2")], generator=gen(2))),
         ("own", lambda: ChannelSwap("0", generator=gen(1))),
         ("saliencymix", lambda: SaliencyMix(["0", "2"], generator=gen(1))),
+        ("attentivecutmix", lambda: AttentiveCutMix("0", grid=3, top_k=2, generator=gen(1))),
+        ("tokenmix", lambda: TokenMix(["input", "0"], generator=gen(1))),
     ]
 
 

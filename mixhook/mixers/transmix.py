@@ -26,19 +26,26 @@ from .tokens import model_grid
 def class_attention(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     """The class token's attention over every token, averaged over heads, ``(B, T)``, recomputed (without
     gradients) from the inputs an attention module was called with: timm's ``Attention`` (its ``qkv``,
-    ``q_norm``/``k_norm``, ``scale``; fused or not) or ``nn.MultiheadAttention`` (batch first or not)."""
-    if isinstance(module, nn.MultiheadAttention):
+    ``q_norm``/``k_norm``, ``scale``; fused or not), HuggingFace's ViT attention (``q_proj``/``k_proj``,
+    whatever attention implementation is set) or ``nn.MultiheadAttention`` (batch first or not)."""
+    kind = _attention_kind(module)
+    if kind == "mha":
         inputs = Inputs(module, args, kwargs)
         query, key = inputs.get("query"), inputs.get("key")
         value = inputs.get("value")
         masks = {k: inputs.get(k) for k in ("key_padding_mask", "attn_mask") if inputs.get(k) is not None}
         _, weights = module(query, key, value, need_weights=True, average_attn_weights=True, **masks)
         return weights[:, 0]  # (B, L, S) whatever the layout: the first query's row
-    x = args[0] if args else kwargs["x"]
+    x = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
     b, t, _ = x.shape
-    qkv = module.qkv(x).reshape(b, t, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4)
-    q, k = module.q_norm(qkv[0]), module.k_norm(qkv[1])
-    scores = (q[:, :, :1] * module.scale) @ k.transpose(-2, -1)  # (B, heads, 1, T)
+    if kind == "timm":
+        qkv = module.qkv(x).reshape(b, t, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, scale = module.q_norm(qkv[0]), module.k_norm(qkv[1]), module.scale
+    else:  # HuggingFace: (B, T, heads * head_dim) projections
+        q = module.q_proj(x).view(b, t, -1, module.head_dim).transpose(1, 2)
+        k = module.k_proj(x).view(b, t, -1, module.head_dim).transpose(1, 2)
+        scale = module.scaling
+    scores = (q[:, :, :1] * scale) @ k.transpose(-2, -1)  # (B, heads, 1, T)
     return scores.softmax(dim=-1).mean(1)[:, 0]
 
 
@@ -47,6 +54,8 @@ def _attention_kind(module: nn.Module) -> str | None:
         return "mha"
     if all(hasattr(module, a) for a in ("qkv", "num_heads", "scale", "q_norm", "k_norm")):
         return "timm"
+    if all(hasattr(module, a) for a in ("q_proj", "k_proj", "head_dim", "scaling")):
+        return "hf"
     return None
 
 
@@ -63,8 +72,9 @@ class TransMix(CutMix):
     ``reduction="none"``); ``.last.info["area_lam"]`` is CutMix's, ``["attention"]`` the ``(B, N)``
     attention. Equal to the authors' ``transmix_label`` on the same attention (``ratio=0.5``, theirs).
 
-    The attention is recomputed from the layer's inputs without gradients (timm's fused attention never
-    forms it): one ``qkv`` projection of one block for timm's ``Attention``, one attention call for
+    The attention is recomputed from the layer's inputs without gradients (fused attention never forms
+    it): one ``qkv`` projection of one block for timm's ``Attention``, the query and key projections for
+    HuggingFace's ViT attention (``vit.layers.11.attention``), one attention call for
     ``nn.MultiheadAttention`` (torchvision's ViT). The patch grid and the leading tokens come from the
     model (timm, torchvision and HuggingFace ViTs state them) or from ``tokens``.
 
@@ -109,7 +119,8 @@ class TransMix(CutMix):
         if _attention_kind(module) is None:
             raise TypeError(
                 f"TransMix: attention={self.attention!r} is a {type(module).__name__}, not an attention "
-                "module whose weights can be read (timm's Attention, nn.MultiheadAttention); name the "
+                "module whose weights can be read (timm's Attention, HuggingFace's ViT attention, "
+                "nn.MultiheadAttention); name the "
                 "block's attention, e.g. 'blocks.11.attn' or 'encoder.layers.encoder_layer_11.self_attention'"
             )
         super()._register(model, modules, handles)

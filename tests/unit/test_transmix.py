@@ -99,6 +99,32 @@ def test_torchvision_vit_reads_the_multihead_attention_of_the_named_layer():
     assert mix.last.lam.shape == (4,) and len(set(mix.last.lam.tolist())) == 4
 
 
+def test_huggingface_vit_attention_is_read_whatever_attention_implementation_runs():
+    """HuggingFace's ViT (sdpa by default, which returns no weights): the weights TransMix reads equal
+    the eager implementation's output_attentions on the same mixed batch."""
+    import transformers
+
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=4, hidden_size=12, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(config).double().train()
+    eager = transformers.ViTForImageClassification._from_config(config, attn_implementation="eager").double()
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(3, 3, 16, 16, dtype=torch.double)
+    mix = TransMix("input", attention="vit.layers.1.attention", generator=gen())
+    with mix.attach(model):
+        mix.pin(box=(4, 12, 0, 8), index=[2, 0, 1])
+        model(pixel_values=x)
+    mixed = x.clone()
+    mixed[:, :, 4:12, 0:8] = x[[2, 0, 1], :, 4:12, 0:8]
+    eager.eval()  # no dropout in this config: the train-mode weights are the eval ones
+    attn = eager(pixel_values=mixed, output_attentions=True).attentions[-1][:, :, 0, 1:].mean(1)
+    # HuggingFace's eager attention takes its softmax in float32, hence the tolerance
+    torch.testing.assert_close(mix.last.info["attention"], attn, rtol=1e-6, atol=1e-8)
+
+
 def test_on_a_blocks_tokens_the_box_is_already_on_the_patch_grid():
     model = tiny_vit()
     mix = TransMix("blocks.0", attention="blocks.1.attn", tokens="auto", generator=gen(1))

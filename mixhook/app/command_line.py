@@ -34,16 +34,19 @@ def check_command_line(argv: list[str], conf_dir: str) -> str | None:
                 return f"{key}={value} cannot be created: {problem}"
         if key == "hparams_search" and value not in ("null", "") and not multirun:
             return f"hparams_search={value} runs a sweep: add -m (python train.py -m {arg} ...)"
-    return _check_keys(argv, conf_dir)
+    return _check_keys(argv, conf_dir, multirun)
 
 
-def _check_keys(argv: list[str], conf_dir: str) -> str | None:
+def _check_keys(argv: list[str], conf_dir: str, multirun: bool = False) -> str | None:
     """A key that is not in the composed config (``trainer.epoch=1``), named with the closest valid one,
     or a value its schema refuses (``trainer.epochs=abc``; each value of a sweep ``a=1,2``).
 
     The config is composed with the command line's group choices, once with the first option of every
     sweep and once more for each other option of a swept group (``mixup=cutmix,fmix mixup.mode=elem``:
-    FMix has no ``mode``); keys added with ``+`` and Hydra's own are left to Hydra. ``None`` when every
+    FMix has no ``mode``); keys added with ``+`` and Hydra's own are left to Hydra. In a sweep, Hydra
+    first composes the config with each swept group at its default option, so a key set plainly under a
+    swept group must exist there too (``-m mixup=saliencymix,attentivecutmix mixup.saliency=gradient``:
+    the default ``manifold`` has no ``saliency``; ``++mixup.saliency=gradient`` sets it). ``None`` when every
     key and value is fine (or when the command line cannot be parsed or the config composed here: Hydra
     then says why itself)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -73,6 +76,18 @@ def _check_keys(argv: list[str], conf_dir: str) -> str | None:
         problem = _check_composed(keys, choice, conf_dir)
         if problem:
             return problem
+    swept = {key for key, values in groups.items() if len(values) > 1}
+    under = [k for k in keys if k.key_or_group.split(".")[0] in swept]
+    if multirun and under:  # what Hydra composes before it launches a job: the swept groups' defaults
+        fixed = {key: values[0] for key, values in groups.items() if key not in swept}
+        problem = _check_composed(under, fixed, conf_dir)
+        if problem:
+            arg = problem.split(":", 1)[0]
+            group = arg.split(".")[0]
+            return (
+                f"{problem}; in a sweep over {group}=..., Hydra first composes the default {group}, so set "
+                f"a key that only some options have with ++{arg}"
+            )
     return None
 
 

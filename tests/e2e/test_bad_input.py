@@ -204,6 +204,13 @@ def test_a_misspelled_key_is_named_with_the_closest_valid_one():
         "mixup.grid=2: mixup has no key 'grid'; valid: _target_, alpha, layer, mode, prefix, prob, tokens"
     )
     assert check("-m", "mixup=cutmix,fmix", "mixup.mode=elem").startswith("mixup.mode=elem: mixup has no")
+    # Hydra composes a sweep's default option first: a key only the swept options have needs ++
+    assert check("-m", "mixup=saliencymix,attentivecutmix", "mixup.saliency=gradient").endswith(
+        "Hydra first composes the default mixup, so set a key that only some options have with "
+        "++mixup.saliency=gradient"
+    )
+    assert check("-m", "mixup=saliencymix,attentivecutmix", "++mixup.saliency=gradient") is None
+    assert check("-m", "mixup=cutmix,fmix", "mixup.layer=layer1") is None
     for fine in (
         ["mixup=nfm", "mixup.add_noise=0.1"],
         ["-m", "mixup.alpha=0.2,0.4", "trainer.epochs=1"],

@@ -17,44 +17,62 @@ from .base import Draw, Mixed, Mixer, check_spatial
 from .functional import sample_beta, sample_lam
 from .tokens import token_grid
 
+ROUNDINGS = ("paper", "timm")
 
-def rand_box(height: int, width: int, lam: float, generator: torch.Generator) -> tuple[int, int, int, int]:
+
+def _sides(cut, rounding: str):
+    """How many rows (columns) of a ``cut``-long side lie before the centre and from it on: ``cut // 2``
+    each (``"paper"``: the authors' code and torchvision's; a box of even side), or ``cut // 2`` and
+    ``(cut + 1) // 2`` (``"timm"``: timm >= 1.0's ``rand_bbox``; the side is ``cut``)."""
+    return cut // 2, (cut + 1) // 2 if rounding == "timm" else cut // 2
+
+
+def rand_box(
+    height: int, width: int, lam: float, generator: torch.Generator, rounding: str = "paper"
+) -> tuple[int, int, int, int]:
     """A box of area ratio about ``1 - lam`` with a uniformly drawn centre, clipped to the borders.
 
-    As the paper's reference code and timm's ``rand_bbox``: side ratio ``sqrt(1 - lam)``, half-sides
-    ``int(H * ratio) // 2`` and ``int(W * ratio) // 2`` around a centre ``(cy, cx)`` uniform over the map.
-    Returns ``(y1, y2, x1, x2)``: rows ``y1:y2`` and columns ``x1:x2``.
+    Side ratio ``sqrt(1 - lam)``, sides ``cut_h = int(H * ratio)`` and ``cut_w = int(W * ratio)`` around a
+    centre ``(cy, cx)`` uniform over the map (rows first). ``rounding="paper"``: rows
+    ``cy - cut_h // 2 : cy + cut_h // 2``, as the paper's reference code and torchvision's ``v2.CutMix``;
+    ``"timm"``: rows ``cy - cut_h // 2 : cy + (cut_h + 1) // 2``, as timm >= 1.0's ``rand_bbox`` (the
+    paper's rounding drops a row and a column when ``cut`` is odd). Columns alike. Returns
+    ``(y1, y2, x1, x2)``: rows ``y1:y2`` and columns ``x1:x2``.
     """
     ratio = math.sqrt(1.0 - lam)
     cut_h, cut_w = int(height * ratio), int(width * ratio)
     cy = int(torch.randint(height, (), generator=generator, device=generator.device))
     cx = int(torch.randint(width, (), generator=generator, device=generator.device))
-    y1, y2 = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, height)
-    x1, x2 = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, width)
+    (up, down), (left, right) = _sides(cut_h, rounding), _sides(cut_w, rounding)
+    y1, y2 = max(cy - up, 0), min(cy + down, height)
+    x1, x2 = max(cx - left, 0), min(cx + right, width)
     return y1, y2, x1, x2
 
 
-def rand_boxes(height: int, width: int, lam: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def rand_boxes(
+    height: int, width: int, lam: torch.Tensor, generator: torch.Generator, rounding: str = "paper"
+) -> torch.Tensor:
     """One :func:`rand_box` per value of ``lam`` (1-D float64), vectorised: an ``(n, 4)`` int64 tensor of
     ``(y1, y2, x1, x2)`` rows, on the CPU. Box ``i`` is the box :func:`rand_box` makes from ``lam[i]`` and
     the centre ``(cy[i], cx[i])``, where all ``n`` row centres are drawn first, then all column centres."""
     n = lam.shape[0]
     cy = torch.randint(height, (n,), generator=generator, device=generator.device).cpu()
     cx = torch.randint(width, (n,), generator=generator, device=generator.device).cpu()
-    return boxes_around(height, width, lam, cy, cx)
+    return boxes_around(height, width, lam, cy, cx, rounding)
 
 
 def boxes_around(
-    height: int, width: int, lam: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor
+    height: int, width: int, lam: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor, rounding: str = "paper"
 ) -> torch.Tensor:
     """:func:`rand_box`'s boxes around given centres: side ratio ``sqrt(1 - lam)`` (``lam`` one value or
-    one per centre), half-sides ``int(side * ratio) // 2``, clipped to the borders; ``(n, 4)`` int64
+    one per centre), the sides rounded as ``rounding`` says, clipped to the borders; ``(n, 4)`` int64
     ``(y1, y2, x1, x2)`` rows on the CPU."""
     ratio = torch.sqrt(1.0 - torch.as_tensor(lam, dtype=torch.float64).cpu())
     cut_h, cut_w = (height * ratio).floor().long(), (width * ratio).floor().long()
     cy, cx = cy.cpu().long(), cx.cpu().long()
-    y1, y2 = (cy - cut_h // 2).clamp(min=0), (cy + cut_h // 2).clamp(max=height)
-    x1, x2 = (cx - cut_w // 2).clamp(min=0), (cx + cut_w // 2).clamp(max=width)
+    (up, down), (left, right) = _sides(cut_h, rounding), _sides(cut_w, rounding)
+    y1, y2 = (cy - up).clamp(min=0), (cy + down).clamp(max=height)
+    x1, x2 = (cx - left).clamp(min=0), (cx + right).clamp(max=width)
     return torch.stack(torch.broadcast_tensors(y1, y2, x1, x2), dim=1)
 
 
@@ -81,12 +99,12 @@ def box_lam(box: tuple[int, int, int, int], height: int, width: int) -> float:
     return 1.0 - (y2 - y1) * (x2 - x1) / (height * width)
 
 
-def draw_box(draw: Draw, height: int, width: int) -> tuple[int, int, int, int]:
+def draw_box(draw: Draw, height: int, width: int, rounding: str = "paper") -> tuple[int, int, int, int]:
     """The box of one mix: the pinned ``box`` once it fits the ``height x width`` map (else a one-line
     ``ValueError``), or :func:`rand_box` from ``draw.lam`` and ``draw.generator``."""
     box = draw.pinned.get("box")
     if box is None:
-        return rand_box(height, width, float(draw.lam), draw.generator)
+        return rand_box(height, width, float(draw.lam), draw.generator, rounding)
     box = tuple(int(v) for v in box)
     y1, y2, x1, x2 = box
     if not (0 <= y1 <= y2 <= height and 0 <= x1 <= x2 <= width):
@@ -125,6 +143,8 @@ class CutMix(Mixer):
         alpha: Beta concentration, > 0 (the paper uses 1.0).
         prob: probability that a batch is mixed (the paper's cutmix_prob), in [0, 1].
         mode: ``"batch"`` (one box for the batch, as the paper) or ``"elem"`` (one box per sample).
+        rounding: ``"paper"`` (the authors' code and torchvision's box) or ``"timm"`` (timm >= 1.0's,
+            one row/column longer for an odd side); see :func:`rand_box`.
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
@@ -149,16 +169,21 @@ class CutMix(Mixer):
         mode: str = "batch",
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
+        rounding: str = "paper",
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
         self.token_grid = token_grid(tokens, prefix, "CutMix")
         if mode not in ("batch", "elem"):
             raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
         self.mode = mode
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+        self.rounding = rounding
 
     def __repr__(self) -> str:
         base = super().__repr__()
-        return base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
+        base = base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
+        return base if self.rounding == "paper" else f"{base[:-1]}, rounding={self.rounding!r})"
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "elem":
@@ -183,7 +208,7 @@ class CutMix(Mixer):
                 f"CutMix(mode='batch') cuts one box per batch: pin one lam, not {draw.lam.shape[0]} "
                 "(one box per sample is mode='elem')"
             )
-        box = draw_box(draw, height, width)
+        box = draw_box(draw, height, width, self.rounding)
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
         return Mixed({path: paste_box(h, draw.index, box)}, lam=lam, info={"box": box})
 
@@ -193,7 +218,7 @@ class CutMix(Mixer):
         lam = draw.lam.expand(n) if draw.lam.ndim == 0 else draw.lam
         boxes = draw.pinned.get("box")
         if boxes is None:
-            boxes = rand_boxes(height, width, lam, draw.generator)
+            boxes = rand_boxes(height, width, lam, draw.generator, self.rounding)
         else:
             boxes = pinned_boxes("CutMix(mode='elem')", boxes, n, height, width, draw.layer)
         return paste_boxes(h, path, draw.index, boxes)

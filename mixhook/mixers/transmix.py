@@ -86,6 +86,8 @@ class TransMix(CutMix):
         alpha: Beta concentration of the box size, > 0 (the paper: 1.0).
         ratio: the weight of the area in the label weights, in [0, 1] (the authors' code: 0.5).
         prob, generator, batch_dim, padding, tokens, prefix: as :class:`~mixhook.CutMix`.
+        rounding: the box's, as :class:`~mixhook.CutMix`: ``"paper"`` by default, the rounding of the
+            timm their code pins (0.5.0) had; ``"timm"`` is timm >= 1.0's.
 
     ``pin`` takes what CutMix's does.
     """
@@ -102,8 +104,9 @@ class TransMix(CutMix):
         padding: str = "union",
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
+        rounding: str = "paper",
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding, "batch", tokens, prefix)
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, "batch", tokens, prefix, rounding)
         if not isinstance(attention, str) or not attention:
             raise ValueError(f"attention must be the name of an attention module, got {attention!r}")
         self.attention = attention

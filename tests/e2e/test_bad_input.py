@@ -201,7 +201,8 @@ def test_a_misspelled_key_is_named_with_the_closest_valid_one():
     )
     # the keys of the group option chosen on the same command line (CutMix has no grid)
     assert check("mixup=cutmix", "mixup.grid=2") == (
-        "mixup.grid=2: mixup has no key 'grid'; valid: _target_, alpha, layer, mode, prefix, prob, tokens"
+        "mixup.grid=2: mixup has no key 'grid'; valid: _target_, alpha, layer, mode, prefix, prob, rounding, "
+        "tokens"
     )
     assert check("-m", "mixup=cutmix,fmix", "mixup.mode=elem").startswith("mixup.mode=elem: mixup has no")
     # Hydra composes a sweep's default option first: a key only the swept options have needs ++

@@ -204,3 +204,53 @@ def test_elem_mode_repeats_its_boxes_for_pin_last_and_refuses_what_does_not_fit(
             model(x)
     with pytest.raises(ValueError, match="mode must be 'batch' or 'elem', got 'sample'"):
         CutMix("input", mode="sample")
+
+
+@pytest.mark.parametrize(("height", "width"), [(32, 32), (15, 9), (7, 12)])
+def test_timm_rounding_equals_timms_rand_bbox_and_paper_rounding_the_papers(height, width):
+    """timm >= 1.0 ends the box at centre + (cut + 1) // 2; the paper's code (and torchvision) at
+    centre + cut // 2. Both against the real functions on the same centre draws (numpy's, re-seeded)."""
+    import numpy as np
+    from timm.data.mixup import rand_bbox as timm_rand_bbox
+
+    from mixhook.mixers.cutmix import boxes_around
+
+    for seed, lam in enumerate([0.05, 0.3, 0.5, 0.61, 0.9, 0.97]):
+        np.random.seed(seed)
+        yl, yh, xl, xh = timm_rand_bbox((3, height, width), lam)
+        np.random.seed(seed)  # the same centre: rows first, then columns, as timm draws them
+        cy, cx = np.random.randint(0, height), np.random.randint(0, width)
+        ours = boxes_around(height, width, lam, torch.tensor([cy]), torch.tensor([cx]), "timm")[0].tolist()
+        assert ours == [yl, yh, xl, xh]
+        paper = boxes_around(height, width, lam, torch.tensor([cy]), torch.tensor([cx]), "paper")[0].tolist()
+        cut_h, cut_w = int(height * (1 - lam) ** 0.5), int(width * (1 - lam) ** 0.5)
+        assert paper == [
+            max(cy - cut_h // 2, 0), min(cy + cut_h // 2, height), max(cx - cut_w // 2, 0),
+            min(cx + cut_w // 2, width),
+        ]  # fmt: skip
+
+
+def test_cutmix_with_timm_rounding_pastes_timms_box_and_says_so():
+    from mixhook.mixers.functional import sample_lam
+
+    model, x = SmallCNN().train(), torch.randn(2, 3, 9, 9)
+    seen = {}
+    model.conv1.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]))
+    mix = CutMix("input", rounding="timm", generator=gen(4))
+    assert repr(mix) == "CutMix(layer='input', alpha=1.0, prob=1.0, rounding='timm')"
+    twin, odd = gen(4), 0
+    with mix.attach(model):
+        for _ in range(30):
+            model(x)
+            lam = float(sample_lam(1.0, twin))
+            index = torch.randperm(2, generator=twin)
+            y1, y2, x1, x2 = rand_box(9, 9, lam, twin, "timm")
+            assert mix.last.info["box"] == (y1, y2, x1, x2) and torch.equal(mix.last.index, index)
+            assert float(mix.last.lam) == 1 - (y2 - y1) * (x2 - x1) / 81
+            expected = x.clone()
+            expected[:, :, y1:y2, x1:x2] = x[index][:, :, y1:y2, x1:x2]
+            assert torch.equal(seen["x"], expected)
+            odd += int(9 * (1 - lam) ** 0.5) % 2 == 1
+    assert odd > 0  # some boxes had an odd side, where the two roundings differ
+    with pytest.raises(ValueError, match="rounding must be one of paper, timm, got 'floor'"):
+        CutMix("input", rounding="floor")

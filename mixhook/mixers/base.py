@@ -139,8 +139,10 @@ class MixingHook(abc.ABC):
         """The criterion of the last training forward's mix (``criterion(logits, target)`` if none)."""
 
     @abc.abstractmethod
-    def targets(self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
-        """Soft targets of the last training forward's mix."""
+    def targets(
+        self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Soft targets of the last training forward's mix, in ``dtype`` (pass the logits' dtype)."""
 
     @abc.abstractmethod
     def pin(self, **values) -> None:
@@ -349,11 +351,15 @@ class Mixer(LayerHook, MixingHook):
             )
         return lam * loss_a + (1 - lam) * loss_b
 
-    def targets(self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
+    def targets(
+        self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Soft targets ``lam * s(target) + (1 - lam) * s(target[index])`` for the last training forward
         (``s(target)`` when it did not mix), where ``s`` puts ``1 - smoothing + smoothing/num_classes``
         on the true class and ``smoothing/num_classes`` elsewhere. They drop into
-        ``nn.CrossEntropyLoss``, which accepts class probabilities."""
+        ``nn.CrossEntropyLoss``, which accepts class probabilities. ``dtype``: a floating dtype, e.g. the
+        logits' (``targets(y, k, dtype=logits.dtype)``), computed in it from the float64 lam; ``None``:
+        torch's default dtype."""
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
         if not 0.0 <= smoothing < 1.0:
@@ -367,10 +373,13 @@ class Mixer(LayerHook, MixingHook):
                 f"targets(): class indices must lie in [0, {num_classes}), "
                 f"got values from {int(target.min())} to {int(target.max())}"
             )
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if not dtype.is_floating_point:
+            raise ValueError(f"targets(dtype=...) must be a floating dtype, got {dtype}")
+        own = smooth_one_hot(target, num_classes, smoothing, dtype)
         if self.last is None:
-            return smooth_one_hot(target, num_classes, smoothing)
-        own = smooth_one_hot(target, num_classes, smoothing)
-        partner = smooth_one_hot(self._partners_of(target, "targets"), num_classes, smoothing)
+            return own
+        partner = smooth_one_hot(self._partners_of(target, "targets"), num_classes, smoothing, dtype)
         return torch.lerp(partner, own, per_sample(self.last.lam, own))
 
     def check_output(self, spec: str, value, batch: int | None = None) -> None:

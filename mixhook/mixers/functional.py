@@ -97,14 +97,17 @@ def mask_blend(h: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> torc
     return m * h + (1 - m) * h[to_device(index, h.device)]
 
 
-def smooth_one_hot(target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
-    """One-hot class probabilities with label smoothing (timm's convention).
+def smooth_one_hot(
+    target: torch.Tensor, num_classes: int, smoothing: float = 0.0, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """One-hot class probabilities with label smoothing (timm's convention), in ``dtype`` (torch's
+    default dtype if ``None``).
 
     The true class gets ``1 - smoothing + smoothing / num_classes``, every other class
     ``smoothing / num_classes``; rows sum to 1.
     """
     off = smoothing / num_classes
-    out = torch.full((target.shape[0], num_classes), off, device=target.device)
+    out = torch.full((target.shape[0], num_classes), off, device=target.device, dtype=dtype)
     return out.scatter_(1, target.unsqueeze(1), 1.0 - smoothing + off)
 
 

@@ -104,9 +104,11 @@ class OneOf(LayerHook, MixingHook):
         """The chosen regularizer's ``loss`` (``criterion(logits, target)`` before any forward)."""
         return self.chosen.loss(criterion, logits, target) if self.chosen else criterion(logits, target)
 
-    def targets(self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
+    def targets(
+        self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The chosen regularizer's ``targets``."""
-        return (self.chosen or self.mixers[0]).targets(target, num_classes, smoothing)
+        return (self.chosen or self.mixers[0]).targets(target, num_classes, smoothing, dtype)
 
     def check_output(self, spec: str, value, batch: int | None = None) -> None:
         """Each regularizer that may mix ``spec`` must accept what it returned."""

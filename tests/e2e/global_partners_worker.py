@@ -68,7 +68,7 @@ def main(out_path: str) -> None:
         )
         dist.all_gather(lams, lam)
         dist.all_gather(indices, last.index.contiguous())
-        soft = mix.targets(local_y, 3).double()
+        soft = mix.targets(local_y, 3, dtype=torch.double)
         all_soft = [torch.zeros_like(soft) for _ in range(world)]
         dist.all_gather(all_soft, soft)
         losses = [torch.zeros(()).double() for _ in range(world)]

@@ -95,5 +95,4 @@ def test_global_partners_in_ddp_equal_one_process_mixing_the_global_batch(tmp_pa
     found = json.loads(out.read_text())
     assert found["mixed_steps"] >= 5 and found["layers"] == ["1", "3", "input"]
     worst = found["worst"]
-    assert worst["logits"] < 1e-12 and worst["loss"] < 1e-12 and worst["grad"] < 1e-12, worst
-    assert worst["targets"] < 1e-6, worst  # targets() are float32
+    assert all(value < 1e-12 for value in worst.values()), worst

@@ -450,3 +450,22 @@ def test_global_partners_need_a_process_group_and_partners_is_checked():
         ),
     ):
         model(torch.randn(2, 3))
+
+
+def test_targets_come_in_the_dtype_asked_for_computed_from_the_float64_lam():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3)).double().train()
+    y = torch.tensor([0, 2, 1, 2])
+    mix = ManifoldMixup("0")
+    with mix.attach(model):
+        mix.pin(lam=1 / 3, index=[3, 2, 1, 0])
+        model(torch.randn(4, 3, dtype=torch.double))
+    soft = mix.targets(y, 3, smoothing=0.1, dtype=torch.double)
+    expected = (1 / 3) * smooth_one_hot(y, 3, 0.1, torch.double) + (2 / 3) * smooth_one_hot(
+        y[[3, 2, 1, 0]], 3, 0.1, torch.double
+    )
+    assert soft.dtype == torch.double
+    torch.testing.assert_close(soft, expected, rtol=0, atol=1e-15)
+    assert mix.targets(y, 3).dtype == torch.get_default_dtype()
+    assert mix.targets(y, 3, dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="targets\\(dtype=...\\) must be a floating dtype, got torch.int64"):
+        mix.targets(y, 3, dtype=torch.int64)

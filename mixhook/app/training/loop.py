@@ -105,8 +105,13 @@ def train_one_epoch(
         x, logits = _forward(model, x, dtype, channels_last)
         if loss == "bce_softmax":
             classes = logits.shape[1]
-            soft = mixup.targets(y, classes) if mixup is not None else smooth_one_hot(y, classes)
-            value = F.binary_cross_entropy(F.softmax(logits, dim=1), soft.to(logits.dtype))
+            dtype = logits.dtype
+            soft = (
+                mixup.targets(y, classes, dtype=dtype)
+                if mixup is not None
+                else smooth_one_hot(y, classes, dtype=dtype)
+            )
+            value = F.binary_cross_entropy(F.softmax(logits, dim=1), soft)
         else:  # per-sample losses, so that a mixer with one lam per sample (mode="elem") weights each one
             per_sample = (
                 mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)

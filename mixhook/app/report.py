@@ -59,6 +59,8 @@ def read_run(run_dir: Path) -> dict:
                 row[key] = 100.0 * (1.0 - summary["test_acc"])
             elif key in summary:
                 row[key] = summary[key]
+        if "best_test_acc" in summary:
+            row["best_test_error"] = 100.0 * (1.0 - summary["best_test_acc"])
         paper = summary.get("paper") or {}
         for key in ("metric", "value", "std", "source"):
             if key in paper:
@@ -116,10 +118,13 @@ def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
     out = []
     for key, members in by_key.items():
         err_mean, err_std = _mean_std([r["test_error"] for r in members])
+        best = [r["best_test_error"] for r in members if "best_test_error" in r]
+        best_mean, best_std = _mean_std(best) if len(best) == len(members) else (math.nan, math.nan)
         nll_mean, nll_std = _mean_std([r["test_nll"] for r in members])
         paper = next((r for r in members if "paper_value" in r), None)
         out.append({
             "group": key, "n": len(members), "test_error_mean": err_mean, "test_error_std": err_std,
+            "best_error_mean": best_mean, "best_error_std": best_std,
             "test_nll_mean": nll_mean, "test_nll_std": nll_std,
             "paper": None if paper is None else {k[6:]: paper[k] for k in paper if k.startswith("paper_")},
         })  # fmt: skip
@@ -167,12 +172,14 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
         "",
         f"{len(rows)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['incomplete']} incomplete. "
         "Groups are the runs' swept overrides other than `seed`, best mean test error first; ± is the "
-        "standard deviation over the group's runs.",
+        "standard deviation over the group's runs. Last epoch: the model training ended with; best epoch: "
+        "each run's lowest test error over its epochs, chosen on the test set (as some papers report: an "
+        "optimistic figure).",
         "",
         f"Common to every run: `{' '.join(common)}`." if common else "",
         "",
-        "| group | n | test error % | test NLL | paper |",
-        "| --- | --- | --- | --- | --- |",
+        "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch | paper |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for g in grouped:
         paper = ""
@@ -182,6 +189,7 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
             paper = f"{p.get('value')}{spread} ({p.get('source', '')})"
         lines.append(
             f"| {g['group']} | {g['n']} | {_pm(g['test_error_mean'], g['test_error_std'], 2)} | "
+            f"{_pm(g['best_error_mean'], g['best_error_std'], 2)} | "
             f"{_pm(g['test_nll_mean'], g['test_nll_std'], 4)} | {paper} |"
         )
     failed = [r for r in rows if r["status"] != "ok"]

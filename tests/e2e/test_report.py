@@ -19,12 +19,13 @@ from tests.conftest import ROOT
 FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false"]
 
 
-def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None):
+def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None, best=None):
     run = sweep / str(job)
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     if acc is not None:
-        summary = {"test_acc": acc, "test_nll": nll, "best_test_acc": acc, "epochs": 3, "seconds": 1.0}
+        best = acc if best is None else best
+        summary = {"test_acc": acc, "test_nll": nll, "best_test_acc": best, "epochs": 3, "seconds": 1.0}
         summary["paper"] = paper
         (run / "summary.json").write_text(json.dumps(summary))
     if error is not None:
@@ -33,8 +34,8 @@ def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None):
 
 def test_report_groups_by_overrides_other_than_seed(tmp_path):
     paper = {"metric": "test_error", "value": 2.95, "std": 0.05, "source": "Verma et al. 2019"}
-    fake_run(tmp_path, 0, ["mixup.alpha=0.2", "seed=0"], acc=0.90, nll=0.30)
-    fake_run(tmp_path, 1, ["mixup.alpha=0.2", "seed=1"], acc=0.80, nll=0.50)
+    fake_run(tmp_path, 0, ["mixup.alpha=0.2", "seed=0"], acc=0.90, nll=0.30, best=0.92)
+    fake_run(tmp_path, 1, ["mixup.alpha=0.2", "seed=1"], acc=0.80, nll=0.50, best=0.86)
     fake_run(tmp_path, 2, ["mixup.alpha=2", "seed=0"], acc=0.96, nll=0.10, paper=paper)
     fake_run(tmp_path, 3, ["mixup.alpha=2", "seed=1"], error="ValueError: boom")
     fake_run(tmp_path, 10, ["mixup.alpha=2", "seed=2"])  # still running: no summary, no error
@@ -52,8 +53,15 @@ def test_report_groups_by_overrides_other_than_seed(tmp_path):
     assert rows[2]["paper_value"] == "2.95"
     md = (tmp_path / "summary.md").read_text()
     assert "5 runs: 3 ok, 1 failed, 1 incomplete" in md
-    best, worse = "| mixup.alpha=2 | 1 | 4.00 |", "| mixup.alpha=0.2 | 2 | 15.00 ± 7.07 | 0.4000 ± 0.1414 |"
-    assert md.index(best) < md.index(worse)
+    assert "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch |" in md
+    best, worse = (
+        "| mixup.alpha=2 | 1 | 4.00 | 4.00 |",
+        "| mixup.alpha=0.2 | 2 | 15.00 ± 7.07 | 11.00 ± 4.24 |",
+    )
+    assert md.index(best) < md.index(worse) and "11.00 ± 4.24 | 0.4000 ± 0.1414 |" in md
+    assert math.isclose(second["best_error_mean"], 11.0) and math.isclose(
+        float(rows[0]["best_test_error"]), 8.0
+    )
     assert "2.95 ± 0.05 (Verma et al. 2019)" in md
     assert "| 3 | mixup.alpha=2 seed=1 | failed | ValueError: boom |" in md
     assert matplotlib.image.imread(tmp_path / "summary.png").shape[2] in (3, 4)

@@ -55,6 +55,9 @@ class ManifoldMixup(Mixer):
             mask (``attention_mask``, ``key_padding_mask``, ...) gets the union of the two partners'
             masks, so a mixed sample attends to the positions that are real in either; ``"keep"``:
             masks are left as they are.
+        dominant: draw ``lam ← max(lam, 1 - lam)``, so that each sample's own label dominates its mix,
+            as fastai's ``MixUp`` and ``ManifoldMixup`` callbacks (with ``mode="elem"``) do; a pinned lam
+            is used as given.
         partners: ``"local"`` (default): partners from this process's batch; ``"global"``: from the
             batches of every rank of a data-parallel job, as if one process mixed the global batch
             (:mod:`mixhook.mixers.partners`; ``.last.index`` then indexes the global batch, and ``loss``
@@ -75,8 +78,12 @@ class ManifoldMixup(Mixer):
         batch_dim: int | dict | None = None,
         padding: str = "union",
         partners: str = "local",
+        dominant: bool = False,
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        if not isinstance(dominant, bool):
+            raise TypeError(f"dominant must be True or False, got {dominant!r}")
+        self.dominant = dominant
         if mode not in ("batch", "elem"):
             raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
         self.mode = mode
@@ -85,7 +92,8 @@ class ManifoldMixup(Mixer):
     def __repr__(self) -> str:
         base = super().__repr__()
         base = base if self.mode == "batch" else f"{base[:-1]}, mode={self.mode!r})"
-        return base if self.partners == "local" else f"{base[:-1]}, partners={self.partners!r})"
+        base = base if self.partners == "local" else f"{base[:-1]}, partners={self.partners!r})"
+        return f"{base[:-1]}, dominant=True)" if self.dominant else base
 
     def partner_pool(self, n: int) -> int:
         return n if self.partners == "local" else n * world(type(self).__name__)[0]
@@ -107,8 +115,10 @@ class ManifoldMixup(Mixer):
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "elem":
-            return sample_beta(self.alpha, self.alpha, generator, size=n)
-        return sample_lam(self.alpha, generator)
+            lam = sample_beta(self.alpha, self.alpha, generator, size=n)
+        else:
+            lam = sample_lam(self.alpha, generator)
+        return torch.maximum(lam, 1 - lam) if self.dominant else lam
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         lam, index = draw.lam, draw.index

@@ -469,3 +469,30 @@ def test_targets_come_in_the_dtype_asked_for_computed_from_the_float64_lam():
     assert mix.targets(y, 3, dtype=torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="targets\\(dtype=...\\) must be a floating dtype, got torch.int64"):
         mix.targets(y, 3, dtype=torch.int64)
+
+
+def test_dominant_lam_is_fastais_max_of_lam_and_one_minus_lam_on_the_same_draws():
+    """fastai's MixUp / ManifoldMixup callbacks draw one lam per sample and keep the larger of lam and
+    1 - lam, so each sample's own input and label dominate; mode="elem", dominant=True is that."""
+    from mixhook.mixers.functional import sample_beta
+
+    model = torch.nn.Sequential(torch.nn.Identity()).train()
+    x = torch.randn(6, 4)
+    mix = ManifoldMixup(
+        "input", alpha=0.4, mode="elem", dominant=True, generator=torch.Generator().manual_seed(3)
+    )
+    assert repr(mix) == "ManifoldMixup(layer='input', alpha=0.4, prob=1.0, mode='elem', dominant=True)"
+    twin = torch.Generator().manual_seed(3)
+    with mix.attach(model):
+        for _ in range(10):
+            out = model(x)
+            lam = sample_beta(0.4, 0.4, twin, size=6)
+            # From fastai/fastai, fastai/callback/mixup.py (MixUp.before_batch):
+            lam = torch.stack([lam, 1 - lam], 1)
+            lam = lam.max(1)[0]
+            shuffle = torch.randperm(6, generator=twin)
+            assert torch.equal(mix.last.lam, lam) and torch.equal(mix.last.index, shuffle)
+            torch.testing.assert_close(out, torch.lerp(x[shuffle], x, lam.float().unsqueeze(1)))
+            assert bool((mix.last.lam >= 0.5).all())
+    with pytest.raises(TypeError, match="dominant must be True or False, got 1"):
+        ManifoldMixup("input", dominant=1)

@@ -25,6 +25,7 @@ from torch import nn
 
 from mixhook.compose import mixers_of
 from mixhook.layers import INPUT, UnknownLayerError, trace_outputs
+from mixhook.mixers.partners import crosses_ranks
 from mixhook.probes import ActivationStats, GradStats
 
 from . import schema
@@ -128,12 +129,6 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
     return summary["test_acc"]
 
 
-def global_partners(mixers) -> bool:
-    """Whether a mixer (or one of a OneOf's) draws partners from every rank (``partners="global"``)."""
-    found = [m for hook in mixers for m in [hook, *getattr(hook, "mixers", [])]]
-    return any(getattr(m, "partners", "local") == "global" for m in found)
-
-
 def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     """Turn the config into checked objects. Raises :class:`ConfigError` for anything a user set wrong.
 
@@ -148,12 +143,12 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
         hooks = [(key, hook) for key, hook in hooks if not key.startswith("probes")]
     mixers = mixers_of([hook for _, hook in hooks])
-    if global_partners(mixers) and not dist.enabled:
+    if crosses_ranks(*mixers) and not dist.enabled:
         raise ConfigError(
             "mixup.partners=global draws partners from every rank's batch, but this run has one process; "
             "launch it with torchrun --nproc_per_node=N, or use mixup.partners=local"
         )
-    if global_partners(mixers) and cfg.probes.feature_maps and probe_layers(cfg):
+    if crosses_ranks(*mixers) and cfg.probes.feature_maps and probe_layers(cfg):
         raise ConfigError(
             "probes.feature_maps=true draws its pictures on rank 0 alone, which cannot mix with partners "
             "from the other ranks (mixup.partners=global); turn one of them off"

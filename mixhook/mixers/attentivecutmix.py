@@ -8,17 +8,15 @@ github.com/xden2331/attentive_cutmix (``attentive_transform.py``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Draw, Mixed, Mixer, check_spatial
-from .gridmix import _grid, cell_index
-from .saliency import Saliency, pinned_saliency
+from .gridmix import _grid, cell_index, check_grid_fits, grid_mask
+from .saliency import Saliency, SaliencyGuided, pinned_saliency
 from .tokens import token_grid
 
 
@@ -42,7 +40,7 @@ def top_cells(scores: torch.Tensor, k: int) -> torch.Tensor:
     return cells.view(n, rows, cols)
 
 
-class AttentiveCutMix(Mixer):
+class AttentiveCutMix(SaliencyGuided, Mixer):
     """Attentive CutMix (Walawalkar et al. 2020) at any layer whose output is ``(B, C, H, W)`` (or, with
     ``tokens``, a ViT block's tokens), with saliency from the same forward or a gradient pass.
 
@@ -112,23 +110,7 @@ class AttentiveCutMix(Mixer):
         return torch.ones((), dtype=torch.float64)  # unused: top_k sets the area
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        h = check_spatial("AttentiveCutMix", spec, leaves)
-        if h.shape[-2] < self.grid[0] or h.shape[-1] < self.grid[1]:
-            raise ValueError(
-                f"AttentiveCutMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has fewer pixels than "
-                f"the {self.grid[0]}x{self.grid[1]} grid has cells along a side; choose an earlier layer or "
-                "a smaller grid"
-            )
-
-    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        super()._register(model, modules, handles)
-        self.saliency.register(self, model, handles)
-
-    def before_forward(self, model, args, kwargs, spec, pinned: Mapping, targets) -> Mapping:
-        return self.saliency.before_forward(self, model, args, kwargs, spec, pinned, targets)
-
-    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
-        return self.saliency.before_mix(spec, leaves, pinned)
+        check_grid_fits("AttentiveCutMix", spec, check_spatial("AttentiveCutMix", spec, leaves), self.grid)
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path
@@ -136,7 +118,7 @@ class AttentiveCutMix(Mixer):
         saliency = pinned_saliency("AttentiveCutMix", draw.pinned, n, height, width)
         rows, cols = self.grid
         cells = ~top_cells(cell_scores(saliency[draw.index], rows, cols), self.top_k)
-        mask = cells.to(torch.float64)[:, cell_index(height, rows)][:, :, cell_index(width, cols)]
+        mask = grid_mask(cells, height, width)
         m = to_device(mask, h.device, h.dtype)[:, None]
         mixed = m * h + (1 - m) * h[to_device(draw.index, h.device)]
         info = {"cells": cells, "mask": mask, "saliency": saliency}

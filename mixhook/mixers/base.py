@@ -488,14 +488,15 @@ class Mixer(LayerHook, MixingHook):
         generator = self.generator
         if draw.state is not None:
             generator = recompute.replay_generator(self.generator, draw.state)
+        leaves = None
         if type(self).before_mix is not Mixer.before_mix:
-            given = self._leaves(spec, self._site_value(spec, value), draw.batch)[1]
-            extra = self.before_mix(spec, given, draw.pinned)
+            leaves = self._leaves(spec, self._site_value(spec, value), draw.batch)
+            extra = self.before_mix(spec, leaves[1], draw.pinned)
             if extra:  # noted with the draw below: a recomputation and pin_last mix with the same values
                 draw.pinned = {**draw.pinned, **extra}
         state = recompute.generator_state(generator)
         self._note(spec, (state, draw.pinned))
-        mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch)
+        mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch, leaves)
         self._last_draw = (spec, state, draw.pinned)
         draw.done, draw.index = True, last.index
         return mixed, last
@@ -714,11 +715,20 @@ class Mixer(LayerHook, MixingHook):
                 f"{tuple(selected.shape)} (token ids or labels), which cannot be blended; {where}"
             )
 
-    def _apply(self, spec: str, value, pinned: dict, generator: torch.Generator, batch: int | None = None):
+    def _apply(
+        self,
+        spec: str,
+        value,
+        pinned: dict,
+        generator: torch.Generator,
+        batch: int | None = None,
+        leaves: tuple | None = None,
+    ):
         """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
-        mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`."""
+        mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`.
+        ``leaves``: what :meth:`_leaves` gave for this value, where the caller has it already."""
         site_value = self._site_value(spec, value)
-        found, given, n = self._leaves(spec, site_value, batch)
+        found, given, n = self._leaves(spec, site_value, batch) if leaves is None else leaves
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
             index = pinned.get("index")

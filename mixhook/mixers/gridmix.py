@@ -27,9 +27,9 @@ def cell_index(size: int, cells: int) -> torch.Tensor:
 
 def grid_mask(cells: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """The ``(height, width)`` float64 mask that gives every pixel the value of its cell in ``cells``
-    (``(gh, gw)``, 1 = the sample's own, 0 = its partner's)."""
-    gh, gw = cells.shape
-    return cells.to(torch.float64)[cell_index(height, gh)][:, cell_index(width, gw)]
+    (``(gh, gw)``, or ``(B, gh, gw)`` for one mask per sample; 1 = the sample's own, 0 = its partner's)."""
+    gh, gw = cells.shape[-2:]
+    return cells.to(torch.float64)[..., cell_index(height, gh), :][..., cell_index(width, gw)]
 
 
 class GridMix(Mixer):
@@ -85,13 +85,7 @@ class GridMix(Mixer):
         return f"{super().__repr__()[:-1]}, grid={self.grid})"
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        h = check_spatial("GridMix", spec, leaves)
-        if h.shape[-2] < self.grid[0] or h.shape[-1] < self.grid[1]:
-            raise ValueError(
-                f"GridMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has fewer pixels than the "
-                f"{self.grid[0]}x{self.grid[1]} grid has cells along a side; choose an earlier layer or a "
-                "smaller grid"
-            )
+        check_grid_fits("GridMix", spec, check_spatial("GridMix", spec, leaves), self.grid)
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path
@@ -110,15 +104,35 @@ class GridMix(Mixer):
             cells[kept] = True
             cells = cells.view(gh, gw)
         else:
-            cells = torch.as_tensor(cells).cpu()
-            if tuple(cells.shape) != (gh, gw) or not bool(((cells == 0) | (cells == 1)).all()):
-                raise ValueError(
-                    f"pinned cells must be a {gh}x{gw} tensor of 0/1, got shape {tuple(cells.shape)}"
-                )
-            cells = cells.to(torch.bool)
-        mask = grid_mask(cells, height, width)
-        mixed = mask_blend(h, mask, draw.index)
-        return Mixed({path: mixed}, lam=mask.mean(), info={"cells": cells, "mask": mask})
+            cells = check_pinned_cells(cells, gh, gw)
+        return cells_blend(h, path, cells, draw.index)
+
+
+def check_grid_fits(kind: str, spec: str, h: torch.Tensor, grid: tuple[int, int]) -> None:
+    """A one-line ``ValueError`` unless ``h``'s map has at least ``grid`` pixels along each side."""
+    if h.shape[-2] < grid[0] or h.shape[-1] < grid[1]:
+        raise ValueError(
+            f"{kind} at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has fewer pixels than the "
+            f"{grid[0]}x{grid[1]} grid has cells along a side; choose an earlier layer or a smaller grid"
+        )
+
+
+def check_pinned_cells(cells, rows: int, cols: int) -> torch.Tensor:
+    """Pinned ``(rows, cols)`` cells of 0/1 (or bools) as a bool CPU tensor, or a one-line ``ValueError``."""
+    cells = torch.as_tensor(cells).cpu()
+    if tuple(cells.shape) != (rows, cols) or not bool(((cells == 0) | (cells == 1)).all()):
+        raise ValueError(
+            f"pinned cells must be a {rows}x{cols} tensor of 0/1, got shape {tuple(cells.shape)}"
+        )
+    return cells.to(torch.bool)
+
+
+def cells_blend(h: torch.Tensor, path, cells: torch.Tensor, index: torch.Tensor) -> Mixed:
+    """Each cell of ``h`` (B, C, H, W) from the sample where ``cells`` is True, else from ``h[index]``:
+    the :class:`Mixed` with lam = the kept area and ``info`` ``"cells"`` and ``"mask"``."""
+    mask = grid_mask(cells, h.shape[-2], h.shape[-1])
+    mixed = mask_blend(h, mask, index)
+    return Mixed({path: mixed}, lam=mask.mean(), info={"cells": cells, "mask": mask})
 
 
 def _grid(grid) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import recompute
 from ..hooks import LayerHook, own_generator
 from .base import MixingHook, MixState, claim, unclaim
+from .partners import crosses_ranks
 
 
 class OneOf(LayerHook, MixingHook):
@@ -45,7 +46,7 @@ class OneOf(LayerHook, MixingHook):
             )
         if len({id(m) for m in mixers}) != len(mixers):
             raise ValueError("OneOf got the same regularizer twice")
-        if any(getattr(m, "partners", "local") == "global" for m in mixers):
+        if crosses_ranks(*mixers):
             raise ValueError(
                 "OneOf draws its choice on each rank, but a mixer with partners='global' must mix on every "
                 "rank at once; use partners='local' inside OneOf"

@@ -20,6 +20,12 @@ import torch.distributed.nn.functional as dist_nn
 PARTNERS = ("local", "global")
 
 
+def crosses_ranks(*hooks) -> bool:
+    """Whether one of ``hooks`` (or of a ``OneOf``'s mixers) draws partners from every rank."""
+    found = [m for hook in hooks if hook is not None for m in [hook, *getattr(hook, "mixers", [])]]
+    return any(getattr(m, "partners", "local") == "global" for m in found)
+
+
 def check_partners(partners: str) -> str:
     if partners not in PARTNERS:
         raise ValueError(f"partners must be one of {', '.join(PARTNERS)}, got {partners!r}")

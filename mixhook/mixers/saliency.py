@@ -116,6 +116,30 @@ class Saliency:
         return {KEY: recorded}
 
 
+class SaliencyGuided:
+    """What a saliency-guided mixer (a :class:`~mixhook.mixers.base.Mixer` with a :class:`Saliency` as
+    ``self.saliency``) adds to the base's hooks: the ``saliency_layer`` hook, the gradient pass at the
+    start of a forward and the activation read at the mixed layer. Listed before ``Mixer`` among the
+    bases; :meth:`needs_saliency` says when a mix needs none (SaliencyMix with a pinned box)."""
+
+    saliency: Saliency
+
+    def needs_saliency(self, pinned: Mapping) -> bool:
+        return True
+
+    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        super()._register(model, modules, handles)
+        self.saliency.register(self, model, handles)
+
+    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets) -> Mapping:
+        if not self.needs_saliency(pinned):
+            return {}
+        return self.saliency.before_forward(self, model, args, kwargs, spec, pinned, targets)
+
+    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
+        return self.saliency.before_mix(spec, leaves, pinned) if self.needs_saliency(pinned) else {}
+
+
 def pinned_saliency(kind: str, pinned: Mapping, batch: int, height: int, width: int) -> torch.Tensor:
     """The ``(B, H, W)`` saliency of this mix, as a float64 CPU tensor, or a one-line error."""
     saliency = pinned.get(KEY)

@@ -11,17 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ..sites import Leaf
 from .base import Draw, Mixed, Mixer, check_spatial
 from .cutmix import box_lam, boxes_around, draw_box, paste_box, paste_boxes, pinned_boxes
-from .saliency import Saliency, peaks, pinned_saliency
+from .saliency import Saliency, SaliencyGuided, peaks, pinned_saliency
 from .tokens import token_grid
 
 
-class SaliencyMix(Mixer):
+class SaliencyMix(SaliencyGuided, Mixer):
     """SaliencyMix (Uddin et al. 2021) at any layer whose output is ``(B, C, H, W)`` (or, with ``tokens``,
     a ViT block's tokens), with saliency from the same forward or from a gradient pass.
 
@@ -94,17 +92,8 @@ class SaliencyMix(Mixer):
                 "box; choose an earlier layer"
             )
 
-    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        super()._register(model, modules, handles)
-        self.saliency.register(self, model, handles)
-
-    def before_forward(self, model, args, kwargs, spec, pinned: Mapping, targets) -> Mapping:
-        if "box" in pinned:
-            return {}
-        return self.saliency.before_forward(self, model, args, kwargs, spec, pinned, targets)
-
-    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
-        return {} if "box" in pinned else self.saliency.before_mix(spec, leaves, pinned)
+    def needs_saliency(self, pinned: Mapping) -> bool:
+        return "box" not in pinned  # a pinned box is where it goes
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path

@@ -15,8 +15,7 @@ import torch
 
 from ..sites import Leaf
 from .base import Draw, Mixed, Mixer, check_spatial
-from .functional import mask_blend
-from .gridmix import _grid, grid_mask
+from .gridmix import _grid, cells_blend, check_pinned_cells
 from .tokens import token_grid
 
 MASK_TYPES = ("block", "random")
@@ -163,12 +162,5 @@ class TokenMix(Mixer):
             make = block_token_mask if self.mask_type == "block" else random_token_mask
             cells = ~make(rows, cols, count, draw.generator)
         else:
-            cells = torch.as_tensor(cells).cpu()
-            if tuple(cells.shape) != (rows, cols) or not bool(((cells == 0) | (cells == 1)).all()):
-                raise ValueError(
-                    f"pinned cells must be a {rows}x{cols} tensor of 0/1, got shape {tuple(cells.shape)}"
-                )
-            cells = cells.to(torch.bool)
-        mask = grid_mask(cells, height, width)
-        mixed = mask_blend(h, mask, draw.index)
-        return Mixed({path: mixed}, lam=mask.mean(), info={"cells": cells, "mask": mask})
+            cells = check_pinned_cells(cells, rows, cols)
+        return cells_blend(h, path, cells, draw.index)

@@ -30,6 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 from mixhook.mixers import MixingHook, smooth_one_hot
+from mixhook.mixers.partners import crosses_ranks
 
 from ..files import atomic_write
 from . import checkpoint as ckpt
@@ -176,8 +177,7 @@ def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: MixingHook | None
         if bad and not first and module is not model:
             first.append(f"{names[module]} ({type(module).__name__})")
 
-    partners = [m for m in [mixup, *getattr(mixup, "mixers", [])] if m is not None]
-    if any(getattr(m, "partners", "local") == "global" for m in partners):
+    if crosses_ranks(mixup):
         mixup.skip_next()  # its partners were on the other ranks, which do not replay: unmixed
     elif mixup is not None:
         mixup.pin_last()  # the same mix as the step that went non-finite

@@ -70,10 +70,16 @@ def test_feature_maps_show_the_mix_and_leave_training_untouched(tmp_path):
     stats.attach(model)
     x = torch.randn(4, 1, 8, 8)
     streams, buffers = ckpt.random_states([mixer]), {k: v.clone() for k, v in model.named_buffers()}
-    drawn = save_feature_maps(model, mixer, ["layer1", "linear"], x, tmp_path / "e1", pause=[stats])
-    assert list(drawn) == ["layer1"] and (tmp_path / "e1_layer1.png").exists()  # linear is not (B, C, H, W)
-    plain, mixed = drawn["layer1"]
-    torch.testing.assert_close(mixed, 0.5 * plain + 0.5 * plain.flip(0))
+    layers = ["layer1", "layer2", "linear"]
+    drawn = save_feature_maps(
+        model, mixer, layers, x, tmp_path / "e1", pause=[stats], targets=torch.arange(4)
+    )
+    assert list(drawn) == ["layer1", "layer2"]  # linear is not (B, C, H, W)
+    for layer in ("layer1", "layer2"):  # each probed layer mixed at itself: not one mix for all of them
+        assert (tmp_path / f"e1_{layer}.png").exists()
+        maps = drawn[layer]
+        assert maps.at == layer and maps.index.tolist() == [3, 2, 1, 0] and maps.lam.tolist() == [0.5] * 4
+        torch.testing.assert_close(maps.mixed, 0.5 * maps.plain + 0.5 * maps.plain.flip(0))
     assert not model.training and stats.step == 0 and stats.rows() == []
     after = ckpt.random_states([mixer])
     assert all(
@@ -83,16 +89,38 @@ def test_feature_maps_show_the_mix_and_leave_training_untouched(tmp_path):
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
 
 
+def test_feature_maps_of_a_layer_the_mixer_does_not_own_show_the_upstream_mix(tmp_path):
+    torch.manual_seed(0)
+    model = PreActResNet18(in_channels=1, num_classes=10)
+    mixer = ManifoldMixup("layer1")
+    mixer.attach(model)
+    x = torch.randn(4, 1, 8, 8)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    drawn = save_feature_maps(model, mixer, ["conv1", "layer1", "layer2"], x, tmp_path / "e")
+    assert drawn["conv1"].at is None and torch.equal(drawn["conv1"].plain, drawn["conv1"].mixed)  # before it
+    assert drawn["layer2"].at == "layer1"
+    with torch.no_grad():  # by hand: layer2 of the mixed layer1 maps, from the same statistics
+        mixed1 = 0.5 * drawn["layer1"].plain + 0.5 * drawn["layer1"].plain.flip(0)
+        expected = model.layer2(mixed1)
+    model.load_state_dict(state)
+    torch.testing.assert_close(drawn["layer2"].mixed, expected)
+    assert not torch.allclose(drawn["layer2"].mixed, drawn["layer2"].plain)
+    image = matplotlib.image.imread(tmp_path / "e_layer2.png")
+    assert image.shape[0] > 500 and image.shape[1] > 1000 and image.std() > 0.05
+
+
 def test_feature_maps_pin_a_oneof_through_the_mixer_that_owns_the_layer(tmp_path):
     torch.manual_seed(0)
     model = PreActResNet18(in_channels=1, num_classes=10)
     both = OneOf([ManifoldMixup("layer1"), CutMix("layer2")])
     both.attach(model)
     x = torch.randn(4, 1, 8, 8)
-    plain, mixed = save_feature_maps(model, both, ["layer1"], x, tmp_path / "a")["layer1"]
+    drawn = save_feature_maps(model, both, ["conv1", "layer1", "layer2"], x, tmp_path / "a")
+    plain, mixed = drawn["layer1"].plain, drawn["layer1"].mixed
     torch.testing.assert_close(mixed, 0.5 * plain + 0.5 * plain.flip(0))  # pinned through ManifoldMixup
-    drawn = save_feature_maps(model, both, ["conv1"], x, tmp_path / "b")  # no mixer owns conv1: as drawn
-    assert list(drawn) == ["conv1"] and (tmp_path / "b_conv1.png").exists()
+    cut = drawn["layer2"]  # pinned through CutMix: its box, the rest unmixed
+    assert cut.at == "layer2" and ((cut.mixed == cut.plain) | (cut.mixed == cut.plain.flip(0))).all()
+    assert drawn["conv1"].at is None and (tmp_path / "a_conv1.png").exists()
 
 
 def test_a_resumed_run_cuts_probes_csv_back_to_the_checkpoint(tmp_path):

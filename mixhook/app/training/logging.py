@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -89,17 +90,51 @@ class RunLogger:
             self.writer.close()
 
 
+class FeatureMaps(NamedTuple):
+    """What :func:`save_feature_maps` drew for one layer: its maps without mixing and with the mix pinned
+    at ``at`` (``None``: no mix reaches this layer), each sample's ``lam`` and partner ``index``."""
+
+    plain: torch.Tensor
+    mixed: torch.Tensor
+    at: str | None
+    lam: torch.Tensor | None
+    index: torch.Tensor | None
+
+
+def _pin_at(mixer, layer: str, index: torch.Tensor) -> None:
+    """Pin ``mixer`` (a :class:`~mixhook.OneOf` through the first mixer owning ``layer``) at ``layer`` with
+    the batch reversed, at lam 0.5 where the method takes a pinned lam."""
+    owners = [i for i, m in enumerate(getattr(mixer, "mixers", ())) if layer in m.layers]
+    choice = {"choice": owners[0]} if owners else {}
+    try:
+        mixer.pin(**choice, layer=layer, lam=0.5, index=index)
+    except (TypeError, ValueError):  # a lam the method derives itself (e.g. from its own mask)
+        mixer.pin(**choice, layer=layer, index=index)
+
+
+def _image(sample: torch.Tensor):
+    """A model input as something ``imshow`` draws: channels last, scaled to [0, 1] (one channel: grey)."""
+    t = sample.detach().float().cpu()
+    t = t if t.ndim == 2 else (t[0] if t.shape[0] not in (3,) else t.permute(1, 2, 0))
+    low, high = float(t.min()), float(t.max())
+    return ((t - low) / (high - low if high > low else 1.0)).numpy()
+
+
 @torch.no_grad()
 def save_feature_maps(
-    model, mixer, layers, x: torch.Tensor, path: Path, channels: int = 6, pause=(), targets=None
-) -> list[str]:
-    """A PNG grid per layer of the first ``channels`` channels of its feature maps for batch ``x``: each
-    sample's unmixed maps beside its mixed ones (the mixer pinned to lam 0.5 with the batch reversed,
-    at that layer when it is one of the mixer's). The forward runs in training mode, so the mix
-    happens, and every random stream and buffer is put back afterwards, and the probes in ``pause``
-    do not count it: training goes on unchanged. Layers whose output is not ``(B, C, H, W)`` are
-    skipped. ``targets``: the batch's labels, for a mixer that mixes by them (gradient saliency).
-    Returns ``{layer: (unmixed, mixed)}`` for the layers drawn."""
+    model, mixer, layers, x: torch.Tensor, path: Path, channels: int = 4, pause=(), targets=None
+) -> dict[str, FeatureMaps]:
+    """A PNG per probed layer, ``<path>_<layer>.png``, one row per sample of batch ``x``: the sample and
+    its mixing partner as images, then the first ``channels`` channels of the layer's maps, each channel
+    unmixed beside mixed on one colour scale with its colour bar; the row says the sample's label and lam.
+
+    "Unmixed" is a forward in which the mixer does not mix; "mixed" a forward with the mix pinned (the
+    batch reversed, lam 0.5 where the method takes a pinned lam) *at that layer* when it is one of the
+    mixer's layers, otherwise at the mixer's last layer that runs before it (the picture says which), so
+    every layer's two panels differ by exactly one mix. A layer that no mix reaches shows its maps twice,
+    titled so. The forwards run in training mode and every random stream, buffer and probe in ``pause``
+    is put back: training goes on unchanged. Layers whose output is not ``(B, C, H, W)`` are skipped.
+    ``targets``: the batch's labels (shown, and passed to a mixer that mixes by them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,23 +146,41 @@ def save_feature_maps(
 
     hooks = [mixer] if mixer is not None else []
     streams, buffers = random_states(hooks), {k: v.clone() for k, v in model.named_buffers()}
-    before, after = FeatureRecorder(layers, where="before"), FeatureRecorder(layers, where="after")
-    drawn, was_training = {}, model.training
+    own = list(getattr(mixer, "layers", ())) if mixer is not None else []
+    reverse = torch.arange(x.shape[0] - 1, -1, -1)
+    was_training = model.training
+
+    def forward(record, pin_layer=None):
+        """The maps of ``record``'s layers (mixed at ``pin_layer``; unmixed when ``None``), and the mix."""
+        recorder = FeatureRecorder(record)
+        with recorder.attach(model):
+            for name, value in model.named_buffers():
+                value.copy_(buffers[name])  # each picture forward from the same statistics
+            if mixer is not None:
+                mixer.skip_next() if pin_layer is None else _pin_at(mixer, pin_layer, reverse)
+                if targets is not None:
+                    mixer.use_targets(targets)  # a method that mixes by the labels' gradient needs them
+            model(x)
+        return recorder.features, (mixer.last if mixer is not None and pin_layer is not None else None)
+
     for probe in pause:
         probe.paused = True
     model.train()  # the mixers mix training forwards only
     try:
-        with before.attach(model), after.attach(model):
-            if mixer is not None and callable(getattr(mixer, "pin", None)):
-                at = next((name for name in layers if name in getattr(mixer, "layers", ())), None)
-                index = torch.arange(x.shape[0] - 1, -1, -1)
-                try:
-                    mixer.pin(**({"layer": at} if at else {}), lam=0.5, index=index)
-                except (TypeError, ValueError):  # e.g. OneOf without a layer of one mixer: as drawn
-                    pass
-            if mixer is not None and targets is not None:
-                mixer.use_targets(targets)  # a method that mixes by the labels' gradient needs them
-            model(x)
+        plain, _ = forward(list(dict.fromkeys([*layers, *own])))
+        order = list(plain)  # the order in which the layers handed on their outputs
+        wanted = [n for n in layers if isinstance(plain.get(n), torch.Tensor) and plain[n].ndim == 4]
+        groups: dict[str | None, list[str]] = {}
+        for name in wanted:
+            before = [m for m in own if m in order and order.index(m) <= order.index(name)]
+            groups.setdefault(name if name in own else (before[-1] if before else None), []).append(name)
+        mixed = {}
+        for at, names in groups.items():
+            if at is None:
+                mixed.update({n: (plain[n], None) for n in names})
+                continue
+            features, state = forward(names, at)
+            mixed.update({n: (features[n], state) for n in names})
     finally:
         model.train(was_training)
         for probe in pause:
@@ -135,25 +188,65 @@ def save_feature_maps(
         restore_random_states(streams, hooks)
         for name, value in model.named_buffers():
             value.copy_(buffers[name])
-    for name in layers:
-        plain, mixed = before.features.get(name), after.features.get(name)
-        if not isinstance(plain, torch.Tensor) or plain.ndim != 4:
-            continue
-        n, c = plain.shape[0], min(channels, plain.shape[1])
-        fig, axes = plt.subplots(n, 2 * c, figsize=(1.2 * 2 * c, 1.2 * n + 0.6), squeeze=False)
-        for i in range(n):
-            for j in range(c):
-                pair = [maps[i, j].float().cpu() for maps in (plain, mixed)]
-                low, high = min(float(p.min()) for p in pair), max(float(p.max()) for p in pair)
-                for k, image in enumerate(pair):  # one colour scale for a channel's two versions
-                    ax = axes[i][j + k * c]
-                    ax.imshow(image.numpy(), cmap="viridis", vmin=low, vmax=high)
-                    ax.set_xticks([])
-                    ax.set_yticks([])
-                    if i == 0:
-                        ax.set_title(f"{'mixed' if k else 'unmixed'} ch{j}", fontsize=7)
-        fig.suptitle(f"{name}: unmixed (left) and mixed (right), one row per sample", fontsize=9)
-        fig.savefig(path.with_name(f"{path.name}_{name}.png"), dpi=80)
-        plt.close(fig)
-        drawn[name] = (plain, mixed)
+
+    drawn = {}
+    for name in wanted:
+        maps, state = mixed[name]
+        at = state.layer if state is not None else None
+        lam = None if state is None else state.lam.expand(x.shape[0]) if state.lam.ndim == 0 else state.lam
+        index = None if state is None else state.index
+        drawn[name] = FeatureMaps(plain[name], maps, at, lam, index)
+        _draw(
+            plt, name, drawn[name], x, targets, channels, path.with_name(f"{path.name}_{name}.png"), bool(own)
+        )
     return drawn
+
+
+def _draw(plt, name: str, maps: FeatureMaps, x, targets, channels: int, file: Path, mixing: bool) -> None:
+    from matplotlib import gridspec
+
+    n, c = maps.plain.shape[0], min(channels, maps.plain.shape[1])
+    widths = [1, 1] + [1, 1, 0.08, 0.25] * c
+    fig = plt.figure(figsize=(1.6 * sum(widths), 1.6 * n + 0.9))
+    grid = gridspec.GridSpec(n, len(widths), figure=fig, width_ratios=widths, wspace=0.05, hspace=0.3)
+    for i in range(n):
+        label = f"y={int(targets[i])} " if targets is not None else ""
+        weight = f"\nlam={float(maps.lam[i]):.2f}" if maps.lam is not None else ""
+        ax = fig.add_subplot(grid[i, 0])
+        ax.imshow(_image(x[i]), cmap="gray")
+        ax.set_ylabel(f"#{i} {label}{weight}", fontsize=8)
+        ax.set_title("input" if i == 0 else "", fontsize=8)
+        ax2 = fig.add_subplot(grid[i, 1])
+        if maps.index is not None:
+            j = int(maps.index[i])
+            ax2.imshow(_image(x[j]), cmap="gray")
+            ax2.set_title(
+                f"partner #{j}" + (f" y={int(targets[j])}" if targets is not None else ""), fontsize=8
+            )
+        else:
+            ax2.axis("off")
+            ax2.text(0.5, 0.5, "not mixed", ha="center", va="center", fontsize=8)
+        for a in (ax, ax2):
+            a.set_xticks([])
+            a.set_yticks([])
+        for j in range(c):
+            pair = [m[i, j].float().cpu() for m in (maps.plain, maps.mixed)]
+            low, high = min(float(p.min()) for p in pair), max(float(p.max()) for p in pair)
+            for k, image in enumerate(pair):  # one colour scale for a channel's two versions
+                ax = fig.add_subplot(grid[i, 2 + 4 * j + k])
+                shown = ax.imshow(image.numpy(), cmap="viridis", vmin=low, vmax=high)
+                ax.set_xticks([])
+                ax.set_yticks([])
+                if i == 0:
+                    ax.set_title(f"ch{j} {'mixed' if k else 'unmixed'}", fontsize=8)
+            bar = fig.colorbar(shown, cax=fig.add_subplot(grid[i, 4 + 4 * j]))
+            bar.ax.tick_params(labelsize=6)
+    if maps.at is None:
+        how = "no mixer" if not mixing else "no mix reaches this layer: the mixer's layers run after it"
+    elif maps.at == name:
+        how = f"mixed at {name} itself"
+    else:
+        how = f"mixed at {maps.at}, upstream of {name}"
+    fig.suptitle(f"{name}, each channel unmixed | mixed: {how}; partner = the sample mixed in", fontsize=10)
+    fig.savefig(file, dpi=90, bbox_inches="tight")
+    plt.close(fig)

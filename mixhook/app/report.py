@@ -7,9 +7,12 @@ writes into ``<sweep_dir>``:
 - ``summary.csv``: one row per run: its overrides (one column per key), status (``ok``, ``failed`` with the
   last line of its error, or ``incomplete`` for a run still going or killed), and its ``summary.json``
   metrics, with the paper's figure when the run's config carries one;
-- ``summary.md``: runs grouped by their overrides other than ``seed``: n, mean ± std of test error (%) and
-  test NLL, best first, beside the paper's figure; failed runs listed below;
-- ``summary.png``: the groups' test error with error bars.
+- ``summary.md``: runs grouped by their overrides other than ``seed``: n, mean ± std of test error (%)
+  at the last and the best epoch, test NLL and test ECE (%), best first, beside the paper's figure;
+  failed runs listed below;
+- ``summary.png``: per group, each run's test error, the mean ± std at the last epoch, the mean at the
+  best epoch and the paper's figure, beside the test ECE; the title says what was swept and how many
+  runs failed.
 
 :class:`ReportCallback` (configured in ``conf/config.yaml``) writes the report after every job of a
 multirun and at its end, so a sweep in which some runs crashed is still reported.
@@ -30,7 +33,7 @@ import yaml
 
 from .files import atomic_write
 
-METRICS = ["test_acc", "test_error", "test_nll", "best_test_acc", "epochs", "seconds"]
+METRICS = ["test_acc", "test_error", "test_nll", "test_ece", "best_test_acc", "epochs", "seconds"]
 ERROR_FILE = "error.txt"
 
 
@@ -57,6 +60,8 @@ def read_run(run_dir: Path) -> dict:
         for key in METRICS:
             if key == "test_error":
                 row[key] = 100.0 * (1.0 - summary["test_acc"])
+            elif key == "test_ece" and key in summary:
+                row[key] = 100.0 * summary[key]  # in %, as the error
             elif key in summary:
                 row[key] = summary[key]
         if "best_test_acc" in summary:
@@ -107,28 +112,36 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
-    """Successful runs grouped by the swept overrides other than ``seed`` (those common to every run
-    are left out of the label), best mean test error first. ``varying``: :func:`_varying_keys` of
-    ``rows``, when the caller has it already."""
+    """Runs grouped by the swept overrides other than ``seed`` (those common to every run are left out
+    of the label), best mean test error first, groups without a finished run last. Each group has its
+    ``n`` finished runs, their per-run ``errors`` and mean ± std of test error (last and best epoch),
+    NLL and ECE, and how many of its runs ``failed`` or are ``incomplete``. ``varying``:
+    :func:`_varying_keys` of ``rows``, when the caller has it already."""
     varying = _varying_keys(rows) if varying is None else varying
     by_key: dict[str, list[dict]] = {}
     for row in rows:
-        if row["status"] == "ok":
-            by_key.setdefault(_group_key(row, varying), []).append(row)
+        by_key.setdefault(_group_key(row, varying), []).append(row)
     out = []
-    for key, members in by_key.items():
+    for key, runs in by_key.items():
+        members = [r for r in runs if r["status"] == "ok"]
         err_mean, err_std = _mean_std([r["test_error"] for r in members])
         best = [r["best_test_error"] for r in members if "best_test_error" in r]
         best_mean, best_std = _mean_std(best) if len(best) == len(members) else (math.nan, math.nan)
         nll_mean, nll_std = _mean_std([r["test_nll"] for r in members])
+        ece = [r["test_ece"] for r in members if "test_ece" in r]
+        ece_mean, ece_std = _mean_std(ece) if len(ece) == len(members) else (math.nan, math.nan)
         paper = next((r for r in members if "paper_value" in r), None)
         out.append({
-            "group": key, "n": len(members), "test_error_mean": err_mean, "test_error_std": err_std,
+            "group": key, "n": len(members), "errors": [r["test_error"] for r in members],
+            "test_error_mean": err_mean, "test_error_std": err_std,
             "best_error_mean": best_mean, "best_error_std": best_std,
             "test_nll_mean": nll_mean, "test_nll_std": nll_std,
+            "test_ece_mean": ece_mean, "test_ece_std": ece_std,
+            "failed": sum(r["status"] == "failed" for r in runs),
+            "incomplete": sum(r["status"] == "incomplete" for r in runs),
             "paper": None if paper is None else {k[6:]: paper[k] for k in paper if k.startswith("paper_")},
         })  # fmt: skip
-    return sorted(out, key=lambda g: g["test_error_mean"])
+    return sorted(out, key=lambda g: (not g["n"], g["test_error_mean"] if g["n"] else 0.0))
 
 
 def _pm(mean: float, std: float, digits: int) -> str:
@@ -145,7 +158,7 @@ def write_report(sweep_dir: str | os.PathLike) -> dict:
     grouped = groups(rows, varying)
     _write_csv(sweep_dir / "summary.csv", rows)
     _write_atomic(sweep_dir / "summary.md", _markdown(sweep_dir, rows, grouped, varying))
-    _plot(sweep_dir / "summary.png", grouped, sweep_dir)
+    _plot(sweep_dir / "summary.png", grouped, sweep_dir, varying, rows)
     return {"rows": rows, "groups": grouped}
 
 
@@ -174,14 +187,15 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
         "Groups are the runs' swept overrides other than `seed`, best mean test error first; ± is the "
         "standard deviation over the group's runs. Last epoch: the model training ended with; best epoch: "
         "each run's lowest test error over its epochs, chosen on the test set (as some papers report: an "
-        "optimistic figure).",
+        "optimistic figure). ECE: expected calibration error of the top-1 confidence, 15 equal-width bins.",
         "",
         f"Common to every run: `{' '.join(common)}`." if common else "",
         "",
-        "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch | paper |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch "
+        "| test ECE %, last epoch | paper |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for g in grouped:
+    for g in (g for g in grouped if g["n"]):
         paper = ""
         if g["paper"]:
             p = g["paper"]
@@ -190,7 +204,8 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
         lines.append(
             f"| {g['group']} | {g['n']} | {_pm(g['test_error_mean'], g['test_error_std'], 2)} | "
             f"{_pm(g['best_error_mean'], g['best_error_std'], 2)} | "
-            f"{_pm(g['test_nll_mean'], g['test_nll_std'], 4)} | {paper} |"
+            f"{_pm(g['test_nll_mean'], g['test_nll_std'], 4)} | "
+            f"{_pm(g['test_ece_mean'], g['test_ece_std'], 2)} | {paper} |"
         )
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
@@ -200,36 +215,82 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
     return "\n".join(lines) + "\n"
 
 
-def _plot(path: Path, grouped: list[dict], sweep_dir: Path) -> None:
+def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], rows: list[dict]) -> None:
+    """Two panels, one row per group (best first): test error (each run a dot, the mean ± std of the
+    last epoch, the mean of the best epoch, the paper's figure) and test ECE; the axes span the values,
+    not from 0, so that close groups are told apart; a group's failed and unfinished runs are counted in
+    its label, and a group with none finished is drawn as such."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    height = 1.2 + 0.45 * max(len(grouped), 1)
-    fig, ax = plt.subplots(figsize=(8, height), dpi=120)
+    height = 1.6 + 0.42 * max(len(grouped), 1)
+    fig, (err_ax, ece_ax) = plt.subplots(
+        1, 2, figsize=(11, height), dpi=120, sharey=True, gridspec_kw={"width_ratios": [3, 1.4]}
+    )
     if grouped:
-        labels = [f"{g['group']}  (n={g['n']})" for g in grouped]
-        means = [g["test_error_mean"] for g in grouped]
-        stds = [0.0 if math.isnan(g["test_error_std"]) else g["test_error_std"] for g in grouped]
         y = list(range(len(grouped)))
-        ax.barh(y, means, xerr=stds, capsize=4, color="#4C72B0", alpha=0.85)
-        ax.set_yticks(y, labels)
-        ax.invert_yaxis()  # best first, at the top
-        for yi, (m, s) in enumerate(zip(means, stds, strict=True)):
-            ax.text(m + s, yi, f"  {m:.2f}", va="center", fontsize=9)
+        labels = []
+        for g in grouped:
+            extra = "".join(f", {g[k]} {k}" for k in ("failed", "incomplete") if g[k])
+            labels.append(f"{g['group']}  (n={g['n']}{extra})")
         for yi, g in enumerate(grouped):
+            if not g["n"]:
+                err_ax.text(0.02, yi, "no finished run", va="center", color="#C44E52", fontsize=8,
+                            transform=err_ax.get_yaxis_transform())  # fmt: skip
+                continue
+            err_ax.scatter(g["errors"], [yi] * g["n"], s=12, color="#999999", zorder=2)
+            std = 0.0 if math.isnan(g["test_error_std"]) else g["test_error_std"]
+            err_ax.errorbar(g["test_error_mean"], yi, xerr=std, fmt="o", color="#4C72B0", capsize=4, zorder=3)
+            err_ax.annotate(f"{g['test_error_mean']:.2f}", (g["test_error_mean"], yi), xytext=(0, 7),
+                            textcoords="offset points", ha="center", fontsize=7)  # fmt: skip
+            if not math.isnan(g["best_error_mean"]):
+                err_ax.plot(g["best_error_mean"], yi, marker="o", mfc="none", color="#55A868", zorder=3)
             if g["paper"] and isinstance(g["paper"].get("value"), (int, float)):
-                ax.plot(g["paper"]["value"], yi, marker="D", color="#C44E52")
-        ax.set_xlim(0, max(m + s for m, s in zip(means, stds, strict=True)) * 1.25 or 1)
+                err_ax.plot(g["paper"]["value"], yi, marker="D", color="#C44E52", zorder=3)
+            if not math.isnan(g["test_ece_mean"]):
+                ece_std = 0.0 if math.isnan(g["test_ece_std"]) else g["test_ece_std"]
+                ece_ax.errorbar(g["test_ece_mean"], yi, xerr=ece_std, fmt="s", color="#8172B2", capsize=4)
+        err_ax.set_yticks(y, labels)
+        err_ax.set_ylim(len(grouped) - 0.5, -0.6)  # best first, at the top
+        handles = [
+            plt.Line2D([], [], marker="o", ls="", color="#4C72B0", label="last epoch, mean ± std"),
+            plt.Line2D([], [], marker="o", ls="", mfc="none", color="#55A868", label="best epoch, mean"),
+            plt.Line2D([], [], marker="o", ls="", ms=4, color="#999999", label="each run, last epoch"),
+        ]
+        if any(g["paper"] for g in grouped):
+            handles.append(plt.Line2D([], [], marker="D", ls="", color="#C44E52", label="paper"))
+        err_ax.legend(handles=handles, fontsize=7, loc="best")
+        _pad(err_ax)
+        _pad(ece_ax)
     else:
-        ax.text(0.5, 0.5, "no finished runs yet", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("test error (%), mean ± std over seeds")
-    ax.set_title(str(sweep_dir), fontsize=9)
+        err_ax.text(0.5, 0.5, "no runs yet", ha="center", va="center", transform=err_ax.transAxes)
+    err_ax.set_xlabel("test error (%)")
+    ece_ax.set_xlabel("test ECE (%), last epoch, mean ± std")
+    for ax in (err_ax, ece_ax):
+        ax.grid(axis="x", alpha=0.3)
+    seeds = sorted({dict(_parse_overrides(r["overrides"].split(" "))).get("seed", "") for r in rows} - {""})
+    swept = ", ".join(sorted(varying)) or "nothing but the seed"
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "incomplete")}
+    fig.suptitle(
+        f"swept: {swept}" + (f"; seeds {', '.join(seeds)}" if seeds else "")
+        + f"\n{len(rows)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['incomplete']} "
+        f"incomplete   ({sweep_dir})", fontsize=9,
+    )  # fmt: skip
     fig.tight_layout()
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+def _pad(ax) -> None:
+    """x limits around what is drawn, with a margin: a shared 0 would flatten close groups."""
+    ax.relim()
+    ax.autoscale_view(scalex=True, scaley=False)
+    low, high = ax.get_xlim()
+    margin = max(0.08 * (high - low), 0.05)
+    ax.set_xlim(low - margin, high + margin)
 
 
 try:

@@ -122,9 +122,10 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
         for handle in run.handles:
             handle.remove()
     log.info(
-        "done: test_acc %.2f%%  best %.2f%% (epoch %d)  test_nll %.4f  %.0fs  -> %s/summary.json",
+        "done: test_acc %.2f%%  best %.2f%% (epoch %d)  test_nll %.4f  test_ece %.2f%%  %.0fs  "
+        "-> %s/summary.json",
         100 * summary["test_acc"], 100 * summary["best_test_acc"], summary["best_epoch"],
-        summary["test_nll"], summary["seconds"], out_dir,
+        summary["test_nll"], 100 * summary["test_ece"], summary["seconds"], out_dir,
     )  # fmt: skip
     return summary["test_acc"]
 

@@ -4,6 +4,7 @@ run as a subprocess the way a user runs it."""
 import csv
 import json
 
+import matplotlib.image
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -129,7 +130,7 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     out, result = default_run
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 16)]
-    assert list(rows[0]) == ["epoch", "train_loss", "test_loss", "test_acc", "lr", "seconds"]
+    assert list(rows[0]) == ["epoch", "train_loss", "test_loss", "test_acc", "test_ece", "lr", "seconds"]
     assert float(rows[1]["lr"]) < float(rows[0]["lr"])  # the cosine schedule moved
     summary = json.loads((out / "summary.json").read_text())
     for key in ("test_acc", "test_nll", "best_test_acc", "epochs", "seconds", "mixup"):
@@ -137,6 +138,15 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     assert summary["test_acc"] == pytest.approx(float(rows[-1]["test_acc"]))
     assert summary["test_nll"] == pytest.approx(float(rows[-1]["test_loss"]))
     assert summary["best_test_acc"] == max(float(r["test_acc"]) for r in rows)
+    calibration = summary["calibration"]  # the last epoch's reliability diagram, 15 bins
+    assert calibration["bins"] == 15 and summary["test_ece"] == pytest.approx(float(rows[-1]["test_ece"]))
+    assert calibration["ece"] == summary["test_ece"] and 0 < summary["test_ece"] < 1
+    n = sum(calibration["count"])
+    assert n == 360  # the digits test split, every sample in one bin
+    correct = sum(c * a for c, a in zip(calibration["count"], calibration["accuracy"], strict=True) if c)
+    assert round(correct) / n == pytest.approx(summary["test_acc"])
+    image = matplotlib.image.imread(out / "reliability.png")
+    assert image.shape[0] > 500 and image.std() > 0.05
     log = result.stdout + result.stderr
     assert log.count("epoch 1/15  train_loss") == 1 and "epoch 15/15  train_loss" in log
     assert not list(out.glob(".*.tmp"))

@@ -58,8 +58,10 @@ def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp
     model = PreActResNet18(in_channels=1, num_classes=10)
     model.load_state_dict(state["model"])
     data = build_data("digits", batch_size=32, seed=2, train_size=200, num_workers=0)
-    nll, acc = evaluate(model, data.test, torch.device("cpu"))
+    nll, acc, calibration = evaluate(model, data.test, torch.device("cpu"))
     assert acc == summary["test_acc"] and abs(nll - summary["test_nll"]) < 1e-6
+    assert calibration.table()["count"] == summary["calibration"]["count"]  # the ranks' bins summed
+    assert abs(calibration.ece() - summary["test_ece"]) < 1e-9
 
     # each rank mixed with its own stream, and both are in the checkpoint
     ranks = state["random"]

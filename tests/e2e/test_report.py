@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false"]
 
 
-def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None, best=None):
+def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None, best=None, ece=None):
     run = sweep / str(job)
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
@@ -27,6 +27,8 @@ def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None, 
         best = acc if best is None else best
         summary = {"test_acc": acc, "test_nll": nll, "best_test_acc": best, "epochs": 3, "seconds": 1.0}
         summary["paper"] = paper
+        if ece is not None:
+            summary["test_ece"] = ece
         (run / "summary.json").write_text(json.dumps(summary))
     if error is not None:
         (run / "error.txt").write_text(f"Traceback...\n{error}\n")
@@ -34,31 +36,39 @@ def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None, 
 
 def test_report_groups_by_overrides_other_than_seed(tmp_path):
     paper = {"metric": "test_error", "value": 2.95, "std": 0.05, "source": "Verma et al. 2019"}
-    fake_run(tmp_path, 0, ["mixup.alpha=0.2", "seed=0"], acc=0.90, nll=0.30, best=0.92)
-    fake_run(tmp_path, 1, ["mixup.alpha=0.2", "seed=1"], acc=0.80, nll=0.50, best=0.86)
-    fake_run(tmp_path, 2, ["mixup.alpha=2", "seed=0"], acc=0.96, nll=0.10, paper=paper)
+    fake_run(tmp_path, 0, ["mixup.alpha=0.2", "seed=0"], acc=0.90, nll=0.30, best=0.92, ece=0.05)
+    fake_run(tmp_path, 1, ["mixup.alpha=0.2", "seed=1"], acc=0.80, nll=0.50, best=0.86, ece=0.07)
+    fake_run(tmp_path, 2, ["mixup.alpha=2", "seed=0"], acc=0.96, nll=0.10, paper=paper, ece=0.02)
     fake_run(tmp_path, 3, ["mixup.alpha=2", "seed=1"], error="ValueError: boom")
     fake_run(tmp_path, 10, ["mixup.alpha=2", "seed=2"])  # still running: no summary, no error
+    fake_run(tmp_path, 11, ["mixup.alpha=8", "seed=0"], error="RuntimeError: diverged")
     data = write_report(tmp_path)
-    first, second = data["groups"]
+    first, second, never = data["groups"]
+    assert never["group"] == "mixup.alpha=8" and never["n"] == 0 and never["failed"] == 1  # last, shown
+    assert first["failed"] == 1 and first["incomplete"] == 1 and first["errors"] == [pytest.approx(4.0)]
     assert first["group"] == "mixup.alpha=2" and first["n"] == 1
     assert math.isclose(first["test_error_mean"], 4.0)
     assert second["group"] == "mixup.alpha=0.2" and second["n"] == 2
     assert math.isclose(second["test_error_mean"], 15.0)
     assert math.isclose(second["test_error_std"], 7.0710678, rel_tol=1e-6)
     rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
-    assert [r["job"] for r in rows] == ["0", "1", "2", "3", "10"]
-    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "failed", "incomplete"]
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3", "10", "11"]
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "failed", "incomplete", "failed"]
+    assert float(rows[0]["test_ece"]) == pytest.approx(5.0)  # in %, as the error
     assert rows[3]["error"] == "ValueError: boom" and rows[0]["mixup.alpha"] == "0.2"
     assert rows[2]["paper_value"] == "2.95"
     md = (tmp_path / "summary.md").read_text()
-    assert "5 runs: 3 ok, 1 failed, 1 incomplete" in md
-    assert "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch |" in md
+    assert "6 runs: 3 ok, 2 failed, 1 incomplete" in md
+    assert (
+        "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch "
+        "| test ECE %, last epoch | paper |" in md
+    )
+    assert "| mixup.alpha=8 |" not in md.split("## Runs without a result")[0]  # no figure to show
     best, worse = (
         "| mixup.alpha=2 | 1 | 4.00 | 4.00 |",
         "| mixup.alpha=0.2 | 2 | 15.00 ± 7.07 | 11.00 ± 4.24 |",
     )
-    assert md.index(best) < md.index(worse) and "11.00 ± 4.24 | 0.4000 ± 0.1414 |" in md
+    assert md.index(best) < md.index(worse) and "11.00 ± 4.24 | 0.4000 ± 0.1414 | 6.00 ± 1.41 |" in md
     assert math.isclose(second["best_error_mean"], 11.0) and math.isclose(
         float(rows[0]["best_test_error"]), 8.0
     )

@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,13 +35,14 @@ from mixhook.mixers.partners import crosses_ranks
 
 from ..files import atomic_write
 from . import checkpoint as ckpt
+from .calibration import Calibration
 from .distributed import Dist
 from .logging import save_feature_maps
 from .state import RunState
 
 log = logging.getLogger("mixhook")
 
-METRICS = ["epoch", "train_loss", "test_loss", "test_acc", "lr", "seconds"]
+METRICS = ["epoch", "train_loss", "test_loss", "test_acc", "test_ece", "lr", "seconds"]
 LOSSES = ("ce", "bce_softmax")
 PRECISIONS = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype per setting
 
@@ -196,6 +198,15 @@ def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: MixingHook | None
     return where
 
 
+class Evaluation(NamedTuple):
+    """The test figures of one evaluation: mean cross-entropy (NLL), accuracy (a fraction), and the
+    top-1 confidence calibration (:class:`~mixhook.app.training.calibration.Calibration`, 15 bins)."""
+
+    nll: float
+    acc: float
+    calibration: Calibration
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -204,22 +215,25 @@ def evaluate(
     precision: str = "32",
     channels_last: bool = False,
     dist: Dist | None = None,
-) -> tuple[float, float]:
-    """Mean cross-entropy (test NLL) and accuracy (a fraction) of ``model`` in eval mode; with ``dist``,
-    over the union of the ranks' shards."""
+) -> Evaluation:
+    """Test NLL, accuracy and calibration of ``model`` in eval mode; with ``dist``, over the union of
+    the ranks' shards."""
     dtype = PRECISIONS[precision]
     model.eval()
     nll = torch.zeros((), device=device, dtype=torch.float64)
     correct = torch.zeros((), device=device, dtype=torch.int64)
+    calibration = Calibration()
     count = 0
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         _, logits = _forward(model, x, dtype, channels_last)
         nll += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(1) == y).sum()
+        calibration.update(logits, y)
         count += y.shape[0]
     nll, correct, count = (dist or Dist()).sum([float(nll), float(correct), float(count)])
-    return nll / count, int(correct) / int(count)
+    calibration.reduce(dist or Dist())
+    return Evaluation(nll / count, int(correct) / int(count), calibration)
 
 
 @contextmanager
@@ -299,8 +313,10 @@ def train(
     ``DistributedDataParallel`` here, after the hooks were attached to it, and only rank 0 writes.
     ``logger``: a :class:`~mixhook.app.training.logging.RunLogger` for probe rows and TensorBoard.
 
-    Returns the summary: ``test_acc``, ``test_nll``, ``best_test_acc``, ``best_epoch``, ``epochs``,
-    ``seconds``, ``train_loss`` and whatever ``run.summary`` holds.
+    Returns the summary: ``test_acc``, ``test_nll``, ``test_ece`` (15 bins) and ``calibration`` (the
+    reliability diagram's numbers, also drawn into ``reliability.png``) of the last epoch,
+    ``best_test_acc``, ``best_epoch``, ``epochs``, ``seconds``, ``train_loss`` and whatever
+    ``run.summary`` holds.
     """
     model, data, optimizer, scheduler, device = run.model, run.data, run.optimizer, run.scheduler, run.device
     mixup, hooks, opts = run.mixup, run.hooks, run.settings
@@ -334,6 +350,7 @@ def train(
         if logger is not None and dist.main:
             logger.probe_rows(epoch_done + (1 if step else 0))
 
+    calibration = None
     metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
     with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
         writer = csv.DictWriter(f, fieldnames=METRICS)
@@ -372,12 +389,15 @@ def train(
                 raise NonFiniteLoss(f"epoch {epoch}, step {totals[2] + 1}: {err}; {note}") from None
             if scheduler is not None:
                 scheduler.step()
-            test_loss, test_acc = evaluate(net, data.test, device, precision, channels_last, dist)
+            test_loss, test_acc, calibration = evaluate(
+                net, data.test, device, precision, channels_last, dist
+            )
             row = {
                 "epoch": epoch,
                 "train_loss": train_loss,
                 "test_loss": test_loss,
                 "test_acc": test_acc,
+                "test_ece": calibration.ece(),
                 "lr": lr,
                 "seconds": time.perf_counter() - t0,
             }
@@ -397,24 +417,30 @@ def train(
             if test_acc > state.best[0]:
                 state.best = (test_acc, epoch)
             log.info(
-                "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  lr %.4g  %.1fs",
-                epoch, epochs, train_loss, test_loss, 100 * test_acc, lr, row["seconds"],
+                "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  test_ece %.2f%%  lr %.4g  "
+                "%.1fs", epoch, epochs, train_loss, test_loss, 100 * test_acc, 100 * row["test_ece"], lr,
+                row["seconds"],
             )  # fmt: skip
             checkpoint(epoch, 0, None)
             if dist.any(bool(stop[0])) and epoch < epochs:
                 raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, 0)
     last = state.rows[-1]
+    if calibration is None:  # resumed after the last epoch: the same model evaluates to the same figures
+        calibration = evaluate(net, data.test, device, precision, channels_last, dist).calibration
     summary = {
         "test_acc": last["test_acc"],
         "test_nll": last["test_loss"],
+        "test_ece": calibration.ece(),
         "best_test_acc": state.best[0],
         "best_epoch": state.best[1],
         "train_loss": last["train_loss"],
         "epochs": epochs,
         "seconds": time.perf_counter() - start,
+        "calibration": calibration.table(),
         **run.summary,
     }
-    if dist.main:
+    if dist.main:  # the picture first: a summary.json means the run's files are all there
+        calibration.plot(out_dir / "reliability.png", f"test set, epoch {epochs}")
         write_json_atomic(out_dir / "summary.json", summary)
     return summary
 

@@ -122,4 +122,4 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
         m = to_device(mask, h.device, h.dtype)[:, None]
         mixed = m * h + (1 - m) * h[to_device(draw.index, h.device)]
         info = {"cells": cells, "mask": mask, "saliency": saliency}
-        return Mixed({path: mixed}, lam=mask.flatten(1).mean(1), info=info)
+        return Mixed({path: mixed}, lam=mask.flatten(1).mean(1), info=info, weights=mask)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -57,6 +58,10 @@ class MixState:
         elements: the elements of the layer's output (or of the model's inputs) that were mixed, as
             selector paths (``("[0]", "[1.0]")``; ``("[]",)`` for a plain tensor), with their batch
             dimensions in ``batch_dims``.
+        weights: for a region method (CutMix, FMix, PatchUp, ...), the weight of each sample's own content
+            at each position of the mixed map, ``(1 or B, H, W)`` (1 outside a pasted box, 0 inside; soft
+            masks in between): what dense targets (segmentation maps) are mixed with, resized to the label
+            map. ``None``: the same weight ``lam`` everywhere (Manifold Mixup, input mixup, NFM).
     """
 
     layer: str
@@ -65,6 +70,7 @@ class MixState:
     info: Mapping[str, Any] = field(default_factory=dict)
     elements: tuple[str, ...] = ("[]",)
     batch_dims: tuple[int, ...] = (0,)
+    weights: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -100,12 +106,15 @@ class Mixed:
         info: what to record in :attr:`MixState.info`.
         index: the partners actually used, where the method chose them itself (partners from the global
             batch: indices into it); ``None``: ``draw.index``.
+        weights: a region method's own-content weight per position of the mixed map, ``(1 or B, H, W)``
+            (see :attr:`MixState.weights`); ``None`` for a method that blends every position alike.
     """
 
     tensors: dict
     lam: torch.Tensor | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
     index: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
 
 @dataclass
@@ -140,9 +149,14 @@ class MixingHook(abc.ABC):
 
     @abc.abstractmethod
     def targets(
-        self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0, dtype: torch.dtype | None = None
+        self,
+        target: torch.Tensor,
+        num_classes: int | None = None,
+        smoothing: float = 0.0,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """Soft targets of the last training forward's mix, in ``dtype`` (pass the logits' dtype)."""
+        """Mixed targets of the last training forward (class indices with ``num_classes``, or floating
+        and dense targets; see :meth:`Mixer.targets`), in ``dtype`` (pass the logits' dtype)."""
 
     @abc.abstractmethod
     def pin(self, **values) -> None:
@@ -235,6 +249,9 @@ class Mixer(LayerHook, MixingHook):
     """
 
     pin_keys: ClassVar[tuple[str, ...]] = ()
+    # None: dense targets (segmentation maps) are mixed like the map (a region method sets Mixed.weights);
+    # else why not, refused in one line by loss() and targets()
+    dense_targets: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -260,6 +277,17 @@ class Mixer(LayerHook, MixingHook):
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
         self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
         self._capture: dict | None = None  # during gradient_at(): the map whose gradient is taken
+        self._layer_weights: tuple[float, ...] | None = None
+
+    @property
+    def layer_weights(self) -> tuple[float, ...] | None:
+        """Draw weights of :attr:`layers` (one >= 0 each, not all 0): layer ``k`` is mixed with
+        probability ``w[k] / sum(w)``. ``None`` (default): uniform, as each paper draws."""
+        return self._layer_weights
+
+    @layer_weights.setter
+    def layer_weights(self, weights) -> None:
+        self._layer_weights = None if weights is None else check_layer_weights(self.layers, weights)
 
     def __repr__(self) -> str:
         tokens = (
@@ -336,51 +364,134 @@ class Mixer(LayerHook, MixingHook):
         """``lam * criterion(logits, target) + (1 - lam) * criterion(logits, target[index])`` for the
         last training forward, or ``criterion(logits, target)`` when it did not mix.
 
-        With one lam per sample (``mode="elem"``) the criterion must return one loss per sample
-        (``reduction="none"``); the weighted per-sample losses are returned for you to reduce."""
+        ``target`` is whatever the criterion takes: class indices, soft or multi-hot targets
+        (``BCEWithLogitsLoss``), regression values, or dense targets (see :func:`dense_weights`). With
+        one lam per sample (``mode="elem"``) the criterion must return one loss per sample
+        (``reduction="none"``); the weighted per-sample losses are returned for you to reduce. With a
+        dense target under a region mix, lam is each position's own weight (the mask resized to the label
+        map), so the criterion must return one loss per position (``reduction="none"``, e.g. ``(B, H, W)``
+        for ``(B, H, W)`` class indices), weighted and returned for you to reduce.
+
+        For a criterion that is linear in its target (cross-entropy, BCE) this equals the criterion of
+        the mixed targets (:meth:`targets`); for one that is not (MSE on regression targets), the two
+        differ: mix the targets with :meth:`targets` when the criterion of the mixed target is meant."""
         last = self.last
         if last is None:
             return criterion(logits, target)
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, self._partners_of(target, "loss"))
-        lam = to_device(last.lam, loss_a.device, loss_a.dtype)
-        if lam.ndim == 1 and loss_a.shape != lam.shape:
-            raise ValueError(
-                f"loss(): lam has one value per sample ({lam.shape[0]}), so the criterion must return one "
-                f"loss per sample (reduction='none'), but it returned shape {tuple(loss_a.shape)}"
-            )
+        lam = self._target_weights(last, target, "loss")
+        if lam is None:
+            lam = to_device(last.lam, loss_a.device, loss_a.dtype)
+            if lam.ndim == 1 and (loss_a.ndim == 0 or loss_a.shape[0] != lam.shape[0]):
+                raise ValueError(
+                    f"loss(): lam has one value per sample ({lam.shape[0]}), so the criterion must return "
+                    f"one loss per sample (reduction='none'), but it returned shape {tuple(loss_a.shape)}"
+                )
+            if lam.ndim == 1:  # per-sample lam over per-position losses (a dense target)
+                lam = lam.view(-1, *[1] * (loss_a.ndim - 1))
+        else:
+            lam = to_device(lam, loss_a.device, loss_a.dtype)
+            if loss_a.shape != lam.shape:
+                raise ValueError(
+                    f"loss(): a dense target under {type(self).__name__}'s region mix weighs each position "
+                    f"by its own mask, so the criterion must return one loss per position {tuple(lam.shape)} "
+                    f"(reduction='none'), but it returned shape {tuple(loss_a.shape)}"
+                )
         return lam * loss_a + (1 - lam) * loss_b
 
     def targets(
-        self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0, dtype: torch.dtype | None = None
+        self,
+        target: torch.Tensor,
+        num_classes: int | None = None,
+        smoothing: float = 0.0,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """Soft targets ``lam * s(target) + (1 - lam) * s(target[index])`` for the last training forward
-        (``s(target)`` when it did not mix), where ``s`` puts ``1 - smoothing + smoothing/num_classes``
-        on the true class and ``smoothing/num_classes`` elsewhere. They drop into
-        ``nn.CrossEntropyLoss``, which accepts class probabilities. ``dtype``: a floating dtype, e.g. the
-        logits' (``targets(y, k, dtype=logits.dtype)``), computed in it from the float64 lam; ``None``:
-        torch's default dtype."""
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        """The last training forward's mixed targets: ``lam * t + (1 - lam) * t[index]`` (``t`` when it
+        did not mix), in ``dtype`` (a floating dtype, e.g. the logits'; ``None``: torch's default),
+        computed from the float64 lam.
+
+        ``t`` is, by ``target``:
+
+        - integer class indices ``(B,)``: one-hot over ``num_classes`` with label smoothing (``1 -
+          smoothing + smoothing/num_classes`` on the true class, ``smoothing/num_classes`` elsewhere):
+          ``(B, num_classes)``, for ``nn.CrossEntropyLoss``, which accepts class probabilities;
+        - integer dense labels ``(B, *S)`` (a segmentation map ``(B, H, W)``, token labels ``(B, T)``):
+          one-hot per position, ``(B, num_classes, *S)``;
+        - floating targets, taken as they are: soft class probabilities or multi-hot labels ``(B, K)``
+          (for ``BCEWithLogitsLoss``), regression values ``(B,)`` or ``(B, d)``, dense probabilities
+          ``(B, K, H, W)``; ``num_classes``, when given, is checked against ``K``; ``smoothing`` is
+          refused (smooth them yourself first, as the smoothing of multi-hot labels is a choice).
+
+        Under a region mix (CutMix, FMix, PatchUp, ...) a dense target's lam is per position: the
+        method's own-content mask resized to the label map (:func:`dense_weights`), so a pasted box
+        pastes its labels too."""
+        if num_classes is not None and (
+            isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
+        ):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
-        if target.ndim != 1 or target.dtype.is_floating_point or target.dtype == torch.bool:
-            raise ValueError(
-                f"targets() needs 1-D integer class indices, got {target.dtype} {tuple(target.shape)}"
-            )
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_classes):
-            raise ValueError(
-                f"targets(): class indices must lie in [0, {num_classes}), "
-                f"got values from {int(target.min())} to {int(target.max())}"
-            )
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not dtype.is_floating_point:
             raise ValueError(f"targets(dtype=...) must be a floating dtype, got {dtype}")
-        own = smooth_one_hot(target, num_classes, smoothing, dtype)
+        if not isinstance(target, torch.Tensor) or target.ndim == 0 or target.dtype == torch.bool:
+            what = (
+                f"{target.dtype} {tuple(target.shape)}" if isinstance(target, torch.Tensor) else type(target)
+            )
+            raise ValueError(
+                f"targets() needs a batch of integer class indices or floating targets, got {what}"
+            )
+        if target.dtype.is_floating_point:
+            if smoothing:
+                raise ValueError(
+                    "targets(smoothing=...) applies to class indices; smooth floating (soft, multi-hot) "
+                    "targets yourself before mixing them"
+                )
+            if num_classes is not None and (target.ndim < 2 or target.shape[1] != num_classes):
+                raise ValueError(
+                    f"targets(): floating targets of shape {tuple(target.shape)} do not have "
+                    f"num_classes={num_classes} classes along dimension 1"
+                )
+            own = target.to(dtype)
+            partner = None if self.last is None else self._partners_of(target, "targets").to(dtype)
+        else:
+            if num_classes is None:
+                raise ValueError("targets(): class indices need num_classes")
+            if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_classes):
+                ignore = (
+                    " (a dense map's ignore label, e.g. 255, has no probability: use loss() with a "
+                    "criterion that ignores it)"
+                    if target.ndim > 1
+                    else ""
+                )
+                raise ValueError(
+                    f"targets(): class indices must lie in [0, {num_classes}), "
+                    f"got values from {int(target.min())} to {int(target.max())}{ignore}"
+                )
+
+            def one_hot(t):
+                soft = smooth_one_hot(t.reshape(-1), num_classes, smoothing, dtype)
+                return soft.view(*t.shape, num_classes).movedim(-1, 1) if t.ndim > 1 else soft
+
+            own = one_hot(target)
+            partner = None if self.last is None else one_hot(self._partners_of(target, "targets"))
         if self.last is None:
             return own
-        partner = smooth_one_hot(self._partners_of(target, "targets"), num_classes, smoothing, dtype)
-        return torch.lerp(partner, own, per_sample(self.last.lam, own))
+        weights = self._target_weights(self.last, target, "targets")
+        if weights is None:
+            return torch.lerp(partner, own, per_sample(self.last.lam, own))
+        return torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
+
+    def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
+        """Per-position own weights ``(B, H, W)`` for a dense ``target`` under a region mix, else ``None``
+        (lam as it is)."""
+        spatial = target.ndim - (2 if target.dtype.is_floating_point else 1)
+        if spatial > 0 and self.dense_targets is not None:
+            raise ValueError(f"{what}(): {type(self).__name__} {self.dense_targets}")
+        if last.weights is None:
+            return None
+        return dense_weights(last, target, what, type(self).__name__)
 
     def check_output(self, spec: str, value, batch: int | None = None) -> None:
         """Raise ``TypeError``/``ValueError`` (one line) unless what layer ``spec`` returned (for
@@ -610,7 +721,10 @@ class Mixer(LayerHook, MixingHook):
         layer = pinned.get("layer")
         if layer is None:
             k = 0
-            if len(self.layers) > 1:
+            if self.layer_weights is not None:
+                weights = torch.tensor(self.layer_weights, dtype=torch.float64, device=g.device)
+                k = int(torch.multinomial(weights, 1, generator=g))
+            elif len(self.layers) > 1:
                 k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
             layer = self.layers[k]
         return _Decision(layer=layer, pinned=pinned, state=state)
@@ -767,6 +881,7 @@ class Mixer(LayerHook, MixingHook):
             info=dict(mixed.info),
             elements=tuple(leaf.name for leaf in found),
             batch_dims=tuple(leaf.dim for leaf in found),
+            weights=mixed.weights,
         )
         return replace_leaves(site_value, tensors), state
 
@@ -858,6 +973,29 @@ def _inverse(index: torch.Tensor, pinned: dict) -> torch.Tensor | None:
     return inverse_permutation(index) if "index" in pinned else _scatter_inverse(index)
 
 
+def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) -> torch.Tensor | None:
+    """The own-content weight of each position of a dense ``target`` under the region mix ``last``:
+    ``last.weights`` resized to the target's ``(H, W)`` by area (each label pixel gets the fraction of
+    its area that kept the sample's own content: exact for a mask cut at the input's resolution, and a
+    feature map's cells cover whole blocks of label pixels), as ``(B, H, W)`` float64. Dense targets are
+    integer maps ``(B, H, W)`` or floating ``(B, K, H, W)``; the usual ``(B,)`` indices and ``(B, K)``
+    floating targets are not dense (``None``: the sample's lam). Any other shape under a region mix is
+    refused: the mask would be mapped onto it along dimensions it does not describe."""
+    spatial = target.ndim - (1 if not target.dtype.is_floating_point else 2)
+    if spatial <= 0:
+        return None
+    if spatial != 2:
+        raise ValueError(
+            f"{what}(): {kind} mixes regions of a 2-D map, so its dense targets must be (B, H, W) class "
+            f"indices or (B, K, H, W) floating targets; got {target.dtype} {tuple(target.shape)}"
+        )
+    weights = last.weights.to(torch.float64)
+    size = tuple(target.shape[-2:])
+    if tuple(weights.shape[-2:]) != size:
+        weights = F.interpolate(weights.unsqueeze(1).cpu(), size=size, mode="area").squeeze(1)
+    return weights.expand(target.shape[0], *size)
+
+
 def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
     """The one ``(B, C, H, W)`` map (batch at dim 0) that the mixers cutting regions act on, or a one-line
     ``TypeError`` naming the elements to choose from."""
@@ -924,6 +1062,23 @@ def check_non_negative(name: str, value) -> float:
     if not (number >= 0 and math.isfinite(number)):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return number
+
+
+def check_layer_weights(layers: Sequence[str], weights) -> tuple[float, ...]:
+    """``weights`` as floats, once they give each of ``layers`` a weight >= 0, not all 0 (else one line)."""
+    try:
+        values = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        values = None
+    if (
+        values is None
+        or len(values) != len(layers)
+        or any(not math.isfinite(v) or v < 0 for v in values)
+        or not sum(values) > 0
+    ):
+        shown = list(weights) if isinstance(weights, Sequence) and not isinstance(weights, str) else weights
+        raise ValueError(f"layer_weights={shown!r}: one weight >= 0 per layer of {list(layers)}, not all 0")
+    return tuple(values)
 
 
 def check_fraction(name: str, value) -> float:

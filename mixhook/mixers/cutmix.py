@@ -87,6 +87,11 @@ def boxes_mask(boxes: torch.Tensor, height: int, width: int, device=None) -> tor
     return (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)
 
 
+def box_weights(box: tuple[int, int, int, int], height: int, width: int) -> torch.Tensor:
+    """``(1, height, width)`` bool: the sample's own content, False inside the pasted ``box``."""
+    return ~boxes_mask(torch.tensor([box]), height, width)[:, 0]
+
+
 def boxes_lam(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Per sample, the lam its pasted box leaves: ``1 - box area / (height * width)`` (float64)."""
     area = (boxes[:, 1] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 2])
@@ -210,7 +215,12 @@ class CutMix(Mixer):
             )
         box = draw_box(draw, height, width, self.rounding)
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
-        return Mixed({path: paste_box(h, draw.index, box)}, lam=lam, info={"box": box})
+        return Mixed(
+            {path: paste_box(h, draw.index, box)},
+            lam=lam,
+            info={"box": box},
+            weights=box_weights(box, height, width),
+        )
 
     def _mix_elem(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path
@@ -246,4 +256,4 @@ def paste_boxes(h: torch.Tensor, path, index: torch.Tensor, boxes: torch.Tensor)
     height, width = h.shape[-2:]
     mask = boxes_mask(boxes, height, width, h.device)
     mixed = torch.where(mask, h[to_device(index, h.device)], h)
-    return Mixed({path: mixed}, lam=boxes_lam(boxes, height, width), info={"box": boxes})
+    return Mixed({path: mixed}, lam=boxes_lam(boxes, height, width), info={"box": boxes}, weights=~mask[:, 0])

@@ -187,4 +187,7 @@ class FMix(Mixer):
             )
         else:
             mask = check_pinned_mask(mask, height, width)
-        return Mixed({path: mask_blend(h, mask, draw.index)}, lam=mask.mean(), info={"mask": mask})
+        weights = mask[None] if mask.ndim == 2 else None  # a 1-D mask (sequences): no label map to cut
+        return Mixed(
+            {path: mask_blend(h, mask, draw.index)}, lam=mask.mean(), info={"mask": mask}, weights=weights
+        )

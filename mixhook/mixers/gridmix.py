@@ -132,7 +132,8 @@ def cells_blend(h: torch.Tensor, path, cells: torch.Tensor, index: torch.Tensor)
     the :class:`Mixed` with lam = the kept area and ``info`` ``"cells"`` and ``"mask"``."""
     mask = grid_mask(cells, h.shape[-2], h.shape[-1])
     mixed = mask_blend(h, mask, index)
-    return Mixed({path: mixed}, lam=mask.mean(), info={"cells": cells, "mask": mask})
+    weights = mask if mask.ndim == 3 else mask[None]
+    return Mixed({path: mixed}, lam=mask.mean(), info={"cells": cells, "mask": mask}, weights=weights)
 
 
 def _grid(grid) -> tuple[int, int]:

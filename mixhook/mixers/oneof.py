@@ -106,7 +106,11 @@ class OneOf(LayerHook, MixingHook):
         return self.chosen.loss(criterion, logits, target) if self.chosen else criterion(logits, target)
 
     def targets(
-        self, target: torch.Tensor, num_classes: int, smoothing: float = 0.0, dtype: torch.dtype | None = None
+        self,
+        target: torch.Tensor,
+        num_classes: int | None = None,
+        smoothing: float = 0.0,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """The chosen regularizer's ``targets``."""
         return (self.chosen or self.mixers[0]).targets(target, num_classes, smoothing, dtype)

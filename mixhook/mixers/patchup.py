@@ -130,4 +130,8 @@ class PatchUp(Mixer):
         else:
             mixed = (1 - m) * h + m * blend(h, draw.lam, draw.index, draw.inverse)
             weight = 1.0 - altered * (1.0 - float(draw.lam))
-        return Mixed({path: mixed}, lam=torch.tensor(weight, dtype=torch.float64), info={"mask": mask})
+        altered_here = mask.mean(0, keepdim=True) * (1.0 if self.mode == "hard" else 1.0 - float(draw.lam))
+        weights = 1.0 - altered_here  # each position's own share, over the channels
+        return Mixed(
+            {path: mixed}, lam=torch.tensor(weight, dtype=torch.float64), info={"mask": mask}, weights=weights
+        )

@@ -93,6 +93,11 @@ class ResizeMix(Mixer):
             )
         self.interpolation = interpolation
 
+    dense_targets = (
+        "pastes the whole partner resized into the box, so a dense target's labels would have to be "
+        "resized with it: dense targets are not mixed for ResizeMix (use CutMix or FMix)"
+    )
+
     def __repr__(self) -> str:
         return (
             f"ResizeMix(layer={self._layer_spec!r}, scope={self.scope}, "

@@ -14,7 +14,7 @@ import torch
 
 from ..sites import Leaf
 from .base import Draw, Mixed, Mixer, check_spatial
-from .cutmix import box_lam, boxes_around, draw_box, paste_box, paste_boxes, pinned_boxes
+from .cutmix import box_lam, box_weights, boxes_around, draw_box, paste_box, paste_boxes, pinned_boxes
 from .saliency import Saliency, SaliencyGuided, peaks, pinned_saliency
 from .tokens import token_grid
 
@@ -112,11 +112,14 @@ class SaliencyMix(SaliencyGuided, Mixer):
                 boxes = boxes_around(height, width, draw.lam, cy, cx)
             mixed = paste_boxes(h, path, draw.index, boxes)
             info = {**mixed.info, "saliency": saliency}
-            return Mixed(mixed.tensors, lam=mixed.lam, info=info)
+            return Mixed(mixed.tensors, lam=mixed.lam, info=info, weights=mixed.weights)
         if pinned is not None:
             box = draw_box(draw, height, width)
         else:
             cy, cx = peaks(saliency[draw.index[:1]])
             box = tuple(int(v) for v in boxes_around(height, width, draw.lam, cy, cx)[0])
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
-        return Mixed({path: paste_box(h, draw.index, box)}, lam=lam, info={"box": box, "saliency": saliency})
+        info = {"box": box, "saliency": saliency}
+        return Mixed(
+            {path: paste_box(h, draw.index, box)}, lam=lam, info=info, weights=box_weights(box, height, width)
+        )

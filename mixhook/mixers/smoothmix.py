@@ -109,4 +109,5 @@ class SmoothMix(Mixer):
             info = {"centre": (cy, cx), "sigma": s}
         else:
             mask = check_pinned_mask(mask, height, width)
-        return Mixed({path: mask_blend(h, mask, draw.index)}, lam=mask.mean(), info={"mask": mask, **info})
+        mixed = mask_blend(h, mask, draw.index)
+        return Mixed({path: mixed}, lam=mask.mean(), info={"mask": mask, **info}, weights=mask[None])

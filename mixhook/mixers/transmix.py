@@ -92,6 +92,11 @@ class TransMix(CutMix):
     ``pin`` takes what CutMix's does.
     """
 
+    dense_targets = (
+        "weighs each image's labels by the class token's attention over the pasted patches: it has no "
+        "per-position labels for a dense target"
+    )
+
     def __init__(
         self,
         layer: str | Sequence[str],

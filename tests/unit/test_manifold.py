@@ -204,8 +204,12 @@ def test_targets_without_mix_and_bad_arguments():
         mix.targets(torch.tensor([0, 3]), 3)
     with pytest.raises(ValueError, match="smoothing"):
         mix.targets(y, 3, smoothing=1.0)
-    with pytest.raises(ValueError, match="integer class indices"):
-        mix.targets(torch.tensor([0.0, 1.0]), 3)
+    with pytest.raises(ValueError, match="do not have num_classes=3 classes along dimension 1"):
+        mix.targets(torch.tensor([0.0, 1.0]), 3)  # floating targets are taken as given: (B, K)
+    with pytest.raises(ValueError, match="class indices need num_classes"):
+        mix.targets(y)
+    with pytest.raises(ValueError, match="integer class indices or floating targets, got torch.bool"):
+        mix.targets(torch.tensor([True, False]), 2)
 
 
 def test_loss_refuses_targets_of_another_batch():

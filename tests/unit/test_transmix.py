@@ -67,6 +67,8 @@ def test_the_targets_equal_the_authors_transmix_label_on_the_same_attention(fuse
     torch.testing.assert_close(mix.targets(y, 3, smoothing).double(), expected, rtol=1e-6, atol=1e-7)
     assert float(mix.last.info["area_lam"]) == 1 - 8 * 12 / 256
     torch.testing.assert_close(mix.last.info["attention"], attn, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match=r"^targets\(\): TransMix weighs each image's labels by the class"):
+        mix.targets(torch.zeros(4, 16, 16, dtype=torch.int64), 3)  # a label map: no per-pixel weights
 
 
 def test_torchvision_vit_reads_the_multihead_attention_of_the_named_layer():

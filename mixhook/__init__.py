@@ -16,6 +16,7 @@ from .layers import INPUT, UnknownLayerError, layer_names, resolve_layers
 from .mixers import *  # noqa: F403  (every mixer, found in mixhook/mixers/, and the contract)
 from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
 from .scaling import InputScale
+from .schedule import MixSchedule, Ramp
 
 __all__ = [
     "INPUT",
@@ -27,6 +28,8 @@ __all__ = [
     "HookHandle",
     "InputScale",
     "LayerHook",
+    "MixSchedule",
+    "Ramp",
     "ShapeTrace",
     "UnknownLayerError",
     "attach",

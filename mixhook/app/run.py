@@ -179,8 +179,15 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         progress_bar=trainer.progress_bar,
         checkpoint_every=trainer.checkpoint_every,
     )
+    try:
+        schedule = _schedule(cfg, mixup)
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
     summary = {
         "mixup": OmegaConf.to_container(cfg.mixup, resolve=True),
+        "schedule": repr(schedule) if schedule is not None else None,
         "hooks": {key: repr(hook) for key, hook in hooks if hook is not mixup},
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "data": cfg.data.name,
@@ -194,8 +201,45 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     }
     return Run(
         model, data, optimizer, scheduler, device, settings,
-        mixup=mixup, hooks=[hook for _, hook in hooks], handles=handles, summary=summary,
+        mixup=mixup, hooks=[hook for _, hook in hooks], handles=handles, summary=summary, schedule=schedule,
     )  # fmt: skip
+
+
+def _schedule(cfg: DictConfig, mixup):
+    """The run's :class:`~mixhook.MixSchedule` from ``schedule.*`` (``None`` when every key is at its
+    default); a bad value is a :class:`ConfigError` naming the key."""
+    from mixhook.schedule import MixSchedule, Ramp
+
+    node = OmegaConf.to_container(cfg.schedule, resolve=True)
+    if not node["off_epoch"] and all(node[k] is None for k in ("prob", "alpha", "layer_weights")):
+        return None
+    if mixup is None:
+        raise ConfigError(
+            "schedule.* is set but nothing mixes (mixup=none): set a mixup or drop the schedule"
+        )
+
+    def value(key):
+        given = node[key]
+        if isinstance(given, dict):
+            unknown = set(given) - {"start", "end", "epochs", "shape"}
+            if unknown or not {"start", "end", "epochs"} <= set(given):
+                raise ConfigError(
+                    f"schedule.{key}={given}: a ramp takes start, end, epochs and optionally shape "
+                    "(linear or cosine)"
+                )
+            try:
+                return Ramp(**given)
+            except ValueError as err:
+                raise ConfigError(f"schedule.{key}: {err}") from None
+        return given
+
+    prob, alpha = value("prob"), value("alpha")
+    try:
+        return MixSchedule(
+            mixup, prob=prob, alpha=alpha, off_epoch=node["off_epoch"], layer_weights=node["layer_weights"]
+        )
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"schedule: {err}") from None
 
 
 def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.Module, Data]:

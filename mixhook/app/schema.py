@@ -104,6 +104,14 @@ class ProbesConfig:
 
 
 @dataclass
+class ScheduleConfig:
+    off_epoch: int = _at_least(0, 0)
+    prob: Any = None  # a number, or a ramp {start, end, epochs, shape}
+    alpha: Any = None
+    layer_weights: Any = None  # one weight per layer of mixup.layer
+
+
+@dataclass
 class Config:
     seed: int = _at_least(0, 0)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # before scheduler: T_max is epochs
@@ -118,6 +126,7 @@ class Config:
     grad_clip: GradClipConfig = field(default_factory=GradClipConfig)
     hooks: list[Any] = field(default_factory=list)
     probes: ProbesConfig = field(default_factory=ProbesConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
 def register() -> None:

@@ -38,6 +38,20 @@ from tests.conftest import write_cifar
         (["data.test_size=1.5"], "error: data.test_size must be in (0, 1), got 1.5"),
         (["seed=-1"], "error: seed must be an integer >= 0, got -1"),
         (["probes.every=0"], "error: probes.every must be an integer >= 1, got 0"),
+        (["schedule.off_epoch=-1"], "error: schedule.off_epoch must be an integer >= 0, got -1"),
+        (
+            ["schedule.layer_weights=[1,2]"],
+            "error: schedule: layer_weights=[1, 2]: one weight >= 0 per layer of",
+        ),
+        (
+            ["schedule.prob={start:0,end:2,epochs:3}"],
+            "error: schedule: MixSchedule(prob=...): the ramp must stay in",
+        ),
+        (
+            ["schedule.alpha={start:1,end:2}"],
+            "error: schedule.alpha={'start': 1, 'end': 2}: a ramp takes start, end",
+        ),
+        (["mixup=none", "schedule.off_epoch=3"], "error: schedule.* is set but nothing mixes (mixup=none)"),
         (
             ["data=cifar10", "data.root=/nonexistent"],
             "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",

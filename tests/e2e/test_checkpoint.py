@@ -289,3 +289,30 @@ def test_a_checkpoint_whose_weights_do_not_fit_the_model_is_refused(tmp_path, ca
     ckpt.save(tmp_path / "edited.pt", {k: v for k, v in state.items() if k not in ("format", "version")})
     line = refused(tmp_path, tmp_path / "edited.pt", capsys, tmp_path / "other", ["trainer.epochs=1"])
     assert "the checkpoint's model or optimizer does not fit this run: " in line and "linear.weight" in line
+
+
+SCHEDULED = [
+    "schedule.off_epoch=3", "schedule.prob={start:0.2,end:1.0,epochs:2}",
+    "schedule.alpha={start:0.5,end:2.0,epochs:3,shape:cosine}", "schedule.layer_weights=[1,2,2]",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_mix_schedule_resumes_exactly_after_sigkill(tmp_path, uninterrupted):
+    """Ramps move every step and mixing stops after epoch 3 (timm's mixup_off_epoch): a run killed at a
+    random step and resumed ends identical to the same schedule uninterrupted."""
+    reference = tmp_path / "reference"
+    result = run_cli(*SMALL, *SCHEDULED, f"hydra.run.dir={reference}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    expected = results(reference)
+    assert expected[0] != uninterrupted[0]  # the schedule changed the training
+    assert expected[1]["schedule"].startswith("MixSchedule(prob=Ramp(start=0.2, end=1.0, epochs=2")
+    out = tmp_path / "run"
+    proc = start(out, *SCHEDULED)
+    wait_for_checkpoint(out, proc, after=random.Random(os.getpid()).uniform(0.0, 1.5))
+    proc.kill()
+    proc.wait()
+    assert not (out / "summary.json").exists()
+    result = run_cli(*SMALL, *SCHEDULED, "trainer.resume=auto", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert results(out) == expected

@@ -75,6 +75,7 @@ def train_one_epoch(
     loss: str = "ce",
     totals: list | None = None,
     after_step=None,
+    before_step=None,
     precision: str = "32",
     scaler=None,
     channels_last: bool = False,
@@ -87,7 +88,8 @@ def train_one_epoch(
     classes, as the Manifold Mixup reference code trains (``nn.BCELoss()(softmax(out), target)``).
 
     ``totals``: ``[loss sum (float64 tensor), sample count, steps]`` carried over from the part of the
-    epoch already done (a resumed epoch); updated in place. ``after_step(totals)`` runs after each step.
+    epoch already done (a resumed epoch); updated in place. ``after_step(totals)`` runs after each step,
+    ``before_step(done)`` before each (``done``: the epoch's steps already taken; the mix schedule).
     Raises :class:`NonFiniteLoss` before applying a step whose loss is not finite.
 
     ``precision``: ``"32"``, or ``"bf16"``/``"fp16"`` for a forward under ``torch.autocast`` (the loss is
@@ -103,6 +105,8 @@ def train_one_epoch(
     bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if before_step is not None:
+            before_step(totals[2])  # the steps of this epoch already done
         if mixup is not None:
             mixup.use_targets(y)  # for a method that needs the labels to mix (gradient saliency)
         x, logits = _forward(model, x, dtype, channels_last)
@@ -292,6 +296,7 @@ class Run:
     summary: dict = field(default_factory=dict)
     config: dict | None = None
     feature_maps: tuple | None = None
+    schedule: object = None  # a mixhook.MixSchedule, set before every training step
 
 
 def train(
@@ -365,6 +370,8 @@ def train(
                 totals = [state.totals[0].clone(), state.totals[1], state.totals[2]]
             else:
                 totals = [torch.zeros((), dtype=torch.float64), 0, 0]
+            sampler.set_epoch(epoch)
+            steps = len(data.train)  # the whole epoch's steps (a resumed epoch's loader has fewer left)
             sampler.set_epoch(epoch, start=skip * data.train.batch_size)
 
             def after_step(totals, epoch=epoch):
@@ -380,6 +387,9 @@ def train(
                     net, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
                     progress_bar=opts.progress_bar, loss=opts.loss, totals=totals, after_step=after_step,
                     precision=precision, scaler=scaler, channels_last=channels_last, dist=dist,
+                    before_step=None if run.schedule is None else (
+                        lambda done, epoch=epoch, steps=steps: run.schedule.set(epoch, done / steps)
+                    ),
                 )  # fmt: skip
                 if dist.enabled:  # the epoch's mean over every rank's samples
                     loss_sum, count = dist.sum([float(totals[0]), float(totals[1])])

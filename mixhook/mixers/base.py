@@ -388,7 +388,13 @@ class Mixer(LayerHook, MixingHook):
                     f"loss(): lam has one value per sample ({lam.shape[0]}), so the criterion must return "
                     f"one loss per sample (reduction='none'), but it returned shape {tuple(loss_a.shape)}"
                 )
-            if lam.ndim == 1:  # per-sample lam over per-position losses (a dense target)
+            if lam.ndim == 1 and loss_a.ndim > 1:  # per-sample lam over per-position losses (dense)
+                if any(dim != 0 for dim in last.batch_dims):
+                    raise ValueError(
+                        f"loss(): per-position losses {tuple(loss_a.shape)} with one lam per sample need the "
+                        f"batch first, but this model's mixed tensors have it at {last.batch_dims}: reduce "
+                        "the criterion to one loss per sample"
+                    )
                 lam = lam.view(-1, *[1] * (loss_a.ndim - 1))
         else:
             lam = to_device(lam, loss_a.device, loss_a.dtype)
@@ -992,7 +998,7 @@ def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) ->
     weights = last.weights.to(torch.float64)
     size = tuple(target.shape[-2:])
     if tuple(weights.shape[-2:]) != size:
-        weights = F.interpolate(weights.unsqueeze(1).cpu(), size=size, mode="area").squeeze(1)
+        weights = F.interpolate(weights.unsqueeze(1), size=size, mode="area").squeeze(1)
     return weights.expand(target.shape[0], *size)
 
 

@@ -492,8 +492,7 @@ class Mixer(LayerHook, MixingHook):
     def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
         """Per-position own weights ``(B, H, W)`` for a dense ``target`` under a region mix, else ``None``
         (lam as it is)."""
-        spatial = target.ndim - (2 if target.dtype.is_floating_point else 1)
-        if spatial > 0 and self.dense_targets is not None:
+        if _positions(target) > 0 and self.dense_targets is not None:
             raise ValueError(f"{what}(): {type(self).__name__} {self.dense_targets}")
         if last.weights is None:
             return None
@@ -979,6 +978,12 @@ def _inverse(index: torch.Tensor, pinned: dict) -> torch.Tensor | None:
     return inverse_permutation(index) if "index" in pinned else _scatter_inverse(index)
 
 
+def _positions(target: torch.Tensor) -> int:
+    """How many position dimensions a target has beyond its batch (and, floating, its class) dimension:
+    0 for ``(B,)`` indices and ``(B, K)`` floating targets, 2 for a ``(B, H, W)`` or ``(B, K, H, W)`` map."""
+    return target.ndim - (2 if target.dtype.is_floating_point else 1)
+
+
 def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) -> torch.Tensor | None:
     """The own-content weight of each position of a dense ``target`` under the region mix ``last``:
     ``last.weights`` resized to the target's ``(H, W)`` by area (each label pixel gets the fraction of
@@ -987,7 +992,7 @@ def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) ->
     integer maps ``(B, H, W)`` or floating ``(B, K, H, W)``; the usual ``(B,)`` indices and ``(B, K)``
     floating targets are not dense (``None``: the sample's lam). Any other shape under a region mix is
     refused: the mask would be mapped onto it along dimensions it does not describe."""
-    spatial = target.ndim - (1 if not target.dtype.is_floating_point else 2)
+    spatial = _positions(target)
     if spatial <= 0:
         return None
     if spatial != 2:

@@ -79,3 +79,20 @@ def test_bad_bins_and_an_empty_reduce_are_refused():
         Calibration(0)
     with pytest.raises(ValueError, match="no batch was added"):
         Calibration().reduce(None)
+
+
+def test_evaluate_reads_accuracy_and_nll_off_the_same_pass():
+    from torch import nn
+
+    from mixhook.app.training.loop import evaluate
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(50, 6, generator=g), torch.randint(0, 3, (50,), generator=g)
+    model = nn.Linear(6, 3)
+    loader = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 50, 16)]
+    nll, acc, calibration = evaluate(model, loader, torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(x)
+    assert acc == float((logits.argmax(1) == y).double().mean())
+    assert nll == pytest.approx(float(F.cross_entropy(logits.double(), y)), rel=1e-6)
+    assert sum(calibration.table()["count"]) == 50

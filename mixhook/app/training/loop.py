@@ -225,19 +225,16 @@ def evaluate(
     dtype = PRECISIONS[precision]
     model.eval()
     nll = torch.zeros((), device=device, dtype=torch.float64)
-    correct = torch.zeros((), device=device, dtype=torch.int64)
-    calibration = Calibration()
-    count = 0
+    calibration = Calibration()  # its bins count the samples and the correct top-1 predictions
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         _, logits = _forward(model, x, dtype, channels_last)
         nll += F.cross_entropy(logits, y, reduction="sum")
-        correct += (logits.argmax(1) == y).sum()
         calibration.update(logits, y)
-        count += y.shape[0]
-    nll, correct, count = (dist or Dist()).sum([float(nll), float(correct), float(count)])
+    (nll,) = (dist or Dist()).sum([float(nll)])
     calibration.reduce(dist or Dist())
-    return Evaluation(nll / count, int(correct) / int(count), calibration)
+    count, correct = int(calibration.count.sum()), round(float(calibration.correct.sum()))
+    return Evaluation(nll / count, correct / count, calibration)
 
 
 @contextmanager

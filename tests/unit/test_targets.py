@@ -231,3 +231,16 @@ def test_what_dense_targets_cannot_mean_is_refused():
         cut.loss(nn.CrossEntropyLoss(), logits, labels)  # a mean would hide the per-pixel weights
     with pytest.raises(ValueError, match="smooth floating"):
         cut.targets(torch.rand(4, K), smoothing=0.1)
+
+
+def test_per_position_losses_with_a_per_sample_lam_need_the_batch_first():
+    model = nn.Sequential(nn.Linear(4, 3)).double().train()  # (T, B, D) in, (T, B, K) out
+    mixer = ManifoldMixup("input", mode="elem", batch_dim=1)
+    x, labels = torch.randn(5, 5, 4, dtype=torch.float64), torch.randint(0, 3, (5, 5))
+    with mixer.attach(model):
+        logits = model(x)
+    per_position = lambda out, t: F.cross_entropy(out.movedim(-1, 1), t, reduction="none")  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"need the batch first, but this model's mixed tensors have it at \(1,\)"
+    ):
+        mixer.loss(per_position, logits, labels)  # T == B here: weighting dimension 0 would be silent

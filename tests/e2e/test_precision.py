@@ -30,6 +30,25 @@ def test_autocast_runs_finish_and_say_their_precision(tmp_path, precision):
         assert state["scaler"] is None
 
 
+@pytest.mark.parametrize("loss", ["ce", "bce_softmax"])
+def test_every_step_runs_under_autocast_whatever_the_loss(loss):
+    """The bce_softmax path once overwrote the autocast dtype with the logits' dtype after the first step:
+    bf16 training silently became float32 from the second step on. Every step's forward must be bf16."""
+    from mixhook.app.training.loop import train_one_epoch
+    from tests.toy_models import TinyConvNet
+
+    torch.manual_seed(0)
+    model, mixer, dtypes = TinyConvNet(3, 5).train(), ManifoldMixup("conv2"), []
+    model.conv1.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    batches = [(torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))) for _ in range(3)]
+    with mixer.attach(model):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+        train_one_epoch(
+            model, batches, sgd, torch.device("cpu"), mixer, progress_bar=False, loss=loss, precision="bf16"
+        )
+    assert dtypes == [torch.bfloat16] * 3
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", [ManifoldMixup, CutMix])
 def test_the_mix_runs_in_the_activations_dtype_under_autocast(dtype, kind):

@@ -112,11 +112,10 @@ def train_one_epoch(
         x, logits = _forward(model, x, dtype, channels_last)
         if loss == "bce_softmax":
             classes = logits.shape[1]
-            dtype = logits.dtype
-            soft = (
-                mixup.targets(y, classes, dtype=dtype)
+            soft = (  # in the logits' dtype (`dtype` is the autocast one: it must not change)
+                mixup.targets(y, classes, dtype=logits.dtype)
                 if mixup is not None
-                else smooth_one_hot(y, classes, dtype=dtype)
+                else smooth_one_hot(y, classes, dtype=logits.dtype)
             )
             value = F.binary_cross_entropy(F.softmax(logits, dim=1), soft)
         else:  # per-sample losses, so that a mixer with one lam per sample (mode="elem") weights each one
@@ -150,13 +149,13 @@ def train_one_epoch(
 def _forward(
     model: nn.Module, x: torch.Tensor, dtype, channels_last: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch as the model gets it (NHWC when ``channels_last``) and its logits in float32, the
-    forward under autocast in ``dtype`` (``None``: none)."""
+    """The batch as the model gets it (NHWC when ``channels_last``) and its logits in float32 or wider
+    (a float64 model keeps float64), the forward under autocast in ``dtype`` (``None``: none)."""
     if channels_last and x.ndim == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
         logits = model(x)
-    return x, logits.float()
+    return x, logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

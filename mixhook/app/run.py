@@ -161,6 +161,11 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
             "each would mix every batch: keep one, or combine them in one entry with mixhook.OneOf"
         )
     mixup = mixers[0] if mixers else None
+    if mixup is None and cfg.trainer.mixed_loss_weight != 1.0:
+        raise ConfigError(
+            f"trainer.mixed_loss_weight={cfg.trainer.mixed_loss_weight!r} weights the loss of mixed batches, "
+            "but no mixup is configured; set a mixup or leave it at 1.0"
+        )
     handles = _attach_and_check(model, hooks, data)
     try:
         optimizer = _optimizer(cfg.optim, model)
@@ -178,6 +183,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         channels_last=trainer.channels_last,
         progress_bar=trainer.progress_bar,
         checkpoint_every=trainer.checkpoint_every,
+        mixed_loss_weight=trainer.mixed_loss_weight,
     )
     try:
         schedule = _schedule(cfg, mixup)
@@ -195,6 +201,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         "device": str(device),
         "torch": torch.__version__,
         "loss": trainer.loss,
+        "mixed_loss_weight": trainer.mixed_loss_weight,
         "precision": trainer.precision,
         "processes": dist.world,
         "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,

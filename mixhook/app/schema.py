@@ -53,6 +53,7 @@ class TrainerConfig:
     compile: bool = False
     channels_last: bool = False
     loss: str = _one_of(LOSSES, "ce")
+    mixed_loss_weight: float = field(default=1.0, metadata={"open": (0.0, math.inf)})
     checkpoint_every: int = _at_least(0, 0)
     resume: str | None = None
 
@@ -147,6 +148,10 @@ TARGET_RULES: dict[str, dict[str, dict]] = {
         "gamma": {"positive": True},
     },
     "torch.optim.lr_scheduler.CosineAnnealingLR": {"T_max": {"min": 1}},
+    "mixhook.app.models.PreActResNet18": {
+        "shortcut": {"choices": ("input", "activated")},
+        "width": {"min": 1},
+    },
 }
 
 
@@ -201,7 +206,8 @@ def _check_target(node: DictConfig, prefix: str) -> None:
     rules: dict[str, dict] = {}
     for name, rule in TARGET_RULES.items():  # the rules of the class and of the classes it extends
         base = get_object(name)
-        if target is base or (inspect.isclass(target) and issubclass(target, base)):
+        subclass = inspect.isclass(target) and inspect.isclass(base) and issubclass(target, base)
+        if target is base or subclass:
             rules.update(rule)
     for key in node:
         if str(key).startswith("_"):

@@ -53,6 +53,19 @@ from tests.conftest import write_cifar
         ),
         (["mixup=none", "schedule.off_epoch=3"], "error: schedule.* is set but nothing mixes (mixup=none)"),
         (
+            ["trainer.mixed_loss_weight=0"],
+            "error: trainer.mixed_loss_weight must be in (0, inf), got 0.0",
+        ),
+        (
+            ["mixup=none", "trainer.mixed_loss_weight=2"],
+            "error: trainer.mixed_loss_weight=2.0 weights the loss of mixed batches, but no mixup is",
+        ),
+        (
+            ["+model.shortcut=relu"],
+            "error: model.shortcut='relu' is not a shortcut; valid: input, activated",
+        ),
+        (["model=preact_resnet18_nfm", "model.width=0"], "error: model.width must be an integer >= 1, got 0"),
+        (
             ["data=cifar10", "data.root=/nonexistent"],
             "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",
         ),

@@ -9,7 +9,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from mixhook import CutMix, ManifoldMixup
+from mixhook import CutMix, ManifoldMixup, NoisyFeatureMixup, OneOf
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
 from tests.app_helpers import config, run_cli
@@ -35,11 +35,43 @@ YUN = {  # Yun et al. 2019: the authors' CIFAR-100 command and code
     "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [150, 225], "gamma": 0.1},
     "trainer": {"epochs": 300, "batch_size": 64, "loss": "ce"},
 }  # fmt: skip
+FARAMARZI = {  # the PatchUp authors' README command and code (chandar-lab/PatchUp)
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
+              "nesterov": True},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [500, 1000, 1500],
+                  "gamma": 0.1},
+    "trainer": {"epochs": 2000, "batch_size": 100, "loss": "bce_softmax", "mixed_loss_weight": 2.0},
+}  # fmt: skip
+LIM = {  # the NFM authors' README command and code (erichson/NFM): the decay one epoch after the code's list
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
+              "nesterov": False},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [101, 151, 181],
+                  "gamma": 0.1},
+    "trainer": {"epochs": 200, "batch_size": 128, "loss": "ce", "mixed_loss_weight": 1.0},
+}  # fmt: skip
 CUTMIX = {"_target_": "mixhook.CutMix", "layer": "input", "alpha": 1.0, "prob": 0.5}
 MANIFOLD = {"_target_": "mixhook.ManifoldMixup", "layer": ["input", "layer1", "layer2"], "alpha": 2.0}
 INPUT = {"_target_": "mixhook.ManifoldMixup", "layer": "input", "alpha": 1.0}
 
-# name: (recipe, data, mixup keys, paper test error, its std)
+
+def patchup(mode, gamma, prob):  # models/preresnet.py's k in {0, 1, 2}: CutMix at the input, PatchUp after 2
+    return {
+        "_target_": "mixhook.OneOf",
+        "mixers": [
+            {"_target_": "mixhook.CutMix", "layer": "input", "alpha": 1.0, "prob": prob},
+            {"_target_": "mixhook.PatchUp", "layer": ["conv1", "layer1"], "block_size": 7, "gamma": gamma,
+             "mode": mode, "alpha": 2.0, "prob": prob},
+        ],
+        "p": [1 / 3, 2 / 3],
+    }  # fmt: skip
+
+
+NFM = {"_target_": "mixhook.NoisyFeatureMixup", "layer": ["input", "layer1", "layer2", "layer3"],
+       "alpha": 1.0, "add_noise": 0.4, "mult_noise": 0.2, "prob": 1.0}  # fmt: skip
+PREACT = {"_target_": "mixhook.app.models.PreActResNet18"}
+NFM_NET = {**PREACT, "shortcut": "activated", "width": 1}
+
+# name: (recipe, data, mixup keys, paper test error, its std[, model])
 EXPECTED = {
     "verma2019_cifar10_none": (VERMA, "cifar10", {}, 4.83, 0.066),
     "verma2019_cifar10_input": (VERMA, "cifar10", INPUT, 3.82, 0.048),
@@ -51,7 +83,14 @@ EXPECTED = {
     "zhang2018_cifar10_mixup": (ZHANG, "cifar10", INPUT, 4.2, None),
     "zhang2018_cifar100_mixup": (ZHANG, "cifar100", INPUT, 21.1, None),
     "yun2019_cifar100_cutmix": (YUN, "cifar100", CUTMIX, None, None),
+    "faramarzi2022_cifar10_patchup_soft": (FARAMARZI, "cifar10", patchup("soft", 0.75, 1.0), None, None),
+    "faramarzi2022_cifar10_patchup_hard": (FARAMARZI, "cifar10", patchup("hard", 0.5, 0.7), None, None),
+    "faramarzi2022_cifar100_patchup_soft": (FARAMARZI, "cifar100", patchup("soft", 0.75, 1.0), None, None),
+    "faramarzi2022_cifar100_patchup_hard": (FARAMARZI, "cifar100", patchup("hard", 0.5, 0.7), None, None),
+    "lim2022_cifar10_nfm": (LIM, "cifar10", NFM, None, None, NFM_NET),
+    "lim2022_cifar100_nfm": (LIM, "cifar100", NFM, None, None, {**NFM_NET, "width": 2}),
 }  # fmt: skip
+UNVERIFIED = [name for name in EXPECTED if name.startswith(("faramarzi2022", "lim2022"))]
 
 
 def test_every_experiment_config_is_checked_here():
@@ -60,16 +99,35 @@ def test_every_experiment_config_is_checked_here():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_experiment_sets_the_papers_hyperparameters_and_figure(name):
-    recipe, data, mixup, value, std = EXPECTED[name]
+    recipe, data, mixup, value, std, *model = EXPECTED[name]
     cfg = OmegaConf.to_container(config(f"experiment={name}"), resolve=True)
     assert cfg["data"]["name"] == data and cfg["data"]["augment"] is True
-    assert cfg["model"] == {"_target_": "mixhook.app.models.PreActResNet18"}
+    assert cfg["model"] == (model[0] if model else PREACT)
     for group in ("optim", "scheduler", "trainer"):
         assert {k: cfg[group][k] for k in recipe[group]} == recipe[group]
     assert {k: cfg["mixup"][k] for k in mixup} == mixup and (mixup or cfg["mixup"] == {})
     assert cfg["paper"]["metric"] == "test_error"
     assert cfg["paper"].get("value") == value and cfg["paper"].get("std") == std
-    assert cfg["paper"]["source"].startswith(("Verma et al. 2019", "Zhang et al. 2018", "Yun et al. 2019"))
+    papers = (
+        "Verma et al. 2019",
+        "Zhang et al. 2018",
+        "Yun et al. 2019",
+        "Faramarzi et al. 2022",
+        "Lim et al.",
+    )
+    assert cfg["paper"]["source"].startswith(papers)
+
+
+@pytest.mark.parametrize("name", UNVERIFIED)
+def test_configs_from_the_authors_code_name_it_say_what_they_keep_and_drop_and_attach_no_unchecked_figure(
+    name,
+):
+    paper = OmegaConf.to_container(config(f"experiment={name}").paper)
+    assert "value" not in paper and paper["figure"].startswith("not attached")
+    faramarzi = name.startswith("faramarzi")
+    repository = "chandar-lab/PatchUp at 31133f3" if faramarzi else "erichson/NFM at ed22d5d"
+    assert repository in paper["code"] and paper["kept"] and paper["dropped"]
+    assert all(":" in line for line in paper["kept"])  # each with its source file:line
 
 
 def test_the_cutmix_experiment_says_its_model_is_a_substitute_and_carries_no_figure():
@@ -84,15 +142,19 @@ def test_command_line_overrides_win_over_the_experiment():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_experiment_builds_on_cifar_format_files(tmp_path, name):
-    recipe, data, mixup = EXPECTED[name][:3]
+    recipe, data, mixup, *_, model = (*EXPECTED[name], PREACT)[:6]
     write_cifar(tmp_path, data, per_file=4)
     run = app.build(config(f"experiment={name}", f"data.root={tmp_path}", "data.num_workers=0"))
     try:
         classes = 10 if data == "cifar10" else 100
         assert run.model.linear.out_features == classes and run.settings.epochs == recipe["trainer"]["epochs"]
+        assert run.model.linear.in_features == 512 * model.get("width", 1)
+        assert run.model.shortcut == model.get("shortcut", "input")
+        assert run.settings.mixed_loss_weight == recipe["trainer"].get("mixed_loss_weight", 1.0)
         assert run.optimizer.param_groups[0]["nesterov"] == recipe["optim"]["nesterov"]
         assert run.scheduler.milestones == dict.fromkeys(recipe["scheduler"]["milestones"], 1)
-        kind = {"mixhook.ManifoldMixup": ManifoldMixup, "mixhook.CutMix": CutMix}
+        kind = {"mixhook.ManifoldMixup": ManifoldMixup, "mixhook.CutMix": CutMix, "mixhook.OneOf": OneOf,
+                "mixhook.NoisyFeatureMixup": NoisyFeatureMixup}  # fmt: skip
         expected = kind.get(mixup.get("_target_"))
         assert (run.mixup is None) if expected is None else isinstance(run.mixup, expected)
         assert run.summary["paper"] == OmegaConf.to_container(config(f"experiment={name}").paper)
@@ -132,3 +194,198 @@ def test_a_multirun_over_paper_experiments_reports_paper_beside_measured(tmp_pat
     table = (sweep / "summary.md").read_text()
     assert "| experiment=verma2019_cifar10_manifold | 1 |" in table
     assert "2.95 ± 0.046 (Verma et al. 2019, Table 1a" in table
+
+
+# chandar-lab/PatchUp at 31133f3, modules/patchup.py (PatchUp.forward, after the mask is drawn: here
+# `holes` is given, as are `indices` and `lam`, so that both sides use the same draw).
+def authors_patchup(x, targets, holes, indices, lam, soft):
+    mask = 1 - holes
+    unchanged = mask * x
+    total_feats = x.size(1) * (x.size(2) ** 2)
+    total_changed_pixels = holes[0].sum()
+    total_changed_portion = total_changed_pixels / total_feats
+    total_unchanged_portion = (total_feats - total_changed_pixels) / total_feats
+    target_shuffled_onehot = targets[indices]
+    if soft:
+        target_reweighted = (
+            total_unchanged_portion * targets
+            + lam * total_changed_portion * targets
+            + target_shuffled_onehot * (1 - lam) * total_changed_portion
+        )
+        patches = holes * x
+        patches = patches * lam + patches[indices] * (1 - lam)
+        target_b = lam * targets + (1 - lam) * target_shuffled_onehot
+    else:
+        target_reweighted = total_unchanged_portion * targets + total_changed_portion * target_shuffled_onehot
+        patches = holes * x
+        patches = patches[indices]
+        target_b = targets[indices]
+    x = unchanged + patches
+    target_a = targets
+    return target_a, target_b, target_reweighted, x, total_unchanged_portion
+
+
+@pytest.mark.parametrize(("name", "k"), [
+    ("faramarzi2022_cifar10_patchup_soft", 1), ("faramarzi2022_cifar10_patchup_hard", 2),
+    ("faramarzi2022_cifar10_patchup_hard", 0),
+])  # fmt: skip
+def test_the_patchup_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path, name, k):
+    """One training step of the experiment's model, mixer and loss (the app's loop, float64) against the
+    authors' forward (models/preresnet.py), mixing (modules/patchup.py, modules/cutmix.py) and loss
+    (main.py:256-258, twice the BCE) on the same draw: the same loss and the same gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    from mixhook.app.models import PreActResNet18
+    from mixhook.app.training.loop import train_one_epoch
+
+    write_cifar(tmp_path, "cifar10", per_file=4)
+    run = app.build(config(f"experiment={name}", f"data.root={tmp_path}", "data.num_workers=0"))
+    try:
+        model, mix = run.model.double(), run.mixup
+        reference = PreActResNet18(num_classes=10).double().train()
+        reference.load_state_dict(model.state_dict())
+        g = torch.Generator().manual_seed(k)
+        x = torch.randn(6, 3, 32, 32, generator=g, dtype=torch.float64)
+        y = torch.tensor([0, 3, 3, 7, 1, 9])
+        onehot = F.one_hot(y, 10).double()
+        indices = torch.tensor([2, 0, 5, 1, 3, 4])
+        out = x.clone()
+        if k == 0:  # models/preresnet.py:158-163 and modules/cutmix.py (CutMix.apply) with the box given
+            bbx1, bby1, bbx2, bby2 = 5, 9, 21, 30
+            out[:, :, bbx1:bbx2, bby1:bby2] = out[indices, :, bbx1:bbx2, bby1:bby2]
+            portion = 1 - ((bbx2 - bbx1) * (bby2 - bby1) / (out.size()[-1] * out.size()[-2]))
+            target_a, target_b = onehot, onehot[indices]
+            target_reweighted = portion * target_a + (1.0 - portion) * target_b
+            mix.pin(0, box=(bbx1, bbx2, bby1, bby2), index=indices)
+        out = reference.conv1(out)
+        if k > 0:  # modules/patchup.py: one Bernoulli field per channel, max-pooled into 7x7 blocks
+            centres = torch.bernoulli(torch.full((64, 32, 32), 0.02, dtype=torch.float64), generator=g)
+            holes = F.max_pool2d(centres.expand(6, -1, -1, -1), 7, 1, 3)
+            lam = 0.35
+            soft = name.endswith("soft")
+            if k == 1:
+                target_a, target_b, target_reweighted, out, portion = authors_patchup(
+                    out, onehot, holes, indices, lam, soft
+                )
+            out = reference.layer1(out)
+            if k == 2:
+                target_a, target_b, target_reweighted, out, portion = authors_patchup(
+                    out, onehot, holes, indices, lam, soft
+                )
+            mix.pin(1, layer="conv1" if k == 1 else "layer1", mask=holes[0], index=indices, lam=lam)
+        else:
+            out = reference.layer1(out)
+        out = reference.layer4(reference.layer3(reference.layer2(out)))
+        output = reference.linear(F.avg_pool2d(out, 4).flatten(1))
+        # main.py:214-215, 256-258 (loss_params [1, 1])
+        bce_loss, softmax = torch.nn.BCELoss(), torch.nn.Softmax(dim=1)
+        loss = (
+            1 * bce_loss(softmax(output), target_a) * portion
+            + bce_loss(softmax(output), target_b) * (1.0 - portion)
+            + 1 * bce_loss(softmax(output), target_reweighted)
+        )
+        loss.backward()
+
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is minus the gradient
+        value = train_one_epoch(
+            model, [(x, y)], sgd, torch.device("cpu"), mix, progress_bar=False, loss=run.settings.loss,
+            mixed_loss_weight=run.settings.mixed_loss_weight,
+        )  # fmt: skip
+        assert mix.chosen is mix.mixers[0 if k == 0 else 1] and mix.last is not None
+        assert value == pytest.approx(float(loss.detach()), rel=1e-12)
+        now = dict(model.named_parameters())
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(before[n] - now[n], p.grad, rtol=1e-9, atol=1e-12)
+    finally:
+        run.mixup.remove()
+
+
+def test_the_nfm_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path):
+    """One training step of lim2022_cifar10_nfm (the app's loop, float64) against the authors' network,
+    do_noisy_mixup and mixup_criterion (erichson/NFM: src/cifar_models/preresnet.py, src/noisy_mixup.py)
+    on the same draw: mixed after layer2 (k=2), the noise tensors replayed from the mixer's generator."""
+    import torch
+    import torch.nn.functional as F
+
+    from mixhook.app.training.loop import train_one_epoch
+    from mixhook.mixers.functional import sample_beta
+    from tests.unit.test_models import AuthorsPreActResNet
+
+    write_cifar(tmp_path, "cifar10", per_file=4)
+    run = app.build(config("experiment=lim2022_cifar10_nfm", f"data.root={tmp_path}", "data.num_workers=0"))
+    try:
+        model, mix = run.model.double(), run.mixup
+        theirs = AuthorsPreActResNet([2, 2, 2, 2], num_classes=10).double().train()
+        theirs.load_state_dict(model.state_dict())
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(5, 3, 32, 32, generator=g, dtype=torch.float64)
+        y = torch.tensor([4, 0, 4, 8, 2])
+        index, lam = torch.tensor([3, 4, 0, 2, 1]), 0.3
+        seen, original = {}, mix.mix
+
+        def spy(leaves, draw):  # the generator state the noise is drawn from
+            seen["state"] = draw.generator.get_state()
+            return original(leaves, draw)
+
+        mix.mix = spy
+        mix.pin(layer="layer2", lam=lam, index=index)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+        value = train_one_epoch(model, [(x, y)], sgd, torch.device("cpu"), mix, progress_bar=False, loss="ce")
+
+        replay = torch.Generator().set_state(seen["state"])  # nfm.py's order: mult level and noise, add's
+        shape = (5, 128, 16, 16)
+        b2 = float(sample_beta(2.0, 5.0, replay))
+        uniform = torch.rand(shape, generator=replay, dtype=torch.float64)
+        b1 = float(sample_beta(2.0, 5.0, replay))
+        normal = torch.randn(shape, generator=replay, dtype=torch.float64)
+        assert float(mix.last.info["mult_level"]) == pytest.approx(0.2 * b2)
+        assert float(mix.last.info["add_level"]) == pytest.approx(0.4 * b1)
+
+        # src/noisy_mixup.py (do_noisy_mixup, _noise) with lam, index and the noise given
+        def do_noisy_mixup(x, y, add_noise_level, mult_noise_level):
+            mixed_x = lam * x + (1 - lam) * x[index]
+            y_a, y_b = y, y[index]
+            add_noise = add_noise_level * b1 * normal
+            mult_noise = mult_noise_level * b2 * (2 * uniform - 1) + 1
+            return mult_noise * mixed_x + add_noise, y_a, y_b, lam
+
+        out = theirs.conv1(x)  # src/cifar_models/preresnet.py forward with k = 2
+        for i, block in enumerate(theirs.blocks):
+            out = block(out)
+            if i + 1 == 2:
+                out, targets_a, targets_b, lam_ = do_noisy_mixup(out, y, 0.4, 0.2)
+        outputs = theirs.linear(F.avg_pool2d(out, 4).view(5, -1))
+        criterion = torch.nn.CrossEntropyLoss()  # train_cifar.py:115, src/noisy_mixup.py mixup_criterion
+        loss = lam_ * criterion(outputs, targets_a) + (1 - lam_) * criterion(outputs, targets_b)
+        loss.backward()
+        assert value == pytest.approx(float(loss.detach()), rel=1e-12)
+        now = dict(model.named_parameters())
+        for n, p in theirs.named_parameters():
+            torch.testing.assert_close(before[n] - now[n], p.grad, rtol=1e-9, atol=1e-12)
+    finally:
+        run.mixup.remove()
+
+
+def test_a_batch_left_unmixed_keeps_the_plain_loss_under_mixed_loss_weight():
+    """main.py:262: a batch the draw leaves unmixed (r >= patchup_prob) trains on the plain BCE, once."""
+    import torch
+    import torch.nn.functional as F
+
+    from mixhook.app.training.loop import train_one_epoch
+    from tests.helpers import SmallCNN
+
+    torch.manual_seed(0)
+    model, x = SmallCNN().double(), torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 1])
+    never = ManifoldMixup("input", prob=0.0)
+    with never.attach(model):
+        expected = F.binary_cross_entropy(F.softmax(model(x), 1), F.one_hot(y, 5).double())
+        sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+        value = train_one_epoch(
+            model, [(x, y)], sgd, torch.device("cpu"), never, progress_bar=False, loss="bce_softmax",
+            mixed_loss_weight=2.0,
+        )  # fmt: skip
+    assert never.last is None and value == pytest.approx(float(expected.detach()), rel=1e-12)

@@ -33,3 +33,89 @@ def test_unknown_torchvision_model_suggests_names():
         match=r"model.name='resnet181' is not a torchvision classification model; did you mean resnet18",
     ):
         torchvision_model("resnet181")
+
+
+# erichson/NFM at ed22d5d, src/cifar_models/preresnet.py: the authors' block and network (their mixing
+# branches left out: the network they mix in is this one).
+class AuthorsPreActBlock(torch.nn.Module):
+    expansion = 1
+
+    def __init__(self, in_planes, planes, stride=1):
+        super().__init__()
+        nn, F = torch.nn, torch.nn.functional
+        self.bn1 = nn.BatchNorm2d(in_planes)
+        self.conv1 = nn.Conv2d(in_planes, planes, kernel_size=3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, stride=1, padding=1, bias=False)
+        self.relu = F.relu
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != self.expansion * planes:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, self.expansion * planes, kernel_size=1, stride=stride, bias=False)
+            )
+
+    def forward(self, x):
+        out = self.relu(self.bn1(x))
+        shortcut = self.shortcut(out)
+        out = self.conv1(out)
+        out = self.conv2(self.relu(self.bn2(out)))
+        out += shortcut
+        return out
+
+
+class AuthorsPreActResNet(torch.nn.Module):
+    def __init__(self, num_blocks, num_classes=10, width=1):
+        super().__init__()
+        widths = [int(w * width) for w in [64, 128, 256, 512]]
+        self.in_planes = widths[0]
+        self.conv1 = torch.nn.Conv2d(3, self.in_planes, kernel_size=3, stride=1, padding=1, bias=False)
+        self.layer1 = self._make_layer(widths[0], num_blocks[0], stride=1)
+        self.layer2 = self._make_layer(widths[1], num_blocks[1], stride=2)
+        self.layer3 = self._make_layer(widths[2], num_blocks[2], stride=2)
+        self.layer4 = self._make_layer(widths[3], num_blocks[3], stride=2)
+        self.linear = torch.nn.Linear(widths[3] * AuthorsPreActBlock.expansion, num_classes)
+        self.blocks = [self.layer1, self.layer2, self.layer3, self.layer4]
+
+    def _make_layer(self, planes, num_blocks, stride):
+        strides = [stride] + [1] * (num_blocks - 1)
+        layers = []
+        for stride in strides:
+            layers.append(AuthorsPreActBlock(self.in_planes, planes, stride))
+            self.in_planes = planes * AuthorsPreActBlock.expansion
+        return torch.nn.Sequential(*layers)
+
+    def forward(self, x):
+        out = self.conv1(x)
+        for block in self.blocks:
+            out = block(out)
+        out = torch.nn.functional.avg_pool2d(out, 4)
+        out = out.view(out.size(0), -1)
+        return self.linear(out)
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_the_nfm_option_is_the_nfm_authors_network(width):
+    """shortcut="activated" (and width 2: their PreActWideResNet18) equals the authors' network: the same
+    parameters by name and shape, the same logits and gradients in float64; the default differs from it."""
+    theirs = AuthorsPreActResNet([2, 2, 2, 2], num_classes=10, width=width).double().train()
+    ours = PreActResNet18(num_classes=10, shortcut="activated", width=width).double().train()
+    shapes = {n: p.shape for n, p in theirs.state_dict().items()}
+    assert {n: p.shape for n, p in ours.state_dict().items()} == shapes
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(width))
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-12, atol=1e-12)
+    ours(x).square().sum().backward()
+    theirs(x).square().sum().backward()
+    grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-10, atol=1e-12)
+    plain = PreActResNet18(num_classes=10, width=width).double().train()  # He et al.'s: x on the shortcut
+    plain.load_state_dict(theirs.state_dict())
+    assert not torch.allclose(plain(x), theirs(x))
+
+
+def test_bad_shortcut_and_width_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^shortcut='relu' is not a shortcut; valid: input, activated$"):
+        PreActResNet18(shortcut="relu")
+    with pytest.raises(ValueError, match=r"^width must be an integer >= 1, got 0$"):
+        PreActResNet18(width=0)

@@ -7,6 +7,11 @@ The architecture and module names are those of the Manifold Mixup reference code
 ``forward`` mixes at the outputs of ``input``, ``layer1``, ``layer2`` (and ``layer3``): exactly the
 outputs that mixhook's hooks on those names mix. Global average pooling (the reference's
 ``avg_pool2d(out, 4)`` at 32x32) makes it work at any input size from 8x8 (digits) upwards.
+
+Two options reproduce other authors' networks: ``shortcut="activated"`` is the Noisy Feature Mixup
+authors' block (erichson/NFM, ``src/cifar_models/preresnet.py``: ``self.shortcut = nn.Sequential()``
+applied to ``relu(bn1(x))``, so the identity shortcut carries the activated input, not ``x``), and
+``width=2`` their ``PreActWideResNet18`` (stages of 128, 256, 512, 1024 channels).
 """
 
 from __future__ import annotations
@@ -15,14 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+SHORTCUTS = ("input", "activated")
+
 
 class PreActBlock(nn.Module):
-    """Pre-activation basic block: BN-ReLU-conv3x3-BN-ReLU-conv3x3 plus the (projected) shortcut."""
+    """Pre-activation basic block: BN-ReLU-conv3x3-BN-ReLU-conv3x3 plus the (projected) shortcut.
+
+    ``shortcut``: what an identity shortcut carries: ``"input"``, the block's input ``x`` (He et al. 2016,
+    the Manifold Mixup and PatchUp code), or ``"activated"``, ``relu(bn1(x))`` (the NFM authors' code). A
+    projection shortcut takes ``relu(bn1(x))`` either way, as in all three codebases."""
 
     expansion = 1
 
-    def __init__(self, in_planes: int, planes: int, stride: int = 1):
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, shortcut: str = "input"):
         super().__init__()
+        if shortcut not in SHORTCUTS:
+            raise ValueError(f"shortcut={shortcut!r} is not a shortcut; valid: {', '.join(SHORTCUTS)}")
+        self.activated = shortcut == "activated"
         self.bn1 = nn.BatchNorm2d(in_planes)
         self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(planes)
@@ -33,31 +47,47 @@ class PreActBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(x))
-        shortcut = self.shortcut(out) if self.shortcut is not None else x
+        if self.shortcut is not None:
+            shortcut = self.shortcut(out)
+        else:
+            shortcut = out if self.activated else x
         out = self.conv1(out)
         out = self.conv2(F.relu(self.bn2(out)))
         return out + shortcut
 
 
 class PreActResNet(nn.Module):
-    """Pre-activation ResNet with ``PreActBlock`` stages of widths 64, 128, 256, 512."""
+    """Pre-activation ResNet with ``PreActBlock`` stages of widths ``64, 128, 256, 512`` times ``width``."""
 
-    def __init__(self, num_blocks: list[int], in_channels: int = 3, num_classes: int = 10):
+    def __init__(
+        self,
+        num_blocks: list[int],
+        in_channels: int = 3,
+        num_classes: int = 10,
+        shortcut: str = "input",
+        width: int = 1,
+    ):
         super().__init__()
         if in_channels < 1 or num_classes < 2:
             raise ValueError(f"need in_channels >= 1 and num_classes >= 2, got {in_channels}, {num_classes}")
-        self.in_planes = 64
-        self.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
-        self.layer1 = self._make_layer(64, num_blocks[0], stride=1)
-        self.layer2 = self._make_layer(128, num_blocks[1], stride=2)
-        self.layer3 = self._make_layer(256, num_blocks[2], stride=2)
-        self.layer4 = self._make_layer(512, num_blocks[3], stride=2)
-        self.linear = nn.Linear(512, num_classes)
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"width must be an integer >= 1, got {width!r}")
+        if shortcut not in SHORTCUTS:
+            raise ValueError(f"shortcut={shortcut!r} is not a shortcut; valid: {', '.join(SHORTCUTS)}")
+        self.shortcut = shortcut
+        widths = [w * width for w in (64, 128, 256, 512)]
+        self.in_planes = widths[0]
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, stride=1, padding=1, bias=False)
+        self.layer1 = self._make_layer(widths[0], num_blocks[0], stride=1)
+        self.layer2 = self._make_layer(widths[1], num_blocks[1], stride=2)
+        self.layer3 = self._make_layer(widths[2], num_blocks[2], stride=2)
+        self.layer4 = self._make_layer(widths[3], num_blocks[3], stride=2)
+        self.linear = nn.Linear(widths[3], num_classes)
 
     def _make_layer(self, planes: int, num_blocks: int, stride: int) -> nn.Sequential:
         layers = []
         for s in [stride] + [1] * (num_blocks - 1):
-            layers.append(PreActBlock(self.in_planes, planes, s))
+            layers.append(PreActBlock(self.in_planes, planes, s, self.shortcut))
             self.in_planes = planes
         return nn.Sequential(*layers)
 
@@ -68,6 +98,10 @@ class PreActResNet(nn.Module):
         return self.linear(out)
 
 
-def PreActResNet18(in_channels: int = 3, num_classes: int = 10) -> PreActResNet:  # noqa: N802 (a class-like factory)
-    """PreActResNet-18: two blocks per stage."""
-    return PreActResNet([2, 2, 2, 2], in_channels=in_channels, num_classes=num_classes)
+def PreActResNet18(  # noqa: N802 (a class-like factory)
+    in_channels: int = 3, num_classes: int = 10, shortcut: str = "input", width: int = 1
+) -> PreActResNet:
+    """PreActResNet-18: two blocks per stage (``shortcut``, ``width``: see the module's docstring)."""
+    return PreActResNet(
+        [2, 2, 2, 2], in_channels=in_channels, num_classes=num_classes, shortcut=shortcut, width=width
+    )

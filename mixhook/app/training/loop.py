@@ -80,12 +80,15 @@ def train_one_epoch(
     scaler=None,
     channels_last: bool = False,
     dist: Dist | None = None,
+    mixed_loss_weight: float = 1.0,
 ) -> float:
     """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing).
 
     ``loss="ce"``: cross-entropy, mixed by the mixer's ``loss``. ``loss="bce_softmax"``: binary
     cross-entropy between the softmax and the mixer's soft ``targets``, averaged over samples and
     classes, as the Manifold Mixup reference code trains (``nn.BCELoss()(softmax(out), target)``).
+    ``mixed_loss_weight``: the loss of a step whose batch was mixed is multiplied by it (the PatchUp
+    authors' code trains with twice the BCE on mixed batches: 2.0 reproduces it); unmixed steps keep 1.
 
     ``totals``: ``[loss sum (float64 tensor), sample count, steps]`` carried over from the part of the
     epoch already done (a resumed epoch); updated in place. ``after_step(totals)`` runs after each step,
@@ -123,6 +126,8 @@ def train_one_epoch(
                 mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
             )
             value = per_sample.mean()
+        if mixed_loss_weight != 1.0 and mixup is not None and mixup.last is not None:
+            value = value * mixed_loss_weight
         bad = not bool(torch.isfinite(value))
         if dist.any(bad):  # every rank stops at the same step, before any of them applies it
             if not bad:
@@ -268,6 +273,7 @@ class Settings:
     channels_last: bool = False
     progress_bar: bool = True
     checkpoint_every: int = 0
+    mixed_loss_weight: float = 1.0  # the loss of a mixed step times this (PatchUp's authors: 2)
 
 
 @dataclass
@@ -382,6 +388,7 @@ def train(
                 train_loss = train_one_epoch(
                     net, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
                     progress_bar=opts.progress_bar, loss=opts.loss, totals=totals, after_step=after_step,
+                    mixed_loss_weight=opts.mixed_loss_weight,
                     precision=precision, scaler=scaler, channels_last=channels_last, dist=dist,
                     before_step=None if run.schedule is None else (
                         lambda done, epoch=epoch, steps=steps: run.schedule.set(epoch, done / steps)

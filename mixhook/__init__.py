@@ -12,7 +12,7 @@ from . import mixers
 from .compose import attach
 from .gradients import GradClip, GradScale
 from .hooks import HookHandle, LayerHook
-from .layers import INPUT, UnknownLayerError, layer_names, resolve_layers
+from .layers import INPUT, UnknownLayerError, fastai_layers, layer_names, resolve_layers
 from .mixers import *  # noqa: F403  (every mixer, found in mixhook/mixers/, and the contract)
 from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
 from .scaling import InputScale
@@ -33,6 +33,7 @@ __all__ = [
     "ShapeTrace",
     "UnknownLayerError",
     "attach",
+    "fastai_layers",
     "layer_names",
     "mixers",
     "resolve_layers",

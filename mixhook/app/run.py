@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from mixhook.compose import mixers_of
-from mixhook.layers import INPUT, UnknownLayerError, trace_outputs
+from mixhook.layers import INPUT, UnknownLayerError, fastai_layers, trace_outputs
 from mixhook.mixers.partners import crosses_ranks
 from mixhook.probes import ActivationStats, GradStats
 
@@ -140,6 +140,11 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
 
     if dist.enabled:  # the model is built alike on every rank; each rank then mixes its own way
         torch.manual_seed(dist.seed(cfg.seed))
+    if OmegaConf.select(cfg, "mixup.layer") == "fastai":  # fastai's default candidates, named
+        try:
+            cfg.mixup.layer = fastai_layers(model)
+        except ValueError as err:
+            raise ConfigError(f"mixup.layer=fastai: {err}") from err
     hooks = _build_hooks(cfg, dist.seed(cfg.seed))
     if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
         hooks = [(key, hook) for key, hook in hooks if not key.startswith("probes")]

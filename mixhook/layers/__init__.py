@@ -54,6 +54,51 @@ def layer_names(model: nn.Module) -> list[str]:
     return [INPUT] + [name for name, _ in model.named_modules() if name]
 
 
+# fastai ManifoldMixup's non_mixable_module_types (nestordemeure/ManifoldMixupV2, manifold_mixup.py), less
+# fastai's own AWD_LSTM (matched by name below): modules that only pass their input on, and recurrent ones.
+_FASTAI_NON_MIXABLE = (
+    nn.Sequential, nn.Dropout, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.LSTM, nn.LSTMCell, nn.GRU, nn.GRUCell, nn.RNN, nn.RNNBase, nn.RNNCell, nn.RNNCellBase,
+)  # fmt: skip
+
+
+def fastai_layers(model: nn.Module, input: bool = True) -> list[str]:  # noqa: A002 (fastai's word)
+    """The layers fastai's ``ManifoldMixup`` callback draws from when given no ``module_list``
+    (nestordemeure/ManifoldMixupV2 at 9f066d6, ``manifold_mixup.py``, ``_get_mixup_module_list``), as
+    names for any mixer's ``layer``: ``ManifoldMixup(fastai_layers(model), mode="elem", dominant=True,
+    alpha=0.4)`` is that callback. The first rule that finds something decides:
+
+    1. a fastai ``TabularModel``: its ``nn.Linear`` layers;
+    2. fastai ``UnetBlock`` modules (the decoder of a U-Net);
+    3. modules whose ``str(type(m)).lower()`` contains ``"block"`` or ``"bottleneck"`` (residual blocks:
+       torchvision's ``BasicBlock``, timm's ViT ``Block``; the test is fastai's, on the module path too);
+    4. every module not of a non-mixable type (containers ``nn.Sequential``, dropout, batch norm,
+       recurrent layers).
+
+    fastai's own ``ManifoldMixupModule`` wrapper (rule 0) has no counterpart here: name the layers. Its
+    rule 4 also lists the model itself (mixing the logits); that is left out: mixing a model's output is
+    output mixup, not a hidden-state mix. ``input=True`` (fastai's ``use_input_mixup``, its default) puts
+    ``"input"`` first: fastai draws the input as one more candidate, uniformly with the others.
+    Raises ``ValueError`` when no rule finds a layer, as fastai does."""
+    named = [(name, m) for name, m in model.named_modules() if name]
+    kind = type(model).__name__
+    rules = [
+        lambda m: kind == "TabularModel" and isinstance(m, nn.Linear),
+        lambda m: type(m).__name__ == "UnetBlock",
+        lambda m: "block" in str(type(m)).lower() or "bottleneck" in str(type(m)).lower(),
+        lambda m: not isinstance(m, _FASTAI_NON_MIXABLE) and type(m).__name__ != "AWD_LSTM",
+    ]
+    for rule in rules:
+        names = [name for name, m in named if rule(m)]
+        if names:
+            return [INPUT, *names] if input else names
+    raise ValueError(
+        f"no layer of {kind} is eligible for fastai's manifold mixup (its modules are all containers, "
+        "dropout, batch norm or recurrent layers); name the layers to mix"
+    )
+
+
 def resolve_layers(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
     """Map each name (a site spec: a layer name with an optional selector) to its module (``"input"``
     maps to ``model`` itself), in the order given.

@@ -860,7 +860,7 @@ class Mixer(LayerHook, MixingHook):
                     f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}"
                 )
             if index is None:
-                index = torch.randperm(n, generator=generator, device=generator.device)
+                index = self.draw_index(n, generator)
             elif index.shape[0] != n or (n and (int(index.min()) < -pool or int(index.max()) >= pool)):
                 where = f"the batch of {n}" if pool == n else f"{pool} partners for a batch of {n}"
                 raise ValueError(
@@ -911,6 +911,11 @@ class Mixer(LayerHook, MixingHook):
         return mixed.tensors
 
     # ------------------------------------------------------------------------- what a method implements
+
+    def draw_index(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """Each sample's partner for a batch of ``n``: a uniformly random permutation (override for a
+        fixed pairing, e.g. ``ManifoldMixup(mode="pair")``'s ``i <-> n - 1 - i``)."""
+        return torch.randperm(n, generator=generator, device=generator.device)
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """The draw of lam for a batch of ``n``: a float64 0-d tensor (one lam for the batch) or ``n``

@@ -44,8 +44,13 @@ class ManifoldMixup(Mixer):
             (one is drawn per training batch).
         alpha: the Beta distribution's concentration, > 0 (the paper uses 2.0; input mixup 1.0).
         prob: the probability that a training batch is mixed at all, in [0, 1].
-        mode: ``"batch"`` (one lam for the batch, as in the papers) or ``"elem"`` (one lam per sample,
-            timm's elem mode; ``loss`` then needs a per-sample criterion, ``reduction="none"``).
+        mode: ``"batch"`` (one lam for the batch, as in the papers), ``"elem"`` (one lam per sample,
+            timm's elem mode; ``loss`` then needs a per-sample criterion, ``reduction="none"``) or
+            ``"pair"`` (timm's pair mode: sample ``i`` and sample ``B - 1 - i`` mix with each other
+            under one lam per pair, so each pair yields two mixes of the same two samples; an odd
+            batch's middle sample is its own partner and stays as it is, with its own label; per-sample
+            criterion as for ``"elem"``). timm draws each sample's or pair's mixing with ``mix_prob``;
+            here ``prob`` decides for the whole batch.
         generator: the ``torch.Generator`` every draw comes from. By default a CPU generator seeded from
             ``torch.initial_seed()``, so ``torch.manual_seed(s)`` makes the draws reproducible without
             consuming the global random stream.
@@ -84,10 +89,12 @@ class ManifoldMixup(Mixer):
         if not isinstance(dominant, bool):
             raise TypeError(f"dominant must be True or False, got {dominant!r}")
         self.dominant = dominant
-        if mode not in ("batch", "elem"):
-            raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
+        if mode not in ("batch", "elem", "pair"):
+            raise ValueError(f"mode must be 'batch', 'elem' or 'pair', got {mode!r}")
         self.mode = mode
         self.partners = check_partners(partners)
+        if mode == "pair" and self.partners == "global":
+            raise ValueError("mode='pair' pairs samples within this process's batch; use partners='local'")
 
     def __repr__(self) -> str:
         base = super().__repr__()
@@ -113,16 +120,24 @@ class ManifoldMixup(Mixer):
         draw.layer = self.layers[k]
         return draw
 
+    def draw_index(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        if self.mode == "pair":  # timm's _mix_pair: j = B - i - 1
+            return torch.arange(n - 1, -1, -1, device=generator.device)
+        return super().draw_index(n, generator)
+
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "elem":
             lam = sample_beta(self.alpha, self.alpha, generator, size=n)
+        elif self.mode == "pair":  # one lam per pair, the same for both of its samples (timm's _mix_pair)
+            half = sample_beta(self.alpha, self.alpha, generator, size=(n + 1) // 2)
+            lam = torch.cat([half, half[: n // 2].flip(0)])
         else:
             lam = sample_lam(self.alpha, generator)
         return torch.maximum(lam, 1 - lam) if self.dominant else lam
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         lam, index = draw.lam, draw.index
-        if self.mode == "elem" and lam.ndim == 0:  # a pinned number: the same for every sample
+        if self.mode != "batch" and lam.ndim == 0:  # a pinned number: the same for every sample
             lam = lam.expand(index.shape[0])
         if self.partners == "global":
             return self._mix_global(leaves, draw, lam)

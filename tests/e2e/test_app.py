@@ -26,6 +26,18 @@ def test_default_config_is_the_papers_manifold_mixup_on_digits():
     run.mixup.remove()
 
 
+def test_mixup_layer_fastai_names_fastais_default_candidates_in_the_summary():
+    from mixhook import fastai_layers
+
+    run = app.build(config("mixup.layer=fastai", "mixup.mode=pair"))
+    try:
+        blocks = [f"layer{i}.{j}" for i in (1, 2, 3, 4) for j in (0, 1)]
+        assert list(run.mixup.layers) == ["input", *blocks] == fastai_layers(run.model)
+        assert run.summary["mixup"]["layer"] == ["input", *blocks] and run.mixup.mode == "pair"
+    finally:
+        run.mixup.remove()
+
+
 def test_mixup_none_builds_without_a_regularizer():
     run = app.build(config("mixup=none"))
     assert run.mixup is None and run.summary["mixup"] == {}

@@ -68,3 +68,62 @@ def test_trace_outputs_records_layers_restores_mode_and_leaves_no_hooks():
     assert model.training
     assert all(not m._forward_hooks for m in model.modules())
     assert model.layer1[0].bn1.num_batches_tracked == 0  # ran in eval mode: no statistics updated
+
+
+# nestordemeure/ManifoldMixupV2 at 9f066d6, manifold_mixup.py: fastai's default layer choice (the
+# TabularModel, UnetBlock and ManifoldMixupModule rules need fastai; the models below have none of them).
+non_mixable_module_types = [nn.Sequential, nn.Dropout, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                            nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                            nn.LSTM, nn.LSTMCell, nn.GRU, nn.GRUCell,
+                            nn.RNN, nn.RNNBase, nn.RNNCell, nn.RNNCellBase]  # fmt: skip
+
+
+def _is_mixable(m):
+    return not any(isinstance(m, non_mixable_class) for non_mixable_class in non_mixable_module_types)
+
+
+def _is_block_module(m):
+    m = str(type(m)).lower()
+    return "block" in m or "bottleneck" in m
+
+
+def _get_mixup_module_list(model):
+    module_list = list(model.modules())
+    block_modules = list(filter(_is_block_module, module_list))
+    if len(block_modules) != 0:
+        return block_modules
+    mixable_modules = list(filter(_is_mixable, module_list))
+    if len(mixable_modules) != 0:
+        return mixable_modules
+    raise ValueError("No eligible layer found for mixup.")
+
+
+def test_fastai_layers_are_fastais_default_candidates():
+    import timm
+
+    from mixhook import fastai_layers
+    from tests.helpers import SmallCNN
+
+    models = [
+        PreActResNet18(),
+        torchvision.models.resnet18(),
+        torchvision.models.resnet50(),  # Bottleneck
+        timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2),
+        nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Dropout(), nn.Linear(4, 2)),
+        SmallCNN(),  # no blocks: every mixable module, where fastai also lists the model itself
+        nn.Sequential(nn.Embedding(9, 4), nn.LSTM(4, 4), nn.Linear(4, 2)),  # the LSTM is not a candidate
+    ]
+    for model in models:
+        modules = dict(model.named_modules())
+        names = fastai_layers(model)
+        assert names[0] == INPUT and fastai_layers(model, input=False) == names[1:]
+        expected = [m for m in _get_mixup_module_list(model) if m is not model]
+        assert [modules[name] for name in names[1:]] == expected, type(model).__name__
+    assert fastai_layers(PreActResNet18(), input=False) == [
+        f"layer{i}.{j}" for i in (1, 2, 3, 4) for j in (0, 1)
+    ]
+    for model in (nn.Sequential(nn.BatchNorm1d(3), nn.Dropout()), nn.GRU(3, 4)):
+        with pytest.raises(
+            ValueError, match=r"^no layer of (Sequential|GRU) is eligible for fastai's manifold mixup"
+        ):
+            fastai_layers(model)

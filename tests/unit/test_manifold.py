@@ -500,3 +500,37 @@ def test_dominant_lam_is_fastais_max_of_lam_and_one_minus_lam_on_the_same_draws(
             assert bool((mix.last.lam >= 0.5).all())
     with pytest.raises(TypeError, match="dominant must be True or False, got 1"):
         ManifoldMixup("input", dominant=1)
+
+
+@pytest.mark.parametrize("batch", [6, 5])
+def test_pair_mode_equals_timms_pair_mode_on_the_same_draw(batch):
+    """mode="pair": sample i and B-1-i mix with each other under one lam per pair, as timm's Mixup(
+    mode="pair") (timm.data.mixup: _mix_pair, mixup_target), run on the same lam; an odd batch's middle
+    sample is its own partner and keeps its input and label."""
+    from timm.data import Mixup
+
+    x = torch.randn(batch, 3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(batch))
+    y = torch.tensor([0, 3, 1, 4, 2, 3][:batch])
+    np.random.seed(7)
+    half = np.random.beta(0.8, 0.8, size=(batch + 1) // 2).astype(np.float32)  # timm's _params_per_elem
+    lam = torch.tensor(np.concatenate([half, half[: batch // 2][::-1]]), dtype=torch.float64)
+    model = nn.Identity()
+    mix = ManifoldMixup("input", alpha=0.8, mode="pair")
+    with mix.attach(model):
+        mix.pin(lam=lam)
+        ours = model(x.clone())
+    assert torch.equal(mix.last.index, torch.arange(batch - 1, -1, -1))
+    if batch % 2 == 0:  # timm asserts an even batch
+        np.random.seed(7)
+        theirs, target = Mixup(mixup_alpha=0.8, mode="pair", label_smoothing=0.0, num_classes=5)(x.clone(), y)
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)  # timm computes 1 - lam in float32
+        torch.testing.assert_close(mix.targets(y, 5, dtype=torch.float64), target, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(ours[batch // 2], x[batch // 2])
+        assert torch.equal(mix.targets(y, 5)[batch // 2], F.one_hot(y[batch // 2], 5).float())
+    drawn = ManifoldMixup("input", alpha=0.8, mode="pair", generator=torch.Generator().manual_seed(0))
+    with drawn.attach(model):
+        model(x)
+    assert torch.equal(drawn.last.lam, drawn.last.lam.flip(0)) and len(set(drawn.last.lam.tolist())) > 1
+    with pytest.raises(ValueError, match="mode='pair' pairs samples within this process's batch"):
+        ManifoldMixup("input", mode="pair", partners="global")

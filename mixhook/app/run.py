@@ -175,6 +175,16 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     try:
         optimizer = _optimizer(cfg.optim, model)
         scheduler = _scheduler(cfg.scheduler, optimizer)
+        if (
+            cfg.trainer.precision == "fp16"
+            and isinstance(optimizer, torch.optim.SGD)
+            and optimizer.defaults.get("fused")
+        ):  # tests/e2e/test_precision.py shows it on this torch
+            raise ConfigError(
+                "optim.fused=true with trainer.precision=fp16: torch's fused SGD fills its momentum with "
+                "uninitialised memory when the grad scaler skips a first step (LibreYOLO/libreyolo#771); "
+                "use optim.fused=false or trainer.precision=bf16"
+            )
     except BaseException:
         for handle in handles:
             handle.remove()

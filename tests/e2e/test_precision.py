@@ -90,3 +90,30 @@ def test_compile_and_channels_last_runs_finish_with_the_same_checkpoint_layout(t
 def test_bad_precision_is_refused(override, message):  # trainer.compile=maybe: test_bad_input.py
     with pytest.raises(app.ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         app.build(config(override))
+
+
+def test_fused_sgd_under_fp16_is_refused_because_a_skipped_first_step_corrupts_its_momentum():
+    """The torch behaviour the refusal guards against, shown on this torch (CPU): the grad scaler skips
+    the first step (an inf gradient); stock SGD then has no momentum, fused SGD's holds whatever the memory
+    held (LibreYOLO/libreyolo#771). Later skipped steps are handled alike by both."""
+
+    def momentum(fused):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4096))
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        x = torch.randn(4096)
+        x[0] = float("inf")
+        scaler.scale((p * x).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        return p.detach().clone(), opt.state[p].get("momentum_buffer")
+
+    stock, fused = momentum(False), momentum(True)
+    assert stock[1] is None and torch.equal(stock[0], fused[0])  # neither moved the weights
+    assert fused[1] is not None  # a buffer from a step that never happened: the next step uses it
+    with pytest.raises(
+        app.ConfigError, match=r"^optim.fused=true with trainer.precision=fp16: torch's fused SGD"
+    ):
+        app.build(config(*TINY, "trainer.precision=fp16", "+optim.fused=true"))
+    app.build(config(*TINY, "trainer.precision=bf16", "+optim.fused=true")).mixup.remove()

@@ -287,7 +287,7 @@ def test_hooks_list_instantiates_a_users_own_hook_class():
         ),
         (["grad_clip.layer=input"], "grad_clip: GradClip clips the gradient at a layer's output"),
         (["hooks=[{layer: layer2}]"], "hooks[0]: each entry needs a _target_"),
-        (["mixup.mode=pairs"], "mixup: mode must be 'batch' or 'elem', got 'pairs'"),
+        (["mixup.mode=pairs"], "mixup: mode must be 'batch', 'elem' or 'pair', got 'pairs'"),
     ],
 )
 def test_catalogue_misconfigurations_fail_in_build(overrides, message):

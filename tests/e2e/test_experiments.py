@@ -196,6 +196,31 @@ def test_a_multirun_over_paper_experiments_reports_paper_beside_measured(tmp_pat
     assert "2.95 ± 0.046 (Verma et al. 2019, Table 1a" in table
 
 
+def app_step(run, x, y):
+    """One step of the app's loop on ``(x, y)`` with ``run``'s model, mixer and loss settings and an lr-1
+    SGD: the loss it reports and each parameter's update, which is minus its gradient."""
+    import torch
+
+    from mixhook.app.training.loop import train_one_epoch
+
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    value = train_one_epoch(
+        run.model, [(x, y)], torch.optim.SGD(run.model.parameters(), lr=1.0), torch.device("cpu"), run.mixup,
+        progress_bar=False, loss=run.settings.loss, mixed_loss_weight=run.settings.mixed_loss_weight,
+    )  # fmt: skip
+    return value, {n: before[n] - p.detach() for n, p in run.model.named_parameters()}
+
+
+def assert_same_step(value, updates, loss, reference):
+    """The app's step (:func:`app_step`) took the reference's loss and gradients (``loss.backward()``
+    already run on ``reference``)."""
+    import torch
+
+    assert value == pytest.approx(float(loss.detach()), rel=1e-12)
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(updates[n], p.grad, rtol=1e-9, atol=1e-12)
+
+
 # chandar-lab/PatchUp at 31133f3, modules/patchup.py (PatchUp.forward, after the mask is drawn: here
 # `holes` is given, as are `indices` and `lam`, so that both sides use the same draw).
 def authors_patchup(x, targets, holes, indices, lam, soft):
@@ -237,7 +262,6 @@ def test_the_patchup_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path
     import torch.nn.functional as F
 
     from mixhook.app.models import PreActResNet18
-    from mixhook.app.training.loop import train_one_epoch
 
     write_cifar(tmp_path, "cifar10", per_file=4)
     run = app.build(config(f"experiment={name}", f"data.root={tmp_path}", "data.num_workers=0"))
@@ -287,17 +311,9 @@ def test_the_patchup_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path
         )
         loss.backward()
 
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is minus the gradient
-        value = train_one_epoch(
-            model, [(x, y)], sgd, torch.device("cpu"), mix, progress_bar=False, loss=run.settings.loss,
-            mixed_loss_weight=run.settings.mixed_loss_weight,
-        )  # fmt: skip
+        value, updates = app_step(run, x, y)
         assert mix.chosen is mix.mixers[0 if k == 0 else 1] and mix.last is not None
-        assert value == pytest.approx(float(loss.detach()), rel=1e-12)
-        now = dict(model.named_parameters())
-        for n, p in reference.named_parameters():
-            torch.testing.assert_close(before[n] - now[n], p.grad, rtol=1e-9, atol=1e-12)
+        assert_same_step(value, updates, loss, reference)
     finally:
         run.mixup.remove()
 
@@ -309,7 +325,6 @@ def test_the_nfm_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path):
     import torch
     import torch.nn.functional as F
 
-    from mixhook.app.training.loop import train_one_epoch
     from mixhook.mixers.functional import sample_beta
     from tests.unit.test_models import AuthorsPreActResNet
 
@@ -331,9 +346,7 @@ def test_the_nfm_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path):
 
         mix.mix = spy
         mix.pin(layer="layer2", lam=lam, index=index)
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-        value = train_one_epoch(model, [(x, y)], sgd, torch.device("cpu"), mix, progress_bar=False, loss="ce")
+        value, updates = app_step(run, x, y)
 
         replay = torch.Generator().set_state(seen["state"])  # nfm.py's order: mult level and noise, add's
         shape = (5, 128, 16, 16)
@@ -361,10 +374,7 @@ def test_the_nfm_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path):
         criterion = torch.nn.CrossEntropyLoss()  # train_cifar.py:115, src/noisy_mixup.py mixup_criterion
         loss = lam_ * criterion(outputs, targets_a) + (1 - lam_) * criterion(outputs, targets_b)
         loss.backward()
-        assert value == pytest.approx(float(loss.detach()), rel=1e-12)
-        now = dict(model.named_parameters())
-        for n, p in theirs.named_parameters():
-            torch.testing.assert_close(before[n] - now[n], p.grad, rtol=1e-9, atol=1e-12)
+        assert_same_step(value, updates, loss, theirs)
     finally:
         run.mixup.remove()
 

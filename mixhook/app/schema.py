@@ -25,6 +25,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from .models.preact_resnet import SHORTCUTS
 from .training.logging import LOGGERS
 from .training.loop import LOSSES, PRECISIONS
 
@@ -149,7 +150,7 @@ TARGET_RULES: dict[str, dict[str, dict]] = {
     },
     "torch.optim.lr_scheduler.CosineAnnealingLR": {"T_max": {"min": 1}},
     "mixhook.app.models.PreActResNet18": {
-        "shortcut": {"choices": ("input", "activated")},
+        "shortcut": {"choices": SHORTCUTS},
         "width": {"min": 1},
     },
 }

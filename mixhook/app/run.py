@@ -34,8 +34,9 @@ from .files import make_writable_dir
 from .training import Run, Settings, train
 from .training import checkpoint as ckpt
 from .training.distributed import Dist
+from .training.finite import NonFiniteLoss, check_every
 from .training.logging import RunLogger
-from .training.loop import Interrupted, NonFiniteLoss
+from .training.loop import Interrupted
 from .training.state import check_resumable
 
 log = logging.getLogger("mixhook")
@@ -185,6 +186,10 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
                 "uninitialised memory when the grad scaler skips a first step (LibreYOLO/libreyolo#771); "
                 "use optim.fused=false or trainer.precision=bf16"
             )
+        try:
+            check_finite_every = check_every(cfg.trainer.check_finite_every, optimizer, device)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     except BaseException:
         for handle in handles:
             handle.remove()
@@ -199,6 +204,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         progress_bar=trainer.progress_bar,
         checkpoint_every=trainer.checkpoint_every,
         mixed_loss_weight=trainer.mixed_loss_weight,
+        check_finite_every=check_finite_every,
     )
     try:
         schedule = _schedule(cfg, mixup)
@@ -218,6 +224,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         "loss": trainer.loss,
         "mixed_loss_weight": trainer.mixed_loss_weight,
         "precision": trainer.precision,
+        "check_finite_every": check_finite_every,
         "processes": dist.world,
         "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
     }

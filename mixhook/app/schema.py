@@ -56,6 +56,7 @@ class TrainerConfig:
     loss: str = _one_of(LOSSES, "ce")
     mixed_loss_weight: float = field(default=1.0, metadata={"open": (0.0, math.inf)})
     checkpoint_every: int = _at_least(0, 0)
+    check_finite_every: int | None = _at_least(1, None)
     resume: str | None = None
 
 

@@ -53,6 +53,14 @@ from tests.conftest import write_cifar
         ),
         (["mixup=none", "schedule.off_epoch=3"], "error: schedule.* is set but nothing mixes (mixup=none)"),
         (
+            ["trainer.check_finite_every=0"],
+            "error: trainer.check_finite_every must be an integer >= 1, got 0",
+        ),
+        (
+            ["trainer.check_finite_every=10"],
+            "error: trainer.check_finite_every=10 needs an optimizer that skips a step on the device, so",
+        ),
+        (
             ["trainer.mixed_loss_weight=0"],
             "error: trainer.mixed_loss_weight must be in (0, inf), got 0.0",
         ),

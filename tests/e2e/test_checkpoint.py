@@ -228,11 +228,18 @@ def test_resume_auto_of_a_finished_run_rewrites_the_same_summary(tmp_path):
     assert results(out) == first
 
 
-def test_a_nan_names_the_step_and_the_first_non_finite_layer_and_keeps_the_last_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "lazily",
+    [[], ["trainer.check_finite_every=4", "+optim.fused=true"]],
+    ids=["read every step", "read from the device before each checkpoint"],
+)
+def test_a_nan_names_the_step_and_the_first_non_finite_layer_and_keeps_the_last_checkpoint(
+    tmp_path, capsys, lazily
+):
     out = tmp_path / "run"
     hook = "hooks=[{_target_: tests.toy_models.NanAt, layer: layer1.0.conv2, step: 3}]"
     with pytest.raises(SystemExit) as info:
-        app.main(config(*SMALL, hook), out_dir=str(out))
+        app.main(config(*SMALL, hook, *lazily), out_dir=str(out))
     assert info.value.code == 3
     err = capsys.readouterr().err.strip()
     assert err == (
@@ -242,6 +249,22 @@ def test_a_nan_names_the_step_and_the_first_non_finite_layer_and_keeps_the_last_
     state = ckpt.load(out / "last.pt")
     assert (state["epoch"], state["step"]) == (0, 2) and not (out / "summary.json").exists()
     assert all(bool(torch.isfinite(t).all()) for t in state["model"].values() if t.is_floating_point())
+
+
+def test_a_lazily_read_nan_is_named_at_the_next_read_and_nothing_is_saved(tmp_path, capsys):
+    """Read every 4 steps, with no checkpoint inside the epoch: the NaN of step 3 is found at step 4,
+    and the run stops there naming step 3, with no checkpoint written."""
+    out = tmp_path / "run"
+    hook = "hooks=[{_target_: tests.toy_models.NanAt, layer: layer1.0.conv2, step: 3}]"
+    lazily = ["trainer.check_finite_every=4", "+optim.fused=true", "trainer.checkpoint_every=0"]
+    with pytest.raises(SystemExit) as info:
+        app.main(config(*SMALL, hook, *lazily), out_dir=str(out))
+    assert info.value.code == 3
+    assert capsys.readouterr().err.strip() == (
+        "error: epoch 1, step 3: the loss became nan; first non-finite layer output: "
+        "layer1.0.conv2 (Conv2d); no checkpoint yet"
+    )
+    assert not (out / "last.pt").exists() and not (out / "summary.json").exists()
 
 
 def test_every_random_stream_is_restored():

@@ -70,6 +70,39 @@ def test_a_hooked_training_step_never_waits_for_the_gpu(make):
     assert torch.isfinite(loss.detach().cpu())
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_the_lazy_finite_check_never_waits_for_the_gpu(optimizer):
+    """trainer.check_finite_every > 1 with a fused optimizer: between the host's reads a training step
+    of the app's loop, mixing included, queues everything (torch's sync debug mode raises on a sync)."""
+    from mixhook.app.training.finite import FiniteCheck
+    from mixhook.app.training.loop import train_one_epoch
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4).cuda().train()
+    make = {"sgd": partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True), "adamw": torch.optim.AdamW}
+    opt = make[optimizer](model.parameters(), fused=True)
+    batches = [(torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 4, (8,), device="cuda"))] * 7
+    mixup = ManifoldMixup(["input", "layer1", "layer2"])
+
+    def before_step(done):  # steps 0 and 1 warm up (the first one reads: no momentum yet); the host
+        # reads after step 3 (the 4th) and at the epoch's end
+        torch.cuda.set_sync_debug_mode("error" if done >= 2 and done != 3 else "default")
+
+    def after_step(totals):
+        if totals[2] == len(batches):
+            torch.cuda.set_sync_debug_mode("default")
+
+    with mixup.attach(model):
+        try:
+            loss = train_one_epoch(
+                model, batches, opt, torch.device("cuda"), mixup, progress_bar=False,
+                finite=FiniteCheck(4, opt), before_step=before_step, after_step=after_step,
+            )  # fmt: skip
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert loss > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_blend_keeps_the_activation_dtype(dtype):
     model = torchvision.models.resnet18(num_classes=4).cuda().train()

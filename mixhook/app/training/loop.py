@@ -31,12 +31,12 @@ from torch import nn
 from tqdm import tqdm
 
 from mixhook.mixers import MixingHook, smooth_one_hot
-from mixhook.mixers.partners import crosses_ranks
 
 from ..files import atomic_write
 from . import checkpoint as ckpt
 from .calibration import Calibration
 from .distributed import Dist
+from .finite import FiniteCheck, NonFiniteLoss, check_every
 from .logging import save_feature_maps
 from .state import RunState
 
@@ -60,10 +60,6 @@ class Interrupted(RuntimeError):
         )
 
 
-class NonFiniteLoss(FloatingPointError):
-    """The loss became NaN or infinite; nothing of that step was applied or saved."""
-
-
 def train_one_epoch(
     model: nn.Module,
     loader,
@@ -81,6 +77,7 @@ def train_one_epoch(
     channels_last: bool = False,
     dist: Dist | None = None,
     mixed_loss_weight: float = 1.0,
+    finite: FiniteCheck | None = None,
 ) -> float:
     """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing).
 
@@ -93,7 +90,9 @@ def train_one_epoch(
     ``totals``: ``[loss sum (float64 tensor), sample count, steps]`` carried over from the part of the
     epoch already done (a resumed epoch); updated in place. ``after_step(totals)`` runs after each step,
     ``before_step(done)`` before each (``done``: the epoch's steps already taken; the mix schedule).
-    Raises :class:`NonFiniteLoss` before applying a step whose loss is not finite.
+    Raises :class:`NonFiniteLoss` for a step whose loss is not finite, which is never applied:
+    ``finite`` (a :class:`~mixhook.app.training.finite.FiniteCheck`) says when the host looks (by
+    default before each step's backward).
 
     ``precision``: ``"32"``, or ``"bf16"``/``"fp16"`` for a forward under ``torch.autocast`` (the loss is
     computed in float32 from the logits); ``scaler``: a ``torch.amp.GradScaler`` for fp16. ``dist``: the
@@ -106,10 +105,14 @@ def train_one_epoch(
     totals[0] = totals[0].to(device)
     # disable=None: a bar only where stderr is a terminal, so logs and CI output stay clean
     bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
+    finite = finite or FiniteCheck(dist=dist)
+    finite.for_epoch(model, mixup, dtype, before_step)
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        done = totals[2]  # the steps of this epoch already done
         if before_step is not None:
-            before_step(totals[2])  # the steps of this epoch already done
+            before_step(done)
+        finite.before_forward(done)
         if mixup is not None:
             mixup.use_targets(y)  # for a method that needs the labels to mix (gradient saliency)
         x, logits = _forward(model, x, dtype, channels_last)
@@ -128,26 +131,18 @@ def train_one_epoch(
             value = per_sample.mean()
         if mixed_loss_weight != 1.0 and mixup is not None and mixup.last is not None:
             value = value * mixed_loss_weight
-        bad = not bool(torch.isfinite(value))
-        if dist.any(bad):  # every rank stops at the same step, before any of them applies it
-            if not bad:
-                raise NonFiniteLoss(f"the loss became non-finite on another rank than {dist.rank}")
-            rank = f" on rank {dist.rank}" if dist.enabled else ""
-            where = locate_nonfinite(model, x, mixup, dtype)
-            raise NonFiniteLoss(f"the loss became {float(value.detach())}{rank}; {where}")
+        finite.after_loss(value, x, y, done)  # raises here when the host reads every step
         optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(value).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            value.backward()
-            optimizer.step()
+        (value if scaler is None else scaler.scale(value)).backward()
+        finite.step(optimizer, scaler)  # skipped on the device after a non-finite loss (lazily)
         totals[0] += value.detach() * y.shape[0]
         totals[1] += y.shape[0]
         totals[2] += 1
+        if finite.lazy and finite.due(totals[2]):
+            finite.read()
         if after_step is not None:
             after_step(totals)
+    finite.read()
     return float(totals[0]) / max(totals[1], 1)
 
 
@@ -165,45 +160,6 @@ def _forward(
 
 def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target, reduction="none")
-
-
-@torch.no_grad()
-def locate_nonfinite(model: nn.Module, x: torch.Tensor, mixup: MixingHook | None = None, dtype=None) -> str:
-    """Replay the forward of ``x`` (in training mode, repeating the mixer's last mix) with a forward
-    hook on every module, and say which module first returned a non-finite value, in call order, and
-    which parameters are non-finite."""
-    model = getattr(model, "_orig_mod", model)  # replay eagerly, through what torch.compile wraps,
-    if isinstance(model, nn.parallel.DistributedDataParallel):  # and without DDP's collectives
-        model = model.module
-    first: list[str] = []
-    names = {module: name for name, module in model.named_modules()}
-
-    def hook(module, args, output):
-        if isinstance(output, dict):
-            output = list(output.values())
-        items = output if isinstance(output, (tuple, list)) else [output]
-        tensors = [t for t in items if isinstance(t, torch.Tensor)]
-        bad = any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors)
-        if bad and not first and module is not model:
-            first.append(f"{names[module]} ({type(module).__name__})")
-
-    if crosses_ranks(mixup):
-        mixup.skip_next()  # its partners were on the other ranks, which do not replay: unmixed
-    elif mixup is not None:
-        mixup.pin_last()  # the same mix as the step that went non-finite
-    handles = [m.register_forward_hook(hook) for m in model.modules()]
-    try:
-        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-            model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    params = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-    where = f"first non-finite layer output: {first[0]}" if first else "every layer output is finite"
-    if params:
-        more = f" and {len(params) - 1} more" if len(params) > 1 else ""
-        where += f"; non-finite parameters: {params[0]}{more}"
-    return where
 
 
 class Evaluation(NamedTuple):
@@ -274,6 +230,7 @@ class Settings:
     progress_bar: bool = True
     checkpoint_every: int = 0
     mixed_loss_weight: float = 1.0  # the loss of a mixed step times this (PatchUp's authors: 2)
+    check_finite_every: int | None = None  # host reads of the finite check (finite.check_every)
 
 
 @dataclass
@@ -341,6 +298,12 @@ def train(
     net = torch.compile(net) if opts.compile else net
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     sampler = data.train.sampler
+    finite = FiniteCheck(check_every(opts.check_finite_every, optimizer, device), optimizer, dist)
+    if finite.lazy:
+        log.info(
+            "the loss is checked on the device, read every %d steps (trainer.check_finite_every)",
+            finite.every,
+        )
     state = RunState()
     if resume is not None:
         state = RunState.restore(resume, run, scaler, dist)
@@ -378,17 +341,21 @@ def train(
 
             def after_step(totals, epoch=epoch):
                 state.global_step += 1
-                if dist.any(bool(stop[0])):  # a signal on any rank stops all of them after this step
+                # a signal on any rank stops all of them after this step (asked where the host reads
+                # anyway: the question is a collective, a host sync, under DDP)
+                if (not dist.enabled or finite.due(totals[2])) and dist.any(bool(stop[0])):
+                    finite.read()  # no checkpoint holds a non-finite step
                     checkpoint(epoch - 1, totals[2], totals)
                     raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, totals[2])
                 if opts.checkpoint_every and state.global_step % opts.checkpoint_every == 0:
+                    finite.read()
                     checkpoint(epoch - 1, totals[2], totals)
 
             try:
                 train_loss = train_one_epoch(
                     net, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
                     progress_bar=opts.progress_bar, loss=opts.loss, totals=totals, after_step=after_step,
-                    mixed_loss_weight=opts.mixed_loss_weight,
+                    mixed_loss_weight=opts.mixed_loss_weight, finite=finite,
                     precision=precision, scaler=scaler, channels_last=channels_last, dist=dist,
                     before_step=None if run.schedule is None else (
                         lambda done, epoch=epoch, steps=steps: run.schedule.set(epoch, done / steps)
@@ -399,7 +366,7 @@ def train(
                     train_loss = loss_sum / max(count, 1)
             except NonFiniteLoss as err:
                 note = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint yet"
-                raise NonFiniteLoss(f"epoch {epoch}, step {totals[2] + 1}: {err}; {note}") from None
+                raise NonFiniteLoss(f"epoch {epoch}, step {err.step}: {err}; {note}", err.step) from None
             if scheduler is not None:
                 scheduler.step()
             test_loss, test_acc, calibration = evaluate(

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
+
+PIPELINES = ("auto", "device", "workers")  # data.pipeline: where CIFAR batches are made (see build_data)
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -30,11 +33,13 @@ class DataNotFoundError(FileNotFoundError):
 
 @dataclass
 class Data:
-    """Loaders plus the shape facts a model is built from."""
+    """Loaders plus the shape facts a model is built from. ``train`` and ``test`` are ``DataLoader``s or,
+    for CIFAR with ``pipeline="device"``, :class:`DeviceBatches` (the same interface: batches,
+    ``len``, ``batch_size``, the training ``sampler``)."""
 
     name: str
-    train: DataLoader
-    test: DataLoader
+    train: DataLoader | DeviceBatches
+    test: DataLoader | DeviceBatches
     in_channels: int
     num_classes: int
     image_size: int
@@ -47,22 +52,37 @@ def build_data(
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
+    device: torch.device | str = "cpu",
+    pipeline: str = "auto",
     **options,
 ) -> Data:
     """Build the data set ``name`` (``digits``, ``cifar10`` or ``cifar100``) with its ``options``.
 
     With ``world_size`` > 1 (data-parallel training) the loaders hold rank ``rank``'s share: every
     ``world_size``-th sample of each epoch's order for training, and a disjoint shard of the test set
-    (the ranks' test metrics sum to the whole set's)."""
+    (the ranks' test metrics sum to the whole set's).
+
+    ``pipeline`` (CIFAR): ``"device"`` holds the images on ``device`` as one uint8 tensor and crops,
+    flips and normalises each batch there (:class:`DeviceBatches`); ``"workers"`` augments sample by
+    sample in DataLoader workers; ``"auto"`` is ``"device"`` (faster on CPU too: see the README's
+    Performance section). Both draw a sample's augmentation from its (seed, epoch) seed, and both follow
+    the same order."""
     builders = {"digits": _digits, "cifar10": _cifar, "cifar100": _cifar}
     if name not in builders:
         raise ValueError(f"data.name={name!r} is not a data set; valid: {', '.join(builders)}")
     for key, value in (("trainer.batch_size", batch_size), ("trainer.eval_batch_size", eval_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if pipeline not in PIPELINES:
+        raise ValueError(f"data.pipeline={pipeline!r} is not a pipeline; valid: {', '.join(PIPELINES)}")
     train_set, test_set, info = builders[name](name=name, **options)
     num_workers = int(options.get("num_workers", 0))
     sampler = EpochSampler(len(train_set), seed=seed, rank=rank, world_size=world_size, batch_size=batch_size)
+    if isinstance(train_set, CifarImages) and pipeline in ("auto", "device"):
+        shard = torch.arange(rank, len(test_set), world_size)
+        train = DeviceBatches(train_set, batch_size, device, sampler=sampler)
+        test = DeviceBatches(test_set, eval_batch_size, device, indices=shard)
+        return Data(name=name, train=train, test=test, **info)
     if world_size > 1:
         test_set = Subset(test_set, range(rank, len(test_set), world_size))
     train = DataLoader(
@@ -118,15 +138,20 @@ class EpochSampler(Sampler):
     def __len__(self) -> int:
         return max(self.share - self.start, 0)
 
-    def __iter__(self):
+    def plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's indices for the rest of the epoch and each one's augmentation seed (int64)."""
         mixed = np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0]
         g = torch.Generator().manual_seed(int(mixed))
         order = torch.randperm(self.size, generator=g) if self.shuffle else torch.arange(self.size)
         seeds = torch.randint(2**62, (self.size,), generator=g)
         total = -(-self.size // self.world_size) * self.world_size
         order = torch.cat([order, order[: total - self.size]])[self.rank :: self.world_size]
-        for i in order[self.start : self.share].tolist():
-            yield i, int(seeds[i])
+        order = order[self.start : self.share]
+        return order, seeds[order]
+
+    def __iter__(self):
+        order, seeds = self.plan()
+        yield from zip(order.tolist(), seeds.tolist(), strict=True)
 
 
 class SeededSamples(Dataset):
@@ -295,3 +320,80 @@ class CifarImages(Dataset):
         if self.augment is not None:
             x = self.augment(x)
         return (x.float() / 255.0 - self.mean) / self.std, self.labels[i]
+
+
+def crop_and_flip(
+    images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor, padding: int = 4
+):
+    """A batch's padded random crop and horizontal flip, drawn per image: each ``(C, H, W)`` image
+    zero-padded by ``padding``, cropped back to ``H x W`` at ``(top, left)`` of the padded image (each in
+    ``[0, 2 * padding]``), then mirrored where ``flip``: ``v2.RandomCrop(H, padding=padding)`` followed
+    by ``v2.RandomHorizontalFlip()`` with those draws, on the images' device, without a loop."""
+    b, c, h, w = images.shape
+    padded = F.pad(images, (padding,) * 4)
+    rows = top[:, None] + torch.arange(h, device=images.device)  # (B, H) rows of the padded image
+    cols = left[:, None] + torch.arange(w, device=images.device)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    batch = torch.arange(b, device=images.device)[:, None, None, None]
+    channel = torch.arange(c, device=images.device)[None, :, None, None]
+    return padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+def augmentation_draws(
+    seeds: torch.Tensor, padding: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's ``(top, left, flip)`` from its augmentation seed (uniform in ``[0, 2**62)``): top and
+    left uniform in ``[0, 2 * padding]``, flip a fair coin, independent (the seed's digits in base
+    ``2 * padding + 1``, then its parity; the bias of ``2**62`` not being a multiple is below 1e-16)."""
+    n = 2 * padding + 1
+    return seeds % n, (seeds // n) % n, (seeds // (n * n)) % 2 == 1
+
+
+class DeviceBatches:
+    """A CIFAR-format data set's batches made on ``device`` from one uint8 tensor of all its images:
+    per batch, a gather of the batch's images, their padded random crop and flip
+    (:func:`crop_and_flip`, when the data set augments) and the normalisation, with no worker process
+    and no per-sample Python. Training (``sampler``: an :class:`EpochSampler`) follows the sampler's
+    order and draws each sample's crop and flip from its (seed, epoch) seed
+    (:func:`augmentation_draws`), so a resumed epoch sees exactly the batches it would have seen;
+    evaluation goes through ``indices`` (default: all) in order, unaugmented. The batches are the
+    per-sample pipeline's (:class:`CifarImages` in DataLoader workers) in distribution, not in value: the
+    two turn a seed into a crop differently."""
+
+    def __init__(
+        self,
+        data: CifarImages,
+        batch_size: int,
+        device: torch.device | str = "cpu",
+        sampler: EpochSampler | None = None,
+        indices: torch.Tensor | None = None,
+    ):
+        self.device = torch.device(device)
+        self.images = data.images.to(self.device)
+        self.labels = data.labels.to(self.device)
+        self.mean = data.mean.to(self.device)
+        self.std = data.std.to(self.device)
+        self.augment = data.augment is not None and sampler is not None
+        self.batch_size, self.sampler = batch_size, sampler
+        self.indices = torch.arange(len(data)) if indices is None else indices
+
+    def __len__(self) -> int:
+        """The number of batches left in this epoch."""
+        return -(-self._size() // self.batch_size)
+
+    def _size(self) -> int:
+        return len(self.sampler) if self.sampler is not None else len(self.indices)
+
+    def __iter__(self):
+        if self.sampler is not None:
+            order, seeds = self.sampler.plan()
+            draws = [d.to(self.device, non_blocking=True) for d in augmentation_draws(seeds)]
+        else:
+            order, draws = self.indices, None
+        order = order.to(self.device, non_blocking=True)
+        for start in range(0, len(order), self.batch_size):
+            part = slice(start, start + self.batch_size)
+            x = self.images[order[part]]
+            if self.augment:
+                x = crop_and_flip(x, *(d[part] for d in draws))
+            yield (x.float() / 255.0 - self.mean) / self.std, self.labels[order[part]]

@@ -280,12 +280,15 @@ def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.
     except schema.SchemaError as err:
         raise ConfigError(str(err)) from None
     _seed_everything(cfg.seed)
+    if cfg.data.get("pipeline") == "auto":  # resolved, so that a checkpoint names the batches it saw
+        cfg.data.pipeline = "device"
     data_options = OmegaConf.to_container(cfg.data, resolve=True)
+    dist = dist or Dist()
+    device = dist.device if dist.enabled and dist.device.type == "cuda" else _device(cfg.trainer.device)
     try:
-        rank, world = (dist.rank, dist.world) if dist else (0, 1)
         data = build_data(
             batch_size=cfg.trainer.batch_size, eval_batch_size=cfg.trainer.eval_batch_size, seed=cfg.seed,
-            rank=rank, world_size=world, **data_options,
+            rank=dist.rank, world_size=dist.world, device=device, **data_options,
         )  # fmt: skip
     except DataNotFoundError as err:
         raise ConfigError(str(err)) from err

@@ -25,6 +25,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from .data import PIPELINES
 from .models.preact_resnet import SHORTCUTS
 from .training.logging import LOGGERS
 from .training.loop import LOSSES, PRECISIONS
@@ -75,6 +76,7 @@ class CifarConfig:
     download: bool = False
     augment: bool = True
     num_workers: int = _at_least(0, 2)
+    pipeline: str = _one_of(PIPELINES, "auto")
 
 
 @dataclass

@@ -35,8 +35,10 @@ def test_bad_data_options_are_refused():
 
 
 def test_cifar10_loader_reads_files_and_augments(cifar10_root):
+    """The per-sample pipeline (pipeline=workers)."""
     root, files = cifar10_root
-    data = build_data("cifar10", batch_size=4, seed=0, root=str(root), num_workers=0, augment=False)
+    workers = {"num_workers": 0, "pipeline": "workers"}
+    data = build_data("cifar10", batch_size=4, seed=0, root=str(root), augment=False, **workers)
     assert (data.in_channels, data.num_classes, data.image_size) == (3, 10, 32)
     assert len(data.train.dataset) == 40 and len(data.test.dataset) == 8
     x, y = next(iter(data.test))
@@ -46,7 +48,7 @@ def test_cifar10_loader_reads_files_and_augments(cifar10_root):
     torch.testing.assert_close(x, (torch.from_numpy(images).float() / 255 - mean) / std)
     assert y.tolist() == labels.tolist()
 
-    augmented = build_data("cifar10", batch_size=4, seed=0, root=str(root), num_workers=0, augment=True)
+    augmented = build_data("cifar10", batch_size=4, seed=0, root=str(root), augment=True, **workers)
     dataset = augmented.train.dataset
     for i in range(8):
         out = dataset[(i, 100 + i)][0] * std + mean
@@ -154,3 +156,121 @@ def test_augmented_batches_depend_on_seed_and_epoch_only(cifar10_root, workers):
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     data.train.sampler.set_epoch(2, start=16)  # a resumed epoch: batches 3, 4, 5
     assert all(torch.equal(a, b) for a, (b, _) in zip(expected[2:], data.train, strict=True))
+
+
+# ------------------------------------------------------------------ CIFAR batches made on the device
+
+
+def cifar(images, augment=True):
+    from mixhook.app.data import _CIFAR, CifarImages
+
+    spec = _CIFAR["cifar10"]
+    return CifarImages(images, torch.arange(len(images)) % 10, spec["mean"], spec["std"], augment=augment)
+
+
+def test_a_batch_is_cropped_and_flipped_as_torchvision_crops_and_flips_each_image():
+    from torchvision.transforms.v2 import functional as TF
+
+    from mixhook.app.data import crop_and_flip
+
+    images = torch.randint(
+        0, 256, (162, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    top, left, flip = (
+        t.flatten() for t in torch.meshgrid(torch.arange(9), torch.arange(9), torch.arange(2), indexing="ij")
+    )
+    out = crop_and_flip(images, top, left, flip == 1)
+    for i in range(162):  # every one of the 9 x 9 x 2 outcomes
+        expected = TF.crop(TF.pad(images[i], [4]), int(top[i]), int(left[i]), 32, 32)
+        expected = TF.horizontal_flip(expected) if flip[i] else expected
+        assert torch.equal(out[i], expected), (int(top[i]), int(left[i]), int(flip[i]))
+
+
+def test_the_crop_and_flip_draws_are_uniform_and_independent():
+    from scipy.stats import chisquare
+
+    from mixhook.app.data import augmentation_draws
+
+    sampler = EpochSampler(162 * 200, seed=0)
+    sampler.set_epoch(1)
+    top, left, flip = augmentation_draws(sampler.plan()[1])
+    cells = torch.bincount(top * 18 + left * 2 + flip.long(), minlength=162)
+    assert int(cells.min()) > 0 and chisquare(cells.numpy()).pvalue > 1e-3
+
+
+def outcome_counts(outputs: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    """How often each of the 162 crops and flips of ``image`` is among ``outputs`` (unnormalised), each
+    output matched exactly to one of them (compared on every 4th pixel, where they already all differ)."""
+    padded = torch.nn.functional.pad(image, (4, 4, 4, 4))
+    windows = [padded[:, r : r + 32, c : c + 32] for r in range(9) for c in range(9)]
+    candidates = torch.stack([w.flip(-1) if f else w for w in windows for f in (0, 1)])[:, :, ::4, ::4]
+    outputs = outputs[:, :, ::4, ::4]
+    distance = torch.cdist(outputs.flatten(1), candidates.flatten(1), p=float("inf"))
+    closest = distance.topk(2, largest=False)
+    assert bool((closest.values[:, 0] < 1e-5).all() and (closest.values[:, 1] > 1e-3).all())
+    return torch.bincount(closest.indices[:, 0], minlength=162)
+
+
+def test_device_batches_have_the_per_sample_pipelines_distribution():
+    """One image (its content random, so that its 162 crops and flips differ), 3,240 times: the
+    per-sample pipeline (torchvision's RandomCrop and RandomHorizontalFlip under each sample's seed) and
+    the batched one give outcome counts that a chi-square test of homogeneity cannot tell apart, and
+    each is uniform."""
+    from scipy.stats import chi2_contingency, chisquare
+
+    from mixhook.app.data import DeviceBatches, SeededSamples
+
+    image = torch.randint(
+        0, 256, (1, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    data = cifar(image.expand(3240, -1, -1, -1).clone())
+    mean, std = data.mean, data.std
+    sampler = EpochSampler(3240, seed=0)
+    sampler.set_epoch(0)
+    per_sample = torch.stack([SeededSamples(data)[key][0] for key in sampler])
+    sampler.set_epoch(1)  # another epoch's seeds: independent draws
+    batched = torch.cat([x for x, _ in DeviceBatches(data, 500, sampler=sampler)])
+    plain = image[0].float() / 255
+    counts = [outcome_counts(out * std + mean, plain) for out in (per_sample, batched)]
+    assert all(chisquare(c.numpy()).pvalue > 1e-3 for c in counts)
+    assert chi2_contingency(torch.stack(counts).numpy()).pvalue > 1e-3
+
+
+def test_device_batches_follow_the_epoch_order_resume_exactly_and_shard_the_test_set(tmp_path):
+    write_cifar(tmp_path, per_file=13)
+    options = {"root": str(tmp_path), "num_workers": 0, "seed": 3}
+    device = build_data("cifar10", batch_size=8, pipeline="device", **options)
+    workers = build_data("cifar10", batch_size=8, pipeline="workers", **options)
+    assert build_data("cifar10", batch_size=8, **options).train.__class__ is device.train.__class__  # auto
+    for data in (device, workers):
+        data.train.sampler.set_epoch(2)
+    full = list(device.train)
+    assert len(device.train) == len(workers.train) == len(full) == 8  # 65 samples: 8 x 8, 1 left out
+    # the same order as the per-sample pipeline: the same labels, batch by batch
+    assert [y.tolist() for _, y in full] == [y.tolist() for _, y in workers.train]
+    assert not torch.equal(full[0][0], next(iter(workers.train))[0])  # the crops: another draw
+    device.train.sampler.set_epoch(2, start=3 * 8)  # resumed after 3 steps: exactly the rest
+    rest = list(device.train)
+    assert len(device.train) == len(rest) == 5
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(rest, full[3:], strict=True)
+    )
+    device.train.sampler.set_epoch(3)
+    assert not torch.equal(next(iter(device.train))[0], full[0][0])
+    # unaugmented test batches equal the per-sample pipeline's, bit for bit; ranks shard them
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for a, b in zip(device.test, workers.test, strict=True)
+    )
+    shards = [build_data("cifar10", batch_size=8, rank=r, world_size=2, **options).test for r in range(2)]
+    labels = [torch.cat([y for _, y in shard]) for shard in shards]
+    whole = torch.cat([y for _, y in device.test])
+    assert torch.equal(labels[0], whole[0::2]) and torch.equal(labels[1], whole[1::2])
+
+
+def test_a_bad_pipeline_is_refused(tmp_path):
+    write_cifar(tmp_path, per_file=2)
+    with pytest.raises(
+        ValueError, match="data.pipeline='gpu' is not a pipeline; valid: auto, device, workers"
+    ):
+        build_data("cifar10", batch_size=8, root=str(tmp_path), pipeline="gpu")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 
 import torch
 
@@ -18,6 +19,8 @@ GOALS = {
     "blend_vs_copy_bandwidth": 0.80,  # on a GPU
     "gradscale_vs_none": 1.02,
     "activation_saliency_vs_manifold": 1.05,  # SaliencyMix (activation) step / Manifold Mixup step
+    "recipe_mixup_vs_none": 1.02,  # Verma et al. 2019's CIFAR-10 recipe: mixup epoch / plain epoch
+    "recipe_1200_epochs_hours": 2.0,  # ... its 1,200 epochs projected, on one GPU
 }
 
 
@@ -33,6 +36,17 @@ def device_name(device) -> str:
     return f"CPU: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
+def device_slug(device) -> str:
+    """The results' file-name prefix: ``cpu``, or ``cuda-<gpu model>`` (``cuda-h100`` for an "NVIDIA
+    H100 80GB HBM3"; the first word of the name with a digit in it)."""
+    return "cpu" if device.type != "cuda" else f"cuda-{gpu_model(torch.cuda.get_device_name(device))}"
+
+
+def gpu_model(name: str) -> str:
+    words = [w for w in re.split(r"[^A-Za-z0-9]+", name) if w]
+    return next((w for w in words if any(ch.isdigit() for ch in w)), words[-1] if words else "gpu").lower()
+
+
 def goals(results: dict, device) -> list[dict]:
     rows = []
     eager = results.get("training_step", [])
@@ -43,7 +57,7 @@ def goals(results: dict, device) -> list[dict]:
         rows.append({"goal": goal, "measured": measured, "limit": limit, "where": where, "met": ok})
 
     for run in eager:
-        tag = f"{run['model']} eager"
+        tag = f"{run['model']} b{run['batch']}{' channels-last' if run.get('channels_last') else ''} eager"
         add("mixup_vs_none", run["vs_none"]["mixup_random"]["median"], GOALS["mixup_vs_none"], tag)
         if "mixup_layer2_vs_hand_layer2" in run:
             add("mixup_vs_hand", run["mixup_layer2_vs_hand_layer2"]["median"], GOALS["mixup_vs_hand"], tag)
@@ -84,6 +98,18 @@ def goals(results: dict, device) -> list[dict]:
             GOALS["activation_saliency_vs_manifold"],
             f"{m['model']} {m['layer']} eager",
         )
+    if "recipe" in results:
+        r = results["recipe"]
+        where = f"Verma 2019 CIFAR-10 recipe, {r['images_per_epoch']} images, fused SGD"
+        add(
+            "recipe_mixup_vs_none",
+            r["mixup_fused_vs_none_fused"]["median"],
+            GOALS["recipe_mixup_vs_none"],
+            where,
+        )
+        if device.type == "cuda" and r["images_per_epoch"] == 50_000 and r["image_size"] == 32:
+            hours = r["projected_hours_1200_epochs"]["mixup_fused"]
+            add("recipe_1200_epochs_hours", hours, GOALS["recipe_1200_epochs_hours"], where)
     if device.type == "cuda" and "blend" in results:
         add(
             "blend_vs_copy_bandwidth",
@@ -126,7 +152,8 @@ def markdown(results: dict) -> str:
         for run in results.get(key, []):
             lines += [
                 "",
-                f"## {title}: {run['model']}, batch {run['batch']}, {run['image_size']}x{run['image_size']}",
+                f"## {title}: {run['model']}, batch {run['batch']}, {run['image_size']}x{run['image_size']}"
+                + (", channels-last" if run.get("channels_last") else ""),
                 "",
             ]
             lines += ["| variant | s/step | vs none |", "| --- | --- | --- |"]
@@ -191,6 +218,35 @@ def markdown(results: dict) -> str:
             f"{rc['layers']} ({rc['distinct_layers_mixed']} layers and {rc['distinct_lams']} lams drawn): "
             f"{rc['graphs_compiled_total']} graphs compiled, {rc['graphs_compiled_after_warmup']} after the "
             f"{rc['warmup_steps']} warm-up steps.",
+        ]
+    if "data" in results:
+        d = results["data"]
+        lines += [
+            "",
+            f"## CIFAR data pipelines: one epoch of {d['images']} images, batch {d['batch']}",
+            "",
+            "| pipeline | images/s |",
+            "| --- | --- |",
+        ]
+        lines += [f"| {k} | {v:.0f} |" for k, v in d["images_per_second"].items()]
+        lines += ["", f"device / workers ({d['workers']} workers), time: {fmt(d['device_vs_workers'])}"]
+    if "recipe" in results:
+        r = results["recipe"]
+        lines += [
+            "",
+            f"## Verma et al. 2019 CIFAR-10 recipe through the app's loop: epochs of {r['images_per_epoch']} "
+            f"images, batch {r['batch']}, {r['image_size']}x{r['image_size']}",
+            "",
+            "| variant | images/s | 1,200 epochs (h, projected) |",
+            "| --- | --- | --- |",
+        ]
+        for k, v in r["images_per_second"].items():
+            hours = r["projected_hours_1200_epochs"].get(k)
+            lines.append(f"| {k} | {v:.0f} | {'' if hours is None else f'{hours:.2f}'} |")
+        lines += [
+            "",
+            f"mixup / none: {fmt(r['mixup_vs_none'])}; fused: {fmt(r['mixup_fused_vs_none_fused'])}; "
+            f"mixup fused (the check on the device) / mixup default: {fmt(r['fused_lazy_vs_default'])}",
         ]
     if "memory" in results:
         lines += ["", "## Memory", "", json.dumps(results["memory"])]

@@ -5,7 +5,9 @@
 Every figure is a ratio (or a rate next to its physical limit) measured in the same process: the
 variants of a case run in alternating order, repetition after repetition, after a warm-up, and the
 median and the spread (min..max) of the per-repetition ratios are reported. Results go to
-``<out>/<device>-<date>.json`` and ``.md``, with the device, torch version and settings.
+``<out>/cpu-<date>.json`` and ``.md`` (``cuda-<gpu>-<date>``, e.g. ``cuda-h100-2026-11-23``, on a GPU),
+with the device, torch version and settings. Nothing beyond torch, torchvision and numpy is needed (timm
+where installed): run it from a checkout with ``PYTHONPATH=.`` on a machine without the app's Hydra.
 
 Cases: 1. training step (forward + backward + SGD) of PreActResNet-18 and torchvision ResNet-50 at CIFAR
 size with each hook, against no hook and against the paper's hand-edited forward (eager; compiled; bf16
@@ -15,7 +17,9 @@ an active hook, and an eval forward with inactive hooks; 4. the blend's forward 
 to the device's copy bandwidth; 5. recompiles of a compiled model over many steps with changing lam
 and layer; 6. peak memory of a training step (CUDA); 7. methods: every mixing method's training step
 at layer2 of PreActResNet-18 against no mixing and against Manifold Mixup (the saliency methods with
-each source). Each case is a module of ``benchmarks/cases/``;
+each source); 8. data: images/s of the CIFAR batches made on the device against per-sample
+augmentation in DataLoader workers; 9. recipe: Verma et al. 2019's CIFAR-10 recipe through the app's
+loop, mixup against none, and its 1,200 epochs projected. Each case is a module of ``benchmarks/cases/``;
 ``timing.py`` times variants side by side, ``report.py`` turns results into goals and Markdown, and
 this file is the runner: the plan per device, the order, the files.
 """
@@ -39,12 +43,16 @@ from benchmarks.cases.dispatch import dispatch  # noqa: E402
 from benchmarks.cases.memory import memory  # noqa: E402
 from benchmarks.cases.methods import methods  # noqa: E402
 from benchmarks.cases.peers import peers  # noqa: E402
+from benchmarks.cases.recipe import data_pipelines, recipe  # noqa: E402
 from benchmarks.cases.recompiles import recompiles  # noqa: E402
 from benchmarks.cases.training_step import VARIANTS, training_steps  # noqa: E402
-from benchmarks.report import device_name, goals, markdown  # noqa: E402
+from benchmarks.report import device_name, device_slug, goals, markdown  # noqa: E402
 from benchmarks.timing import Timer  # noqa: E402
 
-CASES = ("eager", "compiled", "bf16", "peers", "methods", "dispatch", "blend", "recompiles", "memory")
+CASES = (
+    "eager", "compiled", "bf16", "peers", "methods", "dispatch", "blend", "recompiles", "memory",
+    "data", "recipe",
+)  # fmt: skip
 
 
 def main(argv=None) -> dict:
@@ -90,7 +98,13 @@ def main(argv=None) -> dict:
         ]
         compiled_plan, bf16_plan = [], []
     elif cuda:
-        plan = [("preact_resnet18", 128, 32, everything), ("resnet50", 128, 32, everything)]
+        key = ["none", "mixup_random", "mixup_layer2", "hand_layer2"]
+        plan = [
+            ("preact_resnet18", 128, 32, everything),
+            ("preact_resnet18", 100, 32, key),  # Verma et al.'s batch
+            ("preact_resnet18", 128, 32, key, True),  # channels-last
+            ("resnet50", 256, 32, everything),
+        ]
         compiled_plan = [
             ("preact_resnet18", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"]),
             ("resnet50", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"]),
@@ -122,7 +136,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     subset = "" if set(cases) == set(CASES) else "-" + "_".join(cases)
-    stem = f"{device.type}-{results['meta']['date']}{'-quick' if args.quick else ''}{subset}"
+    stem = f"{device_slug(device)}-{results['meta']['date']}{'-quick' if args.quick else ''}{subset}"
     results["meta"]["cases"] = cases
 
     def checkpoint():
@@ -131,10 +145,12 @@ def main(argv=None) -> dict:
 
     if "eager" in cases:
         results["training_step"] = []
-        for model_name, batch, size, variants in plan:
+        for model_name, batch, size, variants, *layout in plan:
             log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
             results["training_step"].append(
-                training_steps(model_name, batch, size, device, timer, reps, inner, variants)
+                training_steps(
+                    model_name, batch, size, device, timer, reps, inner, variants, channels_last=bool(layout)
+                )
             )
             checkpoint()
     if compiled_plan and "compiled" in cases:
@@ -197,6 +213,19 @@ def main(argv=None) -> dict:
         checkpoint()
     if "memory" in cases:
         results["memory"] = memory(device, 128, 32)
+        checkpoint()
+    if "data" in cases:
+        log("data pipelines ...")
+        images, workers = (500, 0) if args.quick else ((50_000, None) if cuda else (10_000, 2))
+        results["data"] = data_pipelines(device, timer, reps, images, workers=workers)
+        checkpoint()
+    if "recipe" in cases:
+        log("Verma et al. 2019 recipe ...")
+        if args.quick:
+            results["recipe"] = recipe(device, timer, reps, steps=2, batch=8, size=16)
+        else:  # a CPU takes seconds per step: a few steps per epoch, projected
+            results["recipe"] = recipe(device, timer, min(reps, 5), steps=None if cuda else 3)
+        checkpoint()
     results["goals"] = goals(results, device)
     results["misses"] = [
         f"{g['goal']} ({g['where']}): {g['measured']:.3f} against {g['limit']}"

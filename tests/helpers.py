@@ -50,10 +50,21 @@ def grads(model: nn.Module) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+# A bare GPU machine has torch, torchvision, timm, transformers, numpy, tqdm and matplotlib, not the app's
+# Hydra: the benchmark runs as if these could not be imported.
+WITHOUT_APP_DEPENDENCIES = (
+    "import sys; sys.modules.update(hydra=None, omegaconf=None, submitit=None, optuna=None)"
+)
+
+
 def run_bench(*args, cwd=ROOT):
-    """``python benchmarks/run.py *args``: the completed process."""
+    """``python benchmarks/run.py *args`` where Hydra, OmegaConf, submitit and Optuna cannot be imported:
+    the completed process."""
+    script = str(ROOT / "benchmarks" / "run.py")
+    run = f"{WITHOUT_APP_DEPENDENCIES}; import runpy; sys.argv = [{script!r}, *sys.argv[1:]]; "
+    run += f"runpy.run_path({script!r}, run_name='__main__')"
     return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), *args],
+        [sys.executable, "-c", run, *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -70,23 +70,37 @@ def training_steps(
     variants_wanted,
     compile_: bool = False,
     autocast: bool = False,
+    channels_last: bool = False,
 ) -> dict:
     # Dynamo does not guard on module hooks by default, so two compiled instances of one class, one hooked
     # and one not, would share compiled code: guard on them here, for every variant alike.
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not compile_):
         return _training_steps(
-            model_name, batch, size, device, timer, reps, inner, variants_wanted, compile_, autocast
+            model_name,
+            batch,
+            size,
+            device,
+            timer,
+            reps,
+            inner,
+            variants_wanted,
+            compile_,
+            autocast,
+            channels_last,
         )
 
 
-def _training_steps(model_name, batch, size, device, timer, reps, inner, variants_wanted, compile_, autocast):
+def _training_steps(
+    model_name, batch, size, device, timer, reps, inner, variants_wanted, compile_, autocast, channels_last
+):
     torch.manual_seed(0)
     if model_name == "preact_resnet18":
         base = PreActResNet18(in_channels=3, num_classes=10)
     else:
         base = torchvision.models.get_model(model_name, num_classes=10)
-    base = base.to(device).train()
-    x = torch.randn(batch, 3, size, size, device=device)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    base = base.to(device, memory_format=layout).train()
+    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=layout)
     y = torch.randint(0, 10, (batch,), device=device)
     rng = np.random.default_rng(0)
 
@@ -149,6 +163,7 @@ def _training_steps(model_name, batch, size, device, timer, reps, inner, variant
         "image_size": size,
         "compiled": compile_,
         "autocast_bf16": autocast,
+        "channels_last": channels_last,
         "hook_guards": "torch._dynamo.config.skip_nnmodule_hook_guards=False" if compile_ else None,
         "seconds_per_step": {k: statistics.median(v) for k, v in times.items()},
         "vs_none": {k: ratio(times, k, "none") for k in times if k != "none"},

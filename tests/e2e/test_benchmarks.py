@@ -43,8 +43,23 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert rc["distinct_layers_mixed"] == 3 and rc["distinct_lams"] == rc["steps"]
     assert rc["graphs_compiled_after_warmup"] == 0 and rc["graphs_compiled_total"] > 0
     assert {g["goal"] for g in data["goals"]} >= {"mixup_vs_none", "mixup_vs_hand", "recompiles_after_warmup"}
+    data_ = data["data"]
+    assert set(data_["images_per_second"]) == {"device", "workers"} and data_["images"] == 500
+    recipe = data["recipe"]
+    assert set(recipe["images_per_second"]) == {"none", "mixup", "none_fused", "mixup_fused", "eval"}
+    hours = recipe["projected_hours_1200_epochs"]
+    assert all(h > 0 and math.isfinite(h) for h in hours.values()) and "eval" not in hours
+    assert "recipe_mixup_vs_none" in {g["goal"] for g in data["goals"]}
     markdown = json_file.with_suffix(".md").read_text()
     assert "## Goals" in markdown and "| mixup_vs_hand |" in markdown
+    assert "## Verma et al. 2019 CIFAR-10 recipe" in markdown and "## CIFAR data pipelines" in markdown
+
+
+def test_results_are_named_after_the_gpu():
+    from benchmarks.report import gpu_model
+
+    assert gpu_model("NVIDIA H100 80GB HBM3") == "h100" and gpu_model("NVIDIA H200") == "h200"
+    assert gpu_model("NVIDIA GeForce RTX 4090") == "4090" and gpu_model("Tesla T4") == "t4"
 
 
 def test_a_subset_of_cases_writes_only_those_under_its_own_name(tmp_path):

@@ -5,6 +5,7 @@ source (activation: read from the same forward; gradient: one more forward and a
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 
 import torch
@@ -18,9 +19,20 @@ from mixhook.mixers import METHODS
 LAYER = "layer2"  # 16x16 maps at 32x32 images: room for every method's defaults (PatchUp's 7x7 blocks)
 
 
+def needs_more_than_a_layer(cls) -> bool:
+    """A method with a required argument beside the layer (TransMix's attention layer: a ViT's): not
+    measured on a CNN."""
+    params = list(inspect.signature(cls).parameters.values())[1:]
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+
+
 def method_variants() -> dict:
     """name -> a mixer at LAYER: every discovered method at its defaults, and the saliency variants."""
-    makers = {name: (lambda cls=cls: cls(LAYER)) for name, cls in sorted(METHODS.items()) if name != "OneOf"}
+    makers = {
+        name: (lambda cls=cls: cls(LAYER))
+        for name, cls in sorted(METHODS.items())
+        if name != "OneOf" and not needs_more_than_a_layer(cls)
+    }
     makers["SaliencyMix_gradient"] = lambda: SaliencyMix(LAYER, saliency="gradient")
     makers["SaliencyMix_layer1_activation"] = lambda: SaliencyMix(LAYER, saliency_layer="layer1")
     makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")
@@ -69,4 +81,7 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
         }
         if "ManifoldMixup" in times
         else {},
+        "not_measured": sorted(
+            n for n, cls in METHODS.items() if n != "OneOf" and needs_more_than_a_layer(cls)
+        ),
     }

@@ -84,6 +84,7 @@ class FiniteCheck:
             check_every(every, optimizer, torch.device("cpu"))  # raises the one-line reason
         self.every, self.dist = every, dist or Dist()
         self._context = (None, None, None, None)
+        self._generators: dict[str, torch.Generator] = {}
         self._momentum_ready = False
         self._clear()
 
@@ -99,6 +100,7 @@ class FiniteCheck:
 
     def for_epoch(self, model: nn.Module, mixup: MixingHook | None, dtype, before_step=None) -> None:
         self._context = (model, mixup, dtype, before_step)
+        self._generators = hook_generators([mixup]) if mixup is not None and self.lazy else {}
 
     def due(self, done: int) -> bool:
         """Whether the host reads after ``done`` steps of the epoch."""
@@ -106,9 +108,8 @@ class FiniteCheck:
 
     def before_forward(self, done: int) -> None:
         """Lazily: keep the mixer's generator states, to replay step ``done`` if it goes non-finite."""
-        mixup = self._context[1]
-        if self.lazy and mixup is not None:
-            self._draws[done] = {k: g.get_state() for k, g in hook_generators([mixup]).items()}
+        if self._generators:
+            self._draws[done] = {k: g.get_state() for k, g in self._generators.items()}
 
     def after_loss(self, value: torch.Tensor, x: torch.Tensor, y: torch.Tensor, done: int) -> None:
         """Check the loss of step ``done`` (0-based): on the host now (``every=1``; raises
@@ -190,8 +191,8 @@ class FiniteCheck:
         x, y, value = self._x[:n], self._y[:n], float(self._value)
         model, mixup, dtype, before_step = self._context
         if mixup is not None and not crosses_ranks(mixup):  # draw that step's mix again, then repeat it
-            for key, g in hook_generators([mixup]).items():
-                g.set_state(self._draws[first][key])
+            for key, g in self._generators.items():
+                g.set_state(self._draws[first][key])  # kept before each step's forward
             if before_step is not None:
                 before_step(first)
             mixup.use_targets(y)

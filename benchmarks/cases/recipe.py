@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 
@@ -82,9 +83,7 @@ def recipe(device, timer, reps: int, steps: int | None = None, batch: int = 100,
     base = PreActResNet18(in_channels=3, num_classes=10)
     epochs = {}
     for name in ("none", "mixup", "none_fused", "mixup_fused"):
-        model = PreActResNet18(in_channels=3, num_classes=10)
-        model.load_state_dict(base.state_dict())
-        model.to(device)
+        model = copy.deepcopy(base).to(device)
         fused = name.endswith("_fused")
         opt = torch.optim.SGD(
             model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4, fused=fused or None

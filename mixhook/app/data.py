@@ -379,10 +379,8 @@ class DeviceBatches:
 
     def __len__(self) -> int:
         """The number of batches left in this epoch."""
-        return -(-self._size() // self.batch_size)
-
-    def _size(self) -> int:
-        return len(self.sampler) if self.sampler is not None else len(self.indices)
+        size = len(self.sampler) if self.sampler is not None else len(self.indices)
+        return -(-size // self.batch_size)
 
     def __iter__(self):
         if self.sampler is not None:

@@ -80,23 +80,20 @@ class FiniteCheck:
     ):
         if every < 1:
             raise ValueError(f"FiniteCheck(every={every}): must be at least 1")
-        if every > 1 and (optimizer is None or not skips_on_device(optimizer)):
-            check_every(every, optimizer, torch.device("cpu"))  # raises the one-line reason
+        if every > 1:
+            check_every(every, optimizer, torch.device("cpu"))  # refused unless it skips on the device
         self.every, self.dist = every, dist or Dist()
         self._context = (None, None, None, None)
         self._generators: dict[str, torch.Generator] = {}
         self._momentum_ready = False
-        self._clear()
-
-    @property
-    def lazy(self) -> bool:
-        return self.every > 1
-
-    def _clear(self) -> None:
         self._flag = None  # float 0/1 on the device, every rank's: a non-finite loss since the last read
         self._first = None  # int64: this rank's first non-finite step of the epoch (-1: none)
         self._value = self._x = self._y = self._n = None  # that step's loss and batch
         self._draws: dict[int, dict] = {}  # step -> the mixer's generator states before its forward
+
+    @property
+    def lazy(self) -> bool:
+        return self.every > 1
 
     def for_epoch(self, model: nn.Module, mixup: MixingHook | None, dtype, before_step=None) -> None:
         self._context = (model, mixup, dtype, before_step)
@@ -118,7 +115,7 @@ class FiniteCheck:
         if not self.lazy:
             bad = not bool(torch.isfinite(value))
             if self.dist.any(bad):  # every rank stops at the same step, before any of them applies it
-                raise self._error(bad, float(value), done, x)
+                raise self._located(float(value), done, x) if bad else self._elsewhere(done)
             return
         if self._x is not None and (x.shape[1:] != self._x.shape[1:] or x.shape[0] > self._x.shape[0]):
             kept = self._draws.pop(done, None)
@@ -153,40 +150,32 @@ class FiniteCheck:
                 self.read()  # fused SGD must not skip a first step (see the module's docstring)
             else:
                 self._momentum_ready = True
-        if not self.lazy or self._flag is None:
-            pass
-        elif scaler is not None:  # non-finite gradients make the scaler skip the fused step on the device
-            poison = torch.where(self._flag > 0, float("nan"), 1.0).to(self._flag.device)
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, poison)
-        else:
+        if scaler is not None:
+            if self.lazy:  # non-finite gradients make the scaler skip the fused step on the device
+                poison = torch.where(self._flag > 0, float("nan"), 1.0).to(self._flag.device)
+                grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                torch._foreach_mul_(grads, poison)
+            scaler.step(optimizer)
+            scaler.update()
+        elif self.lazy:
             optimizer.grad_scale, optimizer.found_inf = None, self._flag
             try:
                 optimizer.step()
             finally:
                 del optimizer.grad_scale, optimizer.found_inf
-            return
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
         else:
             optimizer.step()
 
     def read(self) -> None:
         """Lazily: read the device's flag (a host sync); raise :class:`NonFiniteLoss` for the first
         non-finite step since the last read, after replaying it to name the layer."""
-        if not self.lazy or self._flag is None:
-            self._draws.clear()
-            return
-        if not bool(self._flag):
+        if not self.lazy or self._flag is None or not bool(self._flag):
             self._draws.clear()
             return
         first = int(self._first)
         steps = [s for s in self.dist.gather(first) if s >= 0]  # every rank's first, to name the step
         if first < 0:
-            raise NonFiniteLoss(
-                f"the loss became non-finite on another rank than {self.dist.rank}", step=min(steps) + 1
-            )
+            raise self._elsewhere(min(steps))
         n = int(self._n)
         x, y, value = self._x[:n], self._y[:n], float(self._value)
         model, mixup, dtype, before_step = self._context
@@ -198,13 +187,13 @@ class FiniteCheck:
             mixup.use_targets(y)
             with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
                 _eager(model)(x)
-        raise self._error(True, value, first, x)
+        raise self._located(value, first, x)
 
-    def _error(self, bad: bool, value: float, done: int, x: torch.Tensor) -> NonFiniteLoss:
-        if not bad:
-            return NonFiniteLoss(
-                f"the loss became non-finite on another rank than {self.dist.rank}", done + 1
-            )
+    def _elsewhere(self, done: int) -> NonFiniteLoss:
+        return NonFiniteLoss(f"the loss became non-finite on another rank than {self.dist.rank}", done + 1)
+
+    def _located(self, value: float, done: int, x: torch.Tensor) -> NonFiniteLoss:
+        """The error for step ``done`` of this rank, naming the first non-finite layer of ``x``'s replay."""
         model, mixup, dtype, _ = self._context
         rank = f" on rank {self.dist.rank}" if self.dist.enabled else ""
         where = locate_nonfinite(model, x, mixup, dtype)

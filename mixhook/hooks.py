@@ -9,13 +9,16 @@ and are gated by state (``model.training``), never added and removed per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import recompute
+from .copies import own
 from .layers import normalize_layers, resolve_layers
 from .sites import BatchDims, Site, parse_site
 
@@ -23,12 +26,59 @@ from .sites import BatchDims, Site, parse_site
 def own_generator(generator: torch.Generator | None) -> torch.Generator:
     """The generator a regularizer draws from: the one given, or a CPU generator seeded from
     ``torch.initial_seed()`` (so ``torch.manual_seed(s)`` makes runs reproducible without consuming the
-    global random stream)."""
+    global random stream; under ``torch.distributed`` see :func:`seed_for_rank`)."""
     if generator is None:
         return torch.Generator().manual_seed(torch.initial_seed())
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     return generator
+
+
+_DISTRIBUTED = dist.is_available()
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s default generator, from the seed every rank started with: rank 0
+    keeps ``seed`` (a one-process run draws what rank 0 of a job draws), rank ``r`` takes
+    ``(seed + r * 0x9E3779B97F4A7C15) mod 2**64``."""
+    return (seed + rank * 0x9E3779B97F4A7C15) % 2**64
+
+
+def seed_for_rank(generator: torch.Generator) -> bool:
+    """Under an initialised ``torch.distributed`` process group, reseed ``generator`` (a regularizer's
+    default generator) for this rank (:func:`rank_seed`), so that ranks do not all draw the same mixes;
+    returns whether it was done (``False``: not distributed yet; ask again at the next forward)."""
+    if not _DISTRIBUTED or not dist.is_initialized():
+        return False
+    rank = dist.get_rank()
+    if rank:
+        generator.manual_seed(rank_seed(generator.initial_seed(), rank))
+    return True
+
+
+class StateError(ValueError):
+    """A state dict that does not belong to this hook (another class, other layers, other parts)."""
+
+
+def check_state(hook, state, keys: tuple[str, ...] = ()) -> None:
+    """Refuse, in one line, a ``state`` that :meth:`LayerHook.state_dict` of ``hook`` did not write: not
+    a mapping, another class, another layer list, or missing ``keys``."""
+    kind = type(hook).__name__
+    if not isinstance(state, Mapping):
+        raise StateError(
+            f"{kind}.load_state_dict() needs the dict state_dict() returned, got {type(state).__name__}"
+        )
+    if state.get("type") != kind:
+        raise StateError(f"{kind}.load_state_dict(): the state is a {state.get('type')!r}'s, not a {kind}'s")
+    layers = list(getattr(hook, "layers", ()))
+    if "layers" in state and list(state["layers"]) != layers:
+        raise StateError(
+            f"{kind}.load_state_dict(): the state is for layers {list(state['layers'])}, this {kind} has "
+            f"{layers}"
+        )
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise StateError(f"{kind}.load_state_dict(): the state has no {', '.join(missing)}")
 
 
 class HookHandle:
@@ -52,6 +102,11 @@ class HookHandle:
         if on_remove is not None:
             on_remove()
 
+    def __getstate__(self) -> dict:
+        """A copy of a handle (of an object holding one, pickled or deep-copied) removes nothing: the
+        hooks it would remove are not copied with it (:mod:`mixhook.copies`)."""
+        return {"_handles": [], "_on_remove": None}
+
     def __enter__(self) -> HookHandle:
         return self
 
@@ -74,14 +129,48 @@ class LayerHook:
             int. ``None`` (default): found from the modules' ``batch_first`` or PyTorch's convention.
     """
 
+    # Attributes that belong to one attachment (or one forward), not to the hook's configuration or
+    # random state: a copy (deepcopy, pickle) leaves them out and starts detached (:meth:`_fresh`).
+    _TRANSIENT: ClassVar[tuple[str, ...]] = ("_model", "_handle", "_dims", "_tracker")
+    # Whether the hook registers a hook of its own on the model itself (activation-checkpoint replay then
+    # needs no extra one: mixhook.recompute.Tracker).
+    _hooks_model: ClassVar[bool] = False
+
     def __init__(self, layer: str | Sequence[str], batch_dim: int | dict | None = None):
         self.layers: tuple[str, ...] = normalize_layers(layer)
         self.sites: dict[str, Site] = {spec: parse_site(spec) for spec in self.layers}
         self.batch_dim = _check_batch_dim(batch_dim, self.layers)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """Set the per-attachment attributes (``_TRANSIENT``) of a hook that is not attached."""
         self._model: nn.Module | None = None
         self._handle: HookHandle | None = None
         self._dims: dict[str, BatchDims] = {}
         self._tracker: recompute.Tracker | None = None
+
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, pickle, a spawned worker) of a hook is detached: it keeps the
+        configuration and the random state (the same draws follow), never the model or its hooks (a copy
+        of the model drops them too: :mod:`mixhook.copies`). Attach it to a model to use it."""
+        transient = {name for cls in type(self).__mro__ for name in vars(cls).get("_TRANSIENT", ())}
+        return {k: v for k, v in self.__dict__.items() if k not in transient}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._fresh()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to continue this hook exactly where it is: its class and layers (checked
+        on loading) and, for a hook that draws at random, its generator's state (subclasses add theirs).
+        Tensors, strings and lists only, so ``torch.load(weights_only=True)`` reads it. A ``pin()`` not yet
+        used by a forward is not part of it."""
+        return {"type": type(self).__name__, "layers": list(self.layers)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from :meth:`state_dict`; a state of another class or layer list is refused in one line
+        (:class:`StateError`, a ``ValueError``)."""
+        check_state(self, state)
 
     @property
     def _layer_spec(self) -> str | list[str]:
@@ -109,12 +198,14 @@ class LayerHook:
         modules = resolve_layers(model, self.layers)
         self._check_attach(model)
         handles: list[RemovableHandle] = []
-        tracker = recompute.acquire(model)
+        tracker = recompute.acquire(model, self._hooks_model)
         try:
             self._dims = {
                 spec: BatchDims(model, self.sites[spec], self._explicit(spec)) for spec in self.layers
             }
             self._register(model, modules, handles)
+            for handle in handles:
+                own(handle)  # a copy of the model drops them (mixhook.copies)
         except BaseException:
             for handle in handles:
                 handle.remove()
@@ -147,14 +238,15 @@ class LayerHook:
         return self.batch_dim
 
     def _note(self, spec: str, payload: object = None) -> None:
-        """Inside a recomputable region, remember what a recomputation must redo: ``payload``, or what
-        it returns when it is a function (computed only there)."""
-        if self._tracker is not None and recompute.may_be_recomputed():
+        """Inside a recomputable region of a training forward, remember what a recomputation must redo:
+        ``payload``, or what it returns when it is a function (computed only there). An eval forward
+        notes nothing (no hook acts on it at random)."""
+        if self._tracker is not None and self._training and recompute.may_be_recomputed():
             self._tracker.note(self, spec, payload() if callable(payload) else payload)
 
     def _replayed(self, spec: str) -> object:
         """During backward (a recomputation): what the forward noted at ``spec``."""
-        return self._tracker.replay(self, spec, type(self).__name__)
+        return self._tracker.replay(self, spec, type(self).__name__, lenient=not self._training)
 
     def _register(
         self, model: nn.Module, modules: dict[str, nn.Module], handles: list[RemovableHandle]

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import recompute
-from .hooks import LayerHook
+from .hooks import LayerHook, check_state
 from .sites import INPUT, Inputs, leaves, select
 
 
@@ -38,6 +38,8 @@ class _Probe(LayerHook):
     """Shared by the probes: ``every``-th training forward is recorded (all forwards when
     ``train_only`` is false), and :meth:`output_hooks` registers a read-only hook per layer."""
 
+    _hooks_model = True  # its own hooks on the model (see LayerHook)
+
     def __init__(self, layer: str | Sequence[str], every: int = 1, train_only: bool = True):
         super().__init__(layer)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -46,6 +48,15 @@ class _Probe(LayerHook):
         self.step = 0  # training forwards seen
         self.paused = False  # while true, forwards are neither counted nor recorded
         self._active = False
+
+    def state_dict(self) -> dict:
+        """:meth:`~mixhook.LayerHook.state_dict` with the count of training forwards seen, so that a
+        resumed run records at the same steps (``every``)."""
+        return {**super().state_dict(), "step": self.step}
+
+    def load_state_dict(self, state) -> None:
+        check_state(self, state, ("step",))
+        self.step = int(state["step"])
 
     def _register_root(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
         """Registered last, prepended: it runs first, ahead of any hook on the model's input."""

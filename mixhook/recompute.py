@@ -29,6 +29,7 @@ import weakref
 import torch
 from torch import nn
 
+from .copies import own
 from .sites import leaves
 
 
@@ -70,9 +71,11 @@ class ForwardRecord:
 
 class Tracker:
     """One per model: keeps a :class:`ForwardRecord` per forward and tags the autograd graph with it when
-    the forward returns. Its model hooks are registered by the first note, in the first forward that
-    runs inside a recomputable region (a model that is never checkpointed pays nothing); that forward's
-    own output hook still runs, as PyTorch reads a module's forward hooks once its forward returns."""
+    the forward returns, through one model hook at the end of each forward. A model that is never
+    checkpointed pays nothing: the hook is registered by the first note, and PyTorch still runs it at the
+    end of that forward, provided the model had some hook when it was called (a mixer's or a probe's
+    own). A hook with none of its own on the model (InputScale, GradScale, GradClip) has it registered at
+    once instead (:meth:`ensure`): PyTorch runs no hook of a module that had none when it was called."""
 
     def __init__(self, model: nn.Module):
         self.key = f"mixhook.record.{id(self)}"
@@ -81,19 +84,21 @@ class Tracker:
         self._model = model
         self._handles: list = []
 
+    def ensure(self) -> None:
+        """Register the end-of-forward hook (once)."""
+        if not self._handles:
+            handle = self._model.register_forward_hook(self._end, with_kwargs=True, always_call=True)
+            own(handle)  # a copy of the model drops it (mixhook.copies)
+            self._handles = [handle]
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
-    def _begin(self, model: nn.Module, args: tuple) -> None:
-        if in_backward():
-            return  # a recomputation of the whole model keeps the record it is replaying
-        self.record = None  # opened by the first note of this forward
-
     def _end(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         record = self.record
-        if record is None or in_backward():
+        if record is None or in_backward():  # (a recomputation keeps the record it is replaying)
             return
         self.record = None
         if record.needed:  # the walk stops at the graph that produced the model's inputs
@@ -103,11 +108,7 @@ class Tracker:
     def note(self, hook: object, spec: str, payload: object = None) -> None:
         """Inside a recomputable region of a training forward: remember ``payload`` for ``hook`` at
         ``spec`` (``None``: the site ran and did nothing a recomputation must repeat)."""
-        if not self._handles:
-            self._handles = [
-                self._model.register_forward_pre_hook(self._begin, prepend=True),
-                self._model.register_forward_hook(self._end, with_kwargs=True, always_call=True),
-            ]
+        self.ensure()
         if self.record is None:
             self.record = ForwardRecord()
         record = self.record
@@ -118,11 +119,15 @@ class Tracker:
             record.entries[key] = payload
             record.hooks[id(hook)] = hook
 
-    def replay(self, hook: object, spec: str, what: str) -> object:
+    def replay(self, hook: object, spec: str, what: str, lenient: bool = False) -> object:
         """During backward: the payload ``hook`` noted at ``spec`` in the forward being recomputed, or
-        ``None`` if it acted on nothing there. Raises :class:`RecomputeError` where it cannot be known."""
+        ``None`` if it acted on nothing there. Raises :class:`RecomputeError` where it cannot be known;
+        ``lenient`` (the model is in eval mode, where no hook acts at random): a forward that noted
+        nothing acted on nothing."""
         node = torch._C._current_autograd_node()
         record = node.metadata.get(self.key) if node is not None else None
+        if record is None and lenient:
+            return None
         if record is None:
             raise RecomputeError(
                 f"{what} at {spec!r} ran again during backward (activation checkpointing), but mixhook "
@@ -177,12 +182,15 @@ def _guard(record: ForwardRecord):
 _TRACKERS: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
 
 
-def acquire(model: nn.Module) -> Tracker:
-    """The model's tracker (registered with the first hook that needs it)."""
+def acquire(model: nn.Module, hooks_model: bool = True) -> Tracker:
+    """The model's tracker (registered with the first hook that needs it); ``hooks_model``: whether the
+    hook has a hook of its own on the model (else the tracker's is registered now, see :class:`Tracker`)."""
     tracker = _TRACKERS.get(model)
     if tracker is None:
         tracker = _TRACKERS[model] = Tracker(model)
     tracker.users += 1
+    if not hooks_model:
+        tracker.ensure()
     return tracker
 
 

@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .hooks import StateError
 from .mixers.base import Mixer, MixingHook, check_fraction, check_layer_weights, check_positive
 
 SHAPES = ("linear", "cosine")
@@ -106,6 +107,21 @@ class MixSchedule:
             f"MixSchedule(prob={self.prob!r}, alpha={self.alpha!r}, off_epoch={self.off_epoch}, "
             f"layer_weights={self.layer_weights})"
         )
+
+    def state_dict(self) -> dict:
+        """The schedule holds no state (what it sets is a function of the epoch and step; the draws are
+        the mixer's, in the mixer's own :meth:`~mixhook.Mixer.state_dict`): its state dict is its
+        settings, which :meth:`load_state_dict` checks, so a run resumed with another schedule is refused
+        in one line."""
+        return {"type": "MixSchedule", "settings": repr(self)}
+
+    def load_state_dict(self, state) -> None:
+        if not isinstance(state, dict) or state.get("type") != "MixSchedule":
+            raise StateError(f"MixSchedule.load_state_dict(): not a MixSchedule's state: {state!r:.80}")
+        if state.get("settings") != repr(self):
+            raise StateError(
+                f"MixSchedule.load_state_dict(): the state is of {state.get('settings')}, this is {self!r}"
+            )
 
     def set(self, epoch: int, fraction: float = 0.0) -> None:
         """Set the mixers for the step ``fraction`` (in [0, 1)) of the way through ``epoch`` (from 1)."""

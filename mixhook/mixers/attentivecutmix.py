@@ -69,6 +69,9 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
         top_k: how many of the partner's cells are pasted, from 1 to cells - 1 (the paper: 6).
         saliency, saliency_layer: the saliency source, as :class:`~mixhook.SaliencyMix`.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
+            does not state; where it does, it is read (a contradicting one is refused): see
+            :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
@@ -90,8 +93,9 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
         padding: str = "union",
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
+        layout: str | dict | None = None,
     ):
-        super().__init__(layer, 1.0, prob, generator, batch_dim, padding)
+        super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "AttentiveCutMix")
         self.saliency = Saliency("AttentiveCutMix", saliency, saliency_layer, self.layers)
         self.grid = _grid(grid)

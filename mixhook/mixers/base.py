@@ -12,7 +12,7 @@ delegating to the mixers it chooses among. See "Adding a mixer" in the README.
 from __future__ import annotations
 
 import abc
-import inspect
+import collections
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -22,10 +22,13 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
+from .. import padding as masks
 from .. import recompute
-from ..hooks import LayerHook, own_generator
+from ..hooks import LayerHook, check_state, own_generator, seed_for_rank
+from ..layouts import NHWC, SiteLayout, check_layout, layout_facts, site_layout
 from ..sites import (
     INPUT,
     Inputs,
@@ -37,6 +40,7 @@ from ..sites import (
     input_batch,
     replace_leaves,
 )
+from ..sites import leaves as tree_leaves
 from ..transfer import to_device
 from . import partners
 from .functional import _scatter_inverse, inverse_permutation, per_sample, sample_lam, smooth_one_hot
@@ -62,6 +66,7 @@ class MixState:
             at each position of the mixed map, ``(1 or B, H, W)`` (1 outside a pasted box, 0 inside; soft
             masks in between): what dense targets (segmentation maps) are mixed with, resized to the label
             map. ``None``: the same weight ``lam`` everywhere (Manifold Mixup, input mixup, NFM).
+        shapes: the shapes of the mixed tensors, as ``elements`` lists them.
     """
 
     layer: str
@@ -71,6 +76,7 @@ class MixState:
     elements: tuple[str, ...] = ("[]",)
     batch_dims: tuple[int, ...] = (0,)
     weights: torch.Tensor | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,9 +133,32 @@ class _Decision:
     done: bool = False
     batch: int | None = None  # the batch size of the model's input, where it can be told
     index: torch.Tensor | None = None  # once mixed: for the padding-mask policy downstream
+    state: MixState | None = None  # once mixed: what it mixed (the padding-mask policy reads its shapes)
 
 
 _SKIP = object()  # pinned for a forward that must not mix (skip_next)
+
+
+class _Forward:
+    """One forward of the model a mixer saw: what it mixed (``state``, ``None`` when it mixed nothing) and
+    whether a ``loss``/``targets``/``state_for`` call has claimed its output yet."""
+
+    __slots__ = ("state", "bound")
+
+    def __init__(self, state: MixState | None = None):
+        self.state = state
+        self.bound = False
+
+
+_UNMIXED = _Forward()  # every forward that mixed nothing (eval, skipped, not drawn): one shared record
+
+
+_RECENT = 64  # the forwards a mixer keeps to tell whether an unclaimed one mixed
+
+
+class ForeignLogitsError(RuntimeError):
+    """``loss``/``targets``/``state_for`` were given logits that no forward of this mixer produced, or
+    that combine several forwards' mixes: refused, never guessed."""
 
 
 class MixingHook(abc.ABC):
@@ -145,7 +174,8 @@ class MixingHook(abc.ABC):
 
     @abc.abstractmethod
     def loss(self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The criterion of the last training forward's mix (``criterion(logits, target)`` if none)."""
+        """The criterion under the mix of the forward that produced ``logits`` (``criterion(logits,
+        target)`` when it mixed nothing); see :meth:`state_for`."""
 
     @abc.abstractmethod
     def targets(
@@ -154,9 +184,17 @@ class MixingHook(abc.ABC):
         num_classes: int | None = None,
         smoothing: float = 0.0,
         dtype: torch.dtype | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mixed targets of the last training forward (class indices with ``num_classes``, or floating
-        and dense targets; see :meth:`Mixer.targets`), in ``dtype`` (pass the logits' dtype)."""
+        """Mixed targets of the forward that produced ``logits`` (without ``logits``: of the latest
+        forward; see :meth:`Mixer.targets`), class indices with ``num_classes`` or floating and dense
+        targets, in ``dtype`` (pass the logits' dtype)."""
+
+    @abc.abstractmethod
+    def state_for(self, logits: torch.Tensor | None = None) -> MixState | None:
+        """The :class:`MixState` of the forward that produced ``logits`` (``None``: that forward mixed
+        nothing, e.g. an eval forward), or a one-line :class:`ForeignLogitsError` when it cannot be
+        known; without ``logits``, the latest forward's."""
 
     @abc.abstractmethod
     def pin(self, **values) -> None:
@@ -184,20 +222,6 @@ class MixingHook(abc.ABC):
         are used for one forward only, so a method that needs them never mixes with stale ones."""
         del target  # needed by none of the methods by default
 
-
-PADDING = ("union", "keep")
-# Arguments that carry a per-sample padding mask, and how two samples' masks combine so that a mixed
-# sample attends to the positions that are real in either partner: the elementwise max where larger means
-# "attend" (HuggingFace's 0/1, boolean True-attends and additive 0/-inf masks), the min where a boolean
-# True means "padding" (PyTorch's key_padding_mask; as an additive float mask it is max again).
-# A mask under another name is left as it is.
-_MASK_ARGS = {  # name -> whether a boolean True means padding
-    "attention_mask": False,
-    "key_padding_mask": True,
-    "src_key_padding_mask": True,
-    "tgt_key_padding_mask": True,
-    "memory_key_padding_mask": True,
-}
 
 _MIXING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixing regularizer
 
@@ -249,9 +273,16 @@ class Mixer(LayerHook, MixingHook):
     """
 
     pin_keys: ClassVar[tuple[str, ...]] = ()
+    # Whether mix() depends on which axes of a 4-D map are its channels and which its height and width
+    # (every region method): then a (B, H, W, C) map is given as its (B, C, H, W) view and a map whose
+    # layout cannot be told is refused (mixhook.layouts). False for a method that treats every element
+    # alike (ManifoldMixup, NoisyFeatureMixup).
+    layout_aware: ClassVar[bool] = True
     # None: dense targets (segmentation maps) are mixed like the map (a region method sets Mixed.weights);
     # else why not, refused in one line by loss() and targets()
     dense_targets: ClassVar[str | None] = None
+
+    _hooks_model = True  # its own hooks on the model (see LayerHook)
 
     def __init__(
         self,
@@ -261,23 +292,40 @@ class Mixer(LayerHook, MixingHook):
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
+        layout: str | dict | None = None,
     ):
         super().__init__(layer, batch_dim)
+        self.layout = check_layout(layout, self.layers)
         self.alpha = check_positive("alpha", alpha)
         self.prob = check_fraction("prob", prob)
         self.generator = own_generator(generator)
-        if padding not in PADDING:
-            raise ValueError(f"padding must be one of {', '.join(PADDING)}, got {padding!r}")
+        self._per_rank = generator is None  # a default generator is reseeded per rank (seed_for_rank)
+        if padding not in masks.PADDING:
+            raise ValueError(f"padding must be one of {', '.join(masks.PADDING)}, got {padding!r}")
         self.padding = padding
         self.last: MixState | None = None
-        self._draw: _Decision | None = None
         self._pinned: dict | object | None = None
         self._last_draw: tuple | None = None  # (layer, generator state, pinned) of the last mix
-        self._mask_stack: list[bool] = []
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
+        self._layer_weights: tuple[float, ...] | None = None
+
+    _TRANSIENT = (
+        "_draw", "_mask_stack", "_targets", "_capture", "_forwards", "_outputs", "_unmixed", "_key",
+        "_layouts", "_regions",
+    )  # fmt: skip
+
+    def _fresh(self) -> None:
+        super()._fresh()
+        self._layouts: dict[str, SiteLayout] = {}  # the layout of each site's 4-D maps (mixhook.layouts)
+        self._regions: dict[str, str] = {}  # each hidden site's padding-mask region (mixhook.padding)
+        self._draw: _Decision | None = None
+        self._mask_stack: list[bool] = []
         self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
         self._capture: dict | None = None  # during gradient_at(): the map whose gradient is taken
-        self._layer_weights: tuple[float, ...] | None = None
+        self._forwards: collections.deque[_Forward] = collections.deque(maxlen=_RECENT)
+        self._outputs: dict[int, tuple] = {}  # id(mixed output without autograd) -> (weakref, _Forward)
+        self._unmixed: collections.deque = collections.deque(maxlen=_RECENT)  # weakrefs: unmixed outputs
+        self._key = f"mixhook.forward.{id(self)}"  # in grad_fn.metadata: the _Forward of that output
 
     @property
     def layer_weights(self) -> tuple[float, ...] | None:
@@ -295,8 +343,10 @@ class Mixer(LayerHook, MixingHook):
             if self.token_grid is None
             else f", tokens={self.token_grid}, prefix={self.token_grid.prefix!r}"
         )
+        layout = "" if self.layout is None else f", layout={self.layout!r}"
         return (
-            f"{type(self).__name__}(layer={self._layer_spec!r}, alpha={self.alpha}, prob={self.prob}{tokens})"
+            f"{type(self).__name__}(layer={self._layer_spec!r}, alpha={self.alpha}, prob={self.prob}{tokens}"
+            f"{layout})"
         )
 
     # ----------------------------------------------------------------------------------- user API
@@ -355,14 +405,137 @@ class Mixer(LayerHook, MixingHook):
     def use_targets(self, target: torch.Tensor) -> None:
         self._targets = target
 
+    # ------------------------------------------------------------ which forward produced these logits
+
+    def state_for(self, logits: torch.Tensor | None = None) -> MixState | None:
+        """The :class:`MixState` of the forward that produced ``logits``, or ``None`` when that forward
+        mixed nothing (an eval forward, a forward that did not draw a mix, a skipped one). ``loss`` and
+        ``targets`` use it, so an eval forward's logits get the plain criterion and each of several
+        forwards (two views, micro-batches, a teacher on the same backbone) gets its own mix.
+
+        The forward is found from the logits themselves: every output of a forward this mixer saw is
+        marked (its autograd node, or the tensor when it has none), and ``logits`` may be that output
+        or anything computed from it with gradients (``.float()``, a slice, a head on a hooked backbone).
+        Refused in one line (:class:`ForeignLogitsError`): logits computed with gradients from no forward
+        of this mixer (another model, a copy of the hooked model: copies have no hooks), logits combining
+        several forwards that mixed, and logits without gradients that cannot be traced while a forward
+        that mixed has not been claimed. Without ``logits``: the latest forward's, refused while an
+        earlier forward that mixed is unclaimed (say which with ``logits``)."""
+        return self._bound_state(logits, "state_for")
+
+    def _bound_state(self, logits: torch.Tensor | None, what: str) -> MixState | None:
+        """:meth:`state_for`, naming ``what`` in its errors; the forward found is marked claimed."""
+        kind = type(self).__name__
+        if logits is None:
+            if not self._forwards:
+                return None
+            latest = self._forwards[-1]
+            if any(not f.bound and f.state is not None for f in list(self._forwards)[:-1]):
+                raise ForeignLogitsError(
+                    f"{what}(): an earlier forward than the latest one mixed and has had no loss or targets "
+                    f"taken yet, so the forward these targets are for cannot be told; pass logits= "
+                    f"({kind}.{what}(..., logits=logits))"
+                )
+            latest.bound = True
+            return latest.state
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"{what}(): logits must be a tensor, got {type(logits).__name__}")
+        found = self._forwards_of(logits)
+        if len(found) == 1:
+            (record,) = found
+            record.bound = True
+            return record.state
+        if found:
+            mixed = [f for f in found if f.state is not None]
+            if not mixed:
+                for f in found:
+                    f.bound = True
+                return None
+            raise ForeignLogitsError(
+                f"{what}(): these logits combine the outputs of {len(found)} forwards of the model, "
+                f"{len(mixed)} of them mixed by {kind}, so no one mix applies to them; take each forward's "
+                f"{what} on its own logits"
+            )
+        if logits.grad_fn is not None:
+            attached = "" if self._model is not None else f" ({kind} is not attached to a model)"
+            raise ForeignLogitsError(
+                f"{what}(): these logits were not computed by a forward of the model {kind} is attached "
+                f"to{attached}; a copy of a hooked model (copy.deepcopy, an EMA or AveragedModel, a "
+                "pickled or spawned model) has no mixhook hooks: compute the loss on the hooked model's "
+                "logits, or attach a regularizer to the copy"
+            )
+        unclaimed = [f for f in self._forwards if not f.bound and f.state is not None]
+        if unclaimed:
+            raise ForeignLogitsError(
+                f"{what}(): these logits carry no autograd graph and are not an output of a forward of the "
+                f"model (a copy?), while a forward that {kind} mixed has had no loss taken, so whether they "
+                "are that forward's cannot be told; pass the model's output itself (or a tensor computed "
+                "from it with gradients)"
+            )
+        return None  # every forward since the last claimed one mixed nothing: the plain criterion
+
+    def _forwards_of(self, logits: torch.Tensor) -> list[_Forward]:
+        """The forwards of this mixer whose outputs ``logits`` is, or was computed from: marked outputs
+        found through views (``_base``) and the autograd graph, which is walked no further than them."""
+        key, found = self._key, []
+        t = logits
+        while t is not None:  # the output itself, or a view of it
+            node = t.grad_fn
+            record = node.metadata.get(key) if node is not None else None
+            if record is None and node is None:
+                entry = self._outputs.get(id(t))
+                record = entry[1] if entry is not None and entry[0]() is t else None
+                if record is None and any(ref() is t for ref in self._unmixed):
+                    record = _UNMIXED
+            if record is not None:
+                return [record]
+            if node is not None:
+                break
+            t = t._base
+        node = logits.grad_fn
+        if node is None:
+            return found
+        seen, stack = {node}, [node]
+        while stack:
+            node = stack.pop()
+            record = node.metadata.get(key)
+            if record is not None:
+                if all(record is not f for f in found):
+                    found.append(record)
+                continue
+            for child, _ in node.next_functions:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        return found
+
+    # ------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """:meth:`LayerHook.state_dict` with the generator's state: loaded into a mixer of the same class
+        and layers, the same draws follow (a resumed run continues bit for bit). Save it with your own
+        checkpoint (``torch.save({"model": ..., "mixup": mix.state_dict()})``)."""
+        return {
+            **super().state_dict(),
+            "generator": self.generator.get_state(),
+            "per_rank": self._per_rank,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        check_state(self, state, ("generator",))
+        self.generator.set_state(state["generator"])
+        self._per_rank = bool(state.get("per_rank", False))
+
     def loss(
         self,
         criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         logits: torch.Tensor,
         target: torch.Tensor,
     ) -> torch.Tensor:
-        """``lam * criterion(logits, target) + (1 - lam) * criterion(logits, target[index])`` for the
-        last training forward, or ``criterion(logits, target)`` when it did not mix.
+        """``lam * criterion(logits, target) + (1 - lam) * criterion(logits, target[index])`` under the
+        mix of the forward that produced ``logits``, or ``criterion(logits, target)`` when that forward
+        mixed nothing (an eval forward, a skipped one); see :meth:`state_for` for how the forward is found
+        and what is refused.
 
         ``target`` is whatever the criterion takes: class indices, soft or multi-hot targets
         (``BCEWithLogitsLoss``), regression values, or dense targets (see :func:`dense_weights`). With
@@ -375,11 +548,11 @@ class Mixer(LayerHook, MixingHook):
         For a criterion that is linear in its target (cross-entropy, BCE) this equals the criterion of
         the mixed targets (:meth:`targets`); for one that is not (MSE on regression targets), the two
         differ: mix the targets with :meth:`targets` when the criterion of the mixed target is meant."""
-        last = self.last
+        last = self._bound_state(logits, "loss")
         if last is None:
             return criterion(logits, target)
         loss_a = criterion(logits, target)
-        loss_b = criterion(logits, self._partners_of(target, "loss"))
+        loss_b = criterion(logits, self._partners_of(last, target, "loss"))
         lam = self._target_weights(last, target, "loss")
         if lam is None:
             lam = to_device(last.lam, loss_a.device, loss_a.dtype)
@@ -412,10 +585,13 @@ class Mixer(LayerHook, MixingHook):
         num_classes: int | None = None,
         smoothing: float = 0.0,
         dtype: torch.dtype | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The last training forward's mixed targets: ``lam * t + (1 - lam) * t[index]`` (``t`` when it
-        did not mix), in ``dtype`` (a floating dtype, e.g. the logits'; ``None``: torch's default),
-        computed from the float64 lam.
+        """The mixed targets of the forward that produced ``logits``: ``lam * t + (1 - lam) * t[index]``
+        (``t`` when it mixed nothing), in ``dtype`` (a floating dtype, e.g. the logits'; ``None``: torch's
+        default), computed from the float64 lam. Without ``logits``: the latest forward's, refused in one
+        line when an earlier forward that mixed has not had its targets or loss taken (pass ``logits``
+        to say which; see :meth:`state_for`).
 
         ``t`` is, by ``target``:
 
@@ -459,8 +635,9 @@ class Mixer(LayerHook, MixingHook):
                     f"targets(): floating targets of shape {tuple(target.shape)} do not have "
                     f"num_classes={num_classes} classes along dimension 1"
                 )
+            last = self._bound_state(logits, "targets")
             own = target.to(dtype)
-            partner = None if self.last is None else self._partners_of(target, "targets").to(dtype)
+            partner = None if last is None else self._partners_of(last, target, "targets").to(dtype)
         else:
             if num_classes is None:
                 raise ValueError("targets(): class indices need num_classes")
@@ -480,13 +657,14 @@ class Mixer(LayerHook, MixingHook):
                 soft = smooth_one_hot(t.reshape(-1), num_classes, smoothing, dtype)
                 return soft.view(*t.shape, num_classes).movedim(-1, 1) if t.ndim > 1 else soft
 
+            last = self._bound_state(logits, "targets")
             own = one_hot(target)
-            partner = None if self.last is None else one_hot(self._partners_of(target, "targets"))
-        if self.last is None:
+            partner = None if last is None else one_hot(self._partners_of(last, target, "targets"))
+        if last is None:
             return own
-        weights = self._target_weights(self.last, target, "targets")
+        weights = self._target_weights(last, target, "targets")
         if weights is None:
-            return torch.lerp(partner, own, per_sample(self.last.lam, own))
+            return torch.lerp(partner, own, per_sample(last.lam, own))
         return torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
 
     def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
@@ -517,14 +695,25 @@ class Mixer(LayerHook, MixingHook):
     ) -> None:
         """Register the model hooks that start and end each forward, the layer hooks and the
         padding-mask hooks."""
+        if self.layout_aware:
+            facts = layout_facts(model)
+            self._layouts = {
+                spec: site_layout(model, site, self._declared_layout(spec), facts)
+                for spec, site in self.sites.items()
+            }
         handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
         for spec, module in modules.items():
             if self.sites[spec].layer != INPUT:
                 handles.append(module.register_forward_hook(self._layer_hook(spec)))
         if self.padding == "union":
+            self._regions = {
+                spec: masks.region_of(model, site.layer)
+                for spec, site in self.sites.items()
+                if site.layer != INPUT
+            }
             for name, module in model.named_modules():
-                if module is not model and _mask_params(module):
-                    pre, post = self._mask_hooks(f"padding mask of {name}")
+                if module is not model and masks.takes_masks(module):
+                    pre, post = self._mask_hooks(name)
                     handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                     handles.append(module.register_forward_hook(post, always_call=True))
         handles.append(model.register_forward_hook(self._on_model_output))
@@ -561,10 +750,7 @@ class Mixer(LayerHook, MixingHook):
         inputs = Inputs(model, args, kwargs)
         value, self.last = self._mix_now(draw.layer, inputs, draw)
         args, kwargs = _rebuild_inputs(inputs, self.sites[draw.layer], value)
-        unioned = self._union_masks(model, args, kwargs, draw.index)
-        if unioned is not None:  # the modules inside get the model's unioned mask: none unions again
-            self._mask_stack.append(True)
-        return unioned or (args, kwargs)
+        return self._input_masks(model, args, kwargs, draw.layer, self.last)
 
     def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
         for spec, site in self.sites.items():
@@ -576,8 +762,27 @@ class Mixer(LayerHook, MixingHook):
                     gen = recompute.replay_generator(self.generator, state)
                     value, state = self._apply(spec, inputs, pinned, gen)
                     args, kwargs = _rebuild_inputs(inputs, site, value)
-                    return self._union_masks(model, args, kwargs, state.index) or (args, kwargs)
+                    return self._input_masks(model, args, kwargs, spec, state)
         return None
+
+    def _input_masks(self, model: nn.Module, args: tuple, kwargs: dict, spec: str, state: MixState):
+        """The model's ``(args, kwargs)`` after a mix at its input, with the masks that describe the mixed
+        input unioned (:func:`mixhook.padding.at_input`); unless the model takes no mask argument, the
+        modules inside keep what it hands them."""
+        if self.padding != "union":
+            return args, kwargs
+        inputs = Inputs(model, args, kwargs)
+        site = self.sites[spec]
+        mixed = (inputs.first()[0],) if site.paths is None else tuple(inputs.key(p[0]) for p in site.paths)
+        names = masks.at_input(inputs, mixed, state.index.shape[0])
+        if names is None:
+            return args, kwargs  # the model takes no mask: its modules decide, as for a hidden layer
+        if not recompute.in_backward():
+            self._mask_stack.append(True)  # the modules inside get the model's masks: none unions again
+        if not names:
+            return args, kwargs
+        masks.check_lengths(f"{type(model).__name__} (the model)", inputs, names, _sizes(state))
+        return masks.union(inputs, names, state.index, self._mask_source)
 
     def _layer_hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, output):
@@ -614,7 +819,7 @@ class Mixer(LayerHook, MixingHook):
         self._note(spec, (state, draw.pinned))
         mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch, leaves)
         self._last_draw = (spec, state, draw.pinned)
-        draw.done, draw.index = True, last.index
+        draw.done, draw.index, draw.state = True, last.index, last
         return mixed, last
 
     # ------------------------------------------------------------------------- gradient of the loss
@@ -659,11 +864,9 @@ class Mixer(LayerHook, MixingHook):
             for module, mode in modes:
                 module.training = mode
         grad_leaf = Leaf(leaf.path, grad, leaf.dim)
-        return (
-            grad_leaf.tensor
-            if self.token_grid is None
-            else self.token_grid.to_maps(spec, [grad_leaf], model)[0].tensor
-        )
+        if self.token_grid is not None:
+            return self.token_grid.to_maps(spec, [grad_leaf], model)[0].tensor
+        return grad.permute(0, 3, 1, 2) if self._channels_last(spec, grad_leaf) else grad
 
     def _capture_value(self, spec: str, site_value):
         """``site_value`` with its first leaf replaced by a detached copy that requires grad (noted in
@@ -688,10 +891,16 @@ class Mixer(LayerHook, MixingHook):
         return self._capture_value(spec, output)
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
-        if self._draw is None:  # (also during a recomputation, which runs after its forward ended)
+        if self._capture is not None:  # gradient_at()'s own pass
             return
         draw, self._draw = self._draw, None
-        if draw is not None and not draw.done:
+        if draw is None:
+            if recompute.in_backward():  # a recomputation, which runs after its forward ended
+                return
+            record = _UNMIXED
+        elif draw.done:
+            record = _Forward(self.last)
+        else:
             raise RuntimeError(
                 f"mixup layer {draw.layer!r} did not run during {type(model).__name__}.forward(), so nothing "
                 "was mixed; choose a layer that forward() calls. (Under torch.compile: attach before "
@@ -699,6 +908,13 @@ class Mixer(LayerHook, MixingHook):
                 "compiled without them, set torch._dynamo.config.skip_nnmodule_hook_guards = False before "
                 "compiling.)"
             )
+        self._forwards.append(record)
+        if torch.compiler.is_compiling():
+            _mark_traced(output, record, self._key, self._outputs, self._unmixed)
+        elif isinstance(output, torch.Tensor) and output.grad_fn is None and record is _UNMIXED:
+            self._unmixed.append(weakref.ref(output))  # an eval pass's logits: the cheapest mark
+        else:
+            _mark_outputs(output, record, self._key, self._outputs, self._unmixed)
 
     def _agree(self, draw: _Decision | None) -> _Decision | None:
         """The decision this forward follows: its own (ranks that must agree override this)."""
@@ -711,6 +927,8 @@ class Mixer(LayerHook, MixingHook):
 
     def _decide(self) -> _Decision | None:
         """Whether this forward mixes, and where (pinned values win; a pinned forward always mixes)."""
+        if self._per_rank and seed_for_rank(self.generator):
+            self._per_rank = False
         pinned, self._pinned = self._pinned, None
         if pinned is _SKIP:
             return None
@@ -736,24 +954,33 @@ class Mixer(LayerHook, MixingHook):
 
     # -------------------------------------------------------------------------- padding masks
 
-    def _mask_hooks(self, key: str):
-        """Downstream of a mix, a module that takes a padding mask gets the union of the partners' masks:
-        only the outermost such call (the calls inside it get what it hands them). ``key`` names the
-        module for a recomputation, which applies the same union again."""
+    def _mask_hooks(self, name: str):
+        """Downstream of a mix, the outermost module called with a padding mask gets the union of the
+        partners' masks that describe the mixed sequence (:mod:`mixhook.padding`), and the calls inside
+        it get what it hands them. A recomputation applies the same union again."""
+        key = f"padding mask of {name}"
 
         def pre(module: nn.Module, args: tuple, kwargs: dict):
             if recompute.in_backward():
-                index = self._replayed(key)
-                return None if index is None else self._union_masks(module, args, kwargs, index)
+                payload = self._replayed(key)
+                if payload is None:
+                    return None
+                index, names = payload
+                return masks.union(Inputs(module, args, kwargs), names, index, self._mask_source)
             draw = self._draw
             if draw is None or draw.index is None or any(self._mask_stack):
                 self._mask_stack.append(False)
                 self._note(key)
                 return None
-            result = self._union_masks(module, args, kwargs, draw.index)
-            self._mask_stack.append(result is not None)
-            self._note(key, draw.index if result is not None else None)
-            return result
+            inputs = Inputs(module, args, kwargs)
+            region = self._regions.get(draw.layer, "")
+            names = masks.downstream(name, region, inputs, draw.index.shape[0])
+            self._mask_stack.append(True)
+            self._note(key, (draw.index, names) if names else None)
+            if not names:
+                return None
+            masks.check_lengths(f"{type(module).__name__} {name!r}", inputs, names, _sizes(draw.state))
+            return masks.union(inputs, names, draw.index, self._mask_source)
 
         def post(module: nn.Module, args: tuple, output) -> None:
             if self._mask_stack and not recompute.in_backward():
@@ -761,22 +988,11 @@ class Mixer(LayerHook, MixingHook):
 
         return pre, post
 
-    def _union_masks(self, module: nn.Module, args: tuple, kwargs: dict, index: torch.Tensor):
-        """``(args, kwargs)`` with every padding mask among them replaced by the union of the partners'
-        masks, or ``None`` when there is none to change (or ``padding="keep"``)."""
-        if self.padding != "union":
-            return None
-        inputs = Inputs(module, args, kwargs)
-        new = {}
-        for name, true_is_padding in _MASK_ARGS.items():
-            mask = inputs.get(name)
-            if isinstance(mask, torch.Tensor) and mask.ndim >= 1 and mask.shape[0] == index.shape[0]:
-                pool = self.partner_pool(mask.shape[0])  # partners from every rank: their masks too
-                source = mask if pool == mask.shape[0] else partners.gather_labels(mask)
-                partner = source[to_device(index, mask.device)]
-                padding = true_is_padding and mask.dtype == torch.bool
-                new[name] = torch.minimum(mask, partner) if padding else torch.maximum(mask, partner)
-        return inputs.rebuild(new) if new else None
+    def _mask_source(self, mask: torch.Tensor) -> torch.Tensor:
+        """The rows a partner index indexes: the mask itself, or every rank's with partners from the
+        global batch."""
+        pool = self.partner_pool(mask.shape[0])
+        return mask if pool == mask.shape[0] else partners.gather_labels(mask)
 
     # ------------------------------------------------------------------------------ the mix itself
 
@@ -804,17 +1020,39 @@ class Mixer(LayerHook, MixingHook):
             raise TypeError(
                 f"{kind} at {spec!r}: it returned {describe(value)}, whose batch dimension "
                 f"{found[0].dim} has size {batch}, but the model's input has a batch of {expected}: the "
-                "layer loses or reshapes the batch dimension; choose another layer, or pass batch_dim"
+                "layer loses or reshapes the batch dimension (or, applied to a PackedSequence's .data, sees "
+                "the time steps of every sample as rows); choose another layer, or pass batch_dim"
             )
-        given = found if self.token_grid is None else self.token_grid.to_maps(spec, found, self._model)
+        if self.token_grid is not None:
+            given = self.token_grid.to_maps(spec, found, self._model)
+        elif self.layout_aware and any(self._channels_last(spec, leaf) for leaf in found):
+            given = [Leaf(f.path, f.tensor.permute(0, 3, 1, 2), 0) if self._channels_last(spec, f) else f
+                     for f in found]  # fmt: skip
+        else:
+            given = found
         self.check_leaves(spec, given)
         return found, given, batch
+
+    def _declared_layout(self, spec: str) -> str | None:
+        return self.layout.get(spec) if isinstance(self.layout, dict) else self.layout
+
+    def _channels_last(self, spec: str, leaf: Leaf) -> bool:
+        """Whether ``leaf`` is a ``(B, H, W, C)`` map, which a layout-aware method is given as its
+        ``(B, C, H, W)`` view; a 4-D map whose layout cannot be told is refused here (one line)."""
+        if not self.layout_aware or leaf.tensor.ndim != 4 or leaf.dim != 0:
+            return False
+        rule = self._layouts.get(spec)
+        return rule is not None and rule.of(type(self).__name__, spec) == NHWC
 
     def _reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
         """The batch size of the model's input, to check each mixed layer against: the first tensor
         argument's batch dimension, where the model's layout tells it (``None`` where it does not)."""
         dims = next(iter(self._dims.values()), None)
-        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        first = next(
+            (v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PackedSequence))), None
+        )
+        if isinstance(first, PackedSequence):  # its .data rows are time steps of every sample
+            return int(first.batch_sizes[0])
         return input_batch(model, first, dims.seq_first) if dims is not None else None
 
     def _check_token_ids(self, spec: str, value) -> None:
@@ -879,6 +1117,11 @@ class Mixer(LayerHook, MixingHook):
                 leaf.path: self.token_grid.from_map(leaf, tensors[leaf.path], target_lam, index, draw.inverse)
                 for leaf in found
             }
+        elif self.layout_aware:  # (B, H, W, C) maps were given as their (B, C, H, W) views
+            tensors = dict(tensors)
+            for leaf in found:
+                if self._channels_last(spec, leaf):
+                    tensors[leaf.path] = tensors[leaf.path].permute(0, 2, 3, 1)
         state = MixState(
             layer=spec,
             lam=target_lam,
@@ -887,6 +1130,7 @@ class Mixer(LayerHook, MixingHook):
             elements=tuple(leaf.name for leaf in found),
             batch_dims=tuple(leaf.dim for leaf in found),
             weights=mixed.weights,
+            shapes=tuple(leaf.tensor.shape for leaf in found),
         )
         return replace_leaves(site_value, tensors), state
 
@@ -948,18 +1192,49 @@ class Mixer(LayerHook, MixingHook):
         draws from ``draw.generator`` only. Gradients must flow as in a hand-edited ``forward()``."""
         raise NotImplementedError(f"{type(self).__name__} must implement mix(leaves, draw)")
 
-    def _partners_of(self, target: torch.Tensor, what: str) -> torch.Tensor:
-        """The partners' rows of ``target`` for the last mix (from every rank's ``target`` when the
+    def _partners_of(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor:
+        """The partners' rows of ``target`` under the mix ``last`` (from every rank's ``target`` when the
         partners came from the global batch)."""
-        index = self.last.index
+        index = last.index
         if target.shape[0] != index.shape[0]:
             raise ValueError(
-                f"{what}(): target has {target.shape[0]} rows but the last forward mixed a batch of "
-                f"{index.shape[0]}"
+                f"{what}(): target has {target.shape[0]} rows but the forward that produced the logits "
+                f"mixed a batch of {index.shape[0]}"
             )
-        if self.last.info.get("partners") == "global":
+        if last.info.get("partners") == "global":
             target = partners.gather_labels(target)
         return target[to_device(index, target.device)]
+
+
+def _mark_outputs(output, record: _Forward, key: str, untracked: dict, unmixed) -> None:
+    """Mark every tensor of a forward's ``output`` as ``record``'s: its autograd node's metadata, or, for
+    a tensor without one (no gradients), a weak reference in ``unmixed`` (the recent outputs of forwards
+    that mixed nothing) or ``untracked[id(tensor)]`` for as long as the tensor lives."""
+    if isinstance(output, torch.Tensor) and output.grad_fn is not None:  # the common case, without a walk
+        output.grad_fn.metadata[key] = record
+        return
+    for _, t in tree_leaves(output):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.grad_fn is not None:
+            t.grad_fn.metadata[key] = record
+        elif record is _UNMIXED:
+            unmixed.append(weakref.ref(t))
+        else:
+            ident = id(t)
+            untracked[ident] = (weakref.ref(t, lambda _, d=untracked, i=ident: d.pop(i, None)), record)
+
+
+_MARK_TRACED: list = []
+
+
+def _mark_traced(output, record: _Forward, key: str, untracked: dict, unmixed) -> None:
+    """:func:`_mark_outputs` from code torch.compile traces: run after the graph (a graph break at the
+    model's end), as it reads the real outputs' autograd nodes, which a traced graph does not have. (The
+    wrapper is made at the first compiled forward, so importing mixhook does not import torch._dynamo.)"""
+    if not _MARK_TRACED:
+        _MARK_TRACED.append(torch.compiler.disable(_mark_outputs))
+    _MARK_TRACED[0](output, record, key, untracked, unmixed)
 
 
 def _rebuild_inputs(inputs: Inputs, site, value) -> tuple[tuple, dict]:
@@ -970,12 +1245,12 @@ def _rebuild_inputs(inputs: Inputs, site, value) -> tuple[tuple, dict]:
     return inputs.rebuild(value)
 
 
-def _mask_params(module: nn.Module) -> bool:
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return any(name in params for name in _MASK_ARGS)
+def _sizes(state: MixState) -> tuple[int, ...] | None:
+    """The first mixed tensor's dimensions besides its batch dimension."""
+    if not state.shapes:
+        return None
+    shape, dim = state.shapes[0], state.batch_dims[0]
+    return tuple(size for d, size in enumerate(shape) if d != dim)
 
 
 def _inverse(index: torch.Tensor, pinned: dict) -> torch.Tensor | None:

@@ -136,6 +136,9 @@ class FMix(Mixer):
         spectrum: ``"reference"`` (default: the authors' code, masks equal to theirs on the same draw)
             or ``"complex"`` (the paper's description); see :func:`low_freq_image`.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
+            does not state; where it does, it is read (a contradicting one is refused): see
+            :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
@@ -157,8 +160,9 @@ class FMix(Mixer):
         padding: str = "union",
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
+        layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "FMix")
         self.decay_power = check_positive("decay_power", decay_power)
         self.max_soft = check_non_negative("max_soft", max_soft)

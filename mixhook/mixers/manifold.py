@@ -73,6 +73,8 @@ class ManifoldMixup(Mixer):
     A layer called several times in one forward is mixed at its first call only.
     """
 
+    layout_aware = False  # the blend treats every element alike: any layout
+
     def __init__(
         self,
         layer: str | Sequence[str],

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
-from ..hooks import LayerHook, own_generator
+from ..hooks import LayerHook, StateError, check_state, own_generator, seed_for_rank
 from .base import MixingHook, MixState, claim, unclaim
 from .partners import crosses_ranks
 
@@ -20,10 +20,11 @@ class OneOf(LayerHook, MixingHook):
     (timm's switch between mixup and CutMix: ``OneOf([ManifoldMixup("input", 0.8), CutMix("input")])``).
 
     The chosen regularizer then decides, as it would alone, whether (its ``prob``) and where to mix; the
-    others are told to skip that forward. ``loss``, ``targets`` and ``last`` are the chosen one's;
-    ``chosen`` is the regularizer drawn for the last training forward. It works through the mixers'
-    public contract only (:class:`~mixhook.mixers.MixingHook`): each is attached as it would be alone, so
-    a mixer of your own composes too.
+    others are told to skip that forward. ``loss``, ``targets`` and ``state_for`` are those of the
+    regularizer that mixed the forward which produced the logits they are given (each saw every forward);
+    ``last`` is the chosen one's, ``chosen`` the regularizer drawn for the last training forward. It works
+    through the mixers' public contract only (:class:`~mixhook.mixers.MixingHook`): each is attached as
+    it would be alone, so a mixer of your own composes too.
 
     Args:
         mixers: two or more mixing regularizers (:class:`~mixhook.mixers.MixingHook`: ManifoldMixup,
@@ -31,6 +32,8 @@ class OneOf(LayerHook, MixingHook):
         p: their probabilities (non-negative, summing to 1); uniform by default.
         generator: the generator for the choice (as :class:`~mixhook.ManifoldMixup`).
     """
+
+    _hooks_model = True  # its own hooks on the model (see LayerHook)
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class OneOf(LayerHook, MixingHook):
         self.mixers = mixers
         self.p = p
         self.generator = own_generator(generator)
+        self._per_rank = generator is None  # a default generator is reseeded per rank (seed_for_rank)
         self.chosen: MixingHook | None = None
         self._pinned_choice: int | None = None
         self._skip = False
@@ -102,8 +106,10 @@ class OneOf(LayerHook, MixingHook):
         self._skip, self._pinned_choice = True, None
 
     def loss(self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The chosen regularizer's ``loss`` (``criterion(logits, target)`` before any forward)."""
-        return self.chosen.loss(criterion, logits, target) if self.chosen else criterion(logits, target)
+        """The ``loss`` of the regularizer that mixed the forward which produced ``logits``
+        (``criterion(logits, target)`` when none did); see :meth:`state_for`."""
+        mixer = self._mixer_for(logits, "loss")
+        return mixer.loss(criterion, logits, target) if mixer else criterion(logits, target)
 
     def targets(
         self,
@@ -111,9 +117,48 @@ class OneOf(LayerHook, MixingHook):
         num_classes: int | None = None,
         smoothing: float = 0.0,
         dtype: torch.dtype | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The chosen regularizer's ``targets``."""
-        return (self.chosen or self.mixers[0]).targets(target, num_classes, smoothing, dtype)
+        """The ``targets`` of the regularizer that mixed the forward which produced ``logits`` (without
+        ``logits``: the latest forward), or the plain targets when none did."""
+        mixer = self._mixer_for(logits, "targets") or self.mixers[0]
+        return mixer.targets(target, num_classes, smoothing, dtype, logits)
+
+    def state_for(self, logits: torch.Tensor | None = None) -> MixState | None:
+        """The :class:`~mixhook.MixState` of the forward that produced ``logits``, whichever of the
+        regularizers mixed it (``None``: none did); see :meth:`mixhook.Mixer.state_for`."""
+        mixer = self._mixer_for(logits, "state_for")
+        return mixer.state_for(logits) if mixer else None
+
+    def _mixer_for(self, logits: torch.Tensor | None, what: str) -> MixingHook | None:
+        """The regularizer whose mix the forward that produced ``logits`` carries, or ``None``: each saw
+        that forward, and at most one of them mixed it."""
+        mixed = [m for m in self.mixers if m.state_for(logits) is not None]
+        if len(mixed) > 1:
+            raise RuntimeError(f"{what}(): {len(mixed)} of OneOf's regularizers mixed the same forward")
+        return mixed[0] if mixed else None
+
+    def state_dict(self) -> dict:
+        """The choice's generator and each regularizer's :meth:`~mixhook.Mixer.state_dict`."""
+        return {
+            **super().state_dict(),
+            "generator": self.generator.get_state(),
+            "per_rank": self._per_rank,
+            "mixers": [m.state_dict() for m in self.mixers],
+        }
+
+    def load_state_dict(self, state) -> None:
+        check_state(self, state, ("generator", "mixers"))
+        kinds = [type(m).__name__ for m in self.mixers]
+        given = [m.get("type") if isinstance(m, dict) else None for m in state["mixers"]]
+        if given != kinds:
+            raise StateError(
+                f"OneOf.load_state_dict(): the state is for mixers {given}, this OneOf has {kinds}"
+            )
+        for mixer, part in zip(self.mixers, state["mixers"], strict=True):
+            mixer.load_state_dict(part)
+        self.generator.set_state(state["generator"])
+        self._per_rank = bool(state.get("per_rank", False))
 
     def check_output(self, spec: str, value, batch: int | None = None) -> None:
         """Each regularizer that may mix ``spec`` must accept what it returned."""
@@ -158,6 +203,8 @@ class OneOf(LayerHook, MixingHook):
                 mixer.skip_next()
             return
         if choice is None:
+            if self._per_rank and seed_for_rank(self.generator):
+                self._per_rank = False
             probs = torch.tensor(self.p, dtype=torch.float64)
             choice = int(torch.multinomial(probs, 1, generator=self.generator))
         self.chosen = self.mixers[choice]

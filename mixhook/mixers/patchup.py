@@ -59,6 +59,9 @@ class PatchUp(Mixer):
         alpha: Beta concentration for soft PatchUp's lam (the paper's code: 2.0).
         prob: probability that a batch is mixed, in [0, 1].
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
+            does not state; where it does, it is read (a contradicting one is refused): see
+            :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
@@ -81,8 +84,9 @@ class PatchUp(Mixer):
         padding: str = "union",
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
+        layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "PatchUp")
         if (
             isinstance(block_size, bool)

@@ -28,7 +28,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
 from ..layers import resolve_layers
-from ..sites import INPUT, Leaf, describe
+from ..layouts import NHWC, site_layout
+from ..sites import INPUT, Leaf, describe, parse_site
 
 SOURCES = ("activation", "gradient")
 KEY = "saliency"
@@ -74,6 +75,7 @@ class Saliency:
         if self.layer is None:
             return
         module = resolve_layers(model, [self.layer])[self.layer]
+        layout = site_layout(model, parse_site(self.layer), None)
 
         def record(module: nn.Module, args: tuple, output) -> None:
             draw = mixer._draw
@@ -84,6 +86,8 @@ class Saliency:
                     f"{self.kind}: saliency_layer {self.layer!r} must output a (B, C, H, W) map, "
                     f"got {describe(output)}"
                 )
+            if layout.of(f"{self.kind}'s saliency_layer", self.layer) == NHWC:
+                output = output.permute(0, 3, 1, 2)
             self._recorded = activation_saliency(output)
 
         handles.append(module.register_forward_hook(record))

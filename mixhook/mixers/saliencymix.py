@@ -52,6 +52,9 @@ class SaliencyMix(SaliencyGuided, Mixer):
         mode: ``"batch"`` or ``"elem"``, as above.
         prob: probability that a batch is mixed (the paper's ``mix_prob``, 0.5 in its CIFAR runs).
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
+            does not state; where it does, it is read (a contradicting one is refused): see
+            :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
@@ -73,8 +76,9 @@ class SaliencyMix(SaliencyGuided, Mixer):
         padding: str = "union",
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
+        layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "SaliencyMix")
         self.saliency = Saliency("SaliencyMix", saliency, saliency_layer, self.layers)
         if mode not in ("batch", "elem"):

@@ -54,6 +54,9 @@ class SmoothMix(Mixer):
         sigma: the range of ``s`` (the Gaussian's width as a fraction of the side), ``0 < low <= high``
             (default ``(0.25, 0.5)``, OpenMixup's).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
+            does not state; where it does, it is read (a contradicting one is refused): see
+            :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
@@ -72,8 +75,9 @@ class SmoothMix(Mixer):
         padding: str = "union",
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
+        layout: str | dict | None = None,
     ):
-        super().__init__(layer, 1.0, prob, generator, batch_dim, padding)
+        super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "SmoothMix")
         try:
             low, high = (float(v) for v in sigma)

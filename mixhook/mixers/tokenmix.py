@@ -104,6 +104,9 @@ class TokenMix(Mixer):
         extra_tokens: cells mixed beyond ``int((1 - lam) * N)``, >= 0 (default 0; the authors' runs add
             ``mask_token_num_start=14`` on their 14x14 grid: ``extra_tokens=14`` reproduces them).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
+        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
+            does not state; where it does, it is read (a contradicting one is refused): see
+            :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
@@ -125,8 +128,9 @@ class TokenMix(Mixer):
         padding: str = "union",
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
+        layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding)
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "TokenMix")
         self.grid = None if grid is None else _grid(grid)
         if mask_type not in MASK_TYPES:

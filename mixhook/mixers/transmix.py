@@ -85,7 +85,7 @@ class TransMix(CutMix):
             in torchvision); it must run after ``layer``.
         alpha: Beta concentration of the box size, > 0 (the paper: 1.0).
         ratio: the weight of the area in the label weights, in [0, 1] (the authors' code: 0.5).
-        prob, generator, batch_dim, padding, tokens, prefix: as :class:`~mixhook.CutMix`.
+        prob, generator, batch_dim, padding, tokens, prefix, layout: as :class:`~mixhook.CutMix`.
         rounding: the box's, as :class:`~mixhook.CutMix`: ``"paper"`` by default, the rounding of the
             timm their code pins (0.5.0) had; ``"timm"`` is timm >= 1.0's.
 
@@ -110,8 +110,11 @@ class TransMix(CutMix):
         tokens: Sequence[int] | str | None = None,
         prefix: str = "blend",
         rounding: str = "paper",
+        layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding, "batch", tokens, prefix, rounding)
+        super().__init__(
+            layer, alpha, prob, generator, batch_dim, padding, "batch", tokens, prefix, rounding, layout
+        )
         if not isinstance(attention, str) or not attention:
             raise ValueError(f"attention must be the name of an attention module, got {attention!r}")
         self.attention = attention

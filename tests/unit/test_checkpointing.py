@@ -33,8 +33,8 @@ def replays(monkeypatch):
     calls = []
     original = recompute.Tracker.replay
 
-    def counted(self, hook, spec, what):
-        payload = original(self, hook, spec, what)
+    def counted(self, hook, spec, what, lenient=False):
+        payload = original(self, hook, spec, what, lenient)
         calls.append((type(hook).__name__, spec, payload is not None))
         return payload
 
@@ -332,3 +332,50 @@ def test_huggingface_gradient_checkpointing(reentrant, replays):
         exact(results[1][1][name], g)
     assert len(results[1][2]) == 1 and results[1][2][0]["mean"] == pytest.approx(results[0][2][0]["mean"])
     assert ("ManifoldMixup", "bert.encoder.layer.1.attention", True) in replays
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non"])
+def test_input_scale_alone_replays_in_its_first_step(mode):
+    """With no other hook on the model, PyTorch calls the model's forward without reading its hooks (there
+    were none when it was called): the tracker's hook is there from the attach, so the first forward's
+    factors are found at the recomputation (they were not: RecomputeError)."""
+    torch.manual_seed(0)
+    plain = Blocks().double().train()
+    ckpt = copy.deepcopy(plain)
+    ckpt.mode = mode
+    x = torch.randn(5, 6, dtype=torch.double)
+    results = []
+    for model in (plain, ckpt):
+        torch.manual_seed(11)
+        scale = InputScale("b.0", factor=(0.5, 1.5), generator=gen())
+        with scale.attach(model):
+            y = model(x)
+            y.pow(2).sum().backward()
+        results.append((y, grads(model)))
+        assert hook_count(model) == 0
+    exact(results[1][0], results[0][0])
+    for name, g in results[0][1].items():
+        exact(results[1][1][name], g)
+
+
+def test_eval_forwards_note_nothing_and_an_eval_recomputation_replays_nothing():
+    """No-grad eval forwards leave nothing behind (no hooks registered, no record); an eval forward with
+    gradients under activation checkpointing (input gradients of an eval model) recomputes unmixed."""
+    torch.manual_seed(0)
+    model = Blocks("non").double()
+    x = torch.randn(5, 6, dtype=torch.double, requires_grad=True)
+    mix = ManifoldMixup("a.0", generator=gen())
+    with mix.attach(model):
+        count = hook_count(model)
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+        assert hook_count(model) == count and mix._tracker.record is None
+        out = model(x)
+        out.sum().backward()
+        plain = copy.deepcopy(model)
+        mix_free = x.detach().clone().requires_grad_()
+    plain.mode = None
+    plain(mix_free).sum().backward()
+    exact(x.grad, mix_free.grad)

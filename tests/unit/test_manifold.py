@@ -217,7 +217,7 @@ def test_loss_refuses_targets_of_another_batch():
     mix = ManifoldMixup("input", generator=gen())
     with mix.attach(model):
         logits = model(torch.randn(4, 6, dtype=torch.double))
-    with pytest.raises(ValueError, match="target has 3 rows but the last forward mixed a batch of 4"):
+    with pytest.raises(ValueError, match="3 rows but the forward that produced the logits mixed a batch"):
         mix.loss(F.cross_entropy, logits[:3], torch.tensor([0, 1, 2]))
 
 

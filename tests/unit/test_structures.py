@@ -255,6 +255,37 @@ def test_unbatched_and_packed_sequences_are_refused():
             model(packed)
 
 
+class PackedRows(nn.Module):
+    """A model that runs a Linear over a PackedSequence's ``.data``: its rows are all samples' time steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.lstm = nn.LSTM(4, 4, batch_first=True)
+
+    def forward(self, packed):
+        rows = self.embed(packed.data)
+        out, (h, _) = self.lstm(nn.utils.rnn.PackedSequence(rows, packed.batch_sizes, packed.sorted_indices,
+                                                            packed.unsorted_indices))  # fmt: skip
+        return h[-1]
+
+
+def test_a_layer_over_a_packed_sequences_rows_is_refused():
+    """Its rows are time steps of different samples: mixing them as samples was silent until loss()."""
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 5, 3), [5, 3], batch_first=True)
+    model = PackedRows().train()
+    with (
+        ManifoldMixup("embed").attach(model),
+        pytest.raises(TypeError, match="PackedSequence's .data") as err,
+    ):
+        model(packed)
+    assert "has size 8, but the model's input has a batch of 2" in str(err.value) and "\n" not in str(
+        err.value
+    )
+    with ManifoldMixup("lstm[1.0]").attach(model):  # h_n: (layers, B, H), batch at dim 1
+        model(packed)
+
+
 def test_transformer_encoder_with_default_batch_first_false_mixes_dim_1_inside_and_out():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)

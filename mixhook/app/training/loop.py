@@ -119,7 +119,7 @@ def train_one_epoch(
         if loss == "bce_softmax":
             classes = logits.shape[1]
             soft = (  # in the logits' dtype (`dtype` is the autocast one: it must not change)
-                mixup.targets(y, classes, dtype=logits.dtype)
+                mixup.targets(y, classes, dtype=logits.dtype, logits=logits)
                 if mixup is not None
                 else smooth_one_hot(y, classes, dtype=logits.dtype)
             )
@@ -129,7 +129,7 @@ def train_one_epoch(
                 mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
             )
             value = per_sample.mean()
-        if mixed_loss_weight != 1.0 and mixup is not None and mixup.last is not None:
+        if mixed_loss_weight != 1.0 and mixup is not None and mixup.state_for(logits) is not None:
             value = value * mixed_loss_weight
         finite.after_loss(value, x, y, done)  # raises here when the host reads every step
         optimizer.zero_grad(set_to_none=True)

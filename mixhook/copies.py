@@ -1,0 +1,73 @@
+"""What a copy of a hooked model gets: a clean model, without mixhook's hooks.
+
+``copy.deepcopy(model)`` (timm's ``ModelEmaV2``/``V3``, ``torch.optim.swa_utils.AveragedModel``),
+``pickle.dumps(model)``, ``torch.save(model)`` and sending a model to spawned workers copy its hook
+dictionaries with it. A copied hook would still call the *original* regularizer (deepcopy keeps
+functions as they are) or fail to pickle (a closure). So every PyTorch hook mixhook registers on a
+module is an :class:`OwnedHook`, which a copy turns into :func:`detached_hook`: it does nothing and, at
+its first call, removes itself from the copied module. The copy then computes exactly what the model
+without hooks computes (an EMA's evaluation, ``update_bn``'s batch-norm statistics), and nothing it runs
+touches the original's regularizers; to regularize a copy, attach a regularizer to it. A regularizer
+that is itself copied (``copy.deepcopy``, pickle) comes detached too: see
+:meth:`mixhook.hooks.LayerHook.__getstate__`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def detached_hook(module, *args, **kwargs) -> None:
+    """What a mixhook hook becomes in a copy of the model: nothing, and gone after its first call.
+
+    PyTorch iterates a snapshot of the hooks, so removing entries during the call is safe."""
+    if isinstance(module, nn.Module):
+        gone = [key for key, hook in module._forward_pre_hooks.items() if hook is detached_hook]
+        gone += [key for key, hook in module._forward_hooks.items() if hook is detached_hook]
+        for name in _HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if hooks is not None:
+                for key in gone:
+                    hooks.pop(key, None)
+    return None
+
+
+class OwnedHook(functools.partial):
+    """A hook registered by mixhook: calls the function it wraps (a ``functools.partial`` with no bound
+    arguments, so the call costs nothing in Python); its copies are :func:`detached_hook`."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo):
+        return detached_hook
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        return (_detached, ())
+
+
+def _detached():
+    return detached_hook
+
+
+def own(handle) -> None:
+    """Make the hook behind ``handle`` (a ``RemovableHandle`` from ``register_*hook``) an
+    :class:`OwnedHook`, so that copies of the module it is registered on drop it."""
+    if not isinstance(handle, RemovableHandle):
+        return
+    hooks = handle.hooks_dict_ref()
+    if hooks is not None and handle.id in hooks and not isinstance(hooks[handle.id], OwnedHook):
+        hooks[handle.id] = OwnedHook(hooks[handle.id])

@@ -1,0 +1,364 @@
+"""Layouts: which axes of a 4-D map are its channels, and which its height and width.
+
+A region method (CutMix, FMix, PatchUp, GridMix, TokenMix, SmoothMix, ResizeMix, the saliency methods:
+every :class:`~mixhook.Mixer` with ``layout_aware``) cuts a map's height and width and keeps its channels
+whole. PyTorch's convolutions give ``(B, C, H, W)`` maps ("NCHW"), but Swin Transformers (torchvision's
+``features``, timm's stages) keep theirs as ``(B, H, W, C)`` ("NHWC"), and ConvNeXt blocks permute to
+``(B, H, W, C)`` around their LayerNorm and MLP. A box cut from an NHWC map as if it were NCHW runs over W
+and C: a silently wrong mix. So a map's layout is found, never guessed (:func:`site_layout`):
+
+1. **declared**: the mixer's ``layout="NHWC"`` (or ``"NCHW"``; a dict per layer spec), refused in one line
+   where it contradicts what the model states;
+2. **stated by the module** whose output it is: convolutions, batch norm, pooling and the other 2-D
+   modules of ``torch.nn`` give NCHW; ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.Linear`` act on the last
+   dimension, so a 4-D output of theirs is NHWC; torchvision's ``Permute`` says it with its ``dims``;
+   torchvision's Swin blocks and patch merging (NHWC), ``CNBlock`` and ``LayerNorm2d`` (NCHW), timm's
+   ``LayerNorm``/``RmsNorm``/``SimpleNorm`` (NHWC) and their ``2d`` variants (NCHW), ConvNeXt blocks and
+   stages (NCHW), ``GlobalResponseNorm`` (by its ``channel_dim``), a module with an ``output_fmt``
+   (timm's ``PatchEmbed``) or a ``data_format`` (the LayerNorm of ConvNeXt's reference code and of
+   HuggingFace's ConvNeXt); a ``Sequential`` (or timm's ``Mlp`` family, which run their parts in order)
+   gives what its last part gives, passing over the parts that keep their input's layout (activations,
+   dropout, ``Identity``, stochastic depth), and such a part inside a ``Sequential`` has the layout of the
+   part before it;
+3. **stated by the model** for its feature maps: timm's ``output_fmt = "NHWC"`` (Swin, Sequencer,
+   MambaOut, ...), torchvision's ``SwinTransformer``;
+4. otherwise PyTorch's convention, NCHW, **unless** the model holds modules that work on NHWC maps (a
+   ``Permute`` to NHWC, a known channels-last block, or a block whose parts are a 2-D convolution and a
+   ``Linear`` or ``LayerNorm`` over its channels, as in ConvNeXt's reference code): there a map whose
+   layout nothing states could be either, and it is refused until declared.
+
+The model's input is NCHW (images, as torchvision, timm and HuggingFace vision models take them) unless
+declared. ``channels_last`` as a *memory format* is not a layout: a ``(B, C, H, W)`` tensor stored
+channels-last is still indexed ``(B, C, H, W)``, and mixhook reads shapes, never strides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from .sites import INPUT, Site
+
+NCHW, NHWC = "NCHW", "NHWC"
+LAYOUTS = (NCHW, NHWC)
+
+
+class AmbiguousLayoutError(TypeError):
+    """The layout of a map a region method would cut cannot be told (or a declared one contradicts the
+    model): refused, never guessed."""
+
+
+# Modules of torch.nn whose 4-D outputs are (B, C, H, W) (subclasses keep that: timm's BatchNormAct2d,
+# Conv2dSame, ...).
+_CHANNELS_FIRST = (
+    nn.Conv2d, nn.ConvTranspose2d, nn.BatchNorm2d, nn.SyncBatchNorm, nn.InstanceNorm2d, nn.GroupNorm,
+    nn.LocalResponseNorm, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool2d,
+    nn.LPPool2d, nn.FractionalMaxPool2d, nn.MaxUnpool2d, nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle,
+    nn.Dropout2d, nn.ZeroPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d, nn.ConstantPad2d, nn.ChannelShuffle,
+    nn.Softmax2d, nn.Fold,
+)  # fmt: skip
+# Modules that act on the last dimension: a 4-D output of theirs has its channels last.
+_LAST_DIM = (nn.Linear, nn.Bilinear)
+_LAST_DIM_NORMS = (
+    nn.LayerNorm,
+    nn.RMSNorm,
+)  # when their forward is torch's own (the "2d" subclasses permute)
+# Modules that keep their input's layout (elementwise, or over the whole tensor).
+_KEEP = (
+    nn.Identity, nn.Dropout, nn.AlphaDropout, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
+    nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus,
+    nn.Softsign, nn.Tanhshrink, nn.Softshrink, nn.Hardshrink, nn.Threshold, nn.LogSigmoid,
+)  # fmt: skip
+
+# Classes of torchvision and timm by "module.QualName" (neither library is imported for this).
+_KNOWN = {
+    "torchvision.models.convnext.CNBlock": NCHW,
+    "torchvision.models.convnext.LayerNorm2d": NCHW,
+    "torchvision.models.swin_transformer.SwinTransformerBlock": NHWC,
+    "torchvision.models.swin_transformer.SwinTransformerBlockV2": NHWC,
+    "torchvision.models.swin_transformer.PatchMerging": NHWC,
+    "torchvision.models.swin_transformer.PatchMergingV2": NHWC,
+    "torchvision.models.swin_transformer.ShiftedWindowAttention": NHWC,
+    "torchvision.models.swin_transformer.ShiftedWindowAttentionV2": NHWC,
+    "timm.layers.norm.LayerNorm2d": NCHW,
+    "timm.layers.norm.LayerNorm2dFp32": NCHW,
+    "timm.layers.norm.RmsNorm2d": NCHW,
+    "timm.layers.norm.RmsNorm2dFp32": NCHW,
+    "timm.layers.norm.SimpleNorm2d": NCHW,
+    "timm.layers.norm.SimpleNorm2dFp32": NCHW,
+    "timm.models.convnext.ConvNeXtBlock": NCHW,
+    "timm.models.convnext.ConvNeXtStage": NCHW,
+    "timm.models.swin_transformer.SwinTransformerBlock": NHWC,
+    "timm.models.swin_transformer.SwinTransformerStage": NHWC,
+    "timm.models.swin_transformer.PatchMerging": NHWC,
+    "timm.models.swin_transformer_v2.SwinTransformerV2Block": NHWC,
+    "timm.models.swin_transformer_v2.SwinTransformerV2Stage": NHWC,
+    "timm.models.swin_transformer_v2.PatchMerging": NHWC,
+}
+# timm's norms over the last dimension (4-D outputs NHWC; on 3-D tokens too, so no sign of NHWC maps).
+_LAST_DIM_NAMES = {
+    "timm.layers.norm.LayerNorm",
+    "timm.layers.norm.LayerNormFp32",
+    "timm.layers.norm.RmsNorm",
+    "timm.layers.norm.RmsNormFp32",
+    "timm.layers.norm.SimpleNorm",
+    "timm.layers.norm.SimpleNormFp32",
+}
+# Classes that run their parts in the order they were registered, as a Sequential does.
+_IN_ORDER = {
+    "timm.layers.mlp.Mlp",
+    "timm.layers.mlp.ConvMlp",
+    "timm.layers.mlp.GluMlp",
+    "timm.layers.mlp.SwiGLU",
+    "timm.layers.mlp.GatedMlp",
+    "timm.layers.mlp.GlobalResponseNormMlp",
+}
+_KEEP_NAMES = {
+    "torchvision.ops.stochastic_depth.StochasticDepth",
+    "timm.layers.drop.DropPath",
+    "timm.layers.activations.GELU",
+    "timm.layers.activations.GELUTanh",
+    "timm.layers.activations.QuickGELU",
+    "timm.layers.activations.Swish",
+    "timm.layers.activations.Mish",
+    "timm.layers.activations.Sigmoid",
+    "timm.layers.activations.Tanh",
+    "timm.layers.activations.HardSwish",
+    "timm.layers.activations.HardSigmoid",
+    "timm.layers.activations.HardMish",
+}
+# Whole models that state their feature maps' layout (besides a timm model's ``output_fmt``).
+_MODELS = {"torchvision.models.swin_transformer.SwinTransformer": NHWC}
+# Blocks that hold a convolution and a LayerNorm over tokens (flattened), not over an NHWC map.
+_NOT_PERMUTING = {"timm.layers.patch_embed.PatchEmbed"}
+
+
+def _name(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _format(value) -> str | None:
+    value = getattr(value, "value", value)  # timm's Format is a str Enum
+    return value if value in LAYOUTS else None
+
+
+def check_layout(layout, specs: tuple[str, ...]):
+    """A mixer's ``layout`` argument, checked: ``None``, ``"NCHW"``/``"NHWC"`` for every layer, or a dict
+    from some of ``specs`` to one; anything else is a one-line ``ValueError``."""
+    if layout is None or layout in LAYOUTS:
+        return layout
+    if isinstance(layout, Mapping):
+        unknown = sorted(set(layout) - set(specs))
+        if unknown:
+            raise ValueError(f"layout names layers {unknown} that are not among {list(specs)}")
+        bad = {k: v for k, v in layout.items() if v not in LAYOUTS}
+        if not bad:
+            return dict(layout)
+    raise ValueError(
+        f"layout must be 'NCHW' ((B, C, H, W) maps) or 'NHWC' ((B, H, W, C) maps), or a dict from layer "
+        f"spec to one, got {layout!r}"
+    )
+
+
+@dataclass(frozen=True)
+class SiteLayout:
+    """The layout of the 4-D maps at one site: ``layout`` (``None``: cannot be told, ``error`` says why and
+    is raised when a region method meets a 4-D map there) and how it was known."""
+
+    layout: str | None
+    how: str
+    error: str | None = None
+
+    def of(self, kind: str, spec: str) -> str:
+        """The layout, or the one-line :class:`AmbiguousLayoutError`."""
+        if self.layout is None:
+            raise AmbiguousLayoutError(f"{kind} at {spec!r}: {self.error}")
+        return self.layout
+
+
+class _Model:
+    """What one model states about the layouts of its modules' outputs (memoised per module name)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+        self._memo: dict[str, str | None] = {}
+
+    def stated(self, name: str) -> tuple[str | None, str]:
+        """The layout module ``name`` states for its 4-D output, and what states it: the module, its
+        place in a Sequential, or a model that encloses it; ``(None, "")`` where nothing does."""
+        found = self._of(name)
+        if found is not None:
+            return found, f"{type(self.model.get_submodule(name)).__name__} {name!r}"
+        parts = name.split(".")
+        for i in range(len(parts) - 1, -1, -1):  # enclosing modules, innermost first, the model last
+            outer = ".".join(parts[:i])
+            layout = self._model_level(self.model.get_submodule(outer))
+            if layout is not None:
+                return layout, f"the model {type(self.model.get_submodule(outer)).__name__}"
+        return None, ""
+
+    def _model_level(self, module: nn.Module) -> str | None:
+        if _name(module) in _MODELS:
+            return _MODELS[_name(module)]
+        if hasattr(module, "feature_info") and hasattr(module, "output_fmt"):  # a timm model
+            return _format(module.output_fmt)
+        return None
+
+    def _of(self, name: str) -> str | None:
+        if name not in self._memo:
+            self._memo[name] = None  # (a cycle, which module trees do not have, ends here)
+            self._memo[name] = self._resolve(name)
+        return self._memo[name]
+
+    def _resolve(self, name: str) -> str | None:
+        module = self.model.get_submodule(name)
+        direct = _direct(module)
+        if direct is not None:
+            return direct
+        if _in_order(module):  # its last part that states one, passing over the parts that keep it
+            for child, part in reversed(list(_children(module, name))):
+                found = self._of(child)
+                if found is not None:
+                    return found
+                if not _keeps(part):
+                    return None
+            return self._before(name)
+        if _keeps(module):
+            return self._before(name)
+        return None
+
+    def _before(self, name: str) -> str | None:
+        """The layout of what module ``name`` is given, where its parent runs its parts in order."""
+        if not name:
+            return None
+        parent_name = name.rpartition(".")[0]
+        parent = self.model.get_submodule(parent_name)
+        if not _in_order(parent):
+            return None
+        siblings = list(_children(parent, parent_name))
+        index = [n for n, _ in siblings].index(name)
+        for sibling, part in reversed(siblings[:index]):
+            found = self._of(sibling)
+            if found is not None:
+                return found
+            if not _keeps(part):
+                return None
+        return self._before(parent_name)
+
+    def permuting(self) -> list[str]:
+        """The modules that show the model works on NHWC maps (see the module docstring, rule 4)."""
+        found = []
+        for module, name in self.names.items():
+            if _direct(module, strong=True) == NHWC or (name and _permutes(module)):
+                found.append(name or "(the model)")
+            elif self._model_level(module) == NHWC:
+                found.append(name or "(the model)")
+        return found
+
+
+def _children(module: nn.Module, name: str):
+    prefix = f"{name}." if name else ""
+    return [(f"{prefix}{n}", m) for n, m in module.named_children()]
+
+
+def _direct(module: nn.Module, strong: bool = False) -> str | None:
+    """What ``module``'s own class (or attributes) says of its 4-D output. ``strong``: only statements
+    that show NHWC maps exist (not the last-dimension rule of Linear and LayerNorm, which hold everywhere
+    for 3-D tokens too)."""
+    name = _name(module)
+    if name in _KNOWN:
+        return _KNOWN[name]
+    if name == "torchvision.ops.misc.Permute":
+        dims = list(getattr(module, "dims", []))
+        return NHWC if dims == [0, 2, 3, 1] else NCHW if dims == [0, 3, 1, 2] else None
+    if name == "timm.layers.mlp.GlobalResponseNorm" or name.endswith(".GlobalResponseNorm"):
+        dim = getattr(module, "channel_dim", None)
+        return NHWC if dim == -1 else NCHW if dim == 1 else None
+    data_format = getattr(module, "data_format", None)  # ConvNeXt's reference LayerNorm, HuggingFace's
+    if data_format in ("channels_last", "channels_first"):
+        return NHWC if data_format == "channels_last" else NCHW
+    fmt = getattr(module, "output_fmt", None)
+    if fmt is not None and not hasattr(module, "feature_info"):  # a layer's own (timm's PatchEmbed)
+        return _format(fmt) if getattr(module, "flatten", False) is False else None
+    if isinstance(module, _CHANNELS_FIRST):
+        return NCHW
+    if strong:
+        return None
+    if isinstance(module, _LAST_DIM) or name in _LAST_DIM_NAMES:
+        return NHWC
+    if isinstance(module, _LAST_DIM_NORMS) and type(module).forward in (
+        nn.LayerNorm.forward,
+        nn.RMSNorm.forward,
+    ):
+        return NHWC if len(module.normalized_shape) == 1 else None
+    return None
+
+
+def _last_dim_part(module: nn.Module) -> bool:
+    """A Linear, or a LayerNorm over one dimension (torch's, timm's, or a class of that name: ConvNeXt's
+    reference code has its own)."""
+    if isinstance(module, _LAST_DIM) or _name(module) in _LAST_DIM_NAMES:
+        return True
+    shape = getattr(module, "normalized_shape", None)
+    return "LayerNorm" in type(module).__name__ and "2d" not in type(module).__name__ and shape is not None
+
+
+def _permutes(module: nn.Module) -> bool:
+    """A block that holds a 2-D convolution beside a Linear or LayerNorm over the channels: it must permute
+    its maps to NHWC between them (ConvNeXt's block)."""
+    if _name(module) in _NOT_PERMUTING:
+        return False
+    parts = list(module.children())
+    return any(isinstance(p, nn.Conv2d) for p in parts) and any(_last_dim_part(p) for p in parts)
+
+
+def _in_order(module: nn.Module) -> bool:
+    return isinstance(module, nn.Sequential) or _name(module) in _IN_ORDER
+
+
+def _keeps(module: nn.Module) -> bool:
+    """Whether ``module`` gives its input's layout back (elementwise)."""
+    return isinstance(module, _KEEP) or _name(module) in _KEEP_NAMES
+
+
+def site_layout(
+    model: nn.Module, site: Site, declared: str | None, facts: _Model | None = None
+) -> SiteLayout:
+    """The layout of the 4-D maps at ``site`` of ``model`` (see the module docstring), with ``declared``
+    (the mixer's ``layout`` for this site) checked against what the model states. ``facts``: a
+    :class:`_Model` shared by several sites of one model."""
+    facts = facts or _Model(model)
+    if site.layer == INPUT:
+        return SiteLayout(declared or NCHW, "declared" if declared else "the model's input (images)")
+    stated, source = facts.stated(site.layer)
+    if declared is not None:
+        if stated is not None and stated != declared:
+            return SiteLayout(
+                None,
+                "declared",
+                f"layout={declared!r} was declared, but {source} gives {stated} maps; declare "
+                f"layout={stated!r} or leave it out",
+            )
+        return SiteLayout(declared, "declared")
+    if stated is not None:
+        return SiteLayout(stated, f"stated by {source}")
+    permuting = facts.permuting()
+    if permuting:
+        shown = ", ".join(permuting[:3]) + (", ..." if len(permuting) > 3 else "")
+        return SiteLayout(
+            None,
+            "unknown",
+            f"{type(model.get_submodule(site.layer)).__name__} states no layout for its (B, ?, ?, ?) map, "
+            f"and the model works on (B, H, W, C) maps too ({shown}), so it may be (B, C, H, W) or (B, H, W, "
+            "C); declare it: layout='NCHW' or layout='NHWC'",
+        )
+    return SiteLayout(NCHW, "convention")
+
+
+def layout_facts(model: nn.Module) -> _Model:
+    """The per-model statements :func:`site_layout` reads, to share among the sites of one model."""
+    return _Model(model)

@@ -1,0 +1,264 @@
+"""Layouts: region methods cut the height and width of every 4-D map, (B, C, H, W) or (B, H, W, C), or refuse.
+
+Torchvision's Swin keeps (B, H, W, C) maps in ``features``, ConvNeXt blocks (torchvision's and timm's with
+``conv_mlp=False``) permute to (B, H, W, C) around their LayerNorm and MLP. Each is checked against a
+hand-edited model (the layer wrapped in a module that pastes the box over H and W by hand) in float64,
+logits and every gradient; every layout-aware method on an NHWC map against the same method on the NCHW
+map it is a permutation of; and what cannot be told is refused in one line.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops.misc import Permute
+
+from mixhook import CutMix, FMix, ManifoldMixup, PatchUp, SaliencyMix
+from mixhook.layouts import AmbiguousLayoutError
+from mixhook.mixers import METHODS
+from tests.helpers import set_module
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+class Pasted(nn.Module):
+    """A hand edit: ``layer``'s output with ``box`` (rows y1:y2, columns x1:x2 at dims ``hw``) taken from
+    the partner ``index[i]``."""
+
+    def __init__(self, layer, box, index, hw):
+        super().__init__()
+        self.layer, self.box, self.index, self.hw = layer, box, index, hw
+
+    def forward(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        y1, y2, x1, x2 = self.box
+        where = [slice(None)] * out.ndim
+        where[self.hw[0]], where[self.hw[1]] = slice(y1, y2), slice(x1, x2)
+        pasted = out.clone()
+        pasted[tuple(where)] = out[self.index][tuple(where)]
+        return pasted
+
+
+def swin():
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(
+        patch_size=[2, 2],
+        embed_dim=8,
+        depths=[1, 1],
+        num_heads=[1, 1],
+        window_size=[4, 4],
+        num_classes=3,
+        stochastic_depth_prob=0.0,
+    )
+
+
+def convnext_torchvision():
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=3)
+
+
+def convnext_timm():
+    from timm.models.convnext import ConvNeXt
+
+    return ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), num_classes=3, conv_mlp=False)
+
+
+def swin_timm():
+    import timm
+
+    return timm.create_model(
+        "swin_tiny_patch4_window7_224", pretrained=False, num_classes=3, img_size=32, embed_dim=8,
+        depths=(1, 1), num_heads=(1, 1), window_size=4, drop_path_rate=0.0,
+    )  # fmt: skip
+
+
+# (model, layer, the dims of H and W in its output, input side)
+CASES = {
+    "swin_t-features.1": (swin, "features.1", (1, 2), 16),
+    "swin_t-features.0": (swin, "features.0", (1, 2), 16),
+    "convnext-block.LayerNorm": (convnext_torchvision, "features.1.0.block.2", (1, 2), 32),
+    "convnext-block.GELU": (convnext_torchvision, "features.1.0.block.4", (1, 2), 32),
+    "convnext-CNBlock": (convnext_torchvision, "features.1.0", (2, 3), 32),
+    "timm-convnext-norm": (convnext_timm, "stages.1.blocks.0.norm", (1, 2), 32),
+    "timm-convnext-mlp": (convnext_timm, "stages.1.blocks.0.mlp", (1, 2), 32),
+    "timm-convnext-conv_dw": (convnext_timm, "stages.1.blocks.0.conv_dw", (2, 3), 32),
+    "timm-swin-stage": (swin_timm, "layers.0", (1, 2), 32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cutmix_pastes_over_height_and_width_as_a_hand_edited_model(case):
+    build, layer, hw, side = CASES[case]
+    torch.manual_seed(0)
+    model = build().double().train()
+    x = torch.randn(4, 3, side, side, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0])
+    index, box = torch.tensor([2, 3, 0, 1]), (1, 3, 0, 2)
+    reference = copy.deepcopy(model)
+    set_module(reference, layer, Pasted(reference.get_submodule(layer), box, index, hw))
+    mix = CutMix(layer, generator=gen())
+    with mix.attach(model):
+        mix.pin(lam=0.5, index=index, box=box)
+        out = model(x)
+        state = mix.state_for(out)
+        mix.loss(F.cross_entropy, out, y).backward()
+    ref = reference(x)
+    sizes = state.shapes[0]
+    lam = 1 - 4 / (sizes[hw[0]] * sizes[hw[1]])  # the 2x2 box over the map's H x W
+    assert float(state.lam) == pytest.approx(lam)
+    assert tuple(state.weights.shape) == (1, sizes[hw[0]], sizes[hw[1]])
+    (lam * F.cross_entropy(ref, y) + (1 - lam) * F.cross_entropy(ref, y[index])).backward()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class Maps(nn.Module):
+    """conv -> (Permute to NHWC | Identity) -> GELU -> back: ``features.2``'s map is (B, H, W, C) or
+    (B, C, H, W) with the same values."""
+
+    def __init__(self, nhwc: bool):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), Permute([0, 2, 3, 1]) if nhwc else nn.Identity(), nn.GELU()
+        )
+        self.back = Permute([0, 3, 1, 2]) if nhwc else nn.Identity()
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.head(self.back(self.features(x)).mean((2, 3)))
+
+
+LAYOUT_AWARE = {
+    name: (lambda cls=cls: cls("features.2", generator=gen(5)))
+    for name, cls in METHODS.items()
+    if getattr(cls, "layout_aware", False) and name not in ("TransMix", "OneOf")
+}
+LAYOUT_AWARE.update({
+    "CutMix-elem": lambda: CutMix("features.2", mode="elem", generator=gen(5)),
+    "SaliencyMix-gradient": lambda: SaliencyMix("features.2", saliency="gradient", generator=gen(5)),
+    "SaliencyMix-saliency_layer": lambda: SaliencyMix(
+        "features.2", saliency_layer="features.1", generator=gen(5)
+    ),
+})  # fmt: skip
+
+
+@pytest.mark.parametrize("method", list(LAYOUT_AWARE))
+def test_every_region_method_mixes_an_nhwc_map_as_its_nchw_twin(method):
+    """The same draws on the same values: the NHWC model's mix is the NCHW model's, permuted (logits,
+    lam, weights and gradients equal)."""
+    results = []
+    for nhwc in (True, False):
+        torch.manual_seed(0)
+        model = Maps(nhwc).double().train()
+        x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+        mix = LAYOUT_AWARE[method]()
+        with mix.attach(model):
+            mix.use_targets(y)
+            out = model(x)
+            state = mix.state_for(out)
+            mix.loss(lambda o, t: F.cross_entropy(o, t, reduction="none"), out, y).sum().backward()
+        results.append((out, state, [p.grad for p in model.parameters()]))
+    (out, state, grads), (out_ref, state_ref, grads_ref) = results
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state.lam, state_ref.lam)
+    assert (state.weights is None) == (state_ref.weights is None)
+    if state.weights is not None:
+        torch.testing.assert_close(state.weights, state_ref.weights)
+    torch.testing.assert_close(grads, grads_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_a_map_whose_layout_nothing_states_is_refused_until_declared():
+    """timm's ConvNeXt permutes inside its blocks, so its ``drop_path`` (an Identity) could carry either
+    layout: refused in one line naming the fix, accepted declared; a blend (layout-free) is not refused."""
+    torch.manual_seed(0)
+    model = convnext_timm().double().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    mix = CutMix("stages.1.blocks.0.drop_path")
+    with mix.attach(model), pytest.raises(AmbiguousLayoutError) as err:
+        model(x)
+    message = str(err.value)
+    assert "\n" not in message and "stages.1.blocks.0.drop_path" in message
+    assert "layout='NCHW' or layout='NHWC'" in message and "stages.1.blocks.0" in message
+    declared = CutMix("stages.1.blocks.0.drop_path", layout="NCHW", generator=gen())
+    with declared.attach(model):
+        declared.pin(lam=0.5, index=torch.tensor([1, 0]), box=(0, 2, 0, 2))
+        model(x)
+        assert declared.last.weights.shape == (1, 4, 4)  # its (B, 16, 4, 4) map, cut over 4 x 4
+    with ManifoldMixup("stages.1.blocks.0.drop_path").attach(model):
+        model(x)
+
+
+def test_a_declared_layout_that_contradicts_the_model_is_refused():
+    torch.manual_seed(0)
+    model = swin().train()
+    mix = FMix("features.1", layout="NCHW")
+    with (
+        mix.attach(model),
+        pytest.raises(AmbiguousLayoutError, match="gives NHWC maps; declare layout='NHWC'"),
+    ):
+        model(torch.randn(2, 3, 16, 16))
+
+
+@pytest.mark.parametrize(
+    "layout, match",
+    [("NWHC", "layout must be 'NCHW'"), ({"nosuch": "NHWC"}, "not among"), ({"conv2": "CHW"}, "layout must")],
+)
+def test_a_bad_layout_argument_is_refused_at_construction(layout, match):
+    with pytest.raises(ValueError, match=match):
+        PatchUp("conv2", layout=layout)
+
+
+def test_a_model_input_given_as_nhwc_is_cut_over_height_and_width_when_declared():
+    class TakesNHWC(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(3, 2)
+
+        def forward(self, x):  # (B, H, W, C) images
+            return self.head(x.mean((1, 2)))
+
+    torch.manual_seed(0)
+    model = TakesNHWC().double().train()
+    x = torch.randn(2, 6, 6, 3, dtype=torch.float64)
+    index, box = torch.tensor([1, 0]), (0, 3, 1, 4)
+    mix = CutMix("input", layout="NHWC")
+    with mix.attach(model):
+        mix.pin(lam=0.5, index=index, box=box)
+        out = model(x)
+    pasted = x.clone()
+    pasted[:, 0:3, 1:4, :] = x[index][:, 0:3, 1:4, :]
+    torch.testing.assert_close(out, model.head(pasted.mean((1, 2))))
+
+
+def test_channels_last_memory_format_is_not_a_layout():
+    """A (B, C, H, W) model and batch stored channels-last mix exactly as the contiguous ones: the same
+    mask over the same (H, W) (its mixed map equal up to the convolutions' own rounding, which differs
+    between the two formats by about 1e-12 in float64, as the unhooked model's does)."""
+    import torchvision
+
+    from mixhook import FeatureRecorder, attach
+
+    outs = []
+    for channels_last in (False, True):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=3).double().train()
+        x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
+        mix = PatchUp("layer1", block_size=3, generator=gen(1))
+        before, after = FeatureRecorder("layer1", where="before"), FeatureRecorder("layer1", where="after")
+        with attach(model, mix, before, after):
+            model(x)
+        outs.append((mix.last.info["mask"], before.features["layer1"], after.features["layer1"]))
+    (mask, h, mixed), (mask_cl, h_cl, mixed_cl) = outs
+    assert h_cl.is_contiguous(memory_format=torch.channels_last) and torch.equal(mask, mask_cl)
+    torch.testing.assert_close(h_cl, h, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(mixed_cl, mixed, rtol=1e-9, atol=1e-11)

@@ -1,0 +1,164 @@
+"""Every hook that draws at random has ``state_dict()``/``load_state_dict()`` that a user's own checkpoint
+can carry (through ``torch.save`` and ``torch.load(weights_only=True)``), so a resumed run continues the same
+draws bit for bit; a state of another hook is refused in one line. Under ``torch.distributed`` a regularizer
+with no generator of its own draws differently on each rank; one given a generator draws from it."""
+
+import io
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mixhook import (
+    ActivationStats,
+    CutMix,
+    GradScale,
+    InputScale,
+    ManifoldMixup,
+    MixSchedule,
+    NoisyFeatureMixup,
+    OneOf,
+    Ramp,
+    attach,
+)
+from mixhook.hooks import StateError, rank_seed
+from tests.helpers import SmallCNN
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def build():
+    return [
+        OneOf(
+            [ManifoldMixup(["input", "conv1"], generator=gen(1)), CutMix("conv2", generator=gen(2))],
+            generator=gen(3),
+        ),
+        InputScale("conv2", (0.5, 1.5), generator=gen(4)),
+        ActivationStats(["conv1"], every=2),
+    ]
+
+
+def run(model, hooks, x, steps):
+    """``steps`` training forwards: what each mixed and scaled, and what the probe recorded."""
+    seen = []
+    with attach(model, *hooks):
+        for _ in range(steps):
+            logits = model(x)
+            state = hooks[0].state_for(logits)
+            seen.append(
+                (
+                    None if state is None else (state.layer, state.lam.tolist(), state.index.tolist()),
+                    hooks[1].last,
+                )
+            )
+    return seen, [(r["step"], r["layer"]) for r in hooks[2].rows()]
+
+
+def test_a_run_resumed_from_the_hooks_state_dicts_continues_the_same_draws():
+    torch.manual_seed(0)
+    model = SmallCNN().train()
+    x = torch.randn(4, 3, 6, 6)
+    hooks = build()
+    run(model, hooks, x, 3)  # the first part of the run
+    buffer = io.BytesIO()
+    torch.save([h.state_dict() for h in hooks], buffer)
+    uninterrupted = run(model, hooks, x, 4)
+    resumed_hooks = build()  # a new process: hooks built from the config, then their states loaded
+    buffer.seek(0)
+    for hook, state in zip(resumed_hooks, torch.load(buffer, weights_only=True), strict=True):
+        hook.load_state_dict(state)
+    resumed = run(model, resumed_hooks, x, 4)
+    assert resumed[0][0][0] is not None or resumed[0][1][0] is not None
+    for (a, scale_a), (b, scale_b) in zip(uninterrupted[0], resumed[0], strict=True):
+        assert a == b and torch.equal(scale_a, scale_b)
+    assert resumed[1] == uninterrupted[1]  # the probe records at the same steps (every=2)
+
+
+def test_nfm_and_a_schedule_have_state_dicts():
+    torch.manual_seed(0)
+    model = SmallCNN().train()
+    x = torch.randn(4, 3, 6, 6)
+    mix = NoisyFeatureMixup("conv1", generator=gen(9))
+    state = mix.state_dict()
+    with mix.attach(model):
+        first = model(x)
+    again = NoisyFeatureMixup("conv1")
+    again.load_state_dict(state)
+    with again.attach(model):
+        torch.testing.assert_close(model(x), first)  # the same mix and the same noise
+    schedule = MixSchedule(mix, prob=Ramp(0.2, 1.0, epochs=3), off_epoch=5)
+    MixSchedule(mix, prob=Ramp(0.2, 1.0, epochs=3), off_epoch=5).load_state_dict(schedule.state_dict())
+    with pytest.raises(StateError, match="off_epoch=5.*off_epoch=6"):
+        MixSchedule(mix, prob=Ramp(0.2, 1.0, epochs=3), off_epoch=6).load_state_dict(schedule.state_dict())
+
+
+@pytest.mark.parametrize(
+    "source, target, match",
+    [
+        (lambda: ManifoldMixup("conv1"), lambda: CutMix("conv1"), "a 'ManifoldMixup''s, not a CutMix's"),
+        (
+            lambda: CutMix("conv1"),
+            lambda: CutMix("conv2"),
+            r"for layers \['conv1'\], this CutMix has \['conv2'\]",
+        ),
+        (
+            lambda: OneOf([ManifoldMixup("conv1"), CutMix("conv1")]),
+            lambda: OneOf([CutMix("conv1"), ManifoldMixup("conv1")]),
+            "for mixers",
+        ),
+        (lambda: GradScale("conv1", 2.0), lambda: InputScale("conv1", 2.0), "a 'GradScale''s"),
+        (lambda: None, lambda: CutMix("conv1"), "needs the dict state_dict"),
+        (lambda: InputScale("conv1", 2.0), lambda: ActivationStats("conv1"), "a 'InputScale''s"),
+    ],
+)
+def test_a_state_of_another_hook_is_refused_in_one_line(source, target, match):
+    made = source()
+    state = made.state_dict() if made is not None else [1, 2]
+    with pytest.raises(StateError, match=match) as err:
+        target().load_state_dict(state)
+    assert "\n" not in str(err.value)
+
+
+def _draw_on_rank(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)  # every rank seeded alike, as a training script does
+        model = SmallCNN().train()
+        x = torch.randn(8, 3, 6, 6)
+        default, given = ManifoldMixup("conv1"), ManifoldMixup("conv1", generator=gen(5))
+        draws = []
+        for mix in (default, given):
+            with mix.attach(model):
+                model(x)
+                draws.append((float(mix.last.lam), mix.last.index.tolist()))
+        out[rank] = (draws, default.state_dict()["per_rank"])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_torch_distributed_a_default_generator_draws_per_rank():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_draw_on_rank, args=(2, port, out), nprocs=2, join=True)
+        (default_0, given_0), done_0 = out[0]
+        (default_1, given_1), done_1 = out[1]
+    assert default_0 != default_1  # per rank
+    assert given_0 == given_1  # the generator the user gave: what it draws
+    assert not done_0 and not done_1  # reseeded once, at the first training forward
+    torch.manual_seed(0)
+    single = ManifoldMixup("conv1")  # rank 0 draws what a single process draws
+    with single.attach(SmallCNN().train()) as _:
+        single.model(torch.randn(8, 3, 6, 6))
+    assert default_0 == (float(single.last.lam), single.last.index.tolist())
+    assert rank_seed(7, 0) == 7 and rank_seed(7, 1) != 7

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
+from .provenance import digest
+
 PIPELINES = ("auto", "device", "workers")  # data.pipeline: where CIFAR batches are made (see build_data)
 
 
@@ -43,6 +45,7 @@ class Data:
     in_channels: int
     num_classes: int
     image_size: int
+    split_hash: str | None = None  # provenance.digest of the train and test images and labels
 
 
 def build_data(
@@ -219,6 +222,7 @@ def _digits(
         return TensorDataset(images, torch.from_numpy(labels))
 
     info = {"in_channels": 1, "num_classes": 10, "image_size": 8}
+    info["split_hash"] = digest(x_train, y_train, x_test, y_test)
     return tensors(x_train, y_train), tensors(x_test, y_test), info
 
 
@@ -266,6 +270,7 @@ def _cifar(name: str, root: str = "data", download: bool = False, augment: bool 
     test_x, test_y = load_cifar_files(folder, spec["test"], spec["label_key"])
     norm = (spec["mean"], spec["std"])
     info = {"in_channels": 3, "num_classes": spec["num_classes"], "image_size": 32}
+    info["split_hash"] = digest(train_x, train_y, test_x, test_y)
     return CifarImages(train_x, train_y, *norm, augment=augment), CifarImages(test_x, test_y, *norm), info
 
 

@@ -31,6 +31,7 @@ from mixhook.probes import ActivationStats, GradStats
 from . import schema
 from .data import Data, DataNotFoundError, build_data
 from .files import make_writable_dir
+from .provenance import environment
 from .training import Run, Settings, train
 from .training import checkpoint as ckpt
 from .training.distributed import Dist
@@ -218,9 +219,11 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         "hooks": {key: repr(hook) for key, hook in hooks if hook is not mixup},
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "data": cfg.data.name,
+        "data_split": data.split_hash,
         "seed": cfg.seed,
         "device": str(device),
         "torch": torch.__version__,
+        "environment": environment(device),
         "loss": trainer.loss,
         "mixed_loss_weight": trainer.mixed_loss_weight,
         "precision": trainer.precision,

@@ -314,6 +314,28 @@ def test_a_checkpoint_whose_weights_do_not_fit_the_model_is_refused(tmp_path, ca
     assert "the checkpoint's model or optimizer does not fit this run: " in line and "linear.weight" in line
 
 
+def test_a_checkpoint_of_another_data_split_is_refused_and_summary_json_names_the_split(tmp_path, capsys):
+    """summary.json records the split's digest and what the figures depend on (versions, CPU, threads);
+    a checkpoint trained on another split (changed data files or split) is not continued."""
+    out = tmp_path / "run"
+    app.main(config(*SMALL, "trainer.epochs=1"), out_dir=str(out))
+    summary = json.loads((out / "summary.json").read_text())
+    environment = summary["environment"]
+    assert summary["data_split"] == DIGITS_200
+    assert {"torch", "torchvision", "numpy", "scikit-learn", "hydra-core"} <= set(environment["versions"])
+    assert environment["python"] and environment["cpu"]["threads"] == torch.get_num_threads()
+    assert environment["cpu"]["model"] and environment["cpu"]["torch_capability"]
+    state = ckpt.load(out / "last.pt")
+    assert state["data_split"] == DIGITS_200
+    state["data_split"] = "0123456789abcdef"
+    ckpt.save(tmp_path / "edited.pt", {k: v for k, v in state.items() if k not in ("format", "version")})
+    line = refused(tmp_path, tmp_path / "edited.pt", capsys, tmp_path / "other", ["trainer.epochs=1"])
+    assert f"trained on another data split (digest 0123456789abcdef; this run's is {DIGITS_200})" in line
+
+
+DIGITS_200 = "bb1dcce0280df5f5"  # the digits split of data.train_size=200 (test_data pins the full one)
+
+
 SCHEDULED = [
     "schedule.off_epoch=3", "schedule.prob={start:0.2,end:1.0,epochs:2}",
     "schedule.alpha={start:0.5,end:2.0,epochs:3,shape:cosine}", "schedule.layer_weights=[1,2,2]",

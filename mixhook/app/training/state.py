@@ -60,6 +60,7 @@ class RunState:
             "scaler": None if scaler is None else scaler.state_dict(),
             "random": randoms,
             "config": run.config,
+            "data_split": getattr(run.data, "split_hash", None),
         })  # fmt: skip
 
     @classmethod
@@ -81,6 +82,12 @@ class RunState:
             run.scheduler.load_state_dict(saved["scheduler"])
         if scaler is not None and saved.get("scaler"):
             scaler.load_state_dict(saved["scaler"])
+        split, ours = saved.get("data_split"), getattr(run.data, "split_hash", None)
+        if split is not None and ours is not None and split != ours:
+            raise ckpt.CheckpointError(
+                f"the checkpoint was trained on another data split (digest {split}; this run's is {ours}): "
+                "the data files, the split settings or the library that draws the split changed"
+            )
         dist = dist or Dist()
         if len(saved["random"]) != dist.world:
             raise ckpt.CheckpointError(

@@ -202,6 +202,14 @@ def markdown(results: dict) -> str:
             "",
             f"Eval forward with inactive hooks / unhooked: {fmt(d['eval_forward_inactive_vs_unhooked'])}",
         ]
+    if "baseline" in results:
+        base = results["baseline"]
+        lines += ["", f"## This checkout against {base['baseline']} (side by side, one process)", ""]
+        lines += ["| call | this (µs) | baseline (µs) | this / baseline |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"| {name} | {row['this_us']:.1f} | {row['baseline_us']:.1f} | {fmt(row['this_vs_baseline'])} |"
+            for name, row in base["rows"].items()
+        ]
     if "blend" in results:
         b = results["blend"]
         lines += ["", f"## Blend forward + backward, {b['shape']} float32 ({b['megabytes']:.0f} MB)", ""]

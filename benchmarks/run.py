@@ -38,6 +38,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cases.baseline import baseline  # noqa: E402
 from benchmarks.cases.blend import blend_bandwidth  # noqa: E402
 from benchmarks.cases.dispatch import dispatch  # noqa: E402
 from benchmarks.cases.memory import memory  # noqa: E402
@@ -53,6 +54,7 @@ CASES = (
     "eager", "compiled", "bf16", "peers", "methods", "dispatch", "blend", "recompiles", "memory",
     "data", "recipe",
 )  # fmt: skip
+OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
 
 
 def main(argv=None) -> dict:
@@ -66,13 +68,21 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--cases",
         default=",".join(CASES),
-        help=f"comma-separated subset of {','.join(CASES)} (default: all); the file name gains the subset",
+        help=f"comma-separated subset of {','.join(CASES + OPT_IN)} (default: all but {','.join(OPT_IN)}); "
+        "the file name gains the subset",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a git revision: the baseline case times this checkout's hot path against that revision's",
     )
     args = parser.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if c not in CASES + OPT_IN]
     if unknown or not cases:
-        parser.error(f"--cases {args.cases!r}: unknown {unknown}; valid: {','.join(CASES)}")
+        parser.error(f"--cases {args.cases!r}: unknown {unknown}; valid: {','.join(CASES + OPT_IN)}")
+    if ("baseline" in cases) != (args.baseline is not None):
+        parser.error("--cases baseline and --baseline REV go together (the revision to compare with)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     device = torch.device(args.device)
@@ -194,6 +204,16 @@ def main(argv=None) -> dict:
             200 if args.quick else 2000,
             *((8, 16) if args.quick else ((256, 32) if cuda else (32, 32))),
         )
+        checkpoint()
+    if "baseline" in cases:
+        log(f"this checkout against {args.baseline} ...")
+        try:
+            results["baseline"] = baseline(
+                device, timer, reps, args.baseline, 200 if args.quick else 2000,
+                *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32))),
+            )  # fmt: skip
+        except ValueError as err:
+            parser.error(str(err))
         checkpoint()
     if "blend" in cases:
         log("blend ...")

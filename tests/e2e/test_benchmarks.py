@@ -7,6 +7,7 @@ not depend on timing (the compiled model does not recompile after warm-up) and t
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -72,10 +73,28 @@ def test_a_subset_of_cases_writes_only_those_under_its_own_name(tmp_path):
     assert "## Dispatch" in json_file.with_suffix(".md").read_text()
 
 
+def test_the_baseline_case_times_this_checkout_against_a_git_revision(tmp_path):
+    """Against HEAD (the same core when nothing is changed): both columns are timed, side by side."""
+    bench.main(["--quick", "--cases", "baseline", "--baseline", "HEAD", "--out", str(tmp_path)])
+    (json_file,) = tmp_path.glob("*-quick-baseline.json")
+    data = json.loads(json_file.read_text())
+    rows = data["baseline"]["rows"]
+    assert data["baseline"]["baseline"] == "HEAD" and len(rows) == 4
+    for row in rows.values():
+        assert row["this_us"] > 0 and row["baseline_us"] > 0 and row["this_vs_baseline"]["n"] == 5
+    assert "## This checkout against HEAD" in json_file.with_suffix(".md").read_text()
+    assert "mixhook_baseline" in sys.modules  # imported beside this checkout's mixhook
+
+
 def test_bad_arguments_are_refused(capsys):  # the runner's own parser, in this process
     bad = [
         (["--quick", "--reps", "3"], "--reps must be at least 5, got 3"),
         (["--quick", "--cases", "blend,eagre"], "unknown ['eagre']; valid: eager,compiled,"),
+        (["--quick", "--cases", "baseline"], "--cases baseline and --baseline REV go together"),
+        (
+            ["--quick", "--cases", "baseline", "--baseline", "nosuch"],
+            "--baseline 'nosuch': git archive failed",
+        ),
     ]
     if not torch.cuda.is_available():
         bad.append((["--device", "cuda"], "no CUDA device is available"))

@@ -27,9 +27,11 @@ and C: a silently wrong mix. So a map's layout is found, never guessed (:func:`s
    ``Linear`` or ``LayerNorm`` over its channels, as in ConvNeXt's reference code): there a map whose
    layout nothing states could be either, and it is refused until declared.
 
-The model's input is NCHW (images, as torchvision, timm and HuggingFace vision models take them) unless
-declared. ``channels_last`` as a *memory format* is not a layout: a ``(B, C, H, W)`` tensor stored
-channels-last is still indexed ``(B, C, H, W)``, and mixhook reads shapes, never strides.
+Inside torchvision's MaxViT attention blocks the 4-D tensors are windows ``(B, windows, positions, C)``,
+not maps: refused, declared or not. The model's input is NCHW (images, as torchvision, timm and
+HuggingFace vision models take them) unless declared. ``channels_last`` as a *memory format* is not a
+layout: a ``(B, C, H, W)`` tensor stored channels-last is still indexed ``(B, C, H, W)``, and mixhook
+reads shapes, never strides.
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ _KEEP_NAMES = {
 }
 # Whole models that state their feature maps' layout (besides a timm model's ``output_fmt``).
 _MODELS = {"torchvision.models.swin_transformer.SwinTransformer": NHWC}
+# Blocks whose inner 4-D tensors are windows, (B, windows, positions in a window, C), not maps.
+_WINDOWS = {"torchvision.models.maxvit.PartitionAttentionLayer"}
 # Blocks that hold a convolution and a LayerNorm over tokens (flattened), not over an NHWC map.
 _NOT_PERMUTING = {"timm.layers.patch_embed.PatchEmbed"}
 
@@ -219,14 +223,8 @@ class _Model:
         direct = _direct(module)
         if direct is not None:
             return direct
-        if _in_order(module):  # its last part that states one, passing over the parts that keep it
-            for child, part in reversed(list(_children(module, name))):
-                found = self._of(child)
-                if found is not None:
-                    return found
-                if not _keeps(part):
-                    return None
-            return self._before(name)
+        if _in_order(module):  # its last part that states one
+            return self._last_of(list(_children(module, name)), name)
         if _keeps(module):
             return self._before(name)
         return None
@@ -241,13 +239,27 @@ class _Model:
             return None
         siblings = list(_children(parent, parent_name))
         index = [n for n, _ in siblings].index(name)
-        for sibling, part in reversed(siblings[:index]):
-            found = self._of(sibling)
+        return self._last_of(siblings[:index], parent_name)
+
+    def _last_of(self, parts: list, owner: str) -> str | None:
+        """The layout the last of ``parts`` (run in order inside module ``owner``) states, passing over
+        the parts that keep their input's; with none, what ``owner`` is given."""
+        for part_name, part in reversed(parts):
+            found = self._of(part_name)
             if found is not None:
                 return found
             if not _keeps(part):
                 return None
-        return self._before(parent_name)
+        return self._before(owner)
+
+    def windows(self, name: str) -> str | None:
+        """The window-partitioning block ``name`` lies inside, if any (see ``_WINDOWS``)."""
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            outer = ".".join(parts[:i])
+            if _name(self.model.get_submodule(outer)) in _WINDOWS:
+                return outer
+        return None
 
     def permuting(self) -> list[str]:
         """The modules that show the model works on NHWC maps (see the module docstring, rule 4)."""
@@ -334,6 +346,14 @@ def site_layout(
     facts = facts or _Model(model)
     if site.layer == INPUT:
         return SiteLayout(declared or NCHW, "declared" if declared else "the model's input (images)")
+    windows = facts.windows(site.layer)
+    if windows is not None:
+        return SiteLayout(
+            None,
+            "windows",
+            f"inside {type(model.get_submodule(windows)).__name__} {windows!r} the 4-D tensors are windows "
+            f"(B, windows, positions in a window, C), not maps: mix {windows!r} itself, whose output is one",
+        )
     stated, source = facts.stated(site.layer)
     if declared is not None:
         if stated is not None and stated != declared:

@@ -195,6 +195,23 @@ def test_a_map_whose_layout_nothing_states_is_refused_until_declared():
         model(x)
 
 
+def test_windows_inside_maxvit_are_not_maps():
+    """torchvision's MaxViT partitions its maps into (B, windows, positions, C) tensors for attention:
+    a box over them would not be a box of the image. Refused, declared or not; the block's output is a map."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.maxvit_t(num_classes=3).train()
+    block = "blocks.0.layers.0.layers.grid_attention"
+    for mix in (CutMix(f"{block}.attn_layer"), CutMix(f"{block}.attn_layer", layout="NHWC")):
+        with mix.attach(model), pytest.raises(AmbiguousLayoutError, match="are windows") as err:
+            mix.check_output(f"{block}.attn_layer", torch.zeros(2, 196, 49, 64), 2)
+        assert f"mix '{block}' itself" in str(err.value)
+    mix = CutMix(block, generator=gen())
+    with mix.attach(model):
+        mix.check_output(block, torch.zeros(2, 64, 56, 56), 2)  # a (B, C, H, W) map: accepted
+
+
 def test_a_declared_layout_that_contradicts_the_model_is_refused():
     torch.manual_seed(0)
     model = swin().train()

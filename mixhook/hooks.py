@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from . import recompute
 from .copies import own
 from .layers import normalize_layers, resolve_layers
-from .sites import BatchDims, Site, parse_site
+from .sites import BatchDims, Site, check_per_layer, parse_site
 
 
 def own_generator(generator: torch.Generator | None) -> torch.Generator:
@@ -160,17 +160,37 @@ class LayerHook:
         self.__dict__.update(state)
         self._fresh()
 
+    def _draw_from(self, generator: torch.Generator | None) -> None:
+        """Set ``self.generator`` (:func:`own_generator`), for a hook that draws at random; one made by
+        default is reseeded per rank at the first draw (:meth:`_seed_for_rank`)."""
+        self.generator = own_generator(generator)
+        self._per_rank = generator is None
+
+    def _seed_for_rank(self) -> None:
+        """Before a draw: reseed a default generator for this rank once ``torch.distributed`` is up."""
+        if self._per_rank and seed_for_rank(self.generator):
+            self._per_rank = False
+
     def state_dict(self) -> dict:
         """What a checkpoint needs to continue this hook exactly where it is: its class and layers (checked
-        on loading) and, for a hook that draws at random, its generator's state (subclasses add theirs).
-        Tensors, strings and lists only, so ``torch.load(weights_only=True)`` reads it. A ``pin()`` not yet
-        used by a forward is not part of it."""
-        return {"type": type(self).__name__, "layers": list(self.layers)}
+        on loading) and, for a hook that draws at random, its generator's state (subclasses add theirs):
+        loaded into a hook of the same class and layers, the same draws follow, so a resumed run continues
+        bit for bit. Tensors, strings and lists only, so ``torch.load(weights_only=True)`` reads it; save it
+        with your own checkpoint (``torch.save({"model": ..., "mixup": mix.state_dict()})``). A ``pin()``
+        not yet used by a forward is not part of it."""
+        state = {"type": type(self).__name__, "layers": list(self.layers)}
+        if "generator" in self.__dict__:
+            state.update(generator=self.generator.get_state(), per_rank=self._per_rank)
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from :meth:`state_dict`; a state of another class or layer list is refused in one line
         (:class:`StateError`, a ``ValueError``)."""
-        check_state(self, state)
+        draws = "generator" in self.__dict__
+        check_state(self, state, ("generator",) if draws else ())
+        if draws:
+            self.generator.set_state(state["generator"])
+            self._per_rank = bool(state.get("per_rank", False))
 
     @property
     def _layer_spec(self) -> str | list[str]:
@@ -265,15 +285,5 @@ def _check_batch_dim(batch_dim, specs: tuple[str, ...]):
     def valid(d) -> bool:
         return isinstance(d, int) and not isinstance(d, bool) and d >= 0
 
-    if batch_dim is None or valid(batch_dim):
-        return batch_dim
-    if isinstance(batch_dim, dict):
-        unknown = sorted(set(batch_dim) - set(specs))
-        if unknown:
-            raise ValueError(f"batch_dim names layers {unknown} that are not among {list(specs)}")
-        bad = {k: v for k, v in batch_dim.items() if not valid(v)}
-        if not bad:
-            return dict(batch_dim)
-    raise ValueError(
-        f"batch_dim must be a non-negative int or a dict from layer spec to one, got {batch_dim!r}"
-    )
+    expected = "a non-negative int or a dict from layer spec to one"
+    return check_per_layer("batch_dim", batch_dim, specs, valid, expected, mapping=dict)

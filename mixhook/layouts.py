@@ -36,12 +36,12 @@ reads shapes, never strides.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from torch import nn
 
-from .sites import INPUT, Site
+from .sites import INPUT, Site, check_per_layer
 
 NCHW, NHWC = "NCHW", "NHWC"
 LAYOUTS = (NCHW, NHWC)
@@ -152,19 +152,8 @@ def _format(value) -> str | None:
 def check_layout(layout, specs: tuple[str, ...]):
     """A mixer's ``layout`` argument, checked: ``None``, ``"NCHW"``/``"NHWC"`` for every layer, or a dict
     from some of ``specs`` to one; anything else is a one-line ``ValueError``."""
-    if layout is None or layout in LAYOUTS:
-        return layout
-    if isinstance(layout, Mapping):
-        unknown = sorted(set(layout) - set(specs))
-        if unknown:
-            raise ValueError(f"layout names layers {unknown} that are not among {list(specs)}")
-        bad = {k: v for k, v in layout.items() if v not in LAYOUTS}
-        if not bad:
-            return dict(layout)
-    raise ValueError(
-        f"layout must be 'NCHW' ((B, C, H, W) maps) or 'NHWC' ((B, H, W, C) maps), or a dict from layer "
-        f"spec to one, got {layout!r}"
-    )
+    expected = "'NCHW' ((B, C, H, W) maps) or 'NHWC' ((B, H, W, C) maps), or a dict from layer spec to one"
+    return check_per_layer("layout", layout, specs, lambda v: v in LAYOUTS, expected)
 
 
 @dataclass(frozen=True)
@@ -261,15 +250,16 @@ class _Model:
                 return outer
         return None
 
+    @cached_property
     def permuting(self) -> list[str]:
         """The modules that show the model works on NHWC maps (see the module docstring, rule 4)."""
-        found = []
-        for module, name in self.names.items():
-            if _direct(module, strong=True) == NHWC or (name and _permutes(module)):
-                found.append(name or "(the model)")
-            elif self._model_level(module) == NHWC:
-                found.append(name or "(the model)")
-        return found
+        return [
+            name or "(the model)"
+            for module, name in self.names.items()
+            if _direct(module, strong=True) == NHWC
+            or (name and _permutes(module))
+            or self._model_level(module) == NHWC
+        ]
 
 
 def _children(module: nn.Module, name: str):
@@ -366,7 +356,7 @@ def site_layout(
         return SiteLayout(declared, "declared")
     if stated is not None:
         return SiteLayout(stated, f"stated by {source}")
-    permuting = facts.permuting()
+    permuting = facts.permuting
     if permuting:
         shown = ", ".join(permuting[:3]) + (", ..." if len(permuting) > 3 else "")
         return SiteLayout(

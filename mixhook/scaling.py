@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import recompute
-from .hooks import LayerHook, check_state, own_generator, seed_for_rank
+from .hooks import LayerHook
 from .mixers.functional import along, per_sample
 from .sites import Inputs, batch_leaves, blendable, replace_leaves, select
 from .transfer import to_device
@@ -50,21 +50,11 @@ class InputScale(LayerHook):
         super().__init__(layer, batch_dim)
         self.factor = _check_factor(factor)
         self.in_eval = bool(in_eval)
-        self.generator = own_generator(generator)
-        self._per_rank = generator is None  # a default generator is reseeded per rank (seed_for_rank)
+        self._draw_from(generator)
         self.last: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"InputScale(layer={self._layer_spec!r}, factor={self.factor}, in_eval={self.in_eval})"
-
-    def state_dict(self) -> dict:
-        """:meth:`~mixhook.LayerHook.state_dict` with the generator's state (the per-sample factors)."""
-        return {**super().state_dict(), "generator": self.generator.get_state(), "per_rank": self._per_rank}
-
-    def load_state_dict(self, state) -> None:
-        check_state(self, state, ("generator",))
-        self.generator.set_state(state["generator"])
-        self._per_rank = bool(state.get("per_rank", False))
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         for spec, module in modules.items():  # "input" resolves to the model itself: its pre-hook
@@ -84,8 +74,8 @@ class InputScale(LayerHook):
                     )
                 generator = recompute.replay_generator(self.generator, state) if state is not None else None
             else:
-                if per_sample_draw and self._per_rank and seed_for_rank(self.generator):
-                    self._per_rank = False
+                if per_sample_draw:
+                    self._seed_for_rank()
                 generator = self.generator
                 self._note(spec, (lambda: recompute.generator_state(generator)) if per_sample_draw else None)
             return self._scale(spec, module, args, kwargs, training, generator)

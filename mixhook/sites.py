@@ -81,6 +81,21 @@ def parse_site(spec: str) -> Site:
     return Site(spec, layer, tuple(paths))
 
 
+def check_per_layer(name: str, value, specs: tuple[str, ...], valid, expected: str, mapping=Mapping):
+    """A per-layer argument (``batch_dim``, ``layout``), checked: ``None``, one ``valid`` value for every
+    layer, or a ``mapping`` from some of ``specs`` to one (returned as a dict); anything else is a one-line
+    ``ValueError`` saying it must be ``expected``."""
+    if value is None or valid(value):
+        return value
+    if isinstance(value, mapping):
+        unknown = sorted(set(value) - set(specs))
+        if unknown:
+            raise ValueError(f"{name} names layers {unknown} that are not among {list(specs)}")
+        if all(valid(v) for v in value.values()):
+            return dict(value)
+    raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
 def format_path(path: Path) -> str:
     return "[" + ".".join(str(k) for k in path) + "]"
 

@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import padding as masks
 from .. import recompute
-from ..hooks import LayerHook, check_state, own_generator, seed_for_rank
+from ..hooks import LayerHook
 from ..layouts import NHWC, SiteLayout, check_layout, layout_facts, site_layout
 from ..sites import (
     INPUT,
@@ -298,8 +298,7 @@ class Mixer(LayerHook, MixingHook):
         self.layout = check_layout(layout, self.layers)
         self.alpha = check_positive("alpha", alpha)
         self.prob = check_fraction("prob", prob)
-        self.generator = own_generator(generator)
-        self._per_rank = generator is None  # a default generator is reseeded per rank (seed_for_rank)
+        self._draw_from(generator)
         if padding not in masks.PADDING:
             raise ValueError(f"padding must be one of {', '.join(masks.PADDING)}, got {padding!r}")
         self.padding = padding
@@ -508,23 +507,6 @@ class Mixer(LayerHook, MixingHook):
                     seen.add(child)
                     stack.append(child)
         return found
-
-    # ------------------------------------------------------------------------------------ state
-
-    def state_dict(self) -> dict:
-        """:meth:`LayerHook.state_dict` with the generator's state: loaded into a mixer of the same class
-        and layers, the same draws follow (a resumed run continues bit for bit). Save it with your own
-        checkpoint (``torch.save({"model": ..., "mixup": mix.state_dict()})``)."""
-        return {
-            **super().state_dict(),
-            "generator": self.generator.get_state(),
-            "per_rank": self._per_rank,
-        }
-
-    def load_state_dict(self, state: Mapping) -> None:
-        check_state(self, state, ("generator",))
-        self.generator.set_state(state["generator"])
-        self._per_rank = bool(state.get("per_rank", False))
 
     def loss(
         self,
@@ -909,12 +891,8 @@ class Mixer(LayerHook, MixingHook):
                 "compiling.)"
             )
         self._forwards.append(record)
-        if torch.compiler.is_compiling():
-            _mark_traced(output, record, self._key, self._outputs, self._unmixed)
-        elif isinstance(output, torch.Tensor) and output.grad_fn is None and record is _UNMIXED:
-            self._unmixed.append(weakref.ref(output))  # an eval pass's logits: the cheapest mark
-        else:
-            _mark_outputs(output, record, self._key, self._outputs, self._unmixed)
+        marked = _mark_traced if torch.compiler.is_compiling() else _mark_outputs
+        marked(output, record, self._key, self._outputs, self._unmixed)
 
     def _agree(self, draw: _Decision | None) -> _Decision | None:
         """The decision this forward follows: its own (ranks that must agree override this)."""
@@ -927,8 +905,7 @@ class Mixer(LayerHook, MixingHook):
 
     def _decide(self) -> _Decision | None:
         """Whether this forward mixes, and where (pinned values win; a pinned forward always mixes)."""
-        if self._per_rank and seed_for_rank(self.generator):
-            self._per_rank = False
+        self._seed_for_rank()
         pinned, self._pinned = self._pinned, None
         if pinned is _SKIP:
             return None
@@ -1210,10 +1187,7 @@ def _mark_outputs(output, record: _Forward, key: str, untracked: dict, unmixed) 
     """Mark every tensor of a forward's ``output`` as ``record``'s: its autograd node's metadata, or, for
     a tensor without one (no gradients), a weak reference in ``unmixed`` (the recent outputs of forwards
     that mixed nothing) or ``untracked[id(tensor)]`` for as long as the tensor lives."""
-    if isinstance(output, torch.Tensor) and output.grad_fn is not None:  # the common case, without a walk
-        output.grad_fn.metadata[key] = record
-        return
-    for _, t in tree_leaves(output):
+    for _, t in ((None, output),) if isinstance(output, torch.Tensor) else tree_leaves(output):
         if not isinstance(t, torch.Tensor):
             continue
         if t.grad_fn is not None:

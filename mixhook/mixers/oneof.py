@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
-from ..hooks import LayerHook, StateError, check_state, own_generator, seed_for_rank
+from ..hooks import LayerHook, StateError, check_state
 from .base import MixingHook, MixState, claim, unclaim
 from .partners import crosses_ranks
 
@@ -65,8 +65,7 @@ class OneOf(LayerHook, MixingHook):
             raise ValueError(f"p must be {len(mixers)} non-negative probabilities summing to 1, got {p}")
         self.mixers = mixers
         self.p = p
-        self.generator = own_generator(generator)
-        self._per_rank = generator is None  # a default generator is reseeded per rank (seed_for_rank)
+        self._draw_from(generator)
         self.chosen: MixingHook | None = None
         self._pinned_choice: int | None = None
         self._skip = False
@@ -140,12 +139,7 @@ class OneOf(LayerHook, MixingHook):
 
     def state_dict(self) -> dict:
         """The choice's generator and each regularizer's :meth:`~mixhook.Mixer.state_dict`."""
-        return {
-            **super().state_dict(),
-            "generator": self.generator.get_state(),
-            "per_rank": self._per_rank,
-            "mixers": [m.state_dict() for m in self.mixers],
-        }
+        return {**super().state_dict(), "mixers": [m.state_dict() for m in self.mixers]}
 
     def load_state_dict(self, state) -> None:
         check_state(self, state, ("generator", "mixers"))
@@ -157,8 +151,7 @@ class OneOf(LayerHook, MixingHook):
             )
         for mixer, part in zip(self.mixers, state["mixers"], strict=True):
             mixer.load_state_dict(part)
-        self.generator.set_state(state["generator"])
-        self._per_rank = bool(state.get("per_rank", False))
+        super().load_state_dict(state)
 
     def check_output(self, spec: str, value, batch: int | None = None) -> None:
         """Each regularizer that may mix ``spec`` must accept what it returned."""
@@ -203,8 +196,7 @@ class OneOf(LayerHook, MixingHook):
                 mixer.skip_next()
             return
         if choice is None:
-            if self._per_rank and seed_for_rank(self.generator):
-                self._per_rank = False
+            self._seed_for_rank()
             probs = torch.tensor(self.p, dtype=torch.float64)
             choice = int(torch.multinomial(probs, 1, generator=self.generator))
         self.chosen = self.mixers[choice]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +44,7 @@ from ..sites import (
 from ..sites import leaves as tree_leaves
 from ..transfer import to_device
 from . import partners
-from .functional import _scatter_inverse, inverse_permutation, per_sample, sample_lam, smooth_one_hot
+from .functional import is_permutation, per_sample, sample_lam, smooth_one_hot, weight_of
 from .tokens import TokenGrid
 
 
@@ -77,6 +78,7 @@ class MixState:
     batch_dims: tuple[int, ...] = (0,)
     weights: torch.Tensor | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
+    _weight: float | None = field(default=None, repr=False, compare=False)  # lam as a float, when one
 
 
 @dataclass(frozen=True)
@@ -87,18 +89,31 @@ class Draw:
         layer: the layer spec being mixed.
         lam: float64 on the CPU, from :meth:`Mixer.sample_lam` or pinned: a 0-d tensor, or one per sample.
         index: int64 on the CPU: sample ``i`` is mixed with sample ``index[i]`` (drawn or pinned).
-        inverse: ``index``'s inverse permutation, or ``None`` for a pinned index that is not one.
         generator: where every further draw of this mix must come from (a box, a mask, noise), so that
             a recomputation under activation checkpointing and ``pin_last`` repeat it exactly.
         pinned: the values pinned for this forward, the method's own (its ``pin_keys``) among them.
+        permutation: whether ``index`` is a permutation of the batch (drawn, or pinned and checked to be
+            one): :func:`~mixhook.blend` may then take its backward as a gather (``permutation=``).
     """
 
     layer: str
     lam: torch.Tensor
     index: torch.Tensor
-    inverse: torch.Tensor | None
     generator: torch.Generator
     pinned: Mapping[str, Any]
+    permutation: bool = False
+
+    @functools.cached_property
+    def inverse(self) -> torch.Tensor | None:
+        """``index``'s inverse permutation (computed when first asked for), or ``None`` when ``index`` is
+        not a permutation of the batch."""
+        return torch.argsort(self.index) if self.permutation else None
+
+    @functools.cached_property
+    def weight(self) -> float | torch.Tensor:
+        """``lam`` as the blends take it: a Python float for one lam on the CPU (no cast, no copy to the
+        device), else the tensor."""
+        return weight_of(self.lam)
 
 
 @dataclass(frozen=True)
@@ -273,6 +288,16 @@ class Mixer(LayerHook, MixingHook):
     """
 
     pin_keys: ClassVar[tuple[str, ...]] = ()
+    # Whether mix() draws anything of its own from draw.generator (a box, a mask, noise): then a repeat
+    # (pin_last, an activation-checkpoint recomputation) replays the generator from its state before the
+    # mix. False for a method whose only draws are lam and the index (sample_lam, draw_index): those are
+    # then drawn before mix() and repeated as pinned values (no generator state taken per mix). A method
+    # that draws in mix() must leave it True: a repeat would otherwise draw anew.
+    draws_in_mix: ClassVar[bool] = True
+    # Whether draw_index() returns a permutation of the batch (every sample a partner once): the blends
+    # then take their backward as a gather through its inverse. A method drawing partners with
+    # repetition must set it False (a gather would give a repeated partner one gradient, not their sum).
+    index_is_permutation: ClassVar[bool] = True
     # Whether mix() depends on which axes of a 4-D map are its channels and which its height and width
     # (every region method): then a (B, H, W, C) map is given as its (B, C, H, W) view and a map whose
     # layout cannot be told is refused (mixhook.layouts). False for a method that treats every element
@@ -365,7 +390,7 @@ class Mixer(LayerHook, MixingHook):
         in [0, 1] (or, in ``mode="elem"``, one per sample). Subclasses take more values (CutMix ``box``,
         PatchUp ``mask``).
         """
-        unknown = sorted(set(values) - set(self.pin_keys))
+        unknown = sorted(set(values) - set(self.pin_keys) - {"_range", "_permutation"})
         if unknown:
             valid = ", ".join(("layer", "lam", "index", *self.pin_keys))
             raise TypeError(f"{type(self).__name__}.pin() got unknown values {unknown}; valid: {valid}")
@@ -383,7 +408,9 @@ class Mixer(LayerHook, MixingHook):
                 raise ValueError(
                     f"pin(index=...): needs a 1-D integer index, got {index.dtype} {tuple(index.shape)}"
                 )
-            index = index.to(torch.int64)
+            index = index.to(device="cpu", dtype=torch.int64)  # (read here, once, not in the forward)
+            values["_range"] = (int(index.min()), int(index.max())) if index.numel() else (0, -1)
+            values["_permutation"] = is_permutation(index)
         pinned = {"layer": layer, "lam": lam, "index": index, **values}
         self._pinned = {k: v for k, v in pinned.items() if v is not None}
 
@@ -535,6 +562,8 @@ class Mixer(LayerHook, MixingHook):
             return criterion(logits, target)
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, self._partners_of(last, target, "loss"))
+        if last._weight is not None and last.weights is None and _positions(target) <= 0:
+            return torch.lerp(loss_b, loss_a, last._weight)  # one lam as a float: the common case
         lam = self._target_weights(last, target, "loss")
         if lam is None:
             lam = to_device(last.lam, loss_a.device, loss_a.dtype)
@@ -559,7 +588,7 @@ class Mixer(LayerHook, MixingHook):
                     f"by its own mask, so the criterion must return one loss per position {tuple(lam.shape)} "
                     f"(reduction='none'), but it returned shape {tuple(loss_a.shape)}"
                 )
-        return lam * loss_a + (1 - lam) * loss_b
+        return torch.lerp(loss_b, loss_a, lam)
 
     def targets(
         self,
@@ -623,17 +652,7 @@ class Mixer(LayerHook, MixingHook):
         else:
             if num_classes is None:
                 raise ValueError("targets(): class indices need num_classes")
-            if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_classes):
-                ignore = (
-                    " (a dense map's ignore label, e.g. 255, has no probability: use loss() with a "
-                    "criterion that ignores it)"
-                    if target.ndim > 1
-                    else ""
-                )
-                raise ValueError(
-                    f"targets(): class indices must lie in [0, {num_classes}), "
-                    f"got values from {int(target.min())} to {int(target.max())}{ignore}"
-                )
+            _check_classes(target, num_classes)
 
             def one_hot(t):
                 soft = smooth_one_hot(t.reshape(-1), num_classes, smoothing, dtype)
@@ -646,7 +665,8 @@ class Mixer(LayerHook, MixingHook):
             return own
         weights = self._target_weights(last, target, "targets")
         if weights is None:
-            return torch.lerp(partner, own, per_sample(last.lam, own))
+            lam = last._weight if last._weight is not None else per_sample(last.lam, own)
+            return torch.lerp(partner, own, lam)
         return torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
 
     def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
@@ -741,8 +761,7 @@ class Mixer(LayerHook, MixingHook):
                 if payload is not None:
                     state, pinned = payload
                     inputs = Inputs(model, args, kwargs)
-                    gen = recompute.replay_generator(self.generator, state)
-                    value, state = self._apply(spec, inputs, pinned, gen)
+                    value, state = self._apply(spec, inputs, pinned, self._replaying(state))
                     args, kwargs = _rebuild_inputs(inputs, site, value)
                     return self._input_masks(model, args, kwargs, spec, state)
         return None
@@ -779,7 +798,7 @@ class Mixer(LayerHook, MixingHook):
                 if payload is None:
                     return None
                 state, pinned = payload
-                return self._apply(spec, output, pinned, recompute.replay_generator(self.generator, state))[0]
+                return self._apply(spec, output, pinned, self._replaying(state))[0]
             self._note(spec)
             return None
 
@@ -788,16 +807,22 @@ class Mixer(LayerHook, MixingHook):
     def _mix_now(self, spec: str, value, draw: _Decision):
         """The forward's mix at ``spec``: drawn from the mixer's generator (or, for ``pin_last``, from a
         copy in the repeated mix's state); the state is noted for a recomputation and for ``pin_last``."""
-        generator = self.generator
-        if draw.state is not None:
-            generator = recompute.replay_generator(self.generator, draw.state)
+        generator = self._replaying(draw.state)
         leaves = None
-        if type(self).before_mix is not Mixer.before_mix:
+        if type(self).before_mix is not Mixer.before_mix or not self.draws_in_mix:
             leaves = self._leaves(spec, self._site_value(spec, value), draw.batch)
+        if type(self).before_mix is not Mixer.before_mix:
             extra = self.before_mix(spec, leaves[1], draw.pinned)
             if extra:  # noted with the draw below: a recomputation and pin_last mix with the same values
                 draw.pinned = {**draw.pinned, **extra}
-        state = recompute.generator_state(generator)
+        if self.draws_in_mix:  # a recomputation and pin_last draw again from the generator's state
+            state = recompute.generator_state(generator)
+        else:  # lam and index are all it draws: drawn now, they are what is repeated
+            state = None
+            lam, index, permutation = self._draws(spec, leaves[2], draw.pinned, generator)
+            n = index.shape[0]
+            drawn = {"lam": lam, "index": index, "_permutation": permutation}
+            draw.pinned = {**draw.pinned, **drawn, "_range": draw.pinned.get("_range", (0, n - 1))}
         self._note(spec, (state, draw.pinned))
         mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch, leaves)
         self._last_draw = (spec, state, draw.pinned)
@@ -1065,25 +1090,8 @@ class Mixer(LayerHook, MixingHook):
         found, given, n = self._leaves(spec, site_value, batch) if leaves is None else leaves
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
-            index = pinned.get("index")
-            pool = self.partner_pool(n)
-            lam = pinned.get("lam")
-            if lam is None:
-                lam = torch.as_tensor(self.sample_lam(n, generator), dtype=torch.float64)
-            elif lam.ndim == 1 and lam.shape[0] != n:
-                raise ValueError(
-                    f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}"
-                )
-            if index is None:
-                index = self.draw_index(n, generator)
-            elif index.shape[0] != n or (n and (int(index.min()) < -pool or int(index.max()) >= pool)):
-                where = f"the batch of {n}" if pool == n else f"{pool} partners for a batch of {n}"
-                raise ValueError(
-                    f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
-                    f"does not index {where} at layer {spec!r}"
-                )
-            inverse = _inverse(index, pinned) if pool == n else None
-            draw = Draw(spec, lam, index, inverse, generator, pinned)
+            lam, index, permutation = self._draws(spec, n, pinned, generator)
+            draw = Draw(spec, lam, index, generator, pinned, permutation)
             mixed = self.mix(given, draw)
         finally:
             self.generator = saved
@@ -1091,7 +1099,7 @@ class Mixer(LayerHook, MixingHook):
         target_lam = lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64)
         if self.token_grid is not None:
             tensors = {
-                leaf.path: self.token_grid.from_map(leaf, tensors[leaf.path], target_lam, index, draw.inverse)
+                leaf.path: self.token_grid.from_map(leaf, tensors[leaf.path], target_lam, index, permutation)
                 for leaf in found
             }
         elif self.layout_aware:  # (B, H, W, C) maps were given as their (B, C, H, W) views
@@ -1108,8 +1116,38 @@ class Mixer(LayerHook, MixingHook):
             batch_dims=tuple(leaf.dim for leaf in found),
             weights=mixed.weights,
             shapes=tuple(leaf.tensor.shape for leaf in found),
+            _weight=draw.weight if mixed.lam is None and isinstance(draw.weight, float) else None,
         )
         return replace_leaves(site_value, tensors), state
+
+    def _draws(
+        self, spec: str, n: int, pinned: Mapping, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """lam and the partner index of a mix of ``n`` samples at ``spec`` (pinned, else drawn from
+        ``generator``), and whether the index is a permutation of the batch."""
+        pool = self.partner_pool(n)
+        lam = pinned.get("lam")
+        if lam is None:
+            lam = torch.as_tensor(self.sample_lam(n, generator), dtype=torch.float64)
+        elif lam.ndim == 1 and lam.shape[0] != n:
+            raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
+        index = pinned.get("index")
+        if index is None:
+            return lam, self.draw_index(n, generator), pool == n and self.index_is_permutation
+        low, high = pinned["_range"]
+        if index.shape[0] != n or (n and (low < -pool or high >= pool)):
+            where = f"the batch of {n}" if pool == n else f"{pool} partners for a batch of {n}"
+            raise ValueError(
+                f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
+                f"does not index {where} at layer {spec!r}"
+            )
+        return lam, index, pool == n and pinned["_permutation"]
+
+    def _replaying(self, state: torch.Tensor | None) -> torch.Generator:
+        """The generator a mix draws from: the mixer's own, or for a repeat (``pin_last``, a
+        recomputation) a copy in the repeated mix's ``state`` (``None``: the mix drew nothing beyond lam
+        and the index, which are repeated as pinned values)."""
+        return self.generator if state is None else recompute.replay_generator(self.generator, state)
 
     def _check_mixed(self, spec: str, leaves: list[Leaf], mixed: Mixed) -> dict:
         """``mixed.tensors``, once it gives every leaf a tensor of the leaf's shape (a method that skipped
@@ -1227,15 +1265,34 @@ def _sizes(state: MixState) -> tuple[int, ...] | None:
     return tuple(size for d, size in enumerate(shape) if d != dim)
 
 
-def _inverse(index: torch.Tensor, pinned: dict) -> torch.Tensor | None:
-    """The inverse of a drawn permutation (built by a scatter), or of a pinned index that is one."""
-    return inverse_permutation(index) if "index" in pinned else _scatter_inverse(index)
-
-
 def _positions(target: torch.Tensor) -> int:
     """How many position dimensions a target has beyond its batch (and, floating, its class) dimension:
     0 for ``(B,)`` indices and ``(B, K)`` floating targets, 2 for a ``(B, H, W)`` or ``(B, K, H, W)`` map."""
     return target.ndim - (2 if target.dtype.is_floating_point else 1)
+
+
+def _check_classes(target: torch.Tensor, num_classes: int) -> None:
+    """Refuse class indices outside ``[0, num_classes)``: in one line for labels on the CPU; on a GPU as
+    a device-side assertion (reading the labels on the host would stall every step until the GPU is
+    idle), which fails the step loudly at the next synchronisation."""
+    if not target.numel():
+        return
+    if target.device.type != "cpu":
+        inside = ((target >= 0) & (target < num_classes)).all()
+        torch._assert_async(inside, f"targets(): class indices must lie in [0, {num_classes})")
+        return
+    low, high = (int(v) for v in torch.aminmax(target))
+    if low < 0 or high >= num_classes:
+        ignore = (
+            " (a dense map's ignore label, e.g. 255, has no probability: use loss() with a criterion "
+            "that ignores it)"
+            if target.ndim > 1
+            else ""
+        )
+        raise ValueError(
+            f"targets(): class indices must lie in [0, {num_classes}), got values from {low} to "
+            f"{high}{ignore}"
+        )
 
 
 def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) -> torch.Tensor | None:

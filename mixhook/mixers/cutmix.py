@@ -79,7 +79,7 @@ def boxes_around(
 def boxes_mask(boxes: torch.Tensor, height: int, width: int, device=None) -> torch.Tensor:
     """``(n, 1, height, width)`` bool: True inside box ``i`` (rows ``y1:y2``, columns ``x1:x2``) of
     sample ``i``."""
-    boxes = boxes.to(device)
+    boxes = boxes if device is None else to_device(boxes, device)  # queued, not a blocking copy
     rows = torch.arange(height, device=device)
     cols = torch.arange(width, device=device)
     in_rows = (rows >= boxes[:, :1]) & (rows < boxes[:, 1:2])

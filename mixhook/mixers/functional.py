@@ -7,12 +7,33 @@ seed gives the same draw on every device; they are cast to the activation's dtyp
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..transfer import to_device
+
+_ALMOST_ONE = float.fromhex("0x1.fffffffffffffp-1")  # the largest double below 1
+_CONCENTRATIONS: dict = {}  # (a, b, device) -> the [a, b] tensor the samplers take
+
+
+def _concentration(a: float, b: float, device: torch.device) -> torch.Tensor:
+    key = (a, b, str(device))
+    found = _CONCENTRATIONS.get(key)
+    if found is None:
+        found = _CONCENTRATIONS[key] = torch.tensor([a, b], dtype=torch.float64, device=device)
+    return found
+
+
+def beta_value(a: float, b: float, generator: torch.Generator) -> float:
+    """One draw from ``Beta(a, b)`` with a CPU ``generator``, as a Python float: the same number (and
+    the same generator state after it) as ``float(sample_beta(a, b, generator))``, drawn the way
+    torch's Dirichlet kernel draws it (two Gamma variates, the first over their sum, clamped into
+    ``[DBL_MIN, 1)``) at a fraction of its host cost, with no tensor made for the result."""
+    g0, g1 = torch._standard_gamma(_concentration(a, b, generator.device), generator=generator).tolist()
+    return min(_ALMOST_ONE, max(sys.float_info.min, g0 / (g0 + g1)))
 
 
 def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None = None) -> torch.Tensor:
@@ -22,7 +43,9 @@ def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None
     it would (Beta is its first coordinate) through the generator-aware kernel. Values are float64 and
     are cast to the activation's (or the loss's) dtype where they are used.
     """
-    concentration = torch.tensor([a, b], dtype=torch.float64, device=generator.device)
+    if size is None and generator.device.type == "cpu":
+        return torch.tensor(beta_value(a, b, generator), dtype=torch.float64)
+    concentration = _concentration(a, b, generator.device)
     if size is not None:
         concentration = concentration.expand(size, 2).contiguous()
     return torch._sample_dirichlet(concentration, generator=generator)[..., 0]
@@ -33,6 +56,14 @@ def sample_lam(alpha: float, generator: torch.Generator) -> torch.Tensor:
     return sample_beta(alpha, alpha, generator)
 
 
+def weight_of(lam: torch.Tensor) -> float | torch.Tensor:
+    """What the blends and the loss weigh with: one lam on the CPU as a Python float (it then enters
+    each op as a scalar: no cast, no copy to the device, no host sync), anything else as it is."""
+    if lam.ndim == 0 and lam.device.type == "cpu" and not torch.compiler.is_compiling():
+        return lam.item()
+    return lam
+
+
 def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``values`` in ``like``'s dtype and device; one value per sample (1-D) is shaped to broadcast over
     ``like``'s non-batch dimensions, a 0-d tensor is left as it is."""
@@ -40,53 +71,71 @@ def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.view(-1, *([1] * (like.ndim - 1))) if values.ndim == 1 else values
 
 
-class _PermutedBlend(torch.autograd.Function):
-    """``lerp(h[index], h, lam)`` whose backward gathers through the inverse permutation.
+class _GatherBlend(torch.autograd.Function):
+    """``lerp(h[index], h, lam)`` for a permutation ``index``, whose backward gathers through the inverse
+    permutation instead of scatter-adding.
 
     Indexing's own backward scatter-adds into a zeroed tensor; when ``index`` is a permutation the
-    gradient of ``h[index]`` is just ``g[inverse]``, so the backward is one gather and one fused
-    multiply-add: ``lam * g + ((1 - lam) * g)[inverse]``."""
+    gradient of ``h[index]`` is just ``g[inverse]``, so the backward is one gather and one lerp,
+    ``lerp(g[inverse], g, lam)`` (one lam; with one per sample, ``lam * g + ((1 - lam) * g)[inverse]``).
+    The inverse is computed there (an argsort of the batch's indices), or given."""
 
     @staticmethod
     def forward(ctx, h, lam, index, inverse):
-        ctx.save_for_backward(lam, inverse)
+        ctx.lam = lam if not isinstance(lam, torch.Tensor) else None
+        ctx.save_for_backward(*((lam,) if ctx.lam is None else ()), index if inverse is None else inverse)
+        ctx.inverted = inverse is not None
         return torch.lerp(h[index], h, lam)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        lam, inverse = ctx.saved_tensors
-        return torch.addcmul(((1 - lam) * grad)[inverse], lam, grad), None, None, None
+        *lam, index = ctx.saved_tensors
+        inverse = index if ctx.inverted else torch.argsort(index)
+        if ctx.lam is not None or lam[0].ndim == 0:
+            out = torch.lerp(grad[inverse], grad, ctx.lam if ctx.lam is not None else lam[0])
+        else:
+            out = torch.addcmul(((1 - lam[0]) * grad)[inverse], lam[0], grad)
+        return out, None, None, None
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor | None:
     """The inverse of ``index`` if it is a permutation of ``0..n-1``, else ``None``."""
-    if not torch.equal(torch.sort(index).values, torch.arange(index.shape[0], device=index.device)):
+    if not is_permutation(index):
         return None
-    return _scatter_inverse(index)
+    return torch.argsort(index)
 
 
-def _scatter_inverse(index: torch.Tensor) -> torch.Tensor:
-    """The inverse of a permutation ``index``, by one scatter (no check that it is one)."""
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.shape[0], device=index.device)
-    return inverse
+def is_permutation(index: torch.Tensor) -> bool:
+    """Whether a 1-D ``index`` holds each of ``0..n-1`` once (reads the values: a pinned index only)."""
+    n = index.shape[0]
+    return bool(torch.equal(torch.sort(index).values, torch.arange(n, device=index.device)))
 
 
 def blend(
-    h: torch.Tensor, lam: torch.Tensor | float, index: torch.Tensor, inverse: torch.Tensor | None = None
+    h: torch.Tensor,
+    lam: torch.Tensor | float,
+    index: torch.Tensor,
+    inverse: torch.Tensor | None = None,
+    permutation: bool = False,
 ) -> torch.Tensor:
     """``lam * h + (1 - lam) * h[index]``, in ``h``'s dtype on ``h``'s device.
 
     ``lam`` is a number, a 0-d tensor, or one value per sample (a 1-D tensor of the batch's length).
     Computed as one gather and one ``torch.lerp`` (equal to the formula up to rounding). Differentiable
     in ``h`` through both terms, exactly like the hand-edited forward of the papers; given ``inverse``
-    (``index``'s inverse permutation), the backward gathers through it instead of scatter-adding.
+    (``index``'s inverse permutation), or told that ``index`` is a ``permutation``, the backward gathers
+    through the inverse instead of scatter-adding (an index that is not a permutation must not say so:
+    its repeated rows would get one gradient instead of their sum).
     """
-    lam = per_sample(torch.as_tensor(lam, dtype=torch.float64), h)
+    if isinstance(lam, torch.Tensor):
+        lam = per_sample(lam.to(torch.float64) if not lam.dtype.is_floating_point else lam, h)
+    else:
+        lam = float(lam)
     index = to_device(index, h.device)
-    if inverse is not None and h.requires_grad and torch.is_grad_enabled():
-        return _PermutedBlend.apply(h, lam, index, to_device(inverse, h.device))
+    if (inverse is not None or permutation) and h.requires_grad and torch.is_grad_enabled():
+        inverse = None if inverse is None else to_device(inverse, h.device)
+        return _GatherBlend.apply(h, lam, index, inverse)
     return torch.lerp(h[index], h, lam)
 
 

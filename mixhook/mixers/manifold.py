@@ -75,6 +75,10 @@ class ManifoldMixup(Mixer):
 
     layout_aware = False  # the blend treats every element alike: any layout
 
+    @property
+    def draws_in_mix(self) -> bool:  # partners from the global batch draw rank 0's permutation in mix()
+        return self.partners == "global"
+
     def __init__(
         self,
         layer: str | Sequence[str],
@@ -138,16 +142,17 @@ class ManifoldMixup(Mixer):
         return torch.maximum(lam, 1 - lam) if self.dominant else lam
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        lam, index = draw.lam, draw.index
-        if self.mode != "batch" and lam.ndim == 0:  # a pinned number: the same for every sample
-            lam = lam.expand(index.shape[0])
+        index, weight = draw.index, draw.weight
+        # a pinned number in a per-sample mode: the same for every sample (None: the drawn lam as it is)
+        lam = draw.lam.expand(index.shape[0]) if self.mode != "batch" and draw.lam.ndim == 0 else None
         if self.partners == "global":
-            return self._mix_global(leaves, draw, lam)
-        tensors = {
-            leaf.path: along(leaf.dim, lambda h: blend(h, lam, index, draw.inverse), leaf.tensor)
-            for leaf in leaves
-        }
-        return Mixed(tensors, lam=lam)
+            return self._mix_global(leaves, draw, draw.lam if lam is None else lam)
+        permutation = draw.permutation
+
+        def mixed(h: torch.Tensor) -> torch.Tensor:
+            return blend(h, weight, index, permutation=permutation)
+
+        return Mixed({leaf.path: along(leaf.dim, mixed, leaf.tensor) for leaf in leaves}, lam=lam)
 
     def _mix_global(self, leaves: list[Leaf], draw: Draw, lam: torch.Tensor) -> Mixed:
         """Partners from every rank's batch: rank 0's permutation of the global batch (or the pinned

@@ -34,6 +34,8 @@ class NoisyFeatureMixup(ManifoldMixup):
         mult_noise: the multiplicative noise level, >= 0 (paper: 0.2).
     """
 
+    draws_in_mix = True  # its noise levels and noise
+
     def __init__(
         self,
         layer: str | Sequence[str],

@@ -132,7 +132,7 @@ class PatchUp(Mixer):
             mixed = (1 - m) * h + m * h[to_device(draw.index, h.device)]
             weight = 1.0 - altered
         else:
-            mixed = (1 - m) * h + m * blend(h, draw.lam, draw.index, draw.inverse)
+            mixed = (1 - m) * h + m * blend(h, draw.weight, draw.index, permutation=draw.permutation)
             weight = 1.0 - altered * (1.0 - float(draw.lam))
         altered_here = mask.mean(0, keepdim=True) * (1.0 if self.mode == "hard" else 1.0 - float(draw.lam))
         weights = 1.0 - altered_here  # each position's own share, over the channels

@@ -167,7 +167,7 @@ class TokenGrid:
         mixed: torch.Tensor,
         lam: torch.Tensor,
         index: torch.Tensor,
-        inverse: torch.Tensor | None,
+        permutation: bool,
     ) -> torch.Tensor:
         """``leaf``'s tokens with the patch tokens taken from the mixed ``(B, D, gh, gw)`` map and the
         leading tokens mixed by the ``prefix`` rule with ``lam`` (the targets' weight)."""
@@ -175,5 +175,5 @@ class TokenGrid:
         patches = mixed.flatten(2).transpose(1, 2)
         prefix = tokens[:, : tokens.shape[1] - patches.shape[1]]
         if prefix.shape[1] and self.prefix == "blend":
-            prefix = blend(prefix, lam, index, inverse)
+            prefix = blend(prefix, lam, index, permutation=permutation)
         return torch.cat([prefix, patches], dim=1).movedim(0, leaf.dim)

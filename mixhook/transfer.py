@@ -15,6 +15,8 @@ import torch
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t.to(device, dtype)``, queued without a host sync when ``t`` is on the CPU and ``device`` is CUDA."""
+    if dtype is None and t.device == device:
+        return t
     if (
         t.device.type != "cpu"
         or torch.device(device).type != "cuda"

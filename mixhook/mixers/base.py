@@ -335,13 +335,14 @@ class Mixer(LayerHook, MixingHook):
 
     _TRANSIENT = (
         "_draw", "_mask_stack", "_targets", "_capture", "_forwards", "_outputs", "_unmixed", "_key",
-        "_layouts", "_regions",
+        "_layouts", "_regions", "_plans",
     )  # fmt: skip
 
     def _fresh(self) -> None:
         super()._fresh()
         self._layouts: dict[str, SiteLayout] = {}  # the layout of each site's 4-D maps (mixhook.layouts)
         self._regions: dict[str, str] = {}  # each hidden site's padding-mask region (mixhook.padding)
+        self._plans: dict[str, tuple] = {}  # a site that returns a plain tensor: (ndim, dtype, batch dim)
         self._draw: _Decision | None = None
         self._mask_stack: list[bool] = []
         self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
@@ -722,6 +723,7 @@ class Mixer(LayerHook, MixingHook):
 
     def _reset(self) -> None:
         self._draw = None
+        self._plans = {}
         unclaim(self)
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
@@ -1010,7 +1012,20 @@ class Mixer(LayerHook, MixingHook):
 
     def _leaves(self, spec: str, value, expected: int | None = None) -> tuple[list[Leaf], list[Leaf], int]:
         """The leaves that carry the batch at ``spec``, what the method is given for them (the same, or
-        with a token grid their ``(B, D, gh, gw)`` patch maps), and the batch size."""
+        with a token grid their ``(B, D, gh, gw)`` patch maps), and the batch size.
+
+        A site that returned a plain tensor once is planned (its batch dimension, for its number of
+        dimensions and dtype): the next tensor of the same kind skips the structure walk and the checks
+        that depend on nothing else; the method's own :meth:`check_leaves` runs every time."""
+        plan = self._plans.get(spec)
+        if plan is not None and type(value) is torch.Tensor and (value.ndim, value.dtype) == plan[:2]:
+            batch = value.shape[plan[2]]
+            if expected is not None and batch != expected:
+                self._plans.pop(spec)  # the full path says what is wrong
+                return self._leaves(spec, value, expected)
+            found = [Leaf((), value, plan[2])]
+            self.check_leaves(spec, found)
+            return found, found, batch
         site = self.sites[spec]
         if site.layer == INPUT:
             self._check_token_ids(spec, value)
@@ -1032,6 +1047,8 @@ class Mixer(LayerHook, MixingHook):
                      for f in found]  # fmt: skip
         else:
             given = found
+            if type(value) is torch.Tensor and found[0].path == ():
+                self._plans[spec] = (value.ndim, value.dtype, found[0].dim)
         self.check_leaves(spec, given)
         return found, given, batch
 
@@ -1050,9 +1067,11 @@ class Mixer(LayerHook, MixingHook):
         """The batch size of the model's input, to check each mixed layer against: the first tensor
         argument's batch dimension, where the model's layout tells it (``None`` where it does not)."""
         dims = next(iter(self._dims.values()), None)
-        first = next(
-            (v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PackedSequence))), None
-        )
+        first = args[0] if args and type(args[0]) is torch.Tensor else None  # (the usual call)
+        if first is None:
+            first = next(
+                (v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PackedSequence))), None
+            )
         if isinstance(first, PackedSequence):  # its .data rows are time steps of every sample
             return int(first.batch_sizes[0])
         return input_batch(model, first, dims.seq_first) if dims is not None else None
@@ -1141,6 +1160,8 @@ class Mixer(LayerHook, MixingHook):
                 f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
                 f"does not index {where} at layer {spec!r}"
             )
+        if low < 0:  # counted from the end, as indexing counts them
+            index = torch.where(index < 0, index + pool, index)
         return lam, index, pool == n and pinned["_permutation"]
 
     def _replaying(self, state: torch.Tensor | None) -> torch.Generator:
@@ -1218,7 +1239,7 @@ class Mixer(LayerHook, MixingHook):
             )
         if last.info.get("partners") == "global":
             target = partners.gather_labels(target)
-        return target[to_device(index, target.device)]
+        return target.index_select(0, to_device(index, target.device))
 
 
 def _mark_outputs(output, record: _Forward, key: str, untracked: dict, unmixed) -> None:

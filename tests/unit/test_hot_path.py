@@ -25,6 +25,7 @@ from mixhook import (
     TokenMix,
     blend,
 )
+from mixhook.mixers import functional
 from mixhook.mixers.functional import beta_value, sample_beta
 
 
@@ -44,9 +45,11 @@ def test_a_beta_value_is_the_dirichlet_kernels_draw_and_leaves_the_generator_whe
 @pytest.mark.parametrize(
     "lam", [0.3, torch.tensor(0.3, dtype=torch.float64), torch.rand(6, dtype=torch.float64)]
 )
-def test_the_gather_backward_is_indexings_own_gradient(lam):
+def test_the_gather_backward_is_indexings_own_gradient(lam, monkeypatch):
+    monkeypatch.setattr(functional, "GATHER_FROM", 0)  # the gather from any size (else from 65536 elements)
     h = torch.randn(6, 3, 2, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([3, 0, 5, 1, 2, 4])
+    assert type(blend(h, lam, index, permutation=True).grad_fn).__name__ == "_GatherBlendBackward"
     assert torch.autograd.gradcheck(lambda t: blend(t, lam, index, permutation=True), (h,))
     weight = torch.as_tensor(lam, dtype=torch.float64)
     weight = weight.view(-1, 1, 1) if weight.ndim else weight

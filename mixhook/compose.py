@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from .hooks import HookHandle, LayerHook
-from .mixers.base import MixingHook
+from .mixers.contract import MixingHook
 
 
 def mixers_of(hooks: Sequence) -> list[MixingHook]:

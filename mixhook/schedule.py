@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .hooks import StateError
-from .mixers.base import Mixer, MixingHook, check_fraction, check_layer_weights, check_positive
+from .mixers.base import Mixer
+from .mixers.checks import check_fraction, check_layer_weights, check_positive
+from .mixers.contract import MixingHook
 
 SHAPES = ("linear", "cosine")
 

@@ -507,3 +507,11 @@ def _elem(path: Path) -> str:
 def embedding_layers(model: nn.Module) -> list[str]:
     """The names of the model's ``nn.Embedding`` modules (where integer token ids become vectors)."""
     return [name for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+
+
+def rebuild_inputs(inputs: Inputs, site: Site, value) -> tuple[tuple, dict]:
+    """The model's ``(args, kwargs)`` with the mixed value put back: the first argument, or the selected
+    arguments of the :class:`Inputs` copy."""
+    if site.paths is None:
+        return inputs.rebuild({inputs.first()[0]: value})
+    return inputs.rebuild(value)

@@ -13,10 +13,11 @@ import importlib
 import inspect
 import pkgutil
 
-from .base import Draw, Mixed, Mixer, MixingHook, MixState
+from .base import Mixer
+from .contract import Draw, Mixed, MixingHook, MixState
 from .functional import blend, inverse_permutation, mix_targets, sample_beta, sample_lam, smooth_one_hot
 
-_CORE = ("base", "functional")
+_CORE = ("base", "binding", "checks", "contract", "functional", "gradient_pass", "masking", "targets")
 
 
 def _discover() -> dict[str, type]:

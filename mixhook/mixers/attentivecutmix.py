@@ -14,7 +14,9 @@ import torch
 
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Draw, Mixed, Mixer, check_spatial
+from .base import Mixer
+from .checks import check_spatial
+from .contract import Draw, Mixed
 from .gridmix import _grid, cell_index, check_grid_fits, grid_mask
 from .saliency import Saliency, SaliencyGuided, pinned_saliency
 from .tokens import token_grid

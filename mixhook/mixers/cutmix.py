@@ -13,7 +13,9 @@ import torch
 
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Draw, Mixed, Mixer, check_spatial
+from .base import Mixer
+from .checks import check_spatial
+from .contract import Draw, Mixed
 from .functional import sample_beta, sample_lam
 from .tokens import token_grid
 

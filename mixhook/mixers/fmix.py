@@ -12,15 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from ..sites import Leaf
-from .base import (
-    Draw,
-    Mixed,
-    Mixer,
-    check_non_negative,
-    check_pinned_mask,
-    check_positive,
-    check_splittable,
-)
+from .base import Mixer
+from .checks import check_non_negative, check_pinned_mask, check_positive, check_splittable
+from .contract import Draw, Mixed
 from .functional import mask_blend
 from .tokens import token_grid
 

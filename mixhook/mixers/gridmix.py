@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from ..sites import Leaf
-from .base import Draw, Mixed, Mixer, check_spatial
+from .base import Mixer
+from .checks import check_spatial
+from .contract import Draw, Mixed
 from .functional import mask_blend
 from .tokens import token_grid
 

@@ -17,7 +17,8 @@ import torch
 from ..sites import Leaf
 from ..transfer import to_device
 from . import partners
-from .base import Draw, Mixed, Mixer, _Decision
+from .base import Mixer, _Decision
+from .contract import Draw, Mixed
 from .functional import along, blend, per_sample, sample_beta, sample_lam
 from .partners import check_partners, world
 

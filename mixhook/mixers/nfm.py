@@ -11,7 +11,8 @@ import torch
 
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Draw, Mixed, check_non_negative
+from .checks import check_non_negative
+from .contract import Draw, Mixed
 from .functional import sample_beta
 from .manifold import ManifoldMixup
 

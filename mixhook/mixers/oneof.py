@@ -11,7 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
 from ..hooks import LayerHook, StateError, check_state
-from .base import MixingHook, MixState, claim, unclaim
+from .contract import MixingHook, MixState, claim, unclaim
 from .partners import crosses_ranks
 
 

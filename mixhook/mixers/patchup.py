@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Draw, Mixed, Mixer, check_fraction, check_spatial
+from .base import Mixer
+from .checks import check_fraction, check_spatial
+from .contract import Draw, Mixed
 from .functional import blend
 from .tokens import token_grid
 

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Draw, Mixed, Mixer, check_spatial
+from .base import Mixer
+from .checks import check_spatial
+from .contract import Draw, Mixed
 from .cutmix import box_lam, draw_box
 from .tokens import token_grid
 

@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..sites import Leaf
-from .base import Draw, Mixed, Mixer, check_spatial
+from .base import Mixer
+from .checks import check_spatial
+from .contract import Draw, Mixed
 from .cutmix import box_lam, box_weights, boxes_around, draw_box, paste_box, paste_boxes, pinned_boxes
 from .saliency import Saliency, SaliencyGuided, peaks, pinned_saliency
 from .tokens import token_grid

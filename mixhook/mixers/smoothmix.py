@@ -12,7 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from ..sites import Leaf
-from .base import Draw, Mixed, Mixer, check_pinned_mask, check_splittable
+from .base import Mixer
+from .checks import check_pinned_mask, check_splittable
+from .contract import Draw, Mixed
 from .functional import mask_blend
 from .tokens import token_grid
 

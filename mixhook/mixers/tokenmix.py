@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import torch
 
 from ..sites import Leaf
-from .base import Draw, Mixed, Mixer, check_spatial
+from .base import Mixer
+from .checks import check_spatial
+from .contract import Draw, Mixed
 from .gridmix import _grid, cells_blend, check_pinned_cells
 from .tokens import token_grid
 

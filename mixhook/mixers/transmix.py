@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import recompute
 from ..layers import resolve_layers
 from ..sites import Inputs
-from .base import check_fraction
+from .checks import check_fraction
 from .cutmix import CutMix, boxes_mask
 from .tokens import model_grid
 

@@ -1,0 +1,165 @@
+"""Which forward produced these logits: the loss bound to its own forward's mix.
+
+Every output of a forward a mixer saw is marked with that forward's record (its autograd node's
+metadata, or, for a tensor without one, a weak reference), so ``loss``/``targets``/``state_for`` find the
+mix of the forward that produced their logits, through views and the autograd graph, and refuse in one
+line what no one mix applies to (:class:`~mixhook.mixers.contract.ForeignLogitsError`).
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+
+import torch
+
+from ..sites import leaves as tree_leaves
+from .contract import ForeignLogitsError, MixState
+
+
+class _Forward:
+    """One forward of the model a mixer saw: what it mixed (``state``, ``None`` when it mixed nothing) and
+    whether a ``loss``/``targets``/``state_for`` call has claimed its output yet."""
+
+    __slots__ = ("state", "bound")
+
+    def __init__(self, state: MixState | None = None):
+        self.state = state
+        self.bound = False
+
+
+_UNMIXED = _Forward()  # every forward that mixed nothing (eval, skipped, not drawn): one shared record
+
+
+_RECENT = 64  # the forwards a mixer keeps to tell whether an unclaimed one mixed
+
+
+class Forwards:
+    """The recent forwards of the model one mixer is attached to, and what each mixed."""
+
+    def __init__(self, owner: object):
+        self.recent: collections.deque[_Forward] = collections.deque(maxlen=_RECENT)
+        self.outputs: dict[int, tuple] = {}  # id(mixed output without autograd) -> (weakref, _Forward)
+        self.unmixed: collections.deque = collections.deque(maxlen=_RECENT)  # weakrefs: unmixed outputs
+        self.key = f"mixhook.forward.{id(owner)}"  # in grad_fn.metadata: the _Forward of that output
+
+    def record(self, output, state: MixState | None) -> None:
+        """A forward ended with ``output`` having mixed ``state`` (``None``: nothing): mark its outputs."""
+        record = _UNMIXED if state is None else _Forward(state)
+        self.recent.append(record)
+        marked = _mark_traced if torch.compiler.is_compiling() else _mark_outputs
+        marked(output, record, self.key, self.outputs, self.unmixed)
+
+    def state_for(self, logits: torch.Tensor | None, what: str, kind: str, attached: bool) -> MixState | None:
+        """The state of the forward that produced ``logits`` (see :meth:`Mixer.state_for`), naming
+        ``what`` and the mixer ``kind`` in its errors; the forward found is marked claimed."""
+        if logits is None:
+            if not self.recent:
+                return None
+            latest = self.recent[-1]
+            if any(not f.bound and f.state is not None for f in list(self.recent)[:-1]):
+                raise ForeignLogitsError(
+                    f"{what}(): an earlier forward than the latest one mixed and has had no loss or targets "
+                    f"taken yet, so the forward these targets are for cannot be told; pass logits= "
+                    f"({kind}.{what}(..., logits=logits))"
+                )
+            latest.bound = True
+            return latest.state
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"{what}(): logits must be a tensor, got {type(logits).__name__}")
+        found = self._of(logits)
+        if len(found) == 1:
+            (record,) = found
+            record.bound = True
+            return record.state
+        if found:
+            mixed = [f for f in found if f.state is not None]
+            if not mixed:
+                for f in found:
+                    f.bound = True
+                return None
+            raise ForeignLogitsError(
+                f"{what}(): these logits combine the outputs of {len(found)} forwards of the model, "
+                f"{len(mixed)} of them mixed by {kind}, so no one mix applies to them; take each forward's "
+                f"{what} on its own logits"
+            )
+        if logits.grad_fn is not None:
+            detached = "" if attached else f" ({kind} is not attached to a model)"
+            raise ForeignLogitsError(
+                f"{what}(): these logits were not computed by a forward of the model {kind} is attached "
+                f"to{detached}; a copy of a hooked model (copy.deepcopy, an EMA or AveragedModel, a "
+                "pickled or spawned model) has no mixhook hooks: compute the loss on the hooked model's "
+                "logits, or attach a regularizer to the copy"
+            )
+        unclaimed = [f for f in self.recent if not f.bound and f.state is not None]
+        if unclaimed:
+            raise ForeignLogitsError(
+                f"{what}(): these logits carry no autograd graph and are not an output of a forward of the "
+                f"model (a copy?), while a forward that {kind} mixed has had no loss taken, so whether they "
+                "are that forward's cannot be told; pass the model's output itself (or a tensor computed "
+                "from it with gradients)"
+            )
+        return None  # every forward since the last claimed one mixed nothing: the plain criterion
+
+    def _of(self, logits: torch.Tensor) -> list[_Forward]:
+        """The forwards of this mixer whose outputs ``logits`` is, or was computed from: marked outputs
+        found through views (``_base``) and the autograd graph, which is walked no further than them."""
+        key, found = self.key, []
+        t = logits
+        while t is not None:  # the output itself, or a view of it
+            node = t.grad_fn
+            record = node.metadata.get(key) if node is not None else None
+            if record is None and node is None:
+                entry = self.outputs.get(id(t))
+                record = entry[1] if entry is not None and entry[0]() is t else None
+                if record is None and any(ref() is t for ref in self.unmixed):
+                    record = _UNMIXED
+            if record is not None:
+                return [record]
+            if node is not None:
+                break
+            t = t._base
+        node = logits.grad_fn
+        if node is None:
+            return found
+        seen, stack = {node}, [node]
+        while stack:
+            node = stack.pop()
+            record = node.metadata.get(key)
+            if record is not None:
+                if all(record is not f for f in found):
+                    found.append(record)
+                continue
+            for child, _ in node.next_functions:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        return found
+
+
+def _mark_outputs(output, record: _Forward, key: str, untracked: dict, unmixed) -> None:
+    """Mark every tensor of a forward's ``output`` as ``record``'s: its autograd node's metadata, or, for
+    a tensor without one (no gradients), a weak reference in ``unmixed`` (the recent outputs of forwards
+    that mixed nothing) or ``untracked[id(tensor)]`` for as long as the tensor lives."""
+    for _, t in ((None, output),) if isinstance(output, torch.Tensor) else tree_leaves(output):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.grad_fn is not None:
+            t.grad_fn.metadata[key] = record
+        elif record is _UNMIXED:
+            unmixed.append(weakref.ref(t))
+        else:
+            ident = id(t)
+            untracked[ident] = (weakref.ref(t, lambda _, d=untracked, i=ident: d.pop(i, None)), record)
+
+
+_MARK_TRACED: list = []
+
+
+def _mark_traced(output, record: _Forward, key: str, untracked: dict, unmixed) -> None:
+    """:func:`_mark_outputs` from code torch.compile traces: run after the graph (a graph break at the
+    model's end), as it reads the real outputs' autograd nodes, which a traced graph does not have. (The
+    wrapper is made at the first compiled forward, so importing mixhook does not import torch._dynamo.)"""
+    if not _MARK_TRACED:
+        _MARK_TRACED.append(torch.compiler.disable(_mark_outputs))
+    _MARK_TRACED[0](output, record, key, untracked, unmixed)

@@ -1,0 +1,103 @@
+"""The one-line checks the mixers share: numbers in range, the map a region method cuts, pinned masks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..sites import Leaf
+
+
+def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
+    """The one ``(B, C, H, W)`` map (batch at dim 0) that the mixers cutting regions act on, or a one-line
+    ``TypeError`` naming the elements to choose from."""
+    if len(leaves) != 1:
+        names = ", ".join(f"{leaf.name} {tuple(leaf.tensor.shape)}" for leaf in leaves)
+        raise TypeError(
+            f"{kind} at {spec!r}: the layer returns {len(leaves)} tensors that carry the batch ({names}); "
+            f"{kind} cuts one map: select it, e.g. '{spec.split('[')[0]}{leaves[0].name}'"
+        )
+    h = leaves[0].tensor
+    if h.ndim != 4 or leaves[0].dim != 0:
+        element = f" element {leaves[0].name}" if leaves[0].path else ""
+        hint = "; for (B, T, D) tokens declare their patch grid: tokens=(rows, columns) or 'auto'"
+        raise TypeError(
+            f"{kind} at {spec!r} needs a (B, C, H, W) map with the batch first, but{element} has shape "
+            f"{tuple(h.shape)} with the batch at dim {leaves[0].dim}{hint if h.ndim == 3 else ''}"
+        )
+    return h
+
+
+def check_splittable(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
+    """:func:`check_spatial`, and a one-line ``ValueError`` for a single-pixel map, which no mask can
+    split (the mask methods: FMix, SmoothMix)."""
+    h = check_spatial(kind, spec, leaves)
+    if h.shape[-2] * h.shape[-1] < 2:
+        raise ValueError(
+            f"{kind} at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has a single pixel, which a mask "
+            "cannot split; choose an earlier layer"
+        )
+    return h
+
+
+def check_pinned_mask(mask, height: int, width: int) -> torch.Tensor:
+    """A pinned ``(height, width)`` mask of weights in [0, 1], as a float64 CPU tensor, or a one-line
+    ``ValueError``."""
+    mask = torch.as_tensor(mask, dtype=torch.float64).cpu()
+    if tuple(mask.shape) != (height, width):
+        raise ValueError(f"pinned mask of shape {tuple(mask.shape)} does not fit the {height}x{width} map")
+    if not bool(((mask >= 0) & (mask <= 1)).all()):
+        raise ValueError("pinned mask must hold weights in [0, 1]")
+    return mask
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+
+
+def check_positive(name: str, value) -> float:
+    """``value`` as a finite float > 0, or a ``ValueError`` naming ``name``."""
+    number = _number(name, value)
+    if not (number > 0 and math.isfinite(number)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
+
+
+def check_non_negative(name: str, value) -> float:
+    """``value`` as a finite float >= 0, or a ``ValueError`` naming ``name``."""
+    number = _number(name, value)
+    if not (number >= 0 and math.isfinite(number)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def check_layer_weights(layers: Sequence[str], weights) -> tuple[float, ...]:
+    """``weights`` as floats, once they give each of ``layers`` a weight >= 0, not all 0 (else one line)."""
+    try:
+        values = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        values = None
+    if (
+        values is None
+        or len(values) != len(layers)
+        or any(not math.isfinite(v) or v < 0 for v in values)
+        or not sum(values) > 0
+    ):
+        shown = list(weights) if isinstance(weights, Sequence) and not isinstance(weights, str) else weights
+        raise ValueError(f"layer_weights={shown!r}: one weight >= 0 per layer of {list(layers)}, not all 0")
+    return tuple(values)
+
+
+def check_fraction(name: str, value) -> float:
+    """``value`` as a float in [0, 1], or a ``ValueError`` naming ``name``."""
+    number = _number(name, value)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return number

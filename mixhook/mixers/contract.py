@@ -1,0 +1,202 @@
+"""The contract a training loop relies on: what a mixing regularizer is, and what one mix records.
+
+:class:`MixingHook` is the contract (``last``, ``loss``, ``targets``, ``state_for``, ``pin``, ``pin_last``,
+``skip_next``, ``check_output``); ``isinstance(hook, MixingHook)`` is the one way to tell a mixing
+regularizer from other hooks, and a model has at most one (:func:`claim`). :class:`MixState` is what one
+training forward mixed; :class:`Draw` and :class:`Mixed` are what a method's ``mix()`` is given and
+returns (:class:`~mixhook.mixers.base.Mixer`).
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .functional import weight_of
+
+
+@dataclass(frozen=True)
+class MixState:
+    """What one training forward mixed (a mixer's ``.last``).
+
+    Attributes:
+        layer: the layer spec that was mixed (as given, selector included).
+        lam: the weight of each sample's own target (float64): a 0-d tensor, or one per sample (1-D).
+            ``loss`` and ``targets`` use it as is: for CutMix it is the area-corrected lam, for PatchUp
+            the paper's target weight, for Manifold Mixup the drawn lam.
+        index: 1-D int64 tensor: sample ``i`` was mixed with sample ``index[i]``.
+        info: what the method records beyond these, by name (CutMix: ``"box"``; PatchUp: ``"mask"``);
+            each mixer's docstring says what it puts here.
+        elements: the elements of the layer's output (or of the model's inputs) that were mixed, as
+            selector paths (``("[0]", "[1.0]")``; ``("[]",)`` for a plain tensor), with their batch
+            dimensions in ``batch_dims``.
+        weights: for a region method (CutMix, FMix, PatchUp, ...), the weight of each sample's own content
+            at each position of the mixed map, ``(1 or B, H, W)`` (1 outside a pasted box, 0 inside; soft
+            masks in between): what dense targets (segmentation maps) are mixed with, resized to the label
+            map. ``None``: the same weight ``lam`` everywhere (Manifold Mixup, input mixup, NFM).
+        shapes: the shapes of the mixed tensors, as ``elements`` lists them.
+    """
+
+    layer: str
+    lam: torch.Tensor
+    index: torch.Tensor
+    info: Mapping[str, Any] = field(default_factory=dict)
+    elements: tuple[str, ...] = ("[]",)
+    batch_dims: tuple[int, ...] = (0,)
+    weights: torch.Tensor | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+    _weight: float | None = field(default=None, repr=False, compare=False)  # lam as a float, when one
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What :meth:`Mixer.mix` is given for one mix.
+
+    Attributes:
+        layer: the layer spec being mixed.
+        lam: float64 on the CPU, from :meth:`Mixer.sample_lam` or pinned: a 0-d tensor, or one per sample.
+        index: int64 on the CPU: sample ``i`` is mixed with sample ``index[i]`` (drawn or pinned).
+        generator: where every further draw of this mix must come from (a box, a mask, noise), so that
+            a recomputation under activation checkpointing and ``pin_last`` repeat it exactly.
+        pinned: the values pinned for this forward, the method's own (its ``pin_keys``) among them.
+        permutation: whether ``index`` is a permutation of the batch (drawn, or pinned and checked to be
+            one): :func:`~mixhook.blend` may then take its backward as a gather (``permutation=``).
+    """
+
+    layer: str
+    lam: torch.Tensor
+    index: torch.Tensor
+    generator: torch.Generator
+    pinned: Mapping[str, Any]
+    permutation: bool = False
+
+    @functools.cached_property
+    def inverse(self) -> torch.Tensor | None:
+        """``index``'s inverse permutation (computed when first asked for), or ``None`` when ``index`` is
+        not a permutation of the batch."""
+        return torch.argsort(self.index) if self.permutation else None
+
+    @functools.cached_property
+    def weight(self) -> float | torch.Tensor:
+        """``lam`` as the blends take it: a Python float for one lam on the CPU (no cast, no copy to the
+        device), else the tensor."""
+        return weight_of(self.lam)
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """What :meth:`Mixer.mix` returns.
+
+    Attributes:
+        tensors: the mixed tensor for every leaf it was given, by ``leaf.path``, each of the leaf's shape.
+        lam: the target weight ``loss``/``targets`` use, where it differs from the drawn ``draw.lam``
+            (CutMix's area-corrected lam); ``None``: ``draw.lam``.
+        info: what to record in :attr:`MixState.info`.
+        index: the partners actually used, where the method chose them itself (partners from the global
+            batch: indices into it); ``None``: ``draw.index``.
+        weights: a region method's own-content weight per position of the mixed map, ``(1 or B, H, W)``
+            (see :attr:`MixState.weights`); ``None`` for a method that blends every position alike.
+    """
+
+    tensors: dict
+    lam: torch.Tensor | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
+    index: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
+class ForeignLogitsError(RuntimeError):
+    """``loss``/``targets``/``state_for`` were given logits that no forward of this mixer produced, or
+    that combine several forwards' mixes: refused, never guessed."""
+
+
+class MixingHook(abc.ABC):
+    """The contract of a mixing regularizer: what a training loop may rely on.
+
+    ``isinstance(hook, MixingHook)`` tells a mixing regularizer from other hooks (the app, ``attach()``
+    and the one-mixer-per-model rule use it). Implemented by :class:`Mixer` (one method) and
+    :class:`~mixhook.OneOf` (one of several per batch); a class of your own that mixes should subclass
+    one of those, or this.
+    """
+
+    last: MixState | None
+
+    @abc.abstractmethod
+    def loss(self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The criterion under the mix of the forward that produced ``logits`` (``criterion(logits,
+        target)`` when it mixed nothing); see :meth:`state_for`."""
+
+    @abc.abstractmethod
+    def targets(
+        self,
+        target: torch.Tensor,
+        num_classes: int | None = None,
+        smoothing: float = 0.0,
+        dtype: torch.dtype | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mixed targets of the forward that produced ``logits`` (without ``logits``: of the latest
+        forward; see :meth:`Mixer.targets`), class indices with ``num_classes`` or floating and dense
+        targets, in ``dtype`` (pass the logits' dtype)."""
+
+    @abc.abstractmethod
+    def state_for(self, logits: torch.Tensor | None = None) -> MixState | None:
+        """The :class:`MixState` of the forward that produced ``logits`` (``None``: that forward mixed
+        nothing, e.g. an eval forward), or a one-line :class:`ForeignLogitsError` when it cannot be
+        known; without ``logits``, the latest forward's."""
+
+    @abc.abstractmethod
+    def pin(self, **values) -> None:
+        """Make the next training forward mix with exactly these values."""
+
+    @abc.abstractmethod
+    def pin_last(self) -> None:
+        """Make the next training forward repeat the last one's mix exactly (or not mix, if it did not)."""
+
+    @abc.abstractmethod
+    def skip_next(self) -> None:
+        """Make the next training forward not mix (whatever ``prob``); sampling resumes after it."""
+
+    @abc.abstractmethod
+    def check_output(self, spec: str, value, batch: int | None = None) -> None:
+        """Raise (one line) unless what layer ``spec`` returned can be mixed."""
+
+    def owns(self, hook: MixingHook) -> bool:
+        """Whether ``hook`` may be attached to a model that this one mixes (itself, or a part of it)."""
+        return hook is self
+
+    def use_targets(self, target: torch.Tensor) -> None:
+        """The labels of the next training forward, for a method that needs them to mix (gradient
+        saliency); the others ignore them. Call it before every forward, as the app's loop does: labels
+        are used for one forward only, so a method that needs them never mixes with stale ones."""
+        del target  # needed by none of the methods by default
+
+
+_MIXING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixing regularizer
+
+
+def claim(model: nn.Module, hook: MixingHook) -> None:
+    """Make ``hook`` the mixing regularizer of ``model``; refuse a second one (two would each mix every
+    batch), unless the one there owns ``hook`` (a :class:`~mixhook.OneOf` attaching its mixers)."""
+    other = _MIXING.get(model)
+    if other is None:
+        _MIXING[model] = hook
+    elif not other.owns(hook):
+        raise RuntimeError(
+            f"{type(model).__name__} already has a mixing regularizer attached ({other!r}); two would "
+            "each mix every batch: remove it first, or combine both with mixhook.OneOf([...])"
+        )
+
+
+def unclaim(hook: MixingHook) -> None:
+    """Forget ``hook`` as the mixing regularizer of any model (on removal)."""
+    for model, owner in list(_MIXING.items()):
+        if owner is hook:
+            del _MIXING[model]

@@ -1,0 +1,230 @@
+"""Targets under a mix: which labels are class indices in range, and a dense target's per-position weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..transfer import to_device
+from . import partners
+from .contract import MixState
+from .functional import per_sample, smooth_one_hot
+
+
+def positions(target: torch.Tensor) -> int:
+    """How many position dimensions a target has beyond its batch (and, floating, its class) dimension:
+    0 for ``(B,)`` indices and ``(B, K)`` floating targets, 2 for a ``(B, H, W)`` or ``(B, K, H, W)`` map."""
+    return target.ndim - (2 if target.dtype.is_floating_point else 1)
+
+
+def check_classes(target: torch.Tensor, num_classes: int) -> None:
+    """Refuse class indices outside ``[0, num_classes)``: in one line for labels on the CPU; on a GPU as
+    a device-side assertion (reading the labels on the host would stall every step until the GPU is
+    idle), which fails the step loudly at the next synchronisation."""
+    if not target.numel():
+        return
+    if target.device.type != "cpu":
+        inside = ((target >= 0) & (target < num_classes)).all()
+        torch._assert_async(inside, f"targets(): class indices must lie in [0, {num_classes})")
+        return
+    low, high = (int(v) for v in torch.aminmax(target))
+    if low < 0 or high >= num_classes:
+        ignore = (
+            " (a dense map's ignore label, e.g. 255, has no probability: use loss() with a criterion "
+            "that ignores it)"
+            if target.ndim > 1
+            else ""
+        )
+        raise ValueError(
+            f"targets(): class indices must lie in [0, {num_classes}), got values from {low} to "
+            f"{high}{ignore}"
+        )
+
+
+def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) -> torch.Tensor | None:
+    """The own-content weight of each position of a dense ``target`` under the region mix ``last``:
+    ``last.weights`` resized to the target's ``(H, W)`` by area (each label pixel gets the fraction of
+    its area that kept the sample's own content: exact for a mask cut at the input's resolution, and a
+    feature map's cells cover whole blocks of label pixels), as ``(B, H, W)`` float64. Dense targets are
+    integer maps ``(B, H, W)`` or floating ``(B, K, H, W)``; the usual ``(B,)`` indices and ``(B, K)``
+    floating targets are not dense (``None``: the sample's lam). Any other shape under a region mix is
+    refused: the mask would be mapped onto it along dimensions it does not describe."""
+    spatial = positions(target)
+    if spatial <= 0:
+        return None
+    if spatial != 2:
+        raise ValueError(
+            f"{what}(): {kind} mixes regions of a 2-D map, so its dense targets must be (B, H, W) class "
+            f"indices or (B, K, H, W) floating targets; got {target.dtype} {tuple(target.shape)}"
+        )
+    weights = last.weights.to(torch.float64)
+    size = tuple(target.shape[-2:])
+    if tuple(weights.shape[-2:]) != size:
+        weights = F.interpolate(weights.unsqueeze(1), size=size, mode="area").squeeze(1)
+    return weights.expand(target.shape[0], *size)
+
+
+class LossAndTargets:
+    """``loss`` and ``targets`` of a :class:`~mixhook.mixers.base.Mixer`: the criterion, or the soft
+    targets, under the mix of the forward that produced the logits (found by ``_bound_state``)."""
+
+    dense_targets: ClassVar[str | None]  # set by Mixer (why a method refuses dense targets, or None)
+
+    def loss(
+        self,
+        criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        logits: torch.Tensor,
+        target: torch.Tensor,
+    ) -> torch.Tensor:
+        """``lam * criterion(logits, target) + (1 - lam) * criterion(logits, target[index])`` under the
+        mix of the forward that produced ``logits``, or ``criterion(logits, target)`` when that forward
+        mixed nothing (an eval forward, a skipped one); see :meth:`state_for` for how the forward is found
+        and what is refused.
+
+        ``target`` is whatever the criterion takes: class indices, soft or multi-hot targets
+        (``BCEWithLogitsLoss``), regression values, or dense targets (see :func:`dense_weights`). With
+        one lam per sample (``mode="elem"``) the criterion must return one loss per sample
+        (``reduction="none"``); the weighted per-sample losses are returned for you to reduce. With a
+        dense target under a region mix, lam is each position's own weight (the mask resized to the label
+        map), so the criterion must return one loss per position (``reduction="none"``, e.g. ``(B, H, W)``
+        for ``(B, H, W)`` class indices), weighted and returned for you to reduce.
+
+        For a criterion that is linear in its target (cross-entropy, BCE) this equals the criterion of
+        the mixed targets (:meth:`targets`); for one that is not (MSE on regression targets), the two
+        differ: mix the targets with :meth:`targets` when the criterion of the mixed target is meant."""
+        last = self._bound_state(logits, "loss")
+        if last is None:
+            return criterion(logits, target)
+        loss_a = criterion(logits, target)
+        loss_b = criterion(logits, self._partners_of(last, target, "loss"))
+        if last._weight is not None and last.weights is None and positions(target) <= 0:
+            return torch.lerp(loss_b, loss_a, last._weight)  # one lam as a float: the common case
+        lam = self._target_weights(last, target, "loss")
+        if lam is None:
+            lam = to_device(last.lam, loss_a.device, loss_a.dtype)
+            if lam.ndim == 1 and (loss_a.ndim == 0 or loss_a.shape[0] != lam.shape[0]):
+                raise ValueError(
+                    f"loss(): lam has one value per sample ({lam.shape[0]}), so the criterion must return "
+                    f"one loss per sample (reduction='none'), but it returned shape {tuple(loss_a.shape)}"
+                )
+            if lam.ndim == 1 and loss_a.ndim > 1:  # per-sample lam over per-position losses (dense)
+                if any(dim != 0 for dim in last.batch_dims):
+                    raise ValueError(
+                        f"loss(): per-position losses {tuple(loss_a.shape)} with one lam per sample need the "
+                        f"batch first, but this model's mixed tensors have it at {last.batch_dims}: reduce "
+                        "the criterion to one loss per sample"
+                    )
+                lam = lam.view(-1, *[1] * (loss_a.ndim - 1))
+        else:
+            lam = to_device(lam, loss_a.device, loss_a.dtype)
+            if loss_a.shape != lam.shape:
+                raise ValueError(
+                    f"loss(): a dense target under {type(self).__name__}'s region mix weighs each position "
+                    f"by its own mask, so the criterion must return one loss per position {tuple(lam.shape)} "
+                    f"(reduction='none'), but it returned shape {tuple(loss_a.shape)}"
+                )
+        return torch.lerp(loss_b, loss_a, lam)
+
+    def targets(
+        self,
+        target: torch.Tensor,
+        num_classes: int | None = None,
+        smoothing: float = 0.0,
+        dtype: torch.dtype | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The mixed targets of the forward that produced ``logits``: ``lam * t + (1 - lam) * t[index]``
+        (``t`` when it mixed nothing), in ``dtype`` (a floating dtype, e.g. the logits'; ``None``: torch's
+        default), computed from the float64 lam. Without ``logits``: the latest forward's, refused in one
+        line when an earlier forward that mixed has not had its targets or loss taken (pass ``logits``
+        to say which; see :meth:`state_for`).
+
+        ``t`` is, by ``target``:
+
+        - integer class indices ``(B,)``: one-hot over ``num_classes`` with label smoothing (``1 -
+          smoothing + smoothing/num_classes`` on the true class, ``smoothing/num_classes`` elsewhere):
+          ``(B, num_classes)``, for ``nn.CrossEntropyLoss``, which accepts class probabilities;
+        - integer dense labels ``(B, *S)`` (a segmentation map ``(B, H, W)``, token labels ``(B, T)``):
+          one-hot per position, ``(B, num_classes, *S)``;
+        - floating targets, taken as they are: soft class probabilities or multi-hot labels ``(B, K)``
+          (for ``BCEWithLogitsLoss``), regression values ``(B,)`` or ``(B, d)``, dense probabilities
+          ``(B, K, H, W)``; ``num_classes``, when given, is checked against ``K``; ``smoothing`` is
+          refused (smooth them yourself first, as the smoothing of multi-hot labels is a choice).
+
+        Under a region mix (CutMix, FMix, PatchUp, ...) a dense target's lam is per position: the
+        method's own-content mask resized to the label map (:func:`dense_weights`), so a pasted box
+        pastes its labels too."""
+        if num_classes is not None and (
+            isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
+        ):
+            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if not dtype.is_floating_point:
+            raise ValueError(f"targets(dtype=...) must be a floating dtype, got {dtype}")
+        if not isinstance(target, torch.Tensor) or target.ndim == 0 or target.dtype == torch.bool:
+            what = (
+                f"{target.dtype} {tuple(target.shape)}" if isinstance(target, torch.Tensor) else type(target)
+            )
+            raise ValueError(
+                f"targets() needs a batch of integer class indices or floating targets, got {what}"
+            )
+        if target.dtype.is_floating_point:
+            if smoothing:
+                raise ValueError(
+                    "targets(smoothing=...) applies to class indices; smooth floating (soft, multi-hot) "
+                    "targets yourself before mixing them"
+                )
+            if num_classes is not None and (target.ndim < 2 or target.shape[1] != num_classes):
+                raise ValueError(
+                    f"targets(): floating targets of shape {tuple(target.shape)} do not have "
+                    f"num_classes={num_classes} classes along dimension 1"
+                )
+            last = self._bound_state(logits, "targets")
+            own = target.to(dtype)
+            partner = None if last is None else self._partners_of(last, target, "targets").to(dtype)
+        else:
+            if num_classes is None:
+                raise ValueError("targets(): class indices need num_classes")
+            check_classes(target, num_classes)
+
+            def one_hot(t):
+                soft = smooth_one_hot(t.reshape(-1), num_classes, smoothing, dtype)
+                return soft.view(*t.shape, num_classes).movedim(-1, 1) if t.ndim > 1 else soft
+
+            last = self._bound_state(logits, "targets")
+            own = one_hot(target)
+            partner = None if last is None else one_hot(self._partners_of(last, target, "targets"))
+        if last is None:
+            return own
+        weights = self._target_weights(last, target, "targets")
+        if weights is None:
+            lam = last._weight if last._weight is not None else per_sample(last.lam, own)
+            return torch.lerp(partner, own, lam)
+        return torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
+
+    def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
+        """Per-position own weights ``(B, H, W)`` for a dense ``target`` under a region mix, else ``None``
+        (lam as it is)."""
+        if positions(target) > 0 and self.dense_targets is not None:
+            raise ValueError(f"{what}(): {type(self).__name__} {self.dense_targets}")
+        if last.weights is None:
+            return None
+        return dense_weights(last, target, what, type(self).__name__)
+
+    def _partners_of(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor:
+        """The partners' rows of ``target`` under the mix ``last`` (from every rank's ``target`` when the
+        partners came from the global batch)."""
+        index = last.index
+        if target.shape[0] != index.shape[0]:
+            raise ValueError(
+                f"{what}(): target has {target.shape[0]} rows but the forward that produced the logits "
+                f"mixed a batch of {index.shape[0]}"
+            )
+        if last.info.get("partners") == "global":
+            target = partners.gather_labels(target)
+        return target.index_select(0, to_device(index, target.device))

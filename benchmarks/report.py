@@ -21,6 +21,10 @@ GOALS = {
     "activation_saliency_vs_manifold": 1.05,  # SaliencyMix (activation) step / Manifold Mixup step
     "recipe_mixup_vs_none": 1.02,  # Verma et al. 2019's CIFAR-10 recipe: mixup epoch / plain epoch
     "recipe_1200_epochs_hours": 2.0,  # ... its 1,200 epochs projected, on one GPU
+    "host_vs_hand": 1.5,  # an active mix's added host time / a minimal hand-written hook's
+    "extra_ops_vs_hand": 2,  # aten ops of a training step with the mix - with the hand-written hook
+    "copies_to_device_per_mix": 1,
+    "host_reads_per_step": 0,
 }
 
 
@@ -90,6 +94,14 @@ def goals(results: dict, device) -> list[dict]:
             0,
             f"{rc['model']}, {rc['steps']} steps",
         )
+    if "host" in results:
+        h = results["host"]
+        for what in ("forward_and_loss", "step"):
+            add("host_vs_hand", h[what]["mixhook_vs_hand"]["median"], GOALS["host_vs_hand"], what)
+        add("extra_ops_vs_hand", h["extra_ops_vs_hand"], GOALS["extra_ops_vs_hand"], "training step")
+        census = h["census"]["mixhook"]
+        add("copies_to_device_per_mix", census["copies_to_device"], 1, "training step")
+        add("host_reads_per_step", census["host_reads"], 0, "training step")
     if results.get("methods", {}).get("vs_manifold", {}).get("SaliencyMix"):
         m = results["methods"]
         add(
@@ -201,6 +213,31 @@ def markdown(results: dict) -> str:
         lines += [
             "",
             f"Eval forward with inactive hooks / unhooked: {fmt(d['eval_forward_inactive_vs_unhooked'])}",
+        ]
+    if "host" in results:
+        h = results["host"]
+        lines += [
+            "",
+            f"## Host cost of an active mix, against a hand-written hook (batch {h['batch']}, width "
+            f"{h['width']})",
+            "",
+            "| call | plain (µs) | hand-written hook adds (µs) | mixhook adds (µs) | mixhook / hand |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for what in ("forward_and_loss", "step"):
+            row = h[what]
+            lines.append(
+                f"| {what.replace('_', ' ')} | {row['plain_us']:.1f} | {row['added_us']['hand']:.1f} | "
+                f"{row['added_us']['mixhook']:.1f} | {fmt(row['mixhook_vs_hand'])} |"
+            )
+        lines += [
+            "",
+            "| one training step | aten ops | copies to the device | host reads |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {name} | {c['aten_ops']} | {c['copies_to_device']} | {c['host_reads']} |"
+            for name, c in h["census"].items()
         ]
     if "baseline" in results:
         base = results["baseline"]

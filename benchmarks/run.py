@@ -13,7 +13,8 @@ Cases: 1. training step (forward + backward + SGD) of PreActResNet-18 and torchv
 size with each hook, against no hook and against the paper's hand-edited forward (eager; compiled; bf16
 on CUDA); 2. peers (torchvision's v2.MixUp, timm's Mixup when installed) against
 ManifoldMixup("input"); 3. dispatch: microseconds per module call without, with an inactive and with
-an active hook, and an eval forward with inactive hooks; 4. the blend's forward + backward as GB/s next
+an active hook, and an eval forward with inactive hooks; host: an active mix's host time, aten ops,
+copies and host reads against a minimal hand-written hook's; 4. the blend's forward + backward as GB/s next
 to the device's copy bandwidth; 5. recompiles of a compiled model over many steps with changing lam
 and layer; 6. peak memory of a training step (CUDA); 7. methods: every mixing method's training step
 at layer2 of PreActResNet-18 against no mixing and against Manifold Mixup (the saliency methods with
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cases.baseline import baseline  # noqa: E402
 from benchmarks.cases.blend import blend_bandwidth  # noqa: E402
 from benchmarks.cases.dispatch import dispatch  # noqa: E402
+from benchmarks.cases.host import host  # noqa: E402
 from benchmarks.cases.memory import memory  # noqa: E402
 from benchmarks.cases.methods import methods  # noqa: E402
 from benchmarks.cases.peers import peers  # noqa: E402
@@ -51,7 +53,7 @@ from benchmarks.report import device_name, device_slug, goals, markdown  # noqa:
 from benchmarks.timing import Timer  # noqa: E402
 
 CASES = (
-    "eager", "compiled", "bf16", "peers", "methods", "dispatch", "blend", "recompiles", "memory",
+    "eager", "compiled", "bf16", "peers", "methods", "dispatch", "host", "blend", "recompiles", "memory",
     "data", "recipe",
 )  # fmt: skip
 OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
@@ -204,6 +206,10 @@ def main(argv=None) -> dict:
             200 if args.quick else 2000,
             *((8, 16) if args.quick else ((256, 32) if cuda else (32, 32))),
         )
+        checkpoint()
+    if "host" in cases:
+        log("host cost against a hand-written hook ...")
+        results["host"] = host(device, timer, 5 if args.quick else 21, 50 if args.quick else 400)
         checkpoint()
     if "baseline" in cases:
         log(f"this checkout against {args.baseline} ...")

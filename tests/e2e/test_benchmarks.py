@@ -44,6 +44,10 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert rc["distinct_layers_mixed"] == 3 and rc["distinct_lams"] == rc["steps"]
     assert rc["graphs_compiled_after_warmup"] == 0 and rc["graphs_compiled_total"] > 0
     assert {g["goal"] for g in data["goals"]} >= {"mixup_vs_none", "mixup_vs_hand", "recompiles_after_warmup"}
+    host = data["host"]  # counts, not times: the same on every machine
+    assert host["extra_ops_vs_hand"] <= 2 and host["census"]["mixhook"]["host_reads"] == 0
+    assert host["census"]["hand"]["aten_ops"] > host["census"]["none"]["aten_ops"]
+    assert {"host_vs_hand", "extra_ops_vs_hand", "host_reads_per_step"} <= {g["goal"] for g in data["goals"]}
     data_ = data["data"]
     assert set(data_["images_per_second"]) == {"device", "workers"} and data_["images"] == 500
     recipe = data["recipe"]
@@ -52,7 +56,7 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert all(h > 0 and math.isfinite(h) for h in hours.values()) and "eval" not in hours
     assert "recipe_mixup_vs_none" in {g["goal"] for g in data["goals"]}
     markdown = json_file.with_suffix(".md").read_text()
-    assert "## Goals" in markdown and "| mixup_vs_hand |" in markdown
+    assert "## Goals" in markdown and "| mixup_vs_hand |" in markdown and "## Host cost" in markdown
     assert "## Verma et al. 2019 CIFAR-10 recipe" in markdown and "## CIFAR data pipelines" in markdown
 
 

@@ -1,0 +1,132 @@
+"""Case: host: what an active mix costs the host, against a minimal hand-written hook with its own generators.
+
+Three copies of a small model (Linear, Identity, Linear), with no hook, with the hand-written Manifold
+Mixup hook below on the Identity (NumPy's Beta for lam, torch's randperm for the partners, the blend and the
+loss as the papers write them), and with ``ManifoldMixup`` there. The tensors are tiny, so the time is
+the host's: what a launch-bound GPU step pays. Timed side by side, the forward with its loss and the whole
+step (with backward); the figure is the mix's time over the plain model's, divided by the hand-written
+hook's (per repetition, then the median). Counted in the same step under a dispatch mode: aten ops,
+copies from the CPU to another device (one per mix at most: the partner index), and reads of a device
+tensor's value on the host (each a sync: none)."""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixhook import ManifoldMixup
+
+HOST_READS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.equal.default"}
+COPIES = {"aten._to_copy.default", "aten.copy_.default"}
+
+
+class HandMix:
+    """Manifold Mixup written by hand as a forward hook, with its own generators."""
+
+    def __init__(self, device, alpha: float = 2.0):
+        self.rng = np.random.default_rng(0)
+        self.generator = torch.Generator().manual_seed(0)
+        self.alpha, self.device = alpha, device
+
+    def __call__(self, module, args, out):
+        self.lam = float(self.rng.beta(self.alpha, self.alpha))
+        self.index = torch.randperm(out.shape[0], generator=self.generator).to(self.device)
+        return self.lam * out + (1 - self.lam) * out[self.index]
+
+    def loss(self, logits, y):
+        return self.lam * F.cross_entropy(logits, y) + (1 - self.lam) * F.cross_entropy(logits, y[self.index])
+
+
+class Census(TorchDispatchMode):
+    """Counts aten ops, CPU-to-device copies and host reads of device tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.copies = 0
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        self.ops[name] += 1
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name in HOST_READS and any(t.device.type != "cpu" for t in tensors):
+            self.reads += 1
+        if name in COPIES:
+            source = tensors[-1] if name == "aten.copy_.default" else tensors[0]
+            target = tensors[0].device if name == "aten.copy_.default" else kwargs.get("device")
+            if source.device.type == "cpu" and target is not None and torch.device(target).type != "cpu":
+                self.copies += 1
+        return func(*args, **kwargs)
+
+
+def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) -> dict:
+    x = torch.randn(batch, width, device=device)
+    y = torch.randint(0, 4, (batch,), device=device)
+    models, losses = {}, {}
+    for name in ("none", "hand", "mixhook"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(width, width), nn.Identity(), nn.Linear(width, 4)).to(device).train()
+        if name == "hand":
+            hand = HandMix(device)
+            model[1].register_forward_hook(hand)
+            losses[name] = hand.loss
+        elif name == "mixhook":
+            mix = ManifoldMixup("1")
+            mix.attach(model)
+            losses[name] = lambda logits, t, mix=mix: mix.loss(F.cross_entropy, logits, t)
+        else:
+            losses[name] = F.cross_entropy
+        models[name] = model
+
+    def forward(name):
+        def call():
+            for _ in range(calls):
+                losses[name](models[name](x), y)
+
+        return call
+
+    def step(name):
+        def call():
+            for _ in range(calls):
+                losses[name](models[name](x), y).backward()
+
+        return call
+
+    out = {"batch": batch, "width": width, "calls": calls}
+    for what, make in (("forward_and_loss", forward), ("step", step)):
+        times = timer.side_by_side({n: make(n) for n in models}, reps=reps, inner=1, warmup=1)
+        added = {
+            n: [(t - b) / calls * 1e6 for t, b in zip(times[n], times["none"], strict=True)] for n in models
+        }
+        per_rep = [m / h for m, h in zip(added["mixhook"], added["hand"], strict=True)]
+        out[what] = {
+            "added_us": {n: statistics.median(added[n]) for n in ("hand", "mixhook")},
+            "plain_us": 1e6 * statistics.median(times["none"]) / calls,
+            "mixhook_vs_hand": {
+                "median": statistics.median(per_rep),
+                "min": min(per_rep),
+                "max": max(per_rep),
+                "n": len(per_rep),
+            },
+        }
+    census = {}
+    for name, model in models.items():
+        losses[name](model(x), y).backward()  # warm
+        with Census() as seen:
+            losses[name](model(x), y).backward()
+        census[name] = {
+            "aten_ops": sum(seen.ops.values()),
+            "copies_to_device": seen.copies,
+            "host_reads": seen.reads,
+        }
+    out["census"] = census
+    out["extra_ops_vs_hand"] = census["mixhook"]["aten_ops"] - census["hand"]["aten_ops"]
+    return out

@@ -154,7 +154,7 @@ TARGET_RULES: dict[str, dict[str, dict]] = {
     "torch.optim.lr_scheduler.CosineAnnealingLR": {"T_max": {"min": 1}},
     "mixhook.app.models.PreActResNet18": {
         "shortcut": {"choices": SHORTCUTS},
-        "width": {"min": 1},
+        "width": {"positive": True},
     },
 }
 

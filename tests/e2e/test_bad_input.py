@@ -72,7 +72,12 @@ from tests.conftest import write_cifar
             ["+model.shortcut=relu"],
             "error: model.shortcut='relu' is not a shortcut; valid: input, activated",
         ),
-        (["model=preact_resnet18_nfm", "model.width=0"], "error: model.width must be an integer >= 1, got 0"),
+        (["model=preact_resnet18_nfm", "model.width=0"], "error: model.width must be > 0, got 0"),
+        (
+            ["+model.width=0.3"],  # 19.2 channels: refused, not rounded
+            "error: model: width must be a positive multiple of 1/64 (stages of 64*width, 128*width, ... "
+            "channels: 0.25, 0.5, 1, 2), got 0.3",
+        ),
         (
             ["data=cifar10", "data.root=/nonexistent"],
             "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",

@@ -117,5 +117,14 @@ def test_the_nfm_option_is_the_nfm_authors_network(width):
 def test_bad_shortcut_and_width_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^shortcut='relu' is not a shortcut; valid: input, activated$"):
         PreActResNet18(shortcut="relu")
-    with pytest.raises(ValueError, match=r"^width must be an integer >= 1, got 0$"):
-        PreActResNet18(width=0)
+    for width in (0, -1, 0.3, "2"):  # 0.3: 19.2 channels, never rounded silently
+        refusal = rf"^width must be a positive multiple of 1/64 .*, got {width!r}"
+        with pytest.raises(ValueError, match=refusal):
+            PreActResNet18(width=width)
+
+
+def test_a_fractional_width_is_the_same_network_narrower():
+    model = PreActResNet18(in_channels=1, width=0.25)
+    channels = [model.conv1.out_channels, model.layer2[0].conv1.out_channels, model.linear.in_features]
+    assert channels == [16, 32, 128]
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in PreActResNet18(1).named_modules()]

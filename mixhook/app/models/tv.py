@@ -1,13 +1,17 @@
-"""Any torchvision classification model by name, adapted to the data's channels and classes."""
+"""Any torchvision classification model by name, adapted to the data's channels and classes.
+
+torchvision is imported when a model is asked for (it takes seconds, torch._dynamo with it), so that a run
+of another model does not pay for it."""
 
 from __future__ import annotations
 
-import torchvision
 from torch import nn
 
 
 def classification_models() -> list[str]:
     """The names of torchvision's classification models (``resnet18``, ``vit_b_16``, ...)."""
+    import torchvision
+
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
@@ -30,6 +34,8 @@ def torchvision_model(name: str, in_channels: int = 3, num_classes: int = 1000, 
         raise ValueError(
             f"model.name={name!r} is not a torchvision classification model{hint} Valid: {', '.join(valid)}"
         )
+    import torchvision
+
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **options)
     if in_channels != 3:
         _replace_first_conv(model, in_channels)

@@ -32,6 +32,7 @@ _UNMIXED = _Forward()  # every forward that mixed nothing (eval, skipped, not dr
 
 
 _RECENT = 64  # the forwards a mixer keeps to tell whether an unclaimed one mixed
+_RECORD_TRACED: list = []  # Forwards._record wrapped by torch.compiler.disable, made when first needed
 
 
 class Forwards:
@@ -44,11 +45,24 @@ class Forwards:
         self.key = f"mixhook.forward.{id(owner)}"  # in grad_fn.metadata: the _Forward of that output
 
     def record(self, output, state: MixState | None) -> None:
-        """A forward ended with ``output`` having mixed ``state`` (``None``: nothing): mark its outputs."""
+        """A forward ended with ``output`` having mixed ``state`` (``None``: nothing): mark its outputs.
+
+        From code torch.compile traces, this runs after the graph (a graph break at the model's end): it
+        reads the real outputs' autograd nodes, which a traced graph does not have, and the list of recent
+        forwards, whose length a traced append would guard on (a recompile per forward, up to dynamo's
+        limit). The wrapper is made at the first compiled forward, so importing mixhook does not import
+        torch._dynamo."""
+        if torch.compiler.is_compiling():
+            if not _RECORD_TRACED:
+                _RECORD_TRACED.append(torch.compiler.disable(Forwards._record))
+            _RECORD_TRACED[0](self, output, state)
+        else:
+            self._record(output, state)
+
+    def _record(self, output, state: MixState | None) -> None:
         record = _UNMIXED if state is None else _Forward(state)
         self.recent.append(record)
-        marked = _mark_traced if torch.compiler.is_compiling() else _mark_outputs
-        marked(output, record, self.key, self.outputs, self.unmixed)
+        _mark_outputs(output, record, self.key, self.outputs, self.unmixed)
 
     def state_for(self, logits: torch.Tensor | None, what: str, kind: str, attached: bool) -> MixState | None:
         """The state of the forward that produced ``logits`` (see :meth:`Mixer.state_for`), naming
@@ -151,15 +165,3 @@ def _mark_outputs(output, record: _Forward, key: str, untracked: dict, unmixed) 
         else:
             ident = id(t)
             untracked[ident] = (weakref.ref(t, lambda _, d=untracked, i=ident: d.pop(i, None)), record)
-
-
-_MARK_TRACED: list = []
-
-
-def _mark_traced(output, record: _Forward, key: str, untracked: dict, unmixed) -> None:
-    """:func:`_mark_outputs` from code torch.compile traces: run after the graph (a graph break at the
-    model's end), as it reads the real outputs' autograd nodes, which a traced graph does not have. (The
-    wrapper is made at the first compiled forward, so importing mixhook does not import torch._dynamo.)"""
-    if not _MARK_TRACED:
-        _MARK_TRACED.append(torch.compiler.disable(_mark_outputs))
-    _MARK_TRACED[0](output, record, key, untracked, unmixed)

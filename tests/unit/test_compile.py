@@ -35,14 +35,17 @@ def test_compiled_training_with_three_layers_stops_compiling_after_warm_up():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
     counts, layers, lams = [], set(), set()
-    for _ in range(30):
-        loss = mix.loss(F.cross_entropy, compiled(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        counts.append(len(graphs))
-        layers.add(mix.last.layer)
-        lams.add(float(mix.last.lam))
+    # no frame recompiled up to dynamo's limit (a traced append to the list of recent forwards did: a
+    # recompile per forward until dynamo gave up on that frame and ran it eagerly)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for _ in range(30):
+            loss = mix.loss(F.cross_entropy, compiled(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            counts.append(len(graphs))
+            layers.add(mix.last.layer)
+            lams.add(float(mix.last.lam))
     assert layers == {"input", "conv1", "conv2"} and len(lams) == 30
     assert counts[-1] == counts[9] > 0  # nothing compiled after the first 10 steps
     mix.remove()

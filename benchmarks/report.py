@@ -139,7 +139,7 @@ def markdown(results: dict) -> str:
         f"# mixhook benchmark: {meta['device']}",
         "",
         f"{meta['date']}, torch {meta['torch']}, torchvision {meta['torchvision']}, Python {meta['python']}, "
-        f"`{meta['command']}`{' (quick)' if meta['quick'] else ''}.",
+        f"`{meta['command']}`{' (quick: PreActResNet-18 a quarter wide)' if meta['quick'] else ''}.",
         "",
         "Ratios: median (min..max) over alternating repetitions in this run; below 1 is faster.",
         "",

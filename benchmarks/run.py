@@ -39,6 +39,7 @@ import torchvision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchmarks.cases as case_modules  # noqa: E402
 from benchmarks.cases.baseline import baseline  # noqa: E402
 from benchmarks.cases.blend import blend_bandwidth  # noqa: E402
 from benchmarks.cases.dispatch import dispatch  # noqa: E402
@@ -97,6 +98,7 @@ def main(argv=None) -> dict:
     # Steps per timed repetition: a GPU step of these models takes milliseconds, and one step alone is
     # mostly launch jitter.
     inner = 10 if cuda and not args.quick else 1
+    case_modules.PREACT_WIDTH = 0.25 if args.quick else 1.0
 
     everything = list(VARIANTS)
     if args.quick:
@@ -136,6 +138,7 @@ def main(argv=None) -> dict:
             "python": platform.python_version(),
             "date": datetime.date.today().isoformat(),
             "quick": args.quick,
+            "preact_width": case_modules.PREACT_WIDTH,
             "reps": reps,
             "steps_per_rep": inner,
             "command": " ".join(["python benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import cases
 from benchmarks.timing import ratio
-from mixhook.app.models import PreActResNet18
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def baseline(device, timer, reps, rev: str, calls: int, batch: int, size: int) -
 
     def training_step(lib):
         torch.manual_seed(0)
-        model = PreActResNet18(in_channels=3, num_classes=10).to(device).train()
+        model = cases.preact_resnet18().to(device).train()
         mix = lib.ManifoldMixup("layer2")
         mix.attach(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)

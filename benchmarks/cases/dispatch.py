@@ -9,9 +9,9 @@ import statistics
 import torch
 from torch import nn
 
+from benchmarks import cases
 from benchmarks.timing import ratio
 from mixhook import ManifoldMixup
-from mixhook.app.models import PreActResNet18
 
 
 def dispatch(device, timer, reps, calls, eval_batch, size) -> dict:
@@ -32,7 +32,7 @@ def dispatch(device, timer, reps, calls, eval_batch, size) -> dict:
     micro = {k: 1e6 * statistics.median(v) / calls for k, v in times.items()}
 
     torch.manual_seed(0)
-    plain = PreActResNet18(in_channels=3, num_classes=10).to(device).eval()
+    plain = cases.preact_resnet18().to(device).eval()
     hooked = copy.deepcopy(plain)
     ManifoldMixup(["input", "layer1", "layer2", "layer3"]).attach(hooked)
     batch = torch.randn(eval_batch, 3, size, size, device=device)

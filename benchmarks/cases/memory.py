@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from benchmarks import cases
 from mixhook import ManifoldMixup
-from mixhook.app.models import PreActResNet18
 
 
 def memory(device, batch, size) -> dict:
@@ -15,7 +15,7 @@ def memory(device, batch, size) -> dict:
     torch.manual_seed(0)
     out = {}
     for name, hook in (("none", None), ("mixup_layer2", ManifoldMixup("layer2"))):
-        model = PreActResNet18(in_channels=3, num_classes=10).to(device).train()
+        model = cases.preact_resnet18().to(device).train()
         if hook:
             hook.attach(model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -11,9 +11,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from benchmarks import cases
 from benchmarks.timing import ratio
 from mixhook import AttentiveCutMix, SaliencyMix
-from mixhook.app.models import PreActResNet18
 from mixhook.mixers import METHODS
 
 LAYER = "layer2"  # 16x16 maps at 32x32 images: room for every method's defaults (PatchUp's 7x7 blocks)
@@ -41,7 +41,7 @@ def method_variants() -> dict:
 
 def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
     torch.manual_seed(0)
-    base = PreActResNet18(in_channels=3, num_classes=10).to(device).train()
+    base = cases.preact_resnet18().to(device).train()
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     makers = method_variants()

@@ -9,14 +9,14 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from benchmarks import cases
 from benchmarks.timing import ratio
 from mixhook import ManifoldMixup
-from mixhook.app.models import PreActResNet18
 
 
 def peers(device, timer, reps, inner, batch, size) -> dict:
     torch.manual_seed(0)
-    base = PreActResNet18(in_channels=3, num_classes=10).to(device).train()
+    base = cases.preact_resnet18().to(device).train()
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     variants, notes = {}, {}

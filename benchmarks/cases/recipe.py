@@ -21,10 +21,10 @@ import statistics
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks import cases
 from benchmarks.timing import ratio
 from mixhook import ManifoldMixup
 from mixhook.app.data import _CIFAR, CifarImages, DeviceBatches, EpochSampler, SeededSamples
-from mixhook.app.models import PreActResNet18
 from mixhook.app.training.finite import LAZY_EVERY, FiniteCheck
 from mixhook.app.training.loop import evaluate, train_one_epoch
 
@@ -80,7 +80,7 @@ def recipe(device, timer, reps: int, steps: int | None = None, batch: int = 100,
         loader.images = loader.images[..., :size, :size].contiguous()
         test.images = test.images[..., :size, :size].contiguous()
     torch.manual_seed(0)
-    base = PreActResNet18(in_channels=3, num_classes=10)
+    base = cases.preact_resnet18()
     epochs = {}
     for name in ("none", "mixup", "none_fused", "mixup_fused"):
         model = copy.deepcopy(base).to(device)

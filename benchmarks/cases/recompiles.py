@@ -7,8 +7,8 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import cases
 from mixhook import ManifoldMixup
-from mixhook.app.models import PreActResNet18
 
 
 def recompiles(device, steps, warmup, batch, size, small: bool) -> dict:
@@ -30,7 +30,7 @@ def recompiles(device, steps, warmup, batch, size, small: bool) -> dict:
         )
         layers = ["input", "0", "2"]
     else:
-        model = PreActResNet18(in_channels=3, num_classes=10)
+        model = cases.preact_resnet18()
         layers = ["input", "layer1", "layer2"]
     model = model.to(device).train()
     x = torch.randn(batch, 3, size, size, device=device)

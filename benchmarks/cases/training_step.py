@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from benchmarks import cases
 from benchmarks.timing import ratio
 from mixhook import CutMix, GradScale, InputScale, ManifoldMixup
-from mixhook.app.models import PreActResNet18
 
 VARIANTS = (
     "none", "mixup_input", "mixup_layer1", "mixup_layer2", "mixup_layer3", "mixup_random", "hand_layer2",
@@ -95,7 +95,7 @@ def _training_steps(
 ):
     torch.manual_seed(0)
     if model_name == "preact_resnet18":
-        base = PreActResNet18(in_channels=3, num_classes=10)
+        base = cases.preact_resnet18()
     else:
         base = torchvision.models.get_model(model_name, num_classes=10)
     layout = torch.channels_last if channels_last else torch.contiguous_format

@@ -201,7 +201,7 @@ def test_cli_default_experiment_reaches_95_percent(default_run):
 
 # ------------------------------------------------------------------------ the hook catalogue in the app
 
-FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false"]
+FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false", "+model.width=0.25"]
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from mixhook.app.report import main as report_main
 from mixhook.app.report import write_report
 from tests.conftest import ROOT
 
-FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false"]
+FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false", "+model.width=0.25"]
 
 
 def fake_run(sweep, job, overrides, acc=None, nll=None, error=None, paper=None, best=None, ece=None):

@@ -366,10 +366,10 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
         """The forward's mix at ``spec``: drawn from the mixer's generator (or, for ``pin_last``, from a
         copy in the repeated mix's state); the state is noted for a recomputation and for ``pin_last``."""
         generator = self._replaying(draw.state)
-        leaves = None
-        if type(self).before_mix is not Mixer.before_mix or not self.draws_in_mix:
+        leaves, before = None, type(self).before_mix is not Mixer.before_mix  # (a method that overrides it)
+        if before or not self.draws_in_mix:
             leaves = self._leaves(spec, self._site_value(spec, value), draw.batch)
-        if type(self).before_mix is not Mixer.before_mix:
+        if before:
             extra = self.before_mix(spec, leaves[1], draw.pinned)
             if extra:  # noted with the draw below: a recomputation and pin_last mix with the same values
                 draw.pinned = {**draw.pinned, **extra}

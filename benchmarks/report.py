@@ -94,6 +94,8 @@ def goals(results: dict, device) -> list[dict]:
             0,
             f"{rc['model']}, {rc['steps']} steps",
         )
+        if "graph_breaks" in rc:
+            add("graph_breaks", rc["graph_breaks"], 0, f"{rc['model']}, fullgraph=True")
     if "host" in results:
         h = results["host"]
         for what in ("forward_and_loss", "step"):
@@ -262,7 +264,12 @@ def markdown(results: dict) -> str:
             f"{rc['model']}, {rc['steps']} compiled training steps, ManifoldMixup over "
             f"{rc['layers']} ({rc['distinct_layers_mixed']} layers and {rc['distinct_lams']} lams drawn): "
             f"{rc['graphs_compiled_total']} graphs compiled, {rc['graphs_compiled_after_warmup']} after the "
-            f"{rc['warmup_steps']} warm-up steps.",
+            f"{rc['warmup_steps']} warm-up steps"
+            + (
+                f"; compiled with fullgraph=True, {rc['graph_breaks']} graph breaks."
+                if "graph_breaks" in rc
+                else "."
+            ),
         ]
     if "data" in results:
         d = results["data"]

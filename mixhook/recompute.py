@@ -40,7 +40,7 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-def _saved_tensor_hooks_active() -> bool:
+def saved_tensor_hooks_active() -> bool:
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:  # an older torch: assume it may be a checkpointed region
         return True
@@ -52,7 +52,7 @@ def may_be_recomputed() -> bool:
     checkpointing): gradients are off (reentrant mode) or saved-tensor hooks are on (non-reentrant)."""
     if torch.compiler.is_compiling():
         return False
-    return not torch.is_grad_enabled() or _saved_tensor_hooks_active()
+    return not torch.is_grad_enabled() or saved_tensor_hooks_active()
 
 
 class RecomputeError(RuntimeError):

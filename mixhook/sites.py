@@ -267,8 +267,11 @@ _SIGNATURES: dict = {}  # a plain dict, not functools.lru_cache, which torch.com
 
 def _signature(forward) -> tuple[list[str], dict[str, int]]:
     """A ``forward``'s positional parameter names and every parameter's position (cached: hooks bind a
-    call's arguments on every forward). ``forward`` is the function behind the bound method."""
-    found = _SIGNATURES.get(forward)
+    call's arguments on every forward). ``forward`` is the function behind the bound method. Traced by
+    torch.compile, the cache is left alone (its reads and writes would be guards on its size: a recompile
+    per new entry); the graph holds the result."""
+    compiling = torch.compiler.is_compiling()
+    found = None if compiling else _SIGNATURES.get(forward)
     if found is not None:
         return found
     try:
@@ -278,9 +281,11 @@ def _signature(forward) -> tuple[list[str], dict[str, int]]:
     if params and params[0].name == "self":
         params = params[1:]
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(_SIGNATURES) >= 1024:
-        _SIGNATURES.clear()
-    found = _SIGNATURES[forward] = (positional, {p.name: i for i, p in enumerate(params)})
+    found = (positional, {p.name: i for i, p in enumerate(params)})
+    if not compiling:
+        if len(_SIGNATURES) >= 1024:
+            _SIGNATURES.clear()
+        _SIGNATURES[forward] = found
     return found
 
 

@@ -1,9 +1,11 @@
-"""Case 5: graphs compiled by a compiled model over many training steps with changing lam and layer."""
+"""Case 5: graphs compiled by a compiled model over many training steps with changing lam and layer, with
+``fullgraph=True`` (a graph break fails the case) and the graph breaks dynamo counted."""
 
 from __future__ import annotations
 
 import torch
 import torch._dynamo
+import torch._dynamo.utils
 import torch.nn.functional as F
 from torch import nn
 
@@ -13,6 +15,7 @@ from mixhook import ManifoldMixup
 
 def recompiles(device, steps, warmup, batch, size, small: bool) -> dict:
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     graphs = []
 
     def counting_backend(gm, example_inputs):
@@ -38,7 +41,7 @@ def recompiles(device, steps, warmup, batch, size, small: bool) -> dict:
     model(x)  # materialise lazy modules
     mix = ManifoldMixup(layers, generator=torch.Generator().manual_seed(0))
     mix.attach(model)
-    compiled = torch.compile(model, backend=counting_backend)
+    compiled = torch.compile(model, backend=counting_backend, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     per_step, seen_layers, lams = [], set(), set()
     for _ in range(steps):
@@ -58,5 +61,7 @@ def recompiles(device, steps, warmup, batch, size, small: bool) -> dict:
         "distinct_lams": len(lams),
         "graphs_compiled_total": len(graphs),
         "graphs_compiled_after_warmup": len(graphs) - per_step[warmup - 1],
+        "fullgraph": True,
+        "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         "backend": "a counting backend (dynamo tracing and guards as with any backend)",
     }

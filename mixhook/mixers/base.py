@@ -39,6 +39,7 @@ from ..sites import (
     rebuild_inputs,
     replace_leaves,
 )
+from . import traced
 from .binding import Forwards
 from .checks import check_fraction, check_layer_weights, check_positive
 from .contract import Draw, Mixed, MixingHook, MixState, claim, unclaim
@@ -47,6 +48,7 @@ from .gradient_pass import GradientPass
 from .masking import PaddingMasks
 from .targets import LossAndTargets
 from .tokens import TokenGrid
+from .traced import TracedPath
 
 
 @dataclass
@@ -63,9 +65,10 @@ class _Decision:
 
 
 _SKIP = object()  # pinned for a forward that must not mix (skip_next)
+_TRACED = ("traced_params", "draw_traced", "mix_traced")  # what a method defines beside mix() to be traced
 
 
-class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
+class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, MixingHook):
     """Base class of the single-method mixers: mixes the output of one of ``layer`` per training batch.
 
     The shared mechanism: at the start of each training forward (a forward pre-hook on the model)
@@ -139,7 +142,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
 
     _TRANSIENT = (
         "_draw", "_mask_stack", "_targets", "_capture", "_seen",
-        "_layouts", "_regions", "_plans",
+        "_layouts", "_regions", "_plans", "_token", "_traced",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -152,6 +155,25 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
         self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
         self._capture: dict | None = None  # during gradient_at(): the map whose gradient is taken
         self._seen = Forwards(self)  # the recent forwards, and which one produced given logits
+        self._token = traced.register(self)  # names this mixer in a compiled graph's calls (.traced)
+        self._traced = False  # whether torch.compile traces the one-graph path (set at attach)
+
+    @property
+    def traceable(self) -> bool:
+        """Whether torch.compile traces this mixer's hooks into the model's graph with no graph break
+        (``fullgraph=True``; :mod:`mixhook.mixers.traced`): the class that defines its :meth:`mix` also
+        defines the traced path (a subclass that changes ``mix``, e.g. NoisyFeatureMixup's noise, is not
+        traced until it defines its own), it takes no per-forward pass (gradient saliency) and no token
+        grid; a model whose modules take padding masks (``padding="union"``) is not traced either.
+        Otherwise the hooks run between graphs."""
+        cls = type(self)
+        defines = [next(k for k in cls.__mro__ if name in vars(k)) for name in ("mix", *_TRACED)]
+        return (
+            all(k is defines[0] for k in defines)
+            and cls.before_forward is Mixer.before_forward
+            and cls.before_mix is Mixer.before_mix
+            and self.token_grid is None
+        )
 
     @property
     def layer_weights(self) -> tuple[float, ...] | None:
@@ -283,6 +305,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
         for spec, module in modules.items():
             if self.sites[spec].layer != INPUT:
                 handles.append(module.register_forward_hook(self._layer_hook(spec)))
+        takes_masks = False
         if self.padding == "union":
             self._regions = {
                 spec: masks.region_of(model, site.layer)
@@ -291,10 +314,12 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
             }
             for name, module in model.named_modules():
                 if module is not model and masks.takes_masks(module):
+                    takes_masks = True
                     pre, post = self._mask_hooks(name)
                     handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                     handles.append(module.register_forward_hook(post, always_call=True))
         handles.append(model.register_forward_hook(self._on_model_output))
+        self._traced = self.traceable and not takes_masks
 
     def _reset(self) -> None:
         self._draw = None
@@ -304,6 +329,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
         if self._capture is not None:  # gradient_at()'s own pass
             return self._capture_input(model, args, kwargs)
+        if self._traced and torch.compiler.is_compiling():
+            return self._traced_begin(model, args, kwargs)
         if recompute.in_backward():  # the whole model is being recomputed: replay its input's mix
             return self._replay_input(model, args, kwargs)
         if not model.training:
@@ -313,15 +340,12 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
 
     def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Decision | None):
         """Start a training forward with ``draw`` (or no mix); mix the input now if it is the layer."""
-        self.last = None
-        targets, self._targets = self._targets, None
+        targets = self._targets
         if draw is not None:
             extra = self.before_forward(model, args, kwargs, draw.layer, draw.pinned, targets)
             if extra:
                 draw.pinned = {**draw.pinned, **extra}
-        self._draw = draw
-        self._mask_stack = []
-        if draw is None:
+        if self._begin_forward(draw) is None:
             return None
         draw.batch = self._reference_batch(model, args, kwargs)
         if self.sites[draw.layer].layer != INPUT:
@@ -330,6 +354,16 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
         value, self.last = self._mix_now(draw.layer, inputs, draw)
         args, kwargs = rebuild_inputs(inputs, self.sites[draw.layer], value)
         return self._input_masks(model, args, kwargs, draw.layer, self.last)
+
+    def _begin_forward(self, draw: _Decision | None) -> _Decision | None:
+        """The state of a training forward that follows ``draw`` (eager, or in a compiled graph); a
+        compiled forward before it is settled first (its record must not take this forward's mix)."""
+        self._seen.settle()
+        self.last = None
+        self._targets = None
+        self._draw = draw
+        self._mask_stack = []
+        return draw
 
     def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
         for spec, site in self.sites.items():
@@ -347,11 +381,14 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
         def hook(module: nn.Module, args: tuple, output):
             if self._capture is not None:  # gradient_at()'s own pass
                 return self._capture_layer(spec, output)
+            if self._traced and torch.compiler.is_compiling():
+                return self._traced_mix(spec, output) if module.training else None
             draw = self._draw
             if draw is not None and not draw.done and draw.layer == spec:  # this forward mixes here
                 mixed, self.last = self._mix_now(spec, output, draw)
                 return mixed
-            if draw is None and recompute.in_backward():  # a recomputation, after its forward ended
+            # a recomputation, after its forward ended (a forward a compiled graph began keeps its draw)
+            if (draw is None or draw.done) and recompute.in_backward():
                 payload = self._replayed(spec)
                 if payload is None:
                     return None
@@ -385,10 +422,14 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
         mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch, leaves)
         self._last_draw = (spec, state, draw.pinned)
         draw.done, draw.index, draw.state = True, last.index, last
+        self._seen.mixed(last)  # (a forward a compiled graph began, mixed here between graphs)
         return mixed, last
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
         if self._capture is not None:  # gradient_at()'s own pass
+            return
+        if self._traced and torch.compiler.is_compiling():
+            self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
             return
         draw, self._draw = self._draw, None
         if draw is None:
@@ -454,20 +495,23 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
             raise TypeError(f"mixup layer {spec!r}: the model was called without arguments; nothing to mix")
         return value if site.paths is not None else value[0]
 
-    def _leaves(self, spec: str, value, expected: int | None = None) -> tuple[list[Leaf], list[Leaf], int]:
+    def _leaves(
+        self, spec: str, value, expected: int | None = None, plan: bool = True
+    ) -> tuple[list[Leaf], list[Leaf], int]:
         """The leaves that carry the batch at ``spec``, what the method is given for them (the same, or
         with a token grid their ``(B, D, gh, gw)`` patch maps), and the batch size.
 
         A site that returned a plain tensor once is planned (its batch dimension, for its number of
         dimensions and dtype): the next tensor of the same kind skips the structure walk and the checks
-        that depend on nothing else; the method's own :meth:`check_leaves` runs every time."""
-        plan = self._plans.get(spec)
-        if plan is not None and type(value) is torch.Tensor and (value.ndim, value.dtype) == plan[:2]:
-            batch = value.shape[plan[2]]
+        that depend on nothing else; the method's own :meth:`check_leaves` runs every time. Traced code
+        (``plan=False``) neither reads nor writes plans (a traced read of the dict would be a guard)."""
+        planned = self._plans.get(spec) if plan else None
+        if planned is not None and type(value) is torch.Tensor and (value.ndim, value.dtype) == planned[:2]:
+            batch = value.shape[planned[2]]
             if expected is not None and batch != expected:
                 self._plans.pop(spec)  # the full path says what is wrong
                 return self._leaves(spec, value, expected)
-            found = [Leaf((), value, plan[2])]
+            found = [Leaf((), value, planned[2])]
             self.check_leaves(spec, found)
             return found, found, batch
         site = self.sites[spec]
@@ -491,7 +535,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
                      for f in found]  # fmt: skip
         else:
             given = found
-            if type(value) is torch.Tensor and found[0].path == ():
+            if plan and type(value) is torch.Tensor and found[0].path == ():
                 self._plans[spec] = (value.ndim, value.dtype, found[0].dim)
         self.check_leaves(spec, given)
         return found, given, batch
@@ -551,6 +595,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
         ``leaves``: what :meth:`_leaves` gave for this value, where the caller has it already."""
         site_value = self._site_value(spec, value)
         found, given, n = self._leaves(spec, site_value, batch) if leaves is None else leaves
+        if found[0].tensor.is_cuda:
+            traced.refuse_capture(type(self).__name__, spec, found[0].tensor.device)
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
             lam, index, permutation = self._draws(spec, n, pinned, generator)
@@ -570,10 +616,15 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
             for leaf in found:
                 if self._channels_last(spec, leaf):
                     tensors[leaf.path] = tensors[leaf.path].permute(0, 2, 3, 1)
-        state = MixState(
+        return replace_leaves(site_value, tensors), self._state(spec, found, draw, mixed)
+
+    @staticmethod
+    def _state(spec: str, found: list[Leaf], draw: Draw, mixed: Mixed) -> MixState:
+        """What a mix at ``spec`` of the leaves ``found`` did, drawn ``draw``, as ``mixed`` says."""
+        return MixState(
             layer=spec,
-            lam=target_lam,
-            index=index if mixed.index is None else mixed.index,
+            lam=draw.lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64),
+            index=draw.index if mixed.index is None else mixed.index,
             info=dict(mixed.info),
             elements=tuple(leaf.name for leaf in found),
             batch_dims=tuple(leaf.dim for leaf in found),
@@ -581,7 +632,6 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, MixingHook):
             shapes=tuple(leaf.tensor.shape for leaf in found),
             _weight=draw.weight if mixed.lam is None and isinstance(draw.weight, float) else None,
         )
-        return replace_leaves(site_value, tensors), state
 
     def _draws(
         self, spec: str, n: int, pinned: Mapping, generator: torch.Generator

@@ -21,11 +21,12 @@ class _Forward:
     """One forward of the model a mixer saw: what it mixed (``state``, ``None`` when it mixed nothing) and
     whether a ``loss``/``targets``/``state_for`` call has claimed its output yet."""
 
-    __slots__ = ("state", "bound")
+    __slots__ = ("state", "bound", "layer")
 
-    def __init__(self, state: MixState | None = None):
+    def __init__(self, state: MixState | None = None, layer: str | None = None):
         self.state = state
         self.bound = False
+        self.layer = layer  # a compiled forward: the layer it was to mix (checked when it is settled)
 
 
 _UNMIXED = _Forward()  # every forward that mixed nothing (eval, skipped, not drawn): one shared record
@@ -43,6 +44,10 @@ class Forwards:
         self.outputs: dict[int, tuple] = {}  # id(mixed output without autograd) -> (weakref, _Forward)
         self.unmixed: collections.deque = collections.deque(maxlen=_RECENT)  # weakrefs: unmixed outputs
         self.key = f"mixhook.forward.{id(owner)}"  # in grad_fn.metadata: the _Forward of that output
+        # the one-graph path (mixhook.mixers.traced): the forwards a compiled graph began whose outputs
+        # are not marked yet, and the output of the last (stored by dynamo after the graph)
+        self.begun: list[_Forward] = []
+        self.pending = None
 
     def record(self, output, state: MixState | None) -> None:
         """A forward ended with ``output`` having mixed ``state`` (``None``: nothing): mark its outputs.
@@ -59,7 +64,42 @@ class Forwards:
         else:
             self._record(output, state)
 
+    def open(self, layer: str | None) -> None:
+        """A compiled graph began a forward (``mixhook::begin``) that is to mix ``layer`` (``None``:
+        nothing): the one before it is settled, this one recorded (what it mixed is filled in by
+        :meth:`mixed`)."""
+        self.settle()
+        record = _Forward(layer=layer)
+        self.recent.append(record)
+        self.begun.append(record)
+
+    def mixed(self, state: MixState) -> None:
+        """The compiled forward begun last mixed ``state``."""
+        if self.begun:
+            self.begun[-1].state = state
+
+    def settle(self) -> None:
+        """Mark the output a compiled forward left in :attr:`pending` as the last begun forward's. Where
+        one graph called the model several times, only the last call's output leaves the graph as
+        ``pending``: the others stay unmarked (a loss on them is refused, never bound to a wrong mix)."""
+        if not self.begun and self.pending is None:  # (every eager forward)
+            return
+        output, self.pending = self.pending, None
+        begun, self.begun = self.begun, []
+        for record in begun:
+            if record.layer is not None and record.state is None:
+                raise RuntimeError(
+                    f"mixup layer {record.layer!r} did not run during a compiled forward of the model, so "
+                    "nothing was mixed; choose a layer that forward() calls. (Attach before compiling, and "
+                    "if hooks changed after compiling, or another instance of this class was compiled "
+                    "without them, set torch._dynamo.config.skip_nnmodule_hook_guards = False before "
+                    "compiling.)"
+                )
+        if output is not None and begun:
+            _mark_outputs(output, begun[-1], self.key, self.outputs, self.unmixed)
+
     def _record(self, output, state: MixState | None) -> None:
+        self.settle()
         record = _UNMIXED if state is None else _Forward(state)
         self.recent.append(record)
         _mark_outputs(output, record, self.key, self.outputs, self.unmixed)
@@ -67,6 +107,7 @@ class Forwards:
     def state_for(self, logits: torch.Tensor | None, what: str, kind: str, attached: bool) -> MixState | None:
         """The state of the forward that produced ``logits`` (see :meth:`Mixer.state_for`), naming
         ``what`` and the mixer ``kind`` in its errors; the forward found is marked claimed."""
+        self.settle()
         if logits is None:
             if not self.recent:
                 return None

@@ -210,16 +210,11 @@ class CutMix(Mixer):
             )
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        if self.mode == "elem":
-            return self._mix_elem(leaves, draw)
         h, path = leaves[0].tensor, leaves[0].path
+        if self.mode == "elem":
+            return paste_boxes(h, path, draw.index, self._boxes(h, draw))
+        box = self._box(h, draw)
         height, width = h.shape[-2:]
-        if draw.lam.ndim:
-            raise ValueError(
-                f"CutMix(mode='batch') cuts one box per batch: pin one lam, not {draw.lam.shape[0]} "
-                "(one box per sample is mode='elem')"
-            )
-        box = draw_box(draw, height, width, self.rounding)
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
         return Mixed(
             {path: paste_box(h, draw.index, box)},
@@ -228,16 +223,45 @@ class CutMix(Mixer):
             weights=box_weights(box, height, width),
         )
 
-    def _mix_elem(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        h, path = leaves[0].tensor, leaves[0].path
+    def _box(self, h: torch.Tensor, draw: Draw) -> tuple[int, int, int, int]:
+        """The box of a ``mode="batch"`` mix of the map ``h`` (pinned, or drawn)."""
+        if draw.lam.ndim:
+            raise ValueError(
+                f"CutMix(mode='batch') cuts one box per batch: pin one lam, not {draw.lam.shape[0]} "
+                "(one box per sample is mode='elem')"
+            )
+        return draw_box(draw, h.shape[-2], h.shape[-1], self.rounding)
+
+    def _boxes(self, h: torch.Tensor, draw: Draw) -> torch.Tensor:
+        """The ``(n, 4)`` boxes of a ``mode="elem"`` mix of the map ``h`` (pinned, or drawn)."""
         n, height, width = h.shape[0], h.shape[-2], h.shape[-1]
         lam = draw.lam.expand(n) if draw.lam.ndim == 0 else draw.lam
         boxes = draw.pinned.get("box")
         if boxes is None:
-            boxes = rand_boxes(height, width, lam, draw.generator, self.rounding)
-        else:
-            boxes = pinned_boxes("CutMix(mode='elem')", boxes, n, height, width, draw.layer)
-        return paste_boxes(h, path, draw.index, boxes)
+            return rand_boxes(height, width, lam, draw.generator, self.rounding)
+        return pinned_boxes("CutMix(mode='elem')", boxes, n, height, width, draw.layer)
+
+    def traced_params(self, n: int, leaves: list[Leaf]) -> list:
+        return [((n,), torch.int64), ((n if self.mode == "elem" else 1, 4), torch.int64)]  # index, boxes
+
+    def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
+        h = leaves[0].tensor
+        height, width = h.shape[-2:]
+        if self.mode == "elem":
+            boxes = self._boxes(h, draw)
+            weights = ~boxes_mask(boxes, height, width)[:, 0]
+            mixed = Mixed({}, boxes_lam(boxes, height, width), {"box": boxes}, weights=weights)
+            return [draw.index, boxes], mixed
+        box = self._box(h, draw)
+        lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
+        mixed = Mixed({}, lam, {"box": box}, weights=box_weights(box, height, width))
+        return [draw.index, torch.tensor([box])], mixed
+
+    def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
+        index, boxes = values
+        h = leaves[0].tensor
+        mask = boxes_mask(boxes, h.shape[-2], h.shape[-1], h.device)
+        return {leaves[0].path: torch.where(mask, h.index_select(0, index), h)}
 
 
 def pinned_boxes(kind: str, boxes, n: int, height: int, width: int, layer: str) -> torch.Tensor:

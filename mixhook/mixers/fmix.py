@@ -14,8 +14,8 @@ import torch
 from ..sites import Leaf
 from .base import Mixer
 from .checks import check_non_negative, check_pinned_mask, check_positive, check_splittable
-from .contract import Draw, Mixed
-from .functional import mask_blend
+from .contract import Draw
+from .masked import MaskedMix
 from .tokens import token_grid
 
 SPECTRA = ("reference", "complex")
@@ -106,7 +106,7 @@ def fmix_mask(
     return binarise(image, lam, max_soft, round_up)
 
 
-class FMix(Mixer):
+class FMix(MaskedMix, Mixer):
     """FMix (Harris et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)``.
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
@@ -173,19 +173,12 @@ class FMix(Mixer):
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         check_splittable("FMix", spec, leaves)
 
-    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        h, path = leaves[0].tensor, leaves[0].path
+    def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:
         height, width = h.shape[-2:]
         if draw.lam.ndim:
             raise ValueError(f"FMix cuts one mask per batch: pin one lam, not {draw.lam.shape[0]}")
         mask = draw.pinned.get("mask")
-        if mask is None:
-            mask = fmix_mask(
-                height, width, float(draw.lam), self.decay_power, self.max_soft, self.spectrum, draw.generator
-            )
-        else:
-            mask = check_pinned_mask(mask, height, width)
-        weights = mask[None] if mask.ndim == 2 else None  # a 1-D mask (sequences): no label map to cut
-        return Mixed(
-            {path: mask_blend(h, mask, draw.index)}, lam=mask.mean(), info={"mask": mask}, weights=weights
-        )
+        if mask is not None:
+            return check_pinned_mask(mask, height, width), {}
+        lam, g = float(draw.lam), draw.generator
+        return fmix_mask(height, width, lam, self.decay_power, self.max_soft, self.spectrum, g), {}

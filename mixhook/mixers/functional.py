@@ -152,6 +152,18 @@ def blend(
     return torch.lerp(h.index_select(0, index), h, lam)
 
 
+def lerp_rows(h: torch.Tensor, lam: torch.Tensor, index: torch.Tensor, one: bool = True) -> torch.Tensor:
+    """``lerp(h[index], h, lam)`` with ``lam`` given per sample (1-D, float64, on ``h``'s device), bit for
+    bit as :func:`blend` computes it: for ``one`` lam (a number; repeated here) torch's kernel weighs
+    16-bit floats in float32 and rounds the result once, for a lam per sample it weighs with lam rounded
+    to ``h``'s dtype. The traced blend (no host read)."""
+    if not one:
+        return torch.lerp(h.index_select(0, index), h, lam.to(h.dtype).view(-1, *([1] * (h.ndim - 1))))
+    compute = torch.float32 if h.dtype in (torch.float16, torch.bfloat16) else h.dtype
+    w = lam.to(compute).view(-1, *([1] * (h.ndim - 1)))
+    return torch.lerp(h.index_select(0, index).to(compute), h.to(compute), w).to(h.dtype)
+
+
 def mask_blend(h: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``mask * h + (1 - mask) * h[index]`` for ``h`` (B, C, H, W) and one ``(H, W)`` mask of weights (1:
     the sample's own), in ``h``'s dtype on ``h``'s device; gradients flow to both terms."""

@@ -17,6 +17,7 @@ from .base import Mixer
 from .checks import check_spatial
 from .contract import Draw, Mixed
 from .functional import mask_blend
+from .masked import MaskedMix
 from .tokens import token_grid
 
 
@@ -34,7 +35,7 @@ def grid_mask(cells: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return cells.to(torch.float64)[..., cell_index(height, gh), :][..., cell_index(width, gw)]
 
 
-class GridMix(Mixer):
+class GridMix(MaskedMix, Mixer):
     """GridMix (Baek et al. 2021) at the input or at any layer whose output is ``(B, C, H, W)``.
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
@@ -93,8 +94,7 @@ class GridMix(Mixer):
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         check_grid_fits("GridMix", spec, check_spatial("GridMix", spec, leaves), self.grid)
 
-    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        h, path = leaves[0].tensor, leaves[0].path
+    def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:
         height, width = h.shape[-2:]
         if draw.lam.ndim:
             raise ValueError(f"GridMix cuts one grid per batch: pin one lam, not {draw.lam.shape[0]}")
@@ -111,7 +111,7 @@ class GridMix(Mixer):
             cells = cells.view(gh, gw)
         else:
             cells = check_pinned_cells(cells, gh, gw)
-        return cells_blend(h, path, cells, draw.index)
+        return grid_mask(cells, height, width), {"cells": cells}
 
 
 def check_grid_fits(kind: str, spec: str, h: torch.Tensor, grid: tuple[int, int]) -> None:

@@ -19,7 +19,7 @@ from ..transfer import to_device
 from . import partners
 from .base import Mixer, _Decision
 from .contract import Draw, Mixed
-from .functional import along, blend, per_sample, sample_beta, sample_lam
+from .functional import along, blend, lerp_rows, per_sample, sample_beta, sample_lam
 from .partners import check_partners, world
 
 
@@ -142,10 +142,33 @@ class ManifoldMixup(Mixer):
             lam = sample_lam(self.alpha, generator)
         return torch.maximum(lam, 1 - lam) if self.dominant else lam
 
+    @property
+    def traceable(self) -> bool:  # partners from the global batch gather them in the forward
+        return super().traceable and self.partners == "local"
+
+    def _target_lam(self, draw: Draw) -> torch.Tensor | None:
+        """A pinned number in a per-sample mode: the same for every sample (``None``: the drawn lam as it
+        is)."""
+        return draw.lam.expand(draw.index.shape[0]) if self.mode != "batch" and draw.lam.ndim == 0 else None
+
+    def traced_params(self, n: int, leaves: list[Leaf]) -> list:
+        return [((n,), torch.float64), ((n,), torch.int64)]  # lam per sample (one lam: repeated), index
+
+    def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
+        lam = draw.lam.expand(draw.index.shape[0]) if draw.lam.ndim == 0 else draw.lam
+        return [lam, draw.index], Mixed({}, self._target_lam(draw))
+
+    def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
+        lam, index = values
+
+        def mixed(h: torch.Tensor) -> torch.Tensor:
+            return lerp_rows(h, lam, index, one=self.mode == "batch")
+
+        return {leaf.path: along(leaf.dim, mixed, leaf.tensor) for leaf in leaves}
+
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         index, weight = draw.index, draw.weight
-        # a pinned number in a per-sample mode: the same for every sample (None: the drawn lam as it is)
-        lam = draw.lam.expand(index.shape[0]) if self.mode != "batch" and draw.lam.ndim == 0 else None
+        lam = self._target_lam(draw)
         if self.partners == "global":
             return self._mix_global(leaves, draw, draw.lam if lam is None else lam)
         permutation = draw.permutation

@@ -16,7 +16,7 @@ from ..transfer import to_device
 from .base import Mixer
 from .checks import check_fraction, check_spatial
 from .contract import Draw, Mixed
-from .functional import blend
+from .functional import blend, lerp_rows
 from .tokens import token_grid
 
 
@@ -116,8 +116,9 @@ class PatchUp(Mixer):
                 f"feature map of layer {name!r}; use a smaller block_size or an earlier layer"
             )
 
-    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        h, path = leaves[0].tensor, leaves[0].path
+    def _patches(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, Mixed]:
+        """The ``(C, H, W)`` float64 block mask of one mix of ``h`` (pinned, or drawn) and what ``loss``
+        and ``targets`` use (no tensors)."""
         channels, height, width = h.shape[1:]
         mask = draw.pinned.get("mask")
         if mask is None:
@@ -128,16 +129,34 @@ class PatchUp(Mixer):
                 raise ValueError(
                     f"pinned mask of shape {tuple(mask.shape)} does not fit {tuple(h.shape[1:])}"
                 )
-        m = to_device(mask, h.device, h.dtype)
         altered = float(mask.mean())
+        share = 1.0 if self.mode == "hard" else 1.0 - float(draw.lam)  # of an altered feature, the partner's
+        weights = 1.0 - mask.mean(0, keepdim=True) * share  # each position's own share, over the channels
+        lam = torch.tensor(1.0 - altered * share, dtype=torch.float64)
+        return mask, Mixed({}, lam=lam, info={"mask": mask}, weights=weights)
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        h, path = leaves[0].tensor, leaves[0].path
+        mask, mixed = self._patches(h, draw)
+        m = to_device(mask, h.device, h.dtype)
         if self.mode == "hard":
-            mixed = (1 - m) * h + m * h[to_device(draw.index, h.device)]
-            weight = 1.0 - altered
+            out = (1 - m) * h + m * h[to_device(draw.index, h.device)]
         else:
-            mixed = (1 - m) * h + m * blend(h, draw.weight, draw.index, permutation=draw.permutation)
-            weight = 1.0 - altered * (1.0 - float(draw.lam))
-        altered_here = mask.mean(0, keepdim=True) * (1.0 if self.mode == "hard" else 1.0 - float(draw.lam))
-        weights = 1.0 - altered_here  # each position's own share, over the channels
-        return Mixed(
-            {path: mixed}, lam=torch.tensor(weight, dtype=torch.float64), info={"mask": mask}, weights=weights
-        )
+            out = (1 - m) * h + m * blend(h, draw.weight, draw.index, permutation=draw.permutation)
+        return Mixed({path: out}, mixed.lam, mixed.info, weights=mixed.weights)
+
+    def traced_params(self, n: int, leaves: list[Leaf]) -> list:
+        mask = (tuple(leaves[0].tensor.shape[1:]), torch.float64)
+        return [((n,), torch.int64), mask, ((n,), torch.float64)]  # the index, the block mask, lam per sample
+
+    def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
+        mask, mixed = self._patches(leaves[0].tensor, draw)
+        n = draw.index.shape[0]
+        return [draw.index, mask, draw.lam.expand(n) if draw.lam.ndim == 0 else draw.lam], mixed
+
+    def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
+        index, mask, lam = values
+        h = leaves[0].tensor
+        m = mask.to(h.dtype)
+        partner = h.index_select(0, index) if self.mode == "hard" else lerp_rows(h, lam, index)
+        return {leaves[0].path: (1 - m) * h + m * partner}

@@ -14,8 +14,8 @@ import torch
 from ..sites import Leaf
 from .base import Mixer
 from .checks import check_pinned_mask, check_splittable
-from .contract import Draw, Mixed
-from .functional import mask_blend
+from .contract import Draw
+from .masked import MaskedMix
 from .tokens import token_grid
 
 
@@ -29,7 +29,7 @@ def gaussian_mask(
     return torch.exp(-(ys * ys)[:, None] / (2 * sigma_y**2) - (xs * xs)[None, :] / (2 * sigma_x**2))
 
 
-class SmoothMix(Mixer):
+class SmoothMix(MaskedMix, Mixer):
     """SmoothMix (Lee et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)``.
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a permutation
@@ -99,21 +99,17 @@ class SmoothMix(Mixer):
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         check_splittable("SmoothMix", spec, leaves)
 
-    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        h, path = leaves[0].tensor, leaves[0].path
+    def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:
         height, width = h.shape[-2:]
         if "lam" in draw.pinned:
             raise ValueError("SmoothMix draws no lam (its lam is the mask's mean): pin mask=... instead")
-        mask, info = draw.pinned.get("mask"), {}
-        if mask is None:
-            g = draw.generator
-            cy = int(torch.randint(height, (), generator=g, device=g.device))
-            cx = int(torch.randint(width, (), generator=g, device=g.device))
-            low, high = self.sigma
-            s = low + (high - low) * float(torch.rand((), dtype=torch.float64, generator=g, device=g.device))
-            mask = gaussian_mask(height, width, cy, cx, s * height, s * width)
-            info = {"centre": (cy, cx), "sigma": s}
-        else:
-            mask = check_pinned_mask(mask, height, width)
-        mixed = mask_blend(h, mask, draw.index)
-        return Mixed({path: mixed}, lam=mask.mean(), info={"mask": mask, **info}, weights=mask[None])
+        mask = draw.pinned.get("mask")
+        if mask is not None:
+            return check_pinned_mask(mask, height, width), {}
+        g = draw.generator
+        cy = int(torch.randint(height, (), generator=g, device=g.device))
+        cx = int(torch.randint(width, (), generator=g, device=g.device))
+        low, high = self.sigma
+        s = low + (high - low) * float(torch.rand((), dtype=torch.float64, generator=g, device=g.device))
+        mask = gaussian_mask(height, width, cy, cx, s * height, s * width)
+        return mask, {"centre": (cy, cx), "sigma": s}

@@ -43,6 +43,7 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     rc = data["recompiles"]
     assert rc["distinct_layers_mixed"] == 3 and rc["distinct_lams"] == rc["steps"]
     assert rc["graphs_compiled_after_warmup"] == 0 and rc["graphs_compiled_total"] > 0
+    assert rc["fullgraph"] and rc["graph_breaks"] == 0
     assert {g["goal"] for g in data["goals"]} >= {"mixup_vs_none", "mixup_vs_hand", "recompiles_after_warmup"}
     host = data["host"]  # counts, not times: the same on every machine
     assert host["extra_ops_vs_hand"] <= 2 and host["census"]["mixhook"]["host_reads"] == 0

@@ -167,3 +167,45 @@ def test_torchrun_with_nccl_on_two_gpus(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["device"].startswith("cuda")
+
+
+def _cuda_steps(net, model, mix, steps=6):
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 4, (8,), device="cuda")
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss = mix.loss(F.cross_entropy, net(x), y)
+        loss.backward()
+        out.append((mix.last.layer, float(mix.last.lam), loss.detach().clone()))
+    return out
+
+
+def test_reduce_overhead_replays_fresh_draws_every_step():
+    """CUDA graphs through torch.compile(mode="reduce-overhead"): mixhook's operators are cudagraph-unsafe,
+    so the captured parts replay around draws made anew each step: the eager run's layers, lams and
+    losses, never one draw repeated."""
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=4).cuda().train()
+        mix = ManifoldMixup(["input", "layer1", "layer2"], generator=torch.Generator().manual_seed(3))
+        mix.attach(model)
+        net = torch.compile(model, mode="reduce-overhead", fullgraph=True) if compiled else model
+        results.append(_cuda_steps(net, model, mix))
+    assert [s[:2] for s in results[1]] == [s[:2] for s in results[0]]
+    assert len({s[1] for s in results[1]}) == len(results[1])
+    torch.testing.assert_close([s[2] for s in results[1]], [s[2] for s in results[0]], rtol=1e-3, atol=1e-3)
+
+
+def test_capturing_a_mixing_forward_by_hand_is_refused():
+    model = torchvision.models.resnet18(num_classes=4).cuda().train()
+    mix = ManifoldMixup("layer1")
+    mix.attach(model)
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    model(x)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="a CUDA graph is being captured"):
+        with torch.cuda.graph(graph):
+            model(x)

@@ -58,8 +58,10 @@ def test_a_hooked_twin_of_a_compiled_model_is_caught_not_silently_unmixed():
     torch.compile(plain, backend="eager")(x)  # compiled first, without hooks
     mix = ManifoldMixup("conv2")
     with mix.attach(hooked):
+        # refused before a loss is taken: the traced path checks when it next runs on the host (the loss,
+        # or the next forward), the path between graphs at the forward's end
         with pytest.raises(RuntimeError, match="skip_nnmodule_hook_guards = False"):
-            torch.compile(hooked, backend="eager")(x)
+            mix.loss(F.cross_entropy, torch.compile(hooked, backend="eager")(x), torch.zeros(4).long())
         torch._dynamo.reset()
         with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):  # set before compiling either
             torch.compile(plain, backend="eager")(x)

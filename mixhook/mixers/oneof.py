@@ -11,6 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
 from ..hooks import LayerHook, StateError, check_state
+from . import traced
 from .contract import MixingHook, MixState, claim, unclaim
 from .partners import crosses_ranks
 
@@ -34,6 +35,11 @@ class OneOf(LayerHook, MixingHook):
     """
 
     _hooks_model = True  # its own hooks on the model (see LayerHook)
+    _TRANSIENT = ("_token",)
+
+    def _fresh(self) -> None:
+        super()._fresh()
+        self._token = traced.register(self)  # names it in a compiled graph's calls (mixhook.mixers.traced)
 
     def __init__(
         self,
@@ -186,15 +192,23 @@ class OneOf(LayerHook, MixingHook):
         unclaim(self)
 
     def _choose(self, model: nn.Module, args: tuple) -> None:
-        if recompute.in_backward() or not model.training:  # each mixer replays or skips on its own
+        if torch.compiler.is_compiling() and all(getattr(m, "_traced", False) for m in self.mixers):
+            traced.begin(self._token, model.training, -1)  # the choice, made when the graph runs
             return
+        self._host_begin(model.training, None)
+
+    def _host_begin(self, training: bool, batch: int | None) -> int:
+        """The choice of a training forward (eager, or ``mixhook::begin`` in a compiled graph, before the
+        mixers' own): the others are told to skip it. Returns the choice (-1: none)."""
+        if recompute.in_backward() or not training:  # each mixer replays or skips on its own
+            return -1
         skip, self._skip = self._skip, False
         choice, self._pinned_choice = self._pinned_choice, None
         if skip:
             self.chosen = None
             for mixer in self.mixers:
                 mixer.skip_next()
-            return
+            return -1
         if choice is None:
             self._seed_for_rank()
             probs = torch.tensor(self.p, dtype=torch.float64)
@@ -203,3 +217,4 @@ class OneOf(LayerHook, MixingHook):
         for mixer in self.mixers:
             if mixer is not self.chosen:
                 mixer.skip_next()
+        return choice

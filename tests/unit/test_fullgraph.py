@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mixhook import CutMix, FMix, GridMix, ManifoldMixup, NoisyFeatureMixup, PatchUp, SmoothMix
+from mixhook import CutMix, FMix, GridMix, ManifoldMixup, NoisyFeatureMixup, OneOf, PatchUp, SmoothMix
 from mixhook.mixers.contract import ForeignLogitsError
 from tests.helpers import SmallCNN
 
@@ -51,9 +51,10 @@ def _per_sample(o, t):
     return F.cross_entropy(o, t, reduction="none")
 
 
-def _train(make, compiled: bool, steps: int = 6, backend: str = "aot_eager", wrap=None):
+def _train(make, compiled: bool, steps: int = 6, backend: str = "aot_eager", wrap=None, compiles: int = 1):
     """``steps`` training steps of a SmallCNN with ``make()`` attached; per step: the mixed layer, lam,
-    loss and gradients."""
+    loss and gradients. A frame compiled more than ``compiles`` times (once per mixer whose hooks share
+    it) fails."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = SmallCNN().train()
@@ -66,7 +67,7 @@ def _train(make, compiled: bool, steps: int = 6, backend: str = "aot_eager", wra
         net = torch.compile(wrap(model) if wrap else model, backend=backend, fullgraph=True)
     x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
     out = []
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=1):
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=compiles):
         for _ in range(steps):
             model.zero_grad()
             loss = mix.loss(_per_sample, net(x), y).mean()
@@ -99,6 +100,21 @@ def test_fullgraph_training_equals_eager_with_the_same_draws_and_no_recompile(ki
     eager = _train(TRACED[kind], compiled=False)
     assert len({s[0] for s in eager}) > 1 or kind.startswith("manifold-elem")  # several layers were drawn
     _same(eager, _train(TRACED[kind], compiled=True))
+
+
+def test_one_of_traced_mixers_chooses_in_the_graph():
+    """timm's switch between mixup and CutMix: OneOf's choice runs in mixhook::begin before its mixers'."""
+
+    def make():
+        mixers = [
+            CutMix(["input", "conv1"], generator=_gen()),
+            ManifoldMixup(["input", "conv2"], generator=_gen()),
+        ]
+        return OneOf(mixers, p=[0.5, 0.5], generator=torch.Generator().manual_seed(7))
+
+    eager = _train(make, compiled=False, steps=10)
+    assert {"conv1", "conv2"} <= {s[0] for s in eager}  # each mixer was chosen (conv1: CutMix's only)
+    _same(eager, _train(make, compiled=True, steps=10, compiles=2))  # (the two mixers' model hooks)
 
 
 def test_every_traced_method_is_traceable_and_no_other_is():

@@ -162,10 +162,10 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     def traceable(self) -> bool:
         """Whether torch.compile traces this mixer's hooks into the model's graph with no graph break
         (``fullgraph=True``; :mod:`mixhook.mixers.traced`): the class that defines its :meth:`mix` also
-        defines the traced path (a subclass that changes ``mix``, e.g. NoisyFeatureMixup's noise, is not
-        traced until it defines its own), it takes no per-forward pass (gradient saliency) and no token
-        grid; a model whose modules take padding masks (``padding="union"``) is not traced either.
-        Otherwise the hooks run between graphs."""
+        defines the traced path (a subclass that changes ``mix`` without it, e.g. to add noise, is not
+        traced until it defines its own: the inherited one would leave its change out), it takes no
+        per-forward pass (gradient saliency) and no token grid; a model whose modules take padding masks
+        (``padding="union"``) is not traced either. Otherwise the hooks run between graphs."""
         cls = type(self)
         defines = [next(k for k in cls.__mro__ if name in vars(k)) for name in ("mix", *_TRACED)]
         return (

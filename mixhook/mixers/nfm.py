@@ -56,20 +56,57 @@ class NoisyFeatureMixup(ManifoldMixup):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, add_noise={self.add_noise}, mult_noise={self.mult_noise})"
 
-    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        mixed = super().mix(leaves, draw)
-        tensors, g = dict(mixed.tensors), draw.generator
-        info = {}
-        if self.mult_noise > 0:  # the levels are drawn once per batch, the noise per element
+    def _noise(self, leaves: list[Leaf], draw: Draw) -> tuple[dict, dict, dict]:
+        """The noise of one mix, drawn as the paper's code draws it (the levels once per batch, the noise
+        per element; all multiplicative noise first): per leaf path, the float64 factor and the float64
+        term on the generator's device, and the levels for ``info``."""
+        g, factors, terms, info = draw.generator, {}, {}, {}
+        if self.mult_noise > 0:
             level = self.mult_noise * sample_beta(2.0, 5.0, g)
             info["mult_level"] = level
-            for path, m in tensors.items():
-                uniform = torch.rand(m.shape, generator=g, device=g.device, dtype=torch.float64)
-                tensors[path] = m * to_device(1 + level * (2 * uniform - 1), m.device, m.dtype)
+            for leaf in leaves:
+                uniform = torch.rand(leaf.tensor.shape, generator=g, device=g.device, dtype=torch.float64)
+                factors[leaf.path] = 1 + level * (2 * uniform - 1)
         if self.add_noise > 0:
             level = self.add_noise * sample_beta(2.0, 5.0, g)
             info["add_level"] = level
-            for path, m in tensors.items():
-                normal = torch.randn(m.shape, generator=g, device=g.device, dtype=torch.float64)
-                tensors[path] = m + to_device(level * normal, m.device, m.dtype)
+            for leaf in leaves:
+                normal = torch.randn(leaf.tensor.shape, generator=g, device=g.device, dtype=torch.float64)
+                terms[leaf.path] = level * normal
+        return factors, terms, info
+
+    @staticmethod
+    def _noisy(m: torch.Tensor, factor: torch.Tensor | None, term: torch.Tensor | None) -> torch.Tensor:
+        if factor is not None:
+            m = m * to_device(factor, m.device, m.dtype)
+        return m if term is None else m + to_device(term, m.device, m.dtype)
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        mixed = super().mix(leaves, draw)
+        factors, terms, info = self._noise(leaves, draw)
+        tensors = {p: self._noisy(m, factors.get(p), terms.get(p)) for p, m in mixed.tensors.items()}
         return Mixed(tensors, lam=mixed.lam, info=info)
+
+    def traced_params(self, n: int, leaves: list[Leaf]) -> list:
+        noise = [(tuple(leaf.tensor.shape), torch.float64) for leaf in leaves]
+        return [*super().traced_params(n, leaves), *(noise if self.mult_noise > 0 else []),
+                *(noise if self.add_noise > 0 else [])]  # fmt: skip
+
+    def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
+        values, mixed = super().draw_traced(leaves, draw)
+        factors, terms, info = self._noise(leaves, draw)
+        noise = [factors[leaf.path] for leaf in leaves if factors] + [
+            terms[leaf.path] for leaf in leaves if terms
+        ]
+        return [*values, *noise], Mixed({}, mixed.lam, info)
+
+    def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
+        tensors = super().mix_traced(leaves, values[:2])
+        noise, k = values[2:], len(leaves)
+        factors = (
+            dict(zip((leaf.path for leaf in leaves), noise[:k], strict=True)) if self.mult_noise > 0 else {}
+        )
+        terms = (
+            dict(zip((leaf.path for leaf in leaves), noise[-k:], strict=True)) if self.add_noise > 0 else {}
+        )
+        return {p: self._noisy(m, factors.get(p), terms.get(p)) for p, m in tensors.items()}

@@ -52,3 +52,14 @@ def cifar10_root(tmp_path):
     root = tmp_path / "cifar"
     files = write_cifar(root, "cifar10")
     return root, files
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches emptied before and after the test (the compile tests count graphs and
+    recompiles of their own models only)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -351,7 +351,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         if self.sites[draw.layer].layer != INPUT:
             return None
         inputs = Inputs(model, args, kwargs)
-        value, self.last = self._mix_now(draw.layer, inputs, draw)
+        value, _ = self._mix_now(draw.layer, inputs, draw)  # (self.last set)
         args, kwargs = rebuild_inputs(inputs, self.sites[draw.layer], value)
         return self._input_masks(model, args, kwargs, draw.layer, self.last)
 
@@ -385,8 +385,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                 return self._traced_mix(spec, output) if module.training else None
             draw = self._draw
             if draw is not None and not draw.done and draw.layer == spec:  # this forward mixes here
-                mixed, self.last = self._mix_now(spec, output, draw)
-                return mixed
+                return self._mix_now(spec, output, draw)[0]  # (self.last set)
             # a recomputation, after its forward ended (a forward a compiled graph began keeps its draw)
             if (draw is None or draw.done) and recompute.in_backward():
                 payload = self._replayed(spec)
@@ -410,20 +409,30 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             extra = self.before_mix(spec, leaves[1], draw.pinned)
             if extra:  # noted with the draw below: a recomputation and pin_last mix with the same values
                 draw.pinned = {**draw.pinned, **extra}
-        if self.draws_in_mix:  # a recomputation and pin_last draw again from the generator's state
-            state = recompute.generator_state(generator)
-        else:  # lam and index are all it draws: drawn now, they are what is repeated
-            state = None
-            lam, index, permutation = self._draws(spec, leaves[2], draw.pinned, generator)
-            n = index.shape[0]
-            drawn = {"lam": lam, "index": index, "_permutation": permutation}
-            draw.pinned = {**draw.pinned, **drawn, "_range": draw.pinned.get("_range", (0, n - 1))}
+        state = self._repeatable(spec, None if leaves is None else leaves[2], draw, generator)
         self._note(spec, (state, draw.pinned))
         mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch, leaves)
+        self._done(spec, state, draw, last)
+        return mixed, last
+
+    def _repeatable(self, spec: str, n: int | None, draw: _Decision, generator: torch.Generator):
+        """What a repeat of this forward's mix at ``spec`` (``pin_last``, a recomputation) draws from:
+        the generator's state before the mix, for a method that draws in :meth:`mix`; else ``None``, lam
+        and the index of the ``n`` samples being drawn now into ``draw.pinned``, which a repeat reuses."""
+        if self.draws_in_mix:
+            return recompute.generator_state(generator)
+        lam, index, permutation = self._draws(spec, n, draw.pinned, generator)
+        drawn = {"lam": lam, "index": index, "_permutation": permutation}
+        draw.pinned = {**draw.pinned, **drawn, "_range": draw.pinned.get("_range", (0, n - 1))}
+        return None
+
+    def _done(self, spec: str, state, draw: _Decision, last: MixState) -> None:
+        """``draw`` mixed ``last`` at ``spec``, repeatable from ``state``: noted for ``pin_last``, and for
+        the record of a forward a compiled graph began (eager here, or in ``mixhook::draw``)."""
         self._last_draw = (spec, state, draw.pinned)
         draw.done, draw.index, draw.state = True, last.index, last
-        self._seen.mixed(last)  # (a forward a compiled graph began, mixed here between graphs)
-        return mixed, last
+        self.last = last
+        self._seen.mixed(last)
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
         if self._capture is not None:  # gradient_at()'s own pass
@@ -597,18 +606,13 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         found, given, n = self._leaves(spec, site_value, batch) if leaves is None else leaves
         if found[0].tensor.is_cuda:
             traced.refuse_capture(type(self).__name__, spec, found[0].tensor.device)
-        saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
-        try:
-            lam, index, permutation = self._draws(spec, n, pinned, generator)
-            draw = Draw(spec, lam, index, generator, pinned, permutation)
-            mixed = self.mix(given, draw)
-        finally:
-            self.generator = saved
+        draw, mixed = self._drawing(spec, n, pinned, generator, self.mix, given)
         tensors = self._check_mixed(spec, given, mixed)
-        target_lam = lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64)
+        state = self._state(spec, found, draw, mixed)
         if self.token_grid is not None:
+            grid = self.token_grid
             tensors = {
-                leaf.path: self.token_grid.from_map(leaf, tensors[leaf.path], target_lam, index, permutation)
+                leaf.path: grid.from_map(leaf, tensors[leaf.path], state.lam, draw.index, draw.permutation)
                 for leaf in found
             }
         elif self.layout_aware:  # (B, H, W, C) maps were given as their (B, C, H, W) views
@@ -616,7 +620,18 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             for leaf in found:
                 if self._channels_last(spec, leaf):
                     tensors[leaf.path] = tensors[leaf.path].permute(0, 2, 3, 1)
-        return replace_leaves(site_value, tensors), self._state(spec, found, draw, mixed)
+        return replace_leaves(site_value, tensors), state
+
+    def _drawing(self, spec: str, n: int, pinned: Mapping, generator: torch.Generator, method, leaves: list):
+        """The :class:`Draw` of a mix of ``n`` samples at ``spec`` and what ``method(leaves, draw)``
+        returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator``."""
+        saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
+        try:
+            lam, index, permutation = self._draws(spec, n, pinned, generator)
+            draw = Draw(spec, lam, index, generator, pinned, permutation)
+            return draw, method(leaves, draw)
+        finally:
+            self.generator = saved
 
     @staticmethod
     def _state(spec: str, found: list[Leaf], draw: Draw, mixed: Mixed) -> MixState:

@@ -39,7 +39,6 @@ from torch._library.effects import EffectType
 
 from .. import recompute
 from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
-from .contract import Draw
 
 _MIXERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> mixer
 _TOKENS = itertools.count(1)
@@ -288,30 +287,17 @@ class TracedPath:
                 f"has a batch of {decision.batch}: the layer loses or reshapes the batch dimension; choose "
                 "another layer, or pass batch_dim"
             )
-        values, last = self._drawn(spec, n, decision, given, found)
-        self._seen.mixed(last)
+        values, _ = self._drawn(spec, n, decision, given, found)
         return pack([torch.ones((), dtype=torch.bool), *values], specs, device)
 
     def _drawn(self, spec: str, n: int, decision, given: list, found: list):
-        """The values and the state of the mix ``decision`` makes at ``spec`` (its draws noted for
-        ``pin_last`` as :meth:`~.base.Mixer._mix_now` notes them)."""
+        """The values and the state of the mix ``decision`` makes at ``spec``, drawn and noted as
+        :meth:`~.base.Mixer._mix_now` draws and notes an eager mix."""
         generator = self._replaying(decision.state)
-        state = recompute.generator_state(generator) if self.draws_in_mix else None
-        saved, self.generator = self.generator, generator
-        try:
-            lam, index, permutation = self._draws(spec, n, decision.pinned, generator)
-            if not self.draws_in_mix:  # lam and index are all it draws: what a repeat repeats
-                range_ = decision.pinned.get("_range", (0, n - 1))
-                decision.pinned = {**decision.pinned, "lam": lam, "index": index, "_permutation": permutation,
-                                   "_range": range_}  # fmt: skip
-            d = Draw(spec, lam, index, generator, decision.pinned, permutation)
-            values, mixed = self.draw_traced(given, d)
-        finally:
-            self.generator = saved
+        state = self._repeatable(spec, n, decision, generator)
+        d, (values, mixed) = self._drawing(spec, n, decision.pinned, generator, self.draw_traced, given)
         last = self._state(spec, found, d, mixed)
-        self._last_draw = (spec, state, decision.pinned)
-        decision.done, decision.index, decision.state = True, last.index, last
-        self.last = last
+        self._done(spec, state, decision, last)
         return values, last
 
 

@@ -12,12 +12,7 @@ import torch.nn.functional as F
 from mixhook import ManifoldMixup
 from tests.helpers import SmallCNN
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (tests/conftest.py)
 
 
 def test_compiled_training_with_three_layers_stops_compiling_after_warm_up():

@@ -21,12 +21,7 @@ from mixhook import CutMix, FMix, GridMix, ManifoldMixup, NoisyFeatureMixup, One
 from mixhook.mixers.contract import ForeignLogitsError
 from tests.helpers import SmallCNN
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (tests/conftest.py)
 
 
 def _gen():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -31,8 +32,10 @@ _HOOK_DICTS = (
 def detached_hook(module, *args, **kwargs) -> None:
     """What a mixhook hook becomes in a copy of the model: nothing, and gone after its first call.
 
-    PyTorch iterates a snapshot of the hooks, so removing entries during the call is safe."""
-    if isinstance(module, nn.Module):
+    PyTorch iterates a snapshot of the hooks, so removing entries during the call is safe. Traced by
+    torch.compile it only does nothing (a traced removal from the module's hook dicts would break the
+    graph, and ``fullgraph=True`` with it); the copy's first eager call removes it."""
+    if isinstance(module, nn.Module) and not torch.compiler.is_compiling():
         gone = [key for key, hook in module._forward_pre_hooks.items() if hook is detached_hook]
         gone += [key for key, hook in module._forward_hooks.items() if hook is detached_hook]
         for name in _HOOK_DICTS:

@@ -357,3 +357,23 @@ def test_an_eager_forward_after_a_compiled_one_does_not_take_its_record():
     assert eager_state is not compiled_state
     assert mix.state_for(compiled_logits) is compiled_state
     assert mix.state_for(eager_logits) is eager_state
+
+
+def test_a_copy_of_a_hooked_model_compiles_whole_and_mixes_nothing():
+    """An EMA or deepcopy of the hooked model holds inert hooks: compiled with fullgraph=True it runs as
+    the plain model, its logits are refused by the original's mixer, whose draws it does not touch."""
+    import copy
+
+    model, mix, net = _compiled_model(TRACED["manifold"])
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
+    out = net(x)
+    state, generator = mix.last, mix.generator.get_state()
+    twin = copy.deepcopy(model)
+    compiled_twin = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        logits = compiled_twin(x)
+        torch.testing.assert_close(logits, twin.head(twin.conv2(twin.act(twin.conv1(x))).mean((2, 3))))
+    assert mix.last is state and torch.equal(mix.generator.get_state(), generator)
+    assert mix.state_for(out) is state
+    with pytest.raises(ForeignLogitsError):
+        mix.loss(F.cross_entropy, logits, y)

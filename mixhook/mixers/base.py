@@ -163,8 +163,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         """Whether torch.compile traces this mixer's hooks into the model's graph with no graph break
         (``fullgraph=True``; :mod:`mixhook.mixers.traced`): the class that defines its :meth:`mix` also
         defines the traced path (a subclass that changes ``mix`` without it, e.g. to add noise, is not
-        traced until it defines its own: the inherited one would leave its change out), it takes no
-        per-forward pass (gradient saliency) and no token grid; a model whose modules take padding masks
+        traced until it defines its own: the inherited one would leave its change out) and it takes no
+        per-forward pass (gradient saliency); a model whose modules take padding masks
         (``padding="union"``) is not traced either. Otherwise the hooks run between graphs."""
         cls = type(self)
         defines = [next(k for k in cls.__mro__ if name in vars(k)) for name in ("mix", *_TRACED)]
@@ -172,7 +172,6 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             all(k is defines[0] for k in defines)
             and cls.before_forward is Mixer.before_forward
             and cls.before_mix is Mixer.before_mix
-            and self.token_grid is None
         )
 
     @property

@@ -1,9 +1,9 @@
 """The region methods whose mix is one mask blend: ``M * h + (1 - M) * h[index]``, ``M`` drawn on the host.
 
-FMix, GridMix and SmoothMix differ only in how they draw the ``(H, W)`` mask ``M`` of own-content weights
-(:meth:`MaskedMix.draw_mask`); the blend, what ``loss``/``targets`` use (``lam = mean(M)``, the dense
-targets' weights ``M``) and the one-graph path under torch.compile (:mod:`.traced`: the mask packed with
-the index, blended in the graph) are shared here.
+FMix, GridMix, SmoothMix and TokenMix differ only in how they draw the ``(H, W)`` mask ``M`` of
+own-content weights (:meth:`MaskedMix.draw_mask`); the blend, what ``loss``/``targets`` use
+(``lam = mean(M)``, the dense targets' weights ``M``) and the one-graph path under torch.compile
+(:mod:`.traced`: the mask packed with the index, blended in the graph) are shared here.
 """
 
 from __future__ import annotations

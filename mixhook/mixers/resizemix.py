@@ -19,7 +19,7 @@ from ..transfer import to_device
 from .base import Mixer
 from .checks import check_spatial
 from .contract import Draw, Mixed
-from .cutmix import box_lam, draw_box
+from .cutmix import box_lam, boxes_mask, draw_box
 from .tokens import token_grid
 
 INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
@@ -133,8 +133,68 @@ class ResizeMix(Mixer):
         box = draw_box(draw, height, width)
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
         mixed = paste_resized(h, draw.index, box, self.interpolation)
-        scale = math.sqrt(max(0.0, 1.0 - float(draw.lam)))
-        return Mixed({path: mixed}, lam=lam, info={"box": box, "scale": scale})
+        return Mixed({path: mixed}, lam=lam, info=self._info(box, draw))
+
+    @staticmethod
+    def _info(box: tuple[int, int, int, int], draw: Draw) -> dict:
+        return {"box": box, "scale": math.sqrt(max(0.0, 1.0 - float(draw.lam)))}
+
+    # The one-graph path (mixhook.mixers.traced): the box and the resize drawn on the host as the
+    # resize's separable weights over the whole map, so that the graph's shapes do not depend on the box:
+    # the source row (column) of each pixel for the nearest modes, else a (side, side) matrix of weights.
+
+    @property
+    def _nearest(self) -> bool:
+        return self.interpolation.startswith("nearest")
+
+    def traced_params(self, n: int, leaves: list[Leaf]) -> list:
+        height, width = leaves[0].tensor.shape[-2:]
+        sides = ((height,), (width,)) if self._nearest else ((height, height), (width, width))
+        dtype = torch.int64 if self._nearest else torch.float64
+        # the index, the box, the rows' and the columns' weights
+        return [((n,), torch.int64), ((4,), torch.int64), *((shape, dtype) for shape in sides)]
+
+    def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
+        height, width = leaves[0].tensor.shape[-2:]
+        if draw.lam.ndim:
+            raise ValueError(f"ResizeMix pastes one box per batch: pin one lam, not {draw.lam.shape[0]}")
+        box = draw_box(draw, height, width)
+        y1, y2, x1, x2 = box
+        rows = resize_weights(height, y1, y2, self.interpolation)
+        cols = resize_weights(width, x1, x2, self.interpolation)
+        lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
+        return [draw.index, torch.tensor(box), rows, cols], Mixed({}, lam=lam, info=self._info(box, draw))
+
+    def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
+        h = leaves[0].tensor
+        index, box, rows, cols = values
+        partner = h.index_select(0, index)
+        if self._nearest:
+            pasted = partner.index_select(-2, rows).index_select(-1, cols)
+        else:
+            pasted = rows.to(h.dtype) @ partner @ cols.to(h.dtype).T
+        inside = boxes_mask(box[None], h.shape[-2], h.shape[-1], h.device)
+        return {leaves[0].path: torch.where(inside, pasted, h)}
+
+
+def resize_weights(side: int, start: int, stop: int, interpolation: str) -> torch.Tensor:
+    """What ``F.interpolate`` puts at each position ``start:stop`` of a ``side``-long axis when it resizes
+    the whole axis to ``stop - start`` (``interpolation`` is separable): for the nearest modes the source
+    position of each position (0 outside), else the ``(side, side)`` matrix whose row ``i`` weighs the
+    source positions (0 outside). Made by resizing the positions (the identity) themselves."""
+    if interpolation.startswith("nearest"):
+        out = torch.zeros(side, dtype=torch.int64)
+        if stop > start:
+            source = torch.arange(side, dtype=torch.float64).view(1, 1, side, 1)
+            resized = F.interpolate(source, size=(stop - start, 1), mode=interpolation)
+            out[start:stop] = resized.view(-1).long()
+        return out
+    out = torch.zeros(side, side, dtype=torch.float64)
+    if stop > start:
+        eye = torch.eye(side, dtype=torch.float64).view(1, side, side, 1)
+        resized = F.interpolate(eye, size=(stop - start, 1), mode=interpolation)  # (1, source, out, 1)
+        out[start:stop] = resized[0, :, :, 0].T
+    return out
 
 
 def _scope(scope) -> tuple[float, float]:

@@ -16,8 +16,9 @@ import torch
 from ..sites import Leaf
 from .base import Mixer
 from .checks import check_spatial
-from .contract import Draw, Mixed
-from .gridmix import _grid, cells_blend, check_pinned_cells
+from .contract import Draw
+from .gridmix import _grid, check_pinned_cells, grid_mask
+from .masked import MaskedMix
 from .tokens import token_grid
 
 MASK_TYPES = ("block", "random")
@@ -77,7 +78,7 @@ def random_token_mask(rows: int, cols: int, count: int, generator: torch.Generat
     return mask.view(rows, cols)
 
 
-class TokenMix(Mixer):
+class TokenMix(MaskedMix, Mixer):
     """TokenMix (Liu et al. 2022): whole tokens from the partner, at the input, at a ``(B, C, H, W)`` layer
     or on a ViT block's tokens (``tokens=(gh, gw)`` or ``"auto"``).
 
@@ -155,8 +156,7 @@ class TokenMix(Mixer):
                 "grid of at least 2 cells; choose an earlier layer or a smaller grid"
             )
 
-    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        h, path = leaves[0].tensor, leaves[0].path
+    def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:
         height, width = h.shape[-2:]
         if draw.lam.ndim:
             raise ValueError(f"TokenMix cuts one mask per batch: pin one lam, not {draw.lam.shape[0]}")
@@ -169,4 +169,4 @@ class TokenMix(Mixer):
             cells = ~make(rows, cols, count, draw.generator)
         else:
             cells = check_pinned_cells(cells, rows, cols)
-        return cells_blend(h, path, cells, draw.index)
+        return grid_mask(cells, height, width), {"cells": cells}

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..sites import Leaf
-from .functional import blend
+from .functional import blend, lerp_rows
 
 PREFIX_RULES = ("blend", "keep")
 
@@ -171,9 +171,26 @@ class TokenGrid:
     ) -> torch.Tensor:
         """``leaf``'s tokens with the patch tokens taken from the mixed ``(B, D, gh, gw)`` map and the
         leading tokens mixed by the ``prefix`` rule with ``lam`` (the targets' weight)."""
+        return self._join(leaf, mixed, lambda prefix: blend(prefix, lam, index, permutation=permutation))
+
+    def from_map_traced(
+        self, leaf: Leaf, mixed: torch.Tensor, weight: torch.Tensor | None, index: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`from_map` in a compiled graph: the leading tokens blended with ``weight``, the targets'
+        lam per sample as :func:`traced_weight` rounds it (``None`` with ``prefix="keep"``)."""
+        return self._join(leaf, mixed, lambda prefix: lerp_rows(prefix, weight, index, one=False))
+
+    def _join(self, leaf: Leaf, mixed: torch.Tensor, blend_prefix) -> torch.Tensor:
         tokens = leaf.tensor.movedim(leaf.dim, 0)
         patches = mixed.flatten(2).transpose(1, 2)
         prefix = tokens[:, : tokens.shape[1] - patches.shape[1]]
         if prefix.shape[1] and self.prefix == "blend":
-            prefix = blend(prefix, lam, index, permutation=permutation)
+            prefix = blend_prefix(prefix)
         return torch.cat([prefix, patches], dim=1).movedim(0, leaf.dim)
+
+
+def traced_weight(lam: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The targets' ``lam`` (one, or one per sample) as ``n`` float64 weights with which
+    :func:`~.functional.lerp_rows` blends tokens of ``dtype`` bit for bit as :func:`~.functional.blend`
+    blends them with ``lam`` (a tensor, which it rounds to the tokens' dtype)."""
+    return lam.to(dtype).to(torch.float64).expand(n)

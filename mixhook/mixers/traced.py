@@ -39,6 +39,7 @@ from torch._library.effects import EffectType
 
 from .. import recompute
 from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
+from .tokens import traced_weight
 
 _MIXERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> mixer
 _TOKENS = itertools.count(1)
@@ -248,12 +249,24 @@ class TracedPath:
         meta = f"{describe(found)}|{describe(given)}"
         sizes = [d for leaf in (*found, *given) for d in leaf.tensor.shape]
         flag, *values = unpack(draw(self._token, spec, meta, n, sizes, given[0].tensor.device), specs)
+        grid = self.token_grid
+        weight = index = None
+        if self._blends_prefix:  # the leading tokens' weights and partners come last
+            *values, weight, index = values
         mixed = self.mix_traced(given, values)
         tensors = {}
         for out, leaf in zip(found, given, strict=True):
-            t = torch.where(flag, mixed[leaf.path], leaf.tensor)
-            tensors[leaf.path] = t.permute(0, 2, 3, 1) if out.tensor.shape != leaf.tensor.shape else t
+            t = mixed[leaf.path]
+            if grid is not None:  # the (B, D, gh, gw) map back into the tokens
+                t = grid.from_map_traced(out, t, weight, index)
+            elif out.tensor.shape != leaf.tensor.shape:  # a (B, H, W, C) map was given as (B, C, H, W)
+                t = t.permute(0, 2, 3, 1)
+            tensors[leaf.path] = torch.where(flag, t, out.tensor)
         return replace_leaves(site_value, tensors)
+
+    @property
+    def _blends_prefix(self) -> bool:
+        return self.token_grid is not None and self.token_grid.prefix == "blend"
 
     # ------------------------------------------------------------------------ on the host (runtime)
 
@@ -268,7 +281,8 @@ class TracedPath:
         return self.layers.index(draw.layer)
 
     def _traced_specs(self, n: int, given: list) -> list[Spec]:
-        return [FLAG, *self.traced_params(n, given)]
+        prefix = [((n,), torch.float64), ((n,), torch.int64)] if self._blends_prefix else []
+        return [FLAG, *self.traced_params(n, given), *prefix]
 
     def _host_draw(
         self, spec: str, meta: str, n: int, sizes: list[int], device: torch.device
@@ -287,7 +301,9 @@ class TracedPath:
                 f"has a batch of {decision.batch}: the layer loses or reshapes the batch dimension; choose "
                 "another layer, or pass batch_dim"
             )
-        values, _ = self._drawn(spec, n, decision, given, found)
+        values, last = self._drawn(spec, n, decision, given, found)
+        if self._blends_prefix:
+            values = [*values, traced_weight(last.lam, n, found[0].tensor.dtype), last.index]
         return pack([torch.ones((), dtype=torch.bool), *values], specs, device)
 
     def _drawn(self, spec: str, n: int, decision, given: list, found: list):

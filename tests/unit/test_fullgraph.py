@@ -17,7 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mixhook import CutMix, FMix, GridMix, ManifoldMixup, NoisyFeatureMixup, OneOf, PatchUp, SmoothMix
+from mixhook import (
+    CutMix,
+    FMix,
+    GridMix,
+    ManifoldMixup,
+    NoisyFeatureMixup,
+    OneOf,
+    PatchUp,
+    ResizeMix,
+    SaliencyMix,
+    SmoothMix,
+    TokenMix,
+)
 from mixhook.mixers.contract import ForeignLogitsError
 from tests.helpers import SmallCNN
 
@@ -39,6 +51,15 @@ TRACED = {
     "smoothmix": lambda: SmoothMix(["input", "conv2"], generator=_gen()),
     "patchup": lambda: PatchUp(["conv1", "conv2"], block_size=3, generator=_gen()),
     "patchup-hard": lambda: PatchUp(["conv1", "conv2"], block_size=3, mode="hard", generator=_gen()),
+    "resizemix": lambda: ResizeMix(["input", "conv1"], generator=_gen()),
+    "resizemix-bicubic": lambda: ResizeMix(["input", "conv1"], interpolation="bicubic", generator=_gen()),
+    "resizemix-area": lambda: ResizeMix(
+        ["input", "conv1"], scope=(0.3, 0.8), interpolation="area", generator=_gen()
+    ),
+    "tokenmix": lambda: TokenMix(["input", "conv1"], generator=_gen()),
+    "tokenmix-random-grid": lambda: TokenMix(
+        ["input", "conv1"], grid=(4, 4), mask_type="random", generator=_gen()
+    ),
     "nfm": lambda: NoisyFeatureMixup(["input", "conv1", "conv2"], generator=_gen()),
     "nfm-elem-mult-only": lambda: NoisyFeatureMixup(
         ["input", "conv2"], add_noise=0, mode="elem", generator=_gen()
@@ -120,7 +141,8 @@ def test_every_traced_method_is_traceable_and_no_other_is():
     for make in TRACED.values():
         assert make().traceable
     assert not ManifoldMixup("conv1", partners="global").traceable
-    assert not CutMix("conv1", tokens=(2, 2)).traceable
+    assert CutMix("conv1", tokens=(2, 2)).traceable
+    assert not SaliencyMix("conv1").traceable  # its box follows the saliency: mixed between graphs
 
     class Doubled(ManifoldMixup):  # a subclass that changes mix() without its traced path, whose mixes the
         def mix(self, leaves, draw):  # inherited one would silently leave out: not traced (between graphs)
@@ -377,3 +399,93 @@ def test_a_copy_of_a_hooked_model_compiles_whole_and_mixes_nothing():
     assert mix.state_for(out) is state
     with pytest.raises(ForeignLogitsError):
         mix.loss(F.cross_entropy, logits, y)
+
+
+@pytest.mark.parametrize("interpolation", ["nearest", "nearest-exact", "bilinear", "bicubic", "area"])
+def test_the_traced_resizemix_paste_equals_the_resize_on_every_box(interpolation):
+    """The graph pastes the partner through the resize's separable weights over the whole map (fixed
+    shapes); equal, values and gradients, to F.interpolate into the box: inside, at a border, whole,
+    empty, on a non-square map."""
+    from mixhook.mixers.resizemix import paste_resized, resize_weights
+    from mixhook.sites import Leaf
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(5, 3, 9, 12, dtype=torch.float64, generator=g)
+    index = torch.randperm(5, generator=g)
+    mix = ResizeMix("conv1", interpolation=interpolation)
+    exact = interpolation.startswith("nearest")
+    for box in [(2, 7, 3, 10), (0, 4, 8, 12), (0, 9, 0, 12), (5, 8, 0, 3), (4, 4, 2, 9)]:
+        values = [index, torch.tensor(box), resize_weights(9, *box[:2], interpolation)]
+        values.append(resize_weights(12, *box[2:], interpolation))
+        eager_h, traced_h = h.clone().requires_grad_(), h.clone().requires_grad_()
+        eager = paste_resized(eager_h, index, box, interpolation)
+        traced = mix.mix_traced([Leaf((), traced_h, 0)], values)[()]
+        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-12, "atol": 1e-12}
+        torch.testing.assert_close(traced, eager, **tol)
+        weights = torch.randn(h.shape, dtype=torch.float64, generator=g)
+        (eager * weights).sum().backward()
+        (traced * weights).sum().backward()
+        torch.testing.assert_close(traced_h.grad, eager_h.grad, rtol=1e-12, atol=1e-12)
+
+
+VIT_MIXERS = {
+    "cutmix": lambda: CutMix(["blocks.0", "blocks.1"], tokens="auto", generator=_gen()),
+    "cutmix-elem": lambda: CutMix(["blocks.0", "blocks.1"], mode="elem", tokens="auto", generator=_gen()),
+    "fmix-keep": lambda: FMix(["blocks.0", "blocks.1"], tokens="auto", prefix="keep", generator=_gen()),
+    "tokenmix": lambda: TokenMix(["blocks.0", "blocks.1"], tokens=(4, 4), generator=_gen()),
+    "resizemix": lambda: ResizeMix(
+        ["blocks.0", "blocks.1"], scope=(0.5, 0.8), tokens="auto", generator=_gen()
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(VIT_MIXERS))
+def test_a_vit_mixed_on_its_tokens_compiles_whole_and_equals_eager(kind):
+    """A timm ViT's tokens through the patch grid (class token blended or kept, a lam per sample): one
+    graph, the same draws, losses and gradients as eager."""
+    import timm
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        options = {"img_size": 16, "patch_size": 4, "embed_dim": 12, "depth": 2, "num_heads": 2}
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, **options).train()
+        mix = VIT_MIXERS[kind]()
+        mix.attach(model)
+        net = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 5, (6,))
+        out = []
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=1):
+            for _ in range(5):
+                model.zero_grad()
+                logits = net(x)
+                mix.loss(_per_sample, logits, y).mean().backward()
+                out.append(
+                    (mix.last.layer, mix.last.lam, logits.detach(), [p.grad for p in model.parameters()])
+                )
+        mix.remove()
+        return out
+
+    eager, compiled = run(False), run(True)
+    assert len({s[0] for s in eager}) > 1  # several layers were drawn
+    assert [s[0] for s in compiled] == [s[0] for s in eager]
+    for (_, lam, logits, grads), (_, lam_c, logits_c, grads_c) in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(lam_c, lam, rtol=0, atol=0)
+        torch.testing.assert_close(logits_c, logits)
+        torch.testing.assert_close(grads_c, grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_traced_leading_token_blend_equals_the_eager_one_bit_for_bit(dtype):
+    from mixhook.mixers.tokens import TokenGrid, traced_weight
+    from mixhook.sites import Leaf
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(6, 1 + 9, 8, generator=g).to(dtype)
+    mixed = torch.randn(6, 8, 3, 3, generator=g).to(dtype)
+    index = torch.randperm(6, generator=g)
+    grid = TokenGrid((3, 3), "blend", "CutMix")
+    for lam in [torch.tensor(0.3137, dtype=torch.float64), torch.rand(6, dtype=torch.float64, generator=g)]:
+        eager = grid.from_map(Leaf((), tokens, 0), mixed, lam, index, permutation=True)
+        traced = grid.from_map_traced(Leaf((), tokens, 0), mixed, traced_weight(lam, 6, dtype), index)
+        assert torch.equal(traced, eager)

@@ -24,20 +24,20 @@ from .tokens import token_grid
 
 def cell_scores(saliency: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The mean saliency of each cell of a ``rows x cols`` grid (:func:`~mixhook.mixers.gridmix.cell_index`)
-    over ``(B, H, W)`` maps: ``(B, rows, cols)`` float64."""
+    over ``(B, H, W)`` maps: ``(B, rows, cols)`` float64, on the maps' device."""
     n, height, width = saliency.shape
-    cell = cell_index(height, rows)[:, None] * cols + cell_index(width, cols)[None, :]
-    sums = torch.zeros(n, rows * cols, dtype=torch.float64)
-    sums.index_add_(1, cell.flatten(), saliency.to(torch.float64).flatten(1))
-    counts = torch.bincount(cell.flatten(), minlength=rows * cols).to(torch.float64)
-    return (sums / counts).view(n, rows, cols)
+    cell = (cell_index(height, rows)[:, None] * cols + cell_index(width, cols)[None, :]).flatten()
+    counts = torch.bincount(cell, minlength=rows * cols).to(torch.float64)
+    sums = torch.zeros(n, rows * cols, dtype=torch.float64, device=saliency.device)
+    sums.index_add_(1, to_device(cell, saliency.device), saliency.to(torch.float64).flatten(1))
+    return (sums / to_device(counts, saliency.device)).view(n, rows, cols)
 
 
 def top_cells(scores: torch.Tensor, k: int) -> torch.Tensor:
     """``(B, rows, cols)`` bool: True on each map's ``k`` highest cells (ties to the lower index)."""
     n, rows, cols = scores.shape
     order = torch.sort(scores.flatten(1), dim=1, descending=True, stable=True).indices[:, :k]
-    cells = torch.zeros(n, rows * cols, dtype=torch.bool)
+    cells = torch.zeros(n, rows * cols, dtype=torch.bool, device=scores.device)
     cells.scatter_(1, order, True)
     return cells.view(n, rows, cols)
 
@@ -121,11 +121,13 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path
         n, height, width = h.shape[0], h.shape[-2], h.shape[-1]
-        saliency = pinned_saliency("AttentiveCutMix", draw.pinned, n, height, width)
+        # on the map's device: the cells are ranked and the masks made there, never read on the host
+        saliency = pinned_saliency("AttentiveCutMix", draw.pinned, n, height, width, h.device)
+        index = to_device(draw.index, h.device)
         rows, cols = self.grid
-        cells = ~top_cells(cell_scores(saliency[draw.index], rows, cols), self.top_k)
+        cells = ~top_cells(cell_scores(saliency[index], rows, cols), self.top_k)
         mask = grid_mask(cells, height, width)
-        m = to_device(mask, h.device, h.dtype)[:, None]
-        mixed = m * h + (1 - m) * h[to_device(draw.index, h.device)]
+        m = mask.to(h.dtype)[:, None]
+        mixed = m * h + (1 - m) * h[index]
         info = {"cells": cells, "mask": mask, "saliency": saliency}
         return Mixed({path: mixed}, lam=mask.flatten(1).mean(1), info=info, weights=mask)

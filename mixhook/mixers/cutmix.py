@@ -68,10 +68,10 @@ def boxes_around(
 ) -> torch.Tensor:
     """:func:`rand_box`'s boxes around given centres: side ratio ``sqrt(1 - lam)`` (``lam`` one value or
     one per centre), the sides rounded as ``rounding`` says, clipped to the borders; ``(n, 4)`` int64
-    ``(y1, y2, x1, x2)`` rows on the CPU."""
-    ratio = torch.sqrt(1.0 - torch.as_tensor(lam, dtype=torch.float64).cpu())
+    ``(y1, y2, x1, x2)`` rows on the centres' device."""
+    ratio = torch.sqrt(1.0 - to_device(torch.as_tensor(lam, dtype=torch.float64), cy.device))
     cut_h, cut_w = (height * ratio).floor().long(), (width * ratio).floor().long()
-    cy, cx = cy.cpu().long(), cx.cpu().long()
+    cy, cx = cy.long(), to_device(cx, cy.device).long()
     (up, down), (left, right) = _sides(cut_h, rounding), _sides(cut_w, rounding)
     y1, y2 = (cy - up).clamp(min=0), (cy + down).clamp(max=height)
     x1, x2 = (cx - left).clamp(min=0), (cx + right).clamp(max=width)

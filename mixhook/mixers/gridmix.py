@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import torch
 
 from ..sites import Leaf
+from ..transfer import to_device
 from .base import Mixer
 from .checks import check_spatial
-from .contract import Draw, Mixed
-from .functional import mask_blend
+from .contract import Draw
 from .masked import MaskedMix
 from .tokens import token_grid
 
@@ -32,7 +32,8 @@ def grid_mask(cells: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """The ``(height, width)`` float64 mask that gives every pixel the value of its cell in ``cells``
     (``(gh, gw)``, or ``(B, gh, gw)`` for one mask per sample; 1 = the sample's own, 0 = its partner's)."""
     gh, gw = cells.shape[-2:]
-    return cells.to(torch.float64)[..., cell_index(height, gh), :][..., cell_index(width, gw)]
+    rows, cols = (to_device(cell_index(size, n), cells.device) for size, n in ((height, gh), (width, gw)))
+    return cells.to(torch.float64)[..., rows, :][..., cols]
 
 
 class GridMix(MaskedMix, Mixer):
@@ -131,15 +132,6 @@ def check_pinned_cells(cells, rows: int, cols: int) -> torch.Tensor:
             f"pinned cells must be a {rows}x{cols} tensor of 0/1, got shape {tuple(cells.shape)}"
         )
     return cells.to(torch.bool)
-
-
-def cells_blend(h: torch.Tensor, path, cells: torch.Tensor, index: torch.Tensor) -> Mixed:
-    """Each cell of ``h`` (B, C, H, W) from the sample where ``cells`` is True, else from ``h[index]``:
-    the :class:`Mixed` with lam = the kept area and ``info`` ``"cells"`` and ``"mask"``."""
-    mask = grid_mask(cells, h.shape[-2], h.shape[-1])
-    mixed = mask_blend(h, mask, index)
-    weights = mask if mask.ndim == 3 else mask[None]
-    return Mixed({path: mixed}, lam=mask.mean(), info={"cells": cells, "mask": mask}, weights=weights)
 
 
 def _grid(grid) -> tuple[int, int]:

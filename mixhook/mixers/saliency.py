@@ -30,6 +30,7 @@ from .. import recompute
 from ..layers import resolve_layers
 from ..layouts import NHWC, site_layout
 from ..sites import INPUT, Leaf, describe, parse_site
+from ..transfer import to_device
 
 SOURCES = ("activation", "gradient")
 KEY = "saliency"
@@ -144,8 +145,11 @@ class SaliencyGuided:
         return self.saliency.before_mix(spec, leaves, pinned) if self.needs_saliency(pinned) else {}
 
 
-def pinned_saliency(kind: str, pinned: Mapping, batch: int, height: int, width: int) -> torch.Tensor:
-    """The ``(B, H, W)`` saliency of this mix, as a float64 CPU tensor, or a one-line error."""
+def pinned_saliency(
+    kind: str, pinned: Mapping, batch: int, height: int, width: int, device: torch.device
+) -> torch.Tensor:
+    """The ``(B, H, W)`` saliency of this mix, as a float64 tensor on ``device`` (the mixed map's: the
+    boxes and cells are placed there, so that nothing waits for the device), or a one-line error."""
     saliency = pinned.get(KEY)
     if saliency is None:
         raise RuntimeError(f"{kind}: no saliency for this mix (pin one, or attach the mixer to the model)")
@@ -155,7 +159,7 @@ def pinned_saliency(kind: str, pinned: Mapping, batch: int, height: int, width: 
             f"{kind}: saliency of shape {tuple(saliency.shape)} does not fit the batch of {batch} "
             f"{height}x{width} maps; it must be ({batch}, {height}, {width})"
         )
-    return saliency.to("cpu", torch.float64)
+    return to_device(saliency, device, torch.float64)
 
 
 def peaks(saliency: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,10 +13,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..sites import Leaf
+from ..transfer import to_device
 from .base import Mixer
 from .checks import check_spatial
 from .contract import Draw, Mixed
-from .cutmix import box_lam, box_weights, boxes_around, draw_box, paste_box, paste_boxes, pinned_boxes
+from .cutmix import boxes_around, draw_box, paste_boxes, pinned_boxes
 from .saliency import Saliency, SaliencyGuided, peaks, pinned_saliency
 from .tokens import token_grid
 
@@ -36,8 +37,11 @@ class SaliencyMix(SaliencyGuided, Mixer):
     - ``mode="elem"``: each sample's box centred on its own partner's peak; one lam per sample (``loss``
       then needs a per-sample criterion, ``reduction="none"``).
 
-    lam is corrected to the area kept: ``1 - box area / (H * W)``. ``.last.info["box"]`` is the box (a
-    ``(B, 4)`` tensor in ``mode="elem"``), ``["saliency"]`` the ``(B, H, W)`` map it was placed by.
+    lam is corrected to the area kept: ``1 - box area / (H * W)``. ``.last.info["box"]`` is the box, a
+    ``(4,)`` int64 tensor ``(y1, y2, x1, x2)`` (``(B, 4)`` in ``mode="elem"``), ``["saliency"]`` the
+    ``(B, H, W)`` map it was placed by (``None`` for a pinned box). The box, lam and the paste are
+    computed on the map's device from its saliency: nothing in the mix waits for a GPU (reading the box
+    or lam on the host does).
 
     The authors compute the saliency of the **image** with OpenCV's fine-grained static saliency;
     mixhook's sources are the activation (``saliency="activation"``, at a hidden layer: no extra pass)
@@ -107,25 +111,19 @@ class SaliencyMix(SaliencyGuided, Mixer):
         if draw.lam.ndim:
             raise ValueError(f"SaliencyMix draws one lam per batch: pin one lam, not {draw.lam.shape[0]}")
         pinned = draw.pinned.get("box")
-        saliency = (
-            None if pinned is not None else pinned_saliency("SaliencyMix", draw.pinned, n, height, width)
-        )
-        if self.mode == "elem":
-            if pinned is not None:
+        if pinned is not None:
+            saliency = None
+            if self.mode == "elem":
                 boxes = pinned_boxes("SaliencyMix(mode='elem')", pinned, n, height, width, draw.layer)
             else:
-                cy, cx = peaks(saliency[draw.index])
-                boxes = boxes_around(height, width, draw.lam, cy, cx)
-            mixed = paste_boxes(h, path, draw.index, boxes)
-            info = {**mixed.info, "saliency": saliency}
-            return Mixed(mixed.tensors, lam=mixed.lam, info=info, weights=mixed.weights)
-        if pinned is not None:
-            box = draw_box(draw, height, width)
-        else:
-            cy, cx = peaks(saliency[draw.index[:1]])
-            box = tuple(int(v) for v in boxes_around(height, width, draw.lam, cy, cx)[0])
-        lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
-        info = {"box": box, "saliency": saliency}
-        return Mixed(
-            {path: paste_box(h, draw.index, box)}, lam=lam, info=info, weights=box_weights(box, height, width)
-        )
+                boxes = torch.tensor([draw_box(draw, height, width)])
+        else:  # placed on the map's device: the peaks are never read on the host
+            saliency = pinned_saliency("SaliencyMix", draw.pinned, n, height, width, h.device)
+            index = to_device(draw.index, h.device)
+            cy, cx = peaks(saliency[index if self.mode == "elem" else index[:1]])
+            boxes = boxes_around(height, width, draw.lam, cy, cx)
+        mixed = paste_boxes(h, path, draw.index, boxes)
+        lam, weights, box = mixed.lam, mixed.weights, mixed.info["box"]
+        if self.mode == "batch":
+            lam, box = lam[0], box[0]
+        return Mixed(mixed.tensors, lam=lam, info={"box": box, "saliency": saliency}, weights=weights)

@@ -10,7 +10,18 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from mixhook import CutMix, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup, PatchUp
+from mixhook import (
+    AttentiveCutMix,
+    CutMix,
+    GradScale,
+    InputScale,
+    ManifoldMixup,
+    NoisyFeatureMixup,
+    PatchUp,
+    ResizeMix,
+    SaliencyMix,
+    TokenMix,
+)
 from tests.helpers import run_bench
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -42,10 +53,29 @@ def test_mixing_on_cuda_matches_cpu(cls):
         lambda: PatchUp("layer1", block_size=3),
         lambda: PatchUp("layer1", block_size=3, mode="hard"),
         lambda: NoisyFeatureMixup("layer1", add_noise=0.4, mult_noise=0.2),
+        lambda: ResizeMix("layer1", interpolation="bilinear"),
+        lambda: TokenMix("layer1"),
+        lambda: SaliencyMix("layer1"),
+        lambda: SaliencyMix("layer1", mode="elem"),
+        lambda: AttentiveCutMix("layer1", grid=4, top_k=3),
         lambda: GradScale("layer2", 0.5),
         lambda: InputScale("layer2", (0.5, 1.5)),
     ],
-    ids=["mixup", "mixup-elem", "cutmix", "patchup-soft", "patchup-hard", "nfm", "gradscale", "inputscale"],
+    ids=[
+        "mixup",
+        "mixup-elem",
+        "cutmix",
+        "patchup-soft",
+        "patchup-hard",
+        "nfm",
+        "resizemix",
+        "tokenmix",
+        "saliencymix",
+        "saliencymix-elem",
+        "attentivecutmix",
+        "gradscale",
+        "inputscale",
+    ],
 )
 def test_a_hooked_training_step_never_waits_for_the_gpu(make):
     """The draws are made on the CPU; their copies to the GPU must be queued, not synchronised: a host

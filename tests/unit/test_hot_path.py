@@ -110,18 +110,7 @@ MIXERS = {
 }
 
 
-_READS_SALIENCY = pytest.mark.xfail(
-    strict=True, reason="the saliency methods take their saliency map to the CPU to place boxes (issue 27)"
-)
-
-
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(k, marks=_READS_SALIENCY) if "saliency" in k or "attentive" in k else k
-        for k in sorted(MIXERS)
-    ],
-)
+@pytest.mark.parametrize("kind", sorted(MIXERS))
 def test_no_value_of_a_device_tensor_is_read_on_the_host_in_a_training_step(kind):
     """A model on the meta device has tensors whose values do not exist: any ``.item()``, ``int()``,
     ``bool()`` or ``.tolist()`` of an activation, a label or a draw moved to the model's device would

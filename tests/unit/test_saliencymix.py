@@ -63,7 +63,7 @@ def test_the_box_equals_the_authors_saliency_bbox_on_the_same_saliency_map():
         expected = x.clone()
         expected[:, :, bbx1:bbx2, bby1:bby2] = x[index, :, bbx1:bbx2, bby1:bby2]
         ref_lam = 1 - ((bbx2 - bbx1) * (bby2 - bby1) / (x.size()[-1] * x.size()[-2]))
-        assert mix.last.info["box"] == (bbx1, bbx2, bby1, bby2)
+        assert mix.last.info["box"].tolist() == [bbx1, bbx2, bby1, bby2]
         assert torch.equal(seen["x"], expected) and float(mix.last.lam) == pytest.approx(ref_lam, abs=1e-15)
 
 
@@ -104,7 +104,7 @@ def test_activation_saliency_at_layer2_equals_a_hand_split_forward_with_gradient
         max(cx - cut // 2, 0),
         min(cx + cut // 2, 8),
     )
-    assert mix.last.info["box"] == (y1, y2, x1, x2)
+    assert mix.last.info["box"].tolist() == [y1, y2, x1, x2]
     kept = 1 - (y2 - y1) * (x2 - x1) / 64
     mixed = h.clone()
     mixed[:, :, y1:y2, x1:x2] = h[index, :, y1:y2, x1:x2]
@@ -238,7 +238,7 @@ def test_a_checkpointed_gradient_saliency_mix_replays_the_same_box():
                 mix.loss(F.cross_entropy, model(x), y).backward()
                 results.append((mix.last.info["box"], [p.grad.clone() for p in model.parameters()]))
     for (box, grads), (box_c, grads_c) in zip(results[:3], results[3:], strict=True):
-        assert box == box_c
+        assert torch.equal(box, box_c)
         torch.testing.assert_close(grads_c, grads, rtol=1e-12, atol=1e-12)
 
 

@@ -27,8 +27,11 @@ from torch import nn
 
 from ..layers import trace_outputs
 from ..mixers.cutmix import CutMix
+from ..mixers.functional import smooth_one_hot
 from ..mixers.manifold import ManifoldMixup
 from ..mixers.oneof import OneOf
+from ..mixers.traced import Shape
+from ..sites import Leaf
 
 PAIRINGS = ("flip", "random")
 
@@ -206,16 +209,15 @@ class LayerMixup:
                 )
             y = target.float() * (1.0 - s) + 0.5 * s
         else:
-            off = s / self.num_classes
-            y = torch.full((target.shape[0], self.num_classes), off, device=target.device)
-            y = y.scatter_(1, target.long().view(-1, 1), 1.0 - s + off)
+            y = smooth_one_hot(target.long().view(-1), self.num_classes, s)
         if index is None:
             return y
         return y * lam + y[index.to(y.device)] * (1.0 - lam)
 
     def _map(self, mixer: CutMix, spec: str, x: torch.Tensor) -> list:
-        """The leaves CutMix would cut at ``spec`` for a batch like ``x`` (their shapes: the box is drawn
-        on them), found once per input shape by one forward in eval mode without gradients."""
+        """The leaves CutMix would cut at ``spec`` for a batch like ``x``, as their shapes (the box is
+        drawn on them; no tensor is kept), found once per input shape by one forward in eval mode without
+        gradients."""
         key = (spec, tuple(x.shape[1:]), x.dtype)
         found = self._maps.get(key)
         if found is None:
@@ -223,7 +225,11 @@ class LayerMixup:
             if spec not in outputs:
                 raise RuntimeError(f"LayerMixup: CutMix's layer {spec!r} does not run in the model's forward")
             _, given, _ = mixer._leaves(spec, mixer._site_value(spec, outputs[spec]), None, plan=False)
-            found = self._maps[key] = given
+            found = [
+                Leaf(leaf.path, Shape(tuple(leaf.tensor.shape), leaf.tensor.dtype), leaf.dim)
+                for leaf in given
+            ]
+            self._maps[key] = found
         return found
 
     def _check_used(self) -> None:

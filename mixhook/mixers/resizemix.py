@@ -127,17 +127,19 @@ class ResizeMix(Mixer):
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path
+        box, mixed = self._boxed(h, draw)
+        return Mixed({path: paste_resized(h, draw.index, box, self.interpolation)}, mixed.lam, mixed.info)
+
+    @staticmethod
+    def _boxed(h, draw: Draw) -> tuple[tuple[int, int, int, int], Mixed]:
+        """The box of one mix of the map ``h`` (pinned, or drawn) and the :class:`Mixed` (no tensors) that
+        records it: lam the area kept, the box and the scale."""
         height, width = h.shape[-2:]
         if draw.lam.ndim:
             raise ValueError(f"ResizeMix pastes one box per batch: pin one lam, not {draw.lam.shape[0]}")
         box = draw_box(draw, height, width)
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
-        mixed = paste_resized(h, draw.index, box, self.interpolation)
-        return Mixed({path: mixed}, lam=lam, info=self._info(box, draw))
-
-    @staticmethod
-    def _info(box: tuple[int, int, int, int], draw: Draw) -> dict:
-        return {"box": box, "scale": math.sqrt(max(0.0, 1.0 - float(draw.lam)))}
+        return box, Mixed({}, lam=lam, info={"box": box, "scale": math.sqrt(max(0.0, 1.0 - float(draw.lam)))})
 
     # The one-graph path (mixhook.mixers.traced): the box and the resize drawn on the host as the
     # resize's separable weights over the whole map, so that the graph's shapes do not depend on the box:
@@ -155,15 +157,12 @@ class ResizeMix(Mixer):
         return [((n,), torch.int64), ((4,), torch.int64), *((shape, dtype) for shape in sides)]
 
     def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
-        height, width = leaves[0].tensor.shape[-2:]
-        if draw.lam.ndim:
-            raise ValueError(f"ResizeMix pastes one box per batch: pin one lam, not {draw.lam.shape[0]}")
-        box = draw_box(draw, height, width)
+        h = leaves[0].tensor
+        box, mixed = self._boxed(h, draw)
         y1, y2, x1, x2 = box
-        rows = resize_weights(height, y1, y2, self.interpolation)
-        cols = resize_weights(width, x1, x2, self.interpolation)
-        lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
-        return [draw.index, torch.tensor(box), rows, cols], Mixed({}, lam=lam, info=self._info(box, draw))
+        rows = resize_weights(h.shape[-2], y1, y2, self.interpolation)
+        cols = resize_weights(h.shape[-1], x1, x2, self.interpolation)
+        return [draw.index, torch.tensor(box), rows, cols], mixed
 
     def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
         h = leaves[0].tensor

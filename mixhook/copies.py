@@ -10,11 +10,17 @@ without hooks computes (an EMA's evaluation, ``update_bn``'s batch-norm statisti
 touches the original's regularizers; to regularize a copy, attach a regularizer to it. A regularizer
 that is itself copied (``copy.deepcopy``, pickle) comes detached too: see
 :meth:`mixhook.hooks.LayerHook.__getstate__`.
+
+A regularizer's ``torch.Generator`` travels to spawned workers (``torch.multiprocessing`` spawn,
+Lightning's ``ddp_spawn``) by its state: torch's own reduction of a generator fails to unpickle there
+("unable to resize file"), so importing mixhook registers one with ``multiprocessing``'s pickler
+(:func:`_reduce_generator`; plain ``pickle`` and ``copy`` are unchanged).
 """
 
 from __future__ import annotations
 
 import functools
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 from torch import nn
@@ -74,3 +80,19 @@ def own(handle) -> None:
     hooks = handle.hooks_dict_ref()
     if hooks is not None and handle.id in hooks and not isinstance(hooks[handle.id], OwnedHook):
         hooks[handle.id] = OwnedHook(hooks[handle.id])
+
+
+def _rebuild_generator(device: torch.device, state: bytes) -> torch.Generator:
+    generator = torch.Generator(device)
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator
+
+
+def _reduce_generator(generator: torch.Generator):
+    """A generator sent to another process: its device and its state (its seed and its place in the
+    stream) as bytes. Not as a tensor: multiprocessing would share the temporary state tensor's memory,
+    which is freed before the worker opens it (what breaks torch's own reduction)."""
+    return _rebuild_generator, (generator.device, bytes(generator.get_state().tolist()))
+
+
+ForkingPickler.register(torch.Generator, _reduce_generator)

@@ -226,3 +226,25 @@ def test_a_handle_copy_is_detached():
     assert handle.attached
     handle.remove()
     assert hook_count(model) == 0
+
+
+def _draw_in_worker(rank, mixer, path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).train()
+    with mixer.attach(model):
+        model(torch.ones(6, 4))
+    torch.save((float(mixer.last.lam), mixer.last.index), path)
+
+
+def test_a_regularizer_sent_to_a_spawned_worker_draws_what_the_original_draws(tmp_path):
+    """torch.multiprocessing spawn (Lightning's ddp_spawn, DataLoader workers) pickles a regularizer with
+    its generator; torch's own reduction of a generator fails to unpickle there (its temporary state
+    tensor's shared memory is gone), mixhook's sends the state as bytes: the worker's draws are the
+    original's."""
+    mixer = ManifoldMixup(["0", "2"], alpha=1.0, generator=torch.Generator().manual_seed(9))
+    torch.rand(3, generator=mixer.generator)  # not at the start of its stream
+    torch.multiprocessing.start_processes(
+        _draw_in_worker, args=(mixer, tmp_path / "draw.pt"), nprocs=1, start_method="spawn"
+    )
+    _draw_in_worker(0, mixer, tmp_path / "here.pt")
+    (lam, index), (here_lam, here_index) = torch.load(tmp_path / "draw.pt"), torch.load(tmp_path / "here.pt")
+    assert lam == here_lam and torch.equal(index, here_index)

@@ -1,0 +1,167 @@
+"""What the trainer adapters share: draws keyed by the step, and the check that a mixed forward's loss
+was taken under its mix.
+
+**Draws keyed by (seed, rank, step).** A trainer checkpoints on rank 0 only (Lightning's callback
+state, the HuggingFace Trainer's ``trainer_state.json``), so a generator's state, which differs per rank,
+cannot be saved by a callback for every rank. The adapters therefore reseed the regularizer's
+generators at the start of every training step from ``(seed, rank, step)`` (:func:`reseed`): what step
+``t`` of rank ``r`` draws depends on nothing else, so a run resumed from any checkpoint (any path, any
+save strategy) draws what the uninterrupted run drew, and every rank draws its own mixes. The seed is
+the one number a checkpoint needs. To draw the same mixes in your own loop, call :func:`reseed` with
+the same numbers before each step.
+
+**A mixed forward must have its loss taken by the regularizer** (``loss``, ``targets`` or
+``state_for``): a trainer that computes the loss itself (the model's own loss on a mixed forward, a
+plain criterion in ``training_step``) would train on mixed logits against unmixed labels, silently.
+:class:`StepGuard` counts the training forwards of the hooked module in a step and refuses, in one line
+and before the optimizer step, a step whose mixed forward had no loss taken by mixhook, or a step in
+which the hooked module never ran (the mixer was attached to a module the step does not call).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..copies import own
+from ..hooks import LayerHook
+from ..mixers.contract import MixingHook, MixState
+from ..schedule import MixSchedule
+
+_MASK = 2**64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finalizer (Steele et al. 2014): a bijection of 64-bit ints whose every output bit
+    depends on every input bit (torch's CPU generator keeps only a seed's low 32 bits)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, rank: int, step: int, part: int = 0) -> int:
+    """The seed of generator ``part`` of a regularizer on rank ``rank`` at step ``step``."""
+    x = _splitmix64(seed & _MASK)
+    for value in (rank, step, part):
+        x = _splitmix64(x ^ (value & _MASK))
+    return x
+
+
+def generators(hook: MixingHook) -> list[torch.Generator]:
+    """The generators ``hook`` draws from: its own and, for a :class:`~mixhook.OneOf`, its mixers'
+    (recursively), each once, in a fixed order."""
+    found: list[torch.Generator] = []
+    stack = [hook]
+    while stack:
+        h = stack.pop(0)
+        g = getattr(h, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+        stack.extend(getattr(h, "mixers", ()))
+    return found
+
+
+def reseed(hook: MixingHook, seed: int, rank: int, step: int) -> None:
+    """Reseed every generator of ``hook`` for step ``step`` of rank ``rank`` (:func:`step_seed`), and stop
+    its default generators from reseeding themselves per rank (the rank is in the seed already)."""
+    stack = [hook]
+    while stack:
+        h = stack.pop(0)
+        if hasattr(h, "_per_rank"):
+            h._per_rank = False
+        stack.extend(getattr(h, "mixers", ()))
+    for part, g in enumerate(generators(hook)):
+        g.manual_seed(step_seed(seed, rank, step, part))
+
+
+def _mixers(hook: MixingHook) -> list:
+    """The hooks of ``hook`` that record forwards (a OneOf's mixers, recursively)."""
+    members = getattr(hook, "mixers", None)
+    if members is None:
+        return [hook]
+    return [m for member in members for m in _mixers(member)]
+
+
+def _unclaimed(hook: MixingHook) -> MixState | None:
+    """A recent forward that ``hook`` mixed and whose loss no ``loss``/``targets``/``state_for`` took."""
+    for mixer in _mixers(hook):
+        seen = getattr(mixer, "_seen", None)
+        if seen is None:
+            continue
+        seen.settle()
+        for record in seen.recent:
+            if record.state is not None and not record.bound:
+                return record.state
+    return None
+
+
+def _claim_all(hook: MixingHook) -> None:
+    """Mark every recent forward as claimed: a new step begins, and what earlier steps left is theirs."""
+    for mixer in _mixers(hook):
+        seen = getattr(mixer, "_seen", None)
+        if seen is not None:
+            seen.settle()
+            for record in seen.recent:
+                record.bound = True
+
+
+def check_arguments(mixer, module, schedule, seed) -> None:
+    """The checks every trainer adapter's ``MixupCallback(mixer, module, schedule, seed=...)`` makes."""
+    if not isinstance(mixer, MixingHook) or not isinstance(mixer, LayerHook):
+        raise TypeError(f"MixupCallback needs a mixhook regularizer (ManifoldMixup, ...), got {mixer!r:.80}")
+    if schedule is not None and (not isinstance(schedule, MixSchedule) or schedule.mixer is not mixer):
+        raise ValueError("MixupCallback(schedule=...) must be a MixSchedule of the callback's mixer")
+    if module is not None and (not isinstance(module, str) or not module or module == "input"):
+        raise ValueError(f"MixupCallback(module=...) must be a submodule's name, got {module!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"MixupCallback(seed=...) must be an int, got {seed!r}")
+
+
+def check_unattached(mixer) -> None:
+    """Refuse a mixer attached by hand (or by another adapter): the adapter attaches it itself."""
+    if mixer.model is not None:
+        raise RuntimeError(
+            f"MixupCallback: {type(mixer).__name__} is already attached to a {type(mixer.model).__name__} "
+            "(by hand, or by another callback); give the callback a mixer that is not attached: it "
+            "attaches it to the trainer's model itself"
+        )
+
+
+class StepGuard:
+    """Counts the training forwards of the hooked module in a step, and checks at the step's end that
+    there was one and that the regularizer's mixed forwards had their loss taken by it.
+
+    With ``count=True`` it counts them itself (a forward pre-hook on ``module``); an adapter that has its
+    own pre-hook there counts in it (``guard.forwards += 1``)."""
+
+    def __init__(self, hook: MixingHook, module: nn.Module, where: str, fix: str, count: bool = True):
+        self.hook, self.where, self.fix = hook, where, fix
+        self.forwards = 0
+        self._handle = module.register_forward_pre_hook(self._count) if count else None
+        own(self._handle)  # a copy of the module (an EMA) drops it
+
+    def _count(self, module: nn.Module, args) -> None:
+        if module.training:
+            self.forwards += 1
+
+    def begin(self) -> None:
+        self.forwards = 0
+        _claim_all(self.hook)
+
+    def check(self) -> None:
+        if self.forwards == 0:
+            raise RuntimeError(
+                f"{self.where}: no training forward of the module the mixer is attached to ran in this step, "
+                "so nothing was mixed; attach it to the module the step calls (the adapter's module=)"
+            )
+        state = _unclaimed(self.hook)
+        if state is not None:
+            raise RuntimeError(
+                f"{self.where}: a training forward was mixed at {state.layer!r} but its loss was not taken "
+                f"under the mix (the labels would not match the mixed logits); {self.fix}"
+            )
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()

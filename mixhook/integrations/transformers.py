@@ -1,0 +1,253 @@
+"""The HuggingFace ``Trainer``: a ``TrainerCallback`` and its ``compute_loss_func`` that mix at named layers
+of any ``transformers`` model.
+
+::
+
+    from transformers import Trainer, TrainingArguments
+    from mixhook import ManifoldMixup
+    from mixhook.integrations.transformers import MixupCallback
+
+    mixup = MixupCallback(ManifoldMixup("bert.encoder.layer.1", alpha=0.4))
+    trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=..., eval_dataset=...,
+                      callbacks=[mixup], compute_loss_func=mixup.compute_loss)
+    trainer.train()
+
+The Trainer's callbacks cannot change the forward or the loss, so the loss is ``compute_loss_func``:
+:meth:`MixupCallback.compute_loss` takes the loss under the mix of the forward that produced the
+outputs (``lam * loss(y) + (1 - lam) * loss(y[index])``), summed over the labelled items and divided by
+the Trainer's ``num_items_in_batch`` (the labelled items of the whole accumulated batch, over every
+process), so it is exact under ``gradient_accumulation_steps`` and across processes. An evaluation
+forward (``evaluate()``, ``predict()``) is unmixed and its loss the plain one. The loss follows the
+model's task: cross-entropy for class labels (token labels ``-100`` ignored, causal language models'
+labels shifted as the model's own loss shifts them, ``label_smoothing_factor`` applied), mean squared
+error for regression, binary cross-entropy for multi-label (``config.problem_type`` as the model reads
+it); ``criterion=`` takes your own, summed over items.
+
+The callback attaches the regularizer to the model when the Trainer is made (``model_init``: when
+training begins), draws each optimizer step's mixes from ``(seed, rank, step)`` (every process its own;
+a resumed run the same as the uninterrupted one, from any checkpoint: :mod:`mixhook.integrations.draws`;
+the seed is ``TrainingArguments.seed`` unless given, and is saved in ``trainer_state.json``), sets a
+:class:`~mixhook.MixSchedule` from the epoch, and refuses in one line, before the optimizer step, a step
+whose mixed forward's loss was not taken by it (``compute_loss_func`` not passed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+except ImportError as error:  # pragma: no cover - the integrations extra installs it
+    raise ImportError(
+        "mixhook.integrations.transformers needs transformers: pip install 'mixhook[integrations]'"
+    ) from error
+
+from ..layers import resolve_layers
+from ..mixers.contract import MixingHook
+from ..schedule import MixSchedule
+from .draws import StepGuard, check_arguments, check_unattached, reseed
+
+_WHERE = "MixupCallback"
+_FIX = "pass Trainer(..., compute_loss_func=callback.compute_loss) so the loss is taken under the mix"
+IGNORE = -100  # the label the Trainer and the models ignore
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32, as the models' own losses take them; others as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _causal(model) -> bool:
+    """Whether ``model``'s own loss shifts the labels (predictions at ``i`` target label ``i + 1``): a
+    decoder-only language model, by its loss type (``*ForCausalLM``) or, where that is unset
+    (``GPT2LMHeadModel``), by transformers' list of causal language models."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss:
+        return True
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+class MixupCallback(TrainerCallback, ExportableState):
+    """Mix at named layers of the Trainer's model; pass :meth:`compute_loss` as its ``compute_loss_func``.
+
+    Args:
+        mixer: the regularizer (:class:`~mixhook.ManifoldMixup`, a :class:`~mixhook.OneOf`, ...), not
+            attached; its layers are named from the model (``"bert.encoder.layer.1"``,
+            ``"model.layers.0"``; ``"inputs_embeds"`` selectors as in the core), or from ``module``.
+        module: a submodule to attach to instead of the model (its layers then named from it).
+        schedule: a :class:`~mixhook.MixSchedule` of ``mixer``, set before every optimizer step from the
+            Trainer's fractional epoch.
+        criterion: ``criterion(logits, labels)`` summed over the labelled items (it is divided by
+            ``num_items_in_batch``); ``None``: the model's task (see the module).
+        seed: the draws' seed; ``None``: ``TrainingArguments.seed``.
+
+    The methods that need the labels before the forward (gradient saliency) cannot be used here: the
+    Trainer takes the labels out of the batch before the model's forward when ``compute_loss_func`` is
+    set, and its callbacks do not see the batch; they refuse in one line at the first forward.
+    """
+
+    def __init__(
+        self,
+        mixer: MixingHook,
+        module: str | None = None,
+        schedule: MixSchedule | None = None,
+        criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        seed: int | None = None,
+    ):
+        check_arguments(mixer, module, schedule, seed)
+        if criterion is not None and not callable(criterion):
+            raise TypeError(f"MixupCallback(criterion=...) must be callable, got {criterion!r:.80}")
+        self.mixer, self.module, self.schedule, self.criterion = mixer, module, schedule, criterion
+        self.seed = seed
+        self.args = None  # the Trainer's TrainingArguments, from on_init_end
+        self._model = None  # the model the mixer is attached to (or whose submodule)
+        self._handle = None
+        self._guard: StepGuard | None = None
+
+    def __repr__(self) -> str:
+        return f"MixupCallback({self.mixer!r}, module={self.module!r}, seed={self.seed})"
+
+    # ------------------------------------------------------------------ attach, draws, the check
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if getattr(args, "restore_callback_states_from_checkpoint", False):
+            raise ValueError(
+                "restore_callback_states_from_checkpoint=True: the Trainer would replace mixhook's "
+                "MixupCallback on resume by a new one without its mixer; leave it False (the callback "
+                "restores its own state from trainer_state.json)"
+            )
+        self.args = args
+        if self.seed is None:
+            self.seed = int(args.seed)
+        if model is not None:
+            self._attach(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and model is not self._model:  # model_init: a new model per train()
+            self._attach(model)
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        if state.global_step > 0 and isinstance(saved, Mapping):  # resumed: the checkpoint's seed
+            attributes = saved.get("attributes", {})
+            layers = attributes.get("layers")
+            if layers is not None and list(layers) != list(self.mixer.layers):
+                raise ValueError(
+                    f"MixupCallback: the checkpoint was trained mixing at {layers}, this mixer mixes at "
+                    f"{list(self.mixer.layers)}; resume with the same layers"
+                )
+            if "seed" in attributes:
+                self.seed = int(attributes["seed"])
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.schedule is not None:
+            epoch = float(state.epoch or 0.0)
+            self.schedule.set(int(epoch) + 1, epoch - int(epoch))
+        reseed(self.mixer, self.seed, args.process_index, state.global_step)
+        if self._guard is not None:
+            self._guard.begin()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self._guard is not None:
+            self._guard.check()
+
+    def _attach(self, model) -> None:
+        target = model if self.module is None else resolve_layers(model, [self.module])[self.module]
+        if self._handle is not None:  # (model_init: off the previous trial's model)
+            self._handle.remove()
+            self._guard.remove()
+        else:
+            check_unattached(self.mixer)
+        self._handle = self.mixer.attach(target)
+        self._guard = StepGuard(self.mixer, target, _WHERE, _FIX)
+        self._model = model
+
+    def state(self) -> dict:
+        """What ``trainer_state.json`` keeps (the Trainer saves it with each checkpoint): the draws' seed
+        and the layers, read back when training resumes."""
+        return {"args": {}, "attributes": {"seed": self.seed, "layers": list(self.mixer.layers)}}
+
+    # ------------------------------------------------------------------------------ the loss
+
+    def compute_loss(self, outputs, labels, num_items_in_batch=None) -> torch.Tensor:
+        """The Trainer's ``compute_loss_func``: the loss under the mix of the forward that produced
+        ``outputs`` (plain for an unmixed forward: evaluation), summed over the labelled items and
+        divided by ``num_items_in_batch`` (without it, by this batch's labelled items)."""
+        if labels is None:
+            raise ValueError(
+                "MixupCallback.compute_loss: the batch has no 'labels' (the Trainer passes batch['labels']); "
+                "name the targets 'labels' in the dataset or collator"
+            )
+        if self._model is None:
+            raise RuntimeError(
+                "MixupCallback.compute_loss: the callback is not set up; pass it to the same Trainer "
+                "(Trainer(..., callbacks=[callback], compute_loss_func=callback.compute_loss))"
+            )
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        criterion = self.criterion or self._criterion
+        total = self.mixer.loss(criterion, logits, labels)
+        if num_items_in_batch is None:
+            if self._model.training and self.args is not None and self.args.gradient_accumulation_steps > 1:
+                raise ValueError(
+                    "MixupCallback.compute_loss: no num_items_in_batch under gradient_accumulation_steps "
+                    "> 1, so the accumulated loss cannot be normalized exactly; give the batches tensor "
+                    "'labels'"
+                )
+            num_items_in_batch = self._items(labels)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+
+    def _items(self, labels: torch.Tensor) -> torch.Tensor | int:
+        if labels.is_floating_point():
+            return (
+                labels.numel() if self._problem(labels) == "multi_label_classification" else labels.shape[0]
+            )
+        if _causal(self._model):
+            labels = labels[..., 1:]
+        return labels.ne(IGNORE).sum()
+
+    def _problem(self, labels: torch.Tensor) -> str:
+        """The task's loss, as a ``*ForSequenceClassification`` model of transformers picks it."""
+        config = getattr(self._model, "config", None)
+        problem = getattr(config, "problem_type", None)
+        if problem:
+            return problem
+        if getattr(config, "num_labels", 2) == 1:
+            return "regression"
+        if labels.dtype in (torch.long, torch.int):
+            return "single_label_classification"
+        return "multi_label_classification"
+
+    def _criterion(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The model's task's loss, summed over the labelled items."""
+        problem = self._problem(labels)
+        if problem == "regression":
+            if getattr(self._model.config, "num_labels", 1) == 1:
+                return F.mse_loss(
+                    _upcast(logits.squeeze(-1)), labels.squeeze(-1).to(_upcast(logits).dtype), reduction="sum"
+                )
+            return F.mse_loss(_upcast(logits), labels.to(_upcast(logits).dtype), reduction="sum")
+        if problem == "multi_label_classification":
+            return F.binary_cross_entropy_with_logits(
+                _upcast(logits), labels.to(_upcast(logits).dtype), reduction="sum"
+            )
+        if _causal(self._model):
+            logits, labels = logits[..., :-1, :], labels[..., 1:]
+        smoothing = float(getattr(self.args, "label_smoothing_factor", 0.0) or 0.0)
+        return F.cross_entropy(
+            _upcast(logits.reshape(-1, logits.shape[-1])),
+            labels.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+            label_smoothing=smoothing,
+        )

@@ -1,6 +1,7 @@
 """The two layers of the package: the library core imports and works with torch alone (the app's
-dependencies made unimportable), and the app, built into a wheel, carries its configs so the layer
-browser works from the installed files outside a checkout."""
+dependencies made unimportable; the trainer adapters then refuse in one line naming the extra), and the
+app, built into a wheel, carries its configs so the layer browser works from the installed files outside
+a checkout."""
 
 import os
 import shutil
@@ -14,7 +15,10 @@ from tests.conftest import ROOT
 
 # what the app and the tests use, none of which the core may need
 BLOCKED = ("hydra", "omegaconf", "torchvision", "sklearn", "matplotlib", "tqdm", "yaml", "numpy", "scipy",
-           "timm", "transformers", "tensorboard", "optuna", "submitit")  # fmt: skip
+           "timm", "transformers", "tensorboard", "optuna", "submitit", "lightning",
+           "accelerate")  # fmt: skip
+# the trainer adapters that import their framework: without it, one ImportError naming the extra
+ADAPTERS = ("mixhook.integrations.lightning", "mixhook.integrations.transformers")
 
 BLOCKER = f"""
 import importlib.abc, sys, warnings
@@ -35,6 +39,14 @@ def walk(package):  # every module of the core, the app's package never entered
     for m in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
         if m.name == "mixhook.app" or m.name.endswith("__main__"):
             continue
+        if m.name in {adapters!r}:
+            try:
+                importlib.import_module(m.name)
+            except ImportError as error:
+                assert "pip install 'mixhook[integrations]'" in str(error), error
+            else:
+                raise AssertionError(m.name + " imported without its framework")
+            continue
         core.append(m.name)
         module = importlib.import_module(m.name)
         if m.ispkg:
@@ -53,7 +65,7 @@ print(len(core), "core modules;", "leaked:", leaked)
 
 
 def test_the_core_imports_and_trains_with_torch_alone():
-    code = BLOCKER + CORE_USE.replace("{blocked!r}", repr(BLOCKED))
+    code = BLOCKER + CORE_USE.replace("{blocked!r}", repr(BLOCKED)).replace("{adapters!r}", repr(ADAPTERS))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     count, _, leaked = result.stdout.strip().partition(" core modules; leaked: ")

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..copies import own
 from ..hooks import LayerHook
-from ..mixers.contract import MixingHook, MixState
+from ..mixers.contract import MixingHook
 from ..schedule import MixSchedule
 
 _MASK = 2**64 - 1
@@ -48,62 +48,38 @@ def step_seed(seed: int, rank: int, step: int, part: int = 0) -> int:
     return x
 
 
+def _tree(hook: MixingHook) -> list:
+    """``hook`` and, for a :class:`~mixhook.OneOf`, its mixers (recursively), breadth first."""
+    tree = [hook]
+    for h in tree:
+        tree.extend(getattr(h, "mixers", ()))
+    return tree
+
+
 def generators(hook: MixingHook) -> list[torch.Generator]:
     """The generators ``hook`` draws from: its own and, for a :class:`~mixhook.OneOf`, its mixers'
     (recursively), each once, in a fixed order."""
     found: list[torch.Generator] = []
-    stack = [hook]
-    while stack:
-        h = stack.pop(0)
+    for h in _tree(hook):
         g = getattr(h, "generator", None)
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
-        stack.extend(getattr(h, "mixers", ()))
     return found
 
 
 def reseed(hook: MixingHook, seed: int, rank: int, step: int) -> None:
     """Reseed every generator of ``hook`` for step ``step`` of rank ``rank`` (:func:`step_seed`), and stop
     its default generators from reseeding themselves per rank (the rank is in the seed already)."""
-    stack = [hook]
-    while stack:
-        h = stack.pop(0)
+    for h in _tree(hook):
         if hasattr(h, "_per_rank"):
             h._per_rank = False
-        stack.extend(getattr(h, "mixers", ()))
     for part, g in enumerate(generators(hook)):
         g.manual_seed(step_seed(seed, rank, step, part))
 
 
-def _mixers(hook: MixingHook) -> list:
-    """The hooks of ``hook`` that record forwards (a OneOf's mixers, recursively)."""
-    members = getattr(hook, "mixers", None)
-    if members is None:
-        return [hook]
-    return [m for member in members for m in _mixers(member)]
-
-
-def _unclaimed(hook: MixingHook) -> MixState | None:
-    """A recent forward that ``hook`` mixed and whose loss no ``loss``/``targets``/``state_for`` took."""
-    for mixer in _mixers(hook):
-        seen = getattr(mixer, "_seen", None)
-        if seen is None:
-            continue
-        seen.settle()
-        for record in seen.recent:
-            if record.state is not None and not record.bound:
-                return record.state
-    return None
-
-
-def _claim_all(hook: MixingHook) -> None:
-    """Mark every recent forward as claimed: a new step begins, and what earlier steps left is theirs."""
-    for mixer in _mixers(hook):
-        seen = getattr(mixer, "_seen", None)
-        if seen is not None:
-            seen.settle()
-            for record in seen.recent:
-                record.bound = True
+def _forwards(hook: MixingHook) -> list:
+    """The records of recent forwards (:class:`~mixhook.mixers.binding.Forwards`) of ``hook``'s mixers."""
+    return [h._seen for h in _tree(hook) if getattr(h, "_seen", None) is not None]
 
 
 def check_arguments(mixer, module, schedule, seed) -> None:
@@ -147,7 +123,8 @@ class StepGuard:
 
     def begin(self) -> None:
         self.forwards = 0
-        _claim_all(self.hook)
+        for seen in _forwards(self.hook):
+            seen.claim_all()
 
     def check(self) -> None:
         if self.forwards == 0:
@@ -155,7 +132,8 @@ class StepGuard:
                 f"{self.where}: no training forward of the module the mixer is attached to ran in this step, "
                 "so nothing was mixed; attach it to the module the step calls (the adapter's module=)"
             )
-        state = _unclaimed(self.hook)
+        states = [seen.unclaimed() for seen in _forwards(self.hook)]
+        state = next((s for s in states if s is not None), None)
         if state is not None:
             raise RuntimeError(
                 f"{self.where}: a training forward was mixed at {state.layer!r} but its loss was not taken "

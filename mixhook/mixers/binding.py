@@ -112,7 +112,7 @@ class Forwards:
             if not self.recent:
                 return None
             latest = self.recent[-1]
-            if any(not f.bound and f.state is not None for f in list(self.recent)[:-1]):
+            if _unclaimed(list(self.recent)[:-1]) is not None:
                 raise ForeignLogitsError(
                     f"{what}(): an earlier forward than the latest one mixed and has had no loss or targets "
                     f"taken yet, so the forward these targets are for cannot be told; pass logits= "
@@ -156,6 +156,18 @@ class Forwards:
             )
         return None  # every forward since the last claimed one mixed nothing: the plain criterion
 
+    def unclaimed(self) -> MixState | None:
+        """What a recent forward mixed whose output no ``loss``/``targets``/``state_for`` has claimed
+        (the trainer adapters refuse a step that leaves one: :mod:`mixhook.integrations.draws`)."""
+        self.settle()
+        return _unclaimed(self.recent)
+
+    def claim_all(self) -> None:
+        """Mark every recent forward claimed (an adapter's new step: what earlier ones left is theirs)."""
+        self.settle()
+        for record in self.recent:
+            record.bound = True
+
     def _of(self, logits: torch.Tensor) -> list[_Forward]:
         """The forwards of this mixer whose outputs ``logits`` is, or was computed from: marked outputs
         found through views (``_base``) and the autograd graph, which is walked no further than them."""
@@ -190,6 +202,11 @@ class Forwards:
                     seen.add(child)
                     stack.append(child)
         return found
+
+
+def _unclaimed(records) -> MixState | None:
+    """The state of the first of ``records`` that mixed and is not claimed, or ``None``."""
+    return next((f.state for f in records if f.state is not None and not f.bound), None)
 
 
 def _mark_outputs(output, record: _Forward, key: str, untracked: dict, unmixed) -> None:

@@ -1,6 +1,8 @@
 """Small shared pieces for the tests: models no library code was written for, hook counting, and
 running the benchmark script."""
 
+import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,19 @@ def run_bench(*args, cwd=ROOT):
         text=True,
         timeout=600,
     )
+
+
+@contextlib.contextmanager
+def lightning_ddp():
+    """Around an in-process Lightning DDP fit (strategy="ddp" or "ddp_spawn"): Lightning leaves its
+    process group and writes MASTER_PORT, LOCAL_RANK, OMP_NUM_THREADS, ... into this process's
+    environment; both are undone, so the next test of this worker starts clean (a stale MASTER_PORT made
+    the next DDP fit bind a port still in use)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)

@@ -17,6 +17,7 @@ from mixhook import ManifoldMixup
 from mixhook.integrations.draws import reseed
 from mixhook.integrations.lightning import MixupCallback, step_key
 from tests.conftest import ROOT
+from tests.helpers import lightning_ddp
 from tests.unit.test_integrations_lightning import Lit, data, trainer
 from tests.unit.test_integrations_transformers import BERT_LAYERS, bert
 
@@ -58,7 +59,10 @@ def test_ddp_spawn_two_processes_draw_per_rank_and_equal_ddp_by_hand():
     lit = Lit().double()
     start = copy.deepcopy(lit.net)
     mixer = ManifoldMixup(["net.0", "net.2"], alpha=1.0, generator=torch.Generator().manual_seed(5))
-    trainer(max_epochs=2, strategy="ddp_spawn", devices=2, callbacks=[MixupCallback(mixer)]).fit(lit, loader)
+    with lightning_ddp():
+        trainer(max_epochs=2, strategy="ddp_spawn", devices=2, callbacks=[MixupCallback(mixer)]).fit(
+            lit, loader
+        )
     expected = simulate(start, loader, 2, 5, ranks=[0, 1])
     for a, b in zip(lit.net.parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-14)

@@ -16,6 +16,7 @@ from mixhook import CutMix, ManifoldMixup, MixSchedule, OneOf, UnknownLayerError
 from mixhook.hooks import StateError
 from mixhook.integrations.draws import reseed
 from mixhook.integrations.lightning import MixupCallback, mixed_loss, step_key
+from tests.helpers import lightning_ddp
 
 
 def net():
@@ -244,7 +245,7 @@ def test_under_ddps_forward_redirection_only_the_real_forward_mixes():
     lit = Lit().double()
     twin = copy.deepcopy(lit.net)
     mixer = ManifoldMixup(["input", "net.2"], alpha=1.0, generator=torch.Generator().manual_seed(4))
-    try:
+    with lightning_ddp():
         t = trainer(
             max_epochs=2,
             strategy="ddp",
@@ -253,9 +254,6 @@ def test_under_ddps_forward_redirection_only_the_real_forward_mixes():
             callbacks=[MixupCallback(mixer)],
         )
         t.fit(lit, loader)
-    finally:
-        if torch.distributed.is_initialized():  # Lightning leaves its process group: the other tests of
-            torch.distributed.destroy_process_group()  # this process must not run under one
     hand_loop(twin, ManifoldMixup(["input", "2"], alpha=1.0), loader, 2, 4)
     for a, b in zip(lit.net.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -1,6 +1,8 @@
 """Case 7: every mixing method's training step (forward + backward + SGD) of PreActResNet-18 at a hidden
 layer, against no mixing and against Manifold Mixup at the same layer; the saliency methods with each
-source (activation: read from the same forward; gradient: one more forward and a backward)."""
+source (activation: read from the same forward; gradient: one more forward and a backward). The methods
+that keep the clean batch beside its mix (RegMixup, RankMixup, MixupE) run the layers after the mixed one
+on twice the batch; C-Mixup pairs by the class numbers taken as regression labels."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 from benchmarks import cases
 from benchmarks.timing import ratio
-from mixhook import AttentiveCutMix, SaliencyMix
+from mixhook import AttentiveCutMix, CMixup, SaliencyMix
 from mixhook.mixers import METHODS
 
 LAYER = "layer2"  # 16x16 maps at 32x32 images: room for every method's defaults (PatchUp's 7x7 blocks)
@@ -59,8 +61,8 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
         def step(model=model, opt=opt, mixer=mixer):
-            if mixer is not None:
-                mixer.use_targets(y)
+            if mixer is not None:  # C-Mixup pairs by regression labels: the class numbers serve as such
+                mixer.use_targets(y.double() if isinstance(mixer, CMixup) else y)
             logits = model(x)
             loss = (mixer.loss(per_sample_ce, logits, y) if mixer else per_sample_ce(logits, y)).mean()
             opt.zero_grad(set_to_none=True)

@@ -25,6 +25,7 @@ from torch import nn
 
 from mixhook.compose import mixers_of
 from mixhook.layers import INPUT, UnknownLayerError, fastai_layers, trace_outputs
+from mixhook.mixers import MixingHook
 from mixhook.mixers.partners import crosses_ranks
 from mixhook.probes import ActivationStats, GradStats
 
@@ -173,6 +174,14 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
             f"trainer.mixed_loss_weight={cfg.trainer.mixed_loss_weight!r} weights the loss of mixed batches, "
             "but no mixup is configured; set a mixup or leave it at 1.0"
         )
+    if mixup is not None and cfg.trainer.loss == "bce_softmax":
+        for mixer in (mixup, *getattr(mixup, "mixers", ())):
+            why = getattr(mixer, "_targets_refused", lambda: None)()
+            if why:
+                raise ConfigError(
+                    "trainer.loss=bce_softmax trains on the mixer's soft targets, but "
+                    f"{type(mixer).__name__} {why}; use trainer.loss=ce"
+                )
     handles = _attach_and_check(model, hooks, data)
     try:
         optimizer = _optimizer(cfg.optim, model)
@@ -439,7 +448,13 @@ def _attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: D
 
 
 def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: Data) -> None:
-    x = next(iter(data.test))[0][:2]
+    x, y = (t[:2] for t in next(iter(data.test)))
+    for key, hook in hooks:
+        if isinstance(hook, MixingHook):
+            try:
+                hook.check_targets(y)
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"{key}: {err}; data={data.name} has {y.dtype} labels") from err
     checks = [(key, hook) for key, hook in hooks if callable(getattr(hook, "check_output", None))]
     layers = list(dict.fromkeys(name for _, hook in checks for name in hook.layers))
     try:

@@ -106,6 +106,12 @@ class MixupCallback(TrainerCallback, ExportableState):
         seed: int | None = None,
     ):
         check_arguments(mixer, module, schedule, seed)
+        if any(getattr(m, "clean", False) for m in (mixer, *getattr(mixer, "mixers", ()))):
+            raise ValueError(
+                f"MixupCallback: {type(mixer).__name__} keeps the clean batch beside its mix (clean=True), "
+                "which the Trainer's loss does not take yet (its logits and labels would have different "
+                "rows); use a mixer with clean=False, or train it in your own loop or Lightning"
+            )
         if criterion is not None and not callable(criterion):
             raise TypeError(f"MixupCallback(criterion=...) must be callable, got {criterion!r:.80}")
         self.mixer, self.module, self.schedule, self.criterion = mixer, module, schedule, criterion

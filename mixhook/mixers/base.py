@@ -64,6 +64,20 @@ class _Decision:
     state: MixState | None = None  # once mixed: what it mixed (the padding-mask policy reads its shapes)
 
 
+def _check_doubled(model: nn.Module, output, state: MixState) -> None:
+    """Refuse a clean+mixed forward whose output (a plain tensor) has no dimension of ``2B``: the model
+    lost the doubled batch downstream of the mix (e.g. a ``view(B, ...)`` with the batch size read from its
+    input), so its rows would not be the clean samples and their mixes."""
+    n = state.index.shape[0]
+    if isinstance(output, torch.Tensor) and output.ndim and 2 * n not in output.shape:
+        raise RuntimeError(
+            f"{type(model).__name__} returned shape {tuple(output.shape)} after a clean+mixed mix at "
+            f"{state.layer!r}, which emitted {2 * n} rows (the {n} clean samples, then their mixes): the "
+            "model reshapes by the batch size of its input downstream of that layer; mix a later layer, or "
+            "use clean=False"
+        )
+
+
 _SKIP = object()  # pinned for a forward that must not mix (skip_next)
 _TRACED = ("traced_params", "draw_traced", "mix_traced")  # what a method defines beside mix() to be traced
 
@@ -113,6 +127,9 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     # None: dense targets (segmentation maps) are mixed like the map (a region method sets Mixed.weights);
     # else why not, refused in one line by loss() and targets()
     dense_targets: ClassVar[str | None] = None
+    # Whether the method's loss needs the clean batch beside its mix (RegMixup, RankMixup, MixupE): then
+    # `clean` is True from the start and cannot be turned off.
+    keeps_clean: ClassVar[bool] = False
 
     _hooks_model = True  # its own hooks on the model (see LayerHook)
 
@@ -139,6 +156,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._last_draw: tuple | None = None  # (layer, generator state, pinned) of the last mix
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
         self._layer_weights: tuple[float, ...] | None = None
+        self._clean = type(self).keeps_clean
 
     _TRANSIENT = (
         "_draw", "_mask_stack", "_targets", "_capture", "_seen",
@@ -172,7 +190,35 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             all(k is defines[0] for k in defines)
             and cls.before_forward is Mixer.before_forward
             and cls.before_mix is Mixer.before_mix
+            and not self._clean
         )
+
+    @property
+    def clean(self) -> bool:
+        """Whether the mixed layer emits the clean batch followed by its mixed copy (``False`` by default:
+        the layer's output is replaced by the mix). With ``True``, downstream of the mixed layer the batch
+        is doubled: the logits' rows ``[0, B)`` are the clean samples and ``[B, 2B)`` their mixes, and
+        ``loss``/``targets`` take the ``B`` labels and know which rows are which (:attr:`MixState.clean`).
+        ``loss`` is then the mean over the doubled batch: the criterion on the clean rows beside the
+        mixed criterion on the mixed rows (RegMixup's loss; :class:`~mixhook.RegMixup` weighs the mixed
+        rows by its ``eta``). Set it before attaching. The batch must have at least 2 samples, the logits
+        must carry the ``2B`` rows first, and a model whose modules downstream of the mix take padding
+        masks is refused (its masks describe ``B`` rows). A forward that does not mix keeps ``B`` rows."""
+        return self._clean
+
+    @clean.setter
+    def clean(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"clean must be True or False, got {value!r}")
+        if type(self).keeps_clean and not value:
+            raise ValueError(
+                f"{type(self).__name__} trains on the clean batch beside its mix: clean cannot be False"
+            )
+        if self._model is not None and value != self._clean:
+            raise RuntimeError(
+                f"{type(self).__name__}.clean changes how the model is traced: set it before attach()"
+            )
+        self._clean = value
 
     @property
     def layer_weights(self) -> tuple[float, ...] | None:
@@ -191,9 +237,10 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             else f", tokens={self.token_grid}, prefix={self.token_grid.prefix!r}"
         )
         layout = "" if self.layout is None else f", layout={self.layout!r}"
+        clean = ", clean=True" if self._clean and not type(self).keeps_clean else ""
         return (
             f"{type(self).__name__}(layer={self._layer_spec!r}, alpha={self.alpha}, prob={self.prob}{tokens}"
-            f"{layout})"
+            f"{layout}{clean})"
         )
 
     # ----------------------------------------------------------------------------------- user API
@@ -446,6 +493,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             state = None
         elif draw.done:
             state = self.last
+            if state.clean:
+                _check_doubled(model, output, state)
         else:
             raise RuntimeError(
                 f"mixup layer {draw.layer!r} did not run during {type(model).__name__}.forward(), so nothing "
@@ -603,11 +652,16 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         ``leaves``: what :meth:`_leaves` gave for this value, where the caller has it already."""
         site_value = self._site_value(spec, value)
         found, given, n = self._leaves(spec, site_value, batch) if leaves is None else leaves
+        if self._clean and n < 2:
+            raise ValueError(
+                f"{type(self).__name__}(clean=True) at {spec!r}: a batch of {n} has no partner to mix with; "
+                "the clean+mixed batch needs at least 2 samples"
+            )
         if found[0].tensor.is_cuda:
             traced.refuse_capture(type(self).__name__, spec, found[0].tensor.device)
         draw, mixed = self._drawing(spec, n, pinned, generator, self.mix, given)
         tensors = self._check_mixed(spec, given, mixed)
-        state = self._state(spec, found, draw, mixed)
+        state = self._state(spec, found, draw, mixed, self._clean)
         if self.token_grid is not None:
             grid = self.token_grid
             tensors = {
@@ -619,6 +673,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             for leaf in found:
                 if self._channels_last(spec, leaf):
                     tensors[leaf.path] = tensors[leaf.path].permute(0, 2, 3, 1)
+        if self._clean:  # the clean rows, then their mixes, along each tensor's batch dimension
+            tensors = {leaf.path: torch.cat([leaf.tensor, tensors[leaf.path]], leaf.dim) for leaf in found}
         return replace_leaves(site_value, tensors), state
 
     def _drawing(self, spec: str, n: int, pinned: Mapping, generator: torch.Generator, method, leaves: list):
@@ -633,8 +689,9 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             self.generator = saved
 
     @staticmethod
-    def _state(spec: str, found: list[Leaf], draw: Draw, mixed: Mixed) -> MixState:
-        """What a mix at ``spec`` of the leaves ``found`` did, drawn ``draw``, as ``mixed`` says."""
+    def _state(spec: str, found: list[Leaf], draw: Draw, mixed: Mixed, clean: bool = False) -> MixState:
+        """What a mix at ``spec`` of the leaves ``found`` did, drawn ``draw``, as ``mixed`` says (``clean``:
+        the clean rows kept before it)."""
         return MixState(
             layer=spec,
             lam=draw.lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64),
@@ -644,6 +701,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             batch_dims=tuple(leaf.dim for leaf in found),
             weights=mixed.weights,
             shapes=tuple(leaf.tensor.shape for leaf in found),
+            clean=clean,
             _weight=draw.weight if mixed.lam is None and isinstance(draw.weight, float) else None,
         )
 

@@ -101,3 +101,15 @@ def check_fraction(name: str, value) -> float:
     if not 0.0 <= number <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return number
+
+
+def check_class_logits(kind: str, logits: torch.Tensor, target: torch.Tensor) -> None:
+    """Refuse, in one line, what a loss on class confidences cannot take: logits other than ``(B, K)``,
+    targets other than ``(B,)`` class indices (RankMixup, MixupE)."""
+    if logits.ndim != 2:
+        raise ValueError(f"{kind}.loss() needs (B, K) class logits, got shape {tuple(logits.shape)}")
+    if target.dtype.is_floating_point or target.dtype == torch.bool or target.shape != logits.shape[:1]:
+        raise ValueError(
+            f"{kind}.loss() compares class confidences, so target must be ({logits.shape[0]},) class "
+            f"indices, got {target.dtype} {tuple(target.shape)}"
+        )

@@ -42,6 +42,10 @@ class MixState:
             masks in between): what dense targets (segmentation maps) are mixed with, resized to the label
             map. ``None``: the same weight ``lam`` everywhere (Manifold Mixup, input mixup, NFM).
         shapes: the shapes of the mixed tensors, as ``elements`` lists them.
+        clean: whether the mixed layer emitted the clean batch followed by its mixed copy (a mixer's
+            ``clean=True``: RegMixup, RankMixup, MixupE): downstream of it the batch is doubled, rows
+            ``[0, B)`` of the logits are the clean samples and rows ``[B, 2B)`` their mixes, which ``lam``,
+            ``index`` and ``weights`` describe. ``False``: the layer's output was replaced by the mix.
     """
 
     layer: str
@@ -52,6 +56,7 @@ class MixState:
     batch_dims: tuple[int, ...] = (0,)
     weights: torch.Tensor | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
+    clean: bool = False
     _weight: float | None = field(default=None, repr=False, compare=False)  # lam as a float, when one
 
 
@@ -171,6 +176,11 @@ class MixingHook(abc.ABC):
     def owns(self, hook: MixingHook) -> bool:
         """Whether ``hook`` may be attached to a model that this one mixes (itself, or a part of it)."""
         return hook is self
+
+    def check_targets(self, target: torch.Tensor) -> None:
+        """Raise (one line) unless this regularizer can train with labels like ``target`` (a sample batch
+        of them): C-Mixup refuses class indices. Accepts anything by default."""
+        del target
 
     def use_targets(self, target: torch.Tensor) -> None:
         """The labels of the next training forward, for a method that needs them to mix (gradient

@@ -32,6 +32,7 @@ class PaddingMasks:
             self._mask_stack.append(True)  # the modules inside get the model's masks: none unions again
         if not names:
             return args, kwargs
+        _refuse_clean(state, f"{type(model).__name__} (the model)", names)
         masks.check_lengths(f"{type(model).__name__} (the model)", inputs, names, _sizes(state))
         return masks.union(inputs, names, state.index, self._mask_source)
 
@@ -60,6 +61,7 @@ class PaddingMasks:
             self._note(key, (draw.index, names) if names else None)
             if not names:
                 return None
+            _refuse_clean(draw.state, f"{type(module).__name__} {name!r}", names)
             masks.check_lengths(f"{type(module).__name__} {name!r}", inputs, names, _sizes(draw.state))
             return masks.union(inputs, names, draw.index, self._mask_source)
 
@@ -74,6 +76,16 @@ class PaddingMasks:
         global batch."""
         pool = self.partner_pool(mask.shape[0])
         return mask if pool == mask.shape[0] else partners.gather_labels(mask)
+
+
+def _refuse_clean(state: MixState, where: str, names: tuple[str, ...]) -> None:
+    """A clean+mixed mix doubles the batch, but the padding masks downstream describe its ``B`` rows."""
+    if state.clean:
+        raise masks.PaddingPolicyError(
+            f"clean=True doubles the batch at {state.layer!r}, but {where} is called downstream with "
+            f"{', '.join(names)} for the {state.index.shape[0]} input rows: a model that takes padding masks "
+            "cannot be mixed with its clean batch yet; use clean=False (or a model without padding masks)"
+        )
 
 
 def _sizes(state: MixState) -> tuple[int, ...] | None:

@@ -168,6 +168,10 @@ class OneOf(LayerHook, MixingHook):
     def owns(self, hook: MixingHook) -> bool:
         return hook is self or any(m.owns(hook) for m in self.mixers)
 
+    def check_targets(self, target: torch.Tensor) -> None:
+        for mixer in self.mixers:
+            mixer.check_targets(target)
+
     def use_targets(self, target: torch.Tensor) -> None:
         """Every regularizer gets the labels (whichever is chosen uses them)."""
         for mixer in self.mixers:

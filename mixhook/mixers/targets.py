@@ -67,6 +67,33 @@ def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) ->
     return weights.expand(target.shape[0], *size)
 
 
+def halves(last: MixState, logits: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean rows and the mixed rows of a clean+mixed forward's ``logits`` (``2B`` rows first)."""
+    n = last.index.shape[0]
+    if not isinstance(logits, torch.Tensor) or logits.ndim == 0 or logits.shape[0] != 2 * n:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(
+            f"{what}(): the forward that produced these logits kept its clean batch beside the mix "
+            f"(clean=True), so the logits must have {2 * n} rows first (the {n} clean samples, then their "
+            f"mixes), got {shape}"
+        )
+    return logits[:n], logits[n:]
+
+
+def per_row(clean: torch.Tensor, mixed: torch.Tensor, eta: float = 1.0) -> torch.Tensor:
+    """The loss of a clean+mixed batch from the clean rows' and the mixed rows' losses, the mixed ones
+    weighed by ``eta``: one loss per row (``2B``) for per-sample losses, else the mean of the two (for a
+    mean-reducing criterion, the mean over the doubled batch)."""
+    if clean.ndim == 0 and mixed.ndim == 0:
+        return (clean + eta * mixed) / 2
+    if clean.ndim and clean.shape == mixed.shape:
+        return torch.cat([clean, eta * mixed])
+    raise ValueError(
+        f"loss(): the criterion returned shape {tuple(clean.shape)} for the clean rows and "
+        f"{tuple(mixed.shape)} under the mix: return one loss per sample (reduction='none') or a number"
+    )
+
+
 class LossAndTargets:
     """``loss`` and ``targets`` of a :class:`~mixhook.mixers.base.Mixer`: the criterion, or the soft
     targets, under the mix of the forward that produced the logits (found by ``_bound_state``)."""
@@ -94,10 +121,42 @@ class LossAndTargets:
 
         For a criterion that is linear in its target (cross-entropy, BCE) this equals the criterion of
         the mixed targets (:meth:`targets`); for one that is not (MSE on regression targets), the two
-        differ: mix the targets with :meth:`targets` when the criterion of the mixed target is meant."""
+        differ: mix the targets with :meth:`targets` when the criterion of the mixed target is meant.
+
+        After a clean+mixed forward (``clean=True``) the logits have ``2B`` rows and ``target`` has ``B``:
+        the criterion of the clean rows beside the mixed criterion of the mixed rows, as one loss per row
+        (``2B``, for a per-sample criterion) or, for a criterion that reduces, the mean of the two (the
+        doubled batch's mean, as RegMixup's authors train); a method's own loss may weigh them otherwise
+        (RegMixup's ``eta``, RankMixup, MixupE)."""
         last = self._bound_state(logits, "loss")
         if last is None:
             return criterion(logits, target)
+        if last.clean:
+            clean, mixed = halves(last, logits, "loss")
+            return self._clean_loss(criterion, clean, mixed, target, last)
+        return self._mixed_loss(criterion, logits, target, last)
+
+    def _targets_refused(self) -> str | None:
+        """Why the mixed targets of a clean+mixed forward are not this method's training signal (its loss
+        is not a criterion of them), or ``None``."""
+        return None
+
+    def _clean_loss(
+        self,
+        criterion: Callable,
+        clean: torch.Tensor,
+        mixed: torch.Tensor,
+        target: torch.Tensor,
+        last: MixState,
+    ) -> torch.Tensor:
+        """The loss of a clean+mixed forward from its ``clean`` and ``mixed`` logits (``B`` rows each): the
+        mean over the doubled batch (a method with its own loss overrides it)."""
+        return per_row(criterion(clean, target), self._mixed_loss(criterion, mixed, target, last))
+
+    def _mixed_loss(
+        self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor, last: MixState
+    ) -> torch.Tensor:
+        """The criterion of ``logits`` under the mix ``last`` (its mixed rows only)."""
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, self._partners_of(last, target, "loss"))
         if last._weight is not None and last.weights is None and positions(target) <= 0:
@@ -156,7 +215,8 @@ class LossAndTargets:
 
         Under a region mix (CutMix, FMix, PatchUp, ...) a dense target's lam is per position: the
         method's own-content mask resized to the label map (:func:`dense_weights`), so a pasted box
-        pastes its labels too."""
+        pastes its labels too. After a clean+mixed forward (``clean=True``): ``2B`` rows, the clean
+        targets then the mixed ones, as the logits' rows are."""
         if num_classes is not None and (
             isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
         ):
@@ -201,11 +261,19 @@ class LossAndTargets:
             partner = None if last is None else one_hot(self._partners_of(last, target, "targets"))
         if last is None:
             return own
+        if last.clean:
+            why = self._targets_refused()
+            if why:
+                raise ValueError(f"targets(): {type(self).__name__} {why}; train with its loss()")
+            if logits is not None:
+                halves(last, logits, "targets")
         weights = self._target_weights(last, target, "targets")
         if weights is None:
             lam = last._weight if last._weight is not None else per_sample(last.lam, own)
-            return torch.lerp(partner, own, lam)
-        return torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
+            mixed = torch.lerp(partner, own, lam)
+        else:
+            mixed = torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
+        return torch.cat([own, mixed]) if last.clean else mixed
 
     def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
         """Per-position own weights ``(B, H, W)`` for a dense ``target`` under a region mix, else ``None``

@@ -69,6 +69,23 @@ from tests.conftest import write_cifar
             "error: trainer.mixed_loss_weight=2.0 weights the loss of mixed batches, but no mixup is",
         ),
         (
+            ["mixup=rankmixup", "trainer.loss=bce_softmax"],
+            "error: trainer.loss=bce_softmax trains on the mixer's soft targets, but RankMixup ranks "
+            "confidences: its loss is no criterion of mixed targets; use trainer.loss=ce",
+        ),
+        (
+            ["mixup=regmixup", "mixup.eta=0.5", "trainer.loss=bce_softmax"],
+            "error: trainer.loss=bce_softmax trains on the mixer's soft targets, but RegMixup weighs its "
+            "mixed rows by eta=0.5",
+        ),
+        (["mixup=mixupe", "mixup.eta=-1"], "error: mixup: eta must be a finite number >= 0, got -1"),
+        (
+            ["mixup=cmixup"],
+            "error: mixup: CMixup mixes regression targets: its labels must be floating values (B,) or "
+            "(B, d), got torch.int64 (2,) (class indices: use ManifoldMixup); data=digits has torch.int64 "
+            "labels",
+        ),
+        (
             ["+model.shortcut=relu"],
             "error: model.shortcut='relu' is not a shortcut; valid: input, activated",
         ),

@@ -116,12 +116,13 @@ def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
         losses, grads = [], []
         for _ in range(3):
             model.zero_grad()
-            if hasattr(hook, "use_targets"):
-                hook.use_targets(y)  # for gradient saliency
+            if hasattr(hook, "use_targets"):  # for gradient saliency; C-Mixup pairs by regression labels
+                hook.use_targets(y.double() if type(hook).__name__ == "CMixup" else y)
             logits = net(x)
-            per_sample = F.cross_entropy(logits, y, reduction="none")  # also for one lam per sample
-            if hasattr(hook, "loss"):
+            if hasattr(hook, "loss"):  # per sample: also for one lam per sample
                 per_sample = hook.loss(lambda o, t: F.cross_entropy(o, t, reduction="none"), logits, y)
+            else:
+                per_sample = F.cross_entropy(logits, y, reduction="none")
             loss = per_sample.mean()
             loss.backward()
             losses.append(loss.detach())

@@ -1,0 +1,70 @@
+"""RegMixup: cross-entropy on the clean batch plus the mixup loss on its mixed copy, in one forward.
+
+Paper: Pinto, Yang, Lim, Torr, Dokania. "Using Mixup as a Regularizer Can Surprisingly Improve Accuracy
+and Out-of-Distribution Robustness." NeurIPS 2022. https://arxiv.org/abs/2206.14502
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .checks import check_non_negative
+from .contract import MixState
+from .manifold import ManifoldMixup
+from .targets import per_row
+
+
+class RegMixup(ManifoldMixup):
+    """RegMixup (Pinto et al. 2022): train on the clean batch and, beside it, on its mixup.
+
+    The chosen layer emits the clean batch followed by its mix ``lam * h + (1 - lam) * h[index]``,
+    ``lam ~ Beta(alpha, alpha)`` (:attr:`~mixhook.mixers.base.Mixer.clean`): the model's logits have
+    ``2B`` rows, and :meth:`loss` is the criterion of the clean rows beside ``eta`` times the mixup
+    criterion of the mixed rows. With a per-sample criterion it returns the ``2B`` row losses, whose mean
+    is the authors' training loss (their code, FrancescoPinto/RegMixup ``models/regmixup.py``, takes the
+    cross-entropy's mean over the concatenated batch: ``(CE + eta * mixup CE) / 2``, the paper's ``CE + eta
+    * mixup CE`` halved); with a reducing criterion, that mean itself. The paper mixes the input with
+    ``alpha = 20`` (CIFAR-10) or ``10`` (CIFAR-100) and ``eta = 1``; any layer works as for Manifold Mixup.
+    Evaluation forwards are not doubled.
+
+    Args:
+        layer: as :class:`ManifoldMixup` (``"input"``: the paper's).
+        alpha: the Beta distribution's concentration, > 0 (paper: 20 on CIFAR-10, 10 on CIFAR-100).
+        eta: the weight of the mixed rows' loss, >= 0 (paper: 1).
+        prob, generator, mode, batch_dim: as :class:`ManifoldMixup`.
+    """
+
+    keeps_clean = True
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 20.0,
+        eta: float = 1.0,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        mode: str = "batch",
+        batch_dim: int | dict | None = None,
+    ):
+        super().__init__(layer, alpha, prob, generator, mode=mode, batch_dim=batch_dim)
+        self.eta = check_non_negative("eta", eta)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, eta={self.eta})"
+
+    def _targets_refused(self) -> str | None:
+        if self.eta != 1:
+            return f"weighs its mixed rows by eta={self.eta}, which the mixed targets cannot carry"
+        return None
+
+    def _clean_loss(
+        self,
+        criterion: Callable,
+        clean: torch.Tensor,
+        mixed: torch.Tensor,
+        target: torch.Tensor,
+        last: MixState,
+    ) -> torch.Tensor:
+        return per_row(criterion(clean, target), self._mixed_loss(criterion, mixed, target, last), self.eta)

@@ -138,6 +138,22 @@ def test_fit_equals_the_hand_loop_on_the_same_draws(precision, accumulate):
     assert not torch.equal(next(plain.parameters()), next(lit.net.parameters()))
 
 
+def test_a_clean_and_mixed_method_trains_through_mixed_loss_as_the_hand_loop_does():
+    """RegMixup doubles the batch inside the forward; mixed_loss takes the 2B logits and the B labels."""
+    from mixhook import RegMixup
+
+    loader = data()
+    lit = Lit().double()
+    twin = copy.deepcopy(lit.net)
+    callback = MixupCallback(
+        RegMixup("net.2", alpha=2.0, eta=0.5, generator=torch.Generator().manual_seed(4))
+    )
+    trainer(max_epochs=2, callbacks=[callback]).fit(lit, loader)
+    hand_loop(twin, RegMixup("2", alpha=2.0, eta=0.5), loader, 2, 4)
+    for a, b in zip(lit.net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_validation_is_unmixed_and_its_loss_plain():
     lit = Lit().double()
     mixer = ManifoldMixup("net.2", alpha=1.0)

@@ -26,6 +26,7 @@ from torch import nn
 from mixhook.compose import mixers_of
 from mixhook.layers import INPUT, UnknownLayerError, fastai_layers, trace_outputs
 from mixhook.mixers import MixingHook
+from mixhook.mixers.contract import members
 from mixhook.mixers.partners import crosses_ranks
 from mixhook.probes import ActivationStats, GradStats
 
@@ -175,7 +176,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
             "but no mixup is configured; set a mixup or leave it at 1.0"
         )
     if mixup is not None and cfg.trainer.loss == "bce_softmax":
-        for mixer in (mixup, *getattr(mixup, "mixers", ())):
+        for mixer in members(mixup):
             why = getattr(mixer, "_targets_refused", lambda: None)()
             if why:
                 raise ConfigError(

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..copies import own
 from ..hooks import LayerHook
-from ..mixers.contract import MixingHook
+from ..mixers.contract import MixingHook, members
 from ..schedule import MixSchedule
 
 _MASK = 2**64 - 1
@@ -48,19 +48,11 @@ def step_seed(seed: int, rank: int, step: int, part: int = 0) -> int:
     return x
 
 
-def _tree(hook: MixingHook) -> list:
-    """``hook`` and, for a :class:`~mixhook.OneOf`, its mixers (recursively), breadth first."""
-    tree = [hook]
-    for h in tree:
-        tree.extend(getattr(h, "mixers", ()))
-    return tree
-
-
 def generators(hook: MixingHook) -> list[torch.Generator]:
     """The generators ``hook`` draws from: its own and, for a :class:`~mixhook.OneOf`, its mixers'
     (recursively), each once, in a fixed order."""
     found: list[torch.Generator] = []
-    for h in _tree(hook):
+    for h in members(hook):
         g = getattr(h, "generator", None)
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
@@ -70,7 +62,7 @@ def generators(hook: MixingHook) -> list[torch.Generator]:
 def reseed(hook: MixingHook, seed: int, rank: int, step: int) -> None:
     """Reseed every generator of ``hook`` for step ``step`` of rank ``rank`` (:func:`step_seed`), and stop
     its default generators from reseeding themselves per rank (the rank is in the seed already)."""
-    for h in _tree(hook):
+    for h in members(hook):
         if hasattr(h, "_per_rank"):
             h._per_rank = False
     for part, g in enumerate(generators(hook)):
@@ -79,7 +71,7 @@ def reseed(hook: MixingHook, seed: int, rank: int, step: int) -> None:
 
 def _forwards(hook: MixingHook) -> list:
     """The records of recent forwards (:class:`~mixhook.mixers.binding.Forwards`) of ``hook``'s mixers."""
-    return [h._seen for h in _tree(hook) if getattr(h, "_seen", None) is not None]
+    return [h._seen for h in members(hook) if getattr(h, "_seen", None) is not None]
 
 
 def check_arguments(mixer, module, schedule, seed) -> None:

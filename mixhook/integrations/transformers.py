@@ -47,7 +47,7 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
     ) from error
 
 from ..layers import resolve_layers
-from ..mixers.contract import MixingHook
+from ..mixers.contract import MixingHook, members
 from ..schedule import MixSchedule
 from .draws import StepGuard, check_arguments, check_unattached, reseed
 
@@ -106,7 +106,7 @@ class MixupCallback(TrainerCallback, ExportableState):
         seed: int | None = None,
     ):
         check_arguments(mixer, module, schedule, seed)
-        if any(getattr(m, "clean", False) for m in (mixer, *getattr(mixer, "mixers", ()))):
+        if any(getattr(m, "clean", False) for m in members(mixer)):
             raise ValueError(
                 f"MixupCallback: {type(mixer).__name__} keeps the clean batch beside its mix (clean=True), "
                 "which the Trainer's loss does not take yet (its logits and labels would have different "

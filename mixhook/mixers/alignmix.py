@@ -13,7 +13,7 @@ import torch
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Mixer
-from .checks import check_positive
+from .checks import check_one_map, check_positive
 from .contract import Draw, Mixed
 from .functional import per_sample
 
@@ -111,12 +111,7 @@ class AlignMix(Mixer):
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         kind = type(self).__name__
-        if len(leaves) != 1:
-            names = ", ".join(f"{leaf.name} {tuple(leaf.tensor.shape)}" for leaf in leaves)
-            raise TypeError(
-                f"{kind} at {spec!r}: the layer returns {len(leaves)} tensors that carry the batch "
-                f"({names}); {kind} aligns one map: select it, e.g. '{spec.split('[')[0]}{leaves[0].name}'"
-            )
+        check_one_map(kind, spec, leaves, "aligns one map")
         h = leaves[0].tensor
         if h.ndim < 3 or leaves[0].dim != 0:
             raise TypeError(

@@ -10,15 +10,21 @@ import torch
 from ..sites import Leaf
 
 
-def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
-    """The one ``(B, C, H, W)`` map (batch at dim 0) that the mixers cutting regions act on, or a one-line
-    ``TypeError`` naming the elements to choose from."""
+def check_one_map(kind: str, spec: str, leaves: list[Leaf], does: str = "cuts one map") -> None:
+    """A one-line ``TypeError`` naming the elements to choose from, unless the layer returns one tensor
+    that carries the batch (the map a region method cuts, or AlignMix aligns)."""
     if len(leaves) != 1:
         names = ", ".join(f"{leaf.name} {tuple(leaf.tensor.shape)}" for leaf in leaves)
         raise TypeError(
             f"{kind} at {spec!r}: the layer returns {len(leaves)} tensors that carry the batch ({names}); "
-            f"{kind} cuts one map: select it, e.g. '{spec.split('[')[0]}{leaves[0].name}'"
+            f"{kind} {does}: select it, e.g. '{spec.split('[')[0]}{leaves[0].name}'"
         )
+
+
+def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
+    """The one ``(B, C, H, W)`` map (batch at dim 0) that the mixers cutting regions act on, or a one-line
+    ``TypeError`` naming the elements to choose from."""
+    check_one_map(kind, spec, leaves)
     h = leaves[0].tensor
     if h.ndim != 4 or leaves[0].dim != 0:
         element = f" element {leaves[0].name}" if leaves[0].path else ""
@@ -101,6 +107,15 @@ def check_fraction(name: str, value) -> float:
     if not 0.0 <= number <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return number
+
+
+def check_per_sample(kind: str, loss: torch.Tensor, rows: torch.Tensor) -> None:
+    """Refuse a criterion's ``loss`` that is neither a number nor one loss per sample (``rows``' shape)."""
+    if loss.ndim and loss.shape != rows.shape:
+        raise ValueError(
+            f"{kind}.loss(): the criterion returned shape {tuple(loss.shape)}: return one loss per sample "
+            "(reduction='none') or a number"
+        )
 
 
 def check_class_logits(kind: str, logits: torch.Tensor, target: torch.Tensor) -> None:

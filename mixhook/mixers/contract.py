@@ -189,6 +189,14 @@ class MixingHook(abc.ABC):
         del target  # needed by none of the methods by default
 
 
+def members(hook: MixingHook) -> list:
+    """``hook`` and, for a :class:`~mixhook.OneOf`, its mixers (recursively), breadth first."""
+    tree = [hook]
+    for h in tree:
+        tree.extend(getattr(h, "mixers", ()))
+    return tree
+
+
 _MIXING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixing regularizer
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .checks import check_class_logits, check_non_negative
+from .checks import check_class_logits, check_non_negative, check_per_sample
 from .contract import MixState
 from .manifold import ManifoldMixup
 
@@ -84,10 +84,6 @@ class MixupE(ManifoldMixup):
         if mix.ndim == 0:
             total = mix - self.eta * term.sum() / g.shape[0]
             return total * (mix.detach().abs() / total.detach().abs())
-        if mix.shape != term.shape:
-            raise ValueError(
-                f"{kind}.loss(): the criterion returned shape {tuple(mix.shape)}: return one loss per sample "
-                "(reduction='none') or a number"
-            )
+        check_per_sample(kind, mix, term)
         rows = mix - self.eta * term
         return rows * (mix.detach().mean().abs() / rows.detach().mean().abs())

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..transfer import to_device
-from .checks import check_class_logits, check_non_negative
+from .checks import check_class_logits, check_non_negative, check_per_sample
 from .contract import MixState
 from .manifold import ManifoldMixup
 
@@ -82,11 +82,5 @@ class RankMixup(ManifoldMixup):
         partner = self._partners_of(last, target, "loss")
         mask = (target != partner) & (lam > 0) & (lam < 1)
         ranked = hinge * mask
-        if ce.ndim == 0:
-            return ce + self.weight * ranked.mean()
-        if ce.shape != ranked.shape:
-            raise ValueError(
-                f"{kind}.loss(): the criterion returned shape {tuple(ce.shape)}: return one loss per sample "
-                "(reduction='none') or a number"
-            )
-        return ce + self.weight * ranked
+        check_per_sample(kind, ce, ranked)
+        return ce + self.weight * (ranked.mean() if ce.ndim == 0 else ranked)

@@ -1,4 +1,4 @@
-"""Layouts: which axes of a 4-D map are its channels, and which its height and width.
+"""Layouts: which axes of a map are its channels, and which its positions (length; height and width; depth).
 
 A region method (CutMix, FMix, PatchUp, GridMix, TokenMix, SmoothMix, ResizeMix, the saliency methods:
 every :class:`~mixhook.Mixer` with ``layout_aware``) cuts a map's height and width and keeps its channels
@@ -32,6 +32,17 @@ not maps: refused, declared or not. The model's input is NCHW (images, as torchv
 HuggingFace vision models take them) unless declared. ``channels_last`` as a *memory format* is not a
 layout: a ``(B, C, H, W)`` tensor stored channels-last is still indexed ``(B, C, H, W)``, and mixhook
 reads shapes, never strides.
+
+The region methods that also cut 1-D maps (signals, sequences) and 3-D maps (volumes, video) read those
+maps' layouts as strictly: ``(B, C, L)`` ("NCL") or ``(B, L, C)`` ("NLC"), ``(B, C, D, H, W)`` ("NCDHW")
+or ``(B, D, H, W, C)`` ("NDHWC"). The 1-D and 3-D convolutions, batch norms, pooling, padding and dropout
+of ``torch.nn`` state channels first, ``Linear`` and a ``LayerNorm`` over the last dimension state them
+last (through a ``Sequential`` as above); there is no convention to fall back on, since ``(B, L, C)``
+sequences (transformers, RNNs) are as common as ``(B, C, L)`` signals, and video models take
+``(B, C, T, H, W)`` (torchvision) or ``(B, T, C, H, W)`` (HuggingFace). So a 3-D or 5-D map that nothing
+states, the model's input included, is refused until declared; and a ``(B, L, C)`` sequence is cut along
+its positions only when declared ``layout="NLC"`` (a ViT's patch tokens are better cut on their 2-D grid,
+``tokens=(rows, columns)``, which a 1-D cut of the sequence would silently stand in for).
 """
 
 from __future__ import annotations
@@ -44,7 +55,14 @@ from torch import nn
 from .sites import INPUT, Site, check_per_layer
 
 NCHW, NHWC = "NCHW", "NHWC"
-LAYOUTS = (NCHW, NHWC)
+NCL, NLC, NCDHW, NDHWC = "NCL", "NLC", "NCDHW", "NDHWC"
+LAYOUTS = (NCHW, NHWC, NCL, NLC, NCDHW, NDHWC)  # a layout's length is its tensors' number of dimensions
+CHANNELS_FIRST = {3: NCL, 4: NCHW, 5: NCDHW}
+CHANNELS_LAST = {3: NLC, 4: NHWC, 5: NDHWC}
+_SHAPES = {
+    NCL: "(B, C, L)", NLC: "(B, L, C)", NCHW: "(B, C, H, W)", NHWC: "(B, H, W, C)",
+    NCDHW: "(B, C, D, H, W)", NDHWC: "(B, D, H, W, C)",
+}  # fmt: skip
 
 
 class AmbiguousLayoutError(TypeError):
@@ -61,6 +79,20 @@ _CHANNELS_FIRST = (
     nn.Dropout2d, nn.ZeroPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d, nn.ConstantPad2d, nn.ChannelShuffle,
     nn.Softmax2d, nn.Fold,
 )  # fmt: skip
+# Modules of torch.nn whose 3-D outputs are (B, C, L), and whose 5-D outputs are (B, C, D, H, W).
+_COMMON_FIRST = (nn.SyncBatchNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.Upsample, nn.ChannelShuffle)
+_FIRST_ND = {
+    3: (
+        nn.Conv1d, nn.ConvTranspose1d, nn.BatchNorm1d, nn.InstanceNorm1d, nn.MaxPool1d, nn.AvgPool1d,
+        nn.AdaptiveMaxPool1d, nn.AdaptiveAvgPool1d, nn.LPPool1d, nn.MaxUnpool1d, nn.Dropout1d, nn.ZeroPad1d,
+        nn.ReflectionPad1d, nn.ReplicationPad1d, nn.ConstantPad1d, nn.CircularPad1d, *_COMMON_FIRST,
+    ),
+    5: (
+        nn.Conv3d, nn.ConvTranspose3d, nn.BatchNorm3d, nn.InstanceNorm3d, nn.MaxPool3d, nn.AvgPool3d,
+        nn.AdaptiveMaxPool3d, nn.AdaptiveAvgPool3d, nn.LPPool3d, nn.MaxUnpool3d, nn.Dropout3d, nn.ZeroPad3d,
+        nn.ReflectionPad3d, nn.ReplicationPad3d, nn.ConstantPad3d, nn.CircularPad3d, *_COMMON_FIRST,
+    ),
+}  # fmt: skip
 # Modules that act on the last dimension: a 4-D output of theirs has its channels last.
 _LAST_DIM = (nn.Linear, nn.Bilinear)
 _LAST_DIM_NORMS = (
@@ -150,9 +182,12 @@ def _format(value) -> str | None:
 
 
 def check_layout(layout, specs: tuple[str, ...]):
-    """A mixer's ``layout`` argument, checked: ``None``, ``"NCHW"``/``"NHWC"`` for every layer, or a dict
+    """A mixer's ``layout`` argument, checked: ``None``, one of :data:`LAYOUTS` for every layer, or a dict
     from some of ``specs`` to one; anything else is a one-line ``ValueError``."""
-    expected = "'NCHW' ((B, C, H, W) maps) or 'NHWC' ((B, H, W, C) maps), or a dict from layer spec to one"
+    expected = (
+        "'NCHW' ((B, C, H, W) maps) or 'NHWC' ((B, H, W, C) maps), 'NCL' or 'NLC' for 1-D maps, 'NCDHW' or "
+        "'NDHWC' for 3-D maps, or a dict from layer spec to one"
+    )
     return check_per_layer("layout", layout, specs, lambda v: v in LAYOUTS, expected)
 
 
@@ -175,8 +210,9 @@ class SiteLayout:
 class _Model:
     """What one model states about the layouts of its modules' outputs (memoised per module name)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ndim: int = 4):
         self.model = model
+        self.ndim = ndim  # of the maps whose layout is asked for
         self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self._memo: dict[str, str | None] = {}
 
@@ -195,6 +231,8 @@ class _Model:
         return None, ""
 
     def _model_level(self, module: nn.Module) -> str | None:
+        if self.ndim != 4:
+            return None
         if _name(module) in _MODELS:
             return _MODELS[_name(module)]
         if hasattr(module, "feature_info") and hasattr(module, "output_fmt"):  # a timm model
@@ -209,7 +247,7 @@ class _Model:
 
     def _resolve(self, name: str) -> str | None:
         module = self.model.get_submodule(name)
-        direct = _direct(module)
+        direct = _direct(module, ndim=self.ndim)
         if direct is not None:
             return direct
         if _in_order(module):  # its last part that states one
@@ -253,6 +291,8 @@ class _Model:
     @cached_property
     def permuting(self) -> list[str]:
         """The modules that show the model works on NHWC maps (see the module docstring, rule 4)."""
+        if self.ndim != 4:
+            return []
         return [
             name or "(the model)"
             for module, name in self.names.items()
@@ -267,11 +307,22 @@ def _children(module: nn.Module, name: str):
     return [(f"{prefix}{n}", m) for n, m in module.named_children()]
 
 
-def _direct(module: nn.Module, strong: bool = False) -> str | None:
-    """What ``module``'s own class (or attributes) says of its 4-D output. ``strong``: only statements
-    that show NHWC maps exist (not the last-dimension rule of Linear and LayerNorm, which hold everywhere
-    for 3-D tokens too)."""
+def _direct(module: nn.Module, strong: bool = False, ndim: int = 4) -> str | None:
+    """What ``module``'s own class (or attributes) says of its ``ndim``-D output. ``strong``: only
+    statements that show NHWC maps exist (not the last-dimension rule of Linear and LayerNorm, which hold
+    everywhere for 3-D tokens too)."""
     name = _name(module)
+    if ndim != 4:
+        if isinstance(module, _FIRST_ND[ndim]):
+            return CHANNELS_FIRST[ndim]
+        last = isinstance(module, _LAST_DIM) or name in _LAST_DIM_NAMES
+        norm = isinstance(module, _LAST_DIM_NORMS) and type(module).forward in (
+            nn.LayerNorm.forward,
+            nn.RMSNorm.forward,
+        )
+        if last or (norm and len(module.normalized_shape) == 1):
+            return CHANNELS_LAST[ndim]
+        return None
     if name in _KNOWN:
         return _KNOWN[name]
     if name == "torchvision.ops.misc.Permute":
@@ -328,15 +379,30 @@ def _keeps(module: nn.Module) -> bool:
 
 
 def site_layout(
-    model: nn.Module, site: Site, declared: str | None, facts: _Model | None = None
+    model: nn.Module, site: Site, declared: str | None, facts: _Model | None = None, ndim: int = 4
 ) -> SiteLayout:
-    """The layout of the 4-D maps at ``site`` of ``model`` (see the module docstring), with ``declared``
-    (the mixer's ``layout`` for this site) checked against what the model states. ``facts``: a
-    :class:`_Model` shared by several sites of one model."""
-    facts = facts or _Model(model)
+    """The layout of the ``ndim``-D maps (3, 4 or 5) at ``site`` of ``model`` (see the module docstring),
+    with ``declared`` (the mixer's ``layout`` for this site) checked against what the model states.
+    ``facts``: a :class:`_Model` of ``model`` for ``ndim``, shared by several sites."""
+    facts = facts or _Model(model, ndim)
+    first, last = CHANNELS_FIRST[ndim], CHANNELS_LAST[ndim]
+    choices = f"layout={first!r} ({_SHAPES[first]}) or layout={last!r} ({_SHAPES[last]})"
+    if declared is not None and len(declared) != ndim:
+        return SiteLayout(
+            None,
+            "declared",
+            f"layout={declared!r} was declared for {_SHAPES[declared]} maps, but the map is {ndim}-D; "
+            f"declare {choices} for it (a dict gives each layer its own)",
+        )
     if site.layer == INPUT:
-        return SiteLayout(declared or NCHW, "declared" if declared else "the model's input (images)")
-    windows = facts.windows(site.layer)
+        if declared is not None or ndim == 4:
+            return SiteLayout(declared or NCHW, "declared" if declared else "the model's input (images)")
+        return SiteLayout(
+            None,
+            "unknown",
+            f"the model's input is a {ndim}-D map whose layout nothing states; declare {choices}",
+        )
+    windows = facts.windows(site.layer) if ndim == 4 else None
     if windows is not None:
         return SiteLayout(
             None,
@@ -354,21 +420,50 @@ def site_layout(
                 f"layout={stated!r} or leave it out",
             )
         return SiteLayout(declared, "declared")
+    if stated == NLC:
+        return SiteLayout(
+            None,
+            "sequence",
+            f"{source} gives a (B, L, C) sequence; a region method would cut its L positions: declare "
+            "layout='NLC' to do so (a ViT's patch tokens: tokens=(rows, columns) cuts their 2-D grid)",
+        )
     if stated is not None:
         return SiteLayout(stated, f"stated by {source}")
+    module = type(model.get_submodule(site.layer)).__name__
+    if ndim != 4:
+        return SiteLayout(
+            None,
+            "unknown",
+            f"{module} states no layout for its {ndim}-D map (1-D and 3-D maps have no convention to fall "
+            f"back on); declare {choices}{_TOKENS if ndim == 3 else ''}",
+        )
     permuting = facts.permuting
     if permuting:
         shown = ", ".join(permuting[:3]) + (", ..." if len(permuting) > 3 else "")
         return SiteLayout(
             None,
             "unknown",
-            f"{type(model.get_submodule(site.layer)).__name__} states no layout for its (B, ?, ?, ?) map, "
+            f"{module} states no layout for its (B, ?, ?, ?) map, "
             f"and the model works on (B, H, W, C) maps too ({shown}), so it may be (B, C, H, W) or (B, H, W, "
             "C); declare it: layout='NCHW' or layout='NHWC'",
         )
     return SiteLayout(NCHW, "convention")
 
 
-def layout_facts(model: nn.Module) -> _Model:
-    """The per-model statements :func:`site_layout` reads, to share among the sites of one model."""
-    return _Model(model)
+_TOKENS = "; for (B, T, D) tokens declare their patch grid: tokens=(rows, columns) or 'auto'"
+
+
+def channels_first(t, layout: str):
+    """``t`` in ``layout`` as its channels-first view (``(B, C, ...)``)."""
+    return t.permute(0, t.ndim - 1, *range(1, t.ndim - 1)) if layout in CHANNELS_LAST.values() else t
+
+
+def channels_last(t):
+    """A channels-first ``(B, C, ...)`` tensor back as its channels-last view ``(B, ..., C)``."""
+    return t.permute(0, *range(2, t.ndim), 1)
+
+
+def layout_facts(model: nn.Module, ndim: int = 4) -> _Model:
+    """The per-model statements :func:`site_layout` reads for ``ndim``-D maps, to share among the sites
+    of one model."""
+    return _Model(model, ndim)

@@ -26,7 +26,15 @@ from torch.utils.hooks import RemovableHandle
 from .. import padding as masks
 from .. import recompute
 from ..hooks import LayerHook
-from ..layouts import NHWC, SiteLayout, check_layout, layout_facts, site_layout
+from ..layouts import (
+    CHANNELS_LAST,
+    SiteLayout,
+    channels_first,
+    channels_last,
+    check_layout,
+    layout_facts,
+    site_layout,
+)
 from ..sites import (
     INPUT,
     Inputs,
@@ -124,6 +132,10 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     # layout cannot be told is refused (mixhook.layouts). False for a method that treats every element
     # alike (ManifoldMixup, NoisyFeatureMixup).
     layout_aware: ClassVar[bool] = True
+    # The numbers of position dimensions of the maps a layout-aware method cuts: (2,) for (B, C, H, W) maps
+    # only; (1, 2, 3) where it also cuts (B, C, L) and (B, C, D, H, W) maps (CutMix, FMix, GridMix,
+    # SmoothMix, PatchUp). A map of another kind is refused by the method's check_leaves.
+    region_dims: ClassVar[tuple[int, ...]] = (2,)
     # None: dense targets (segmentation maps) are mixed like the map (a region method sets Mixed.weights);
     # else why not, refused in one line by loss() and targets()
     dense_targets: ClassVar[str | None] = None
@@ -165,7 +177,9 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
 
     def _fresh(self) -> None:
         super()._fresh()
-        self._layouts: dict[str, SiteLayout] = {}  # the layout of each site's 4-D maps (mixhook.layouts)
+        self._layouts: dict[
+            tuple[str, int], SiteLayout
+        ] = {}  # (site, ndim): its maps' layout (mixhook.layouts)
         self._regions: dict[str, str] = {}  # each hidden site's padding-mask region (mixhook.padding)
         self._plans: dict[str, tuple] = {}  # a site that returns a plain tensor: (ndim, dtype, batch dim)
         self._draw: _Decision | None = None
@@ -342,11 +356,13 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         """Register the model hooks that start and end each forward, the layer hooks and the
         padding-mask hooks."""
         if self.layout_aware:
-            facts = layout_facts(model)
-            self._layouts = {
-                spec: site_layout(model, site, self._declared_layout(spec), facts)
-                for spec, site in self.sites.items()
-            }
+            self._layouts = {}
+            for ndim in (d + 2 for d in self.region_dims):
+                facts = layout_facts(model, ndim)
+                for spec, site in self.sites.items():
+                    self._layouts[spec, ndim] = site_layout(
+                        model, site, self._declared_layout(spec), facts, ndim
+                    )
         handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
         for spec, module in modules.items():
             if self.sites[spec].layer != INPUT:
@@ -588,8 +604,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         if self.token_grid is not None:
             given = self.token_grid.to_maps(spec, found, self._model)
         elif self.layout_aware and any(self._channels_last(spec, leaf) for leaf in found):
-            given = [Leaf(f.path, f.tensor.permute(0, 3, 1, 2), 0) if self._channels_last(spec, f) else f
-                     for f in found]  # fmt: skip
+            given = [Leaf(f.path, channels_first(f.tensor, CHANNELS_LAST[f.tensor.ndim]), 0)
+                     if self._channels_last(spec, f) else f for f in found]  # fmt: skip
         else:
             given = found
             if plan and type(value) is torch.Tensor and found[0].path == ():
@@ -601,12 +617,14 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         return self.layout.get(spec) if isinstance(self.layout, dict) else self.layout
 
     def _channels_last(self, spec: str, leaf: Leaf) -> bool:
-        """Whether ``leaf`` is a ``(B, H, W, C)`` map, which a layout-aware method is given as its
-        ``(B, C, H, W)`` view; a 4-D map whose layout cannot be told is refused here (one line)."""
-        if not self.layout_aware or leaf.tensor.ndim != 4 or leaf.dim != 0:
+        """Whether ``leaf`` is a channels-last map (``(B, H, W, C)``; for a method that cuts them,
+        ``(B, L, C)`` or ``(B, D, H, W, C)``), which a layout-aware method is given as its channels-first
+        view; a map whose layout cannot be told is refused here (one line)."""
+        ndim = leaf.tensor.ndim
+        if not self.layout_aware or leaf.dim != 0 or ndim - 2 not in self.region_dims:
             return False
-        rule = self._layouts.get(spec)
-        return rule is not None and rule.of(type(self).__name__, spec) == NHWC
+        rule = self._layouts.get((spec, ndim))
+        return rule is not None and rule.of(type(self).__name__, spec) == CHANNELS_LAST[ndim]
 
     def _reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
         """The batch size of the model's input, to check each mixed layer against: the first tensor
@@ -668,11 +686,11 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                 leaf.path: grid.from_map(leaf, tensors[leaf.path], state.lam, draw.index, draw.permutation)
                 for leaf in found
             }
-        elif self.layout_aware:  # (B, H, W, C) maps were given as their (B, C, H, W) views
+        elif self.layout_aware:  # channels-last maps were given as their channels-first views
             tensors = dict(tensors)
             for leaf in found:
                 if self._channels_last(spec, leaf):
-                    tensors[leaf.path] = tensors[leaf.path].permute(0, 2, 3, 1)
+                    tensors[leaf.path] = channels_last(tensors[leaf.path])
         if self._clean:  # the clean rows, then their mixes, along each tensor's batch dimension
             tensors = {leaf.path: torch.cat([leaf.tensor, tensors[leaf.path]], leaf.dim) for leaf in found}
         return replace_leaves(site_value, tensors), state

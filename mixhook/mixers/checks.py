@@ -36,24 +36,53 @@ def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
     return h
 
 
-def check_splittable(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
-    """:func:`check_spatial`, and a one-line ``ValueError`` for a single-pixel map, which no mask can
-    split (the mask methods: FMix, SmoothMix)."""
-    h = check_spatial(kind, spec, leaves)
-    if h.shape[-2] * h.shape[-1] < 2:
-        raise ValueError(
-            f"{kind} at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map has a single pixel, which a mask "
-            "cannot split; choose an earlier layer"
+MAP_SHAPES = {1: "(B, C, L)", 2: "(B, C, H, W)", 3: "(B, C, D, H, W)"}
+
+
+def map_size(h: torch.Tensor) -> str:
+    """The positions of a ``(B, C, ...)`` map as ``"HxW"`` (``"L"``, ``"DxHxW"``)."""
+    return "x".join(str(s) for s in h.shape[2:])
+
+
+def check_region(kind: str, spec: str, leaves: list[Leaf], dims: tuple[int, ...] = (2,)) -> torch.Tensor:
+    """The one map (batch at dim 0) with ``dims`` position dimensions (after the channels: 1 for
+    ``(B, C, L)``, 2 for ``(B, C, H, W)``, 3 for ``(B, C, D, H, W)``) that a region method cuts, or a
+    one-line ``TypeError`` naming what it needs."""
+    if dims == (2,):
+        return check_spatial(kind, spec, leaves)
+    check_one_map(kind, spec, leaves)
+    h = leaves[0].tensor
+    if h.ndim - 2 not in dims or leaves[0].dim != 0:
+        element = f" element {leaves[0].name}" if leaves[0].path else ""
+        shapes = [MAP_SHAPES[d] for d in dims]
+        needs = f"{', '.join(shapes[:-1])} or {shapes[-1]}" if len(shapes) > 1 else shapes[0]
+        raise TypeError(
+            f"{kind} at {spec!r} needs a {needs} map with the batch first, but{element} has shape "
+            f"{tuple(h.shape)} with the batch at dim {leaves[0].dim}"
         )
     return h
 
 
-def check_pinned_mask(mask, height: int, width: int) -> torch.Tensor:
-    """A pinned ``(height, width)`` mask of weights in [0, 1], as a float64 CPU tensor, or a one-line
-    ``ValueError``."""
+def check_splittable(kind: str, spec: str, leaves: list[Leaf], dims: tuple[int, ...] = (2,)) -> torch.Tensor:
+    """:func:`check_region`, and a one-line ``ValueError`` for a single-position map, which no mask can
+    split (the mask methods: FMix, SmoothMix)."""
+    h = check_region(kind, spec, leaves, dims)
+    if h.shape[2:].numel() < 2:
+        what = "pixel" if h.ndim == 4 else "position"
+        raise ValueError(
+            f"{kind} at {spec!r}: its {map_size(h)} map has a single {what}, which a mask cannot split; "
+            "choose an earlier layer"
+        )
+    return h
+
+
+def check_pinned_mask(mask, *shape: int) -> torch.Tensor:
+    """A pinned mask of weights in [0, 1] over a map's positions ``shape`` (``height, width``; one size or
+    three for a 1-D or 3-D map), as a float64 CPU tensor, or a one-line ``ValueError``."""
     mask = torch.as_tensor(mask, dtype=torch.float64).cpu()
-    if tuple(mask.shape) != (height, width):
-        raise ValueError(f"pinned mask of shape {tuple(mask.shape)} does not fit the {height}x{width} map")
+    if tuple(mask.shape) != tuple(shape):
+        size = "x".join(str(s) for s in shape)
+        raise ValueError(f"pinned mask of shape {tuple(mask.shape)} does not fit the {size} map")
     if not bool(((mask >= 0) & (mask <= 1)).all()):
         raise ValueError("pinned mask must hold weights in [0, 1]")
     return mask

@@ -1,4 +1,4 @@
-"""CutMix at any layer with two spatial dimensions: the input (classic CutMix) or a hidden feature map.
+"""CutMix at the input (classic CutMix) or at a hidden layer, on 2-D maps and on 1-D and 3-D ones.
 
 Paper: Yun, Han, Oh, Chun, Choe, Yoo. "CutMix: Regularization Strategy to Train Strong Classifiers with
 Localizable Features." ICCV 2019. https://arxiv.org/abs/1905.04899
@@ -14,7 +14,7 @@ import torch
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Mixer
-from .checks import check_spatial
+from .checks import check_region, map_size
 from .contract import Draw, Mixed
 from .functional import sample_beta, sample_lam
 from .tokens import token_grid
@@ -29,6 +29,50 @@ def _sides(cut, rounding: str):
     return cut // 2, (cut + 1) // 2 if rounding == "timm" else cut // 2
 
 
+def side_ratio(cut: float, dims: int) -> float:
+    """The side ratio of a box that covers the fraction ``cut`` of a ``dims``-D map: ``cut``, ``sqrt(cut)``
+    or the cube root (the double nearest to it, so that ``cut = 1/8`` gives sides of exactly half)."""
+    if dims == 3:
+        return float(side_ratios(torch.tensor([cut], dtype=torch.float64), 3)[0])
+    return cut if dims == 1 else math.sqrt(cut)
+
+
+def side_ratios(cut: torch.Tensor, dims: int) -> torch.Tensor:
+    """:func:`side_ratio` of each value of ``cut`` (float64). The cube root is ``cut ** (1/3)`` moved to
+    whichever neighbouring double has the cube nearest to ``cut``, the smaller of two as near
+    (``0.125 ** (1/3)`` is not 0.5), so that one value and many give the same root."""
+    if dims == 1:
+        return cut
+    if dims == 2:
+        return torch.sqrt(cut)
+    root = cut.pow(1.0 / 3.0)
+    for _ in range(2):  # the best of each root's neighbours, ties to the smaller (pow may be 1 ulp off)
+        candidates = torch.stack([torch.nextafter(root, root - 1), root, torch.nextafter(root, root + 1)])
+        miss = (candidates * candidates * candidates - cut).abs()
+        root = candidates.gather(0, miss.argmin(0, keepdim=True))[0].clamp(min=0.0)
+    return root
+
+
+def rand_region(
+    shape: Sequence[int], lam: float, generator: torch.Generator, rounding: str = "paper"
+) -> tuple[int, ...]:
+    """A box of volume ratio about ``1 - lam`` in a map of positions ``shape`` (1, 2 or 3 sizes), with a
+    uniformly drawn centre, clipped to the borders: :func:`rand_box` in any number of dimensions.
+
+    Side ratio :func:`side_ratio` of ``1 - lam`` (for a 1-D map the length ratio ``1 - lam``, for a 3-D
+    map the cube root), each side ``int(size * ratio)`` around a centre drawn uniformly along each
+    dimension in order, rounded as ``rounding`` says. Returns ``(a1, b1, a2, b2, ...)``: positions
+    ``a_k:b_k`` along dimension ``k`` (for a 2-D map ``(y1, y2, x1, x2)``)."""
+    ratio = side_ratio(1.0 - lam, len(shape))
+    box = []
+    for size in shape:
+        cut = int(size * ratio)
+        centre = int(torch.randint(size, (), generator=generator, device=generator.device))
+        before, after = _sides(cut, rounding)
+        box += [max(centre - before, 0), min(centre + after, size)]
+    return tuple(box)
+
+
 def rand_box(
     height: int, width: int, lam: float, generator: torch.Generator, rounding: str = "paper"
 ) -> tuple[int, int, int, int]:
@@ -41,14 +85,20 @@ def rand_box(
     paper's rounding drops a row and a column when ``cut`` is odd). Columns alike. Returns
     ``(y1, y2, x1, x2)``: rows ``y1:y2`` and columns ``x1:x2``.
     """
-    ratio = math.sqrt(1.0 - lam)
-    cut_h, cut_w = int(height * ratio), int(width * ratio)
-    cy = int(torch.randint(height, (), generator=generator, device=generator.device))
-    cx = int(torch.randint(width, (), generator=generator, device=generator.device))
-    (up, down), (left, right) = _sides(cut_h, rounding), _sides(cut_w, rounding)
-    y1, y2 = max(cy - up, 0), min(cy + down, height)
-    x1, x2 = max(cx - left, 0), min(cx + right, width)
-    return y1, y2, x1, x2
+    return rand_region((height, width), lam, generator, rounding)
+
+
+def rand_regions(
+    shape: Sequence[int], lam: torch.Tensor, generator: torch.Generator, rounding: str = "paper"
+) -> torch.Tensor:
+    """One :func:`rand_region` per value of ``lam`` (1-D float64), vectorised: an ``(n, 2 * len(shape))``
+    int64 tensor on the CPU. All ``n`` centres along the first dimension are drawn first, then along the
+    next."""
+    n = lam.shape[0]
+    centres = [
+        torch.randint(size, (n,), generator=generator, device=generator.device).cpu() for size in shape
+    ]
+    return regions_around(shape, lam, centres, rounding)
 
 
 def rand_boxes(
@@ -57,10 +107,24 @@ def rand_boxes(
     """One :func:`rand_box` per value of ``lam`` (1-D float64), vectorised: an ``(n, 4)`` int64 tensor of
     ``(y1, y2, x1, x2)`` rows, on the CPU. Box ``i`` is the box :func:`rand_box` makes from ``lam[i]`` and
     the centre ``(cy[i], cx[i])``, where all ``n`` row centres are drawn first, then all column centres."""
-    n = lam.shape[0]
-    cy = torch.randint(height, (n,), generator=generator, device=generator.device).cpu()
-    cx = torch.randint(width, (n,), generator=generator, device=generator.device).cpu()
-    return boxes_around(height, width, lam, cy, cx, rounding)
+    return rand_regions((height, width), lam, generator, rounding)
+
+
+def regions_around(
+    shape: Sequence[int], lam: torch.Tensor, centres: Sequence[torch.Tensor], rounding: str = "paper"
+) -> torch.Tensor:
+    """:func:`rand_region`'s boxes around given centres (one tensor per dimension): side ratio
+    :func:`side_ratios` of ``1 - lam`` (one value or one per centre), the sides rounded as ``rounding``
+    says, clipped to the borders; ``(n, 2 * len(shape))`` int64 rows on the centres' device."""
+    device = centres[0].device
+    ratio = side_ratios(1.0 - to_device(torch.as_tensor(lam, dtype=torch.float64), device), len(shape))
+    bounds = []
+    for size, centre in zip(shape, centres, strict=True):
+        cut = (size * ratio).floor().long()
+        centre = to_device(centre, device).long()
+        before, after = _sides(cut, rounding)
+        bounds += [(centre - before).clamp(min=0), (centre + after).clamp(max=size)]
+    return torch.stack(torch.broadcast_tensors(*bounds), dim=1)
 
 
 def boxes_around(
@@ -69,68 +133,92 @@ def boxes_around(
     """:func:`rand_box`'s boxes around given centres: side ratio ``sqrt(1 - lam)`` (``lam`` one value or
     one per centre), the sides rounded as ``rounding`` says, clipped to the borders; ``(n, 4)`` int64
     ``(y1, y2, x1, x2)`` rows on the centres' device."""
-    ratio = torch.sqrt(1.0 - to_device(torch.as_tensor(lam, dtype=torch.float64), cy.device))
-    cut_h, cut_w = (height * ratio).floor().long(), (width * ratio).floor().long()
-    cy, cx = cy.long(), to_device(cx, cy.device).long()
-    (up, down), (left, right) = _sides(cut_h, rounding), _sides(cut_w, rounding)
-    y1, y2 = (cy - up).clamp(min=0), (cy + down).clamp(max=height)
-    x1, x2 = (cx - left).clamp(min=0), (cx + right).clamp(max=width)
-    return torch.stack(torch.broadcast_tensors(y1, y2, x1, x2), dim=1)
+    return regions_around((height, width), lam, (cy, cx), rounding)
+
+
+def regions_mask(boxes: torch.Tensor, shape: Sequence[int], device=None) -> torch.Tensor:
+    """``(n, 1, *shape)`` bool: True inside box ``i`` (positions ``a_k:b_k`` along each dimension ``k``)
+    of sample ``i``."""
+    boxes = boxes if device is None else to_device(boxes, device)  # queued, not a blocking copy
+    inside = None
+    for k, size in enumerate(shape):
+        positions = torch.arange(size, device=device)
+        along = (positions >= boxes[:, 2 * k : 2 * k + 1]) & (positions < boxes[:, 2 * k + 1 : 2 * k + 2])
+        along = along.view(boxes.shape[0], *(size if j == k else 1 for j in range(len(shape))))
+        inside = along if inside is None else inside & along
+    return inside.unsqueeze(1)
 
 
 def boxes_mask(boxes: torch.Tensor, height: int, width: int, device=None) -> torch.Tensor:
     """``(n, 1, height, width)`` bool: True inside box ``i`` (rows ``y1:y2``, columns ``x1:x2``) of
     sample ``i``."""
-    boxes = boxes if device is None else to_device(boxes, device)  # queued, not a blocking copy
-    rows = torch.arange(height, device=device)
-    cols = torch.arange(width, device=device)
-    in_rows = (rows >= boxes[:, :1]) & (rows < boxes[:, 1:2])
-    in_cols = (cols >= boxes[:, 2:3]) & (cols < boxes[:, 3:4])
-    return (in_rows[:, :, None] & in_cols[:, None, :]).unsqueeze(1)
+    return regions_mask(boxes, (height, width), device)
 
 
-def box_weights(box: tuple[int, int, int, int], height: int, width: int) -> torch.Tensor:
-    """``(1, height, width)`` bool: the sample's own content, False inside the pasted ``box``."""
-    return ~boxes_mask(torch.tensor([box]), height, width)[:, 0]
+def region_weights(box: tuple[int, ...], shape: Sequence[int]) -> torch.Tensor:
+    """``(1, *shape)`` bool: the sample's own content, False inside the pasted ``box``."""
+    return ~regions_mask(torch.tensor([box]), shape)[:, 0]
 
 
-def boxes_lam(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Per sample, the lam its pasted box leaves: ``1 - box area / (height * width)`` (float64)."""
-    area = (boxes[:, 1] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 2])
-    return 1.0 - area.to(torch.float64) / (height * width)
+def regions_lam(boxes: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Per sample, the lam its pasted box leaves: ``1 - box volume / map volume`` (float64)."""
+    volume = (boxes[:, 1::2] - boxes[:, 0::2]).prod(dim=1)
+    return 1.0 - volume.to(torch.float64) / math.prod(shape)
+
+
+def region_lam(box: tuple[int, ...], shape: Sequence[int]) -> float:
+    """The lam a pasted ``box`` leaves in a map of positions ``shape``: ``1 - box volume / map volume``."""
+    return 1.0 - math.prod(b - a for a, b in zip(box[0::2], box[1::2], strict=True)) / math.prod(shape)
 
 
 def box_lam(box: tuple[int, int, int, int], height: int, width: int) -> float:
     """The lam a pasted ``box`` leaves: ``1 - box area / (height * width)``."""
-    y1, y2, x1, x2 = box
-    return 1.0 - (y2 - y1) * (x2 - x1) / (height * width)
+    return region_lam(box, (height, width))
+
+
+def _fits(box: Sequence[int], shape: Sequence[int]) -> bool:
+    return all(0 <= a <= b <= size for a, b, size in zip(box[0::2], box[1::2], shape, strict=True))
+
+
+def _size(shape: Sequence[int]) -> str:
+    return "x".join(str(s) for s in shape)
+
+
+def draw_region(draw: Draw, shape: Sequence[int], rounding: str = "paper") -> tuple[int, ...]:
+    """The box of one mix of a map of positions ``shape``: the pinned ``box`` once it fits (else a
+    one-line ``ValueError``), or :func:`rand_region` from ``draw.lam`` and ``draw.generator``."""
+    box = draw.pinned.get("box")
+    if box is None:
+        return rand_region(shape, float(draw.lam), draw.generator, rounding)
+    box = tuple(int(v) for v in box)
+    if len(box) != 2 * len(shape) or not _fits(box, shape):
+        raise ValueError(
+            f"pinned box {box} does not fit the {_size(shape)} map of layer {draw.layer!r} (a box is "
+            f"{2 * len(shape)} bounds, (start, stop) along each of its {len(shape)} dimensions)"
+        )
+    return box
 
 
 def draw_box(draw: Draw, height: int, width: int, rounding: str = "paper") -> tuple[int, int, int, int]:
     """The box of one mix: the pinned ``box`` once it fits the ``height x width`` map (else a one-line
     ``ValueError``), or :func:`rand_box` from ``draw.lam`` and ``draw.generator``."""
-    box = draw.pinned.get("box")
-    if box is None:
-        return rand_box(height, width, float(draw.lam), draw.generator, rounding)
-    box = tuple(int(v) for v in box)
-    y1, y2, x1, x2 = box
-    if not (0 <= y1 <= y2 <= height and 0 <= x1 <= x2 <= width):
-        raise ValueError(f"pinned box {box} does not fit the {height}x{width} map of layer {draw.layer!r}")
-    return box
+    return draw_region(draw, (height, width), rounding)
 
 
-def paste_box(h: torch.Tensor, index: torch.Tensor, box: tuple[int, int, int, int]) -> torch.Tensor:
-    """A copy of ``h`` (B, C, H, W) whose ``box`` region comes from ``h[index]``; ``h`` is not modified.
+def paste_box(h: torch.Tensor, index: torch.Tensor, box: tuple[int, ...]) -> torch.Tensor:
+    """A copy of ``h`` (B, C, ...) whose ``box`` region (``(a1, b1, a2, b2, ...)`` over the dimensions
+    after the channels) comes from ``h[index]``; ``h`` is not modified.
 
     Gradients flow to ``h`` outside the box and to ``h[index]`` inside it."""
-    y1, y2, x1, x2 = box
+    region = (slice(None), slice(None), *(slice(a, b) for a, b in zip(box[0::2], box[1::2], strict=True)))
     out = h.clone()
-    out[:, :, y1:y2, x1:x2] = h[:, :, y1:y2, x1:x2][to_device(index, h.device)]
+    out[region] = h[region][to_device(index, h.device)]
     return out
 
 
 class CutMix(Mixer):
-    """CutMix (Yun et al. 2019) at the input or at any layer whose output is ``(B, C, H, W)``.
+    """CutMix (Yun et al. 2019) at the input or at any layer whose output is a ``(B, C, H, W)`` map, or a
+    1-D ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` one.
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
     ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and a box of area ratio ``1 - lam``
@@ -145,28 +233,35 @@ class CutMix(Mixer):
     criterion, ``reduction="none"``) and ``targets``; ``.last.info["box"]`` is then a ``(B, 4)`` int64
     tensor of ``(y1, y2, x1, x2)`` rows.
 
+    On a 1-D map (a signal, a time series, a sequence's positions) the box is a segment of length ratio
+    ``1 - lam``; on a 3-D map (a volume, a clip) a box of side ratio ``cbrt(1 - lam)`` in depth, height and
+    width (:func:`rand_region`), ``(z1, z2, y1, y2, x1, x2)``; lam is the fraction kept, as in 2-D. Their
+    layouts are read, never guessed (:mod:`mixhook.layouts`): a 1-D convolution states ``(B, C, L)``; a
+    ``(B, L, C)`` sequence, a model's 3-D or 5-D input, and a map nothing states need ``layout=``.
+
     Args:
-        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output a map (see above).
         alpha: Beta concentration, > 0 (the paper uses 1.0).
         prob: probability that a batch is mixed (the paper's cutmix_prob), in [0, 1].
         mode: ``"batch"`` (one box for the batch, as the paper) or ``"elem"`` (one box per sample).
         rounding: ``"paper"`` (the authors' code and torchvision's box) or ``"timm"`` (timm >= 1.0's,
             one row/column longer for an odd side); see :func:`rand_box`.
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
+        layout: ``"NHWC"`` or ``"NCHW"`` for a 4-D map, ``"NCL"``/``"NLC"`` for a 3-D one,
+            ``"NCDHW"``/``"NDHWC"`` for a 5-D one (or a dict per layer), where the model does not state
+            it; where it does, it is read (a contradicting one is refused): see :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
-    The layer (or the selected element, ``"block[0]"``) must give one ``(B, C, H, W)`` map with
-    ``H, W >= 2`` (a smaller map can never hold a pasted box: refused when first checked);
+    The layer (or the selected element, ``"block[0]"``) must give one map with every side >= 2 (a
+    smaller map can never hold a pasted box: refused when first checked);
     ``.last.elements`` names the element that was cut. ``pin`` also takes ``box=(y1, y2, x1, x2)`` (in
-    ``mode="elem"`` also one row per sample, ``(B, 4)``); a pinned ``lam`` sets the box size, its centre
-    is drawn.
+    ``mode="elem"`` also one row per sample, ``(B, 4)``; on a 1-D or 3-D map 2 or 6 bounds); a pinned
+    ``lam`` sets the box size, its centre is drawn.
     """
 
     pin_keys = ("box",)
+    region_dims = (1, 2, 3)
 
     def __init__(
         self,
@@ -202,11 +297,11 @@ class CutMix(Mixer):
         return sample_lam(self.alpha, generator)
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        h = check_spatial("CutMix", spec, leaves)
-        if min(h.shape[-2:]) < 2:
+        h = check_region(type(self).__name__, spec, leaves, self.region_dims)
+        if min(h.shape[2:]) < 2:
             raise ValueError(
-                f"CutMix at {spec!r}: its {h.shape[-2]}x{h.shape[-1]} map is too small to ever paste a box "
-                "(a box side is 2 * (int(side * sqrt(1 - lam)) // 2)); choose an earlier layer"
+                f"CutMix at {spec!r}: its {map_size(h)} map is too small to ever paste a box (a box side is "
+                "2 * (int(side * ratio) // 2)); choose an earlier layer"
             )
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
@@ -214,76 +309,87 @@ class CutMix(Mixer):
         if self.mode == "elem":
             return paste_boxes(h, path, draw.index, self._boxes(h, draw))
         box = self._box(h, draw)
-        height, width = h.shape[-2:]
-        lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
+        shape = h.shape[2:]
+        lam = torch.tensor(region_lam(box, shape), dtype=torch.float64)
         return Mixed(
             {path: paste_box(h, draw.index, box)},
             lam=lam,
             info={"box": box},
-            weights=box_weights(box, height, width),
+            weights=region_weights(box, shape),
         )
 
-    def _box(self, h: torch.Tensor, draw: Draw) -> tuple[int, int, int, int]:
+    def _box(self, h: torch.Tensor, draw: Draw) -> tuple[int, ...]:
         """The box of a ``mode="batch"`` mix of the map ``h`` (pinned, or drawn)."""
         if draw.lam.ndim:
             raise ValueError(
                 f"CutMix(mode='batch') cuts one box per batch: pin one lam, not {draw.lam.shape[0]} "
                 "(one box per sample is mode='elem')"
             )
-        return draw_box(draw, h.shape[-2], h.shape[-1], self.rounding)
+        return draw_region(draw, h.shape[2:], self.rounding)
 
     def _boxes(self, h: torch.Tensor, draw: Draw) -> torch.Tensor:
-        """The ``(n, 4)`` boxes of a ``mode="elem"`` mix of the map ``h`` (pinned, or drawn)."""
-        n, height, width = h.shape[0], h.shape[-2], h.shape[-1]
+        """The ``(n, 2 * dims)`` boxes of a ``mode="elem"`` mix of the map ``h`` (pinned, or drawn)."""
+        n, shape = h.shape[0], tuple(h.shape[2:])
         lam = draw.lam.expand(n) if draw.lam.ndim == 0 else draw.lam
         boxes = draw.pinned.get("box")
         if boxes is None:
-            return rand_boxes(height, width, lam, draw.generator, self.rounding)
-        return pinned_boxes("CutMix(mode='elem')", boxes, n, height, width, draw.layer)
+            return rand_regions(shape, lam, draw.generator, self.rounding)
+        return pinned_regions("CutMix(mode='elem')", boxes, n, shape, draw.layer)
 
     def traced_params(self, n: int, leaves: list[Leaf]) -> list:
-        return [((n,), torch.int64), ((n if self.mode == "elem" else 1, 4), torch.int64)]  # index, boxes
+        bounds = 2 * (leaves[0].tensor.ndim - 2)
+        return [((n,), torch.int64), ((n if self.mode == "elem" else 1, bounds), torch.int64)]  # index, boxes
 
     def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
         h = leaves[0].tensor
-        height, width = h.shape[-2:]
+        shape = tuple(h.shape[2:])
         if self.mode == "elem":
             boxes = self._boxes(h, draw)
-            weights = ~boxes_mask(boxes, height, width)[:, 0]
-            mixed = Mixed({}, boxes_lam(boxes, height, width), {"box": boxes}, weights=weights)
+            weights = ~regions_mask(boxes, shape)[:, 0]
+            mixed = Mixed({}, regions_lam(boxes, shape), {"box": boxes}, weights=weights)
             return [draw.index, boxes], mixed
         box = self._box(h, draw)
-        lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
-        mixed = Mixed({}, lam, {"box": box}, weights=box_weights(box, height, width))
+        lam = torch.tensor(region_lam(box, shape), dtype=torch.float64)
+        mixed = Mixed({}, lam, {"box": box}, weights=region_weights(box, shape))
         return [draw.index, torch.tensor([box])], mixed
 
     def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
         index, boxes = values
         h = leaves[0].tensor
-        mask = boxes_mask(boxes, h.shape[-2], h.shape[-1], h.device)
+        mask = regions_mask(boxes, h.shape[2:], h.device)
         return {leaves[0].path: torch.where(mask, h.index_select(0, index), h)}
+
+
+def pinned_regions(kind: str, boxes, n: int, shape: Sequence[int], layer: str) -> torch.Tensor:
+    """Pinned per-sample boxes in a map of positions ``shape``, one box (``2 * len(shape)`` bounds) for
+    all or one row per sample, as an ``(n, 2 * len(shape))`` int64 CPU tensor, or a one-line
+    ``ValueError``."""
+    bounds = 2 * len(shape)
+    boxes = torch.as_tensor(boxes).to(torch.int64).cpu()
+    boxes = boxes.expand(n, bounds) if boxes.shape == (bounds,) else boxes
+    if boxes.shape != (n, bounds):
+        one = "(y1, y2, x1, x2)" if bounds == 4 else f"{bounds} bounds"
+        raise ValueError(
+            f"pinned box of shape {tuple(boxes.shape)}: {kind} takes one {one} or one row per sample, "
+            f"({n}, {bounds})"
+        )
+    starts, stops = boxes[:, 0::2], boxes[:, 1::2]
+    sizes = torch.tensor(list(shape))
+    if not bool(((0 <= starts) & (starts <= stops) & (stops <= sizes)).all()):
+        raise ValueError(f"a pinned box does not fit the {_size(shape)} map of layer {layer!r}")
+    return boxes
 
 
 def pinned_boxes(kind: str, boxes, n: int, height: int, width: int, layer: str) -> torch.Tensor:
     """Pinned per-sample boxes, one ``(y1, y2, x1, x2)`` for all or one row per sample, as an ``(n, 4)``
     int64 CPU tensor, or a one-line ``ValueError``."""
-    boxes = torch.as_tensor(boxes).to(torch.int64).cpu()
-    boxes = boxes.expand(n, 4) if boxes.shape == (4,) else boxes
-    if boxes.shape != (n, 4):
-        raise ValueError(
-            f"pinned box of shape {tuple(boxes.shape)}: {kind} takes one (y1, y2, x1, x2) or one row per "
-            f"sample, ({n}, 4)"
-        )
-    y1, y2, x1, x2 = boxes.unbind(1)
-    if not bool(((0 <= y1) & (y1 <= y2) & (y2 <= height) & (0 <= x1) & (x1 <= x2) & (x2 <= width)).all()):
-        raise ValueError(f"a pinned box does not fit the {height}x{width} map of layer {layer!r}")
-    return boxes
+    return pinned_regions(kind, boxes, n, (height, width), layer)
 
 
 def paste_boxes(h: torch.Tensor, path, index: torch.Tensor, boxes: torch.Tensor) -> Mixed:
     """Box ``i`` of ``h[index[i]]`` pasted into ``h[i]``: the :class:`Mixed` with one lam per sample (the
-    area each box leaves) and ``info["box"]``."""
-    height, width = h.shape[-2:]
-    mask = boxes_mask(boxes, height, width, h.device)
+    volume each box leaves) and ``info["box"]``."""
+    shape = tuple(h.shape[2:])
+    mask = regions_mask(boxes, shape, h.device)
     mixed = torch.where(mask, h[to_device(index, h.device)], h)
-    return Mixed({path: mixed}, lam=boxes_lam(boxes, height, width), info={"box": boxes}, weights=~mask[:, 0])
+    return Mixed({path: mixed}, lam=regions_lam(boxes, shape), info={"box": boxes}, weights=~mask[:, 0])

@@ -1,4 +1,4 @@
-"""FMix at any layer with two spatial dimensions: masks cut from thresholded low-frequency Fourier noise.
+"""FMix at any layer with a 2-D map (or a 1-D or 3-D one): masks cut from thresholded low-frequency noise.
 
 Paper: Harris, Marcu, Painter, Niranjan, Prügel-Bennett, Hare. "FMix: Enhancing Mixed Sample Data
 Augmentation." arXiv:2002.12047, 2020. Authors' code: github.com/ecs-vlc/FMix (``fmix.py``).
@@ -18,16 +18,20 @@ from .contract import Draw
 from .masked import MaskedMix
 from .tokens import token_grid
 
-SPECTRA = ("reference", "complex")
+SPECTRA = ("reference", "authors", "complex")
 
 
-def fmix_frequencies(height: int, width: int) -> torch.Tensor:
+def fmix_frequencies(*shape: int) -> torch.Tensor:
     """The magnitude ``sqrt(fy^2 + fx^2)`` of each frequency of a real 2-D FFT of a ``height x width``
     image (float64, ``(height, width // 2 + 1)``; for odd ``width`` one column more, as the authors'
-    ``fftfreqnd``)."""
-    fy = torch.fft.fftfreq(height, dtype=torch.float64)[:, None]
-    fx = torch.fft.fftfreq(width, dtype=torch.float64)[: width // 2 + (2 if width % 2 else 1)]
-    return torch.sqrt(fx * fx + fy * fy)
+    ``fftfreqnd``). Given one size or three (a 1-D or 3-D map), the same over every dimension, the last
+    one halved: ``(L // 2 + 1,)`` or ``(D, H, W // 2 + 1)`` (one more for odd ``L``, ``W``)."""
+    *firsts, last = shape
+    squared = torch.fft.fftfreq(last, dtype=torch.float64)[: last // 2 + (2 if last % 2 else 1)] ** 2
+    for k, size in enumerate(reversed(firsts)):
+        f = torch.fft.fftfreq(size, dtype=torch.float64).view(-1, *([1] * (k + 1)))
+        squared = squared + f * f
+    return torch.sqrt(squared)
 
 
 def low_freq_image(
@@ -38,11 +42,18 @@ def low_freq_image(
     ``param``: the Gaussian draws, ``(height, F, 2)`` with ``F`` columns of :func:`fmix_frequencies`, each
     frequency's scale ``1 / max(f, 1 / max(height, width)) ** decay_power`` times them. ``spectrum``:
 
-    - ``"reference"``: as the authors' ``make_low_freq_image``, which reshapes the ``(..., F, 2)``
-      spectrum to ``(..., 2F)`` before ``irfftn``, so the draws are read as real coefficients (the
-      ``2`` pairs interleaved along the frequency axis, the first ``width // 2 + 1`` kept). Its images are
-      therefore point-symmetric (``m[y, x] == m[-y mod height, -x mod width]``: pixels tie in pairs).
-      Kept so that masks equal the authors' on the same draw, which every published FMix figure used.
+    - ``"reference"``: the line the authors' ``make_low_freq_image`` (github.com/ecs-vlc/FMix,
+      ``fmix.py``) carries commented out, ``#.reshape((1, *shape[:-1], -1))``, which reshapes the
+      ``(..., F, 2)`` spectrum to ``(..., 2F)`` before ``irfftn``, so the draws are read as real
+      coefficients (the ``2`` pairs interleaved along the frequency axis, the first ``width // 2 + 1``
+      kept). Its images are point-symmetric (``m[y, x] == m[-y mod height, -x mod width]``: pixels tie
+      in pairs) and isotropic blobs, like the paper's figures. mixhook's default on 2-D maps.
+    - ``"authors"``: the line that code runs (at e5991dc, the repository's last commit, and in the copies
+      of it in OpenMixup and elsewhere), ``spectrum[:, 0] + 1j * spectrum[:, 1]``: it indexes the
+      spectrum's first two *rows* (``spectrum`` is ``(1, height, F, 2)``), so the coefficients are
+      ``weighted[0] + i * weighted[1]``, ``(F, 2)``, which ``irfftn`` zero-pads to ``(height, width // 2
+      + 1)``: only the horizontal frequencies 0 and 1 are used, and the masks are bands across the
+      width. Masks equal theirs on the same draw.
     - ``"complex"``: the paper's description: ``param[..., 0] + i * param[..., 1]`` as complex
       coefficients.
 
@@ -53,6 +64,8 @@ def low_freq_image(
     weighted = scale[..., None] * param
     if spectrum == "reference":
         coefficients = weighted.reshape(height, -1).to(torch.complex128)
+    elif spectrum == "authors":
+        coefficients = torch.complex(weighted[0], weighted[1])
     else:
         coefficients = torch.complex(weighted[..., 0], weighted[..., 1])
     image = torch.fft.irfftn(coefficients, s=(height, width))
@@ -88,26 +101,46 @@ def _linspace_down(n: int) -> torch.Tensor:
     return values
 
 
+def low_freq_volume(param: torch.Tensor, decay_power: float, shape: tuple[int, ...]) -> torch.Tensor:
+    """:func:`low_freq_image`'s ``"complex"`` spectrum over a map of positions ``shape`` (1, 2 or 3
+    sizes): ``param`` (``(*fmix_frequencies(*shape).shape, 2)``) scaled by ``1 / max(f, 1 / max(shape))
+    ** decay_power``, read as complex coefficients, the real inverse FFT over every dimension, minus its
+    minimum, divided by its maximum. On a 2-D map it is ``low_freq_image(..., "complex")``."""
+    freqs = fmix_frequencies(*shape)
+    scale = 1.0 / torch.clamp(freqs, min=1.0 / max(shape)) ** decay_power
+    weighted = scale[..., None] * param
+    image = torch.fft.irfftn(torch.complex(weighted[..., 0], weighted[..., 1]), s=shape)
+    image = image - image.min()
+    return image / image.max()
+
+
 def fmix_mask(
     height: int,
-    width: int,
+    width: int | None,
     lam: float,
     decay_power: float,
     max_soft: float,
     spectrum: str,
     generator: torch.Generator,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """One FMix mask (float64 ``(height, width)``, on the CPU): Gaussian spectrum draws and the rounding
-    coin from ``generator``, then :func:`low_freq_image` and :func:`binarise`."""
-    columns = fmix_frequencies(height, width).shape[1]
-    param = torch.randn(height, columns, 2, dtype=torch.float64, generator=generator)
+    coin from ``generator``, then :func:`low_freq_image` and :func:`binarise`. With ``shape`` (1 or 3
+    sizes; ``height`` and ``width`` ignored) a mask of that shape from :func:`low_freq_volume` (the
+    ``"complex"`` spectrum only)."""
+    shape = (height, width) if shape is None else tuple(shape)
+    param = torch.randn(*fmix_frequencies(*shape).shape, 2, dtype=torch.float64, generator=generator)
     round_up = bool(torch.rand((), dtype=torch.float64, generator=generator) > 0.5)
-    image = low_freq_image(param, decay_power, height, width, spectrum)
+    if len(shape) == 2:
+        image = low_freq_image(param, decay_power, *shape, spectrum)
+    else:
+        image = low_freq_volume(param, decay_power, shape)
     return binarise(image, lam, max_soft, round_up)
 
 
 class FMix(MaskedMix, Mixer):
-    """FMix (Harris et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)``.
+    """FMix (Harris et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)`` (or a 1-D
+    ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` map, as the authors' code offers).
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
     ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and a mask ``M`` (``H x W``, one for the batch,
@@ -120,26 +153,34 @@ class FMix(MaskedMix, Mixer):
     differs from the drawn lam by the rounding to whole pixels (< 1 / (H * W)); the authors' code uses
     the drawn lam. ``.last.info["mask"]`` is ``M``.
 
+    On a 1-D or 3-D map the mask is cut from the paper's spectrum over every dimension
+    (:func:`low_freq_volume`; ``spectrum="complex"``): the authors' N-D spectrum is not one a
+    ``(L,)`` or ``(D, H, W)`` inverse FFT reads as such (their 3-D frequencies are laid out
+    ``(D, W, H // 2 + 1)``), so it is not reproduced; ``"reference"`` and ``"authors"`` are then
+    refused. Layouts as :class:`~mixhook.CutMix`'s.
+
     Args:
-        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output a map (see above).
         alpha: Beta concentration, > 0 (the authors' default 1.0).
         decay_power: the spectrum's decay ``1 / f**decay_power``, > 0: larger, smoother masks (the
             authors' default 3.0).
         max_soft: soften the mask's edge over up to this fraction of pixels, in [0, 0.5] (default 0.0,
             a binary mask).
-        spectrum: ``"reference"`` (default: the authors' code, masks equal to theirs on the same draw)
-            or ``"complex"`` (the paper's description); see :func:`low_freq_image`.
+        spectrum: on a 2-D map ``"reference"`` (the line the authors' code carries commented out),
+            ``"authors"`` (the line it runs, masks equal to theirs on the same draw) or ``"complex"`` (the
+            paper's description), see :func:`low_freq_image`; on a 1-D or 3-D map ``"complex"``. ``None``
+            (default): ``"reference"`` on 2-D maps, ``"complex"`` on others.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
+        layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
+            layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
-    ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]).
+    ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]; ``(L,)``, ``(D, H, W)``).
     """
 
     pin_keys = ("mask",)
+    region_dims = (1, 2, 3)
 
     def __init__(
         self,
@@ -147,7 +188,7 @@ class FMix(MaskedMix, Mixer):
         alpha: float = 1.0,
         decay_power: float = 3.0,
         max_soft: float = 0.0,
-        spectrum: str = "reference",
+        spectrum: str | None = None,
         prob: float = 1.0,
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
@@ -162,7 +203,7 @@ class FMix(MaskedMix, Mixer):
         self.max_soft = check_non_negative("max_soft", max_soft)
         if self.max_soft > 0.5:
             raise ValueError(f"max_soft must be in [0, 0.5], got {max_soft!r}")
-        if spectrum not in SPECTRA:
+        if spectrum is not None and spectrum not in SPECTRA:
             raise ValueError(f"spectrum must be one of {', '.join(SPECTRA)}, got {spectrum!r}")
         self.spectrum = spectrum
 
@@ -171,14 +212,21 @@ class FMix(MaskedMix, Mixer):
         return f"{super().__repr__()[:-1]}, {extra})"
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        check_splittable("FMix", spec, leaves)
+        h = check_splittable("FMix", spec, leaves, self.region_dims)
+        if h.ndim != 4 and self.spectrum in ("reference", "authors"):
+            raise ValueError(
+                f"FMix at {spec!r}: spectrum={self.spectrum!r} reproduces the authors' 2-D masks, but the "
+                f"map is {h.ndim - 2}-D; use spectrum='complex' (the paper's spectrum) or leave it out"
+            )
 
     def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:
-        height, width = h.shape[-2:]
+        shape = tuple(h.shape[2:])
         if draw.lam.ndim:
             raise ValueError(f"FMix cuts one mask per batch: pin one lam, not {draw.lam.shape[0]}")
         mask = draw.pinned.get("mask")
         if mask is not None:
-            return check_pinned_mask(mask, height, width), {}
+            return check_pinned_mask(mask, *shape), {}
         lam, g = float(draw.lam), draw.generator
-        return fmix_mask(height, width, lam, self.decay_power, self.max_soft, self.spectrum, g), {}
+        spectrum = self.spectrum or ("reference" if len(shape) == 2 else "complex")
+        mask = fmix_mask(0, 0, lam, self.decay_power, self.max_soft, spectrum, g, shape=shape)
+        return mask, {}

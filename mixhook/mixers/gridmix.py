@@ -1,4 +1,4 @@
-"""GridMix at any layer with two spatial dimensions: the map cut into a grid, each cell from one sample.
+"""GridMix at any layer with a 2-D (or 1-D, 3-D) map: the map cut into a grid, each cell from one sample.
 
 Paper: Baek, Bang, Shim. "GridMix: Strong regularization through local context mapping." Pattern
 Recognition 109, 2021. No code from the authors is public. (OpenMixup's ``gridmix``, taken from
@@ -15,7 +15,7 @@ import torch
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Mixer
-from .checks import check_spatial
+from .checks import check_region, map_size
 from .contract import Draw
 from .masked import MaskedMix
 from .tokens import token_grid
@@ -36,8 +36,19 @@ def grid_mask(cells: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return cells.to(torch.float64)[..., rows, :][..., cols]
 
 
+def grid_volume(cells: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """:func:`grid_mask` over a map of positions ``shape`` (1, 2 or 3 sizes): the float64 mask of that
+    shape that gives every position the value of its cell in ``cells`` (one cell count per dimension)."""
+    mask = cells.to(torch.float64)
+    for k, size in enumerate(shape):
+        picks = to_device(cell_index(size, cells.shape[k]), cells.device)
+        mask = mask.index_select(k, picks)
+    return mask
+
+
 class GridMix(MaskedMix, Mixer):
-    """GridMix (Baek et al. 2021) at the input or at any layer whose output is ``(B, C, H, W)``.
+    """GridMix (Baek et al. 2021) at the input or at any layer whose output is ``(B, C, H, W)`` (or a 1-D
+    ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` map: segments or boxes of a grid along each dimension).
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
     ``lam ~ Beta(alpha, alpha)`` and a permutation ``index``; the map is cut into a ``grid`` of cells
@@ -55,22 +66,23 @@ class GridMix(MaskedMix, Mixer):
     the kept area of CutMix and FMix is, is mixhook's reading.
 
     Args:
-        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``
-            with at least ``grid`` pixels along each side.
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output a map with at
+            least ``grid`` positions along each side.
         alpha: Beta concentration, > 0 (default 1.0).
-        grid: the number of cells along each side: an int (square) or ``(rows, columns)``, each >= 1,
-            with at least 2 cells in all (default 4: 4 x 4 cells).
+        grid: the number of cells along each side: an int (the same along every side) or
+            ``(rows, columns)`` (on a 1-D or 3-D map one or three counts), each >= 1, with at least 2
+            cells in all (default 4: 4 x 4 cells; 4 segments of a 1-D map, 4 x 4 x 4 of a 3-D one).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
+        layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
+            layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
-    ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools).
+    ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools; one count per dimension).
     """
 
     pin_keys = ("cells",)
+    region_dims = (1, 2, 3)
 
     def __init__(
         self,
@@ -87,32 +99,50 @@ class GridMix(MaskedMix, Mixer):
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "GridMix")
-        self.grid = _grid(grid)
+        self._side = grid if isinstance(grid, int) and not isinstance(grid, bool) else None
+        nd = isinstance(grid, (tuple, list)) and len(grid) in (1, 3)  # a 1-D or 3-D map's counts
+        self.grid = _counts(grid) if nd else _grid(grid)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, grid={self.grid})"
 
+    def cells_of(self, h: torch.Tensor) -> tuple[int, ...]:
+        """The cell counts along each dimension of the map ``h``."""
+        return (self._side,) * (h.ndim - 2) if self._side is not None else self.grid
+
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        check_grid_fits("GridMix", spec, check_spatial("GridMix", spec, leaves), self.grid)
+        h = check_region("GridMix", spec, leaves, self.region_dims)
+        counts = self.cells_of(h)
+        if len(counts) != h.ndim - 2:
+            raise ValueError(
+                f"GridMix at {spec!r}: grid={self.grid} gives {len(counts)} cell counts, but the map is "
+                f"{h.ndim - 2}-D ({map_size(h)}); give one count per dimension, or one int for all"
+            )
+        if any(size < n for size, n in zip(h.shape[2:], counts, strict=True)):
+            what = "pixels" if h.ndim == 4 else "positions"
+            raise ValueError(
+                f"GridMix at {spec!r}: its {map_size(h)} map has fewer {what} than the "
+                f"{'x'.join(map(str, counts))} grid has cells along a side; choose an earlier layer or a "
+                "smaller grid"
+            )
 
     def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:
-        height, width = h.shape[-2:]
         if draw.lam.ndim:
             raise ValueError(f"GridMix cuts one grid per batch: pin one lam, not {draw.lam.shape[0]}")
-        gh, gw = self.grid
+        counts = self.cells_of(h)
         cells = draw.pinned.get("cells")
         if cells is None:
-            n = gh * gw
+            n = math.prod(counts)
             g = draw.generator
             kept = torch.randperm(n, generator=g, device=g.device).cpu()[
                 : math.floor(float(draw.lam) * n + 0.5)
             ]
             cells = torch.zeros(n, dtype=torch.bool)
             cells[kept] = True
-            cells = cells.view(gh, gw)
+            cells = cells.view(*counts)
         else:
-            cells = check_pinned_cells(cells, gh, gw)
-        return grid_mask(cells, height, width), {"cells": cells}
+            cells = check_pinned_cells(cells, *counts)
+        return grid_volume(cells, tuple(h.shape[2:])), {"cells": cells}
 
 
 def check_grid_fits(kind: str, spec: str, h: torch.Tensor, grid: tuple[int, int]) -> None:
@@ -124,14 +154,34 @@ def check_grid_fits(kind: str, spec: str, h: torch.Tensor, grid: tuple[int, int]
         )
 
 
-def check_pinned_cells(cells, rows: int, cols: int) -> torch.Tensor:
-    """Pinned ``(rows, cols)`` cells of 0/1 (or bools) as a bool CPU tensor, or a one-line ``ValueError``."""
+def check_pinned_cells(cells, *counts: int) -> torch.Tensor:
+    """Pinned cells of 0/1 (or bools), ``(rows, cols)`` (one count per dimension), as a bool CPU tensor,
+    or a one-line ``ValueError``."""
     cells = torch.as_tensor(cells).cpu()
-    if tuple(cells.shape) != (rows, cols) or not bool(((cells == 0) | (cells == 1)).all()):
+    if tuple(cells.shape) != counts or not bool(((cells == 0) | (cells == 1)).all()):
         raise ValueError(
-            f"pinned cells must be a {rows}x{cols} tensor of 0/1, got shape {tuple(cells.shape)}"
+            f"pinned cells must be a {'x'.join(map(str, counts))} tensor of 0/1, got shape "
+            f"{tuple(cells.shape)}"
         )
     return cells.to(torch.bool)
+
+
+def _counts(grid) -> tuple[int, ...]:
+    """GridMix's ``grid`` given as counts: 1 to 3 ints >= 1 with at least 2 cells in all (else one line)."""
+    try:
+        counts = tuple(grid)
+    except TypeError:
+        counts = ()
+    if (
+        not 1 <= len(counts) <= 3
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in counts)
+        or math.prod(counts) < 2
+    ):
+        raise ValueError(
+            f"grid must be an int >= 2 or one to three ints >= 1 (cells along each dimension) with at "
+            f"least 2 cells in all, got {grid!r}"
+        )
+    return counts
 
 
 def _grid(grid) -> tuple[int, int]:

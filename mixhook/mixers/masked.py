@@ -1,6 +1,7 @@
 """The region methods whose mix is one mask blend: ``M * h + (1 - M) * h[index]``, ``M`` drawn on the host.
 
-FMix, GridMix, SmoothMix and TokenMix differ only in how they draw the ``(H, W)`` mask ``M`` of
+FMix, GridMix, SmoothMix and TokenMix differ only in how they draw the ``(H, W)`` mask ``M`` (``(L,)``
+or ``(D, H, W)`` on a 1-D or 3-D map) of
 own-content weights (:meth:`MaskedMix.draw_mask`); the blend, what ``loss``/``targets`` use
 (``lam = mean(M)``, the dense targets' weights ``M``) and the one-graph path under torch.compile
 (:mod:`.traced`: the mask packed with the index, blended in the graph) are shared here.
@@ -20,13 +21,14 @@ class MaskedMix:
     subclass lists this class first)."""
 
     def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:
-        """The ``(H, W)`` float64 CPU mask of one mix of the map ``h`` (1: the sample's own content),
+        """The ``(H, W)`` (``(L,)``, ``(D, H, W)``) float64 CPU mask of one mix of the map ``h`` (1: the
+        sample's own content),
         pinned or drawn from ``draw.generator``, and what :attr:`MixState.info` records beside it."""
         raise NotImplementedError
 
     def _masked(self, leaves: list[Leaf], draw: Draw) -> tuple[torch.Tensor, Mixed]:
         mask, info = self.draw_mask(leaves[0].tensor, draw)
-        weights = mask[None] if mask.ndim == 2 else None
+        weights = mask[None] if mask.ndim == leaves[0].tensor.ndim - 2 else None
         return mask, Mixed({}, lam=mask.mean(), info={**info, "mask": mask}, weights=weights)
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
@@ -35,7 +37,7 @@ class MaskedMix:
         return Mixed({path: mask_blend(h, mask, draw.index)}, mixed.lam, mixed.info, weights=mixed.weights)
 
     def traced_params(self, n: int, leaves: list[Leaf]) -> list:
-        return [((n,), torch.int64), (tuple(leaves[0].tensor.shape[-2:]), torch.float64)]  # index, mask
+        return [((n,), torch.int64), (tuple(leaves[0].tensor.shape[2:]), torch.float64)]  # index, mask
 
     def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
         mask, mixed = self._masked(leaves, draw)

@@ -6,6 +6,7 @@ Regularization Technique for Convolutional Neural Networks." AAAI 2022. https://
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -14,31 +15,43 @@ import torch.nn.functional as F
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Mixer
-from .checks import check_fraction, check_spatial
+from .checks import check_fraction, check_region, map_size
 from .contract import Draw, Mixed
 from .functional import blend, lerp_rows
 from .tokens import token_grid
 
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
 
 def block_mask(
-    channels: int, height: int, width: int, block_size: int, gamma: float, generator: torch.Generator
+    channels: int,
+    height: int,
+    width: int | None,
+    block_size: int,
+    gamma: float,
+    generator: torch.Generator,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """PatchUp's block mask ``(C, H, W)``: 1 inside the altered blocks, 0 elsewhere (float64).
 
     As the paper's code: block centres are Bernoulli draws with DropBlock's adjusted rate
     ``gamma * H * W / (block_size**2 * (H - block_size + 1) * (W - block_size + 1))`` over every feature
     of one sample's map, grown to ``block_size`` squares by a stride-1 max pool; the batch shares it.
+    With ``shape`` (1 or 3 sizes; ``height`` and ``width`` ignored) the same over a 1-D or 3-D map:
+    segments or cubes of side ``block_size``, the rate ``gamma * prod(size) / (block_size**d *
+    prod(size - block_size + 1))``, a mask ``(C, *shape)``.
     """
-    rate = gamma * height * width / (block_size**2 * (height - block_size + 1) * (width - block_size + 1))
-    probs = torch.full(
-        (1, channels, height, width), min(rate, 1.0), dtype=torch.float64, device=generator.device
-    )
+    shape = (height, width) if shape is None else tuple(shape)
+    dims = len(shape)
+    rate = gamma * math.prod(shape) / (block_size**dims * math.prod(s - block_size + 1 for s in shape))
+    probs = torch.full((1, channels, *shape), min(rate, 1.0), dtype=torch.float64, device=generator.device)
     centres = torch.bernoulli(probs, generator=generator)
-    return F.max_pool2d(centres, block_size, stride=1, padding=block_size // 2)[0]
+    return _MAX_POOL[dims](centres, block_size, stride=1, padding=block_size // 2)[0]
 
 
 class PatchUp(Mixer):
-    """PatchUp (Faramarzi et al. 2022) at any layer whose output is ``(B, C, H, W)``.
+    """PatchUp (Faramarzi et al. 2022) at any layer whose output is ``(B, C, H, W)`` (or a 1-D ``(B, C, L)``
+    or 3-D ``(B, C, D, H, W)`` map: segments or cubes of side ``block_size``, :func:`block_mask`).
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a block mask
     ``M`` (:func:`block_mask`), ``lam ~ Beta(alpha, alpha)`` and a permutation ``index``. With ``p`` the
@@ -53,25 +66,26 @@ class PatchUp(Mixer):
     weight and ``.last.info["mask"]`` the mask, and ``loss``/``targets`` use them.
 
     Args:
-        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``
-            with ``H, W >= block_size``.
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output a map (see above)
+            with every side >= ``block_size``.
         block_size: odd side of the square blocks (paper: 7).
         gamma: the probability of altering a feature, in [0, 1] (paper: 0.5 hard, 0.75 soft).
         mode: ``"soft"`` or ``"hard"``.
         alpha: Beta concentration for soft PatchUp's lam (the paper's code: 2.0).
         prob: probability that a batch is mixed, in [0, 1].
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
+        layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
+            layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
-    The layer (or the selected element) must give one ``(B, C, H, W)`` map; ``.last.elements`` names it.
-    ``pin`` also takes ``mask`` (a ``(C, H, W)`` 0/1 tensor); a pinned ``lam`` is soft mode's lam.
+    The layer (or the selected element) must give one map; ``.last.elements`` names it. ``pin`` also
+    takes ``mask`` (a ``(C, H, W)`` 0/1 tensor; ``(C, L)``, ``(C, D, H, W)``); a pinned ``lam`` is soft
+    mode's lam.
     """
 
     pin_keys = ("mask",)
+    region_dims = (1, 2, 3)
 
     def __init__(
         self,
@@ -108,24 +122,23 @@ class PatchUp(Mixer):
         return f"{super().__repr__()[:-1]}, {extra})"
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        h = check_spatial("PatchUp", spec, leaves)
-        name = spec
-        if min(h.shape[-2:]) < self.block_size:
+        h = check_region("PatchUp", spec, leaves, self.region_dims)
+        if min(h.shape[2:]) < self.block_size:
             raise ValueError(
-                f"PatchUp block_size={self.block_size} is larger than the {h.shape[-2]}x{h.shape[-1]} "
-                f"feature map of layer {name!r}; use a smaller block_size or an earlier layer"
+                f"PatchUp block_size={self.block_size} is larger than the {map_size(h)} feature map of layer "
+                f"{spec!r}; use a smaller block_size or an earlier layer"
             )
 
     def _patches(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, Mixed]:
         """The ``(C, H, W)`` float64 block mask of one mix of ``h`` (pinned, or drawn) and what ``loss``
         and ``targets`` use (no tensors)."""
-        channels, height, width = h.shape[1:]
+        channels, shape = h.shape[1], tuple(h.shape[2:])
         mask = draw.pinned.get("mask")
         if mask is None:
-            mask = block_mask(channels, height, width, self.block_size, self.gamma, draw.generator)
+            mask = block_mask(channels, 0, 0, self.block_size, self.gamma, draw.generator, shape=shape)
         else:
             mask = torch.as_tensor(mask, dtype=torch.float64)
-            if tuple(mask.shape) != (channels, height, width):
+            if tuple(mask.shape) != (channels, *shape):
                 raise ValueError(
                     f"pinned mask of shape {tuple(mask.shape)} does not fit {tuple(h.shape[1:])}"
                 )

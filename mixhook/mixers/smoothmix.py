@@ -1,4 +1,4 @@
-"""SmoothMix at any layer with two spatial dimensions: a Gaussian mask, so the mixed regions have no edge.
+"""SmoothMix at any layer with a 2-D (or 1-D, 3-D) map: a Gaussian mask, so the mixed regions have no edge.
 
 Paper: Lee, Zaheer, Astrid, Lee. "SmoothMix: a Simple Yet Effective Data Augmentation to Train Robust
 Classifiers." CVPR Workshops 2020. No code from the authors; OpenMixup's
@@ -29,8 +29,25 @@ def gaussian_mask(
     return torch.exp(-(ys * ys)[:, None] / (2 * sigma_y**2) - (xs * xs)[None, :] / (2 * sigma_x**2))
 
 
+def gaussian_volume(
+    shape: tuple[int, ...], centre: tuple[float, ...], sigmas: tuple[float, ...]
+) -> torch.Tensor:
+    """:func:`gaussian_mask` over a map of positions ``shape`` (1, 2 or 3 sizes): float64, 1 at ``centre``,
+    ``exp(-sum_k (p_k - c_k)^2 / (2 sigma_k^2))``."""
+    if len(shape) == 2:
+        return gaussian_mask(*shape, *centre, *sigmas)
+    exponent = torch.zeros((), dtype=torch.float64)
+    for k, (size, c, sigma) in enumerate(zip(shape, centre, sigmas, strict=True)):
+        p = torch.arange(size, dtype=torch.float64) - c
+        exponent = exponent - (p * p).view(*(size if j == k else 1 for j in range(len(shape)))) / (
+            2 * sigma**2
+        )
+    return torch.exp(exponent)
+
+
 class SmoothMix(MaskedMix, Mixer):
-    """SmoothMix (Lee et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)``.
+    """SmoothMix (Lee et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)`` (or a 1-D
+    ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` map: a Gaussian along each dimension, :func:`gaussian_volume`).
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a permutation
     ``index``, a centre ``(cy, cx)`` uniform over the map's pixels and a width ``s ~ U(sigma[0],
@@ -52,20 +69,20 @@ class SmoothMix(MaskedMix, Mixer):
     weights.
 
     Args:
-        layer: a name, ``"input"`` or a list (one drawn per batch); each must output ``(B, C, H, W)``.
+        layer: a name, ``"input"`` or a list (one drawn per batch); each must output a map (see above).
         sigma: the range of ``s`` (the Gaussian's width as a fraction of the side), ``0 < low <= high``
             (default ``(0.25, 0.5)``, OpenMixup's).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
+        layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
+            layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
             ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
 
-    ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]).
+    ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]; ``(L,)``, ``(D, H, W)``).
     """
 
     pin_keys = ("mask",)
+    region_dims = (1, 2, 3)
 
     def __init__(
         self,
@@ -97,19 +114,18 @@ class SmoothMix(MaskedMix, Mixer):
         return torch.ones((), dtype=torch.float64)
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
-        check_splittable("SmoothMix", spec, leaves)
+        check_splittable("SmoothMix", spec, leaves, self.region_dims)
 
     def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:
-        height, width = h.shape[-2:]
+        shape = tuple(h.shape[2:])
         if "lam" in draw.pinned:
             raise ValueError("SmoothMix draws no lam (its lam is the mask's mean): pin mask=... instead")
         mask = draw.pinned.get("mask")
         if mask is not None:
-            return check_pinned_mask(mask, height, width), {}
+            return check_pinned_mask(mask, *shape), {}
         g = draw.generator
-        cy = int(torch.randint(height, (), generator=g, device=g.device))
-        cx = int(torch.randint(width, (), generator=g, device=g.device))
+        centre = tuple(int(torch.randint(size, (), generator=g, device=g.device)) for size in shape)
         low, high = self.sigma
         s = low + (high - low) * float(torch.rand((), dtype=torch.float64, generator=g, device=g.device))
-        mask = gaussian_mask(height, width, cy, cx, s * height, s * width)
-        return mask, {"centre": (cy, cx), "sigma": s}
+        mask = gaussian_volume(shape, centre, tuple(s * size for size in shape))
+        return mask, {"centre": centre, "sigma": s}

@@ -44,25 +44,35 @@ def check_classes(target: torch.Tensor, num_classes: int) -> None:
         )
 
 
+_DENSE = {
+    1: ("(B, L)", "(B, K, L)"),
+    2: ("(B, H, W)", "(B, K, H, W)"),
+    3: ("(B, D, H, W)", "(B, K, D, H, W)"),
+}
+
+
 def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) -> torch.Tensor | None:
     """The own-content weight of each position of a dense ``target`` under the region mix ``last``:
     ``last.weights`` resized to the target's ``(H, W)`` by area (each label pixel gets the fraction of
     its area that kept the sample's own content: exact for a mask cut at the input's resolution, and a
     feature map's cells cover whole blocks of label pixels), as ``(B, H, W)`` float64. Dense targets are
-    integer maps ``(B, H, W)`` or floating ``(B, K, H, W)``; the usual ``(B,)`` indices and ``(B, K)``
+    integer maps ``(B, H, W)`` or floating ``(B, K, H, W)`` (under a mix of a 1-D or 3-D map: ``(B, L)``
+    or ``(B, K, L)``, ``(B, D, H, W)`` or ``(B, K, D, H, W)``); the usual ``(B,)`` indices and ``(B, K)``
     floating targets are not dense (``None``: the sample's lam). Any other shape under a region mix is
     refused: the mask would be mapped onto it along dimensions it does not describe."""
     spatial = positions(target)
     if spatial <= 0:
         return None
-    if spatial != 2:
+    dims = last.weights.ndim - 1
+    if spatial != dims:
+        indices, floating = _DENSE[dims]
         raise ValueError(
-            f"{what}(): {kind} mixes regions of a 2-D map, so its dense targets must be (B, H, W) class "
-            f"indices or (B, K, H, W) floating targets; got {target.dtype} {tuple(target.shape)}"
+            f"{what}(): {kind} mixes regions of a {dims}-D map, so its dense targets must be {indices} class "
+            f"indices or {floating} floating targets; got {target.dtype} {tuple(target.shape)}"
         )
     weights = last.weights.to(torch.float64)
-    size = tuple(target.shape[-2:])
-    if tuple(weights.shape[-2:]) != size:
+    size = tuple(target.shape[-dims:])
+    if tuple(weights.shape[1:]) != size:
         weights = F.interpolate(weights.unsqueeze(1), size=size, mode="area").squeeze(1)
     return weights.expand(target.shape[0], *size)
 

@@ -38,6 +38,7 @@ import torch
 from torch._library.effects import EffectType
 
 from .. import recompute
+from ..layouts import channels_last
 from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
 from .tokens import traced_weight
 
@@ -259,8 +260,8 @@ class TracedPath:
             t = mixed[leaf.path]
             if grid is not None:  # the (B, D, gh, gw) map back into the tokens
                 t = grid.from_map_traced(out, t, weight, index)
-            elif out.tensor.shape != leaf.tensor.shape:  # a (B, H, W, C) map was given as (B, C, H, W)
-                t = t.permute(0, 2, 3, 1)
+            elif self._channels_last(spec, out):  # a channels-last map was given as its channels-first view
+                t = channels_last(t)
             tensors[leaf.path] = torch.where(flag, t, out.tensor)
         return replace_leaves(site_value, tensors)
 

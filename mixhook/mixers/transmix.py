@@ -92,6 +92,8 @@ class TransMix(CutMix):
     ``pin`` takes what CutMix's does.
     """
 
+    region_dims = (2,)  # the attention map scores a 2-D patch grid
+
     dense_targets = (
         "weighs each image's labels by the class token's attention over the pasted patches: it has no "
         "per-position labels for a dense target"

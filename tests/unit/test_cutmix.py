@@ -77,12 +77,13 @@ def test_cutmix_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_a_layer_without_two_spatial_dimensions_is_refused_clearly():
+def test_a_layer_without_a_map_is_refused_clearly():
     model = torchvision.models.resnet18(num_classes=3).train()
     with CutMix("fc").attach(model):
         with pytest.raises(
             TypeError,
-            match=r"CutMix at 'fc' needs a \(B, C, H, W\) map with the batch first, but has shape \(2, 3\)",
+            match=r"CutMix at 'fc' needs a \(B, C, L\), \(B, C, H, W\) or \(B, C, D, H, W\) map with the "
+            r"batch first, but has shape \(2, 3\)",
         ):
             model(torch.randn(2, 3, 32, 32))
     assert hook_count(model) == 0

@@ -22,7 +22,9 @@ def gen(seed=0):
 
 # --- The authors' mask generator: github.com/ecs-vlc/FMix, fmix.py (fftfreqnd, get_spectrum,
 # --- make_low_freq_image, binarise_mask), the 2-D lines, with the draws passed in instead of taken from
-# --- np.random.randn and random.random.
+# --- np.random.randn and random.random. ref_make_low_freq_image takes the reshape line that their
+# --- make_low_freq_image carries commented out (spectrum="reference"); ref_live_low_freq_image the line it
+# --- runs at e5991dc (spectrum="authors").
 
 
 def ref_fftfreqnd(h, w):
@@ -42,6 +44,19 @@ def ref_make_low_freq_image(decay_power, shape, param):
     scale = np.expand_dims(scale, -1)[None, :]
     spectrum = scale * param[None]  # get_spectrum: param = np.random.randn(1, *freqs.shape, 2)
     mask = np.fft.irfftn(spectrum.reshape(1, *shape[:-1], -1), shape, axes=(1, 2))  # axes: NumPy 2 asks
+    mask = mask[:1, : shape[0], : shape[1]]
+    mask = mask - mask.min()
+    return mask / mask.max()
+
+
+def ref_live_low_freq_image(decay_power, shape, param):
+    h, w = shape
+    freqs = ref_fftfreqnd(h, w)
+    scale = np.ones(1) / (np.maximum(freqs, np.array([1.0 / max(w, h, 0)])) ** decay_power)
+    scale = np.expand_dims(scale, -1)[None, :]
+    spectrum = scale * param[None]  # get_spectrum: (1, h, F, 2)
+    spectrum = spectrum[:, 0] + 1j * spectrum[:, 1]
+    mask = np.real(np.fft.irfftn(spectrum, shape, axes=(1, 2)))  # axes: NumPy 2 asks
     mask = mask[:1, : shape[0], : shape[1]]
     mask = mask - mask.min()
     return mask / mask.max()
@@ -78,6 +93,21 @@ def test_the_low_frequency_image_equals_the_authors_on_the_same_draw(height, wid
         theirs = ref_make_low_freq_image(decay, (height, width), param.numpy())[0]
         np.testing.assert_allclose(ours.numpy(), theirs, rtol=0, atol=1e-12)
         assert float(ours.min()) == 0.0 and float(ours.max()) == 1.0
+
+
+@pytest.mark.parametrize(("height", "width"), [(32, 32), (8, 8), (7, 10), (16, 9)])
+def test_the_authors_spectrum_equals_the_line_their_code_runs_and_makes_bands(height, width):
+    g = gen(height + width)
+    for decay in (1.0, 3.0):
+        param = torch.randn(
+            height, fmix_frequencies(height, width).shape[1], 2, dtype=torch.float64, generator=g
+        )
+        ours = low_freq_image(param, decay, height, width, "authors")
+        theirs = ref_live_low_freq_image(decay, (height, width), param.numpy())[0]
+        np.testing.assert_allclose(ours.numpy(), theirs, rtol=0, atol=1e-12)
+    # only the horizontal frequencies 0 and 1: each row is a + b cos(2 pi x / W) + c sin(2 pi x / W)
+    spectrum = torch.fft.rfft(ours, dim=1)
+    assert float(spectrum[:, 2:].abs().max()) < 1e-9 * float(spectrum.abs().max())
 
 
 @pytest.mark.parametrize("max_soft", [0.0, 0.1, 0.3, 0.5])
@@ -212,7 +242,7 @@ def test_pin_mask_pin_last_and_checkpoint_replay_repeat_the_mix_exactly():
         ({"decay_power": 0}, "decay_power must be a finite number > 0, got 0"),
         ({"max_soft": 0.6}, r"max_soft must be in \[0, 0.5\], got 0.6"),
         ({"max_soft": -0.1}, "max_soft must be a finite number >= 0, got -0.1"),
-        ({"spectrum": "paper"}, "spectrum must be one of reference, complex, got 'paper'"),
+        ({"spectrum": "paper"}, "spectrum must be one of reference, authors, complex, got 'paper'"),
         ({"alpha": 0}, "alpha must be a finite number > 0, got 0"),
     ],
 )
@@ -226,7 +256,9 @@ def test_layers_fmix_cannot_cut_are_refused_before_mixing():
     with pytest.raises(ValueError, match="FMix at '0': its 1x1 map has a single pixel"):
         with FMix("0").attach(model):
             model(torch.randn(2, 3, 8, 8))
-    with pytest.raises(TypeError, match=r"FMix at '2' needs a \(B, C, H, W\) map"):
+    with pytest.raises(
+        TypeError, match=r"FMix at .2. needs a \(B, C, L\), \(B, C, H, W\) or \(B, C, D, H, W\) map"
+    ):
         with FMix("2").attach(model):
             model(torch.randn(2, 3, 8, 8))
     mix, cnn = FMix("conv1"), SmallCNN().train()

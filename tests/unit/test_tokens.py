@@ -88,9 +88,7 @@ def test_fmix_on_a_torchvision_vit_layer_keeps_the_class_token_with_prefix_keep(
     mask[:, :3] = 1  # the sample keeps columns 0-2, its partner gives column 3
     index = torch.tensor([1, 2, 0])
     mix = FMix("encoder.layers.encoder_layer_0", tokens=(4, 4), prefix="keep", generator=gen())
-    assert repr(mix).endswith(
-        "tokens=(4, 4), prefix='keep', decay_power=3.0, max_soft=0.0, spectrum='reference')"
-    )
+    assert repr(mix).endswith("tokens=(4, 4), prefix='keep', decay_power=3.0, max_soft=0.0, spectrum=None)")
     with mix.attach(model):
         mix.pin(mask=mask, index=index)
         model(x)
@@ -186,9 +184,9 @@ def test_the_model_states_its_grid():
             "blocks.0",
             lambda: CutMix("blocks.0"),
             TypeError,
-            r"CutMix at 'blocks.0' needs a \(B, C, H, W\) map with the batch first, but has shape "
-            r"\(2, 17, 12\) with the batch at dim 0; for \(B, T, D\) tokens declare their patch grid: "
-            r"tokens=\(rows, columns\) or 'auto'",
+            r"CutMix at 'blocks.0': Block states no layout for its 3-D map .*; declare layout='NCL' "
+            r"\(\(B, C, L\)\) or layout='NLC' \(\(B, L, C\)\); for \(B, T, D\) tokens declare their patch "
+            r"grid: tokens=\(rows, columns\) or 'auto'",
         ),
         (
             tiny_vit,

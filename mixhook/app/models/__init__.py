@@ -1,10 +1,13 @@
-"""Models for the experiment app: the papers' PreActResNet-18, any torchvision classifier, any timm model."""
+"""Models for the experiment app: the papers' PreActResNet-18, any torchvision classifier, any timm model, and
+an MLP for tabular data."""
 
+from .mlp import MLP
 from .preact_resnet import PreActBlock, PreActResNet, PreActResNet18
 from .timm_models import timm_model
 from .tv import classification_models, torchvision_model
 
 __all__ = [
+    "MLP",
     "PreActBlock",
     "PreActResNet",
     "PreActResNet18",

@@ -279,3 +279,24 @@ def test_channels_last_memory_format_is_not_a_layout():
     assert h_cl.is_contiguous(memory_format=torch.channels_last) and torch.equal(mask, mask_cl)
     torch.testing.assert_close(h_cl, h, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(mixed_cl, mixed, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_mix_puts_an_nhwc_map_of_equal_sides_back_in_its_layout():
+    """(B, 6, 6, 6): the channels-first view has the same shape, so only the layout can say that the mixed
+    map must be permuted back (the traced path once compared shapes, and gave the NCHW view back)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Flatten(), nn.Linear(216, 3)).double().train()
+    x = torch.randn(4, 6, 6, 6, dtype=torch.float64)
+    outs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        mix = CutMix("0", layout="NHWC", generator=torch.Generator().manual_seed(1))
+        with mix.attach(model):
+            mix.pin(lam=0.75, box=(0, 3, 0, 3), index=torch.tensor([1, 0, 3, 2]))
+            outs.append((torch.compile(model, backend="eager") if compiled else model)(x))
+    h = model[0](x)
+    expected = h.clone()
+    expected[:, 0:3, 0:3, :] = h[[1, 0, 3, 2], 0:3, 0:3, :]
+    torch.testing.assert_close(outs[0], model[1:](expected), rtol=0, atol=1e-12)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)

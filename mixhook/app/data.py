@@ -1,4 +1,5 @@
-"""Data sets for the experiment app: scikit-learn's digits (offline, the default) and CIFAR-10/100.
+"""Data sets for the experiment app: scikit-learn's digits (offline, the default), CIFAR-10/100, and
+scikit-learn's diabetes data (offline), a regression task.
 
 :func:`build_data` returns a :class:`Data` bundle: train and test loaders and what the model needs to
 know (channels, classes, image size).
@@ -46,6 +47,8 @@ class Data:
     num_classes: int
     image_size: int
     split_hash: str | None = None  # provenance.digest of the train and test images and labels
+    task: str = "classification"  # or "regression": float targets, MSE, RMSE (see TASKS)
+    target_scale: float = 1.0  # regression: the std the targets were divided by (RMSE in their units)
 
 
 def build_data(
@@ -70,7 +73,7 @@ def build_data(
     sample in DataLoader workers; ``"auto"`` is ``"device"`` (faster on CPU too: see the README's
     Performance section). Both draw a sample's augmentation from its (seed, epoch) seed, and both follow
     the same order."""
-    builders = {"digits": _digits, "cifar10": _cifar, "cifar100": _cifar}
+    builders = {"digits": _digits, "cifar10": _cifar, "cifar100": _cifar, "diabetes": _diabetes}
     if name not in builders:
         raise ValueError(f"data.name={name!r} is not a data set; valid: {', '.join(builders)}")
     for key, value in (("trainer.batch_size", batch_size), ("trainer.eval_batch_size", eval_batch_size)):
@@ -224,6 +227,55 @@ def _digits(
         return TensorDataset(images, torch.from_numpy(labels))
 
     info = {"in_channels": 1, "num_classes": 10, "image_size": 8}
+    info["split_hash"] = digest(x_train, y_train, x_test, y_test)
+    return tensors(x_train, y_train), tensors(x_test, y_test), info
+
+
+def _diabetes(
+    name: str,
+    test_size: float = 0.2,
+    split_seed: int = 0,
+    train_size: int | None = None,
+    num_workers: int = 0,
+):
+    """scikit-learn's bundled diabetes data: 442 patients, 10 baseline features, a quantitative measure
+    of disease progression one year later (25 to 346) to regress.
+
+    A random train/test split with ``split_seed``; ``train_size`` keeps that many training samples.
+    Features and targets are standardised with the training set's mean and std (so a C-Mixup bandwidth
+    is in standard deviations of the target); the target's std is ``target_scale``, by which the app
+    reports RMSE in the target's own units.
+    """
+    from sklearn.datasets import load_diabetes
+    from sklearn.model_selection import train_test_split
+
+    if not 0.0 < float(test_size) < 1.0:
+        raise ValueError(f"data.test_size must be in (0, 1), got {test_size!r}")
+    x, y = load_diabetes(return_X_y=True, scaled=False)
+    x, y = x.astype(np.float32), y.astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=float(test_size), random_state=int(split_seed)
+    )
+    if train_size is not None:
+        if (
+            isinstance(train_size, bool)
+            or not isinstance(train_size, int)
+            or not 10 <= train_size <= len(y_train)
+        ):
+            raise ValueError(
+                f"data.train_size must be an integer from 10 to {len(y_train)}, got {train_size!r}"
+            )
+        x_train, y_train = x_train[:train_size], y_train[:train_size]
+    x_mean, x_std = x_train.mean(0), x_train.std(0)
+    y_mean, y_std = float(y_train.mean()), float(y_train.std())
+
+    def tensors(features, targets):
+        return TensorDataset(
+            torch.from_numpy((features - x_mean) / x_std), torch.from_numpy((targets - y_mean) / y_std)
+        )
+
+    info = {"in_channels": x.shape[1], "num_classes": 1, "image_size": 0, "task": "regression"}
+    info["target_scale"] = y_std
     info["split_hash"] = digest(x_train, y_train, x_test, y_test)
     return tensors(x_train, y_train), tensors(x_test, y_test), info
 

@@ -34,6 +34,7 @@ import yaml
 from .files import atomic_write
 
 METRICS = ["test_acc", "test_error", "test_nll", "test_ece", "best_test_acc", "epochs", "seconds"]
+REGRESSION_METRICS = ["test_rmse", "best_test_rmse", "test_mse", "epochs", "seconds"]
 ERROR_FILE = "error.txt"
 
 
@@ -57,7 +58,8 @@ def read_run(run_dir: Path) -> dict:
     if summary_file.exists():
         summary = json.loads(summary_file.read_text())
         row["status"], row["error"] = "ok", ""
-        for key in METRICS:
+        regression = "test_rmse" in summary  # a regression task: RMSE stands where the error stands
+        for key in REGRESSION_METRICS if regression else METRICS:
             if key == "test_error":
                 row[key] = 100.0 * (1.0 - summary["test_acc"])
             elif key == "test_ece" and key in summary:
@@ -124,15 +126,17 @@ def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
     out = []
     for key, runs in by_key.items():
         members = [r for r in runs if r["status"] == "ok"]
-        err_mean, err_std = _mean_std([r["test_error"] for r in members])
-        best = [r["best_test_error"] for r in members if "best_test_error" in r]
+        errors = [_score(r) for r in members]
+        err_mean, err_std = _mean_std(errors)
+        best = [_score(r, "best_") for r in members if f"best_{_metric(r)}" in r]
         best_mean, best_std = _mean_std(best) if len(best) == len(members) else (math.nan, math.nan)
-        nll_mean, nll_std = _mean_std([r["test_nll"] for r in members])
+        nll_mean, nll_std = _mean_std([r["test_nll"] for r in members if "test_nll" in r])
         ece = [r["test_ece"] for r in members if "test_ece" in r]
         ece_mean, ece_std = _mean_std(ece) if len(ece) == len(members) else (math.nan, math.nan)
         paper = next((r for r in members if "paper_value" in r), None)
         out.append({
-            "group": key, "n": len(members), "errors": [r["test_error"] for r in members],
+            "group": key, "n": len(members), "errors": errors,
+            "metric": _metric(members[0]) if members else None,
             "test_error_mean": err_mean, "test_error_std": err_std,
             "best_error_mean": best_mean, "best_error_std": best_std,
             "test_nll_mean": nll_mean, "test_nll_std": nll_std,
@@ -142,6 +146,19 @@ def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
             "paper": None if paper is None else {k[6:]: paper[k] for k in paper if k.startswith("paper_")},
         })  # fmt: skip
     return sorted(out, key=lambda g: (not g["n"], g["test_error_mean"] if g["n"] else 0.0))
+
+
+def _metric(row: dict) -> str:
+    """What a run is ranked by: ``test_error`` (%), or ``test_rmse`` for a regression run."""
+    return "test_rmse" if "test_rmse" in row else "test_error"
+
+
+def _score(row: dict, prefix: str = "") -> float:
+    return row[f"{prefix}{_metric(row)}"]
+
+
+def _regression(grouped: list[dict]) -> bool:
+    return any(g["metric"] == "test_rmse" for g in grouped)
 
 
 def _pm(mean: float, std: float, digits: int) -> str:
@@ -180,22 +197,41 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: set[str]) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "incomplete")}
     common = sorted({f"{k}={v}" for r in rows for k, v in _override_items(r) if k not in varying})
+    regression = _regression(grouped)
+    what = "test RMSE" if regression else "test error"
     lines = [
         f"# Sweep report: {sweep_dir}",
         "",
         f"{len(rows)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['incomplete']} incomplete. "
-        "Groups are the runs' swept overrides other than `seed`, best mean test error first; ± is the "
+        f"Groups are the runs' swept overrides other than `seed`, best mean {what} first; ± is the "
         "standard deviation over the group's runs. Last epoch: the model training ended with; best epoch: "
-        "each run's lowest test error over its epochs, chosen on the test set (as some papers report: an "
-        "optimistic figure). ECE: expected calibration error of the top-1 confidence, 15 equal-width bins.",
+        f"each run's lowest {what} over its epochs, chosen on the test set (as some papers report: an "
+        "optimistic figure). "
+        + (
+            "RMSE in the target's own units."
+            if regression
+            else "ECE: expected calibration error of the top-1 confidence, 15 equal-width bins."
+        ),
         "",
         f"Common to every run: `{' '.join(common)}`." if common else "",
         "",
+    ]
+    if regression:
+        lines += [
+            "| group | n | test RMSE, last epoch | test RMSE, best epoch |",
+            "| --- | --- | --- | --- |",
+        ]
+        for g in (g for g in grouped if g["n"]):
+            lines.append(
+                f"| {g['group']} | {g['n']} | {_pm(g['test_error_mean'], g['test_error_std'], 2)} | "
+                f"{_pm(g['best_error_mean'], g['best_error_std'], 2)} |"
+            )
+    lines += [] if regression else [
         "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch "
         "| test ECE %, last epoch | paper |",
         "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for g in (g for g in grouped if g["n"]):
+    ]  # fmt: skip
+    for g in (g for g in grouped if g["n"] and not regression):
         paper = ""
         if g["paper"]:
             p = g["paper"]
@@ -266,8 +302,12 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], r
         _pad(ece_ax)
     else:
         err_ax.text(0.5, 0.5, "no runs yet", ha="center", va="center", transform=err_ax.transAxes)
-    err_ax.set_xlabel("test error (%)")
+    err_ax.set_xlabel("test RMSE (the target's units)" if _regression(grouped) else "test error (%)")
     ece_ax.set_xlabel("test ECE (%), last epoch, mean ± std")
+    if _regression(grouped):  # no calibration of a regression output: no axis to read
+        ece_ax.axis("off")
+        ece_ax.text(0.5, 0.5, "no ECE:\na regression task", ha="center", va="center", color="#777777",
+                    transform=ece_ax.transAxes)  # fmt: skip
     for ax in (err_ax, ece_ax):
         ax.grid(axis="x", alpha=0.3)
     seeds = sorted({dict(_parse_overrides(r["overrides"].split(" "))).get("seed", "") for r in rows} - {""})

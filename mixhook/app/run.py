@@ -50,7 +50,8 @@ class ConfigError(ValueError):
 
 
 def main(cfg: DictConfig, out_dir: str | None = None) -> float:
-    """Build, check and run one experiment; return its final test accuracy (what Optuna maximises).
+    """Build, check and run one experiment; return its final test accuracy (what Optuna maximises; minus
+    the test RMSE for a regression task, so that maximising it still means better).
 
     Results go to ``out_dir``, by default the Hydra run's output directory. Outside a multirun, a
     configuration error exits with status 2, a non-finite loss with 3 and SIGTERM/SIGINT with 128 +
@@ -125,6 +126,12 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
     finally:  # no hook outlives the run, whatever ended it
         for handle in run.handles:
             handle.remove()
+    if summary.get("task") == "regression":
+        log.info(
+            "done: test_rmse %.3f  best %.3f (epoch %d)  %.0fs  -> %s/summary.json", summary["test_rmse"],
+            summary["best_test_rmse"], summary["best_epoch"], summary["seconds"], out_dir,
+        )  # fmt: skip
+        return -summary["test_rmse"]
     log.info(
         "done: test_acc %.2f%%  best %.2f%% (epoch %d)  test_nll %.4f  test_ece %.2f%%  %.0fs  "
         "-> %s/summary.json",
@@ -174,6 +181,15 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         raise ConfigError(
             f"trainer.mixed_loss_weight={cfg.trainer.mixed_loss_weight!r} weights the loss of mixed batches, "
             "but no mixup is configured; set a mixup or leave it at 1.0"
+        )
+    if data.task == "regression" and cfg.trainer.loss != "ce":
+        raise ConfigError(
+            f"trainer.loss={cfg.trainer.loss} trains on class probabilities, but data={data.name} is a "
+            "regression task (trained with the squared error); use trainer.loss=ce"
+        )
+    if data.task == "regression" and cfg.probes.feature_maps and probe_layers(cfg):
+        raise ConfigError(
+            f"probes.feature_maps=true draws image feature maps, and data={data.name} has none; turn it off"
         )
     if mixup is not None and cfg.trainer.loss == "bce_softmax":
         for mixer in members(mixup):
@@ -229,6 +245,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         "hooks": {key: repr(hook) for key, hook in hooks if hook is not mixup},
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "data": cfg.data.name,
+        "task": data.task,
         "data_split": data.split_hash,
         "seed": cfg.seed,
         "device": str(device),
@@ -307,7 +324,12 @@ def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.
         raise ConfigError(str(err)) from err
     except (ValueError, TypeError) as err:
         raise ConfigError(f"data: {err}") from err
-    model = _instantiate(cfg.model, "model", in_channels=data.in_channels, num_classes=data.num_classes)
+    try:
+        model = _instantiate(cfg.model, "model", in_channels=data.in_channels, num_classes=data.num_classes)
+    except ConfigError as err:
+        if data.task != "regression":
+            raise
+        raise ConfigError(f"{err} (data={data.name} is tabular: model=mlp)") from err
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model: {cfg.model._target_} built a {type(model).__name__}, not an nn.Module")
     return model, data
@@ -462,8 +484,9 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
         outputs = trace_outputs(model, layers, x)
     except Exception as err:  # whatever the model raises on this input is a model/data mismatch
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        hint = f" (data={data.name} is tabular: model=mlp)" if data.task == "regression" else ""
         raise ConfigError(
-            f"model: {type(model).__name__} fails on a {data.name} batch of shape {tuple(x.shape)}: "
+            f"model: {type(model).__name__} fails on a {data.name} batch of shape {tuple(x.shape)}{hint}: "
             f"{type(err).__name__}: {reason}"
         ) from err
     for key, hook in checks:

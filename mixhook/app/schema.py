@@ -70,6 +70,14 @@ class DigitsConfig:
 
 
 @dataclass
+class DiabetesConfig:
+    name: str = "diabetes"
+    test_size: float = field(default=0.2, metadata={"open": (0.0, 1.0)})
+    split_seed: int = _at_least(0, 0)
+    train_size: int | None = _at_least(10, None)
+
+
+@dataclass
 class CifarConfig:
     name: str = MISSING
     root: str = "data"
@@ -141,6 +149,7 @@ def register() -> None:
     store.store(name="base_config", node=Config)
     store.store(group="data", name="digits_schema", node=DigitsConfig)
     store.store(group="data", name="cifar_schema", node=CifarConfig)
+    store.store(group="data", name="diabetes_schema", node=DiabetesConfig)
 
 
 # Ranges that torch's constructors leave unchecked, where the value would be silently wrong.

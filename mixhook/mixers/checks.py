@@ -157,3 +157,13 @@ def check_class_logits(kind: str, logits: torch.Tensor, target: torch.Tensor) ->
             f"{kind}.loss() compares class confidences, so target must be ({logits.shape[0]},) class "
             f"indices, got {target.dtype} {tuple(target.shape)}"
         )
+
+
+def check_class_labels(kind: str, target: torch.Tensor) -> None:
+    """Refuse, in one line, labels that are not ``(B,)`` class indices, for a method whose loss compares
+    class confidences (RankMixup, MixupE): on regression targets it has nothing to compare."""
+    if target.dtype.is_floating_point or target.dtype == torch.bool or target.ndim != 1:
+        raise ValueError(
+            f"{kind} compares class confidences, so its labels must be (B,) class indices, got "
+            f"{target.dtype} {tuple(target.shape)}"
+        )

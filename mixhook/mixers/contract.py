@@ -177,6 +177,11 @@ class MixingHook(abc.ABC):
         """Whether ``hook`` may be attached to a model that this one mixes (itself, or a part of it)."""
         return hook is self
 
+    def weigh(self, metric: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A per-sample ``metric`` weighted under the mix as :meth:`loss` weighs a criterion, without a
+        method's own loss terms (see :meth:`mixhook.Mixer.weigh`). By default :meth:`loss` itself."""
+        return self.loss(metric, logits, target)
+
     def check_targets(self, target: torch.Tensor) -> None:
         """Raise (one line) unless this regularizer can train with labels like ``target`` (a sample batch
         of them): C-Mixup refuses class indices. Accepts anything by default."""

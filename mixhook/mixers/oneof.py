@@ -116,6 +116,12 @@ class OneOf(LayerHook, MixingHook):
         mixer = self._mixer_for(logits, "loss")
         return mixer.loss(criterion, logits, target) if mixer else criterion(logits, target)
 
+    def weigh(self, metric: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The ``weigh`` of the regularizer that mixed the forward which produced ``logits``
+        (``metric(logits, target)`` when none did)."""
+        mixer = self._mixer_for(logits, "weigh")
+        return mixer.weigh(metric, logits, target) if mixer else metric(logits, target)
+
     def targets(
         self,
         target: torch.Tensor,

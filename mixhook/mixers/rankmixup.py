@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..transfer import to_device
-from .checks import check_class_logits, check_non_negative, check_per_sample
+from .checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
 from .contract import MixState
 from .manifold import ManifoldMixup
 
@@ -65,6 +65,9 @@ class RankMixup(ManifoldMixup):
 
     def _targets_refused(self) -> str:
         return "ranks confidences: its loss is no criterion of mixed targets"
+
+    def check_targets(self, target: torch.Tensor) -> None:
+        check_class_labels(type(self).__name__, target)
 
     def _clean_loss(
         self,

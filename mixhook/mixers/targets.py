@@ -146,6 +146,26 @@ class LossAndTargets:
             return self._clean_loss(criterion, clean, mixed, target, last)
         return self._mixed_loss(criterion, logits, target, last)
 
+    def weigh(
+        self,
+        metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        logits: torch.Tensor,
+        target: torch.Tensor,
+    ) -> torch.Tensor:
+        """A per-sample ``metric`` under the mix of the forward that produced ``logits``, weighted as
+        :meth:`loss` weighs a criterion (``lam * metric(logits, target) + (1 - lam) * metric(logits,
+        target[index])``), without the terms of a method's own loss: after a clean+mixed forward the
+        clean rows' metric, then the mixed rows' weighted one (``2B`` values). For reporting: the app's
+        lam-weighted training accuracy is ``weigh(lambda o, t: (o.argmax(1) == t).double(), logits, y)``.
+        ``metric(logits, target)`` when that forward mixed nothing."""
+        last = self._bound_state(logits, "weigh")
+        if last is None:
+            return metric(logits, target)
+        if last.clean:
+            clean, mixed = halves(last, logits, "weigh")
+            return torch.cat([metric(clean, target), self._mixed_loss(metric, mixed, target, last)])
+        return self._mixed_loss(metric, logits, target, last)
+
     def _targets_refused(self) -> str | None:
         """Why the mixed targets of a clean+mixed forward are not this method's training signal (its loss
         is not a criterion of them), or ``None``."""

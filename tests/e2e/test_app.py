@@ -137,12 +137,22 @@ def default_run(tmp_path_factory):
     return out, result
 
 
+def summary_train_acc(out):
+    return json.loads((out / "summary.json").read_text())["train_acc"]
+
+
 @pytest.mark.slow
 def test_cli_trains_and_writes_metrics_and_summary(default_run):
     out, result = default_run
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 16)]
-    assert list(rows[0]) == ["epoch", "train_loss", "test_loss", "test_acc", "test_ece", "lr", "seconds"]
+    assert list(rows[0]) == [
+        "epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_ece", "lr", "seconds"
+    ]  # fmt: skip
+    assert all(
+        0.0 < float(r["train_acc"]) < 1.0 for r in rows
+    )  # lam-weighted: Manifold Mixup mixes every batch
+    assert summary_train_acc(out) == pytest.approx(float(rows[-1]["train_acc"]))
     assert float(rows[1]["lr"]) < float(rows[0]["lr"])  # the cosine schedule moved
     summary = json.loads((out / "summary.json").read_text())
     for key in ("test_acc", "test_nll", "best_test_acc", "epochs", "seconds", "mixup"):
@@ -273,7 +283,7 @@ def test_hooks_list_instantiates_a_users_own_hook_class():
     [
         (
             ["mixup=cutmix", "mixup.layer=linear"],
-            "mixup.layer: CutMix at 'linear' needs a (B, C, H, W) map",
+            "mixup.layer: CutMix at 'linear' needs a (B, C, L), (B, C, H, W) or (B, C, D, H, W) map",
         ),
         (["mixup=patchup", "mixup.layer=layer2"], "PatchUp block_size=7 is larger than the 4x4 feature map"),
         (

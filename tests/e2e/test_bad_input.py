@@ -117,7 +117,7 @@ from tests.conftest import write_cifar
         ),
         (
             ["mixup=cutmix", "mixup.layer=linear"],
-            "error: mixup.layer: CutMix at 'linear' needs a (B, C, H, W) map",
+            "error: mixup.layer: CutMix at 'linear' needs a (B, C, L), (B, C, H, W) or (B, C, D, H, W) map",
         ),
         (
             ["mixup=cutmix", "mixup.layer=layer4"],

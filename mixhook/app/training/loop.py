@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -42,7 +43,23 @@ from .state import RunState
 
 log = logging.getLogger("mixhook")
 
-METRICS = ["epoch", "train_loss", "test_loss", "test_acc", "test_ece", "lr", "seconds"]
+# metrics.csv's columns per task (Data.task): train_acc is the lam-weighted accuracy of the training
+# forwards (a mixed sample counts lam for its own label, 1 - lam for its partner's), test_rmse the RMSE in
+# the target's own units
+METRICS = {
+    "classification": [
+        "epoch",
+        "train_loss",
+        "train_acc",
+        "test_loss",
+        "test_acc",
+        "test_ece",
+        "lr",
+        "seconds",
+    ],
+    "regression": ["epoch", "train_loss", "test_loss", "test_rmse", "lr", "seconds"],
+}
+TASKS = tuple(METRICS)
 LOSSES = ("ce", "bce_softmax")
 PRECISIONS = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype per setting
 
@@ -78,17 +95,23 @@ def train_one_epoch(
     dist: Dist | None = None,
     mixed_loss_weight: float = 1.0,
     finite: FiniteCheck | None = None,
+    task: str = "classification",
 ) -> float:
     """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing).
 
-    ``loss="ce"``: cross-entropy, mixed by the mixer's ``loss``. ``loss="bce_softmax"``: binary
+    ``task="regression"``: the squared error of the model's one output, mixed by the mixer's ``loss``
+    (``lam * (p - y)^2 + (1 - lam) * (p - y[index])^2``, whose gradient is that of the squared error to the
+    mixed label); ``loss`` must be ``"ce"``, which it then stands for. Classification: ``loss="ce"``:
+    cross-entropy, mixed by the mixer's ``loss``. ``loss="bce_softmax"``: binary
     cross-entropy between the softmax and the mixer's soft ``targets``, averaged over samples and
     classes, as the Manifold Mixup reference code trains (``nn.BCELoss()(softmax(out), target)``).
     ``mixed_loss_weight``: the loss of a step whose batch was mixed is multiplied by it (the PatchUp
     authors' code trains with twice the BCE on mixed batches: 2.0 reproduces it); unmixed steps keep 1.
 
-    ``totals``: ``[loss sum (float64 tensor), sample count, steps]`` carried over from the part of the
-    epoch already done (a resumed epoch); updated in place. ``after_step(totals)`` runs after each step,
+    ``totals``: ``[loss sum (float64 tensor), sample count, steps, correct sum (float64 tensor), rows]``
+    carried over from the part of the epoch already done (a resumed epoch); updated in place (the last
+    two, classification only, the lam-weighted correct predictions of the training forwards and how many
+    rows they had: ``Mixer.weigh``; appended when missing). ``after_step(totals)`` runs after each step,
     ``before_step(done)`` before each (``done``: the epoch's steps already taken; the mix schedule).
     Raises :class:`NonFiniteLoss` for a step whose loss is not finite, which is never applied:
     ``finite`` (a :class:`~mixhook.app.training.finite.FiniteCheck`) says when the host looks (by
@@ -102,7 +125,9 @@ def train_one_epoch(
     model.train()
     if totals is None:
         totals = [torch.zeros((), dtype=torch.float64), 0, 0]
-    totals[0] = totals[0].to(device)
+    if len(totals) < 5:
+        totals += [torch.zeros((), dtype=torch.float64), 0]
+    totals[0], totals[3] = totals[0].to(device), totals[3].to(device)
     # disable=None: a bar only where stderr is a terminal, so logs and CI output stay clean
     bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
     finite = finite or FiniteCheck(dist=dist)
@@ -116,7 +141,12 @@ def train_one_epoch(
         if mixup is not None:
             mixup.use_targets(y)  # for a method that needs the labels to mix (gradient saliency)
         x, logits = _forward(model, x, dtype, channels_last)
-        if loss == "bce_softmax":
+        if task == "regression":
+            per_sample = (
+                mixup.loss(_per_sample_se, logits, y) if mixup is not None else _per_sample_se(logits, y)
+            )
+            value = per_sample.mean()
+        elif loss == "bce_softmax":
             classes = logits.shape[1]
             soft = (  # in the logits' dtype (`dtype` is the autocast one: it must not change)
                 mixup.targets(y, classes, dtype=logits.dtype, logits=logits)
@@ -138,6 +168,10 @@ def train_one_epoch(
         totals[0] += value.detach() * y.shape[0]
         totals[1] += y.shape[0]
         totals[2] += 1
+        if task == "classification":
+            correct = mixup.weigh(_correct, logits, y) if mixup is not None else _correct(logits, y)
+            totals[3] += correct.detach().sum()
+            totals[4] += correct.shape[0]
         if finite.due(totals[2]):
             finite.read()  # the device's flag, lazily (nothing to read when checked every step)
         if after_step is not None:
@@ -160,6 +194,16 @@ def _forward(
 
 def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target, reduction="none")
+
+
+def _per_sample_se(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The squared error of each sample's one output."""
+    return (output.squeeze(-1) - target.to(output.dtype)).square()
+
+
+def _correct(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """1.0 where the top class is the label, else 0.0 (float64, one per row)."""
+    return (logits.argmax(1) == target).to(torch.float64)
 
 
 class Evaluation(NamedTuple):
@@ -195,6 +239,29 @@ def evaluate(
     calibration.reduce(dist or Dist())
     count, correct = int(calibration.count.sum()), round(float(calibration.correct.sum()))
     return Evaluation(nll / count, correct / count, calibration)
+
+
+@torch.no_grad()
+def evaluate_regression(
+    model: nn.Module,
+    loader,
+    device: torch.device,
+    precision: str = "32",
+    dist: Dist | None = None,
+) -> float:
+    """The test mean squared error of ``model``'s one output in eval mode (in the standardised target's
+    units); with ``dist``, over the union of the ranks' shards."""
+    dtype = PRECISIONS[precision]
+    model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    count = 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        _, output = _forward(model, x, dtype, False)
+        total += _per_sample_se(output, y).sum()
+        count += y.shape[0]
+    total, count = (dist or Dist()).sum([float(total), float(count)])
+    return total / count
 
 
 @contextmanager
@@ -279,12 +346,16 @@ def train(
 
     Returns the summary: ``test_acc``, ``test_nll``, ``test_ece`` (15 bins) and ``calibration`` (the
     reliability diagram's numbers, also drawn into ``reliability.png``) of the last epoch,
-    ``best_test_acc``, ``best_epoch``, ``epochs``, ``seconds``, ``train_loss`` and whatever
-    ``run.summary`` holds.
+    ``best_test_acc``, ``best_epoch``, ``epochs``, ``seconds``, ``train_loss``, ``train_acc`` and whatever
+    ``run.summary`` holds. For a regression task (``run.data.task``): ``test_rmse`` (in the target's
+    units), ``test_mse`` (standardised), ``best_test_rmse``, ``best_epoch`` (the lowest RMSE) and the
+    rest, without calibration.
     """
     model, data, optimizer, scheduler, device = run.model, run.data, run.optimizer, run.scheduler, run.device
     mixup, hooks, opts = run.mixup, run.hooks, run.settings
     epochs, precision, channels_last = opts.epochs, opts.precision, opts.channels_last
+    task = getattr(data, "task", "classification")
+    regression = task == "regression"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / ckpt.FILE
@@ -323,7 +394,7 @@ def train(
     calibration = None
     metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
     with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
-        writer = csv.DictWriter(f, fieldnames=METRICS)
+        writer = csv.DictWriter(f, fieldnames=METRICS[task], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(state.rows)  # the epochs before the checkpoint (none when starting)
         f.flush()
@@ -332,7 +403,9 @@ def train(
             lr = optimizer.param_groups[0]["lr"]
             skip = state.step if epoch == state.epoch + 1 else 0
             if skip:
-                totals = [state.totals[0].clone(), state.totals[1], state.totals[2]]
+                totals = [state.totals[0].clone(), *state.totals[1:3]]
+                if len(state.totals) >= 5:  # (a checkpoint before train_acc has none: it counts from here)
+                    totals += [state.totals[3].clone(), state.totals[4]]
             else:
                 totals = [torch.zeros((), dtype=torch.float64), 0, 0]
             sampler.set_epoch(epoch)
@@ -355,32 +428,38 @@ def train(
                 train_loss = train_one_epoch(
                     net, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
                     progress_bar=opts.progress_bar, loss=opts.loss, totals=totals, after_step=after_step,
-                    mixed_loss_weight=opts.mixed_loss_weight, finite=finite,
+                    mixed_loss_weight=opts.mixed_loss_weight, finite=finite, task=task,
                     precision=precision, scaler=scaler, channels_last=channels_last, dist=dist,
                     before_step=None if run.schedule is None else (
                         lambda done, epoch=epoch, steps=steps: run.schedule.set(epoch, done / steps)
                     ),
                 )  # fmt: skip
-                if dist.enabled:  # the epoch's mean over every rank's samples
-                    loss_sum, count = dist.sum([float(totals[0]), float(totals[1])])
+                correct, rows = float(totals[3]), totals[4]
+                if dist.enabled:  # the epoch's means over every rank's samples
+                    loss_sum, count, correct, rows = dist.sum(
+                        [float(totals[0]), float(totals[1]), correct, rows]
+                    )
                     train_loss = loss_sum / max(count, 1)
+                train_acc = correct / max(rows, 1)
             except NonFiniteLoss as err:
                 note = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint yet"
                 raise NonFiniteLoss(f"epoch {epoch}, step {err.step}: {err}; {note}", err.step) from None
             if scheduler is not None:
                 scheduler.step()
-            test_loss, test_acc, calibration = evaluate(
-                net, data.test, device, precision, channels_last, dist
-            )
-            row = {
-                "epoch": epoch,
-                "train_loss": train_loss,
-                "test_loss": test_loss,
-                "test_acc": test_acc,
-                "test_ece": calibration.ece(),
-                "lr": lr,
-                "seconds": time.perf_counter() - t0,
-            }
+            row = {"epoch": epoch, "train_loss": train_loss, "lr": lr}
+            if regression:
+                test_loss = evaluate_regression(net, data.test, device, precision, dist)
+                row.update(test_loss=test_loss, test_rmse=math.sqrt(test_loss) * data.target_scale)
+                score = -row["test_rmse"]  # state.best keeps the highest score
+            else:
+                test_loss, test_acc, calibration = evaluate(
+                    net, data.test, device, precision, channels_last, dist
+                )
+                row.update(
+                    train_acc=train_acc, test_loss=test_loss, test_acc=test_acc, test_ece=calibration.ece()
+                )
+                score = test_acc
+            row["seconds"] = time.perf_counter() - t0
             writer.writerow(row)
             f.flush()
             state.rows.append(row)
@@ -394,17 +473,38 @@ def train(
                     model, mixup, layers, batch.to(device), folder / f"epoch{epoch:03d}", pause=probes,
                     targets=labels.to(device),
                 )  # fmt: skip
-            if test_acc > state.best[0]:
-                state.best = (test_acc, epoch)
-            log.info(
-                "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  test_ece %.2f%%  lr %.4g  "
-                "%.1fs", epoch, epochs, train_loss, test_loss, 100 * test_acc, 100 * row["test_ece"], lr,
-                row["seconds"],
-            )  # fmt: skip
+            if score > state.best[0] or state.best[1] == 0:
+                state.best = (score, epoch)
+            if regression:
+                log.info(
+                    "epoch %d/%d  train_loss %.4f  test_mse %.4f  test_rmse %.3f  lr %.4g  %.1fs",
+                    epoch, epochs, train_loss, test_loss, row["test_rmse"], lr, row["seconds"],
+                )  # fmt: skip
+            else:
+                log.info(
+                    "epoch %d/%d  train_loss %.4f  train_acc %.2f%%  test_loss %.4f  test_acc %.2f%%  "
+                    "test_ece %.2f%%  lr %.4g  %.1fs", epoch, epochs, train_loss, 100 * train_acc, test_loss,
+                    100 * test_acc, 100 * row["test_ece"], lr, row["seconds"],
+                )  # fmt: skip
             checkpoint(epoch, 0, None)
             if dist.any(bool(stop[0])) and epoch < epochs:
                 raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, 0)
     last = state.rows[-1]
+    if regression:
+        summary = {
+            "task": task,
+            "test_rmse": last["test_rmse"],
+            "test_mse": last["test_loss"],
+            "best_test_rmse": -state.best[0],
+            "best_epoch": state.best[1],
+            "train_loss": last["train_loss"],
+            "epochs": epochs,
+            "seconds": time.perf_counter() - start,
+            **run.summary,
+        }
+        if dist.main:
+            write_json_atomic(out_dir / "summary.json", summary)
+        return summary
     if calibration is None:  # resumed after the last epoch: the same model evaluates to the same figures
         calibration = evaluate(net, data.test, device, precision, channels_last, dist).calibration
     summary = {
@@ -414,6 +514,7 @@ def train(
         "best_test_acc": state.best[0],
         "best_epoch": state.best[1],
         "train_loss": last["train_loss"],
+        "train_acc": last.get("train_acc"),
         "epochs": epochs,
         "seconds": time.perf_counter() - start,
         "calibration": calibration.table(),

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import torch
+
 from . import checkpoint as ckpt
 from .distributed import Dist
 
@@ -33,7 +35,8 @@ class RunState:
     """Where a run is: ``epoch`` epochs finished and ``step`` steps into the next (0 at an epoch's end),
     ``global_step`` training steps in all; ``rows`` the ``metrics.csv`` rows so far; ``totals`` the
     running ``[loss sum, samples, steps]`` of a part-done epoch; ``seconds`` of training so far;
-    ``best`` the best ``(test accuracy, epoch)``."""
+    ``best`` the best ``(score, epoch)``: the score is the test accuracy (classification) or minus the test
+    RMSE (regression)."""
 
     epoch: int = 0
     step: int = 0
@@ -50,7 +53,11 @@ class RunState:
         randoms = dist.gather(ckpt.random_states(run.hooks))  # every rank's streams, in rank order
         if not dist.main:
             return
-        totals = None if self.totals is None else [self.totals[0].detach().cpu(), *self.totals[1:]]
+        totals = (
+            None
+            if self.totals is None
+            else [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in self.totals]
+        )
         ckpt.save(path, {
             "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
             "rows": self.rows, "seconds": self.seconds, "best": list(self.best), "totals": totals,

@@ -9,7 +9,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from mixhook import CutMix, ManifoldMixup, NoisyFeatureMixup, OneOf
+from mixhook import CutMix, ManifoldMixup, MixupE, NoisyFeatureMixup, OneOf, RankMixup, RegMixup
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
 from tests.app_helpers import config, run_cli
@@ -48,6 +48,24 @@ LIM = {  # the NFM authors' README command and code (erichson/NFM): the decay on
     "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [101, 151, 181],
                   "gamma": 0.1},
     "trainer": {"epochs": 200, "batch_size": 128, "loss": "ce", "mixed_loss_weight": 1.0},
+}  # fmt: skip
+PINTO = {  # the RegMixup authors' commands.sh and code (FrancescoPinto/RegMixup)
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
+              "nesterov": True},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [150, 250], "gamma": 0.1},
+    "trainer": {"epochs": 350, "batch_size": 128, "loss": "ce"},
+}  # fmt: skip
+NOH = {  # the RankMixup authors' README command and configs (cvlab-yonsei/RankMixup)
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
+              "nesterov": False},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [80, 120], "gamma": 0.1},
+    "trainer": {"epochs": 200, "batch_size": 128, "loss": "ce"},
+}  # fmt: skip
+ZOU = {  # the MixupE authors' README command and code (oneHuster/MixupE)
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
+              "nesterov": True},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [300, 600], "gamma": 0.1},
+    "trainer": {"epochs": 800, "batch_size": 100, "loss": "ce"},
 }  # fmt: skip
 CUTMIX = {"_target_": "mixhook.CutMix", "layer": "input", "alpha": 1.0, "prob": 0.5}
 MANIFOLD = {"_target_": "mixhook.ManifoldMixup", "layer": ["input", "layer1", "layer2"], "alpha": 2.0}
@@ -89,8 +107,23 @@ EXPECTED = {
     "faramarzi2022_cifar100_patchup_hard": (FARAMARZI, "cifar100", patchup("hard", 0.5, 0.7), None, None),
     "lim2022_cifar10_nfm": (LIM, "cifar10", NFM, None, None, NFM_NET),
     "lim2022_cifar100_nfm": (LIM, "cifar100", NFM, None, None, {**NFM_NET, "width": 2}),
+    "pinto2022_cifar10_regmixup": (PINTO, "cifar10", {"_target_": "mixhook.RegMixup", "layer": "input",
+                                   "alpha": 20.0, "eta": 1.0}, None, None),
+    "pinto2022_cifar100_regmixup": (PINTO, "cifar100", {"_target_": "mixhook.RegMixup", "layer": "input",
+                                    "alpha": 10.0, "eta": 1.0}, None, None),
+    "noh2023_cifar10_rankmixup": (NOH, "cifar10", {"_target_": "mixhook.RankMixup", "layer": "input",
+                                  "alpha": 2.0, "margin": 2.0, "weight": 0.1}, None, None),
+    "zou2023_cifar100_mixupe": (ZOU, "cifar100", {"_target_": "mixhook.MixupE", "layer": "input",
+                                "alpha": 2.0, "eta": 0.001, "threshold": 1.0}, None, None),
 }  # fmt: skip
-UNVERIFIED = [name for name in EXPECTED if name.startswith(("faramarzi2022", "lim2022"))]
+REPOSITORIES = {
+    "faramarzi2022": "chandar-lab/PatchUp at 31133f3",
+    "lim2022": "erichson/NFM at ed22d5d",
+    "pinto2022": "FrancescoPinto/RegMixup at fd78465",
+    "noh2023": "cvlab-yonsei/RankMixup at e5dc77f",
+    "zou2023": "oneHuster/MixupE at 64ba406",
+}
+UNVERIFIED = [name for name in EXPECTED if name.startswith(tuple(REPOSITORIES))]
 
 
 def test_every_experiment_config_is_checked_here():
@@ -114,6 +147,9 @@ def test_experiment_sets_the_papers_hyperparameters_and_figure(name):
         "Yun et al. 2019",
         "Faramarzi et al. 2022",
         "Lim et al.",
+        "Pinto et al. 2022",
+        "Noh et al. 2023",
+        "Zou et al. 2023",
     )
     assert cfg["paper"]["source"].startswith(papers)
 
@@ -124,8 +160,7 @@ def test_configs_from_the_authors_code_name_it_say_what_they_keep_and_drop_and_a
 ):
     paper = OmegaConf.to_container(config(f"experiment={name}").paper)
     assert "value" not in paper and paper["figure"].startswith("not attached")
-    faramarzi = name.startswith("faramarzi")
-    repository = "chandar-lab/PatchUp at 31133f3" if faramarzi else "erichson/NFM at ed22d5d"
+    repository = REPOSITORIES[name.split("_")[0]]
     assert repository in paper["code"] and paper["kept"] and paper["dropped"]
     assert all(":" in line for line in paper["kept"])  # each with its source file:line
 
@@ -154,7 +189,8 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
         assert run.optimizer.param_groups[0]["nesterov"] == recipe["optim"]["nesterov"]
         assert run.scheduler.milestones == dict.fromkeys(recipe["scheduler"]["milestones"], 1)
         kind = {"mixhook.ManifoldMixup": ManifoldMixup, "mixhook.CutMix": CutMix, "mixhook.OneOf": OneOf,
-                "mixhook.NoisyFeatureMixup": NoisyFeatureMixup}  # fmt: skip
+                "mixhook.NoisyFeatureMixup": NoisyFeatureMixup, "mixhook.RegMixup": RegMixup,
+                "mixhook.RankMixup": RankMixup, "mixhook.MixupE": MixupE}  # fmt: skip
         expected = kind.get(mixup.get("_target_"))
         assert (run.mixup is None) if expected is None else isinstance(run.mixup, expected)
         assert run.summary["paper"] == OmegaConf.to_container(config(f"experiment={name}").paper)

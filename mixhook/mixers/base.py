@@ -172,7 +172,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
 
     _TRANSIENT = (
         "_draw", "_mask_stack", "_targets", "_capture", "_seen",
-        "_layouts", "_regions", "_plans", "_token", "_traced",
+        "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -181,6 +181,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             tuple[str, int], SiteLayout
         ] = {}  # (site, ndim): its maps' layout (mixhook.layouts)
         self._regions: dict[str, str] = {}  # each hidden site's padding-mask region (mixhook.padding)
+        self._takes_masks = False  # whether padding masks downstream get the partners' union (set at attach)
         self._plans: dict[str, tuple] = {}  # a site that returns a plain tensor: (ndim, dtype, batch dim)
         self._draw: _Decision | None = None
         self._mask_stack: list[bool] = []
@@ -382,6 +383,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                     handles.append(module.register_forward_hook(post, always_call=True))
         handles.append(model.register_forward_hook(self._on_model_output))
         self._traced = self.traceable and not takes_masks
+        self._takes_masks = takes_masks and self.padding == "union"
 
     def _reset(self) -> None:
         self._draw = None
@@ -677,6 +679,13 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             )
         if found[0].tensor.is_cuda:
             traced.refuse_capture(type(self).__name__, spec, found[0].tensor.device)
+        if self._takes_masks and found[0].tensor.ndim == 3 and self._channels_last(spec, found[0]):
+            raise ValueError(
+                f"{type(self).__name__} at {spec!r} cuts the positions of a (B, L, C) sequence, and the "
+                "model takes padding masks: their union (padding='union') would call a pasted position valid "
+                "by the wrong sample's mask; blend the sequence instead (ManifoldMixup), or pass "
+                "padding='keep' to hand the model its own masks unchanged"
+            )
         draw, mixed = self._drawing(spec, n, pinned, generator, self.mix, given)
         tensors = self._check_mixed(spec, given, mixed)
         state = self._state(spec, found, draw, mixed, self._clean)

@@ -404,3 +404,30 @@ def test_region_methods_on_nd_maps_compute_the_same_compiled(dims):
             hook.remove()
             results.append((losses, gradients))
         torch.testing.assert_close(results[1], results[0])
+
+
+def test_a_sequence_cut_along_its_positions_is_refused_where_padding_masks_would_be_unioned():
+    """The union of the partners' padding masks fits a blend, not a paste: a (B, L, C) cut in a model that
+    takes key_padding_mask is refused with padding='union' (the default) and runs with padding='keep'."""
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(3, 8)
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+        def forward(self, x, src_key_padding_mask=None):
+            return self.layer(self.embed(x), src_key_padding_mask=src_key_padding_mask).mean(1)
+
+    torch.manual_seed(0)
+    model = Encoder().train()
+    x, pad = torch.randn(4, 6, 3), torch.zeros(4, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    with CutMix("embed", layout="NLC").attach(model):
+        with pytest.raises(
+            ValueError, match=r"CutMix at 'embed' cuts the positions of a \(B, L, C\) sequence, and"
+        ):
+            model(x, src_key_padding_mask=pad)
+    mix = CutMix("embed", layout="NLC", padding="keep", generator=gen())
+    with mix.attach(model):
+        assert model(x, src_key_padding_mask=pad).shape == (4, 8) and mix.last.info["box"]

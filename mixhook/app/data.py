@@ -47,7 +47,7 @@ class Data:
     num_classes: int
     image_size: int
     split_hash: str | None = None  # provenance.digest of the train and test images and labels
-    task: str = "classification"  # or "regression": float targets, MSE, RMSE (see TASKS)
+    task: str = "classification"  # or "regression": float targets, MSE, RMSE (training.loop.TASKS)
     target_scale: float = 1.0  # regression: the std the targets were divided by (RMSE in their units)
 
 

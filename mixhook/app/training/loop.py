@@ -48,17 +48,10 @@ log = logging.getLogger("mixhook")
 # the target's own units
 METRICS = {
     "classification": [
-        "epoch",
-        "train_loss",
-        "train_acc",
-        "test_loss",
-        "test_acc",
-        "test_ece",
-        "lr",
-        "seconds",
+        "epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_ece", "lr", "seconds"
     ],
     "regression": ["epoch", "train_loss", "test_loss", "test_rmse", "lr", "seconds"],
-}
+}  # fmt: skip
 TASKS = tuple(METRICS)
 LOSSES = ("ce", "bce_softmax")
 PRECISIONS = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype per setting

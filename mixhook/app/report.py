@@ -303,7 +303,7 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], r
     else:
         err_ax.text(0.5, 0.5, "no runs yet", ha="center", va="center", transform=err_ax.transAxes)
     err_ax.set_xlabel("test RMSE (the target's units)" if _regression(grouped) else "test error (%)")
-    ece_ax.set_xlabel("test ECE (%), last epoch, mean ± std")
+    ece_ax.set_xlabel("test ECE (%)\nlast epoch, mean ± std")
     if _regression(grouped):  # no calibration of a regression output: no axis to read
         ece_ax.axis("off")
         ece_ax.text(0.5, 0.5, "no ECE:\na regression task", ha="center", va="center", color="#777777",

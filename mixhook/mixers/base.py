@@ -679,7 +679,12 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             )
         if found[0].tensor.is_cuda:
             traced.refuse_capture(type(self).__name__, spec, found[0].tensor.device)
-        if self._takes_masks and found[0].tensor.ndim == 3 and self._channels_last(spec, found[0]):
+        if (
+            self._takes_masks
+            and self.token_grid is None  # (a token grid cuts patches, and keeps the leading tokens' rule)
+            and found[0].tensor.ndim == 3
+            and self._channels_last(spec, found[0])
+        ):
             raise ValueError(
                 f"{type(self).__name__} at {spec!r} cuts the positions of a (B, L, C) sequence, and the "
                 "model takes padding masks: their union (padding='union') would call a pasted position valid "

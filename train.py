@@ -8,9 +8,10 @@ from omegaconf import DictConfig
 from mixhook.app import CONF_DIR, CONF_MODULE
 from mixhook.app import run as app
 from mixhook.app.command_line import check_command_line
+from mixhook.app.hydra_compat import HYDRA_MAIN
 
 
-@hydra.main(config_path=f"pkg://{CONF_MODULE}", config_name="config", version_base="1.3")
+@hydra.main(config_path=f"pkg://{CONF_MODULE}", config_name="config", **HYDRA_MAIN)
 def main(cfg: DictConfig) -> float:
     return app.main(cfg)
 

@@ -6,12 +6,13 @@ import sys
 from hydra import compose, initialize_config_dir
 
 from mixhook.app import CONF_DIR
+from mixhook.app.hydra_compat import VERSION_BASE
 from tests.conftest import ROOT
 
 
 def config(*overrides):
     """The app's config composed with ``overrides``, as Hydra composes it for ``train.py``."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), **VERSION_BASE):
         return compose(config_name="config", overrides=list(overrides))
 
 

@@ -231,13 +231,14 @@ def main(argv: list[str]) -> int:
     from . import CONF_DIR, CONF_MODULE
     from . import run as app
     from .command_line import check_command_line
+    from .hydra_compat import VERSION_BASE
 
     problem = check_command_line(argv, str(CONF_DIR))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
+        with initialize_config_module(config_module=CONF_MODULE, **VERSION_BASE):
             cfg = compose(config_name="config", overrides=argv)
         model, data = app.build_model_and_data(cfg)
     except (app.ConfigError, HydraException) as err:

@@ -98,8 +98,10 @@ def _check_composed(keys: list, groups: dict[str, str], conf_dir: str) -> str | 
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from .hydra_compat import VERSION_BASE
+
     try:
-        with initialize_config_dir(config_dir=os.path.abspath(conf_dir), version_base="1.3"):
+        with initialize_config_dir(config_dir=os.path.abspath(conf_dir), **VERSION_BASE):
             cfg = compose(config_name="config", overrides=[f"{k}={v}" for k, v in groups.items()])
     except Exception:  # noqa: BLE001  (whatever stops composing here, Hydra will say itself)
         return None

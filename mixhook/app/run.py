@@ -19,7 +19,6 @@ import sys
 import numpy as np
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -30,7 +29,7 @@ from mixhook.mixers.contract import members
 from mixhook.mixers.partners import crosses_ranks
 from mixhook.probes import ActivationStats, GradStats
 
-from . import schema
+from . import hydra_compat, schema
 from .data import Data, DataNotFoundError, build_data
 from .files import make_writable_dir
 from .provenance import environment
@@ -201,8 +200,8 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
                 )
     handles = _attach_and_check(model, hooks, data)
     try:
-        optimizer = _optimizer(cfg.optim, model)
-        scheduler = _scheduler(cfg.scheduler, optimizer)
+        optimizer = _optimizer(cfg.optim, model, _allowed(cfg))
+        scheduler = _scheduler(cfg.scheduler, optimizer, _allowed(cfg))
         if (
             cfg.trainer.precision == "fp16"
             and isinstance(optimizer, torch.optim.SGD)
@@ -325,7 +324,9 @@ def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.
     except (ValueError, TypeError) as err:
         raise ConfigError(f"data: {err}") from err
     try:
-        model = _instantiate(cfg.model, "model", in_channels=data.in_channels, num_classes=data.num_classes)
+        model = _instantiate(
+            cfg.model, "model", _allowed(cfg), in_channels=data.in_channels, num_classes=data.num_classes
+        )
     except ConfigError as err:
         if data.task != "regression":
             raise
@@ -390,11 +391,12 @@ def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
     probes and the ``hooks`` list. A hook whose constructor takes a ``generator`` and is not given one
     gets its own, seeded from ``seed`` and its place (so that ``seed`` changes every hook's draws)."""
     hooks: list[tuple[str, object]] = []
+    patterns = _allowed(cfg)
     if cfg.mixup.get("_target_"):
-        hooks.append(("mixup", _build_hook(cfg.mixup, "mixup", seed)))
+        hooks.append(("mixup", _build_hook(cfg.mixup, "mixup", seed, patterns)))
     for offset, key in enumerate(("input_scale", "grad_scale", "grad_clip"), start=1):
         if cfg[key].get("layer") is not None:
-            hooks.append((key, _build_hook(cfg[key], key, seed + offset)))
+            hooks.append((key, _build_hook(cfg[key], key, seed + offset, patterns)))
     if probe_layers(cfg):
         every = cfg.probes.every
         try:
@@ -410,16 +412,16 @@ def _build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
             raise ConfigError(
                 f"{key}: each entry needs a _target_ (a hook class such as mixhook.GradClip), got {node}"
             )
-        hooks.append((key, _build_hook(node, key, seed + 4 + i)))
+        hooks.append((key, _build_hook(node, key, seed + 4 + i, patterns)))
     return hooks
 
 
-def _build_hook(node: DictConfig, key: str, seed: int):
+def _build_hook(node: DictConfig, key: str, seed: int, patterns: tuple[str, ...] = hydra_compat.TRUSTED):
     """The hook a ``_target_`` node describes, checked to have ``attach(model)``."""
     extra = {}
     if "generator" not in node and "generator" in _parameters(node._target_):
         extra["generator"] = torch.Generator().manual_seed(seed)
-    hook = _instantiate(node, key, **extra)
+    hook = _instantiate(node, key, patterns, **extra)
     if not callable(getattr(hook, "attach", None)):
         raise ConfigError(f"{key}: {node._target_} built a {type(hook).__name__}, which has no attach(model)")
     return hook
@@ -499,12 +501,14 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
                 raise ConfigError(f"{key}.layer: {err}") from err
 
 
-def _optimizer(node: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
+def _optimizer(
+    node: DictConfig, model: nn.Module, patterns: tuple[str, ...] = hydra_compat.TRUSTED
+) -> torch.optim.Optimizer:
     """The ``optim`` node's ``torch.optim`` optimizer over the model's parameters (its constructor
     checks the values: ``optim: Invalid learning rate: -1``)."""
     if not node.get("_target_"):
         raise ConfigError("optim needs a _target_ (an optimizer class such as torch.optim.SGD)")
-    optimizer = _instantiate(node, "optim", params=model.parameters())
+    optimizer = _instantiate(node, "optim", patterns, params=model.parameters())
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
             f"optim: {node._target_} built a {type(optimizer).__name__}, not a torch.optim optimizer"
@@ -512,12 +516,14 @@ def _optimizer(node: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _scheduler(node: DictConfig, optimizer: torch.optim.Optimizer):
+def _scheduler(
+    node: DictConfig, optimizer: torch.optim.Optimizer, patterns: tuple[str, ...] = hydra_compat.TRUSTED
+):
     """The ``scheduler`` node's learning-rate schedule on ``optimizer`` (``None`` without a
     ``_target_``), stepped once at the end of every epoch."""
     if not node.get("_target_"):
         return None
-    scheduler = _instantiate(node, "scheduler", optimizer=optimizer)
+    scheduler = _instantiate(node, "scheduler", patterns, optimizer=optimizer)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ConfigError(
             "scheduler: ReduceLROnPlateau steps on a validation metric, and this app has only the test "
@@ -530,13 +536,27 @@ def _scheduler(node: DictConfig, optimizer: torch.optim.Optimizer):
     return scheduler
 
 
-def _instantiate(node: DictConfig, key: str, **kwargs):
-    """``hydra.utils.instantiate`` with the cause of a failure said in one line under ``key``."""
+def _allowed(cfg: DictConfig) -> tuple[str, ...]:
+    """The execution whitelist: the app's own targets and ``allow_targets`` (:mod:`.hydra_compat`)."""
     try:
-        return instantiate(node, _convert_="all", **kwargs)
+        return hydra_compat.allowed(OmegaConf.select(cfg, "allow_targets") or ())
+    except hydra_compat.TargetNotAllowed as err:
+        raise ConfigError(str(err)) from None
+
+
+def _instantiate(node: DictConfig, key: str, patterns: tuple[str, ...] = hydra_compat.TRUSTED, **kwargs):
+    """``hydra.utils.instantiate`` of an allowed ``_target_`` (:mod:`.hydra_compat`), with the cause of a
+    failure said in one line under ``key``: Hydra 1.3 wraps what the constructor raises in an
+    ``InstantiationException``, Hydra 1.4 lets it through (torch's ``ValueError: Invalid momentum value``)."""
+    try:
+        return hydra_compat.instantiate(node, key, patterns, _convert_="all", **kwargs)
+    except hydra_compat.TargetNotAllowed as err:
+        raise ConfigError(str(err)) from None
     except InstantiationException as err:
         cause = err.__cause__ or err
-        raise ConfigError(f"{key}: {cause}") from err
+        raise ConfigError(f"{key}: {' '.join(str(cause).split())}") from err
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, ImportError) as err:
+        raise ConfigError(f"{key}: {' '.join(str(err).split())}") from err
 
 
 def _device(spec: str) -> torch.device:

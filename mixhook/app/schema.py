@@ -140,6 +140,7 @@ class Config:
     hooks: list[Any] = field(default_factory=list)
     probes: ProbesConfig = field(default_factory=ProbesConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    allow_targets: list[str] = field(default_factory=list)  # _target_s beyond mixhook.* and torch.optim.*
 
 
 def register() -> None:

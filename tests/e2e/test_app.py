@@ -43,6 +43,9 @@ def test_mixup_none_builds_without_a_regularizer():
     assert run.mixup is None and run.summary["mixup"] == {}
 
 
+TOYS = "allow_targets=[tests.toy_models.*]"  # the toy models the tests build (hydra_compat)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -67,7 +70,7 @@ def test_mixup_none_builds_without_a_regularizer():
         (["scheduler=multistep", "scheduler.gamma=0"], "scheduler.gamma must be > 0, got 0"),
         (["scheduler.T_max=0"], "scheduler.T_max must be an integer >= 1, got 0"),
         (
-            ["optim._target_=torch.nn.Identity"],
+            ["optim._target_=torch.nn.Identity", "allow_targets=[torch.nn.Identity]"],
             "optim: torch.nn.Identity built a Identity, not a torch.optim",
         ),
         (
@@ -93,16 +96,16 @@ def test_cuda_requested_without_cuda_is_refused():
 
 
 def test_a_layer_with_a_tuple_output_is_mixed_and_a_selector_without_the_batch_is_refused():
-    run = app.build(config("model._target_=tests.toy_models.TupleBlockNet", "mixup.layer=[stem,block]"))
+    run = app.build(config("model._target_=tests.toy_models.TupleBlockNet", "mixup.layer=[stem,block]", TOYS))
     run.model.train()(next(iter(run.data.train))[0])  # mixes whichever layer is drawn
     for handle in run.handles:
         handle.remove()
     cutmix = app.build(
-        config("model._target_=tests.toy_models.OddOutputsNet", "mixup=cutmix", "mixup.layer=named")
+        config("model._target_=tests.toy_models.OddOutputsNet", "mixup=cutmix", "mixup.layer=named", TOYS)
     )
     for handle in cutmix.handles:  # a dict holding one (B, C, H, W) map: CutMix cuts it
         handle.remove()
-    cfg = config("model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[1]"')
+    cfg = config("model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[1]"', TOYS)
     with pytest.raises(
         app.ConfigError, match=r"mixup.layer: ManifoldMixup at 'block\[1\]'.*no batch dimension"
     ):
@@ -269,9 +272,16 @@ def _keys(cfg):
     return keys + [f"hooks[{i}]" for i in range(len(cfg.hooks))]
 
 
-def test_hooks_list_instantiates_a_users_own_hook_class():
-    cfg = config("hooks=[{_target_: tests.toy_models.CountForwards, layer: layer2}]", *FAST)
-    run = app.build(cfg)
+def test_hooks_list_instantiates_a_users_own_hook_class_once_allowed():
+    hooks = "hooks=[{_target_: tests.toy_models.CountForwards, layer: layer2}]"
+    with pytest.raises(
+        app.ConfigError,
+        match=r"^hooks\[0\]\._target_=tests\.toy_models\.CountForwards is not among the targets this app "
+        r"builds \(mixhook\.\*, torch\.optim\.\*, torchvision\.models\.\*, timm\.models\.\*\); allow it with "
+        r"allow_targets=\[tests\.toy_models\.\*\]",
+    ):
+        app.build(config(hooks, *FAST))
+    run = app.build(config(hooks, "allow_targets=[tests.toy_models.CountForwards]", *FAST))
     counter = run.hooks[-1]
     assert type(counter).__name__ == "CountForwards" and counter.calls == 1  # the sample batch check
     run.model(torch.randn(3, 1, 8, 8))

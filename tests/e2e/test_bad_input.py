@@ -100,18 +100,30 @@ from tests.conftest import write_cifar
             "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",
         ),
         (
-            ["model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[1]"'],
+            [
+                "model._target_=tests.toy_models.TupleBlockNet",
+                "allow_targets=[tests.toy_models.*]",
+                'mixup.layer="block[1]"',
+            ],
             "error: mixup.layer: ManifoldMixup at 'block[1]': its output element [1] is a tensor of "
             "shape (), which has no batch dimension 0",
         ),
         (
-            ["model._target_=tests.toy_models.TupleBlockNet", 'mixup.layer="block[2]"'],
+            [
+                "model._target_=tests.toy_models.TupleBlockNet",
+                "allow_targets=[tests.toy_models.*]",
+                'mixup.layer="block[2]"',
+            ],
             "error: mixup.layer: 'block[2]': its output has no element [2]; its elements: "
             "[0] tensor (2, 4, 8, 8)",
         ),
         (['mixup.layer="layer2["'], "error: mixup: layer spec 'layer2[' is malformed"),
         (
-            ["model._target_=tests.toy_models.OddOutputsNet", "mixup.layer=pooled"],
+            [
+                "model._target_=tests.toy_models.OddOutputsNet",
+                "allow_targets=[tests.toy_models.*]",
+                "mixup.layer=pooled",
+            ],
             "error: mixup.layer: ManifoldMixup at 'pooled': it returned a tensor of shape (4, 8, 8), "
             "whose batch dimension 0 has size 4, but the model's input has a batch of 2",
         ),
@@ -254,7 +266,7 @@ def test_a_misspelled_key_is_named_with_the_closest_valid_one():
         "mixup.alpa=0.3: mixup has no key 'alpa'; did you mean mixup.alpha?"
     )
     assert check("seedd=1").startswith(
-        "seedd=1: the config has no key 'seedd'; did you mean seed? valid: data,"
+        "seedd=1: the config has no key 'seedd'; did you mean seed? valid: allow_targets, data,"
     )
     # the keys of the group option chosen on the same command line (CutMix has no grid)
     assert check("mixup=cutmix", "mixup.grid=2") == (

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from mixhook.app import CONF_DIR
+from mixhook.app.hydra_compat import VERSION_BASE
 from mixhook.app.report import main as report_main
 from mixhook.app.report import write_report
 from tests.conftest import ROOT
@@ -155,7 +156,7 @@ def test_submitit_local_launcher_runs_and_reports(tmp_path):
 def test_launcher_configs_compose(launcher, setting, target):
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), **VERSION_BASE):
         cfg = compose(
             config_name="config",
             overrides=[f"hydra/launcher={launcher}", f"hydra.launcher.{setting}"],

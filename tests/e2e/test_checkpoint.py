@@ -248,8 +248,9 @@ def test_a_nan_names_the_step_and_the_first_non_finite_layer_and_keeps_the_last_
 ):
     out = tmp_path / "run"
     hook = "hooks=[{_target_: tests.toy_models.NanAt, layer: layer1.0.conv2, step: 3}]"
+    allow = "allow_targets=[tests.toy_models.*]"
     with pytest.raises(SystemExit) as info:
-        app.main(config(*SMALL, hook, *lazily), out_dir=str(out))
+        app.main(config(*SMALL, hook, allow, *lazily), out_dir=str(out))
     assert info.value.code == 3
     err = capsys.readouterr().err.strip()
     assert err == (
@@ -266,9 +267,10 @@ def test_a_lazily_read_nan_is_named_at_the_next_read_and_nothing_is_saved(tmp_pa
     and the run stops there naming step 3, with no checkpoint written."""
     out = tmp_path / "run"
     hook = "hooks=[{_target_: tests.toy_models.NanAt, layer: layer1.0.conv2, step: 3}]"
+    allow = "allow_targets=[tests.toy_models.*]"
     lazily = ["trainer.check_finite_every=4", "+optim.fused=true", "trainer.checkpoint_every=0"]
     with pytest.raises(SystemExit) as info:
-        app.main(config(*SMALL, hook, *lazily), out_dir=str(out))
+        app.main(config(*SMALL, hook, allow, *lazily), out_dir=str(out))
     assert info.value.code == 3
     assert capsys.readouterr().err.strip() == (
         "error: epoch 1, step 3: the loss became nan; first non-finite layer output: "

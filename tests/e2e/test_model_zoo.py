@@ -50,6 +50,7 @@ def test_a_users_own_model_with_its_own_arguments_through_target(tmp_path):
 
     cfg = config(
         "model._target_=tests.toy_models.TinyConvNet", "+model.width=12", "mixup.layer=conv2",
+        "allow_targets=[tests.toy_models.*]",
         "trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false",
     )  # fmt: skip
     run = app.build(cfg)

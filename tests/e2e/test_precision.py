@@ -12,7 +12,8 @@ from mixhook.app.training import checkpoint as ckpt
 from tests.app_helpers import config
 
 TINY = [
-    "model._target_=tests.toy_models.TinyConvNet", "mixup.layer=[input,conv1,bn,conv2]",
+    "model._target_=tests.toy_models.TinyConvNet", "allow_targets=[tests.toy_models.*]",
+    "mixup.layer=[input,conv1,bn,conv2]",
     "data.train_size=200", "trainer.epochs=2", "trainer.batch_size=32", "trainer.progress_bar=false",
 ]  # fmt: skip
 

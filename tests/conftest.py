@@ -9,12 +9,14 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest-xdist's workers (pyproject's addopts: one per core) share the cores: each worker's torch, and
     # the train.py processes it starts, get its share of them instead of all (oversubscribed, each
-    # would run several times slower). Threads are recorded in summary.json, and runs compared within a
+    # would run several times slower; the app reads MIXHOOK_THREADS, not OMP_NUM_THREADS, which a
+    # launcher may set). Threads are recorded in summary.json, and runs compared within a
     # test are made with the same count.
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     _threads = str(max(1, _cores // _workers))
     os.environ["OMP_NUM_THREADS"] = _threads
+    os.environ["MIXHOOK_THREADS"] = _threads  # the app's default thread count (trainer.threads=null)
     torch.set_num_threads(int(_threads))
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,10 +32,10 @@ from pathlib import Path
 import yaml
 
 from .files import atomic_write
+from .records import ERROR_FILE
 
 METRICS = ["test_acc", "test_error", "test_nll", "test_ece", "best_test_acc", "epochs", "seconds"]
 REGRESSION_METRICS = ["test_rmse", "best_test_rmse", "test_mse", "epochs", "seconds"]
-ERROR_FILE = "error.txt"
 
 
 def run_dirs(sweep_dir: str | os.PathLike) -> list[Path]:

@@ -8,9 +8,11 @@ raises instead, so that Hydra records the failed job and the sweep goes on).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
+import math
 import os
 import random
 import re
@@ -33,6 +35,7 @@ from . import hydra_compat, schema
 from .data import Data, DataNotFoundError, build_data
 from .files import make_writable_dir
 from .provenance import environment
+from .records import RunRecords
 from .training import Run, Settings, train
 from .training import checkpoint as ckpt
 from .training.distributed import Dist
@@ -60,41 +63,63 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
         from hydra.core.hydra_config import HydraConfig
 
         out_dir = HydraConfig.get().runtime.output_dir
+    records = RunRecords(cfg, out_dir)  # before anything is written: whose directory this is
     try:
-        return _main(cfg, out_dir)
+        return _main(cfg, out_dir, records)
     except (ConfigError, NonFiniteLoss, Interrupted) as err:
-        if _in_multirun():
-            _record_failure(out_dir, err)
-            raise
         if isinstance(err, Interrupted):  # status 128 + the signal, as a shell reports a kill
             line, status = str(err), 128 + err.signum
         else:
             line, status = f"error: {err}", 2 if isinstance(err, ConfigError) else 3
+        if _in_multirun():
+            records.failed(line, error=_error_line(err))
+            raise
+        records.failed(line)
         print(line, file=sys.stderr)
         raise SystemExit(status) from None
-    except Exception as err:
-        if _in_multirun():  # the sweep report lists the run as failed with this line
-            _record_failure(out_dir, err)
+    except Exception as err:  # a bug, not bad input: Hydra shows the traceback; the sweep report the line
+        records.failed(f"error: {_error_line(err)}", error=_error_line(err) if _in_multirun() else None)
         raise
 
 
-def _record_failure(out_dir: str, err: BaseException) -> None:
-    from .report import ERROR_FILE
-
+def _error_line(err: BaseException) -> str:
+    """What a sweep report says of a failed job: the error's type and its message's last line."""
     lines = str(err).strip().splitlines()
-    with open(os.path.join(out_dir, ERROR_FILE), "w") as f:
-        f.write(f"{type(err).__name__}: {lines[-1] if lines else ''}\n")
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"
 
 
-def _main(cfg: DictConfig, out_dir: str) -> float:
+def _main(cfg: DictConfig, out_dir: str, records: RunRecords) -> float:
     dist = Dist.from_env(cuda=_device(cfg.trainer.device).type == "cuda")
+    records.enabled = dist.main  # rank 0 keeps the records
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.trainer.threads or default_threads(dist))
     try:
-        return _run(cfg, dist.broadcast(out_dir), dist)  # every rank works in rank 0's run directory
+        return _run(cfg, dist.broadcast(out_dir), dist, records)  # every rank works in rank 0's run directory
     finally:
+        torch.set_num_threads(threads)
         dist.close()
 
 
-def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
+def default_threads(dist: Dist | None = None) -> int:
+    """``trainer.threads=null``: ``$MIXHOOK_THREADS`` if set, else the CPU cores this process may use (its
+    affinity: a SLURM or container limit), shared by the processes of a data-parallel job on this machine.
+    Not what ``OMP_NUM_THREADS`` says: the joblib launcher sets it to 1 in its workers and torchrun to 1 per
+    process, and CPU results depend on the thread count, so the same config gives the same numbers under
+    every launcher."""
+    env = os.environ.get("MIXHOOK_THREADS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ConfigError(f"MIXHOOK_THREADS={env!r}: a number of threads >= 1, or unset")
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if dist is not None and dist.enabled else 1
+    return max(cores // max(local, 1), 1)
+
+
+def _run(cfg: DictConfig, out_dir: str, dist: Dist, records: RunRecords) -> float:
     if not dist.main:
         log.setLevel(logging.WARNING)  # rank 0 reports
     _check_writable(out_dir)
@@ -102,6 +127,7 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist) -> float:
     try:
         run.config = OmegaConf.to_container(cfg, resolve=True)
         state = _resume_state(cfg, out_dir, run.config)
+        records.accepted()
         log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
                  cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
         if cfg.probes.feature_maps and probe_layers(cfg):
@@ -482,8 +508,10 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
                 raise ConfigError(f"{key}: {err}; data={data.name} has {y.dtype} labels") from err
     checks = [(key, hook) for key, hook in hooks if callable(getattr(hook, "check_output", None))]
     layers = list(dict.fromkeys(name for _, hook in checks for name in hook.layers))
+    norms = _batchnorm_inputs(model) if _one_sample_batches(data) else None
     try:
-        outputs = trace_outputs(model, layers, x)
+        with norms or contextlib.nullcontext():
+            outputs = trace_outputs(model, layers, x)
     except Exception as err:  # whatever the model raises on this input is a model/data mismatch
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
         hint = f" (data={data.name} is tabular: model=mlp)" if data.task == "regression" else ""
@@ -491,6 +519,8 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
             f"model: {type(model).__name__} fails on a {data.name} batch of shape {tuple(x.shape)}{hint}: "
             f"{type(err).__name__}: {reason}"
         ) from err
+    if norms is not None:
+        _check_one_sample(model, norms.shapes, x.shape[0], data)
     for key, hook in checks:
         for name in hook.layers:
             if name not in outputs:
@@ -499,6 +529,53 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
                 hook.check_output(name, outputs[name], x.shape[0])
             except (TypeError, ValueError) as err:
                 raise ConfigError(f"{key}.layer: {err}") from err
+
+
+def _one_sample_batches(data: Data) -> bool:
+    """Whether a training batch can hold a single sample: ``trainer.batch_size=1``, or a training share of
+    one sample (the sampler leaves out a last batch of one only when there are others)."""
+    return data.train.batch_size == 1 or len(data.train.sampler) == 1
+
+
+class _batchnorm_inputs:
+    """While entered, the input shape of every BatchNorm layer of ``model`` the forward reaches, by name
+    (``shapes``), recorded by forward pre-hooks that it removes on exit."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.shapes, self.handles = model, {}, []
+
+    def __enter__(self):
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                self.handles.append(module.register_forward_pre_hook(self._record(name)))
+        return self
+
+    def _record(self, name: str):
+        def hook(module, args):
+            if args and isinstance(args[0], torch.Tensor):
+                self.shapes.setdefault(name, tuple(args[0].shape))
+
+        return hook
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return False
+
+
+def _check_one_sample(model: nn.Module, shapes: dict[str, tuple], batch: int, data: Data) -> None:
+    """Refuse, before training, a run whose batches of one sample a BatchNorm layer cannot train on: in
+    training mode it needs more than one value per channel (torch raises in the first step otherwise);
+    ``shapes`` are the layers' inputs for a sample batch of ``batch`` samples."""
+    for name, shape in shapes.items():
+        if len(shape) >= 2 and math.prod(shape) // (batch * shape[1]) == 1:
+            one = data.train.batch_size == 1
+            what = "trainer.batch_size=1" if one else "a training set of one sample (data.train_size)"
+            raise ConfigError(
+                f"{what}: {type(model).__name__}'s BatchNorm layer {name!r} would see one value per channel "
+                f"(its input for one sample is {(1, *shape[1:])}), which it cannot train on; use "
+                "trainer.batch_size=2 or more"
+            )
 
 
 def _optimizer(

@@ -59,6 +59,7 @@ class TrainerConfig:
     checkpoint_every: int = _at_least(0, 0)
     check_finite_every: int | None = _at_least(1, None)
     resume: str | None = None
+    threads: int | None = _at_least(1, None)  # torch's intra-op threads (null: training.threads.default)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The bad-input matrix: each bad setting gets one line naming it, a non-zero exit before any training,
-and leaves no metrics.csv, summary.json or checkpoint behind. Batch size 1 is not bad input."""
+and leaves no metrics.csv, summary.json or checkpoint behind. Batch size 1 is not bad input, unless a
+BatchNorm layer would see one value per channel (refused before training, not a traceback in step 1)."""
 
 import json
 
@@ -24,6 +25,16 @@ from tests.conftest import write_cifar
         (["mixup.prob=1.5"], "error: mixup: prob must be in [0, 1], got 1.5"),
         (["mixup.prob=-0.1"], "error: mixup: prob must be in [0, 1], got -0.1"),
         (["trainer.batch_size=0"], "error: trainer.batch_size must be an integer >= 1, got 0"),
+        (  # 8x8 digits: layer4's maps are 1x1, and the first BatchNorm to see them is layer4.0.bn2
+            ["trainer.batch_size=1"],
+            "error: trainer.batch_size=1: PreActResNet's BatchNorm layer 'layer4.0.bn2' would see one value "
+            "per channel (its input for one sample is (1, 512, 1, 1)), which it cannot train on; use "
+            "trainer.batch_size=2 or more",
+        ),
+        (
+            ["trainer.batch_size=1", "model=torchvision", "model.name=resnet18", "mixup.layer=layer1"],
+            "error: trainer.batch_size=1: ResNet's BatchNorm layer 'layer2.0.bn1' would see one value",
+        ),
         (["trainer.epochs=-1"], "error: trainer.epochs must be an integer >= 1, got -1"),
         (["trainer.checkpoint_every=-5"], "error: trainer.checkpoint_every must be an integer >= 0, got -5"),
         (["trainer.logger=wandb"], "error: trainer.logger='wandb' is not a logger; valid: csv, tensorboard"),
@@ -237,7 +248,7 @@ def test_a_last_batch_of_one_sample_trains(tmp_path):
     assert json.loads((out / "summary.json").read_text())["epochs"] == 1
 
 
-def test_batch_size_1_while_mixing_trains(tmp_path):
+def test_batch_size_1_while_mixing_trains_where_the_model_can(tmp_path):
     write_cifar(tmp_path / "cifar", "cifar10", per_file=3)
     out = tmp_path / "run"
     cfg = config(

@@ -114,3 +114,30 @@ def test_the_layer_browser_runs_from_a_built_wheel(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("PreActResNet on a digits batch of shape (2, 1, 8, 8):")
     assert "layer4.0.shortcut" in result.stdout
+
+
+def readme_block(heading: str) -> str:
+    """The first ```python block under ``heading`` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(heading) :]
+    return section[section.index("```python\n") + len("```python\n") :].split("\n```", 1)[0]
+
+
+def test_the_readmes_first_library_example_runs_with_torch_alone():
+    code = readme_block("## Use the library in your own loop")
+    assert "import torch" in code and "mix.attach(model)" in code
+    result = subprocess.run([sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    layer, lam, index = result.stdout.split(" ", 2)
+    assert layer in ("input", "layer1", "layer2") and 0 < float(lam) < 1 and len(eval(index)) == 8
+
+
+def test_importing_the_core_prints_nothing_and_numpy_comes_with_it():
+    # torch warns "Failed to initialize NumPy" when numpy is missing: the core's install brings it
+    from importlib.metadata import requires
+
+    assert any(r.split(";")[0].strip() == "numpy" for r in requires("mixhook"))
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import mixhook"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 0 and result.stdout == result.stderr == "", result.stderr

@@ -534,3 +534,24 @@ def test_pair_mode_equals_timms_pair_mode_on_the_same_draw(batch):
     assert torch.equal(drawn.last.lam, drawn.last.lam.flip(0)) and len(set(drawn.last.lam.tolist())) > 1
     with pytest.raises(ValueError, match="mode='pair' pairs samples within this process's batch"):
         ManifoldMixup("input", mode="pair", partners="global")
+
+
+def test_a_batch_of_one_sample_is_mixed_with_itself_an_identity_in_logits_loss_and_gradients():
+    # what the README promises for trainer.batch_size=1: the mix is an identity and training proceeds
+    model = mlp().train()
+    x, y = torch.randn(1, 6, dtype=torch.double), torch.tensor([1])
+    plain = copy.deepcopy(model)
+    expected = F.cross_entropy(plain(x), y)
+    expected.backward()
+    mix = ManifoldMixup(["input", "2"], generator=gen(3))
+    with mix.attach(model):
+        for _ in range(4):  # each layer, several lams
+            model.zero_grad()
+            out = model(x)
+            assert mix.last.index.tolist() == [0]
+            loss = mix.loss(F.cross_entropy, out, y)
+            loss.backward()
+            exact(out, plain(x))
+            exact(loss, expected)
+            for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+                exact(p.grad, q.grad)

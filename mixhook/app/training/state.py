@@ -24,7 +24,7 @@ from .distributed import Dist
 # Keys that may differ between a run and its resumption: where things are, how they are shown.
 RESUMABLE_CHANGES = {
     "trainer.resume", "trainer.progress_bar", "trainer.checkpoint_every", "trainer.device",
-    "trainer.check_finite_every",
+    "trainer.check_finite_every", "trainer.threads",
     "data.root", "data.num_workers", "data.download",
 }  # fmt: skip
 EPOCHS = "trainer.epochs"  # may grow: the run is extended

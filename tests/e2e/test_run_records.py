@@ -1,0 +1,123 @@
+"""What a run leaves in its run directory, through train.py as a user runs it.
+
+A run refused in a directory that holds another run leaves that directory byte for byte as it was
+(Hydra itself would rewrite its ``.hydra/`` record with the rejected settings before the app could refuse);
+in a directory of its own, a refused, non-finite or stopped run records its config and puts its last line
+into ``train.log`` as on stderr. Every launcher gives the same numbers for the same config (the thread
+count is the config's, not the launcher's ``OMP_NUM_THREADS``)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+
+from tests.app_helpers import run_cli
+from tests.conftest import ROOT
+
+QUICK = ("data.train_size=100", "trainer.epochs=1", "trainer.progress_bar=false")
+
+
+def snapshot(directory):
+    """Every file below ``directory`` (hidden ones too) and its bytes."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    return {str(p.relative_to(directory)): p.read_bytes() for p in files}
+
+
+def one_line(result, status):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == status and len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_refused_run_leaves_the_run_directory_it_names_byte_for_byte_as_it_was(tmp_path):
+    run = tmp_path / "run"
+    first = run_cli(*QUICK, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(run)
+    records = {".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"}
+    assert {*records, "last.pt", "summary.json", "train.log"} <= set(before)
+    assert yaml.safe_load(before[".hydra/overrides.yaml"]) == list(QUICK)
+    assert yaml.safe_load(before[".hydra/config.yaml"])["trainer"]["epochs"] == 1
+    for overrides, line in (
+        (  # resumed with another model
+            ["model=torchvision", "model.name=resnet18", "trainer.resume=auto"],
+            f"error: trainer.resume: {run / 'last.pt'}: written with model._target_=",
+        ),
+        (
+            ["mixup.alpha=0.5", "trainer.resume=auto"],
+            f"error: trainer.resume: {run / 'last.pt'}: written with mixup.alpha=2.0",
+        ),
+        ([], f"error: the run directory {run} already holds a checkpoint (last.pt)"),  # started afresh
+        (["mixup.alpha=0"], "error: mixup: alpha must be a finite number > 0, got 0"),  # bad input
+    ):
+        result = run_cli(*QUICK, *overrides, f"hydra.run.dir={run}", cwd=tmp_path)
+        assert one_line(result, 2).startswith(line), result.stderr
+        assert snapshot(run) == before, overrides
+
+
+def test_a_run_refused_in_its_own_directory_records_what_was_refused_and_why(tmp_path):
+    run = tmp_path / "run"
+    result = run_cli(*QUICK, "mixup.alpha=0", f"hydra.run.dir={run}", cwd=tmp_path)
+    line = one_line(result, 2)
+    assert line == "error: mixup: alpha must be a finite number > 0, got 0"
+    assert (run / "train.log").read_text().strip().endswith(f"[mixhook][ERROR] - {line}")
+    assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) == [*QUICK, "mixup.alpha=0"]
+    assert yaml.safe_load((run / ".hydra" / "config.yaml").read_text())["mixup"]["alpha"] == 0
+    assert not any((run / name).exists() for name in ("last.pt", "metrics.csv", "summary.json"))
+
+
+def test_a_non_finite_loss_is_said_in_train_log_as_on_stderr(tmp_path):
+    run = tmp_path / "run"
+    hook = "hooks=[{_target_: tests.toy_models.NanAt, layer: layer1.0.conv2, step: 2}]"
+    result = run_cli(
+        *QUICK, "+model.width=0.25", hook, "allow_targets=[tests.toy_models.*]", f"hydra.run.dir={run}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    line = one_line(result, 3)
+    assert line.startswith("error: epoch 1, step 2: the loss became nan; first non-finite layer output: ")
+    log = (run / "train.log").read_text()
+    assert "epoch 1/1" not in log and log.strip().endswith(f"[mixhook][ERROR] - {line}")
+
+
+def test_ctrl_c_is_said_in_train_log_as_on_stderr(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "data.train_size=300", "trainer.epochs=50",
+         "trainer.progress_bar=false", "+model.width=0.25", f"hydra.run.dir={run}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while not (run / "last.pt").exists():  # past start-up: the first epoch is written
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 128 + signal.SIGINT and len(lines) == 1, stderr
+    assert lines[0].startswith("stopped by SIGINT ") and "trainer.resume=auto" in lines[0]
+    assert (run / "train.log").read_text().strip().endswith(f"[mixhook][ERROR] - {lines[0]}")
+
+
+def test_the_basic_and_the_joblib_launcher_give_the_same_numbers(tmp_path):
+    # joblib's workers start with OMP_NUM_THREADS=1, and CPU results depend on the thread count: the run
+    # sets its own (trainer.threads, null: the cores it may use) and records it in summary.json. Run as a
+    # user runs it, without the suite's thread settings (tests/conftest.py)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MIXHOOK_THREADS")}
+    summaries = {}
+    for launcher in ("basic", "joblib"):
+        sweep = tmp_path / launcher
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), "-m", f"hydra/launcher={launcher}", *QUICK,
+             "+model.width=0.25", "seed=3", f"hydra.sweep.dir={sweep}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries[launcher] = json.loads((sweep / "0" / "summary.json").read_text())
+    basic, joblib = summaries["basic"], summaries["joblib"]
+    assert basic["environment"]["cpu"]["threads"] == joblib["environment"]["cpu"]["threads"]
+    for key in ("train_loss", "test_nll", "test_acc", "test_ece"):
+        assert basic[key] == joblib[key], key

@@ -52,6 +52,7 @@ from benchmarks.cases.recompiles import recompiles  # noqa: E402
 from benchmarks.cases.training_step import VARIANTS, training_steps  # noqa: E402
 from benchmarks.report import device_name, device_slug, goals, markdown  # noqa: E402
 from benchmarks.timing import Timer  # noqa: E402
+from mixhook.app.records import torch_messages_to_log  # noqa: E402
 
 CASES = (
     "eager", "compiled", "bf16", "peers", "methods", "dispatch", "host", "blend", "recompiles", "memory",
@@ -158,103 +159,107 @@ def main(argv=None) -> dict:
         # What has run so far, in case the rest is cut off (a device lease ends): the final files replace it.
         (out / f"{stem}.partial.json").write_text(json.dumps(results, indent=2) + "\n")
 
-    if "eager" in cases:
-        results["training_step"] = []
-        for model_name, batch, size, variants, *layout in plan:
-            log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
-            results["training_step"].append(
-                training_steps(
+    # what torch and Python warn about while the cases run (dynamo, "No CUDA runtime is found") goes to
+    # <stem>.log beside the results, and the terminal gets a count
+    with torch_messages_to_log(out / f"{stem}.log", say=log):
+        if "eager" in cases:
+            results["training_step"] = []
+            for model_name, batch, size, variants, *layout in plan:
+                log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
+                step = training_steps(
                     model_name, batch, size, device, timer, reps, inner, variants, channels_last=bool(layout)
                 )
+                results["training_step"].append(step)
+                checkpoint()
+        if compiled_plan and "compiled" in cases:
+            results["training_step_compiled"] = []
+            for model_name, batch, size, variants in compiled_plan:
+                log(f"training step: {model_name} batch {batch} compiled (inductor; compiling takes a while)")
+                step = training_steps(
+                    model_name, batch, size, device, timer, reps, inner, variants, compile_=True
+                )
+                results["training_step_compiled"].append(step)
+                checkpoint()
+        if bf16_plan and "bf16" in cases:
+            log("training step: bf16 autocast ...")
+            results["training_step_bf16"] = [
+                training_steps(m, b, s, device, timer, reps, inner, v, autocast=True)
+                for m, b, s, v in bf16_plan
+            ]
+            checkpoint()
+        if "peers" in cases:
+            log("peers ...")
+            results["peers"] = peers(
+                device, timer, reps, 1, *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32)))
             )
             checkpoint()
-    if compiled_plan and "compiled" in cases:
-        results["training_step_compiled"] = []
-        for model_name, batch, size, variants in compiled_plan:
-            log(f"training step: {model_name} batch {batch} compiled (inductor; compiling takes a while) ...")
-            results["training_step_compiled"].append(
-                training_steps(model_name, batch, size, device, timer, reps, inner, variants, compile_=True)
+        if "methods" in cases:
+            log("methods ...")
+            quick_methods = ["ManifoldMixup", "CutMix", "SaliencyMix", "SaliencyMix_gradient"]
+            results["methods"] = methods(
+                device,
+                timer,
+                reps,
+                inner,
+                *((8, 32) if args.quick else ((128, 32) if cuda else (16, 32))),
+                wanted=quick_methods if args.quick else None,
             )
             checkpoint()
-    if bf16_plan and "bf16" in cases:
-        log("training step: bf16 autocast ...")
-        results["training_step_bf16"] = [
-            training_steps(m, b, s, device, timer, reps, inner, v, autocast=True) for m, b, s, v in bf16_plan
-        ]
-        checkpoint()
-    if "peers" in cases:
-        log("peers ...")
-        results["peers"] = peers(
-            device, timer, reps, 1, *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32)))
-        )
-        checkpoint()
-    if "methods" in cases:
-        log("methods ...")
-        quick_methods = ["ManifoldMixup", "CutMix", "SaliencyMix", "SaliencyMix_gradient"]
-        results["methods"] = methods(
-            device,
-            timer,
-            reps,
-            inner,
-            *((8, 32) if args.quick else ((128, 32) if cuda else (16, 32))),
-            wanted=quick_methods if args.quick else None,
-        )
-        checkpoint()
-    if "dispatch" in cases:
-        log("dispatch ...")
-        results["dispatch"] = dispatch(
-            device,
-            timer,
-            reps,
-            200 if args.quick else 2000,
-            *((8, 16) if args.quick else ((256, 32) if cuda else (32, 32))),
-        )
-        checkpoint()
-    if "host" in cases:
-        log("host cost against a hand-written hook ...")
-        results["host"] = host(device, timer, 5 if args.quick else 21, 50 if args.quick else 400)
-        checkpoint()
-    if "baseline" in cases:
-        log(f"this checkout against {args.baseline} ...")
-        try:
-            results["baseline"] = baseline(
-                device, timer, reps, args.baseline, 200 if args.quick else 2000,
-                *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32))),
-            )  # fmt: skip
-        except ValueError as err:
-            parser.error(str(err))
-        checkpoint()
-    if "blend" in cases:
-        log("blend ...")
-        shape = (16, 32, 16, 16) if args.quick else ((128, 256, 32, 32) if cuda else (64, 64, 32, 32))
-        results["blend"] = blend_bandwidth(device, timer, reps, shape)
-        checkpoint()
-    if "recompiles" in cases:
-        log("recompiles ...")
-        results["recompiles"] = recompiles(
-            device,
-            30 if args.quick else 100,
-            10,
-            8 if args.quick else 16,
-            8 if args.quick else 32,
-            small=args.quick,
-        )
-        checkpoint()
-    if "memory" in cases:
-        results["memory"] = memory(device, 128, 32)
-        checkpoint()
-    if "data" in cases:
-        log("data pipelines ...")
-        images, workers = (500, 0) if args.quick else ((50_000, None) if cuda else (10_000, 2))
-        results["data"] = data_pipelines(device, timer, reps, images, workers=workers)
-        checkpoint()
-    if "recipe" in cases:
-        log("Verma et al. 2019 recipe ...")
-        if args.quick:
-            results["recipe"] = recipe(device, timer, reps, steps=2, batch=8, size=16)
-        else:  # a CPU takes seconds per step: a few steps per epoch, projected
-            results["recipe"] = recipe(device, timer, min(reps, 5), steps=None if cuda else 3)
-        checkpoint()
+        if "dispatch" in cases:
+            log("dispatch ...")
+            results["dispatch"] = dispatch(
+                device,
+                timer,
+                reps,
+                200 if args.quick else 2000,
+                *((8, 16) if args.quick else ((256, 32) if cuda else (32, 32))),
+            )
+            checkpoint()
+        if "host" in cases:
+            log("host cost against a hand-written hook ...")
+            results["host"] = host(device, timer, 5 if args.quick else 21, 50 if args.quick else 400)
+            checkpoint()
+        if "baseline" in cases:
+            log(f"this checkout against {args.baseline} ...")
+            try:
+                results["baseline"] = baseline(
+                    device, timer, reps, args.baseline, 200 if args.quick else 2000,
+                    *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32))),
+                )  # fmt: skip
+            except ValueError as err:
+                parser.error(str(err))
+            checkpoint()
+        if "blend" in cases:
+            log("blend ...")
+            shape = (16, 32, 16, 16) if args.quick else ((128, 256, 32, 32) if cuda else (64, 64, 32, 32))
+            results["blend"] = blend_bandwidth(device, timer, reps, shape)
+            checkpoint()
+        if "recompiles" in cases:
+            log("recompiles ...")
+            results["recompiles"] = recompiles(
+                device,
+                30 if args.quick else 100,
+                10,
+                8 if args.quick else 16,
+                8 if args.quick else 32,
+                small=args.quick,
+            )
+            checkpoint()
+        if "memory" in cases:
+            results["memory"] = memory(device, 128, 32)
+            checkpoint()
+        if "data" in cases:
+            log("data pipelines ...")
+            images, workers = (500, 0) if args.quick else ((50_000, None) if cuda else (10_000, 2))
+            results["data"] = data_pipelines(device, timer, reps, images, workers=workers)
+            checkpoint()
+        if "recipe" in cases:
+            log("Verma et al. 2019 recipe ...")
+            if args.quick:
+                results["recipe"] = recipe(device, timer, reps, steps=2, batch=8, size=16)
+            else:  # a CPU takes seconds per step: a few steps per epoch, projected
+                results["recipe"] = recipe(device, timer, min(reps, 5), steps=None if cuda else 3)
+            checkpoint()
     results["goals"] = goals(results, device)
     results["misses"] = [
         f"{g['goal']} ({g['where']}): {g['measured']:.3f} against {g['limit']}"

@@ -90,3 +90,23 @@ class TinyConvNet(nn.Module):
 
     def forward(self, x):
         return self.head(self.conv2(self.act(self.bn(self.conv1(x)))).mean((2, 3)))
+
+
+class Warns:
+    """A user's own hook class whose layer, in training, warns as torch and libraries do: a Python
+    ``UserWarning`` and a message on a ``torch.*`` logger (where dynamo's graph breaks go)."""
+
+    def __init__(self, layer: str):
+        self.layer = layer
+
+    def attach(self, model):
+        return model.get_submodule(self.layer).register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if module.training:
+            import logging
+            import warnings
+
+            warnings.warn("a library's warning", UserWarning, stacklevel=1)
+            logging.getLogger("torch._dynamo.toy").warning("a graph break")
+        return None

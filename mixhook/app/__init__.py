@@ -6,13 +6,16 @@ training loop, sweep reports and layer browser. It is installed by the ``app`` e
 ``python -m mixhook.layers`` work from a checkout and from an installed wheel alike).
 """
 
-from importlib.util import find_spec
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 CONF_MODULE = "mixhook.app.conf"
 
-if find_spec("hydra") is not None:  # the models, data and loop import without Hydra (a bare GPU machine)
+try:  # the models, data and loop import without Hydra (a bare GPU machine; the core alone)
+    import hydra  # noqa: F401
+except ImportError:
+    pass
+else:
     from . import schema  # Hydra must know the schemas before it composes ``conf/``
 
     schema.register()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 
 from .files import make_writable_dir
 
@@ -61,6 +62,12 @@ def _check_keys(argv: list[str], conf_dir: str, multirun: bool = False) -> str |
         key = override.key_or_group
         if override.type != OverrideType.CHANGE or key.startswith("hydra") or override.package:
             continue
+        if override.is_sweep_override() and not multirun:  # Hydra: 6 lines "Ambiguous value"
+            arg = override.input_line
+            if os.path.isdir(os.path.join(conf_dir, key)):
+                return f"{arg} sweeps over {key}: add -m (python train.py -m {arg} ...)"
+            listed = f"{key}=[{arg.partition('=')[2]}]"
+            return f"{arg}: a list needs brackets ({listed}); to sweep over the values, add -m"
         if os.path.isdir(os.path.join(conf_dir, key)):
             if key != "hparams_search":  # a sweeper's config needs its plugin: Hydra's business
                 values = _values(override) if override.is_sweep_override() else [override.value()]
@@ -68,9 +75,10 @@ def _check_keys(argv: list[str], conf_dir: str, multirun: bool = False) -> str |
                     groups[key] = [_text(v) for v in values]
         else:
             keys.append(override)
-    if not keys:
-        return None
     first = {key: values[0] for key, values in groups.items()}
+    problem = _check_groups(first, conf_dir)
+    if problem or not keys:
+        return problem
     choices = [first] + [{**first, key: v} for key, values in groups.items() for v in values[1:]]
     for choice in choices:
         problem = _check_composed(keys, choice, conf_dir)
@@ -88,6 +96,39 @@ def _check_keys(argv: list[str], conf_dir: str, multirun: bool = False) -> str |
                 f"{problem}; in a sweep over {group}=..., Hydra first composes the default {group}, so set "
                 f"a key that only some options have with ++{arg}"
             )
+    return None
+
+
+def _check_groups(groups: dict[str, str], conf_dir: str) -> str | None:
+    """Group choices that cannot be composed together, in one line: an experiment that sets a key the
+    data set chosen beside it does not have (``experiment=<a CIFAR recipe> data=digits``: Hydra's 6-line
+    ConfigKeyError), or ``None``."""
+    from hydra import compose, initialize_config_dir
+
+    from .hydra_compat import VERSION_BASE
+
+    if len(groups) < 2:
+        return None
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(conf_dir), **VERSION_BASE):
+            compose(config_name="config", overrides=[f"{k}={v}" for k, v in groups.items()])
+    except Exception as err:  # noqa: BLE001  (what is not a missing key, Hydra will say itself)
+        # Hydra's ConfigCompositionException carries the ConfigKeyError only in its message
+        text = str(err)
+        found = re.search(r"full_key: (\S+)", text)
+        if "ConfigKeyError" not in text or not found:
+            return None
+        full_key = found[1]
+        reason = next((line.strip() for line in text.splitlines() if line.startswith("Key ")), "")
+        group = full_key.split(".")[0]
+        chosen = " ".join(f"{k}={v}" for k, v in groups.items())
+        if "experiment" in groups and group in groups:
+            chosen = f"{group}={groups[group]}"
+            return (
+                f"experiment={groups['experiment']} sets {full_key}, which {chosen} has no key for: the "
+                f"experiment chooses its own {group}; leave {chosen} out"
+            )
+        return f"{chosen}: these choices do not compose: {full_key}: {reason}"
     return None
 
 
@@ -114,9 +155,15 @@ def _check_composed(keys: list, groups: dict[str, str], conf_dir: str) -> str | 
             if part not in node:
                 where = ".".join(walked) or "the config"
                 valid = sorted(str(k) for k in node.keys())
-                close = difflib.get_close_matches(part, valid, n=1, cutoff=0.5)
                 prefix = ".".join(walked) + "." if walked else ""
-                hint = f"did you mean {prefix}{close[0]}? " if close else ""
+                # the same key in another group first (data.batch_size: trainer.batch_size), then the
+                # closest key here
+                rest = key[len(prefix) :]
+                elsewhere = [k for k in _dotted_keys(cfg) if k.endswith(f".{rest}") and k != key]
+                close = [k[len(prefix) :] for k in elsewhere[:1]] or difflib.get_close_matches(
+                    part, valid, n=1, cutoff=0.5
+                )
+                hint = f"did you mean {elsewhere[0] if elsewhere else prefix + close[0]}? " if close else ""
                 return f"{arg}: {where} has no key {part!r}; {hint}valid: {', '.join(valid)}"
             walked.append(part)
             node = node[part]
@@ -128,6 +175,22 @@ def _check_composed(keys: list, groups: dict[str, str], conf_dir: str) -> str | 
                 reason = str(err).strip().splitlines()[0]
                 return f"{key}={_text(value)}: {reason}"
     return None
+
+
+def _dotted_keys(node, prefix: str = "") -> list[str]:
+    """Every key of the composed config ``node``, dotted (``trainer.batch_size``), Hydra's own left out."""
+    from omegaconf import DictConfig
+
+    keys = []
+    for key in node.keys():
+        if str(key) == "hydra" and not prefix:
+            continue
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            keys += _dotted_keys(child, f"{dotted}.")
+    return keys
 
 
 def _values(override) -> list:

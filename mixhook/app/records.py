@@ -16,8 +16,10 @@ import copy
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 RUN_FILES = ("last.pt", "summary.json", "metrics.csv", ".hydra")  # what an earlier run left
 SUBDIR = ".hydra"
@@ -60,6 +62,7 @@ class RunRecords:
         """``.hydra/``'s three files, as Hydra writes them (``hydra.core.utils._save_config``), under Hydra
         and while ``hydra.output_subdir`` is null (a user who sets it gets Hydra's own record there)."""
         from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf
 
         if self.written or not self.enabled or not HydraConfig.initialized():
             return
@@ -86,3 +89,62 @@ def _to_log_files(line: str) -> None:
     for handler in logging.getLogger().handlers + logger.handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+
+
+class torch_messages_to_log:
+    """While entered, what torch and Python warn about during a run (dynamo's graph breaks and
+    recompilations, "No CUDA runtime is found", a library's UserWarning) goes to the log files only, not
+    to the terminal; on exit the terminal gets one line with the count (when there were any) and the
+    handlers are as they were. Without a log file (outside Hydra) the messages are left alone."""
+
+    LOGGERS = ("torch", "py.warnings")
+
+    def __init__(self, path: str | os.PathLike | None = None, say=None):
+        """``path``: a log file of its own (the benchmark's), instead of the job's; ``say``: what prints the
+        count (default: the app's log)."""
+        self.count = 0
+        self.saved: list = []
+        self.path, self.say, self.own = path, say, None
+
+    def __enter__(self):
+        if self.path is not None:
+            self.own = logging.FileHandler(self.path, delay=True)
+            self.own.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        files = [self.own] if self.own else []
+        files = files or [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+        if not files:
+            return self
+        forward = logging.Handler(logging.WARNING)  # warnings and errors only: torch's trace is DEBUG
+
+        def emit(record: logging.LogRecord) -> None:
+            self.count += 1
+            for handler in files:
+                handler.handle(record)
+
+        forward.emit = emit
+        self.saved = []
+        # torch's loggers that print for themselves (torch._logging gives "torch", "torch._dynamo", ...
+        # their own handlers and stops them propagating)
+        names = [n for n in logging.root.manager.loggerDict if n.split(".")[0] == "torch"]
+        loggers = [logging.getLogger(n) for n in (*self.LOGGERS, *names)]
+        for logger in dict.fromkeys(loggers):
+            if logger.name in self.LOGGERS or logger.handlers:
+                self.saved.append((logger, logger.handlers[:], logger.propagate))
+                logger.handlers = [forward]
+                logger.propagate = False
+        logging.captureWarnings(True)
+        return self
+
+    def __exit__(self, *exc):
+        if not self.saved:
+            return False
+        logging.captureWarnings(False)
+        for logger, handlers, propagate in self.saved:
+            logger.handlers, logger.propagate = handlers, propagate
+        if self.own is not None:
+            self.own.close()
+        if self.count:
+            where = self.path or "train.log"
+            line = f"{self.count} warning(s) from torch or Python during the run went to {where} only"
+            (self.say or logging.getLogger("mixhook").info)(line)
+        return False

@@ -6,7 +6,8 @@ writes into ``<sweep_dir>``:
 
 - ``summary.csv``: one row per run: its overrides (one column per key), status (``ok``, ``failed`` with the
   last line of its error, or ``incomplete`` for a run still going or killed), and its ``summary.json``
-  metrics, with the paper's figure when the run's config carries one;
+  metrics under their names and units (``test_acc``, ``test_ece``: fractions), plus ``test_error`` and
+  ``best_test_error`` in %, with the paper's figure when the run's config carries one;
 - ``summary.md``: runs grouped by their overrides other than ``seed``: n, mean ± std of test error (%)
   at the last and the best epoch, test NLL and test ECE (%), best first, beside the paper's figure;
   failed runs listed below;
@@ -29,8 +30,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import yaml
-
 from .files import atomic_write
 from .records import ERROR_FILE
 
@@ -51,6 +50,8 @@ def run_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
 
 def read_run(run_dir: Path) -> dict:
     """One row: overrides, status, error line, metrics and the paper's figure (if any)."""
+    import yaml
+
     overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []
     row: dict = {"job": str(run_dir.name), "overrides": " ".join(overrides)}
     row.update(_parse_overrides(overrides))
@@ -62,9 +63,7 @@ def read_run(run_dir: Path) -> dict:
         for key in REGRESSION_METRICS if regression else METRICS:
             if key == "test_error":
                 row[key] = 100.0 * (1.0 - summary["test_acc"])
-            elif key == "test_ece" and key in summary:
-                row[key] = 100.0 * summary[key]  # in %, as the error
-            elif key in summary:
+            elif key in summary:  # as summary.json has it (test_acc, test_ece: fractions)
                 row[key] = summary[key]
         if "best_test_acc" in summary:
             row["best_test_error"] = 100.0 * (1.0 - summary["best_test_acc"])
@@ -131,7 +130,7 @@ def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
         best = [_score(r, "best_") for r in members if f"best_{_metric(r)}" in r]
         best_mean, best_std = _mean_std(best) if len(best) == len(members) else (math.nan, math.nan)
         nll_mean, nll_std = _mean_std([r["test_nll"] for r in members if "test_nll" in r])
-        ece = [r["test_ece"] for r in members if "test_ece" in r]
+        ece = [100.0 * r["test_ece"] for r in members if "test_ece" in r]  # in %, as the error
         ece_mean, ece_std = _mean_std(ece) if len(ece) == len(members) else (math.nan, math.nan)
         paper = next((r for r in members if "paper_value" in r), None)
         out.append({
@@ -226,7 +225,7 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
                 f"| {g['group']} | {g['n']} | {_pm(g['test_error_mean'], g['test_error_std'], 2)} | "
                 f"{_pm(g['best_error_mean'], g['best_error_std'], 2)} |"
             )
-    lines += [] if regression else [
+    lines += [] if regression or not any(g["n"] for g in grouped) else [
         "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch "
         "| test ECE %, last epoch | paper |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -265,12 +264,13 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], r
     fig, (err_ax, ece_ax) = plt.subplots(
         1, 2, figsize=(11, height), dpi=120, sharey=True, gridspec_kw={"width_ratios": [3, 1.4]}
     )
-    if grouped:
+    finished = [g for g in grouped if g["n"]]
+    if finished:
         y = list(range(len(grouped)))
         labels = []
         for g in grouped:
             extra = "".join(f", {g[k]} {k}" for k in ("failed", "incomplete") if g[k])
-            labels.append(f"{g['group']}  (n={g['n']}{extra})")
+            labels.append(f"{_short(g['group'])}  (n={g['n']}{extra})")
         for yi, g in enumerate(grouped):
             if not g["n"]:
                 err_ax.text(0.02, yi, "no finished run", va="center", color="#C44E52", fontsize=8,
@@ -300,14 +300,22 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], r
         err_ax.legend(handles=handles, fontsize=7, loc="best")
         _pad(err_ax)
         _pad(ece_ax)
-    else:
-        err_ax.text(0.5, 0.5, "no runs yet", ha="center", va="center", transform=err_ax.transAxes)
-    err_ax.set_xlabel("test RMSE (the target's units)" if _regression(grouped) else "test error (%)")
-    ece_ax.set_xlabel("test ECE (%)\nlast epoch, mean ± std")
-    if _regression(grouped):  # no calibration of a regression output: no axis to read
-        ece_ax.axis("off")
-        ece_ax.text(0.5, 0.5, "no ECE:\na regression task", ha="center", va="center", color="#777777",
-                    transform=ece_ax.transAxes)  # fmt: skip
+        err_ax.set_xlabel("test RMSE (the target's units)" if _regression(grouped) else "test error (%)")
+        ece_ax.set_xlabel("test ECE (%)\nlast epoch, mean ± std")
+        no_ece = "no ECE:\na regression task" if _regression(grouped) else None
+        if no_ece is None and all(math.isnan(g["test_ece_mean"]) for g in finished):
+            no_ece = "no ECE:\nnot recorded\nby these runs"
+        if no_ece:  # no axis to read
+            ece_ax.axis("off")
+            ece_ax.text(0.5, 0.5, no_ece, ha="center", va="center", color="#777777",
+                        transform=ece_ax.transAxes)  # fmt: skip
+    else:  # nothing to draw on axes: say what happened instead
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("failed", "incomplete")}
+        what = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no runs yet"
+        for ax in (err_ax, ece_ax):
+            ax.axis("off")
+        fig.text(0.5, 0.45, f"no finished run ({what}):\nsee summary.md for each run's error", ha="center",
+                 va="center", color="#C44E52")  # fmt: skip
     for ax in (err_ax, ece_ax):
         ax.grid(axis="x", alpha=0.3)
     seeds = sorted({dict(_parse_overrides(r["overrides"].split(" "))).get("seed", "") for r in rows} - {""})
@@ -322,6 +330,23 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], r
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+def _short(group: str) -> str:
+    """A group's label for the picture: each float value to 4 significant digits (an Optuna trial's
+    ``mixup.alpha=2.2403726653165665`` is ``mixup.alpha=2.24``); summary.md and summary.csv keep them
+    whole."""
+    parts = []
+    for item in group.split(" "):
+        key, sep, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            parts.append(item)
+            continue
+        short = f"{number:.4g}"
+        parts.append(f"{key}{sep}{short}" if sep and len(short) < len(value) else item)
+    return " ".join(parts)
 
 
 def _pad(ax) -> None:
@@ -351,10 +376,29 @@ class ReportCallback(Callback):
             write_report(hydra_cfg.sweep.dir)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        write_report(config.hydra.sweep.dir)
+        """The final report; a sweep in which some run failed then ends with one line saying how many and
+        where their errors are, and exit status 1 (each failed job printed its own line already)."""
+        sweep_dir = config.hydra.sweep.dir
+        rows = write_report(sweep_dir)["rows"]
+        failed = sum(r["status"] == "failed" for r in rows)
+        if failed:
+            where = f"{sweep_dir}/summary.md"
+            print(f"error: {failed} of {len(rows)} runs failed; their errors are listed in {where}",
+                  file=sys.stderr)  # fmt: skip
+            raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # the app extra: without it, say what to install (as python -m mixhook.layers does)
+        import matplotlib  # noqa: F401
+        import yaml  # noqa: F401
+    except ImportError as err:
+        print(
+            f"error: sweep reports are part of the experiment app, which needs {err.name}: "
+            "pip install 'mixhook[app]'",
+            file=sys.stderr,
+        )
+        return 2
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] in ("-h", "--help"):
         print("usage: python -m mixhook.app.report <sweep_dir>", file=sys.stderr)

@@ -35,7 +35,7 @@ from . import hydra_compat, schema
 from .data import Data, DataNotFoundError, build_data
 from .files import make_writable_dir
 from .provenance import environment
-from .records import RunRecords
+from .records import RunRecords, torch_messages_to_log
 from .training import Run, Settings, train
 from .training import checkpoint as ckpt
 from .training.distributed import Dist
@@ -55,13 +55,14 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
     """Build, check and run one experiment; return its final test accuracy (what Optuna maximises; minus
     the test RMSE for a regression task, so that maximising it still means better).
 
-    Results go to ``out_dir``, by default the Hydra run's output directory. Outside a multirun, a
-    configuration error exits with status 2, a non-finite loss with 3 and SIGTERM/SIGINT with 128 +
-    the signal, each after one line on stderr.
+    Results go to ``out_dir``, by default the Hydra run's output directory. A configuration error exits
+    with status 2, a non-finite loss with 3 and SIGTERM/SIGINT with 128 + the signal, each after one line
+    on stderr (and in ``train.log``: :mod:`.records`). In a multirun, a job that fails so returns NaN
+    after its line, and the sweep goes on; SIGTERM/SIGINT stops the sweep.
     """
-    if out_dir is None:
-        from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig
 
+    if out_dir is None:
         out_dir = HydraConfig.get().runtime.output_dir
     records = RunRecords(cfg, out_dir)  # before anything is written: whose directory this is
     try:
@@ -71,11 +72,17 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
             line, status = str(err), 128 + err.signum
         else:
             line, status = f"error: {err}", 2 if isinstance(err, ConfigError) else 3
-        if _in_multirun():
-            records.failed(line, error=_error_line(err))
-            raise
-        records.failed(line)
+        records.failed(line, error=_error_line(err) if _in_multirun() else None)
         print(line, file=sys.stderr)
+        if _in_multirun() and not isinstance(err, Interrupted):
+            # the job failed and the sweep goes on: its line is in error.txt for the sweep report, whose
+            # callback ends the sweep with one line and a non-zero status (mixhook.app.report); Optuna
+            # counts a NaN as a failed trial. (Raised, it would end the sweep in Hydra's traceback.)
+            return math.nan
+        if _in_multirun():  # Ctrl-C or SIGTERM stops the sweep, not only this job: report it first
+            from .report import write_report
+
+            write_report(HydraConfig.get().sweep.dir)
         raise SystemExit(status) from None
     except Exception as err:  # a bug, not bad input: Hydra shows the traceback; the sweep report the line
         records.failed(f"error: {_error_line(err)}", error=_error_line(err) if _in_multirun() else None)
@@ -142,7 +149,8 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist, records: RunRecords) -> floa
             except ValueError as err:
                 raise ConfigError(str(err)) from err
         try:
-            summary = train(run, out_dir, resume=state, dist=dist, logger=logger)
+            with torch_messages_to_log():
+                summary = train(run, out_dir, resume=state, dist=dist, logger=logger)
         except ckpt.CheckpointError as err:
             raise ConfigError(f"trainer.resume: {err}") from err
         finally:
@@ -456,12 +464,20 @@ def _build_hook(node: DictConfig, key: str, seed: int, patterns: tuple[str, ...]
 def _parameters(target: str) -> set[str]:
     """The names of the parameters of what ``target`` names (empty when it cannot be found: building it
     then says why)."""
+    try:
+        return set(inspect.signature(_object(target)).parameters)
+    except Exception:  # noqa: BLE001
+        return set()
+
+
+def _object(target: str):
+    """What ``target`` names, or ``None`` when it cannot be found (building it then says why)."""
     from hydra.utils import get_object
 
     try:
-        return set(inspect.signature(get_object(target)).parameters)
+        return get_object(target)
     except Exception:  # noqa: BLE001
-        return set()
+        return None
 
 
 def _layer_key(hook, err: UnknownLayerError) -> str:
@@ -600,12 +616,16 @@ def _scheduler(
     ``_target_``), stepped once at the end of every epoch."""
     if not node.get("_target_"):
         return None
+    plateau = ConfigError(
+        "scheduler: ReduceLROnPlateau steps on a validation metric, and this app has only the test "
+        "set: choose a schedule over epochs (cosine, multistep, or any other torch.optim.lr_scheduler)"
+    )
+    target = _object(node._target_)  # refused by its class, before the default's T_max fails it
+    if isinstance(target, type) and issubclass(target, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise plateau
     scheduler = _instantiate(node, "scheduler", patterns, optimizer=optimizer)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise ConfigError(
-            "scheduler: ReduceLROnPlateau steps on a validation metric, and this app has only the test "
-            "set: choose a schedule over epochs (cosine, multistep, or any other torch.optim.lr_scheduler)"
-        )
+        raise plateau
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         raise ConfigError(
             f"scheduler: {node._target_} built a {type(scheduler).__name__}, not a torch.optim.lr_scheduler"

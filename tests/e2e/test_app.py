@@ -3,6 +3,7 @@ run as a subprocess the way a user runs it."""
 
 import csv
 import json
+import re
 
 import matplotlib.image
 import pytest
@@ -12,7 +13,7 @@ from omegaconf import OmegaConf
 from mixhook import ManifoldMixup
 from mixhook.app import run as app
 from tests.app_helpers import config, run_cli
-from tests.conftest import write_cifar
+from tests.conftest import ROOT, write_cifar
 
 
 def test_default_config_is_the_papers_manifold_mixup_on_digits():
@@ -177,6 +178,32 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     assert not list(out.glob(".*.tmp"))
 
 
+def readme_quote(after: str) -> list[str]:
+    """The lines of the README's first ``` block that follows the text ``after``."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index(after) :].split("```\n", 2)[1]
+    return block.splitlines()
+
+
+@pytest.mark.slow
+def test_the_readmes_sample_output_is_what_the_default_run_prints(default_run):
+    # the numbers differ across CPUs and thread counts (the README says by how much), the lines do not
+    _, result = default_run
+
+    def shape(line):  # the log line without its time stamp, run directory and numbers
+        line = re.sub(r"^\[[^\]]*\]", "[...]", line)
+        return re.sub(r"-> \S+", "-> DIR", re.sub(r"\d+(\.\d+)?", "N", line))
+
+    printed = [shape(line) for line in (result.stdout + result.stderr).splitlines() if "[mixhook]" in line]
+    quoted = readme_quote("It prints one line per epoch")
+    assert quoted[2] == "..." and len(printed) == 17  # the start, 15 epochs, done
+    assert [shape(line) for line in quoted[:2] + quoted[3:]] == printed[:2] + printed[-2:]
+    summary = json.loads((default_run[0] / "summary.json").read_text())
+    assert (
+        0.985 <= summary["test_acc"] <= 0.9972 and 0.05 <= summary["test_ece"] <= 0.11
+    )  # the README's range
+
+
 def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path):
     out = tmp_path / "run"
     result = run_cli("mixup.layer=nosuch", f"hydra.run.dir={out}", cwd=tmp_path)
@@ -186,6 +213,10 @@ def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path)
     assert lines[0].startswith("error: mixup.layer: unknown layer 'nosuch'")
     assert "layer2" in lines[0].split("Valid layers:")[1]
     assert not (out / "summary.json").exists() and not (out / "metrics.csv").exists()
+    assert readme_quote("A configuration error stops the run") == [
+        "$ python train.py mixup.layer=nosuch",
+        lines[0],
+    ]
 
 
 def test_cli_mixup_none_and_an_unknown_group_option(tmp_path):

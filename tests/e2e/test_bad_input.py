@@ -45,6 +45,10 @@ from tests.conftest import write_cifar
         (["optim.momentum=-1"], "error: optim: Invalid momentum value: -1"),
         (["optim.weight_decay=-1"], "error: optim: Invalid weight_decay value: -1"),
         (["optim.lr=0"], "error: optim.lr must be > 0, got 0"),
+        (  # refused by its class, not by the cosine schedule's T_max it cannot take
+            ["scheduler._target_=torch.optim.lr_scheduler.ReduceLROnPlateau"],
+            "error: scheduler: ReduceLROnPlateau steps on a validation metric, and this app has only",
+        ),
         (["optim.nesterov=true", "optim.momentum=0"], "error: optim: Nesterov momentum requires a momentum"),
         (["data.test_size=1.5"], "error: data.test_size must be in (0, 1), got 1.5"),
         (["seed=-1"], "error: seed must be an integer >= 0, got -1"),
@@ -200,6 +204,22 @@ MIXUP_OPTIONS = ", ".join(sorted(p.stem for p in (CONF_DIR / "mixup").glob("*.ya
             ["-m", "seed=0,1", "hydra.sweep.dir=afile/sweep"],
             "error: hydra.sweep.dir=afile/sweep cannot be created: ",
         ),
+        (  # the key exists in another group
+            ["data.batch_size=0"],
+            "error: data.batch_size=0: data has no key 'batch_size'; did you mean trainer.batch_size? ",
+        ),
+        (["trainer.lr=0.1"], "error: trainer.lr=0.1: trainer has no key 'lr'; did you mean optim.lr? "),
+        (  # Hydra: a 6-line ConfigKeyError
+            ["experiment=verma2019_cifar10_manifold", "data=digits"],
+            "error: experiment=verma2019_cifar10_manifold sets data.augment, which data=digits has no key "
+            "for: the experiment chooses its own data; leave data=digits out\n",
+        ),
+        (  # Hydra: 6 lines "Ambiguous value"
+            ["mixup.layer=layer1,layer2"],
+            "error: mixup.layer=layer1,layer2: a list needs brackets (mixup.layer=[layer1,layer2]); to sweep "
+            "over the values, add -m\n",
+        ),
+        (["mixup=none,input"], "error: mixup=none,input sweeps over mixup: add -m"),
     ],
 )
 def test_what_hydra_would_reject_gets_one_line_too(tmp_path, monkeypatch, overrides, line):
@@ -209,7 +229,15 @@ def test_what_hydra_would_reject_gets_one_line_too(tmp_path, monkeypatch, overri
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # the checks created nothing
 
 
-@pytest.mark.parametrize("overrides", [["trainer.epoch=1"], ["-m", "trainer.epochs=1,abc"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.epoch=1"],
+        ["-m", "trainer.epochs=1,abc"],
+        ["experiment=verma2019_cifar10_manifold", "data=digits"],
+        ["mixup.layer=layer1,layer2"],
+    ],
+)
 def test_train_py_says_it_in_one_line_and_exits_2_before_hydra_starts(tmp_path, overrides):
     result = run_cli(*overrides, cwd=tmp_path)
     assert result.returncode == 2

@@ -141,3 +141,17 @@ def test_importing_the_core_prints_nothing_and_numpy_comes_with_it():
         [sys.executable, "-W", "error", "-c", "import mixhook"], capture_output=True, text=True, cwd=ROOT
     )
     assert result.returncode == 0 and result.stdout == result.stderr == "", result.stderr
+
+
+def test_the_sweep_report_without_the_app_says_what_to_install(tmp_path):
+    code = (
+        BLOCKER
+        + f"import runpy, sys; sys.argv = ['report', {str(tmp_path)!r}]; "
+        + ("runpy.run_module('mixhook.app.report', run_name='__main__')")
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: sweep reports are part of the experiment app, which needs matplotlib: "
+        "pip install 'mixhook[app]'"
+    ]

@@ -55,7 +55,8 @@ def test_report_groups_by_overrides_other_than_seed(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert [r["job"] for r in rows] == ["0", "1", "2", "3", "10", "11"]
     assert [r["status"] for r in rows] == ["ok", "ok", "ok", "failed", "incomplete", "failed"]
-    assert float(rows[0]["test_ece"]) == pytest.approx(5.0)  # in %, as the error
+    assert float(rows[0]["test_ece"]) == pytest.approx(0.05)  # a fraction, as summary.json has it
+    assert first["test_ece_mean"] == pytest.approx(2.0)  # the report's table and picture: in %
     assert rows[3]["error"] == "ValueError: boom" and rows[0]["mixup.alpha"] == "0.2"
     assert rows[2]["paper_value"] == "2.95"
     md = (tmp_path / "summary.md").read_text()
@@ -115,12 +116,36 @@ def test_a_real_2x2_sweep_reports_itself_and_on_demand(tmp_path):
 def test_a_sweep_with_a_failing_run_still_reports_the_others(tmp_path):
     sweep = tmp_path / "sweep"
     result = multirun("mixup.alpha=1,-1", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert result.returncode != 0  # Hydra raises the failed job's error once the sweep has finished
+    assert result.returncode == 1
+    assert error_lines(result) == [  # the job's own line, then the sweep's: no traceback
+        "error: mixup: alpha must be a finite number > 0, got -1",
+        f"error: 1 of 2 runs failed; their errors are listed in {sweep}/summary.md",
+    ]
     rows = {r["mixup.alpha"]: r for r in csv.DictReader(open(sweep / "summary.csv"))}
     assert rows["1"]["status"] == "ok"
     assert rows["-1"]["status"] == "failed"
     assert rows["-1"]["error"] == "ConfigError: mixup: alpha must be a finite number > 0, got -1"
     assert "| 1 | mixup.alpha=-1" in (sweep / "summary.md").read_text()
+
+
+def error_lines(result) -> list[str]:
+    """stderr without the log lines (Hydra's and the app's, which start with a date)."""
+    return [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("[20")]
+
+
+def test_a_sweep_in_which_every_run_fails_ends_in_one_line_and_says_so_in_its_picture(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = multirun("mixup.alpha=0,-1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 1
+    assert error_lines(result) == [
+        "error: mixup: alpha must be a finite number > 0, got 0",
+        "error: mixup: alpha must be a finite number > 0, got -1",
+        f"error: 2 of 2 runs failed; their errors are listed in {sweep}/summary.md",
+    ]
+    text = (sweep / "summary.md").read_text()
+    assert "| test error %" not in text and text.count("| failed | ConfigError: mixup: alpha must be") == 2
+    image = matplotlib.image.imread(sweep / "summary.png")
+    assert image.std() > 0.01  # drawn: the title and the line saying no run finished
 
 
 @pytest.mark.slow
@@ -164,3 +189,16 @@ def test_launcher_configs_compose(launcher, setting, target):
         )
     key, _, value = setting.partition("=")
     assert cfg.hydra.launcher._target_.endswith(target) and str(cfg.hydra.launcher[key]) == value
+
+
+def test_the_reports_committed_under_docs_are_what_the_report_code_writes_now():
+    # each is rebuilt from its own summary.csv (docs/regenerate_reports.py): a change to the report's
+    # layout or units fails here until the committed reports are regenerated
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "regenerate_reports.py"), "--check"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    from docs.regenerate_reports import reports
+
+    assert len(reports()) >= 8  # the mini study's five and the calibration study's three

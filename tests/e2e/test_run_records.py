@@ -121,3 +121,55 @@ def test_the_basic_and_the_joblib_launcher_give_the_same_numbers(tmp_path):
     assert basic["environment"]["cpu"]["threads"] == joblib["environment"]["cpu"]["threads"]
     for key in ("train_loss", "test_nll", "test_acc", "test_ece"):
         assert basic[key] == joblib[key], key
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(0.5)  # the interpreter is up and torch is loading: a second or more before the first step
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    assert stderr == "stopped by SIGINT before training began: no step was taken\n"
+    assert not (run / "last.pt").exists()
+
+
+def test_what_torch_and_python_warn_during_training_goes_to_train_log_not_the_terminal(tmp_path):
+    # as dynamo's graph-break warnings under trainer.compile=true: the terminal keeps the run's own lines
+    run = tmp_path / "run"
+    hook = "hooks=[{_target_: tests.toy_models.Warns, layer: layer1}]"
+    result = run_cli(
+        *QUICK, "+model.width=0.25", hook, "allow_targets=[tests.toy_models.*]", f"hydra.run.dir={run}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    terminal = result.stdout + result.stderr
+    assert "a graph break" not in terminal and "a library's warning" not in terminal
+    # 100 training images, batches of 64: 2 steps, 2 graph breaks; Python shows a warning once per place
+    assert "3 warning(s) from torch or Python during the run went to train.log only" in terminal
+    log = (run / "train.log").read_text()
+    assert log.count("a graph break") == 2 and log.count("UserWarning: a library's warning") == 1
+
+
+def test_ctrl_c_stops_a_sweep_not_only_its_current_run_and_the_report_says_where_it_stopped(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "-m", "seed=0,1", "data.train_size=300", "trainer.epochs=50",
+         "trainer.progress_bar=false", "+model.width=0.25", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while not (sweep / "0" / "last.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("[20")]
+    assert proc.returncode == 128 + signal.SIGINT and len(lines) == 1, stderr
+    assert (
+        lines[0].startswith("stopped by SIGINT ") and not (sweep / "1").exists()
+    )  # the next run never began
+    assert "| failed | Interrupted: stopped by SIGINT" in (sweep / "summary.md").read_text()

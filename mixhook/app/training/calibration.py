@@ -107,9 +107,11 @@ class Calibration:
         top.set_xlim(0, 1)
         top.set_ylim(0, 1)
         top.set_ylabel("accuracy")
-        top.legend(loc="upper left", fontsize=8)
+        # above the axes, never over a bar: any region of the diagram can hold one
+        top.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
         n = sum(t["count"])
-        top.set_title(f"{title}\nECE ({self.bins} bins) = {100 * t['ece']:.2f}%, n = {n}".strip(), fontsize=9)
+        heading = f"{title}\nECE ({self.bins} bins) = {100 * t['ece']:.2f}%, n = {n}".strip()
+        top.set_title(heading, fontsize=9, pad=36)
         bottom.bar(lows, [c / max(n, 1) for c in t["count"]], width=width, align="edge", color="#888888")
         bottom.set_xlabel("confidence (top-1 softmax probability)")
         bottom.set_ylabel("share of samples")

@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +35,16 @@ from .files import atomic_write
 from .records import ERROR_FILE
 
 METRICS = ["test_acc", "test_error", "test_nll", "test_ece", "best_test_acc", "epochs", "seconds"]
+FAILED_DIR = ".failed"  # the sweep's failed jobs, one file each (mark_failed)
 REGRESSION_METRICS = ["test_rmse", "best_test_rmse", "test_mse", "epochs", "seconds"]
+
+
+def mark_failed(sweep_dir: str | os.PathLike, job: int, line: str) -> None:
+    """A multirun job that failed says so in the sweep directory (``.failed/<job>.txt``), where
+    :class:`ReportCallback` counts it at the sweep's end, whatever its own directory holds."""
+    marks = Path(sweep_dir) / FAILED_DIR
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / f"{job}.txt").write_text(f"{line}\n")
 
 
 def run_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
@@ -365,7 +375,11 @@ except ImportError:  # pragma: no cover - Hydra is a dependency of the app
 
 
 class ReportCallback(Callback):
-    """Hydra callback: rewrite the sweep report after every job of a multirun and at its end."""
+    """Hydra callback: rewrite the sweep report after every job of a multirun and at its end, and end a
+    sweep in which a job failed with one line and exit status 1."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        shutil.rmtree(Path(config.hydra.sweep.dir) / FAILED_DIR, ignore_errors=True)  # an earlier sweep's
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -377,14 +391,20 @@ class ReportCallback(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         """The final report; a sweep in which some run failed then ends with one line saying how many and
-        where their errors are, and exit status 1 (each failed job printed its own line already)."""
+        where their errors are, and exit status 1 (each failed job printed its own line already). The
+        count is of the jobs' own marks (:func:`mark_failed`), not of the report's rows: a job refused in
+        a directory that held an earlier run left it as it was, and the report shows that run."""
         sweep_dir = config.hydra.sweep.dir
         rows = write_report(sweep_dir)["rows"]
-        failed = sum(r["status"] == "failed" for r in rows)
+        marks = Path(sweep_dir) / FAILED_DIR
+        failed = len(list(marks.glob("*.txt"))) if marks.is_dir() else 0
         if failed:
-            where = f"{sweep_dir}/summary.md"
-            print(f"error: {failed} of {len(rows)} runs failed; their errors are listed in {where}",
-                  file=sys.stderr)  # fmt: skip
+            kept = failed - sum(r["status"] == "failed" for r in rows)
+            where = f"their errors are listed in {sweep_dir}/summary.md" + (
+                f" ({kept} refused in a directory that holds an earlier run, left as it was: see above)"
+                if kept > 0 else ""
+            )  # fmt: skip
+            print(f"error: {failed} of {max(len(rows), failed)} runs failed; {where}", file=sys.stderr)
             raise SystemExit(1)
 
 

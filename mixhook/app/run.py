@@ -2,8 +2,9 @@
 
 Everything a user can get wrong is checked in :func:`build` before the first training step; each
 problem becomes a :class:`ConfigError` whose message is one line naming the config key, the bad value
-and what would be valid. :func:`main` prints that line and exits with status 2 (in a multirun sweep it
-raises instead, so that Hydra records the failed job and the sweep goes on).
+and what would be valid. :func:`main` prints that line and exits with status 2 (in a multirun sweep the
+job returns NaN instead and the sweep goes on; the report's callback ends the sweep with one line and
+status 1).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
             line, status = f"error: {err}", 2 if isinstance(err, ConfigError) else 3
         records.failed(line, error=_error_line(err) if _in_multirun() else None)
         print(line, file=sys.stderr)
+        if _in_multirun():
+            from .report import mark_failed
+
+            mark_failed(HydraConfig.get().sweep.dir, HydraConfig.get().job.num, line)
         if _in_multirun() and not isinstance(err, Interrupted):
             # the job failed and the sweep goes on: its line is in error.txt for the sweep report, whose
             # callback ends the sweep with one line and a non-zero status (mixhook.app.report); Optuna
@@ -391,9 +396,10 @@ def _resume_state(cfg: DictConfig, out_dir: str, config: dict) -> dict | None:
     here = os.path.join(out_dir, ckpt.FILE)
     if resume is None:
         if os.path.exists(here):
+            other = "hydra.sweep.dir" if _in_multirun() else "hydra.run.dir"
             raise ConfigError(
                 f"the run directory {out_dir} already holds a checkpoint ({ckpt.FILE}); continue it with "
-                "trainer.resume=auto, or choose another hydra.run.dir"
+                f"trainer.resume=auto, or choose another {other}"
             )
         return None
     if not isinstance(resume, str) or not resume:

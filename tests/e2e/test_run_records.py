@@ -173,3 +173,23 @@ def test_ctrl_c_stops_a_sweep_not_only_its_current_run_and_the_report_says_where
         lines[0].startswith("stopped by SIGINT ") and not (sweep / "1").exists()
     )  # the next run never began
     assert "| failed | Interrupted: stopped by SIGINT" in (sweep / "summary.md").read_text()
+
+
+def test_a_sweep_run_again_into_its_own_directory_is_refused_per_job_and_counted_as_failed(tmp_path):
+    # each job's directory holds the first sweep's run: refused and left as it was, yet the sweep must not
+    # end as a success (its report still shows the earlier runs)
+    sweep = tmp_path / "sweep"
+    argv = [sys.executable, str(ROOT / "train.py"), "-m", "seed=0", *QUICK, "+model.width=0.25",
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    first = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(sweep / "0")
+    again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    lines = [line for line in again.stderr.splitlines() if line.strip() and not line.startswith("[20")]
+    assert again.returncode == 1 and lines == [
+        f"error: the run directory {sweep / '0'} already holds a checkpoint (last.pt); continue it with "
+        "trainer.resume=auto, or choose another hydra.sweep.dir",
+        f"error: 1 of 1 runs failed; their errors are listed in {sweep}/summary.md (1 refused in a directory "
+        "that holds an earlier run, left as it was: see above)",
+    ]
+    assert snapshot(sweep / "0") == before

@@ -397,7 +397,10 @@ class ReportCallback(Callback):
         sweep_dir = config.hydra.sweep.dir
         rows = write_report(sweep_dir)["rows"]
         marks = Path(sweep_dir) / FAILED_DIR
-        failed = len(list(marks.glob("*.txt"))) if marks.is_dir() else 0
+        lines = [p.read_text() for p in marks.glob("*.txt")] if marks.is_dir() else []
+        if any(line.startswith("stopped by ") for line in lines):
+            return  # SIGINT/SIGTERM stopped the sweep (Hydra 1.4 calls this on the way out): its own status
+        failed = len(lines)
         if failed:
             kept = failed - sum(r["status"] == "failed" for r in rows)
             where = f"their errors are listed in {sweep_dir}/summary.md" + (

@@ -128,6 +128,9 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # as from a terminal: a process started in the background (a shell's &, some CI runners) inherits
+        # SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     time.sleep(0.5)  # the interpreter is up and torch is loading: a second or more before the first step
     proc.send_signal(signal.SIGINT)

@@ -1,12 +1,26 @@
 """Train one experiment: `python train.py [key=value ...]`. See README.md for the keys."""
 
+import os
 import signal
 import sys
 
+STOPPED = "stopped by SIGINT before training began: no step was taken"
+
+
+def on_ctrl_c(signum, frame):
+    """Ctrl-C while the run starts (torch, Hydra and the data loading, the model being built) ends it at
+    once in one line: a KeyboardInterrupt raised inside an import can leave a half-imported module that
+    fails later with an unrelated traceback. From the first training step on, the training loop's own
+    handler stops at a step boundary and checkpoints; after it, Python's usual KeyboardInterrupt."""
+    began = getattr(sys.modules.get("mixhook.app.run"), "training_began", None)  # None while it imports
+    if began is not None and began():
+        signal.default_int_handler(signum, frame)
+    print(STOPPED, file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGINT)
+
 
 def cli() -> None:
-    """Check the command line, then run Hydra's main. The imports are in here too, so that Ctrl-C while
-    torch and Hydra load is caught below like Ctrl-C while the run is being built."""
+    """Check the command line, then run Hydra's main."""
     import hydra
     from omegaconf import DictConfig
 
@@ -27,8 +41,6 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        cli()
-    except KeyboardInterrupt:  # before training began (the training loop stops at a step and checkpoints)
-        print("stopped by SIGINT before training began: no step was taken", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # started in the background: left ignored
+        signal.signal(signal.SIGINT, on_ctrl_c)
+    cli()

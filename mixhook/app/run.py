@@ -94,6 +94,15 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
         raise
 
 
+_TRAINING_BEGAN = [False]
+
+
+def training_began() -> bool:
+    """Whether this process has begun a run's training loop (``train.py``'s Ctrl-C handler asks: before,
+    Ctrl-C ends the start-up at once)."""
+    return _TRAINING_BEGAN[0]
+
+
 def _error_line(err: BaseException) -> str:
     """What a sweep report says of a failed job: the error's type and its message's last line."""
     lines = str(err).strip().splitlines()
@@ -154,6 +163,7 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist, records: RunRecords) -> floa
             except ValueError as err:
                 raise ConfigError(str(err)) from err
         try:
+            _TRAINING_BEGAN[0] = True
             with torch_messages_to_log():
                 summary = train(run, out_dir, resume=state, dist=dist, logger=logger)
         except ckpt.CheckpointError as err:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 from tests.app_helpers import run_cli
@@ -123,7 +124,8 @@ def test_the_basic_and_the_joblib_launcher_give_the_same_numbers(tmp_path):
         assert basic[key] == joblib[key], key
 
 
-def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+@pytest.mark.parametrize("when", ["while torch loads", "while the run is built"])
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}"],
@@ -132,7 +134,13 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
         # SIGINT ignored, and Python then installs no KeyboardInterrupt handler
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
-    time.sleep(0.5)  # the interpreter is up and torch is loading: a second or more before the first step
+    if when == "while torch loads":
+        time.sleep(0.5)  # the interpreter is up: importing torch takes a second or more
+    else:  # Hydra has opened the job's log: the app imports scikit-learn, loads the data, builds the model
+        deadline = time.time() + 60
+        while not (run / "train.log").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, stderr

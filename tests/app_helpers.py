@@ -16,6 +16,12 @@ def config(*overrides):
         return compose(config_name="config", overrides=list(overrides))
 
 
+def not_log_lines(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that are not log lines (Hydra's and the app's start with a date): warnings,
+    tracebacks, the one-line errors."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("[20")]
+
+
 def run_cli(*overrides, cwd):
     """``python train.py *overrides`` in ``cwd``: the completed process (stdout, stderr, returncode)."""
     return subprocess.run(

@@ -76,12 +76,14 @@ def _check_keys(argv: list[str], conf_dir: str, multirun: bool = False) -> str |
         else:
             keys.append(override)
     first = {key: values[0] for key, values in groups.items()}
-    problem = _check_groups(first, conf_dir)
+    if not keys and len(first) < 2:  # nothing that could fail to compose
+        return None
+    cfg, problem = _compose(first, conf_dir)  # composed once, for the groups and the first keys' check
     if problem or not keys:
         return problem
     choices = [first] + [{**first, key: v} for key, values in groups.items() for v in values[1:]]
     for choice in choices:
-        problem = _check_composed(keys, choice, conf_dir)
+        problem = _check_composed(keys, choice, conf_dir, cfg if choice is first else None)
         if problem:
             return problem
     swept = {key for key, values in groups.items() if len(values) > 1}
@@ -99,52 +101,47 @@ def _check_keys(argv: list[str], conf_dir: str, multirun: bool = False) -> str |
     return None
 
 
-def _check_groups(groups: dict[str, str], conf_dir: str) -> str | None:
-    """Group choices that cannot be composed together, in one line: an experiment that sets a key the
-    data set chosen beside it does not have (``experiment=<a CIFAR recipe> data=digits``: Hydra's 6-line
-    ConfigKeyError), or ``None``."""
+def _compose(groups: dict[str, str], conf_dir: str):
+    """The config composed with the group choices ``groups``, and ``None``; or ``None`` and why not in one
+    line when two or more choices do not compose together (an experiment that sets a key the data set
+    chosen beside it does not have, ``experiment=<a CIFAR recipe> data=digits``: Hydra's 6-line
+    ConfigKeyError), ``None`` for any other failure (Hydra will say it itself)."""
     from hydra import compose, initialize_config_dir
 
     from .hydra_compat import VERSION_BASE
 
-    if len(groups) < 2:
-        return None
     try:
         with initialize_config_dir(config_dir=os.path.abspath(conf_dir), **VERSION_BASE):
-            compose(config_name="config", overrides=[f"{k}={v}" for k, v in groups.items()])
-    except Exception as err:  # noqa: BLE001  (what is not a missing key, Hydra will say itself)
+            return compose(config_name="config", overrides=[f"{k}={v}" for k, v in groups.items()]), None
+    except Exception as err:  # noqa: BLE001
         # Hydra's ConfigCompositionException carries the ConfigKeyError only in its message
         text = str(err)
         found = re.search(r"full_key: (\S+)", text)
-        if "ConfigKeyError" not in text or not found:
-            return None
+        if len(groups) < 2 or "ConfigKeyError" not in text or not found:
+            return None, None
         full_key = found[1]
         reason = next((line.strip() for line in text.splitlines() if line.startswith("Key ")), "")
         group = full_key.split(".")[0]
-        chosen = " ".join(f"{k}={v}" for k, v in groups.items())
         if "experiment" in groups and group in groups:
             chosen = f"{group}={groups[group]}"
-            return (
+            return None, (
                 f"experiment={groups['experiment']} sets {full_key}, which {chosen} has no key for: the "
                 f"experiment chooses its own {group}; leave {chosen} out"
             )
-        return f"{chosen}: these choices do not compose: {full_key}: {reason}"
-    return None
+        chosen = " ".join(f"{k}={v}" for k, v in groups.items())
+        return None, f"{chosen}: these choices do not compose: {full_key}: {reason}"
 
 
-def _check_composed(keys: list, groups: dict[str, str], conf_dir: str) -> str | None:
+def _check_composed(keys: list, groups: dict[str, str], conf_dir: str, cfg=None) -> str | None:
     """The first key or value of ``keys`` that the config composed with the group choices ``groups``
-    does not have or refuses, in one line, or ``None``."""
-    from hydra import compose, initialize_config_dir
+    (``cfg`` when the caller has composed it) does not have or refuses, in one line, or ``None`` (also
+    when the config cannot be composed: Hydra will say why)."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from .hydra_compat import VERSION_BASE
-
-    try:
-        with initialize_config_dir(config_dir=os.path.abspath(conf_dir), **VERSION_BASE):
-            cfg = compose(config_name="config", overrides=[f"{k}={v}" for k, v in groups.items()])
-    except Exception:  # noqa: BLE001  (whatever stops composing here, Hydra will say itself)
+    if cfg is None:
+        cfg, _ = _compose(groups, conf_dir)
+    if cfg is None:
         return None
     for override in keys:
         key, arg = override.key_or_group, override.input_line

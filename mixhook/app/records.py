@@ -86,9 +86,14 @@ def _to_log_files(line: str) -> None:
     caller prints it on stderr)."""
     logger = logging.getLogger("mixhook")
     record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, line, None, None)
-    for handler in logging.getLogger().handlers + logger.handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+    for handler in _log_files(logger):
+        handler.handle(record)
+
+
+def _log_files(*loggers: logging.Logger) -> list[logging.FileHandler]:
+    """The log files Hydra opened for the job: the file handlers of the root logger (and of ``loggers``)."""
+    handlers = [h for lg in (logging.getLogger(), *loggers) for h in lg.handlers]
+    return [h for h in handlers if isinstance(h, logging.FileHandler)]
 
 
 class torch_messages_to_log:
@@ -111,7 +116,7 @@ class torch_messages_to_log:
             self.own = logging.FileHandler(self.path, delay=True)
             self.own.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         files = [self.own] if self.own else []
-        files = files or [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+        files = files or _log_files()
         if not files:
             return self
         forward = logging.Handler(logging.WARNING)  # warnings and errors only: torch's trace is DEBUG

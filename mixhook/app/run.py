@@ -66,6 +66,7 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
     if out_dir is None:
         out_dir = HydraConfig.get().runtime.output_dir
     records = RunRecords(cfg, out_dir)  # before anything is written: whose directory this is
+    multirun = _in_multirun()
     try:
         return _main(cfg, out_dir, records)
     except (ConfigError, NonFiniteLoss, Interrupted) as err:
@@ -73,24 +74,24 @@ def main(cfg: DictConfig, out_dir: str | None = None) -> float:
             line, status = str(err), 128 + err.signum
         else:
             line, status = f"error: {err}", 2 if isinstance(err, ConfigError) else 3
-        records.failed(line, error=_error_line(err) if _in_multirun() else None)
+        records.failed(line, error=_error_line(err) if multirun else None)
         print(line, file=sys.stderr)
-        if _in_multirun():
+        if multirun:
             from .report import mark_failed
 
             mark_failed(HydraConfig.get().sweep.dir, HydraConfig.get().job.num, line)
-        if _in_multirun() and not isinstance(err, Interrupted):
+        if multirun and not isinstance(err, Interrupted):
             # the job failed and the sweep goes on: its line is in error.txt for the sweep report, whose
             # callback ends the sweep with one line and a non-zero status (mixhook.app.report); Optuna
             # counts a NaN as a failed trial. (Raised, it would end the sweep in Hydra's traceback.)
             return math.nan
-        if _in_multirun():  # Ctrl-C or SIGTERM stops the sweep, not only this job: report it first
+        if multirun:  # Ctrl-C or SIGTERM stops the sweep, not only this job: report it first
             from .report import write_report
 
             write_report(HydraConfig.get().sweep.dir)
         raise SystemExit(status) from None
     except Exception as err:  # a bug, not bad input: Hydra shows the traceback; the sweep report the line
-        records.failed(f"error: {_error_line(err)}", error=_error_line(err) if _in_multirun() else None)
+        records.failed(f"error: {_error_line(err)}", error=_error_line(err) if multirun else None)
         raise
 
 

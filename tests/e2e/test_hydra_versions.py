@@ -8,20 +8,15 @@ import hydra
 import pytest
 
 from mixhook.app.hydra_compat import HYDRA_14
-from tests.app_helpers import run_cli
+from tests.app_helpers import not_log_lines, run_cli
 
 QUICK = ("trainer.epochs=1", "data.train_size=100", "+model.width=0.25", "trainer.progress_bar=false")
-
-
-def log_lines_only(stderr: str) -> list[str]:
-    """The lines of ``stderr`` that are not the app's log lines (warnings, tracebacks)."""
-    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("[20")]
 
 
 def test_a_run_prints_nothing_but_its_log(tmp_path):
     result = run_cli(*QUICK, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert log_lines_only(result.stderr) == [], f"hydra {hydra.__version__}"
+    assert not_log_lines(result.stderr) == [], f"hydra {hydra.__version__}"
     assert (tmp_path / "run" / "summary.json").exists()
 
 

@@ -15,6 +15,7 @@ from mixhook.app import CONF_DIR
 from mixhook.app.hydra_compat import VERSION_BASE
 from mixhook.app.report import main as report_main
 from mixhook.app.report import write_report
+from tests.app_helpers import not_log_lines
 from tests.conftest import ROOT
 
 FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false", "+model.width=0.25"]
@@ -117,7 +118,7 @@ def test_a_sweep_with_a_failing_run_still_reports_the_others(tmp_path):
     sweep = tmp_path / "sweep"
     result = multirun("mixup.alpha=1,-1", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 1
-    assert error_lines(result) == [  # the job's own line, then the sweep's: no traceback
+    assert not_log_lines(result.stderr) == [  # the job's own line, then the sweep's: no traceback
         "error: mixup: alpha must be a finite number > 0, got -1",
         f"error: 1 of 2 runs failed; their errors are listed in {sweep}/summary.md",
     ]
@@ -128,16 +129,11 @@ def test_a_sweep_with_a_failing_run_still_reports_the_others(tmp_path):
     assert "| 1 | mixup.alpha=-1" in (sweep / "summary.md").read_text()
 
 
-def error_lines(result) -> list[str]:
-    """stderr without the log lines (Hydra's and the app's, which start with a date)."""
-    return [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("[20")]
-
-
 def test_a_sweep_in_which_every_run_fails_ends_in_one_line_and_says_so_in_its_picture(tmp_path):
     sweep = tmp_path / "sweep"
     result = multirun("mixup.alpha=0,-1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 1
-    assert error_lines(result) == [
+    assert not_log_lines(result.stderr) == [
         "error: mixup: alpha must be a finite number > 0, got 0",
         "error: mixup: alpha must be a finite number > 0, got -1",
         f"error: 2 of 2 runs failed; their errors are listed in {sweep}/summary.md",

@@ -16,7 +16,7 @@ import time
 import pytest
 import yaml
 
-from tests.app_helpers import run_cli
+from tests.app_helpers import not_log_lines, run_cli
 from tests.conftest import ROOT
 
 QUICK = ("data.train_size=100", "trainer.epochs=1", "trainer.progress_bar=false")
@@ -26,6 +26,23 @@ def snapshot(directory):
     """Every file below ``directory`` (hidden ones too) and its bytes."""
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     return {str(p.relative_to(directory)): p.read_bytes() for p in files}
+
+
+def with_toy_hook(run, hook: str):
+    """``train.py`` on the quick settings a quarter wide, with ``hook`` (a class of tests/toy_models.py)
+    among its hooks, into ``run``."""
+    return run_cli(
+        *QUICK, "+model.width=0.25", f"hooks=[{{_target_: tests.toy_models.{hook}}}]",
+        "allow_targets=[tests.toy_models.*]", f"hydra.run.dir={run}", cwd=run.parent,
+    )  # fmt: skip
+
+
+def wait_for(path, proc, seconds=120, poll=0.05):
+    """Until ``path`` exists, with ``proc`` still running (its output if it ended first)."""
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(poll)
 
 
 def one_line(result, status):
@@ -73,12 +90,7 @@ def test_a_run_refused_in_its_own_directory_records_what_was_refused_and_why(tmp
 
 def test_a_non_finite_loss_is_said_in_train_log_as_on_stderr(tmp_path):
     run = tmp_path / "run"
-    hook = "hooks=[{_target_: tests.toy_models.NanAt, layer: layer1.0.conv2, step: 2}]"
-    result = run_cli(
-        *QUICK, "+model.width=0.25", hook, "allow_targets=[tests.toy_models.*]", f"hydra.run.dir={run}",
-        cwd=tmp_path,
-    )  # fmt: skip
-    line = one_line(result, 3)
+    line = one_line(with_toy_hook(run, "NanAt, layer: layer1.0.conv2, step: 2"), 3)
     assert line.startswith("error: epoch 1, step 2: the loss became nan; first non-finite layer output: ")
     log = (run / "train.log").read_text()
     assert "epoch 1/1" not in log and log.strip().endswith(f"[mixhook][ERROR] - {line}")
@@ -91,10 +103,7 @@ def test_ctrl_c_is_said_in_train_log_as_on_stderr(tmp_path):
          "trainer.progress_bar=false", "+model.width=0.25", f"hydra.run.dir={run}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    deadline = time.time() + 120
-    while not (run / "last.pt").exists():  # past start-up: the first epoch is written
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.05)
+    wait_for(run / "last.pt", proc)  # past start-up: the first epoch is written
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     lines = stderr.strip().splitlines()
@@ -137,10 +146,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
     if when == "while torch loads":
         time.sleep(0.5)  # the interpreter is up: importing torch takes a second or more
     else:  # Hydra has opened the job's log: the app imports scikit-learn, loads the data, builds the model
-        deadline = time.time() + 60
-        while not (run / "train.log").exists():
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.01)
+        wait_for(run / "train.log", proc, seconds=60, poll=0.01)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, stderr
@@ -151,11 +157,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
 def test_what_torch_and_python_warn_during_training_goes_to_train_log_not_the_terminal(tmp_path):
     # as dynamo's graph-break warnings under trainer.compile=true: the terminal keeps the run's own lines
     run = tmp_path / "run"
-    hook = "hooks=[{_target_: tests.toy_models.Warns, layer: layer1}]"
-    result = run_cli(
-        *QUICK, "+model.width=0.25", hook, "allow_targets=[tests.toy_models.*]", f"hydra.run.dir={run}",
-        cwd=tmp_path,
-    )  # fmt: skip
+    result = with_toy_hook(run, "Warns, layer: layer1")
     assert result.returncode == 0, result.stderr[-3000:]
     terminal = result.stdout + result.stderr
     assert "a graph break" not in terminal and "a library's warning" not in terminal
@@ -172,13 +174,10 @@ def test_ctrl_c_stops_a_sweep_not_only_its_current_run_and_the_report_says_where
          "trainer.progress_bar=false", "+model.width=0.25", f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    deadline = time.time() + 120
-    while not (sweep / "0" / "last.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.05)
+    wait_for(sweep / "0" / "last.pt", proc)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
-    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("[20")]
+    lines = not_log_lines(stderr)
     assert proc.returncode == 128 + signal.SIGINT and len(lines) == 1, stderr
     assert (
         lines[0].startswith("stopped by SIGINT ") and not (sweep / "1").exists()
@@ -196,7 +195,7 @@ def test_a_sweep_run_again_into_its_own_directory_is_refused_per_job_and_counted
     assert first.returncode == 0, first.stderr[-3000:]
     before = snapshot(sweep / "0")
     again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    lines = [line for line in again.stderr.splitlines() if line.strip() and not line.startswith("[20")]
+    lines = not_log_lines(again.stderr)
     assert again.returncode == 1 and lines == [
         f"error: the run directory {sweep / '0'} already holds a checkpoint (last.pt); continue it with "
         "trainer.resume=auto, or choose another hydra.sweep.dir",

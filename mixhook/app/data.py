@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
+from . import splits
 from .provenance import digest
 
 PIPELINES = ("auto", "device", "workers")  # data.pipeline: where CIFAR batches are made (see build_data)
@@ -196,17 +197,12 @@ def _digits(
     images (a stratified subset, for studies where regularization matters); pixels scaled by the
     training set's mean and std.
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
     if not 0.0 < float(test_size) < 1.0:
         raise ValueError(f"data.test_size must be in (0, 1), got {test_size!r}")
-    digits = load_digits()
-    x = digits.images.astype(np.float32) / 16.0
-    y = digits.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=float(test_size), stratify=y, random_state=int(split_seed)
-    )
+    images, y = splits.load_digits()
+    x = images.astype(np.float32) / 16.0
+    train, test = splits.stratified_split(y, *splits.sizes(len(y), test_size=test_size), int(split_seed))
+    x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
     if train_size is not None:
         if (
             isinstance(train_size, bool)
@@ -217,9 +213,10 @@ def _digits(
                 f"data.train_size must be an integer from 10 to {len(y_train)}, got {train_size!r}"
             )
         if train_size < len(y_train):
-            x_train, _, y_train, _ = train_test_split(
-                x_train, y_train, train_size=train_size, stratify=y_train, random_state=int(split_seed)
+            keep, _ = splits.stratified_split(
+                y_train, *splits.sizes(len(y_train), train_size=train_size), int(split_seed)
             )
+            x_train, y_train = x_train[keep], y_train[keep]
     mean, std = x_train.mean(), x_train.std()
 
     def tensors(images, labels):
@@ -246,16 +243,12 @@ def _diabetes(
     is in standard deviations of the target); the target's std is ``target_scale``, by which the app
     reports RMSE in the target's own units.
     """
-    from sklearn.datasets import load_diabetes
-    from sklearn.model_selection import train_test_split
-
     if not 0.0 < float(test_size) < 1.0:
         raise ValueError(f"data.test_size must be in (0, 1), got {test_size!r}")
-    x, y = load_diabetes(return_X_y=True, scaled=False)
+    x, y = splits.load_diabetes()
     x, y = x.astype(np.float32), y.astype(np.float32)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=float(test_size), random_state=int(split_seed)
-    )
+    train, test = splits.shuffle_split(len(y), *splits.sizes(len(y), test_size=test_size), int(split_seed))
+    x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
     if train_size is not None:
         if (
             isinstance(train_size, bool)

@@ -1,10 +1,14 @@
 """Digits (offline, bundled) and the CIFAR loaders, on CIFAR-format files the tests write."""
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
 from mixhook.app.data import DataNotFoundError, EpochSampler, build_data
-from tests.conftest import write_cifar
+from tests.conftest import ROOT, write_cifar
 
 
 def test_digits_split_is_stratified_normalized_and_fixed():
@@ -286,3 +290,49 @@ def test_a_bad_pipeline_is_refused(tmp_path):
         ValueError, match="data.pipeline='gpu' is not a pipeline; valid: auto, device, workers"
     ):
         build_data("cifar10", batch_size=8, root=str(tmp_path), pipeline="gpu")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_the_splits_are_scikit_learns_without_importing_it(seed):
+    """mixhook.app.splits draws the indices of scikit-learn's train_test_split (stratified or not) from the
+    same RandomState, and reads the same bundled files, so runs keep their splits; the app no longer
+    imports scikit-learn (a second of every run's start-up)."""
+    from sklearn.datasets import load_diabetes, load_digits
+    from sklearn.model_selection import train_test_split
+
+    from mixhook.app import splits
+
+    digits = load_digits()
+    images, labels = splits.load_digits()
+    assert np.array_equal(images, digits.images) and np.array_equal(labels, digits.target)
+    x, y = load_diabetes(return_X_y=True, scaled=False)
+    ours = splits.load_diabetes()
+    assert np.array_equal(ours[0], x) and np.array_equal(ours[1], y)
+
+    n = len(labels)
+    for test_size in (0.2, 0.5, 0.33):
+        theirs = train_test_split(np.arange(n), test_size=test_size, stratify=labels, random_state=seed)
+        mine = splits.stratified_split(labels, *splits.sizes(n, test_size=test_size), seed)
+        assert all(np.array_equal(a, b) for a, b in zip(theirs, mine, strict=True)), test_size
+        theirs = train_test_split(np.arange(len(y)), test_size=test_size, random_state=seed)
+        mine = splits.shuffle_split(len(y), *splits.sizes(len(y), test_size=test_size), seed)
+        assert all(np.array_equal(a, b) for a, b in zip(theirs, mine, strict=True)), test_size
+    subset = labels[:1437]
+    for train_size in (10, 37, 300, 1427):
+        theirs = train_test_split(np.arange(1437), train_size=train_size, stratify=subset, random_state=seed)
+        mine = splits.stratified_split(subset, *splits.sizes(1437, train_size=train_size), seed)
+        assert all(np.array_equal(a, b) for a, b in zip(theirs, mine, strict=True)), train_size
+    with pytest.raises(ValueError, match="should be greater or equal to the number of classes"):
+        train_test_split(np.arange(1437), train_size=1436, stratify=subset, random_state=seed)
+    with pytest.raises(ValueError, match=r"^cannot split 1437 samples of 10 classes .* into 1436 training "):
+        splits.stratified_split(subset, *splits.sizes(1437, train_size=1436), seed)
+
+
+def test_building_the_digits_imports_no_scikit_learn():
+    code = (
+        "import sys; from mixhook.app.data import build_data; build_data('digits', batch_size=8); "
+        "build_data('diabetes', batch_size=8); "
+        "print(sorted(m for m in sys.modules if m.startswith('sklearn')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]

@@ -124,7 +124,10 @@ def test_a_model_that_cannot_run_on_the_data_is_refused_before_training():
 
 
 def test_main_returns_the_final_test_accuracy_it_writes(tmp_path):
-    cfg = config("trainer.epochs=1", "mixup.layer=layer2", "data.test_size=0.5", "trainer.progress_bar=false")
+    cfg = config(
+        "trainer.epochs=1", "mixup.layer=layer2", "data.test_size=0.5", "trainer.progress_bar=false",
+        "+model.width=0.25",
+    )  # fmt: skip
     acc = app.main(cfg, out_dir=str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert acc == summary["test_acc"] and 0.0 <= acc <= 1.0
@@ -178,9 +181,9 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     assert not list(out.glob(".*.tmp"))
 
 
-def readme_quote(after: str) -> list[str]:
-    """The lines of the README's first ``` block that follows the text ``after``."""
-    text = (ROOT / "README.md").read_text()
+def readme_quote(after: str, page: str = "README.md") -> list[str]:
+    """The lines of the first ``` block that follows the text ``after`` in the README (or a docs page)."""
+    text = (ROOT / page).read_text()
     block = text[text.index(after) :].split("```\n", 2)[1]
     return block.splitlines()
 
@@ -204,6 +207,7 @@ def test_the_readmes_sample_output_is_what_the_default_run_prints(default_run):
     )  # the README's range
 
 
+@pytest.mark.slow
 def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path):
     out = tmp_path / "run"
     result = run_cli("mixup.layer=nosuch", f"hydra.run.dir={out}", cwd=tmp_path)
@@ -213,23 +217,26 @@ def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path)
     assert lines[0].startswith("error: mixup.layer: unknown layer 'nosuch'")
     assert "layer2" in lines[0].split("Valid layers:")[1]
     assert not (out / "summary.json").exists() and not (out / "metrics.csv").exists()
-    assert readme_quote("A configuration error stops the run") == [
+    assert readme_quote("A configuration error stops the run", "docs/training-app.md") == [
         "$ python train.py mixup.layer=nosuch",
         lines[0],
     ]
 
 
+@pytest.mark.slow
 def test_cli_mixup_none_and_an_unknown_group_option(tmp_path):
     result = run_cli("mixup=nosuch", f"hydra.run.dir={tmp_path / 'x'}", cwd=tmp_path)
     assert result.returncode != 0 and "nosuch" in result.stderr and "none" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_trains_on_cifar_format_files(tmp_path):
     write_cifar(tmp_path / "cifar", "cifar10", per_file=16)
     out = tmp_path / "run"
     result = run_cli(
         "data=cifar10", f"data.root={tmp_path / 'cifar'}", "data.num_workers=0", "trainer.epochs=1",
-        "trainer.batch_size=16", "mixup.layer=[input,layer1]", f"hydra.run.dir={out}", cwd=tmp_path,
+        "trainer.batch_size=16", "mixup.layer=[input,layer1]", "+model.width=0.25", f"hydra.run.dir={out}",
+        cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())

@@ -1,7 +1,7 @@
 """The mixers' public contract: a method written against it alone (``ChannelSwap`` below) is exact, composes
 in OneOf, replays under activation checkpointing and repeats with ``pin_last``, like the built-in ones;
 ``mix()`` results that would leave something silently unmixed are refused; and every method in the package
-comes with its module, its test, its config and its README row."""
+comes with its module, its test, its config and its catalogue row."""
 
 import re
 from pathlib import Path
@@ -253,10 +253,11 @@ def test_mixing_hooks_are_told_apart_by_one_class():
     assert mixhook.compose.mixers_of([*others, mixing[0]]) == [mixing[0]]
 
 
-def test_every_method_comes_with_its_module_test_config_and_readme_row():
-    """What adding a mixer takes, checked: its module, its test, its config file, its README row. The
-    package finds the class (mixhook.mixers.METHODS) and exports it from mixhook; nothing else lists it."""
-    readme = (ROOT / "README.md").read_text()
+def test_every_method_comes_with_its_module_test_config_and_catalogue_row():
+    """What adding a mixer takes, checked: its module, its test, its config file, its row in the docs'
+    catalogue (its picture there: tests/e2e/test_docs.py). The package finds the class
+    (mixhook.mixers.METHODS) and exports it from mixhook; nothing else lists it."""
+    catalogue = (ROOT / "docs" / "catalogue.md").read_text()
     configs = {}
     for path in (ROOT / "mixhook" / "app" / "conf" / "mixup").glob("*.yaml"):
         text = yaml.safe_load(path.read_text()) or {}
@@ -273,6 +274,6 @@ def test_every_method_comes_with_its_module_test_config_and_readme_row():
         assert configs.get(f"mixhook.{name}"), (
             f"{name}: no config under conf/mixup/ with _target_ mixhook.{name}"
         )
-        assert re.search(rf"^\| `{name}\(", readme, re.M), f"{name}: no row in the README's catalogue"
+        assert re.search(rf"^\| `{name}\(", catalogue, re.M), f"{name}: no row in docs/catalogue.md"
         assert cls.__doc__ and "mix" in cls.__doc__.lower()
     assert all(len(names) == 1 for names in modules.values()), f"one method per module: {modules}"

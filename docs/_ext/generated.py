@@ -1,0 +1,180 @@
+"""The pages the documentation build writes before it reads the sources (``docs/_generated/``, not in git).
+
+The Performance page's tables come from the benchmark's own results (``benchmarks/results/<stem>.json`` and
+the ``<stem>.md`` the benchmark wrote beside it), so they cannot be copied by hand or drift from a run:
+
+- ``_generated/goals.md``: every goal of every whole-suite run (``<device>-<date>.json``), side by side;
+- ``_generated/runs.md``: one row per results file (device, date, command, goals met and missed);
+- ``_generated/results/<stem>.md``: each results file's own Markdown, under its file name;
+- ``_generated/costs.md``: the catalogue's cost of every method (the latest ``*-methods`` run) and of the
+  scaling hooks (the latest whole-suite CPU run);
+- ``_generated/gallery.md``: the catalogue's gallery, one picture per method, drawn by ``docs/gallery.py``.
+  A method without its picture, or a picture of no method, is a build error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
+
+DOCS = Path(__file__).resolve().parents[1]
+RESULTS = DOCS.parent / "benchmarks" / "results"
+WHOLE_SUITE = re.compile(r"^(cpu|cuda-[a-z0-9]+)-\d{4}-\d{2}-\d{2}$")  # a run of every case
+
+
+def result_files(results: Path = RESULTS) -> list[Path]:
+    """The committed results (a quick run's ``*-quick.*`` files are the test suite's, not results)."""
+    return sorted(p for p in results.glob("*.json") if not p.stem.endswith("-quick"))
+
+
+def _measured(goal: dict) -> str:
+    value = goal["measured"]
+    text = str(value) if isinstance(value, int) else f"{value:.3f}"
+    return text if goal["met"] else f"**{text} (missed)**"
+
+
+def goals_table(files: list[Path]) -> str:
+    """Every goal of every whole-suite run: one row per goal and place, one column per run."""
+    runs = [(p.stem, json.loads(p.read_text())) for p in files if WHOLE_SUITE.match(p.stem)]
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    limits: dict[tuple[str, str], object] = {}
+    for stem, results in runs:
+        for goal in results.get("goals", []):
+            key = (goal["goal"], goal["where"])
+            rows.setdefault(key, {})[stem] = _measured(goal)
+            limits[key] = goal["limit"]
+    head = (
+        "| goal | where | limit | " + " | ".join(f"[{s}](/_generated/results/{s}.md)" for s, _ in runs) + " |"
+    )
+    lines = [head, "| " + " | ".join(["---"] * (3 + len(runs))) + " |"]
+    for (goal, where), measured in rows.items():
+        cells = " | ".join(measured.get(stem, "") for stem, _ in runs)
+        lines.append(f"| `{goal}` | {where} | {limits[(goal, where)]} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def runs_table(files: list[Path]) -> str:
+    """One row per results file: its device, date, command and goals."""
+    lines = [
+        "| results | device | date | command | goals met | missed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for path in files:
+        results = json.loads(path.read_text())
+        meta = results.get("meta", {})
+        goals = results.get("goals", [])
+        missed = ", ".join(f"`{g['goal']}`" for g in goals if not g["met"])
+        lines.append(
+            f"| [{path.stem}](/_generated/results/{path.stem}.md) | {meta.get('device', '')} "
+            f"| {meta.get('date', '')} "
+            f"| `{meta.get('command', '')}` | {sum(g['met'] for g in goals)} of {len(goals)} | {missed} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(ratio: dict) -> str:
+    return f"{ratio['median']:.2f} ({ratio['min']:.2f}..{ratio['max']:.2f})"
+
+
+def costs_table(files: list[Path]) -> str:
+    """Each method's training step over a plain one and over Manifold Mixup's (the latest methods run), and
+    the scaling hooks' over a plain step (the latest whole-suite CPU run)."""
+    methods = [p for p in files if p.stem.endswith("-methods") and p.stem.startswith("cpu-")]
+    suites = [p for p in files if WHOLE_SUITE.match(p.stem) and p.stem.startswith("cpu-")]
+    lines = [
+        "| hook | step / plain step | step / Manifold Mixup step | results |",
+        "| --- | --- | --- | --- |",
+    ]
+    if methods:
+        run = json.loads(methods[-1].read_text())["methods"]
+        link = f"[{methods[-1].stem}](/_generated/results/{methods[-1].stem}.md)"
+        where = f"{run['model']} at `{run['layer']}`, batch {run['batch']}"
+        for name, ratio in run["vs_none"].items():
+            versus = run.get("vs_manifold", {}).get(name)
+            label = name.replace("_gradient", " (gradient saliency)").replace(
+                "_layer1_activation", " (saliency of layer1)"
+            )
+            lines.append(
+                f"| `{label}` | {_fmt(ratio)} | {_fmt(versus) if versus else ''} | {link}: {where} |"
+            )
+    if suites:
+        steps = json.loads(suites[-1].read_text())["training_step"][0]
+        link = f"[{suites[-1].stem}](/_generated/results/{suites[-1].stem}.md)"
+        for name, key in (("InputScale", "inputscale_layer2"), ("GradScale", "gradscale_layer3")):
+            if key in steps["vs_none"]:
+                where = f"{steps['model']} at `{key.rsplit('_', 1)[1]}`, batch {steps['batch']}"
+                lines.append(f"| `{name}` | {_fmt(steps['vs_none'][key])} | | {link}: {where} |")
+    return "\n".join(lines) + "\n"
+
+
+def gallery_page(gallery: Path, methods: list[str], skipped: dict[str, str]) -> tuple[str, list[str]]:
+    """The gallery section (one picture per method) and the problems: a method without its picture, a
+    picture of no method."""
+    pictures = {p.stem for p in gallery.glob("*.png")}
+    problems = [
+        f"{gallery}/{name}.png: no picture of {name}: run python docs/gallery.py"
+        for name in methods
+        if name not in pictures and name not in skipped
+    ]
+    problems += [
+        f"{gallery}/{stem}.png: a picture of no method (docs/gallery.py draws one per mixer)"
+        for stem in sorted(pictures - set(methods))
+    ]
+    sections = [f"### {name}\n\n![{name}](/gallery/{name}.png)\n" for name in methods if name not in skipped]
+    sections += [f"### {name}\n\nNo picture: {why}.\n" for name, why in skipped.items()]
+    return "\n".join(sections), problems
+
+
+def result_page(path: Path) -> str:
+    """A page holding the results file's own Markdown (written by the benchmark run), under its name."""
+    markdown = path.with_suffix(".md")
+    if not markdown.exists():
+        raise FileNotFoundError(f"{path.name} has no {markdown.name} beside it (the benchmark writes both)")
+    include = f"```{{include}} ../../../benchmarks/results/{markdown.name}\n:heading-offset: 1\n```\n"
+    return f"# {path.stem}\n\n{include}"
+
+
+def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
+    """Write every generated page under ``out``; returns their paths and the problems found. A page whose
+    text is unchanged is not rewritten (Sphinx would rebuild it)."""
+    sys.path.insert(0, str(DOCS))
+    from gallery import NOT_DRAWN
+
+    from mixhook.mixers import METHODS
+
+    files = result_files()
+    gallery, problems = gallery_page(Path(out).parent / "gallery", sorted(METHODS), NOT_DRAWN)
+    pages = {
+        out / "goals.md": goals_table(files),
+        out / "runs.md": runs_table(files),
+        out / "costs.md": costs_table(files),
+        out / "gallery.md": gallery,
+    }
+    pages.update({out / "results" / f"{p.stem}.md": result_page(p) for p in files})
+    toc = "\n".join(f"results/{p.stem}" for p in files)
+    pages[out / "results.md"] = (
+        "# Results files\n\nEvery file under `benchmarks/results/`, as the benchmark wrote it.\n\n"
+        f"```{{include}} runs.md\n```\n\n```{{toctree}}\n:hidden:\n\n{toc}\n```\n"
+    )
+    for page, text in pages.items():
+        page.parent.mkdir(parents=True, exist_ok=True)
+        if not page.exists() or page.read_text() != text:
+            page.write_text(text)
+    return list(pages), problems
+
+
+def _on_builder_inited(app) -> None:
+    _, problems = write(Path(app.srcdir) / "_generated")
+    for problem in problems:
+        logger.warning(problem, type="mixhook", subtype="gallery")
+
+
+def setup(app):
+    app.connect("builder-inited", _on_builder_inited)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

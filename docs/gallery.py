@@ -1,0 +1,232 @@
+"""The catalogue's gallery: what every mixing method does to a pair of images and to a hidden feature map,
+drawn by the library itself (so a picture cannot drift from the code).
+
+    python docs/gallery.py            # (re)write docs/gallery/<Method>.png, one per method
+    python docs/gallery.py --check    # exit 1, one line per picture, unless docs/gallery/ holds exactly
+                                      # the pictures this would draw, as it would draw them
+
+For each method (every class ``mixhook.mixers.METHODS`` finds, so a new mixer fails the check until its
+picture is drawn): the two images (scikit-learn's bundled ``china.jpg`` and ``flower.jpg``, 64x64, sample 0
+and its partner), what the method makes of image 0 when it mixes at the input, and the weight of image 0's
+own content at each position of a 16x16 feature map when it mixes at a hidden layer (``MixState.weights``;
+a method that blends every position alike has ``lam`` everywhere). The titles give lam, the weight of
+sample 0's own label. Every draw comes from a seeded generator, with partners pinned to ``[1, 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixhook.mixers import METHODS
+from mixhook.mixers.cutmix import region_weights
+
+GALLERY = Path(__file__).resolve().parent / "gallery"
+SIZE = 64  # pixels a side
+SMALL, SMALL_INPUT = 32, {"AlignMix"}  # its transport plan has (pixels)**2 entries: 32x32 images for it
+SEED = 2
+NOT_DRAWN = {"OneOf": "a composition: it draws one of the methods below per batch"}
+TOLERANCE = 0.02  # --check: the largest mean absolute pixel difference (0..1) taken as the same picture
+
+
+def images(size: int = SIZE) -> torch.Tensor:
+    """The two bundled sample images of scikit-learn, centre-cropped and resized: ``(2, 3, size, size)``."""
+    from sklearn.datasets import load_sample_image
+
+    out = []
+    for name in ("china.jpg", "flower.jpg"):
+        image = torch.from_numpy(load_sample_image(name).copy()).permute(2, 0, 1).float() / 255
+        side = min(image.shape[1:])
+        top, left = (image.shape[1] - side) // 2, (image.shape[2] - side) // 2
+        crop = image[:, top : top + side, left : left + side]
+        out.append(F.interpolate(crop[None], size=(size, size), mode="area")[0])
+    return torch.stack(out)
+
+
+def convnet() -> nn.Module:
+    """The image as a layer (``"image"``), then a 16x16 feature map (``"features"``)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        OrderedDict(
+            image=nn.Identity(),
+            features=nn.Conv2d(3, 8, 4, stride=4),
+            head=nn.Sequential(nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2)),
+        )
+    )
+
+
+def vit() -> nn.Module:
+    """A two-block torchvision ViT on the images (8x8 patch tokens and a class token): TransMix needs the
+    class token's attention."""
+    from torchvision.models import VisionTransformer
+
+    torch.manual_seed(0)
+    return VisionTransformer(
+        image_size=SIZE,
+        patch_size=SIZE // 8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=2,
+    )
+
+
+def method(name: str, layer: str, hidden: bool):
+    """The method ``name`` at ``layer`` with its defaults (a few settings chosen for a 64x64 picture)."""
+    cls = METHODS[name]
+    kwargs: dict = {"generator": torch.Generator().manual_seed(SEED)}
+    if name == "TransMix":
+        kwargs.update(attention="encoder.layers.encoder_layer_1.self_attention")
+        if hidden:
+            kwargs.update(tokens="auto")
+    if name == "AttentiveCutMix":
+        kwargs.update(grid=4, top_k=6)
+    if name == "PatchUp":
+        kwargs.update(block_size=5, gamma=0.5)
+    return cls(layer, **kwargs)
+
+
+def draw(name: str) -> dict:
+    """What ``name`` makes of the images: the mixed image 0 and its lam at the input, the own-content
+    weights of sample 0 on the hidden map and their lam."""
+    x = images(SMALL if name in SMALL_INPUT else SIZE)
+    y = torch.tensor([0.0, 1.0]) if name == "CMixup" else torch.tensor([0, 1])
+    if name == "TransMix":
+        model, image, hidden = vit(), "input", "encoder.layers.encoder_layer_0"
+        first = model.conv_proj
+    else:
+        model, image, hidden = convnet(), "image", "features"
+        first = model.features
+    seen = {}
+    first.register_forward_pre_hook(lambda module, args: seen.__setitem__("input", args[0].detach()))
+    if hidden == "features":
+        model.features.register_forward_hook(lambda m, a, o: seen.__setitem__("shape", tuple(o.shape[-2:])))
+    out = {}
+    for layer in (image, hidden):
+        mixer = method(name, layer, hidden=layer == hidden)
+        with mixer.attach(model), torch.no_grad():
+            model.train()
+            mixer.pin(index=torch.tensor([1, 0]))
+            mixer.use_targets(y)
+            model(x)
+            last = mixer.last
+            lam = float(last.lam.reshape(-1)[0])
+            if layer == image:
+                rows = seen["input"][len(x) :] if last.clean else seen["input"]  # clean+mixed: [x; mix]
+                out["mixed"], out["input_lam"] = rows[0].clamp(0, 1), lam
+            elif last.weights is not None:
+                out["weights"], out["hidden_lam"] = last.weights[0].float(), lam
+            elif (
+                "box" in last.info
+            ):  # ResizeMix: the partner resized into the box, so no weights per position
+                out["weights"], out["hidden_lam"] = (
+                    region_weights(last.info["box"], seen["shape"])[0].float(),
+                    lam,
+                )
+            else:
+                out["weights"], out["hidden_lam"] = torch.full((SIZE // 4, SIZE // 4), lam), lam
+                out["uniform"] = True
+    out["images"] = x
+    if name in SMALL_INPUT:
+        out["note"] = f" ({SMALL}x{SMALL} images)"
+    return out
+
+
+def figure(name: str, drawn: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(10.4, 2.9), gridspec_kw={"width_ratios": [1, 1, 1, 1.25]})
+    panels = [
+        (drawn["images"][0], "image 0 (own)"),
+        (drawn["images"][1], "image 1 (its partner)"),
+        (drawn["mixed"], f"image 0 mixed at the input\nlam {drawn['input_lam']:.2f}{drawn.get('note', '')}"),
+    ]
+    for ax, (image, title) in zip(axes, panels, strict=False):
+        ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+    weights = drawn["weights"].numpy()
+    shown = axes[3].imshow(weights, vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
+    extra = ", the same everywhere" if drawn.get("uniform") else ""
+    side = "x".join(map(str, weights.shape))
+    axes[3].set_title(
+        f"own-content weight, {side} hidden map\nlam {drawn['hidden_lam']:.2f}{extra}", fontsize=9
+    )
+    fig.colorbar(shown, ax=axes[3], fraction=0.046, pad=0.04)
+    for ax in axes:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(name, fontsize=12, fontweight="bold", x=0.02, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def render(out: Path) -> list[Path]:
+    """Draw every method's picture into ``out``; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in sorted(METHODS):
+        if name in NOT_DRAWN:
+            continue
+        fig = figure(name, draw(name))
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=80, metadata={"Software": None})
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def check(gallery: Path = GALLERY, drawn_into: Path | None = None) -> list[str]:
+    """One line per picture of ``gallery`` that is not what ``render`` draws now (missing, extra, changed);
+    ``drawn_into``: a directory ``render`` has already drawn into (else it draws into a temporary one)."""
+    import tempfile
+
+    from matplotlib.image import imread
+
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = sorted(drawn_into.glob("*.png")) if drawn_into else render(Path(scratch))
+        drawn = {p.name: imread(p) for p in paths}
+    committed = {p.name: p for p in sorted(gallery.glob("*"))} if gallery.exists() else {}
+    problems = [
+        f"{gallery.name}/{n}: not drawn: run python docs/gallery.py" for n in drawn if n not in committed
+    ]
+    problems += [
+        f"{gallery.name}/{n}: not a picture docs/gallery.py draws" for n in committed if n not in drawn
+    ]
+    for n in sorted(set(drawn) & set(committed)):
+        mine = imread(committed[n])
+        if mine.shape != drawn[n].shape or float(np.abs(mine - drawn[n]).mean()) > TOLERANCE:
+            problems.append(
+                f"{gallery.name}/{n}: differs from what the library draws now: run python docs/gallery.py"
+            )
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare docs/gallery/ with what would be drawn")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = check()
+        for line in problems:
+            print(f"error: docs/{line}", file=sys.stderr)
+        return 1 if problems else 0
+    for path in render(GALLERY):
+        print(path.relative_to(GALLERY.parents[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

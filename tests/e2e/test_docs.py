@@ -1,0 +1,126 @@
+"""The documentation site: it builds with every warning an error, its generated parts (the Performance
+tables, the gallery) come from the code and the benchmark's results, and bad input to it (a broken link, a
+docstring reference to nothing, a picture that is missing, extra or stale) fails in one line naming it."""
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytest.importorskip("sphinx", reason="the docs extra: pip install -e '.[docs]'")
+DOCS = ROOT / "docs"
+
+
+def build(*args, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, str(DOCS / "build.py"), *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
+
+
+def gallery_module():
+    spec = importlib.util.spec_from_file_location("gallery", DOCS / "gallery.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_path):
+    result = build("--out", str(tmp_path / "html"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"built {tmp_path / 'html' / 'index.html'}" and not result.stderr
+    html = tmp_path / "html"
+    catalogue = (html / "catalogue.html").read_text()
+    import mixhook.mixers
+
+    for name in mixhook.mixers.METHODS:  # every method's picture, OneOf's line
+        assert f'src="_images/{name}.png"' in catalogue or (
+            name == "OneOf" and "No picture: a composition" in catalogue
+        )
+    performance = (html / "performance.html").read_text()
+    # the goals table is made from the results: each whole-suite run is a column, each goal a row
+    for stem in ("cpu-2026-11-22", "cpu-2026-11-23", "cuda-h100-2026-11-22"):
+        assert f"_generated/results/{stem}.html" in performance
+    assert (
+        '<code class="docutils literal notranslate"><span class="pre">mixup_vs_none</span></code>'
+        in performance
+    )
+    assert "1.196 (missed)" in performance  # the H100's mixup_vs_none, from its results file
+    assert (html / "_generated" / "results" / "cpu-2026-11-24-methods.html").exists()
+    api = (html / "api.html").read_text()
+    assert 'id="mixhook.ManifoldMixup"' in api and "Verma" in api  # the docstring, imported
+    assert "Training-time augmentation and regularization hooks" in (html / "index.html").read_text()
+    assert "the quick tier for an edit-test loop" in (html / "getting-started.html").read_text()  # the README
+
+
+@pytest.mark.slow
+def test_bad_docs_input_fails_the_build_in_one_line_each(tmp_path):
+    source = tmp_path / "docs"
+    source.mkdir()
+    for name in ("conf.py", "gallery.py"):
+        shutil.copy(DOCS / name, source / name)
+    shutil.copytree(DOCS / "_ext", source / "_ext")
+    shutil.copytree(DOCS / "gallery", source / "gallery")
+    (source / "gallery" / "CutMix.png").unlink()  # a method without its picture
+    shutil.copy(DOCS / "gallery" / "FMix.png", source / "gallery" / "ChannelSwap.png")  # a picture of nothing
+    (source / "index.md").write_text(
+        "# Bad input\n\nSee [the layers](layers.md).\n\n![a picture](gallery/Nosuch.png)\n\n"
+        "```{eval-rst}\n.. autoclass:: mixhook.Nosuch\n```\n"
+    )
+    result = build("--source", str(source), "--out", str(tmp_path / "html"))
+    assert result.returncode == 1 and not result.stdout
+    lines = result.stderr.splitlines()
+    assert all(line.startswith("error: ") for line in lines), result.stderr
+
+    def one(pattern):
+        found = [line for line in lines if re.search(pattern, line)]
+        assert len(found) == 1, (pattern, result.stderr)
+
+    one(r"index\.md:3: .*'layers\.md'")  # the broken link, with its line
+    one(r"image file not readable: gallery/Nosuch\.png")
+    one(r"autoclass.*Nosuch|Nosuch.*autoclass|import.*Nosuch")
+    one(r"gallery/CutMix\.png: no picture of CutMix: run python docs/gallery.py")
+    one(r"gallery/ChannelSwap\.png: a picture of no method")
+
+
+@pytest.mark.slow
+def test_the_gallery_is_what_the_library_draws_now(tmp_path):
+    gallery = gallery_module()
+    drawn = tmp_path / "drawn"
+    gallery.render(drawn)
+    assert gallery.check(gallery.GALLERY, drawn_into=drawn) == []
+    # a copy with a stale, a missing and an extra picture: one line each
+    stale = tmp_path / "stale"
+    shutil.copytree(gallery.GALLERY, stale)
+    from matplotlib.image import imread, imsave
+
+    imsave(stale / "CutMix.png", 1 - imread(stale / "CutMix.png")[..., :3])
+    (stale / "FMix.png").unlink()
+    shutil.copy(stale / "GridMix.png", stale / "Old.png")
+    assert gallery.check(stale, drawn_into=drawn) == [
+        "stale/FMix.png: not drawn: run python docs/gallery.py",
+        "stale/Old.png: not a picture docs/gallery.py draws",
+        "stale/CutMix.png: differs from what the library draws now: run python docs/gallery.py",
+    ]
+
+
+def test_every_public_name_is_in_the_api_reference():
+    import mixhook
+
+    api = (DOCS / "api.md").read_text()
+    missing = [n for n in mixhook.__all__ if n != "mixers" and not re.search(rf"\bmixhook\.{n}\b", api)]
+    assert not missing, f"not in docs/api.md: {missing}"
+
+
+def test_the_readme_is_a_quick_start_whose_links_all_lead_somewhere():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert links and all((ROOT / link).exists() for link in links if "://" not in link), links
+    for heading in ("## Set up and test", "## Train", "## Three common uses", "## Documentation"):
+        assert heading in readme

@@ -2,6 +2,7 @@
 running the benchmark script."""
 
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -88,3 +89,17 @@ def lightning_ddp():
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+class Lazy:
+    """A module imported at its first use rather than when the test module is collected: every xdist worker
+    collects every test module, and lightning (about 5 s) and timm (about 3 s) were imported by both
+    although one worker runs their tests. ``timm = Lazy("timm")``, then ``timm.create_model(...)``."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # pytest's collection asks every module attribute for _pytest* and __test__
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)

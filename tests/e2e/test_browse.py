@@ -4,6 +4,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 import torchvision
 from torch import nn
@@ -90,6 +91,7 @@ def test_structures_show_their_elements_and_batch_dimensions_and_nothing_is_left
     assert table.splitlines()[0].split() == ["layer", "type", "output", "mixable", "note"]
 
 
+@pytest.mark.slow
 def test_the_command_lists_layers_as_the_issue_asks(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mixhook.layers", "model=torchvision", "model.name=resnet18"],

@@ -21,6 +21,8 @@ from mixhook.app.training import checkpoint as ckpt
 from tests.app_helpers import config, run_cli
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # each trains through the app, most of them in train.py
+
 COSINE = [  # the default schedule: cosine over trainer.epochs; the paper's network a quarter wide (what is
     # tested, exact resume and safe loading, does not depend on its width, and its runs take seconds)
     "data.train_size=200", "trainer.epochs=4", "trainer.batch_size=32", "trainer.checkpoint_every=1",
@@ -74,7 +76,6 @@ def wait_for_checkpoint(out, proc, after=0.0):
     assert proc.poll() is None, "the run finished before it could be interrupted"
 
 
-@pytest.mark.slow
 def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp_path, uninterrupted, caplog):
     out = tmp_path / "run"
     proc = start(out)
@@ -95,7 +96,6 @@ def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp
     assert results(out) == uninterrupted
 
 
-@pytest.mark.slow
 def test_sigterm_finishes_the_step_writes_the_checkpoint_and_exits_non_zero(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = start(out)
@@ -354,7 +354,6 @@ SCHEDULED = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
 def test_a_mix_schedule_resumes_exactly_after_sigkill(tmp_path, uninterrupted):
     """Ramps move every step and mixing stops after epoch 3 (timm's mixup_off_epoch): a run killed at a
     random step and resumed ends identical to the same schedule uninterrupted."""

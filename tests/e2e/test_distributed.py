@@ -17,6 +17,8 @@ from mixhook.app.training import checkpoint as ckpt
 from mixhook.app.training import evaluate
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # torchrun
+
 ARGS = [
     "data.train_size=200",
     "trainer.epochs=1",

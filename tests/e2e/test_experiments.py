@@ -199,6 +199,7 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
             run.mixup.remove()
 
 
+@pytest.mark.slow
 def test_cfg_job_prints_the_papers_hyperparameters(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "experiment=verma2019_cifar100_manifold", "--cfg", "job"],
@@ -210,6 +211,7 @@ def test_cfg_job_prints_the_papers_hyperparameters(tmp_path):
     assert printed["paper"]["value"] == 20.34 and printed["data"]["name"] == "cifar100"
 
 
+@pytest.mark.slow
 def test_a_multirun_over_paper_experiments_reports_paper_beside_measured(tmp_path):
     write_cifar(tmp_path / "cifar", "cifar10", per_file=8)
     sweep = tmp_path / "sweep"
@@ -218,7 +220,8 @@ def test_a_multirun_over_paper_experiments_reports_paper_beside_measured(tmp_pat
     result = run_cli(
         "-m", "experiment=verma2019_cifar10_none,verma2019_cifar10_manifold", "data=cifar10",
         f"data.root={tmp_path / 'cifar'}", "data.num_workers=0", "trainer.epochs=1",
-        "trainer.batch_size=8", "trainer.progress_bar=false", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+        "trainer.batch_size=8", "trainer.progress_bar=false", "+model.width=0.25", f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     for job in ("0", "1"):
@@ -290,6 +293,7 @@ def authors_patchup(x, targets, holes, indices, lam, soft):
     ("faramarzi2022_cifar10_patchup_soft", 1), ("faramarzi2022_cifar10_patchup_hard", 2),
     ("faramarzi2022_cifar10_patchup_hard", 0),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_the_patchup_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path, name, k):
     """One training step of the experiment's model, mixer and loss (the app's loop, float64) against the
     authors' forward (models/preresnet.py), mixing (modules/patchup.py, modules/cutmix.py) and loss
@@ -354,6 +358,7 @@ def test_the_patchup_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path
         run.mixup.remove()
 
 
+@pytest.mark.slow
 def test_the_nfm_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path):
     """One training step of lim2022_cifar10_nfm (the app's loop, float64) against the authors' network,
     do_noisy_mixup and mixup_criterion (erichson/NFM: src/cifar_models/preresnet.py, src/noisy_mixup.py)

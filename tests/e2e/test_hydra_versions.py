@@ -10,6 +10,8 @@ import pytest
 from mixhook.app.hydra_compat import HYDRA_14
 from tests.app_helpers import not_log_lines, run_cli
 
+pytestmark = pytest.mark.slow  # each runs train.py
+
 QUICK = ("trainer.epochs=1", "data.train_size=100", "+model.width=0.25", "trainer.progress_bar=false")
 
 

@@ -15,11 +15,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from mixhook import ManifoldMixup
 from mixhook.integrations.draws import reseed
-from mixhook.integrations.lightning import MixupCallback, step_key
 from tests.conftest import ROOT
 from tests.helpers import lightning_ddp
-from tests.unit.test_integrations_lightning import Lit, data, trainer
+from tests.unit.test_integrations_lightning import Lit, MixupCallback, data, integration, trainer
 from tests.unit.test_integrations_transformers import BERT_LAYERS, bert
+
+pytestmark = pytest.mark.slow  # two processes each
 
 
 def simulate(model, loader, epochs, seed, ranks):
@@ -40,7 +41,7 @@ def simulate(model, loader, epochs, seed, ranks):
         for i, batches in enumerate(zip(*shards, strict=True)):
             grads = []
             for replica, mixer, rank, (x, y) in zip(replicas, mixers, ranks, batches, strict=True):
-                reseed(mixer, seed, rank, step_key(epoch, i))
+                reseed(mixer, seed, rank, integration.step_key(epoch, i))
                 replica.zero_grad()
                 mixer.loss(F.cross_entropy, replica(x), y).backward()
                 grads.append([p.grad for p in replica.parameters()])

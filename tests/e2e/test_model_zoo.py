@@ -62,6 +62,7 @@ def test_a_users_own_model_with_its_own_arguments_through_target(tmp_path):
     assert summary["model"] == {"_target_": "tests.toy_models.TinyConvNet", "width": 12}
 
 
+@pytest.mark.slow
 def test_a_torchvision_vit_trains_in_the_app_on_cifar_sized_images(tmp_path):
     from mixhook.app import run as app
     from tests.app_helpers import config

@@ -71,6 +71,7 @@ def test_the_mix_runs_in_the_activations_dtype_under_autocast(dtype, kind):
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_compile_and_channels_last_runs_finish_with_the_same_checkpoint_layout(tmp_path):
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     app.main(config(*TINY, "trainer.epochs=1"), out_dir=str(eager))

@@ -93,6 +93,7 @@ def test_feature_maps_show_the_mix_and_leave_training_untouched(tmp_path):
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
 
 
+@pytest.mark.slow
 def test_feature_maps_of_a_layer_the_mixer_does_not_own_show_the_upstream_mix(tmp_path):
     torch.manual_seed(0)
     model = PreActResNet18(in_channels=1, num_classes=10)
@@ -113,6 +114,7 @@ def test_feature_maps_of_a_layer_the_mixer_does_not_own_show_the_upstream_mix(tm
     assert image.shape[0] > 500 and image.shape[1] > 1000 and image.std() > 0.05
 
 
+@pytest.mark.slow
 def test_feature_maps_pin_a_oneof_through_the_mixer_that_owns_the_layer(tmp_path):
     torch.manual_seed(0)
     model = PreActResNet18(in_channels=1, num_classes=10)

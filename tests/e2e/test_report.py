@@ -18,6 +18,8 @@ from mixhook.app.report import write_report
 from tests.app_helpers import not_log_lines
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # real sweeps
+
 FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false", "+model.width=0.25"]
 
 

@@ -19,7 +19,9 @@ import yaml
 from tests.app_helpers import not_log_lines, run_cli
 from tests.conftest import ROOT
 
-QUICK = ("data.train_size=100", "trainer.epochs=1", "trainer.progress_bar=false")
+pytestmark = pytest.mark.slow  # each runs train.py
+
+QUICK = ("data.train_size=100", "trainer.epochs=1", "trainer.progress_bar=false", "+model.width=0.25")
 
 
 def snapshot(directory):
@@ -32,7 +34,7 @@ def with_toy_hook(run, hook: str):
     """``train.py`` on the quick settings a quarter wide, with ``hook`` (a class of tests/toy_models.py)
     among its hooks, into ``run``."""
     return run_cli(
-        *QUICK, "+model.width=0.25", f"hooks=[{{_target_: tests.toy_models.{hook}}}]",
+        *QUICK, f"hooks=[{{_target_: tests.toy_models.{hook}}}]",
         "allow_targets=[tests.toy_models.*]", f"hydra.run.dir={run}", cwd=run.parent,
     )  # fmt: skip
 
@@ -62,7 +64,7 @@ def test_a_refused_run_leaves_the_run_directory_it_names_byte_for_byte_as_it_was
     assert yaml.safe_load(before[".hydra/config.yaml"])["trainer"]["epochs"] == 1
     for overrides, line in (
         (  # resumed with another model
-            ["model=torchvision", "model.name=resnet18", "trainer.resume=auto"],
+            ["model=torchvision", "model.name=resnet18", "~model.width", "trainer.resume=auto"],
             f"error: trainer.resume: {run / 'last.pt'}: written with model._target_=",
         ),
         (
@@ -122,7 +124,7 @@ def test_the_basic_and_the_joblib_launcher_give_the_same_numbers(tmp_path):
         sweep = tmp_path / launcher
         result = subprocess.run(
             [sys.executable, str(ROOT / "train.py"), "-m", f"hydra/launcher={launcher}", *QUICK,
-             "+model.width=0.25", "seed=3", f"hydra.sweep.dir={sweep}"],
+             "seed=3", f"hydra.sweep.dir={sweep}"],
             cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
@@ -189,7 +191,7 @@ def test_a_sweep_run_again_into_its_own_directory_is_refused_per_job_and_counted
     # each job's directory holds the first sweep's run: refused and left as it was, yet the sweep must not
     # end as a success (its report still shows the earlier runs)
     sweep = tmp_path / "sweep"
-    argv = [sys.executable, str(ROOT / "train.py"), "-m", "seed=0", *QUICK, "+model.width=0.25",
+    argv = [sys.executable, str(ROOT / "train.py"), "-m", "seed=0", *QUICK,
             f"hydra.sweep.dir={sweep}"]  # fmt: skip
     first = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -6,11 +6,9 @@ without checkpointing, in float64, for every kind of hook; what cannot be made e
 import copy
 
 import pytest
-import timm
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
-from transformers import BertConfig, BertForSequenceClassification
 
 from mixhook import (
     ActivationStats,
@@ -24,7 +22,10 @@ from mixhook import (
     recompute,
 )
 from mixhook.recompute import RecomputeError
-from tests.helpers import grads, hook_count
+from tests.helpers import Lazy, grads, hook_count
+
+timm = Lazy("timm")  # imported when a test first uses it, not at collection
+transformers = Lazy("transformers")
 
 
 @pytest.fixture
@@ -298,11 +299,11 @@ def test_timm_vit_with_grad_checkpointing(replays):
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_huggingface_gradient_checkpointing(reentrant, replays):
     torch.manual_seed(0)
-    config = BertConfig(
+    config = transformers.BertConfig(
         vocab_size=40, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=16, num_labels=3, attn_implementation="eager",
     )  # fmt: skip
-    plain = BertForSequenceClassification(config).double().train()
+    plain = transformers.BertForSequenceClassification(config).double().train()
     ckpt = copy.deepcopy(plain)
     enable = getattr(ckpt, "activation_checkpointing_enable", None)  # transformers >= 5 renames it
     if enable is not None:

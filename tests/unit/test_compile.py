@@ -141,6 +141,7 @@ def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
         torch.testing.assert_close(records, eager_records)
 
 
+@pytest.mark.slow
 def test_transmix_vit_computes_the_same_compiled():
     """TransMix on a timm ViT, attached then compiled: the eager run's per-sample label weights, losses and
     gradients (the attention read recomputes one qkv projection under no_grad)."""

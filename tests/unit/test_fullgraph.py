@@ -115,6 +115,7 @@ def _same(eager, compiled):
         torch.testing.assert_close(grads_c, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(TRACED))
 def test_fullgraph_training_equals_eager_with_the_same_draws_and_no_recompile(kind):
     eager = _train(TRACED[kind], compiled=False)
@@ -164,6 +165,7 @@ def test_no_graph_break_and_the_hooks_inline_into_a_compiled_caller():
     _same(eager, _train(TRACED["manifold"], compiled=True, wrap=lambda m: lambda x: m(x)))
 
 
+@pytest.mark.slow
 def test_inductor_equals_eager():
     for kind in ("manifold", "cutmix-elem-timm"):
         _same(
@@ -327,6 +329,7 @@ def test_a_channels_last_map_is_cut_along_height_and_width_compiled():
     torch.testing.assert_close(results[1][1:], results[0][1:])
 
 
+@pytest.mark.slow
 def test_batches_and_maps_of_other_sizes_trace_with_dynamic_shapes():
     """The last batch of an epoch (or another map size) recompiles with symbolic sizes: the draws' sizes
     travel as the operator's arguments, so the graph stays whole and the mixes equal eager."""
@@ -439,6 +442,7 @@ VIT_MIXERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(VIT_MIXERS))
 def test_a_vit_mixed_on_its_tokens_compiles_whole_and_equals_eager(kind):
     """A timm ViT's tokens through the patch grid (class token blended or kept, a lam per sample): one

@@ -120,13 +120,38 @@ class ClippedOutput(nn.Module):
         return _RefClip.apply(self.layer(*args), self.max_norm)
 
 
+class NarrowResNet18(torchvision.models.ResNet):
+    """torchvision's resnet18, module for module (the same names, blocks, in-place ReLUs and shortcuts), an
+    eighth as wide: what the hooks are checked for does not depend on the width, and the full-width model
+    in float64 made these the suite's slowest unit tests."""
+
+    def __init__(self, num_classes: int):
+        super().__init__(torchvision.models.resnet.BasicBlock, [2, 2, 2, 2], num_classes=num_classes)
+        self.conv1 = nn.Conv2d(3, 8, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(self.inplanes, num_classes)
+
+    def _make_layer(self, block, planes, blocks, stride=1, dilate=False):
+        if planes == 64:  # the first stage: the stem (replaced above) gives it 8 channels
+            self.inplanes = 8
+        return super()._make_layer(block, planes // 8, blocks, stride, dilate)
+
+
 RESNET18_LAYERS = [n for n, _ in torchvision.models.resnet18().named_modules() if n]
+
+
+def test_the_narrow_resnet18_has_every_module_of_resnet18():
+    narrow, full = NarrowResNet18(4), torchvision.models.resnet18(num_classes=4)
+    assert [(n, type(m)) for n, m in narrow.named_modules() if n] == [
+        (n, type(m)) for n, m in full.named_modules() if n
+    ]
+    assert narrow.layer2[0].relu.inplace and narrow.layer4[0].downsample is not None
 
 
 @pytest.fixture(scope="module")
 def resnet18_setup():
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=4).double().train()
+    model = NarrowResNet18(num_classes=4).double().train()
     x = torch.randn(2, 3, 16, 16, dtype=torch.double)  # layer3 and layer4 at 1x1: every layer still runs
     y = torch.tensor([1, 3])
     return model, x, y

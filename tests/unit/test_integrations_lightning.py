@@ -4,19 +4,20 @@ mixup_off_epoch, a OneOf), validation unmixed, resume bit for bit, and what is r
 ddp_spawn is in tests/e2e/test_integrations_ddp.py."""
 
 import copy
+import functools
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from mixhook import CutMix, ManifoldMixup, MixSchedule, OneOf, UnknownLayerError
 from mixhook.hooks import StateError
 from mixhook.integrations.draws import reseed
-from mixhook.integrations.lightning import MixupCallback, mixed_loss, step_key
-from tests.helpers import lightning_ddp
+from tests.helpers import Lazy, lightning_ddp
+
+L = Lazy("lightning")  # imported by the first test that runs, not at collection (see Lazy)
+integration = Lazy("mixhook.integrations.lightning")  # imports lightning
 
 
 def net():
@@ -27,34 +28,57 @@ def net():
     )  # fmt: skip
 
 
-class Lit(L.LightningModule):
-    """A LightningModule as users write one: training_step takes the loss with mixed_loss."""
+def Lit(*args, **kwargs):  # noqa: N802  (the LightningModule below, defined when first used)
+    return lit_class()(*args, **kwargs)
 
-    def __init__(self, step: str = "mixed", lr: float = 0.1):
-        super().__init__()
-        self.net, self.step, self.lr = net(), step, lr
-        self.val_losses: list = []
 
-    def forward(self, x):
-        return self.net(x)
+def __getattr__(name: str):  # LitModule, as pickle finds it (ddp_spawn pickles the module to its workers)
+    if name == "LitModule":
+        return lit_class()
+    raise AttributeError(name)
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        if self.step == "plain":  # the mistake: a plain criterion on a mixed forward
-            return F.cross_entropy(self(x), y)
-        if self.step == "inner":  # calls the submodule, not self
-            return mixed_loss(self, F.cross_entropy, self.net(x), y)
-        return mixed_loss(self, F.cross_entropy, self(x), y)
 
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        loss = mixed_loss(self, F.cross_entropy, logits, y)  # a step shared with training may call it
-        self.val_losses.append((loss.detach(), F.cross_entropy(logits, y).detach()))
-        return loss
+def MixupCallback(*args, **kwargs):  # noqa: N802
+    return integration.MixupCallback(*args, **kwargs)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+def mixed_loss(*args, **kwargs):
+    return integration.mixed_loss(*args, **kwargs)
+
+
+@functools.cache
+def lit_class():
+    class LitModule(L.LightningModule):
+        """A LightningModule as users write one: training_step takes the loss with mixed_loss."""
+
+        def __init__(self, step: str = "mixed", lr: float = 0.1):
+            super().__init__()
+            self.net, self.step, self.lr = net(), step, lr
+            self.val_losses: list = []
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if self.step == "plain":  # the mistake: a plain criterion on a mixed forward
+                return F.cross_entropy(self(x), y)
+            if self.step == "inner":  # calls the submodule, not self
+                return mixed_loss(self, F.cross_entropy, self.net(x), y)
+            return mixed_loss(self, F.cross_entropy, self(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self(x)
+            loss = mixed_loss(self, F.cross_entropy, logits, y)  # a step shared with training may call it
+            self.val_losses.append((loss.detach(), F.cross_entropy(logits, y).detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    LitModule.__module__, LitModule.__qualname__ = __name__, "LitModule"  # picklable: see __getattr__
+    return LitModule
 
 
 def data(n=48, dtype=torch.float64):
@@ -83,7 +107,7 @@ def hand_loop(model, mixer, loader, epochs, seed, accumulate=1, schedule=None, a
             for i, (x, y) in enumerate(loader):
                 if schedule is not None:
                     schedule.set(epoch + 1, i / len(loader))
-                reseed(mixer, seed, 0, step_key(epoch, i))
+                reseed(mixer, seed, 0, integration.step_key(epoch, i))
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                     loss = mixer.loss(F.cross_entropy, model(x), y)
                 (loss / accumulate).backward()
@@ -173,7 +197,7 @@ def test_a_resumed_fit_draws_and_trains_what_the_uninterrupted_one_does(tmp_path
         mixer = ManifoldMixup(
             ["net.0", "net.2"], alpha=1.0, generator=torch.Generator().manual_seed(mixer_seed)
         )
-        every = ModelCheckpoint(dirpath=root, save_last=True) if root else None
+        every = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True) if root else None
         callbacks = [MixupCallback(mixer)] + ([every] if every else [])
         t = trainer(root, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=root is not None)
         t.fit(lit, loader, ckpt_path=ckpt)

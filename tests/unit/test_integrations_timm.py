@@ -6,13 +6,15 @@ box; resume, ``mixup_enabled`` and what is refused."""
 import copy
 
 import pytest
-import timm
 import torch
-from timm.data.mixup import mixup_target
-from timm.task import ClassificationTask
 
 from mixhook import ManifoldMixup, UnknownLayerError
 from mixhook.integrations.timm import LayerMixup
+from tests.helpers import Lazy
+
+timm = Lazy("timm")  # each imported when a test first uses it, not at collection
+timm_task = Lazy("timm.task")
+timm_mixup = Lazy("timm.data.mixup")
 
 ARGS = {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "switch_prob": 0.5, "label_smoothing": 0.1, "num_classes": 5}
 
@@ -46,8 +48,8 @@ def test_timms_training_step_mixes_at_the_layers_with_its_soft_targets_exactly()
     mixup_fn = LayerMixup(
         model, layer=["layer1", "layer2"], generator=torch.Generator().manual_seed(0), **ARGS
     )
-    task = ClassificationTask(model, criterion_kwargs={"soft_targets": True}, verbose=False)
-    twin_task = ClassificationTask(twin, criterion_kwargs={"soft_targets": True}, verbose=False)
+    task = timm_task.ClassificationTask(model, criterion_kwargs={"soft_targets": True}, verbose=False)
+    twin_task = timm_task.ClassificationTask(twin, criterion_kwargs={"soft_targets": True}, verbose=False)
     x = torch.randn(6, 3, 32, 32, dtype=torch.double)
     y = torch.tensor([0, 1, 2, 3, 4, 0])
     seen = set()
@@ -58,7 +60,7 @@ def test_timms_training_step_mixes_at_the_layers_with_its_soft_targets_exactly()
         result["loss"].backward()
         last = mixup_fn.last
         seen.add((last.layer, "box" in last.info))
-        expected = mixup_target(y, 5, float(last.lam), 0.1)
+        expected = timm_mixup.mixup_target(y, 5, float(last.lam), 0.1)
         assert torch.equal(target.double(), expected.double())
         handle = twin.get_submodule(last.layer).register_forward_hook(_hand_hook(last))
         twin_result = twin_task(x, expected)
@@ -97,7 +99,7 @@ def test_at_the_input_it_mixes_as_timms_mixup_on_the_same_lam_and_box(cutmix):
             x_flipped = expected.flip(0).mul_(1.0 - lam)
             expected.mul_(lam).add_(x_flipped)
         torch.testing.assert_close(seen["x"], expected, rtol=0, atol=1e-15)
-        assert torch.equal(target, mixup_target(y, 5, lam, 0.1))
+        assert torch.equal(target, timm_mixup.mixup_target(y, 5, lam, 0.1))
 
 
 def test_mixup_enabled_prob_and_a_resumed_run():
@@ -111,7 +113,7 @@ def test_mixup_enabled_prob_and_a_resumed_run():
         last = mixup_fn.last
         draws.append(None if last is None else (last.layer, float(last.lam)))
         if last is None:  # not mixed: the smoothed labels, and the forward was not mixed
-            assert torch.equal(target, mixup_target(y, 5, 1.0, 0.1))
+            assert torch.equal(target, timm_mixup.mixup_target(y, 5, 1.0, 0.1))
     assert None in draws and any(d is not None for d in draws)  # prob=0.5 did both
     state = mixup_fn.state_dict()
     later = []
@@ -129,7 +131,7 @@ def test_mixup_enabled_prob_and_a_resumed_run():
     resumed.mixup_enabled = False  # what train.py sets at mixup_off_epoch
     _, target = resumed(x, y)
     model(x)
-    assert resumed.last is None and torch.equal(target, mixup_target(y, 5, 1.0, 0.1))
+    assert resumed.last is None and torch.equal(target, timm_mixup.mixup_target(y, 5, 1.0, 0.1))
 
 
 def test_a_wrapped_model_is_looked_through():

@@ -9,18 +9,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainingArguments,
-)
 
 from mixhook import ManifoldMixup, MixSchedule, UnknownLayerError
 from mixhook.integrations.draws import reseed
 from mixhook.integrations.transformers import MixupCallback
+from tests.helpers import Lazy
+
+transformers = Lazy("transformers")  # imported when a test first uses it, not at collection
 
 BERT_LAYERS = ["bert.encoder.layer.0", "bert.encoder.layer.1"]
 GPT2_LAYERS = ["transformer.h.0", "transformer.h.1"]
@@ -28,20 +23,20 @@ GPT2_LAYERS = ["transformer.h.0", "transformer.h.1"]
 
 def bert():
     torch.manual_seed(0)
-    config = BertConfig(
+    config = transformers.BertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
-    return BertForSequenceClassification(config).double()
+    return transformers.BertForSequenceClassification(config).double()
 
 
 def gpt2():
     torch.manual_seed(0)
-    config = GPT2Config(
+    config = transformers.GPT2Config(
         vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, pad_token_id=0,
     )  # fmt: skip
-    return GPT2LMHeadModel(config).double()
+    return transformers.GPT2LMHeadModel(config).double()
 
 
 def rows(kind, n=16, seed=0):
@@ -70,11 +65,11 @@ def arguments(tmp_path, **kwargs):
         use_cpu=True, seed=7, logging_strategy="no", disable_tqdm=True,
     )  # fmt: skip
     options.update(kwargs)
-    return TrainingArguments(**options)
+    return transformers.TrainingArguments(**options)
 
 
 def hf_trainer(model, args, data, callback, **kwargs):
-    return Trainer(
+    return transformers.Trainer(
         model=model, args=args, train_dataset=data, eval_dataset=data[:8], callbacks=[callback],
         compute_loss_func=callback.compute_loss, **kwargs,
     )  # fmt: skip
@@ -159,7 +154,7 @@ def test_without_a_mix_the_loss_is_the_models_own_in_the_trainer(kind, tmp_path)
     data = rows(kind)
     args = arguments(tmp_path, gradient_accumulation_steps=1)
     hf_trainer(model, args, data, MixupCallback(ManifoldMixup(layers, alpha=1.0, prob=0.0))).train()
-    Trainer(model=twin, args=args, train_dataset=data).train()
+    transformers.Trainer(model=twin, args=args, train_dataset=data).train()
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -172,7 +167,9 @@ def test_evaluate_is_unmixed_and_its_loss_the_models_own(tmp_path):
     )
     trainer.train()
     mixed = trainer.evaluate()["eval_loss"]
-    plain = Trainer(model=copy.deepcopy(model), args=arguments(tmp_path), eval_dataset=data[:8]).evaluate()
+    plain = transformers.Trainer(
+        model=copy.deepcopy(model), args=arguments(tmp_path), eval_dataset=data[:8]
+    ).evaluate()
     assert mixed == pytest.approx(plain["eval_loss"], rel=1e-12)
 
 
@@ -212,7 +209,9 @@ def test_without_compute_loss_func_the_step_is_refused_before_the_update(tmp_pat
     model = bert()
     before = copy.deepcopy(model)
     callback = MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))
-    trainer = Trainer(model=model, args=arguments(tmp_path), train_dataset=rows("bert"), callbacks=[callback])
+    trainer = transformers.Trainer(
+        model=model, args=arguments(tmp_path), train_dataset=rows("bert"), callbacks=[callback]
+    )
     with pytest.raises(RuntimeError, match="compute_loss_func=callback.compute_loss") as error:
         trainer.train()
     one_line(error)

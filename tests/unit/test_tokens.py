@@ -6,7 +6,6 @@ import copy
 import inspect
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 import torchvision
@@ -15,6 +14,9 @@ from torch import nn
 import mixhook
 from mixhook import CutMix, FMix, PatchUp, TokenMix
 from mixhook.mixers.tokens import model_grid
+from tests.helpers import Lazy
+
+timm = Lazy("timm")  # imported when a test first uses it, not at collection
 
 
 def gen(seed=0):

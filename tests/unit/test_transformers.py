@@ -6,11 +6,13 @@ attends to the positions that are real in either partner."""
 import copy
 
 import pytest
-import timm
 import torch
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
 
 from mixhook import GradScale, ManifoldMixup
+from tests.helpers import Lazy
+
+timm = Lazy("timm")  # imported when a test first uses it, not at collection
+transformers = Lazy("transformers")
 
 LAM = 0.3
 INDEX = torch.tensor([2, 3, 0, 1])
@@ -43,12 +45,12 @@ def compare(model, hand, spec, call, hand_call, **options):
 
 def bert(implementation="eager"):
     torch.manual_seed(0)
-    config = BertConfig(
+    config = transformers.BertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         attn_implementation=implementation,
     )  # fmt: skip
-    return BertForSequenceClassification(config).double().train()
+    return transformers.BertForSequenceClassification(config).double().train()
 
 
 IDS = torch.randint(1, 50, (4, 6), generator=torch.Generator().manual_seed(0))
@@ -159,11 +161,11 @@ def test_bert_token_ids_at_the_input_are_refused_naming_the_embeddings_and_input
 
 def test_gpt2_block_with_padding_and_gradscale_on_keyword_arguments():
     torch.manual_seed(0)
-    config = GPT2Config(
+    config = transformers.GPT2Config(
         vocab_size=50, n_embd=16, n_layer=3, n_head=2, n_positions=16, num_labels=3, pad_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1, use_cache=False,
     )  # fmt: skip
-    model = GPT2ForSequenceClassification(config).double().train()
+    model = transformers.GPT2ForSequenceClassification(config).double().train()
     hand = copy.deepcopy(model)
     ids = IDS.clone()
     ids[PADDED == 0] = 0  # GPT-2 classifies from the last non-pad token

@@ -5,13 +5,15 @@ import copy
 import math
 
 import pytest
-import timm
 import torch
 import torchvision
 from torch import nn
 
 from mixhook import TransMix
 from mixhook.mixers.functional import smooth_one_hot
+from tests.helpers import Lazy
+
+timm = Lazy("timm")  # imported when a test first uses it, not at collection
 
 
 def gen(seed=0):

@@ -134,8 +134,6 @@ def gallery_page(gallery: Path, methods: list[str], skipped: dict[str, str]) -> 
 def result_page(path: Path) -> str:
     """A page holding the results file's own Markdown (written by the benchmark run), under its name."""
     markdown = path.with_suffix(".md")
-    if not markdown.exists():
-        raise FileNotFoundError(f"{path.name} has no {markdown.name} beside it (the benchmark writes both)")
     include = f"```{{include}} ../../../benchmarks/results/{markdown.name}\n:heading-offset: 1\n```\n"
     return f"# {path.stem}\n\n{include}"
 
@@ -150,6 +148,12 @@ def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
 
     files = result_files()
     gallery, problems = gallery_page(Path(out).parent / "gallery", sorted(METHODS), NOT_DRAWN)
+    problems += [
+        f"{p}: has no {p.with_suffix('.md').name} beside it (the benchmark writes both)"
+        for p in files
+        if not p.with_suffix(".md").exists()
+    ]
+    files = [p for p in files if p.with_suffix(".md").exists()]
     pages = {
         out / "goals.md": goals_table(files),
         out / "runs.md": runs_table(files),
@@ -162,6 +166,9 @@ def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
         "# Results files\n\nEvery file under `benchmarks/results/`, as the benchmark wrote it.\n\n"
         f"```{{include}} runs.md\n```\n\n```{{toctree}}\n:hidden:\n\n{toc}\n```\n"
     )
+    for stale in (out / "results").glob("*.md"):  # the page of a results file that is gone
+        if stale not in pages:
+            stale.unlink()
     for page, text in pages.items():
         page.parent.mkdir(parents=True, exist_ok=True)
         if not page.exists() or page.read_text() != text:

@@ -68,6 +68,9 @@ def test_bad_docs_input_fails_the_build_in_one_line_each(tmp_path):
     shutil.copytree(DOCS / "gallery", source / "gallery")
     (source / "gallery" / "CutMix.png").unlink()  # a method without its picture
     shutil.copy(DOCS / "gallery" / "FMix.png", source / "gallery" / "ChannelSwap.png")  # a picture of nothing
+    results = tmp_path / "benchmarks" / "results"  # where the copied conf looks: beside its docs folder
+    results.mkdir(parents=True)
+    (results / "cpu-2099-01-01.json").write_text('{"meta": {}, "goals": []}')  # without its Markdown
     (source / "index.md").write_text(
         "# Bad input\n\nSee [the layers](layers.md).\n\n![a picture](gallery/Nosuch.png)\n\n"
         "```{eval-rst}\n.. autoclass:: mixhook.Nosuch\n```\n"
@@ -86,6 +89,7 @@ def test_bad_docs_input_fails_the_build_in_one_line_each(tmp_path):
     one(r"autoclass.*Nosuch|Nosuch.*autoclass|import.*Nosuch")
     one(r"gallery/CutMix\.png: no picture of CutMix: run python docs/gallery.py")
     one(r"gallery/ChannelSwap\.png: a picture of no method")
+    one(r"cpu-2099-01-01\.json: has no cpu-2099-01-01\.md beside it")
 
 
 @pytest.mark.slow

@@ -33,7 +33,6 @@ exclude_patterns = [
 ]  # included
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 4  # [text](page.md#a-heading) links, checked by the build
-suppress_warnings = []
 
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True, "show-inheritance": True}

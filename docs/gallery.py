@@ -141,12 +141,11 @@ def draw(name: str) -> dict:
 
 
 def figure(name: str, drawn: dict):
-    import matplotlib
+    """The method's picture: a matplotlib ``Figure`` of its own (no pyplot state to close)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(10.4, 2.9), gridspec_kw={"width_ratios": [1, 1, 1, 1.25]})
+    fig = Figure(figsize=(10.4, 2.9))
+    axes = fig.subplots(1, 4, gridspec_kw={"width_ratios": [1, 1, 1, 1.25]})
     panels = [
         (drawn["images"][0], "image 0 (own)"),
         (drawn["images"][1], "image 1 (its partner)"),
@@ -178,12 +177,8 @@ def render(out: Path) -> list[Path]:
     for name in sorted(METHODS):
         if name in NOT_DRAWN:
             continue
-        fig = figure(name, draw(name))
         path = out / f"{name}.png"
-        fig.savefig(path, dpi=80, metadata={"Software": None})
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+        figure(name, draw(name)).savefig(path, dpi=80, metadata={"Software": None})
         paths.append(path)
     return paths
 

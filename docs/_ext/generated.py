@@ -33,25 +33,28 @@ def result_files(results: Path = RESULTS) -> list[Path]:
     return sorted(p for p in results.glob("*.json") if not p.stem.endswith("-quick"))
 
 
+def _link(stem: str) -> str:
+    """A link to the generated page of the results file ``stem``."""
+    return f"[{stem}](/_generated/results/{stem}.md)"
+
+
 def _measured(goal: dict) -> str:
     value = goal["measured"]
     text = str(value) if isinstance(value, int) else f"{value:.3f}"
     return text if goal["met"] else f"**{text} (missed)**"
 
 
-def goals_table(files: list[Path]) -> str:
+def goals_table(results: dict[str, dict]) -> str:
     """Every goal of every whole-suite run: one row per goal and place, one column per run."""
-    runs = [(p.stem, json.loads(p.read_text())) for p in files if WHOLE_SUITE.match(p.stem)]
+    runs = [(stem, run) for stem, run in results.items() if WHOLE_SUITE.match(stem)]
     rows: dict[tuple[str, str], dict[str, str]] = {}
     limits: dict[tuple[str, str], object] = {}
-    for stem, results in runs:
-        for goal in results.get("goals", []):
+    for stem, run in runs:
+        for goal in run.get("goals", []):
             key = (goal["goal"], goal["where"])
             rows.setdefault(key, {})[stem] = _measured(goal)
             limits[key] = goal["limit"]
-    head = (
-        "| goal | where | limit | " + " | ".join(f"[{s}](/_generated/results/{s}.md)" for s, _ in runs) + " |"
-    )
+    head = "| goal | where | limit | " + " | ".join(_link(stem) for stem, _ in runs) + " |"
     lines = [head, "| " + " | ".join(["---"] * (3 + len(runs))) + " |"]
     for (goal, where), measured in rows.items():
         cells = " | ".join(measured.get(stem, "") for stem, _ in runs)
@@ -59,20 +62,18 @@ def goals_table(files: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def runs_table(files: list[Path]) -> str:
+def runs_table(results: dict[str, dict]) -> str:
     """One row per results file: its device, date, command and goals."""
     lines = [
         "| results | device | date | command | goals met | missed |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for path in files:
-        results = json.loads(path.read_text())
-        meta = results.get("meta", {})
-        goals = results.get("goals", [])
+    for stem, run in results.items():
+        meta = run.get("meta", {})
+        goals = run.get("goals", [])
         missed = ", ".join(f"`{g['goal']}`" for g in goals if not g["met"])
         lines.append(
-            f"| [{path.stem}](/_generated/results/{path.stem}.md) | {meta.get('device', '')} "
-            f"| {meta.get('date', '')} "
+            f"| {_link(stem)} | {meta.get('device', '')} | {meta.get('date', '')} "
             f"| `{meta.get('command', '')}` | {sum(g['met'] for g in goals)} of {len(goals)} | {missed} |"
         )
     return "\n".join(lines) + "\n"
@@ -82,18 +83,17 @@ def _fmt(ratio: dict) -> str:
     return f"{ratio['median']:.2f} ({ratio['min']:.2f}..{ratio['max']:.2f})"
 
 
-def costs_table(files: list[Path]) -> str:
+def costs_table(results: dict[str, dict]) -> str:
     """Each method's training step over a plain one and over Manifold Mixup's (the latest methods run), and
     the scaling hooks' over a plain step (the latest whole-suite CPU run)."""
-    methods = [p for p in files if p.stem.endswith("-methods") and p.stem.startswith("cpu-")]
-    suites = [p for p in files if WHOLE_SUITE.match(p.stem) and p.stem.startswith("cpu-")]
+    methods = [s for s in results if s.endswith("-methods") and s.startswith("cpu-")]
+    suites = [s for s in results if WHOLE_SUITE.match(s) and s.startswith("cpu-")]
     lines = [
         "| hook | step / plain step | step / Manifold Mixup step | results |",
         "| --- | --- | --- | --- |",
     ]
     if methods:
-        run = json.loads(methods[-1].read_text())["methods"]
-        link = f"[{methods[-1].stem}](/_generated/results/{methods[-1].stem}.md)"
+        run, link = results[methods[-1]]["methods"], _link(methods[-1])
         where = f"{run['model']} at `{run['layer']}`, batch {run['batch']}"
         for name, ratio in run["vs_none"].items():
             versus = run.get("vs_manifold", {}).get(name)
@@ -104,8 +104,7 @@ def costs_table(files: list[Path]) -> str:
                 f"| `{label}` | {_fmt(ratio)} | {_fmt(versus) if versus else ''} | {link}: {where} |"
             )
     if suites:
-        steps = json.loads(suites[-1].read_text())["training_step"][0]
-        link = f"[{suites[-1].stem}](/_generated/results/{suites[-1].stem}.md)"
+        steps, link = results[suites[-1]]["training_step"][0], _link(suites[-1])
         for name, key in (("InputScale", "inputscale_layer2"), ("GradScale", "gradscale_layer3")):
             if key in steps["vs_none"]:
                 where = f"{steps['model']} at `{key.rsplit('_', 1)[1]}`, batch {steps['batch']}"
@@ -141,7 +140,8 @@ def result_page(path: Path) -> str:
 def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
     """Write every generated page under ``out``; returns their paths and the problems found. A page whose
     text is unchanged is not rewritten (Sphinx would rebuild it)."""
-    sys.path.insert(0, str(DOCS))
+    if str(DOCS) not in sys.path:
+        sys.path.insert(0, str(DOCS))
     from gallery import NOT_DRAWN
 
     from mixhook.mixers import METHODS
@@ -154,10 +154,11 @@ def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
         if not p.with_suffix(".md").exists()
     ]
     files = [p for p in files if p.with_suffix(".md").exists()]
+    results = {p.stem: json.loads(p.read_text()) for p in files}  # sorted by name: by date within a kind
     pages = {
-        out / "goals.md": goals_table(files),
-        out / "runs.md": runs_table(files),
-        out / "costs.md": costs_table(files),
+        out / "goals.md": goals_table(results),
+        out / "runs.md": runs_table(results),
+        out / "costs.md": costs_table(results),
         out / "gallery.md": gallery,
     }
     pages.update({out / "results" / f"{p.stem}.md": result_page(p) for p in files})

@@ -8,9 +8,10 @@ drawn by the library itself (so a picture cannot drift from the code).
 For each method (every class ``mixhook.mixers.METHODS`` finds, so a new mixer fails the check until its
 picture is drawn): the two images (scikit-learn's bundled ``china.jpg`` and ``flower.jpg``, 64x64, sample 0
 and its partner), what the method makes of image 0 when it mixes at the input, and the weight of image 0's
-own content at each position of a 16x16 feature map when it mixes at a hidden layer (``MixState.weights``;
-a method that blends every position alike has ``lam`` everywhere). The titles give lam, the weight of
-sample 0's own label. Every draw comes from a seeded generator, with partners pinned to ``[1, 0]``.
+own content at each position of a 16x16 feature map (AlignMix's: 8x8) when it mixes at a hidden layer
+(``MixState.weights``; a method that blends every position alike has ``lam`` everywhere). The titles give
+lam, the weight of sample 0's own label. Every draw comes from a seeded generator, with partners pinned to
+``[1, 0]``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def images(size: int = SIZE) -> torch.Tensor:
 
 
 def convnet() -> nn.Module:
-    """The image as a layer (``"image"``), then a 16x16 feature map (``"features"``)."""
+    """The image as a layer (``"image"``), then a feature map a quarter its side (``"features"``)."""
     torch.manual_seed(0)
     return nn.Sequential(
         OrderedDict(
@@ -107,8 +108,6 @@ def draw(name: str) -> dict:
         first = model.features
     seen = {}
     first.register_forward_pre_hook(lambda module, args: seen.__setitem__("input", args[0].detach()))
-    if hidden == "features":
-        model.features.register_forward_hook(lambda m, a, o: seen.__setitem__("shape", tuple(o.shape[-2:])))
     out = {}
     for layer in (image, hidden):
         mixer = method(name, layer, hidden=layer == hidden)
@@ -119,21 +118,16 @@ def draw(name: str) -> dict:
             model(x)
             last = mixer.last
             lam = float(last.lam.reshape(-1)[0])
+            side = last.shapes[0][-2:]  # the mixed map's height and width
             if layer == image:
                 rows = seen["input"][len(x) :] if last.clean else seen["input"]  # clean+mixed: [x; mix]
                 out["mixed"], out["input_lam"] = rows[0].clamp(0, 1), lam
             elif last.weights is not None:
                 out["weights"], out["hidden_lam"] = last.weights[0].float(), lam
-            elif (
-                "box" in last.info
-            ):  # ResizeMix: the partner resized into the box, so no weights per position
-                out["weights"], out["hidden_lam"] = (
-                    region_weights(last.info["box"], seen["shape"])[0].float(),
-                    lam,
-                )
+            elif "box" in last.info:  # ResizeMix: the partner resized into its box, no weights per position
+                out["weights"], out["hidden_lam"] = region_weights(last.info["box"], side)[0].float(), lam
             else:
-                out["weights"], out["hidden_lam"] = torch.full((SIZE // 4, SIZE // 4), lam), lam
-                out["uniform"] = True
+                out["weights"], out["hidden_lam"], out["uniform"] = torch.full(side, lam), lam, True
     out["images"] = x
     if name in SMALL_INPUT:
         out["note"] = f" ({SMALL}x{SMALL} images)"

@@ -2,23 +2,32 @@
 
 A mixed sample blends two sequences, so it should attend to every position that is real in either of them
 (``padding="union"``, the default; ``"keep"`` leaves every mask alone). Which masks describe the mixed
-sequence depends on where the mix is and on what a module's mask argument refers to:
+sequence depends on where the mix is and on what each call's mask argument refers to:
 
-- **Own masks** (``attention_mask``, ``key_padding_mask``, ``src_key_padding_mask``,
-  ``tgt_key_padding_mask``) describe the sequence a module is given; **cross masks**
-  (``encoder_attention_mask``, ``memory_key_padding_mask``) the encoder sequence a decoder attends to
-  (given as ``encoder_hidden_states``, HuggingFace, or ``memory``, PyTorch).
-- The **region** of a mix at a hidden layer is the innermost module around that layer that takes a
-  padding mask: the stack whose sequence was mixed (a BERT or T5 encoder, a T5 or BART decoder, an
-  ``nn.TransformerEncoder``); without one, the part of the model that holds the layer (a child of the
-  model: CLIP's vision tower), or the whole model for a layer directly under it.
-- Downstream of the mix, the outermost module called with a mask decides for itself and every module
-  inside it: **inside the region**, its own masks are unioned and its cross masks left (an encoder's
-  later layers; a decoder's later layers when the mix is in the decoder); **outside the region**, a
-  module that cross-attends (``encoder_hidden_states`` or ``memory`` given) gets its cross masks unioned
-  and keeps its own (the decoder of an encoder-decoder, mixed in the encoder: its teacher-forced input
-  is each sample's own, unmixed), and any other module keeps all of its masks (another tower, such as a
-  CLIP text encoder after a mix in the vision encoder).
+- The **region** of a mix at a hidden layer is the stack whose sequence it changes: the outermost module
+  around the layer (the model aside) that takes a padding mask, below any that takes two sequences (an
+  encoder-decoder: a source and a target, ``input_ids`` and ``decoder_input_ids``, ``src`` and ``tgt``).
+  So a mix anywhere in a BERT (``bert.encoder.layer.0`` or its ``output.LayerNorm``) has the region
+  ``bert``; anywhere in a T5 or BART encoder, the encoder (``encoder``, ``model.encoder``); anywhere in
+  their decoders, the decoder. A stack that is itself the mixed layer, directly under an encoder-decoder
+  (T5's ``encoder``), is its own region. Around a layer in no such stack, the part of the model (a child
+  of the model) that holds it (CLIP's vision tower), or the whole model for a layer directly under it.
+- Each call's masks are of its **own** sequence (the one it is given as its hidden states: ``attention_mask``,
+  ``key_padding_mask``, ``src_key_padding_mask``, ``tgt_key_padding_mask``) or of a **cross** sequence, the
+  keys it attends to from elsewhere (``encoder_attention_mask``, ``memory_key_padding_mask``; and every mask
+  of a call that attends to another sequence only: HuggingFace's attentions given ``key_value_states``
+  (BART, T5's ``T5LayerCrossAttention``), a call given ``encoder_hidden_states`` with no
+  ``encoder_attention_mask`` parameter (BERT's ``BertCrossAttention``), ``nn.MultiheadAttention`` called
+  with a ``key`` that is not its ``query``).
+- Downstream of the mix (the calls that start after it), the outermost module called with a mask decides
+  for itself and every module inside it: **inside the region**, its own masks are unioned and its cross
+  masks left (an encoder's later layers; a decoder's later layers and sub-layers when the mix is in the
+  decoder, whose cross-attention keeps each sample's source mask); **outside the region**, a call that
+  cross-attends gets its cross masks unioned and keeps its own (the decoder of an encoder-decoder, mixed
+  in the encoder: its teacher-forced input is each sample's own, unmixed), and any other call keeps all of
+  its masks (another tower, such as a CLIP text encoder after a mix in the vision encoder). A call in
+  flight when the mix happens (a mix inside an attention module, at its query, key or value projection)
+  has been handed its masks already: it keeps them, and the union starts with the next call.
 - At the model's **input** the model's own arguments decide: a mixed main input (the first argument,
   ``inputs_embeds``, ``input_values``, ``src``, ...) unions ``attention_mask``/``key_padding_mask``/
   ``src_key_padding_mask`` (and ``memory_key_padding_mask`` of a model that builds its memory from it,
@@ -67,6 +76,7 @@ TARGETS = (
     "tgt_key_padding_mask",
 )
 _DECODER_INPUTS = ("decoder_inputs_embeds", "decoder_input_ids", "tgt")
+_SOURCES = ("src", "input_ids", "inputs_embeds", "input_values", "input_features", "pixel_values")
 _MAIN_INPUTS = ("inputs_embeds", "input_ids", "input_values", "input_features", "src", "x", "hidden_states")
 _MODEL_OWN = ("attention_mask", "key_padding_mask", "src_key_padding_mask")
 
@@ -75,25 +85,65 @@ class PaddingPolicyError(RuntimeError):
     """Which padding masks describe the mixed sequence cannot be told: refused, never guessed."""
 
 
+_PARAMETERS: dict = {}  # forward function -> its parameter names (read at every call downstream of a mix)
+
+
+def _parameters(module: nn.Module) -> tuple[str, ...]:
+    forward = getattr(module.forward, "__func__", module.forward)
+    found = _PARAMETERS.get(forward)
+    if found is None:
+        try:
+            found = tuple(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            found = ()
+        if len(_PARAMETERS) >= 1024:
+            _PARAMETERS.clear()
+        _PARAMETERS[forward] = found
+    return found
+
+
 def takes_masks(module: nn.Module) -> bool:
     """Whether ``module.forward`` has a padding-mask parameter (any of :data:`TRUE_IS_PADDING`)."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return any(name in params for name in TRUE_IS_PADDING)
+    return any(name in TRUE_IS_PADDING for name in _parameters(module))
+
+
+def takes_two_sequences(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes a source and a target sequence (an encoder-decoder)."""
+    params = _parameters(module)
+    return any(n in params for n in _DECODER_INPUTS) and any(n in params for n in _SOURCES)
 
 
 def region_of(model: nn.Module, layer: str) -> str:
-    """The name of the innermost module around ``layer`` (not itself) that takes a padding mask; where
-    none does, the part of the model (a child of the model) that holds ``layer``, or ``""`` (the whole
-    model) for a layer that is itself such a part."""
+    """The name of the stack whose sequence a mix at ``layer`` changes (see the module docstring): the
+    outermost module around ``layer`` (not itself, not the model) that takes a padding mask, below the
+    first that takes two sequences; ``layer`` itself where it takes a mask directly under a module that
+    takes two; else the part of the model (a child of the model) that holds ``layer``, or ``""`` (the
+    whole model) for a layer that is itself such a part or lies in a part that takes two sequences."""
     parts = layer.split(".")
-    for i in range(len(parts) - 1, 0, -1):
+    region = None
+    for i in range(len(parts) - 1, -1, -1):  # the modules around the layer, innermost first, the model last
         name = ".".join(parts[:i])
-        if takes_masks(model.get_submodule(name)):
-            return name
-    return parts[0] if len(parts) > 1 else ""
+        module = model.get_submodule(name)
+        if takes_two_sequences(module):
+            if region is None and i == len(parts) - 1 and takes_masks(model.get_submodule(layer)):
+                region = layer  # a stack directly under an encoder-decoder (T5's encoder)
+            break
+        if i and takes_masks(module):
+            region = name
+    if region is not None:
+        return region
+    part = parts[0] if len(parts) > 1 else ""
+    return "" if part and takes_two_sequences(model.get_submodule(part)) else part
+
+
+def _cross_only(module: nn.Module, inputs: Inputs) -> bool:
+    """Whether a call attends to another sequence only, so that every mask it takes describes that one."""
+    if inputs.get("key_value_states") is not None:  # HuggingFace's cross-attentions (BART, T5)
+        return True
+    if inputs.get("encoder_hidden_states") is not None and "encoder_attention_mask" not in _parameters(module):
+        return True  # its attention_mask is the encoder's (BERT's BertCrossAttention)
+    key, query = inputs.get("key"), inputs.get("query")
+    return isinstance(key, torch.Tensor) and isinstance(query, torch.Tensor) and key is not query
 
 
 def _present(inputs: Inputs, names, batch: int) -> tuple[str, ...]:
@@ -104,11 +154,12 @@ def _present(inputs: Inputs, names, batch: int) -> tuple[str, ...]:
     )
 
 
-def downstream(name: str, region: str, inputs: Inputs, batch: int) -> tuple[str, ...]:
-    """The masks that the call of module ``name`` (with ``inputs``), downstream of a mix in ``region``,
-    must get unioned (see the module docstring)."""
-    cross = any(inputs.get(k) is not None for k in CROSS_SOURCES)
-    inside = region == "" or name.startswith(f"{region}.")
+def downstream(module: nn.Module, name: str, region: str, inputs: Inputs, batch: int) -> tuple[str, ...]:
+    """The masks that the call of ``module`` (named ``name``, with ``inputs``), downstream of a mix in
+    ``region``, must get unioned (see the module docstring)."""
+    cross_only = _cross_only(module, inputs)
+    cross = cross_only or any(inputs.get(k) is not None for k in CROSS_SOURCES)
+    inside = region == "" or name == region or name.startswith(f"{region}.")
     if inside and region == "" and (cross or any(k in inputs for k in TARGETS)):
         what = "cross-attends to an encoder" if cross else "takes a source and a target sequence"
         raise PaddingPolicyError(
@@ -116,9 +167,10 @@ def downstream(name: str, region: str, inputs: Inputs, batch: int) -> tuple[str,
             "mask, so which of its sequences was mixed cannot be told; mix a layer inside the encoder or "
             "the decoder, or pass padding='keep'"
         )
+    own, others = ((), {**OWN, **CROSS}) if cross_only else (OWN, CROSS)
     if inside:
-        return _present(inputs, OWN, batch)
-    return _present(inputs, CROSS, batch) if cross else ()
+        return _present(inputs, own, batch)
+    return _present(inputs, others, batch) if cross else ()
 
 
 def at_input(model_inputs: Inputs, mixed: tuple[str, ...], batch: int) -> tuple[str, ...] | None:

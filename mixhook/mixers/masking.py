@@ -56,7 +56,7 @@ class PaddingMasks:
                 return None
             inputs = Inputs(module, args, kwargs)
             region = self._regions.get(draw.layer, "")
-            names = masks.downstream(name, region, inputs, draw.index.shape[0])
+            names = masks.downstream(module, name, region, inputs, draw.index.shape[0])
             self._mask_stack.append(True)
             self._note(key, (draw.index, names) if names else None)
             if not names:

@@ -30,6 +30,9 @@ class Blend(nn.Module):
 
     def forward(self, *args, **kwargs):
         out = self.inner(*args, **kwargs)
+        if hasattr(out, "last_hidden_state"):  # a HuggingFace stack's ModelOutput
+            out.last_hidden_state = LAM * out.last_hidden_state + (1 - LAM) * out.last_hidden_state[INDEX]
+            return out
         h = out[0] if isinstance(out, tuple) else out
         h = LAM * h + (1 - LAM) * h[INDEX]
         return (h, *out[1:]) if isinstance(out, tuple) else h
@@ -180,6 +183,26 @@ def test_a_layer_of_both_sequences_in_no_masked_module_is_refused():
         model(*args)
 
 
+class Wrapped(nn.Module):
+    """A user's wrapper around the encoder-decoder of ``SharedEmbedding``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = SharedEmbedding()
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+
+def test_a_layer_of_both_sequences_inside_a_wrapped_encoder_decoder_is_refused():
+    """``inner.embed`` lies in no mask-taking module, inside a part that takes two sequences: the part is no
+    region (its source and target both lie inside it)."""
+    model = Wrapped().train()
+    args = (torch.randn(4, 7, 3), torch.randn(4, 5, 3), MASK == 0, DMASK == 0)
+    with ManifoldMixup("inner.embed").attach(model), pytest.raises(PaddingPolicyError, match="source and a"):
+        model(*args)
+
+
 def test_bart_mixed_in_its_encoder():
     from transformers import BartConfig, BartForConditionalGeneration
 
@@ -277,3 +300,170 @@ def test_a_mask_of_another_length_than_the_mixed_sequence_is_refused():
     with ManifoldMixup("embed").attach(model), pytest.raises(PaddingPolicyError, match="8 positions") as err:
         model(torch.randn(4, 6, 3), torch.ones(4, 8))
     assert "(B, 6, 4)" in str(err.value) and "padding='keep'" in str(err.value)
+
+
+# ------------------------------------------------------------------ the region: the stack whose sequence was mixed
+
+
+def bart(decoder_layers=2):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=decoder_layers, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, attn_implementation="eager",
+    )  # fmt: skip
+    return BartForConditionalGeneration(config).double().train()
+
+
+def seq2seq_call(model):
+    return model(input_ids=IDS, attention_mask=MASK, decoder_input_ids=DEC, decoder_attention_mask=DMASK).logits
+
+
+def test_bart_mixed_inside_a_decoder_layer_unions_the_later_decoder_layers_own_masks_not_the_source_masks():
+    """Issue 44: a mix at ``model.decoder.layers.0.fc2`` (inside a decoder layer) used to take that one layer
+    as its region: later decoder layers, outside it and cross-attending, got the source masks unioned (and
+    with source and target of different lengths, were refused)."""
+    model = bart()
+    reference = copy.deepcopy(model)
+    layer = reference.model.decoder.layers[0]
+    layer.fc2 = Blend(layer.fc2)
+    reference.model.decoder.layers[1] = Union(reference.model.decoder.layers[1], 1)  # its causal mask only
+    check(model, reference, "model.decoder.layers.0.fc2", seq2seq_call, seq2seq_call, LABELS)
+
+
+def test_bart_mixed_at_its_encoder_unions_the_cross_attention_masks_not_the_decoders_own():
+    """Issue 44: at ``model.encoder`` (the whole encoder, directly under the encoder-decoder) the region was
+    the encoder-decoder: the decoder's own masks were unioned and the source masks kept, the reverse."""
+    model = bart(decoder_layers=1)
+    reference = copy.deepcopy(model)
+    reference.model.encoder = Blend(reference.model.encoder)
+
+    def hand(ref):
+        encoded = ref.model.encoder(input_ids=IDS, attention_mask=MASK)
+        return ref(
+            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
+        ).logits
+
+    check(model, reference, "model.encoder", seq2seq_call, hand, LABELS)
+
+
+def test_t5_mixed_at_its_encoder_unions_the_cross_attention_masks():
+    """Issue 44: T5's ``encoder`` was refused (its region was taken to be the whole model)."""
+    model = t5()
+    reference = copy.deepcopy(model)
+    reference.encoder = Blend(reference.encoder)
+
+    def hand(ref):
+        encoded = ref.encoder(input_ids=IDS, attention_mask=MASK)
+        return ref(
+            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
+        ).logits
+
+    check(model, reference, "encoder", seq2seq_call, hand, LABELS)
+
+
+def test_t5_mixed_inside_a_decoder_block_keeps_the_cross_attention_mask_of_the_same_block():
+    """Issue 44: after a mix at ``decoder.block.0.layer.0`` (the self-attention sub-layer), the block's
+    ``T5LayerCrossAttention`` takes the source mask under the name ``attention_mask``: it used to be unioned
+    as if it were the decoder's own (and refused for its length)."""
+    model = t5()
+    reference = copy.deepcopy(model)
+    block = reference.decoder.block[0]
+    block.layer[0] = Blend(block.layer[0])
+    reference.decoder.block[1] = Union(reference.decoder.block[1], 1)  # its causal self-attention mask only
+    check(model, reference, "decoder.block.0.layer.0[0]", seq2seq_call, seq2seq_call, LABELS)
+
+
+def test_t5_mixed_inside_an_encoder_block_unions_the_later_blocks_masks():
+    model = t5()
+    reference = copy.deepcopy(model)
+    block = reference.encoder.block[0]
+    block.layer[1] = Blend(block.layer[1])  # the feed-forward sub-layer of block 0
+    reference.encoder.block[1] = Union(reference.encoder.block[1], 1)
+    reference.encoder.block[2] = Union(reference.encoder.block[2], 1)
+
+    def hand(ref):
+        encoded = ref.encoder(input_ids=IDS, attention_mask=MASK)
+        return ref(
+            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
+        ).logits
+
+    check(model, reference, "encoder.block.0.layer.1", seq2seq_call, hand, LABELS)
+
+
+def bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3, attn_implementation="eager",
+    )  # fmt: skip
+    return BertForSequenceClassification(config).double().train()
+
+
+@pytest.mark.parametrize("spec", ["bert.encoder.layer.0.output.LayerNorm", "bert.encoder.layer.0.output"])
+def test_bert_mixed_inside_a_layer_unions_every_later_layers_masks(spec):
+    """Issue 44: a mix inside ``bert.encoder.layer.0`` (its output LayerNorm returns the layer's very tensor)
+    took that layer as its region, so layers 1 and 2 kept each sample's own mask."""
+    model = bert()
+    reference = copy.deepcopy(model)
+    parent, _, child = spec.rpartition(".")
+    owner = reference.get_submodule(parent)
+    setattr(owner, child, Blend(getattr(owner, child)))
+    for k in (1, 2):
+        reference.bert.encoder.layer[k] = Union(reference.bert.encoder.layer[k], 1)
+
+    def call(m):
+        return m(input_ids=IDS, attention_mask=MASK).logits
+
+    check(model, reference, spec, call, call)
+    same = ManifoldMixup("bert.encoder.layer.0")  # the same tensor mixed at the layer: the same result
+    with same.attach(model):
+        same.pin(lam=LAM, index=INDEX)
+        at_layer = call(model)
+    exact(at_layer, call(reference))
+
+
+def test_torch_transformer_mixed_at_a_decoder_self_attention_keeps_the_memory_mask_of_its_cross_attention():
+    """A mix at ``decoder.layers.0.self_attn``: the same layer's ``multihead_attn`` is called with the memory
+    as its key; its ``key_padding_mask`` is the source's and stays each sample's own, while later decoder
+    layers get the union of the target masks."""
+    torch.manual_seed(0)
+    model = nn.Transformer(
+        d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=16, dropout=0.0,
+        batch_first=True,
+    ).double().train()  # fmt: skip
+    src, tgt = torch.randn(4, 7, 8, dtype=torch.float64), torch.randn(4, 5, 8, dtype=torch.float64)
+    pad, tpad = MASK == 0, DMASK == 0  # True: padding
+
+    def call(m):
+        return m(src, tgt, src_key_padding_mask=pad, tgt_key_padding_mask=tpad, memory_key_padding_mask=pad)
+
+    reference = copy.deepcopy(model)
+    first, second = reference.decoder.layers[0], reference.decoder.layers[1]
+    first.self_attn = BlendAttention(first.self_attn)
+
+    def hand(ref):
+        memory = ref.encoder(src, src_key_padding_mask=pad)
+        h = ref.decoder.layers[0](tgt, memory, tgt_key_padding_mask=tpad, memory_key_padding_mask=pad)
+        h = second(h, memory, tgt_key_padding_mask=tpad & tpad[INDEX], memory_key_padding_mask=pad)
+        return ref.decoder.norm(h)
+
+    check(model, reference, "decoder.layers.0.self_attn", call, hand)
+
+
+class BlendAttention(nn.Module):
+    """A hand edit of an ``nn.MultiheadAttention`` (keeping its attributes, which its layer reads): its
+    output blended with the partner's."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.batch_first = inner.batch_first
+
+    def forward(self, *args, **kwargs):
+        out, weights = self.inner(*args, **kwargs)
+        return LAM * out + (1 - LAM) * out[INDEX], weights

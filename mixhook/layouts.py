@@ -13,22 +13,35 @@ and C: a silently wrong mix. So a map's layout is found, never guessed (:func:`s
    modules of ``torch.nn`` give NCHW; ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.Linear`` act on the last
    dimension, so a 4-D output of theirs is NHWC; torchvision's ``Permute`` says it with its ``dims``;
    torchvision's Swin blocks and patch merging (NHWC), ``CNBlock`` and ``LayerNorm2d`` (NCHW), timm's
-   ``LayerNorm``/``RmsNorm``/``SimpleNorm`` (NHWC) and their ``2d`` variants (NCHW), ConvNeXt blocks and
-   stages (NCHW), ``GlobalResponseNorm`` (by its ``channel_dim``), a module with an ``output_fmt``
-   (timm's ``PatchEmbed``) or a ``data_format`` (the LayerNorm of ConvNeXt's reference code and of
-   HuggingFace's ConvNeXt); a ``Sequential`` (or timm's ``Mlp`` family, which run their parts in order)
-   gives what its last part gives, passing over the parts that keep their input's layout (activations,
-   dropout, ``Identity``, stochastic depth), and such a part inside a ``Sequential`` has the layout of the
-   part before it;
-3. **stated by the model** for its feature maps: timm's ``output_fmt = "NHWC"`` (Swin, Sequencer,
-   MambaOut, ...), torchvision's ``SwinTransformer``;
-4. otherwise PyTorch's convention, NCHW, **unless** the model holds modules that work on NHWC maps (a
+   ``LayerNorm``/``RmsNorm``/``SimpleNorm``/``LayerScale`` (NHWC) and their ``2d`` variants (NCHW),
+   ConvNeXt blocks and stages (NCHW), the channels-last blocks of timm's MaxViT/CoAtNet
+   (``PartitionAttentionCl``) and GC ViT (``GlobalContextVitBlock``), which permute in ``forward`` code
+   (NHWC; the blocks and stages around them permute back: NCHW), ``GlobalResponseNorm`` (by its
+   ``channel_dim``), a module with an ``output_fmt`` (timm's ``PatchEmbed``) or a ``data_format`` (the
+   LayerNorm of ConvNeXt's reference code and of HuggingFace's ConvNeXt); a ``Sequential`` (or timm's
+   ``Mlp`` family, which run their parts in order) gives what its last part gives, passing over the parts
+   that keep their input's layout (activations, dropout, ``Identity``, stochastic depth), and such a part
+   inside a ``Sequential`` has the layout of the part before it;
+3. **stated by the block around it**: inside a known channels-last block whose every map is NHWC (the Swin
+   blocks, MaxViT's ``PartitionAttentionCl``, GC ViT's block), a part that states nothing (a ``DropPath``,
+   an ``Identity``) gives NHWC;
+4. **stated by the model** for its feature maps: timm's ``output_fmt = "NHWC"`` (Swin, Sequencer,
+   MambaOut, ...) for the modules its ``feature_info`` names and those inside them (not its stem, which
+   may be NCHW: MambaOut's is), torchvision's ``SwinTransformer`` for its ``features``;
+5. otherwise PyTorch's convention, NCHW, **unless** the model holds modules that work on NHWC maps (a
    ``Permute`` to NHWC, a known channels-last block, or a block whose parts are a 2-D convolution and a
    ``Linear`` or ``LayerNorm`` over its channels, as in ConvNeXt's reference code): there a map whose
    layout nothing states could be either, and it is refused until declared.
 
+A map read by the model's statement (4) or the convention (5), which hold for the model's maps in general,
+is checked at each mix against the model's input: its height and width as read must be the input's over
+one stride (give or take a pixel of padding), or it is refused in one line (a block that permutes in
+``forward`` code that nothing here knows: its ``(B, H, W, C)`` map read as NCHW would be ``W x C``; where
+a map's channels happen to equal its width, this check cannot tell, and the statements above decide).
+
 Inside torchvision's MaxViT attention blocks the 4-D tensors are windows ``(B, windows, positions, C)``,
-not maps: refused, declared or not. The model's input is NCHW (images, as torchvision, timm and
+not maps; timm's MaxViT ``AttentionCl`` and GC ViT's ``WindowAttentionGlobal`` give windows of
+``B * windows`` rows: refused, declared or not. The model's input is NCHW (images, as torchvision, timm and
 HuggingFace vision models take them) unless declared. ``channels_last`` as a *memory format* is not a
 layout: a ``(B, C, H, W)`` tensor stored channels-last is still indexed ``(B, C, H, W)``, and mixhook
 reads shapes, never strides.
@@ -40,9 +53,13 @@ of ``torch.nn`` state channels first, ``Linear`` and a ``LayerNorm`` over the la
 last (through a ``Sequential`` as above); there is no convention to fall back on, since ``(B, L, C)``
 sequences (transformers, RNNs) are as common as ``(B, C, L)`` signals, and video models take
 ``(B, C, T, H, W)`` (torchvision) or ``(B, T, C, H, W)`` (HuggingFace). So a 3-D or 5-D map that nothing
-states, the model's input included, is refused until declared; and a ``(B, L, C)`` sequence is cut along
-its positions only when declared ``layout="NLC"`` (a ViT's patch tokens are better cut on their 2-D grid,
-``tokens=(rows, columns)``, which a 1-D cut of the sequence would silently stand in for).
+states, the model's input included, is refused until declared, except where a model states them:
+torchvision's video models (``VideoResNet``, ``S3D``: ``(B, C, T, H, W)`` clips and maps throughout; its
+``SwinTransformer3d``: NDHWC ``features``), HuggingFace's speech feature encoders (wav2vec2's and the
+models that copy it: their convolution layers give ``(B, C, L)``, their positional convolution
+``(B, L, C)``). A ``(B, L, C)`` sequence is cut along its positions only when declared ``layout="NLC"`` (a
+ViT's patch tokens are better cut on their 2-D grid, ``tokens=(rows, columns)``, which a 1-D cut of the
+sequence would silently stand in for).
 """
 
 from __future__ import annotations
@@ -130,9 +147,31 @@ _KNOWN = {
     "timm.models.swin_transformer_v2.SwinTransformerV2Block": NHWC,
     "timm.models.swin_transformer_v2.SwinTransformerV2Stage": NHWC,
     "timm.models.swin_transformer_v2.PatchMerging": NHWC,
+    "timm.models.maxxvit.PartitionAttentionCl": NHWC,
+    "timm.models.maxxvit.ParallelPartitionAttention": NHWC,
+    "timm.models.maxxvit.PartitionAttention2d": NCHW,
+    "timm.models.maxxvit.MaxxVitBlock": NCHW,
+    "timm.models.maxxvit.ParallelMaxxVitBlock": NCHW,
+    "timm.models.maxxvit.MaxxVitStage": NCHW,
+    "timm.models.gcvit.GlobalContextVitBlock": NHWC,
+    "timm.models.gcvit.GlobalContextVitStage": NCHW,
+    "timm.layers.layer_scale.LayerScale2d": NCHW,
+}
+# Known channels-last blocks whose every 4-D tensor inside is an NHWC map too (windows aside: _WINDOWED), so
+# that a part of theirs that states nothing (a DropPath, an Identity) has the block's layout. (ConvNeXt's
+# blocks are not: NCHW outside, NHWC inside.)
+_UNIFORM = {
+    "torchvision.models.swin_transformer.SwinTransformerBlock",
+    "torchvision.models.swin_transformer.SwinTransformerBlockV2",
+    "timm.models.swin_transformer.SwinTransformerBlock",
+    "timm.models.swin_transformer_v2.SwinTransformerV2Block",
+    "timm.models.maxxvit.PartitionAttentionCl",
+    "timm.models.maxxvit.ParallelPartitionAttention",
+    "timm.models.gcvit.GlobalContextVitBlock",
 }
 # timm's norms over the last dimension (4-D outputs NHWC; on 3-D tokens too, so no sign of NHWC maps).
 _LAST_DIM_NAMES = {
+    "timm.layers.layer_scale.LayerScale",
     "timm.layers.norm.LayerNorm",
     "timm.layers.norm.LayerNormFp32",
     "timm.layers.norm.RmsNorm",
@@ -163,10 +202,30 @@ _KEEP_NAMES = {
     "timm.layers.activations.HardSigmoid",
     "timm.layers.activations.HardMish",
 }
-# Whole models that state their feature maps' layout (besides a timm model's ``output_fmt``).
-_MODELS = {"torchvision.models.swin_transformer.SwinTransformer": NHWC}
+# Whole models that state the layout of their ndim-D feature maps (besides a timm model's ``output_fmt``),
+# with the module that holds them (None: the whole model, its input included).
+_MODELS = {
+    4: {"torchvision.models.swin_transformer.SwinTransformer": (NHWC, "features")},
+    5: {
+        "torchvision.models.video.resnet.VideoResNet": (NCDHW, None),
+        "torchvision.models.video.s3d.S3D": (NCDHW, None),
+        "torchvision.models.video.swin_transformer.SwinTransformer3d": (NDHWC, "features"),
+    },
+}
 # Blocks whose inner 4-D tensors are windows, (B, windows, positions in a window, C), not maps.
 _WINDOWS = {"torchvision.models.maxvit.PartitionAttentionLayer"}
+# Modules whose own outputs (and everything inside) are windows: (B * windows, rows, columns, C) or
+# (B * windows, positions, C).
+_WINDOWED = {"timm.models.maxxvit.AttentionCl", "timm.models.gcvit.WindowAttentionGlobal"}
+# HuggingFace's speech feature encoders (wav2vec2 and the models that copy it: HuBERT, WavLM, ...): by the
+# end of their class names, the layout of their 3-D outputs.
+_HF_SPEECH = {
+    "FeatureEncoder": NCL,
+    "NoLayerNormConvLayer": NCL,
+    "GroupNormConvLayer": NCL,
+    "LayerNormConvLayer": NCL,
+    "PositionalConvEmbedding": NLC,
+}
 # Blocks that hold a convolution and a LayerNorm over tokens (flattened), not over an NHWC map.
 _NOT_PERMUTING = {"timm.layers.patch_embed.PatchEmbed"}
 
@@ -193,18 +252,45 @@ def check_layout(layout, specs: tuple[str, ...]):
 
 @dataclass(frozen=True)
 class SiteLayout:
-    """The layout of the 4-D maps at one site: ``layout`` (``None``: cannot be told, ``error`` says why and
-    is raised when a region method meets a 4-D map there) and how it was known."""
+    """The layout of the maps at one site: ``layout`` (``None``: cannot be told, ``error`` says why and
+    is raised when a region method meets a map there) and how it was known. ``checked``: a reading that
+    holds for the model's maps in general (the model's statement, PyTorch's convention) rather than one
+    the module states: a map read so is checked against the input's height and width
+    (:meth:`check_sides`)."""
 
     layout: str | None
     how: str
     error: str | None = None
+    checked: bool = False
 
     def of(self, kind: str, spec: str) -> str:
         """The layout, or the one-line :class:`AmbiguousLayoutError`."""
         if self.layout is None:
             raise AmbiguousLayoutError(f"{kind} at {spec!r}: {self.error}")
         return self.layout
+
+    def check_sides(self, kind: str, spec: str, shape, grid: tuple[int, int, int] | None) -> None:
+        """Refuse (one line) a map of ``shape`` whose height and width, as this layout reads them, cannot
+        be the input's over one stride (``grid``: the input's number of dimensions, its height and its
+        width): its axes were misread. Only for readings that are ``checked``, of 4-D maps under a 4-D
+        input (images) and 5-D maps under a 5-D one (clips); a side of one pixel more or less than the
+        stride gives is allowed for (padding)."""
+        if not self.checked or grid is None or self.layout is None or len(shape) not in (4, 5):
+            return
+        if len(shape) != grid[0] or len(shape) != len(self.layout):
+            return
+        first = self.layout in CHANNELS_FIRST.values()
+        height, width = (shape[-2], shape[-1]) if first else (shape[-3], shape[-2])
+        rows, cols = grid[1:]
+        if abs(height * cols - width * rows) <= rows + cols:
+            return
+        other = CHANNELS_LAST[len(shape)] if first else CHANNELS_FIRST[len(shape)]
+        raise AmbiguousLayoutError(
+            f"{kind} at {spec!r}: {self.how} gives {self.layout} maps, which makes this {tuple(shape)} map "
+            f"{height}x{width}, but the model's input is {rows}x{cols}: those are not its height and width "
+            f"(the model permutes it in code mixhook cannot read); declare layout={other!r} if that is its "
+            f"layout, or layout={self.layout!r}"
+        )
 
 
 class _Model:
@@ -216,27 +302,46 @@ class _Model:
         self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self._memo: dict[str, str | None] = {}
 
-    def stated(self, name: str) -> tuple[str | None, str]:
-        """The layout module ``name`` states for its 4-D output, and what states it: the module, its
-        place in a Sequential, or a model that encloses it; ``(None, "")`` where nothing does."""
+    def stated(self, name: str) -> tuple[str | None, str, bool]:
+        """The layout module ``name`` states for its output, what states it (the module, its place in a
+        Sequential, a known block around it, or a model that encloses it and states the layout of the
+        feature maps ``name`` lies among), and whether that is the model's statement (to be checked
+        against the input); ``(None, "", False)`` where nothing does."""
         found = self._of(name)
         if found is not None:
-            return found, f"{type(self.model.get_submodule(name)).__name__} {name!r}"
+            return found, f"{type(self.model.get_submodule(name)).__name__} {name!r}", False
         parts = name.split(".")
+        if self.ndim == 4:
+            for i in range(len(parts) - 1, 0, -1):  # enclosing blocks, innermost first
+                outer = ".".join(parts[:i])
+                block = self.model.get_submodule(outer)
+                if _name(block) in _UNIFORM:
+                    return (
+                        _KNOWN[_name(block)],
+                        f"the {type(block).__name__} block {outer!r} around it",
+                        False,
+                    )
         for i in range(len(parts) - 1, -1, -1):  # enclosing modules, innermost first, the model last
             outer = ".".join(parts[:i])
-            layout = self._model_level(self.model.get_submodule(outer))
+            layout = self._model_level(self.model.get_submodule(outer), ".".join(parts[i:]))
             if layout is not None:
-                return layout, f"the model {type(self.model.get_submodule(outer)).__name__}"
-        return None, ""
+                return layout, f"the model {type(self.model.get_submodule(outer)).__name__}", True
+        return None, "", False
 
-    def _model_level(self, module: nn.Module) -> str | None:
-        if self.ndim != 4:
-            return None
-        if _name(module) in _MODELS:
-            return _MODELS[_name(module)]
-        if hasattr(module, "feature_info") and hasattr(module, "output_fmt"):  # a timm model
-            return _format(module.output_fmt)
+    def _model_level(self, module: nn.Module, inner: str | None = None) -> str | None:
+        """The layout ``module`` (a whole model) states for its feature maps: for the module called
+        ``inner`` inside it where given, only if ``inner`` lies among them (a timm model's ``output_fmt``
+        holds for the modules its ``feature_info`` names and those inside them, not for its stem)."""
+        if _name(module) in _MODELS.get(self.ndim, {}):
+            layout, scope = _MODELS[self.ndim][_name(module)]
+            return layout if inner is None or scope is None or _within(inner, (scope,)) else None
+        if self.ndim == 4 and hasattr(module, "feature_info") and hasattr(module, "output_fmt"):  # timm
+            layout = _format(module.output_fmt)
+            if inner is None or layout is None:
+                return layout
+            info = module.feature_info if isinstance(module.feature_info, list) else []
+            scope = tuple(d["module"] for d in info if isinstance(d, dict) and d.get("module"))
+            return layout if _within(inner, scope) else None
         return None
 
     def _of(self, name: str) -> str | None:
@@ -279,13 +384,17 @@ class _Model:
                 return None
         return self._before(owner)
 
-    def windows(self, name: str) -> str | None:
-        """The window-partitioning block ``name`` lies inside, if any (see ``_WINDOWS``)."""
+    def windows(self, name: str) -> tuple[str, bool] | None:
+        """The window-partitioning block ``name`` lies inside (see ``_WINDOWS``), or the module at or
+        around ``name`` whose output is windows (``_WINDOWED``: then ``True``), if any."""
         parts = name.split(".")
-        for i in range(1, len(parts)):
+        for i in range(1, len(parts) + 1):
             outer = ".".join(parts[:i])
-            if _name(self.model.get_submodule(outer)) in _WINDOWS:
-                return outer
+            kind = _name(self.model.get_submodule(outer))
+            if kind in _WINDOWED:
+                return outer, True
+            if kind in _WINDOWS and i < len(parts):
+                return outer, False
         return None
 
     @cached_property
@@ -299,7 +408,12 @@ class _Model:
             if _direct(module, strong=True) == NHWC
             or (name and _permutes(module))
             or self._model_level(module) == NHWC
+            or _name(module) in _UNIFORM
         ]
+
+
+def _within(name: str, scope: tuple[str, ...]) -> bool:
+    return any(name == s or name.startswith(f"{s}.") for s in scope)
 
 
 def _children(module: nn.Module, name: str):
@@ -313,6 +427,10 @@ def _direct(module: nn.Module, strong: bool = False, ndim: int = 4) -> str | Non
     everywhere for 3-D tokens too)."""
     name = _name(module)
     if ndim != 4:
+        if ndim == 3 and name.startswith("transformers.models."):
+            found = next((v for k, v in _HF_SPEECH.items() if type(module).__name__.endswith(k)), None)
+            if found is not None:
+                return found
         if isinstance(module, _FIRST_ND[ndim]):
             return CHANNELS_FIRST[ndim]
         last = isinstance(module, _LAST_DIM) or name in _LAST_DIM_NAMES
@@ -397,20 +515,32 @@ def site_layout(
     if site.layer == INPUT:
         if declared is not None or ndim == 4:
             return SiteLayout(declared or NCHW, "declared" if declared else "the model's input (images)")
+        video = facts._model_level(model)  # a torchvision video model takes (B, C, T, H, W) clips
+        if video is not None:
+            return SiteLayout(CHANNELS_FIRST[ndim], f"the model {type(model).__name__}'s input (clips)")
         return SiteLayout(
             None,
             "unknown",
             f"the model's input is a {ndim}-D map whose layout nothing states; declare {choices}",
         )
-    windows = facts.windows(site.layer) if ndim == 4 else None
-    if windows is not None:
+    windows = facts.windows(site.layer) if ndim in (3, 4) else None
+    if windows is not None and (windows[1] or ndim == 4):
+        block, own = windows
+        where = f"{type(model.get_submodule(block)).__name__} {block!r}"
+        if own:
+            return SiteLayout(
+                None,
+                "windows",
+                f"{'at' if block == site.layer else 'inside'} {where} the tensors are windows (B * windows, "
+                "positions in a window, C), not maps: mix the block around it, whose output is one",
+            )
         return SiteLayout(
             None,
             "windows",
-            f"inside {type(model.get_submodule(windows)).__name__} {windows!r} the 4-D tensors are windows "
-            f"(B, windows, positions in a window, C), not maps: mix {windows!r} itself, whose output is one",
+            f"inside {where} the 4-D tensors are windows (B, windows, positions in a window, C), not "
+            f"maps: mix {block!r} itself, whose output is one",
         )
-    stated, source = facts.stated(site.layer)
+    stated, source, checked = facts.stated(site.layer)
     if declared is not None:
         if stated is not None and stated != declared:
             return SiteLayout(
@@ -428,7 +558,7 @@ def site_layout(
             "layout='NLC' to do so (a ViT's patch tokens: tokens=(rows, columns) cuts their 2-D grid)",
         )
     if stated is not None:
-        return SiteLayout(stated, f"stated by {source}")
+        return SiteLayout(stated, source, checked=checked)
     module = type(model.get_submodule(site.layer)).__name__
     if ndim != 4:
         return SiteLayout(
@@ -447,7 +577,7 @@ def site_layout(
             f"and the model works on (B, H, W, C) maps too ({shown}), so it may be (B, C, H, W) or (B, H, W, "
             "C); declare it: layout='NCHW' or layout='NHWC'",
         )
-    return SiteLayout(NCHW, "convention")
+    return SiteLayout(NCHW, "PyTorch's convention", checked=True)
 
 
 _TOKENS = "; for (B, T, D) tokens declare their patch grid: tokens=(rows, columns) or 'auto'"

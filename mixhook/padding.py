@@ -140,7 +140,9 @@ def _cross_only(module: nn.Module, inputs: Inputs) -> bool:
     """Whether a call attends to another sequence only, so that every mask it takes describes that one."""
     if inputs.get("key_value_states") is not None:  # HuggingFace's cross-attentions (BART, T5)
         return True
-    if inputs.get("encoder_hidden_states") is not None and "encoder_attention_mask" not in _parameters(module):
+    if inputs.get("encoder_hidden_states") is not None and "encoder_attention_mask" not in _parameters(
+        module
+    ):
         return True  # its attention_mask is the encoder's (BERT's BertCrossAttention)
     key, query = inputs.get("key"), inputs.get("query")
     return isinstance(key, torch.Tensor) and isinstance(query, torch.Tensor) and key is not query

@@ -483,7 +483,7 @@ def batch_leaves(
             sized = [d for d in range(t.ndim) if t.shape[d] == batch]
             if not sized:
                 continue  # no dimension of the batch's size: it does not carry the batch
-            if sized != [0]:
+            if t.shape[0] != batch:  # (where dim 0 has the batch's size, the convention says it is the batch)
                 raise AmbiguousBatchError(
                     f"{where}: cannot tell the batch dimension of element {format_path(path)} of shape "
                     f"{tuple(t.shape)} (the batch is {batch}, set by {out[0].name}); select the elements "

@@ -172,7 +172,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
 
     _TRANSIENT = (
         "_draw", "_mask_stack", "_targets", "_capture", "_seen",
-        "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks",
+        "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks", "_input_sides",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -190,6 +190,9 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._seen = Forwards(self)  # the recent forwards, and which one produced given logits
         self._token = traced.register(self)  # names this mixer in a compiled graph's calls (.traced)
         self._traced = False  # whether torch.compile traces the one-graph path (set at attach)
+        self._input_sides: tuple[int, int, int] | None = (
+            None  # a training input: (ndim, H, W) of an image/clip
+        )
 
     @property
     def traceable(self) -> bool:
@@ -400,6 +403,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         if not model.training:
             self._draw = None
             return None
+        self._input_sides = self._input_grid(args, kwargs)
         return self._begin(model, args, kwargs, self._agree(self._decide()))
 
     def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Decision | None):
@@ -597,12 +601,18 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         kind = type(self).__name__
         found, batch = batch_leaves(value, site, self._dims[spec], kind, inputs=site.layer == INPUT)
         if expected is not None and batch != expected:
+            rule = self._layouts.get((spec, found[0].tensor.ndim)) if self.layout_aware else None
+            if rule is not None and rule.how == "windows":  # (B * windows) rows: say why
+                rule.of(kind, spec)
             raise TypeError(
                 f"{kind} at {spec!r}: it returned {describe(value)}, whose batch dimension "
                 f"{found[0].dim} has size {batch}, but the model's input has a batch of {expected}: the "
                 "layer loses or reshapes the batch dimension (or, applied to a PackedSequence's .data, sees "
                 "the time steps of every sample as rows); choose another layer, or pass batch_dim"
             )
+        if self.layout_aware and self._input_sides is not None and site.layer != INPUT:
+            for leaf in found:
+                self._check_sides(spec, leaf)
         if self.token_grid is not None:
             given = self.token_grid.to_maps(spec, found, self._model)
         elif self.layout_aware and any(self._channels_last(spec, leaf) for leaf in found):
@@ -640,6 +650,27 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         if isinstance(first, PackedSequence):  # its .data rows are time steps of every sample
             return int(first.batch_sizes[0])
         return input_batch(model, first, dims.seq_first) if dims is not None else None
+
+    def _input_grid(self, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
+        """The number of dimensions, height and width of the model's input where it is an image or a clip
+        (4-D or 5-D, its height and width last, as NCHW images and both clip layouts have them) and the
+        region methods read their maps' layouts (to check a map's sides against: ``check_sides``)."""
+        if not self.layout_aware:
+            return None
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if type(first) is not torch.Tensor or first.ndim not in (4, 5):
+            return None
+        declared = [self._declared_layout(s) for s, site in self.sites.items() if site.layer == INPUT]
+        if any(d is not None and d in CHANNELS_LAST.values() for d in declared):
+            return None
+        return first.ndim, int(first.shape[-2]), int(first.shape[-1])
+
+    def _check_sides(self, spec: str, leaf: Leaf) -> None:
+        """A map read by its model's statement or PyTorch's convention, checked against the input's height
+        and width (:meth:`mixhook.layouts.SiteLayout.check_sides`)."""
+        rule = self._layouts.get((spec, leaf.tensor.ndim))
+        if rule is not None and leaf.dim == 0:
+            rule.check_sides(type(self).__name__, spec, leaf.tensor.shape, self._input_sides)
 
     def _check_token_ids(self, spec: str, value) -> None:
         selected = value if isinstance(value, torch.Tensor) else None

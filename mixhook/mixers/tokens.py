@@ -19,7 +19,9 @@ Nothing is guessed: the grid is declared (``tokens=(gh, gw)``) or read from the 
 (``tokens="auto"``: timm's ``VisionTransformer`` and ``Eva``, torchvision's ``VisionTransformer``,
 HuggingFace's ViT-style models), and where the model states its grid and its number of leading tokens,
 a declared grid or a sequence that disagrees with them is refused in one line (a wrong grid would cut
-regions that are not regions of the image). Trailing non-patch tokens are not supported.
+regions that are not regions of the image). A sequence of exactly the grid's tokens has no leading tokens
+(the patch embedding's output, before the class token is added). Trailing non-patch tokens are not
+supported.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class TokenGrid:
                     f"{self.kind} at {spec!r}:{element} has {count} tokens, fewer than the {rows}x{cols} = "
                     f"{rows * cols} patch tokens of the grid tokens={self}"
                 )
-            if stated is not None and stated.prefix is not None and prefix != stated.prefix:
+            if stated is not None and stated.prefix is not None and prefix not in (stated.prefix, 0):
                 raise ValueError(
                     f"{self.kind} at {spec!r}:{element} has {count} tokens, which with the {rows}x{cols} "
                     f"patch grid leaves {prefix} leading tokens, but the model has {stated.prefix} (class "

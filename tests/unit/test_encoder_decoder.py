@@ -302,7 +302,7 @@ def test_a_mask_of_another_length_than_the_mixed_sequence_is_refused():
     assert "(B, 6, 4)" in str(err.value) and "padding='keep'" in str(err.value)
 
 
-# ------------------------------------------------------------------ the region: the stack whose sequence was mixed
+# ------------------------------------------------------- the region: the stack whose sequence was mixed
 
 
 def bart(decoder_layers=2):
@@ -318,7 +318,9 @@ def bart(decoder_layers=2):
 
 
 def seq2seq_call(model):
-    return model(input_ids=IDS, attention_mask=MASK, decoder_input_ids=DEC, decoder_attention_mask=DMASK).logits
+    return model(
+        input_ids=IDS, attention_mask=MASK, decoder_input_ids=DEC, decoder_attention_mask=DMASK
+    ).logits
 
 
 def test_bart_mixed_inside_a_decoder_layer_unions_the_later_decoder_layers_own_masks_not_the_source_masks():

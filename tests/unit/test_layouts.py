@@ -78,6 +78,19 @@ def swin_timm():
     )  # fmt: skip
 
 
+def timm_model(name, **kwargs):
+    def build():
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=3, **kwargs)
+
+    return build
+
+
+maxvit_timm = timm_model("maxvit_pico_rw_256", img_size=64)
+gcvit_timm = timm_model("gcvit_xxtiny", img_size=64)
+
+
 # (model, layer, the dims of H and W in its output, input side)
 CASES = {
     "swin_t-features.1": (swin, "features.1", (1, 2), 16),
@@ -89,6 +102,13 @@ CASES = {
     "timm-convnext-mlp": (convnext_timm, "stages.1.blocks.0.mlp", (1, 2), 32),
     "timm-convnext-conv_dw": (convnext_timm, "stages.1.blocks.0.conv_dw", (2, 3), 32),
     "timm-swin-stage": (swin_timm, "layers.0", (1, 2), 32),
+    # issue 44: channels-last blocks that permute in forward() code (these were cut over W x C)
+    "timm-maxvit-attn_block": (maxvit_timm, "stages.0.blocks.0.attn_block", (1, 2), 64),
+    "timm-maxvit-attn_block.drop_path1": (maxvit_timm, "stages.0.blocks.0.attn_block.drop_path1", (1, 2), 64),
+    "timm-maxvit-block": (maxvit_timm, "stages.0.blocks.0", (2, 3), 64),
+    "timm-gcvit-block": (gcvit_timm, "stages.0.blocks.0", (1, 2), 64),
+    "timm-gcvit-block.ls2": (gcvit_timm, "stages.0.blocks.0.ls2", (1, 2), 64),
+    "timm-gcvit-stage": (gcvit_timm, "stages.0", (2, 3), 64),
 }
 
 
@@ -300,3 +320,154 @@ def test_a_compiled_mix_puts_an_nhwc_map_of_equal_sides_back_in_its_layout():
     expected[:, 0:3, 0:3, :] = h[[1, 0, 3, 2], 0:3, 0:3, :]
     torch.testing.assert_close(outs[0], model[1:](expected), rtol=0, atol=1e-12)
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------- issue 44
+
+
+def test_a_model_level_format_does_not_reach_into_the_stem():
+    """timm's MambaOut states ``output_fmt="NHWC"`` for its stages; its stem permutes in forward() code, and
+    the GELU between its two convolutions gives a (B, C, H, W) map: once read as NHWC (cut over C x H), now
+    refused until declared, and exact declared."""
+    torch.manual_seed(0)
+    model = timm_model("mambaout_femto")().double().train()
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    with CutMix("stem.act").attach(model), pytest.raises(AmbiguousLayoutError) as err:
+        model(x)
+    assert "layout='NCHW' or layout='NHWC'" in str(err.value) and "\n" not in str(err.value)
+    reference = copy.deepcopy(model)
+    index, box = torch.tensor([1, 2, 3, 0]), (1, 3, 0, 2)
+    set_module(reference, "stem.act", Pasted(reference.get_submodule("stem.act"), box, index, (2, 3)))
+    mix = CutMix("stem.act", layout="NCHW")
+    with mix.attach(model):
+        mix.pin(index=index, box=box)
+        out = model(x)
+    torch.testing.assert_close(out, reference(x), rtol=1e-12, atol=1e-12)
+    assert mix.last.weights.shape == (1, 16, 16)
+
+
+def test_windows_of_timm_maxvit_are_refused_at_the_attention_and_inside_it():
+    torch.manual_seed(0)
+    model = maxvit_timm().train()
+    for layer in ("stages.0.blocks.0.attn_block.attn", "stages.0.blocks.0.attn_block.attn.qkv"):
+        mix = CutMix(layer)
+        with mix.attach(model), pytest.raises(AmbiguousLayoutError, match="are windows") as err:
+            model(torch.randn(2, 3, 64, 64))
+        assert "mix the block around it" in str(err.value)
+
+
+class PermutedInCode(nn.Module):
+    """A convolutional stem, then a channels-last block that holds only a LayerNorm and a Linear (so nothing
+    in the model states NHWC): the permute is in forward() code."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = ChannelsLastBlock(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x).permute(0, 2, 3, 1)).mean((1, 2)))
+
+
+class ChannelsLastBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(c), nn.Linear(c, c)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+def test_a_map_read_by_convention_whose_sides_are_not_the_inputs_is_refused():
+    """The block's (B, 12, 16, 8) map read as NCHW by convention would be 16 x 8 from a 12 x 16 input:
+    refused in one line; declared NHWC it is cut over its height and width."""
+    torch.manual_seed(0)
+    model = PermutedInCode().double().train()
+    x = torch.randn(4, 3, 12, 16, dtype=torch.float64)
+    with CutMix("block").attach(model), pytest.raises(AmbiguousLayoutError) as err:
+        model(x)
+    message = str(err.value)
+    assert "PyTorch's convention gives NCHW maps" in message and "16x8" in message and "12x16" in message
+    assert "declare layout='NHWC'" in message and "\n" not in message
+    reference = copy.deepcopy(model)
+    index, box = torch.tensor([1, 2, 3, 0]), (1, 3, 0, 2)
+    reference.block = Pasted(reference.block, box, index, (1, 2))
+    mix = CutMix("block", layout="NHWC")
+    with mix.attach(model):
+        mix.pin(index=index, box=box)
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-12, atol=1e-12)
+    with ManifoldMixup("block").attach(model):  # a blend needs no layout
+        model(x)
+
+
+def test_a_video_resnet_block_is_cut_over_its_frames_height_and_width():
+    """torchvision's video ResNets take (B, C, T, H, W) clips and keep them so: their blocks (whose
+    Conv3d outputs were accepted, the blocks themselves refused for want of a layout) are cut as NCDHW."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.video.r3d_18(num_classes=3).double().train()
+    x = torch.randn(4, 3, 4, 16, 24, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0])
+    index, box = torch.tensor([1, 2, 3, 0]), (0, 2, 1, 3, 2, 6)
+    reference = copy.deepcopy(model)
+    block = reference.layer1[1]
+
+    def paste(module, args, out):
+        pasted = out.clone()
+        pasted[:, :, 0:2, 1:3, 2:6] = out[index][:, :, 0:2, 1:3, 2:6]
+        return pasted
+
+    block.register_forward_hook(paste)
+    mix = CutMix("layer1.1")
+    with mix.attach(model):
+        mix.pin(index=index, box=box)
+        out = model(x)
+        mix.loss(F.cross_entropy, out, y).backward()
+    lam = 1 - 2 * 2 * 4 / (4 * 8 * 12)  # the (B, 64, 4, 8, 12) map
+    ref = reference(x)
+    (lam * F.cross_entropy(ref, y) + (1 - lam) * F.cross_entropy(ref, y[index])).backward()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert mix.last.weights.shape == (1, 4, 8, 12)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    with CutMix("input").attach(model):  # its input: a (B, C, T, H, W) clip, as the model states
+        model(x)
+
+
+def test_wav2vec2_convolutional_features_are_cut_along_their_positions():
+    """HuggingFace's wav2vec2 feature encoder gives (B, C, L) maps (a conv layer holds a LayerNorm that it
+    transposes around, in code): read from the class, cut along L; its positional convolution gives a
+    (B, L, C) sequence, refused until declared."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        num_labels=3, classifier_proj_size=8, feat_extract_norm="layer", hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+        mask_time_prob=0.0,
+    )  # fmt: skip
+    model = Wav2Vec2ForSequenceClassification(config).double().train()
+    x = torch.randn(4, 800, dtype=torch.float64)
+    layer = "wav2vec2.feature_extractor.conv_layers.0"
+    index = torch.tensor([1, 2, 3, 0])
+    reference = copy.deepcopy(model)
+
+    def paste(module, args, out):
+        pasted = out.clone()
+        pasted[:, :, 10:50] = out[index][:, :, 10:50]
+        return pasted
+
+    reference.get_submodule(layer).register_forward_hook(paste)
+    mix = CutMix(layer)
+    with mix.attach(model):
+        mix.pin(index=index, box=(10, 50))
+        out = model(input_values=x).logits
+    torch.testing.assert_close(out, reference(input_values=x).logits, rtol=1e-12, atol=1e-12)
+    assert mix.last.weights.shape == (1, 159)
+    positional = "wav2vec2.encoder.pos_conv_embed"
+    with CutMix(positional).attach(model), pytest.raises(AmbiguousLayoutError, match="declare layout='NLC'"):
+        model(input_values=x)

@@ -361,6 +361,45 @@ def test_a_second_tensor_whose_batch_dimension_is_in_doubt_is_refused():
     assert mix.last.elements == ("[0]",)
 
 
+class Pyramid(nn.Module):
+    """torchvision's ``IntermediateLayerGetter`` over a ResNet: a dict of maps, (B, 64, 8, 8) and
+    (B, 128, 4, 4), then a head over both."""
+
+    def __init__(self):
+        super().__init__()
+        import torchvision
+        from torchvision.models._utils import IntermediateLayerGetter
+
+        self.body = IntermediateLayerGetter(torchvision.models.resnet18(), {"layer1": "a", "layer2": "b"})
+        self.head = nn.Linear(64 + 128, 3)
+
+    def forward(self, x):
+        maps = self.body(x)
+        return self.head(torch.cat([maps["a"].mean((2, 3)), maps["b"].mean((2, 3))], 1))
+
+
+@pytest.mark.parametrize("batch", [4, 5])
+def test_several_maps_carry_the_batch_first_whatever_their_sides(batch):
+    """Issue 44: with a batch of 4, the (B, 128, 4, 4) map has the batch's size at three dimensions and was
+    refused (at a batch of 5 it was mixed): by the convention, dim 0 is the batch wherever it has the
+    batch's size."""
+    torch.manual_seed(0)
+    model = Pyramid().double().train()
+    reference = copy.deepcopy(model)
+    index = torch.arange(batch).roll(1)
+
+    def blend(module, args, out):
+        return {k: LAM * v + (1 - LAM) * v[index] for k, v in out.items()}
+
+    reference.body.register_forward_hook(blend)
+    x = torch.randn(batch, 3, 32, 32, dtype=torch.float64)
+    mix = ManifoldMixup("body")
+    with mix.attach(model):
+        mix.pin(lam=LAM, index=index)
+        exact(model(x), reference(x))
+    assert mix.last.elements == ("[a]", "[b]") and mix.last.batch_dims == (0, 0)
+
+
 # ------------------------------------------------------------------------ inputs by name
 
 

@@ -33,11 +33,15 @@ and C: a silently wrong mix. So a map's layout is found, never guessed (:func:`s
    ``Linear`` or ``LayerNorm`` over its channels, as in ConvNeXt's reference code): there a map whose
    layout nothing states could be either, and it is refused until declared.
 
-A map read by the model's statement (4) or the convention (5), which hold for the model's maps in general,
-is checked at each mix against the model's input: its height and width as read must be the input's over
-one stride (give or take a pixel of padding), or it is refused in one line (a block that permutes in
-``forward`` code that nothing here knows: its ``(B, H, W, C)`` map read as NCHW would be ``W x C``; where
-a map's channels happen to equal its width, this check cannot tell, and the statements above decide).
+A map read by any of 2-5 is checked at each mix against the model's input: its height and width as read
+must be the input's over one stride (give or take a pixel of padding), or it is refused in one line. This
+catches a block that permutes in ``forward`` code that nothing here knows (its ``(B, H, W, C)`` map read as
+NCHW would be ``W x C``), and 4-D tensors that are no maps at all: a ``LayerNorm``'s or ``Linear``'s says
+only which axis is the channels (NesT's ``(B, blocks, positions, C)``), a 1x1 convolution's may be unfolded
+patches (MobileViT-v2's ``(B, C, pixels in a patch, patches)``). Where a map's sides happen to fit (its
+channels equal its width, a square input with as many blocks as positions), the check cannot tell, and
+the statements above decide. A map whose sides do not keep the input's proportions (a text recognizer's
+``(B, C, 1, W)``) is mixed once its layout is declared.
 
 Inside torchvision's MaxViT attention blocks the 4-D tensors are windows ``(B, windows, positions, C)``,
 not maps; timm's MaxViT ``AttentionCl`` and GC ViT's ``WindowAttentionGlobal`` give windows of
@@ -156,6 +160,41 @@ _KNOWN = {
     "timm.models.gcvit.GlobalContextVitBlock": NHWC,
     "timm.models.gcvit.GlobalContextVitStage": NCHW,
     "timm.layers.layer_scale.LayerScale2d": NCHW,
+    "timm.layers.norm_act.FrozenBatchNormAct2d": NCHW,
+    "timm.layers.norm_act.LayerNormAct": NHWC,
+    "timm.layers.norm_act.LayerNormActFp32": NHWC,
+    "timm.layers.norm_act.LayerNormAct2d": NCHW,
+    "timm.layers.norm_act.LayerNormAct2dFp32": NCHW,
+    "timm.layers.norm_act.RmsNormAct": NHWC,
+    "timm.layers.norm_act.RmsNormActFp32": NHWC,
+    "timm.layers.norm_act.RmsNormAct2d": NCHW,
+    "timm.layers.norm_act.RmsNormAct2dFp32": NCHW,
+    # blocks and stages that permute in forward() code, by what they return
+    "timm.models.volo.OutlookAttention": NHWC,
+    "timm.models.volo.Outlooker": NHWC,
+    "timm.models.volo.Attention": NHWC,
+    "timm.models.volo.Transformer": NHWC,
+    "timm.models.volo.Downsample": NHWC,
+    "timm.models.tiny_vit.TinyVitBlock": NHWC,
+    "timm.models.tiny_vit.TinyVitStage": NCHW,
+    "timm.models.tiny_vit.PatchMerging": NCHW,
+    "timm.models.edgenext.ConvBlock": NCHW,
+    "timm.models.edgenext.SplitTransposeBlock": NCHW,
+    "timm.models.edgenext.EdgeNeXtStage": NCHW,
+    "timm.models.nest.ConvPool": NCHW,
+    "timm.models.nest.NestLevel": NCHW,
+    "timm.models.mobilevit.MobileVitBlock": NCHW,
+    "timm.models.mobilevit.MobileVitV2Block": NCHW,
+    "timm.models.swin_transformer_v2_cr.PatchEmbed": NCHW,
+    "timm.models.swin_transformer_v2_cr.PatchMerging": NHWC,
+    "timm.models.swin_transformer_v2_cr.SwinTransformerV2CrBlock": NHWC,
+    "timm.models.swin_transformer_v2_cr.SwinTransformerV2CrStage": NCHW,
+    "transformers.models.convnext.modeling_convnext.ConvNextLayer": NCHW,
+    "transformers.models.convnext.modeling_convnext.ConvNextStage": NCHW,
+    "transformers.models.convnext.modeling_convnext.ConvNextEncoder": NCHW,
+    "transformers.models.convnextv2.modeling_convnextv2.ConvNextV2Layer": NCHW,
+    "transformers.models.convnextv2.modeling_convnextv2.ConvNextV2Stage": NCHW,
+    "transformers.models.convnextv2.modeling_convnextv2.ConvNextV2Encoder": NCHW,
 }
 # Known channels-last blocks whose every 4-D tensor inside is an NHWC map too (windows aside: _WINDOWED), so
 # that a part of theirs that states nothing (a DropPath, an Identity) has the block's layout. (ConvNeXt's
@@ -168,7 +207,12 @@ _UNIFORM = {
     "timm.models.maxxvit.PartitionAttentionCl",
     "timm.models.maxxvit.ParallelPartitionAttention",
     "timm.models.gcvit.GlobalContextVitBlock",
+    "timm.models.volo.Outlooker",
+    "timm.models.volo.Transformer",
+    "timm.models.swin_transformer_v2_cr.SwinTransformerV2CrBlock",
 }
+# timm's norm-act layers: the norm, then their ``drop`` and ``act`` parts, which keep the norm's layout.
+_NORM_ACT = "timm.layers.norm_act."
 # timm's norms over the last dimension (4-D outputs NHWC; on 3-D tokens too, so no sign of NHWC maps).
 _LAST_DIM_NAMES = {
     "timm.layers.layer_scale.LayerScale",
@@ -201,7 +245,15 @@ _KEEP_NAMES = {
     "timm.layers.activations.HardSwish",
     "timm.layers.activations.HardSigmoid",
     "timm.layers.activations.HardMish",
-}
+    *(
+        f"transformers.activations.{name}"
+        for name in (
+            "GELUTanh", "NewGELUActivation", "GELUActivation", "SiLUActivation", "FastGELUActivation",
+            "QuickGELUActivation", "ClippedGELUActivation", "AccurateGELUActivation", "MishActivation",
+            "LinearActivation", "LaplaceActivation", "ReLUSquaredActivation", "SqrtSoftplusActivation",
+        )
+    ),
+}  # fmt: skip
 # Whole models that state the layout of their ndim-D feature maps (besides a timm model's ``output_fmt``),
 # with the module that holds them (None: the whole model, its input included).
 _MODELS = {
@@ -216,7 +268,11 @@ _MODELS = {
 _WINDOWS = {"torchvision.models.maxvit.PartitionAttentionLayer"}
 # Modules whose own outputs (and everything inside) are windows: (B * windows, rows, columns, C) or
 # (B * windows, positions, C).
-_WINDOWED = {"timm.models.maxxvit.AttentionCl", "timm.models.gcvit.WindowAttentionGlobal"}
+_WINDOWED = {
+    "timm.models.maxxvit.AttentionCl",
+    "timm.models.gcvit.WindowAttentionGlobal",
+    "timm.models.nest.TransformerLayer",  # (B, blocks, positions in a block, C)
+}
 # HuggingFace's speech feature encoders (wav2vec2 and the models that copy it: HuBERT, WavLM, ...): by the
 # end of their class names, the layout of their 3-D outputs.
 _HF_SPEECH = {
@@ -227,7 +283,12 @@ _HF_SPEECH = {
     "PositionalConvEmbedding": NLC,
 }
 # Blocks that hold a convolution and a LayerNorm over tokens (flattened), not over an NHWC map.
-_NOT_PERMUTING = {"timm.layers.patch_embed.PatchEmbed"}
+_NOT_PERMUTING = {
+    "timm.layers.patch_embed.PatchEmbed",
+    "timm.models.mobilevit.MobileVitBlock",  # (its LayerNorm is over unfolded patches)
+    "timm.models.mobilevit.MobileVitV2Block",
+    "timm.models.swin_transformer_v2_cr.PatchEmbed",
+}
 
 
 def _name(module: nn.Module) -> str:
@@ -253,15 +314,17 @@ def check_layout(layout, specs: tuple[str, ...]):
 @dataclass(frozen=True)
 class SiteLayout:
     """The layout of the maps at one site: ``layout`` (``None``: cannot be told, ``error`` says why and
-    is raised when a region method meets a map there) and how it was known. ``checked``: a reading that
-    holds for the model's maps in general (the model's statement, PyTorch's convention) rather than one
-    the module states: a map read so is checked against the input's height and width
-    (:meth:`check_sides`)."""
+    is raised when a region method meets a map there), how it was known (``how``, for messages) and on
+    what ``basis``: ``"declared"`` and ``"input"`` (the model's input), which are taken as they are;
+    ``"module"`` (the module, its place in a Sequential), ``"last_dim"`` (a last-dimension op: a Linear or
+    a LayerNorm says which axis is the channels, not that the other two are a map's), ``"block"`` (a known
+    block around it), ``"model"`` and ``"convention"``, under which a map is checked against the input's
+    height and width (:meth:`check_sides`)."""
 
     layout: str | None
     how: str
     error: str | None = None
-    checked: bool = False
+    basis: str = "declared"
 
     def of(self, kind: str, spec: str) -> str:
         """The layout, or the one-line :class:`AmbiguousLayoutError`."""
@@ -272,12 +335,14 @@ class SiteLayout:
     def check_sides(self, kind: str, spec: str, shape, grid: tuple[int, int, int] | None) -> None:
         """Refuse (one line) a map of ``shape`` whose height and width, as this layout reads them, cannot
         be the input's over one stride (``grid``: the input's number of dimensions, its height and its
-        width): its axes were misread. Only for readings that are ``checked``, of 4-D maps under a 4-D
+        width): its axes were misread, or it is no map (unfolded patches, attention heads, windows). For
+        the readings a model states (every basis but ``declared`` and ``input``), of 4-D maps under a 4-D
         input (images) and 5-D maps under a 5-D one (clips); a side of one pixel more or less than the
-        stride gives is allowed for (padding)."""
-        if not self.checked or grid is None or self.layout is None or len(shape) not in (4, 5):
+        stride gives is allowed for (padding), and a declared layout is how to accept a map whose sides
+        do not keep the input's proportions (a text recognizer's ``(B, C, 1, W)``)."""
+        if self.basis in ("declared", "input") or grid is None or self.layout is None:
             return
-        if len(shape) != grid[0] or len(shape) != len(self.layout):
+        if len(shape) not in (4, 5) or len(shape) != grid[0] or len(shape) != len(self.layout):
             return
         first = self.layout in CHANNELS_FIRST.values()
         height, width = (shape[-2], shape[-1]) if first else (shape[-3], shape[-2])
@@ -285,11 +350,25 @@ class SiteLayout:
         if abs(height * cols - width * rows) <= rows + cols:
             return
         other = CHANNELS_LAST[len(shape)] if first else CHANNELS_FIRST[len(shape)]
+        if self.basis == "last_dim":  # only its channels are known: the other axes are no map's
+            remedy = (
+                "they are not a map's height and width (windows, or blocks of positions); mix a layer "
+                "whose output is the map"
+            )
+        elif self.basis in ("model", "convention"):
+            remedy = (
+                "those are not its height and width (a map the model permutes in code mixhook cannot read, "
+                f"or no map at all: attention heads, windows); declare layout={other!r} if it is such a map, "
+                f"or layout={self.layout!r}"
+            )
+        else:
+            remedy = (
+                "those are not a map's height and width in the input's proportions (no map at all: "
+                f"unfolded patches, attention heads?); declare layout={self.layout!r} if it is a map"
+            )
         raise AmbiguousLayoutError(
             f"{kind} at {spec!r}: {self.how} gives {self.layout} maps, which makes this {tuple(shape)} map "
-            f"{height}x{width}, but the model's input is {rows}x{cols}: those are not its height and width "
-            f"(the model permutes it in code mixhook cannot read); declare layout={other!r} if that is its "
-            f"layout, or layout={self.layout!r}"
+            f"{height}x{width}, but the model's input is {rows}x{cols}: {remedy}"
         )
 
 
@@ -300,16 +379,19 @@ class _Model:
         self.model = model
         self.ndim = ndim  # of the maps whose layout is asked for
         self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-        self._memo: dict[str, str | None] = {}
+        self._memo: dict[str, tuple[str | None, str | None]] = {}
 
-    def stated(self, name: str) -> tuple[str | None, str, bool]:
+    def stated(self, name: str) -> tuple[str | None, str, str]:
         """The layout module ``name`` states for its output, what states it (the module, its place in a
         Sequential, a known block around it, or a model that encloses it and states the layout of the
-        feature maps ``name`` lies among), and whether that is the model's statement (to be checked
-        against the input); ``(None, "", False)`` where nothing does."""
-        found = self._of(name)
+        feature maps ``name`` lies among), and on what basis: ``"module"``, ``"last_dim"`` (a
+        last-dimension op: only the channels are known), ``"block"`` or ``"model"``; ``(None, "", "")``
+        where nothing does."""
+        found, origin = self._origin(name)
         if found is not None:
-            return found, f"{type(self.model.get_submodule(name)).__name__} {name!r}", False
+            by_last_dim = self.ndim == 4 and _by_last_dim(self.model.get_submodule(origin))
+            source = f"{type(self.model.get_submodule(name)).__name__} {name!r}"
+            return found, source, "last_dim" if by_last_dim else "module"
         parts = name.split(".")
         if self.ndim == 4:
             for i in range(len(parts) - 1, 0, -1):  # enclosing blocks, innermost first
@@ -319,14 +401,14 @@ class _Model:
                     return (
                         _KNOWN[_name(block)],
                         f"the {type(block).__name__} block {outer!r} around it",
-                        False,
+                        "block",
                     )
         for i in range(len(parts) - 1, -1, -1):  # enclosing modules, innermost first, the model last
             outer = ".".join(parts[:i])
             layout = self._model_level(self.model.get_submodule(outer), ".".join(parts[i:]))
             if layout is not None:
-                return layout, f"the model {type(self.model.get_submodule(outer)).__name__}", True
-        return None, "", False
+                return layout, f"the model {type(self.model.get_submodule(outer)).__name__}", "model"
+        return None, "", ""
 
     def _model_level(self, module: nn.Module, inner: str | None = None) -> str | None:
         """The layout ``module`` (a whole model) states for its feature maps: for the module called
@@ -344,44 +426,51 @@ class _Model:
             return layout if _within(inner, scope) else None
         return None
 
-    def _of(self, name: str) -> str | None:
+    def _origin(self, name: str) -> tuple[str | None, str | None]:
+        """The layout module ``name`` states and the module whose own statement it is (itself, or a part
+        before it: see :meth:`_resolve`)."""
         if name not in self._memo:
-            self._memo[name] = None  # (a cycle, which module trees do not have, ends here)
+            self._memo[name] = (None, None)  # (a cycle, which module trees do not have, ends here)
             self._memo[name] = self._resolve(name)
         return self._memo[name]
 
-    def _resolve(self, name: str) -> str | None:
+    def _resolve(self, name: str) -> tuple[str | None, str | None]:
         module = self.model.get_submodule(name)
         direct = _direct(module, ndim=self.ndim)
         if direct is not None:
-            return direct
+            return direct, name
         if _in_order(module):  # its last part that states one
             return self._last_of(list(_children(module, name)), name)
         if _keeps(module):
             return self._before(name)
-        return None
+        return None, None
 
-    def _before(self, name: str) -> str | None:
+    def _before(self, name: str) -> tuple[str | None, str | None]:
         """The layout of what module ``name`` is given, where its parent runs its parts in order."""
         if not name:
-            return None
+            return None, None
         parent_name = name.rpartition(".")[0]
         parent = self.model.get_submodule(parent_name)
+        if _name(parent).startswith(_NORM_ACT) or type(parent).__name__.endswith("ConvLayer"):
+            # the activation after a norm-act layer's norm, or after a speech conv layer's convolution (and
+            # norm): the layer's own layout, where it states one
+            direct = _direct(parent, ndim=self.ndim)
+            return direct, parent_name if direct is not None else None
         if not _in_order(parent):
-            return None
+            return None, None
         siblings = list(_children(parent, parent_name))
         index = [n for n, _ in siblings].index(name)
         return self._last_of(siblings[:index], parent_name)
 
-    def _last_of(self, parts: list, owner: str) -> str | None:
+    def _last_of(self, parts: list, owner: str) -> tuple[str | None, str | None]:
         """The layout the last of ``parts`` (run in order inside module ``owner``) states, passing over
         the parts that keep their input's; with none, what ``owner`` is given."""
         for part_name, part in reversed(parts):
-            found = self._of(part_name)
-            if found is not None:
+            found = self._origin(part_name)
+            if found[0] is not None:
                 return found
             if not _keeps(part):
-                return None
+                return None, None
         return self._before(owner)
 
     def windows(self, name: str) -> tuple[str, bool] | None:
@@ -390,8 +479,10 @@ class _Model:
         parts = name.split(".")
         for i in range(1, len(parts) + 1):
             outer = ".".join(parts[:i])
-            kind = _name(self.model.get_submodule(outer))
-            if kind in _WINDOWED:
+            module = self.model.get_submodule(outer)
+            kind = _name(module)
+            last = list(module.children())[-1:] if _in_order(module) else []
+            if kind in _WINDOWED or (last and _name(last[0]) in _WINDOWED):  # (or a Sequential of them)
                 return outer, True
             if kind in _WINDOWS and i < len(parts):
                 return outer, False
@@ -469,6 +560,14 @@ def _direct(module: nn.Module, strong: bool = False, ndim: int = 4) -> str | Non
     return None
 
 
+def _by_last_dim(module: nn.Module) -> bool:
+    """Whether what ``module`` states of its 4-D output is only that its last dimension is the channels (a
+    Linear, a LayerNorm over one dimension, timm's last-dimension norms and layer scale): that its other
+    two are a map's height and width is then checked against the input, for they may be windows or
+    blocks of positions (NesT's ``(B, blocks, positions, C)``)."""
+    return _name(module) not in _KNOWN and _direct(module) == NHWC and _direct(module, strong=True) is None
+
+
 def _last_dim_part(module: nn.Module) -> bool:
     """A Linear, or a LayerNorm over one dimension (torch's, timm's, or a class of that name: ConvNeXt's
     reference code has its own)."""
@@ -514,10 +613,13 @@ def site_layout(
         )
     if site.layer == INPUT:
         if declared is not None or ndim == 4:
-            return SiteLayout(declared or NCHW, "declared" if declared else "the model's input (images)")
+            if declared is not None:
+                return SiteLayout(declared, "declared")
+            return SiteLayout(NCHW, "the model's input (images)", basis="input")
         video = facts._model_level(model)  # a torchvision video model takes (B, C, T, H, W) clips
         if video is not None:
-            return SiteLayout(CHANNELS_FIRST[ndim], f"the model {type(model).__name__}'s input (clips)")
+            how = f"the model {type(model).__name__}'s input (clips)"
+            return SiteLayout(CHANNELS_FIRST[ndim], how, basis="input")
         return SiteLayout(
             None,
             "unknown",
@@ -531,8 +633,9 @@ def site_layout(
             return SiteLayout(
                 None,
                 "windows",
-                f"{'at' if block == site.layer else 'inside'} {where} the tensors are windows (B * windows, "
-                "positions in a window, C), not maps: mix the block around it, whose output is one",
+                f"{'at' if block == site.layer else 'inside'} {where} the tensors are windows or blocks of "
+                "positions ((B * windows, positions, C), (B, blocks, positions, C)), not maps: mix a module "
+                "around it whose output is the map",
             )
         return SiteLayout(
             None,
@@ -540,7 +643,7 @@ def site_layout(
             f"inside {where} the 4-D tensors are windows (B, windows, positions in a window, C), not "
             f"maps: mix {block!r} itself, whose output is one",
         )
-    stated, source, checked = facts.stated(site.layer)
+    stated, source, basis = facts.stated(site.layer)
     if declared is not None:
         if stated is not None and stated != declared:
             return SiteLayout(
@@ -558,7 +661,7 @@ def site_layout(
             "layout='NLC' to do so (a ViT's patch tokens: tokens=(rows, columns) cuts their 2-D grid)",
         )
     if stated is not None:
-        return SiteLayout(stated, source, checked=checked)
+        return SiteLayout(stated, source, basis=basis)
     module = type(model.get_submodule(site.layer)).__name__
     if ndim != 4:
         return SiteLayout(
@@ -577,7 +680,7 @@ def site_layout(
             f"and the model works on (B, H, W, C) maps too ({shown}), so it may be (B, C, H, W) or (B, H, W, "
             "C); declare it: layout='NCHW' or layout='NHWC'",
         )
-    return SiteLayout(NCHW, "PyTorch's convention", checked=True)
+    return SiteLayout(NCHW, "PyTorch's convention", basis="convention")
 
 
 _TOKENS = "; for (B, T, D) tokens declare their patch grid: tokens=(rows, columns) or 'auto'"

@@ -17,6 +17,28 @@ class TupleBlockNet(nn.Module):
         return self.head(features.mean((2, 3)))
 
 
+class PermutedInCodeNet(nn.Module):
+    """Its `block` works on (B, H, W, C) maps, permuted to in `forward` code: nothing in it states that."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, 12, 3, padding=1)
+        self.block = _ChannelsLast(12)
+        self.head = nn.Linear(12, num_classes)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x).permute(0, 2, 3, 1)).mean((1, 2)))
+
+
+class _ChannelsLast(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(channels), nn.Linear(channels, channels)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
 class _Pair(nn.Module):
     def forward(self, x):
         return x.relu(), x.abs().mean()

@@ -559,7 +559,7 @@ def _check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data:
             if name not in outputs:
                 raise ConfigError(f"{key}.layer: {name!r} does not run in {type(model).__name__}.forward()")
             try:
-                hook.check_output(name, outputs[name], x.shape[0])
+                hook.check_output(name, outputs[name], x.shape[0], model_input=x)
             except (TypeError, ValueError) as err:
                 raise ConfigError(f"{key}.layer: {err}") from err
 

@@ -172,7 +172,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
 
     _TRANSIENT = (
         "_draw", "_mask_stack", "_targets", "_capture", "_seen",
-        "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks", "_input_sides",
+        "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks", "_input_sides", "_reads_sides",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -190,9 +190,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._seen = Forwards(self)  # the recent forwards, and which one produced given logits
         self._token = traced.register(self)  # names this mixer in a compiled graph's calls (.traced)
         self._traced = False  # whether torch.compile traces the one-graph path (set at attach)
-        self._input_sides: tuple[int, int, int] | None = (
-            None  # a training input: (ndim, H, W) of an image/clip
-        )
+        self._input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
+        self._reads_sides = False  # whether maps are checked against the input's sides (set at attach)
 
     @property
     def traceable(self) -> bool:
@@ -340,14 +339,21 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     def _bound_state(self, logits: torch.Tensor | None, what: str) -> MixState | None:
         return self._seen.state_for(logits, what, type(self).__name__, self._model is not None)
 
-    def check_output(self, spec: str, value, batch: int | None = None) -> None:
+    def check_output(self, spec: str, value, batch: int | None = None, model_input=None) -> None:
         """Raise ``TypeError``/``ValueError`` (one line) unless what layer ``spec`` returned (for
         ``"input"``: the model's :class:`~mixhook.sites.Inputs`) can be mixed by this class, for a model
-        input of ``batch`` samples.
+        input of ``batch`` samples; ``model_input`` (the model's first argument), where given, is what
+        the sides of a map read by convention are checked against (:mod:`mixhook.layouts`).
 
         The app calls it on a sample batch before training; the hooks check every mix the same way.
         Needs the regularizer to be attached (the batch dimensions depend on the model)."""
-        self._leaves(spec, self._site_value(spec, value), batch)
+        saved = self._input_sides
+        if model_input is not None:
+            self._input_sides = self._input_grid((model_input,), {})
+        try:
+            self._leaves(spec, self._site_value(spec, value), batch, plan=False)
+        finally:
+            self._input_sides = saved
 
     # ---------------------------------------------------------------------------------- the hooks
 
@@ -360,6 +366,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         """Register the model hooks that start and end each forward, the layer hooks and the
         padding-mask hooks."""
         if self.layout_aware:
+            declared = [self._declared_layout(s) for s, site in self.sites.items() if site.layer == INPUT]
+            self._reads_sides = not any(d in CHANNELS_LAST.values() for d in declared if d is not None)
             self._layouts = {}
             for ndim in (d + 2 for d in self.region_dims):
                 facts = layout_facts(model, ndim)
@@ -655,19 +663,16 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         """The number of dimensions, height and width of the model's input where it is an image or a clip
         (4-D or 5-D, its height and width last, as NCHW images and both clip layouts have them) and the
         region methods read their maps' layouts (to check a map's sides against: ``check_sides``)."""
-        if not self.layout_aware:
+        if not self._reads_sides:
             return None
         first = args[0] if args else next(iter(kwargs.values()), None)
         if type(first) is not torch.Tensor or first.ndim not in (4, 5):
             return None
-        declared = [self._declared_layout(s) for s, site in self.sites.items() if site.layer == INPUT]
-        if any(d is not None and d in CHANNELS_LAST.values() for d in declared):
-            return None
         return first.ndim, int(first.shape[-2]), int(first.shape[-1])
 
     def _check_sides(self, spec: str, leaf: Leaf) -> None:
-        """A map read by its model's statement or PyTorch's convention, checked against the input's height
-        and width (:meth:`mixhook.layouts.SiteLayout.check_sides`)."""
+        """A map read by its model's statement, PyTorch's convention or a last-dimension op, checked
+        against the input's height and width (:meth:`mixhook.layouts.SiteLayout.check_sides`)."""
         rule = self._layouts.get((spec, leaf.tensor.ndim))
         if rule is not None and leaf.dim == 0:
             rule.check_sides(type(self).__name__, spec, leaf.tensor.shape, self._input_sides)

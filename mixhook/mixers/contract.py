@@ -170,8 +170,9 @@ class MixingHook(abc.ABC):
         """Make the next training forward not mix (whatever ``prob``); sampling resumes after it."""
 
     @abc.abstractmethod
-    def check_output(self, spec: str, value, batch: int | None = None) -> None:
-        """Raise (one line) unless what layer ``spec`` returned can be mixed."""
+    def check_output(self, spec: str, value, batch: int | None = None, model_input=None) -> None:
+        """Raise (one line) unless what layer ``spec`` returned can be mixed (``model_input``: the model's
+        input, where the mixer checks a map's sides against it)."""
 
     def owns(self, hook: MixingHook) -> bool:
         """Whether ``hook`` may be attached to a model that this one mixes (itself, or a part of it)."""

@@ -165,11 +165,11 @@ class OneOf(LayerHook, MixingHook):
             mixer.load_state_dict(part)
         super().load_state_dict(state)
 
-    def check_output(self, spec: str, value, batch: int | None = None) -> None:
+    def check_output(self, spec: str, value, batch: int | None = None, model_input=None) -> None:
         """Each regularizer that may mix ``spec`` must accept what it returned."""
         for mixer in self.mixers:
             if spec in mixer.layers:
-                mixer.check_output(spec, value, batch)
+                mixer.check_output(spec, value, batch, model_input)
 
     def owns(self, hook: MixingHook) -> bool:
         return hook is self or any(m.owns(hook) for m in self.mixers)

@@ -223,10 +223,8 @@ class TracedPath:
 
     def _traced_begin(self, model, args: tuple, kwargs: dict):
         batch = self._reference_batch(model, args, kwargs) if model.training else None
-        if model.training:
-            self._input_sides = self._input_grid(
-                args, kwargs
-            )  # (read while tracing: the map checks of _leaves)
+        if model.training:  # (the map checks of _leaves read it while tracing)
+            self._input_sides = self._input_grid(args, kwargs)
         begin(self._token, model.training, -1 if batch is None else batch)
         if not model.training:
             return None

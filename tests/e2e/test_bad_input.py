@@ -142,6 +142,16 @@ from tests.conftest import write_cifar
             "error: mixup.layer: ManifoldMixup at 'pooled': it returned a tensor of shape (4, 8, 8), "
             "whose batch dimension 0 has size 4, but the model's input has a batch of 2",
         ),
+        (  # the block's (B, 8, 8, 12) map read as NCHW by convention would be 8x12 on 8x8 digits
+            [
+                "model._target_=tests.toy_models.PermutedInCodeNet",
+                "allow_targets=[tests.toy_models.*]",
+                "mixup=cutmix",
+                "mixup.layer=block",
+            ],
+            "error: mixup.layer: CutMix at 'block': PyTorch's convention gives NCHW maps, which makes this "
+            "(2, 8, 8, 12) map 8x12, but the model's input is 8x8",
+        ),
         (
             ["mixup=cutmix", "mixup.layer=linear"],
             "error: mixup.layer: CutMix at 'linear' needs a (B, C, L), (B, C, H, W) or (B, C, D, H, W) map",

@@ -89,6 +89,7 @@ def timm_model(name, **kwargs):
 
 maxvit_timm = timm_model("maxvit_pico_rw_256", img_size=64)
 gcvit_timm = timm_model("gcvit_xxtiny", img_size=64)
+nest_timm = timm_model("nest_tiny", img_size=64, drop_path_rate=0.0)
 
 
 # (model, layer, the dims of H and W in its output, input side)
@@ -109,6 +110,7 @@ CASES = {
     "timm-gcvit-block": (gcvit_timm, "stages.0.blocks.0", (1, 2), 64),
     "timm-gcvit-block.ls2": (gcvit_timm, "stages.0.blocks.0.ls2", (1, 2), 64),
     "timm-gcvit-stage": (gcvit_timm, "stages.0", (2, 3), 64),
+    "timm-nest-level": (nest_timm, "levels.0", (2, 3), 64),
 }
 
 
@@ -353,7 +355,34 @@ def test_windows_of_timm_maxvit_are_refused_at_the_attention_and_inside_it():
         mix = CutMix(layer)
         with mix.attach(model), pytest.raises(AmbiguousLayoutError, match="are windows") as err:
             model(torch.randn(2, 3, 64, 64))
-        assert "mix the block around it" in str(err.value)
+        assert "mix a module around it whose output is the map" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "layer", ["transformer_encoder.0", "transformer_encoder", "transformer_encoder.0.norm1"]
+)
+def test_blocks_of_positions_inside_nest_are_not_maps(layer):
+    """timm's NesT runs its transformer on (B, blocks, positions in a block, C) tensors; a LayerNorm's 4-D
+    output there once read as an NHWC map would have been cut over blocks x positions."""
+    torch.manual_seed(0)
+    model = nest_timm().train()
+    with CutMix(f"levels.1.{layer}").attach(model), pytest.raises(AmbiguousLayoutError) as err:
+        model(torch.randn(2, 3, 64, 64))
+    assert "blocks of positions" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unfolded_patches_of_mobilevit_v2_are_not_maps():
+    """MobileViT-v2's transformer runs 1x1 convolutions over (B, C, pixels in a patch, patches): NCHW by the
+    convolution, but no map; its sides (4 x 24 from a 64 x 96 input) say so. A declared layout accepts it."""
+    torch.manual_seed(0)
+    model = timm_model("mobilevitv2_050")().train()
+    layer = "stages.2.1.transformer.1.attn.qkv_proj"
+    with CutMix(layer).attach(model), pytest.raises(AmbiguousLayoutError) as err:
+        model(torch.randn(2, 3, 64, 96))
+    assert "which makes this (2, 129, 4, 24) map 4x24, but the model's input is 64x96" in str(err.value)
+    assert "unfolded patches" in str(err.value)
+    with CutMix(layer, layout="NCHW").attach(model):
+        model(torch.randn(2, 3, 64, 96))
 
 
 class PermutedInCode(nn.Module):

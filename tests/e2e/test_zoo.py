@@ -1,0 +1,54 @@
+"""The model zoo in the suite (``tests/zoo``): real timm, torchvision and HuggingFace models built small,
+mixed at sampled layers, each case judged by an oracle mixhook does not compute (the hand edit, lam 0 and
+1 against the unhooked model, padding on the unmixed sequence, eval mode). No case may be a wrong result
+or an error; ``python -m tests.zoo`` runs the whole zoo and writes docs/zoo.md.
+
+The quick tier checks the models marked ``quick`` (channels-last maps and windows, a model-level format,
+padding in an encoder and in encoder-decoders) at two layers; the full suite also a broad sample
+(tests/e2e/test_zoo_sample.py)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+from tests.zoo.catalogue import ZOO
+from tests.zoo.oracles import run_model
+
+QUICK = [m.name for m in ZOO if m.quick]
+
+
+def check(name: str, layers: int, seed: int) -> None:
+    entry = next(m for m in ZOO if m.name == name)
+    cases = run_model(entry, layers, seed=seed)
+    bad = [
+        f"{c.layer} ({c.method}): {c.outcome}: {c.detail}" for c in cases if c.outcome in ("wrong", "error")
+    ]
+    assert not bad, f"{name}: " + "; ".join(bad)
+    assert any(c.outcome == "exact" and c.method != "eval" for c in cases), f"{name}: no case ran: {cases}"
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_a_quick_sample_of_the_zoo_is_exact_or_refused(name):
+    check(name, layers=2, seed=1)
+
+
+@pytest.mark.slow
+def test_the_zoo_command_writes_its_report(tmp_path):
+    out = tmp_path / "zoo.md"
+    command = [sys.executable, "-m", "tests.zoo", "--models", "huggingface/bart", "--layers", "1"]
+    done = subprocess.run(
+        [*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("[1/1] huggingface/bart: 3 exact")
+    report = out.read_text()
+    assert "| huggingface | 3 | 0 | 0 | 0 | 0 | 3 |" in report and "## Wrong results\n\nNone." in report
+
+
+def test_the_zoo_command_refuses_a_pattern_that_matches_no_model(capsys):
+    from tests.zoo.report import main
+
+    assert main(["--models", "nosuch/*"]) == 2
+    assert "no model matches ['nosuch/*']" in capsys.readouterr().err

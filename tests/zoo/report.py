@@ -1,0 +1,153 @@
+"""Run the zoo and write its report: ``python -m tests.zoo`` (``--help`` for the options).
+
+The report counts the outcomes by family and by model, lists every wrong result and every error (there
+should be none), and groups the refusals and skips by their message (quoted names and numbers left out),
+each with an example, so that every kind of refusal can be read and judged: is it what a user would
+expect?
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import platform
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from .catalogue import ZOO
+from .oracles import Case, run_model
+
+OUTCOMES = ("exact", "refused", "wrong", "error", "skipped")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def group_of(message: str) -> str:
+    """A refusal's message with what varies from case to case (quoted names, shapes, numbers) left out."""
+    message = re.sub(r"'[^']*'", "'…'", message)
+    message = re.sub(r"\([0-9, ?BCHWLDT]+\)", "(…)", message)
+    message = re.sub(r"\b\d+\b", "N", message)
+    return message
+
+
+def versions() -> str:
+    import timm
+    import torchvision
+    import transformers
+
+    python = platform.python_version()
+    return (
+        f"Python {python}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+        f"timm {timm.__version__}, transformers {transformers.__version__}"
+    )
+
+
+def esc(text) -> str:
+    """Text with what Markdown would read as markup escaped (messages hold ``*``, ``|``, ``_``, ``<``)."""
+    return re.sub(r"([*|<>_\\[\]])", r"\\\1", str(text))
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def markdown(cases: list[Case], seconds: float, command: str) -> str:
+    """The report of ``cases`` as a Markdown page."""
+    models = sorted({c.model for c in cases})
+    by_family: dict[str, Counter] = defaultdict(Counter)
+    by_model: dict[str, Counter] = defaultdict(Counter)
+    for c in cases:
+        by_family[c.family][c.outcome] += 1
+        by_model[c.model][c.outcome] += 1
+    total = Counter(c.outcome for c in cases)
+    families = sorted(by_family)
+    counts = ", ".join(f"{sum(1 for m in models if m.startswith(f))} {f}" for f in families)
+    lines = [
+        "# The model zoo",
+        "",
+        f"mixhook at sampled layers of {len(models)} models ({counts}),"
+        " built small from their configs in float64, each case judged by an oracle mixhook does not compute "
+        "(the hand edit, lam 0 and 1 against the unhooked model, padding on the unmixed sequence, eval mode):"
+        " see `tests/zoo/oracles.py`. **wrong** is a silent wrong result and **error** an exception that is "
+        "not mixhook's one-line refusal: there must be none.",
+        "",
+        f"Made {date.today().isoformat()} by `{command}` in {seconds / 60:.1f} minutes; {versions()}.",
+        "",
+        "## Outcomes",
+        "",
+    ]
+    rows = [[f, *(by_family[f][o] for o in OUTCOMES), sum(by_family[f].values())] for f in families]
+    rows.append(["**all**", *(f"**{total[o]}**" for o in OUTCOMES), f"**{len(cases)}**"])
+    lines += _table(["family", *OUTCOMES, "cases"], rows)
+    for title, outcome in (("Wrong results", "wrong"), ("Errors", "error")):
+        found = [c for c in cases if c.outcome == outcome]
+        lines += ["", f"## {title}", ""]
+        if not found:
+            lines.append("None.")
+            continue
+        rows = [[esc(c.model), f"`{c.layer}`", c.method, esc(c.detail)] for c in found]
+        lines += _table(["model", "layer", "method", "what"], rows)
+    for title, outcome in (("Refusals, by message", "refused"), ("Skipped, by reason", "skipped")):
+        groups: dict[str, list[Case]] = defaultdict(list)
+        for c in cases:
+            if c.outcome == outcome:
+                groups[group_of(c.detail)].append(c)
+        lines += ["", f"## {title}", ""]
+        if not groups:
+            lines.append("None.")
+            continue
+        rows = []
+        for _, group in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            first = group[0]
+            where = sorted({esc(c.model.split("/", 1)[1]) for c in group})
+            shown = ", ".join(where[:6]) + (f" and {len(where) - 6} more" if len(where) > 6 else "")
+            rows.append(
+                [
+                    len(group),
+                    shown,
+                    f"{esc(first.model)} `{first.layer}` ({first.method}): {esc(first.detail)}",
+                ]
+            )
+        lines += _table(["cases", "models", "example"], rows)
+    lines += ["", "## By model", ""]
+    rows = [[esc(m), *(by_model[m][o] or "" for o in OUTCOMES)] for m in models]
+    lines += _table(["model", *OUTCOMES], rows)
+    return "\n".join(lines).replace("|  |", "| |") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["*"], help="name patterns (default: every model)")
+    parser.add_argument("--layers", type=int, default=9, help="layers sampled per model (default 9)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "zoo.md"), help="the Markdown report")
+    parser.add_argument("--json", default=None, help="also write every case as JSON here")
+    args = parser.parse_args(argv)
+    entries = [m for m in ZOO if any(fnmatch.fnmatch(m.name, p) for p in args.models)]
+    if not entries:
+        print(f"no model matches {args.models}; the zoo: {', '.join(m.name for m in ZOO)}", file=sys.stderr)
+        return 2
+    start, cases = time.time(), []
+    for i, entry in enumerate(entries, 1):
+        began = time.time()
+        found = run_model(entry, args.layers)
+        cases += found
+        counts = Counter(c.outcome for c in found)
+        summary = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
+        print(f"[{i}/{len(entries)}] {entry.name}: {summary} ({time.time() - began:.0f} s)", flush=True)
+    command = "python -m tests.zoo" + (f" --models {' '.join(args.models)}" if args.models != ["*"] else "")
+    command += f" --layers {args.layers}" if args.layers != 9 else ""
+    Path(args.out).write_text(markdown(cases, time.time() - start, command))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(c) for c in cases], indent=1))
+    bad = sum(c.outcome in ("wrong", "error") for c in cases)
+    print(f"{len(cases)} cases, {bad} wrong or errors -> {args.out}")
+    return 1 if bad else 0

@@ -104,10 +104,24 @@ def t5():
     return T5ForConditionalGeneration(config).double().train()
 
 
-def t5_call(model):
+def seq2seq_call(model):
     return model(
         input_ids=IDS, attention_mask=MASK, decoder_input_ids=DEC, decoder_attention_mask=DMASK
     ).logits
+
+
+def mixed_in_the_encoder(encoder):
+    """The hand-edited forward of an encoder-decoder mixed in its encoder: ``encoder(ref)`` (edited by the
+    test) runs on each sample's own source, and the decoder attends to its output through the union of
+    the partners' source masks, its own input and mask each sample's own."""
+
+    def hand(ref):
+        encoded = encoder(ref)(input_ids=IDS, attention_mask=MASK)
+        return ref(
+            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
+        ).logits
+
+    return hand
 
 
 def test_t5_mixed_in_its_encoder_unions_the_encoder_and_cross_attention_masks_not_the_decoders():
@@ -119,13 +133,8 @@ def test_t5_mixed_in_its_encoder_unions_the_encoder_and_cross_attention_masks_no
     reference.encoder.block[1] = Blend(reference.encoder.block[1])
     reference.encoder.block[2] = Union(reference.encoder.block[2], 1)
 
-    def hand(ref):
-        encoded = ref.encoder(input_ids=IDS, attention_mask=MASK)  # blocks 0, 1: each sample's own mask
-        return ref(
-            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
-        ).logits  # the decoder: its own mask, and the union as the cross-attention mask
-
-    check(model, reference, "encoder.block.1", t5_call, hand, LABELS)
+    hand = mixed_in_the_encoder(lambda ref: ref.encoder)
+    check(model, reference, "encoder.block.1", seq2seq_call, hand, LABELS)
 
 
 def test_t5_mixed_in_its_decoder_unions_the_decoders_own_masks_and_keeps_the_cross_mask():
@@ -133,7 +142,7 @@ def test_t5_mixed_in_its_decoder_unions_the_decoders_own_masks_and_keeps_the_cro
     reference = copy.deepcopy(model)
     reference.decoder.block[0] = Blend(reference.decoder.block[0])
     reference.decoder.block[1] = Union(reference.decoder.block[1], 1)  # its causal self-attention mask only
-    check(model, reference, "decoder.block.0", t5_call, t5_call, LABELS)
+    check(model, reference, "decoder.block.0", seq2seq_call, seq2seq_call, LABELS)
 
 
 def test_t5_mixed_at_its_input_embeddings():
@@ -203,42 +212,45 @@ def test_a_layer_of_both_sequences_inside_a_wrapped_encoder_decoder_is_refused()
         model(*args)
 
 
-def test_bart_mixed_in_its_encoder():
+def bart(decoder_layers=2):
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(0)
     config = BartConfig(
-        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=decoder_layers, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, attn_implementation="eager",
     )  # fmt: skip
-    model = BartForConditionalGeneration(config).double().train()
+    return BartForConditionalGeneration(config).double().train()
+
+
+def test_bart_mixed_in_its_encoder():
+    model = bart(decoder_layers=1)
     reference = copy.deepcopy(model)
     reference.model.encoder.layers[0] = Blend(reference.model.encoder.layers[0])
     reference.model.encoder.layers[1] = Union(reference.model.encoder.layers[1], 1)
 
-    def call(m):
-        return m(
-            input_ids=IDS, attention_mask=MASK, decoder_input_ids=DEC, decoder_attention_mask=DMASK
-        ).logits
+    hand = mixed_in_the_encoder(lambda ref: ref.model.encoder)
+    check(model, reference, "model.encoder.layers.0", seq2seq_call, hand, LABELS)
 
-    def hand(ref):
-        encoded = ref.model.encoder(input_ids=IDS, attention_mask=MASK)
-        return ref(
-            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
-        ).logits
 
-    check(model, reference, "model.encoder.layers.0", call, hand, LABELS)
+def torch_transformer(encoder_layers, decoder_layers):
+    torch.manual_seed(0)
+    return nn.Transformer(
+        d_model=8, nhead=2, num_encoder_layers=encoder_layers, num_decoder_layers=decoder_layers,
+        dim_feedforward=16, dropout=0.0, batch_first=True,
+    ).double().train()  # fmt: skip
+
+
+SRC, TGT = (
+    torch.randn(4, 7, 8, generator=g, dtype=torch.float64),
+    torch.randn(4, 5, 8, generator=g, dtype=torch.float64),
+)
 
 
 def test_torch_transformer_mixed_in_its_encoder_unions_the_memory_mask_not_the_targets():
-    torch.manual_seed(0)
-    model = nn.Transformer(
-        d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=16, dropout=0.0,
-        batch_first=True,
-    ).double().train()  # fmt: skip
-    src, tgt = torch.randn(4, 7, 8, dtype=torch.float64), torch.randn(4, 5, 8, dtype=torch.float64)
-    pad, tpad = MASK == 0, DMASK == 0  # True: padding
+    model = torch_transformer(encoder_layers=2, decoder_layers=1)
+    src, tgt, pad, tpad = SRC, TGT, MASK == 0, DMASK == 0  # (pads: True is padding)
     union = pad & pad[INDEX]
 
     def call(m):
@@ -305,24 +317,6 @@ def test_a_mask_of_another_length_than_the_mixed_sequence_is_refused():
 # ------------------------------------------------------- the region: the stack whose sequence was mixed
 
 
-def bart(decoder_layers=2):
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = BartConfig(
-        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=decoder_layers, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, attn_implementation="eager",
-    )  # fmt: skip
-    return BartForConditionalGeneration(config).double().train()
-
-
-def seq2seq_call(model):
-    return model(
-        input_ids=IDS, attention_mask=MASK, decoder_input_ids=DEC, decoder_attention_mask=DMASK
-    ).logits
-
-
 def test_bart_mixed_inside_a_decoder_layer_unions_the_later_decoder_layers_own_masks_not_the_source_masks():
     """Issue 44: a mix at ``model.decoder.layers.0.fc2`` (inside a decoder layer) used to take that one layer
     as its region: later decoder layers, outside it and cross-attending, got the source masks unioned (and
@@ -342,12 +336,7 @@ def test_bart_mixed_at_its_encoder_unions_the_cross_attention_masks_not_the_deco
     reference = copy.deepcopy(model)
     reference.model.encoder = Blend(reference.model.encoder)
 
-    def hand(ref):
-        encoded = ref.model.encoder(input_ids=IDS, attention_mask=MASK)
-        return ref(
-            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
-        ).logits
-
+    hand = mixed_in_the_encoder(lambda ref: ref.model.encoder)
     check(model, reference, "model.encoder", seq2seq_call, hand, LABELS)
 
 
@@ -357,12 +346,7 @@ def test_t5_mixed_at_its_encoder_unions_the_cross_attention_masks():
     reference = copy.deepcopy(model)
     reference.encoder = Blend(reference.encoder)
 
-    def hand(ref):
-        encoded = ref.encoder(input_ids=IDS, attention_mask=MASK)
-        return ref(
-            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
-        ).logits
-
+    hand = mixed_in_the_encoder(lambda ref: ref.encoder)
     check(model, reference, "encoder", seq2seq_call, hand, LABELS)
 
 
@@ -386,12 +370,7 @@ def test_t5_mixed_inside_an_encoder_block_unions_the_later_blocks_masks():
     reference.encoder.block[1] = Union(reference.encoder.block[1], 1)
     reference.encoder.block[2] = Union(reference.encoder.block[2], 1)
 
-    def hand(ref):
-        encoded = ref.encoder(input_ids=IDS, attention_mask=MASK)
-        return ref(
-            encoder_outputs=encoded, attention_mask=UNION, decoder_input_ids=DEC, decoder_attention_mask=DMASK
-        ).logits
-
+    hand = mixed_in_the_encoder(lambda ref: ref.encoder)
     check(model, reference, "encoder.block.0.layer.1", seq2seq_call, hand, LABELS)
 
 
@@ -433,13 +412,8 @@ def test_torch_transformer_mixed_at_a_decoder_self_attention_keeps_the_memory_ma
     """A mix at ``decoder.layers.0.self_attn``: the same layer's ``multihead_attn`` is called with the memory
     as its key; its ``key_padding_mask`` is the source's and stays each sample's own, while later decoder
     layers get the union of the target masks."""
-    torch.manual_seed(0)
-    model = nn.Transformer(
-        d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=16, dropout=0.0,
-        batch_first=True,
-    ).double().train()  # fmt: skip
-    src, tgt = torch.randn(4, 7, 8, dtype=torch.float64), torch.randn(4, 5, 8, dtype=torch.float64)
-    pad, tpad = MASK == 0, DMASK == 0  # True: padding
+    model = torch_transformer(encoder_layers=1, decoder_layers=2)
+    src, tgt, pad, tpad = SRC, TGT, MASK == 0, DMASK == 0  # (pads: True is padding)
 
     def call(m):
         return m(src, tgt, src_key_padding_mask=pad, tgt_key_padding_mask=tpad, memory_key_padding_mask=pad)

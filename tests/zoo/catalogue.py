@@ -339,130 +339,43 @@ def _h(name, build, kind, size=(64, 96), quick=False) -> ZooModel:
     return ZooModel(f"huggingface/{name}", "huggingface", build, kind, size, quick=quick)
 
 
+# fmt: off
 HUGGINGFACE = [
     _h("bert", _hf("BertConfig", "BertForSequenceClassification", **_TEXT), "text", quick=True),
-    _h(
-        "bert-sdpa",
-        _hf("BertConfig", "BertForSequenceClassification", attn_implementation="sdpa", **_TEXT),
-        "text",
-    ),
+    _h("bert-sdpa", _hf("BertConfig", "BertForSequenceClassification", attn_implementation="sdpa", **_TEXT),
+       "text"),
     _h("roberta", _hf("RobertaConfig", "RobertaForSequenceClassification", pad_token_id=1, **_TEXT), "text"),
-    _h(
-        "electra",
-        _hf("ElectraConfig", "ElectraForSequenceClassification", embedding_size=16, **_TEXT),
-        "text",
-    ),
+    _h("electra", _hf("ElectraConfig", "ElectraForSequenceClassification", embedding_size=16, **_TEXT),
+       "text"),
     _h("albert", _hf("AlbertConfig", "AlbertForSequenceClassification", embedding_size=8, **_TEXT), "text"),
     _h("deberta-v2", _hf("DebertaV2Config", "DebertaV2ForSequenceClassification", **_TEXT), "text"),
-    _h(
-        "distilbert",
-        _hf(
-            "DistilBertConfig",
-            "DistilBertForSequenceClassification",
-            vocab_size=VOCAB,
-            dim=16,
-            n_layers=2,
-            n_heads=2,
-            hidden_dim=32,
-            num_labels=CLASSES,
-            max_position_embeddings=32,
-        ),
-        "text",
-    ),  # fmt: skip
-    _h(
-        "gpt2",
-        _hf(
-            "GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32
-        ),
-        "causal",
-    ),  # fmt: skip
-    _h(
-        "llama",
-        _hf(
-            "LlamaConfig",
-            "LlamaForCausalLM",
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        ),
-        "causal",
-    ),  # fmt: skip
-    _h(
-        "t5",
-        _hf(
-            "T5Config",
-            "T5ForConditionalGeneration",
-            vocab_size=VOCAB,
-            d_model=16,
-            d_kv=8,
-            d_ff=32,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=2,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-        ),
-        "seq2seq",
-        quick=True,
-    ),  # fmt: skip
+    _h("distilbert", _hf("DistilBertConfig", "DistilBertForSequenceClassification", vocab_size=VOCAB, dim=16,
+                         n_layers=2, n_heads=2, hidden_dim=32, num_labels=CLASSES,
+                         max_position_embeddings=32), "text"),
+    _h("gpt2", _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2,
+                   n_positions=32), "causal"),
+    _h("llama", _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                    max_position_embeddings=32), "causal"),
+    _h("t5", _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32,
+                 num_layers=2, num_decoder_layers=2, num_heads=2, decoder_start_token_id=0, pad_token_id=0),
+       "seq2seq", quick=True),
     _h("bart", _hf("BartConfig", "BartForConditionalGeneration", **_SEQ2SEQ), "seq2seq", quick=True),
     _h("mbart", _hf("MBartConfig", "MBartForConditionalGeneration", **_SEQ2SEQ), "seq2seq"),
     _h("marian", _hf("MarianConfig", "MarianMTModel", **_SEQ2SEQ), "seq2seq"),
     _h("pegasus", _hf("PegasusConfig", "PegasusForConditionalGeneration", **_SEQ2SEQ), "seq2seq"),
     _h("vit", _hf("ViTConfig", "ViTForImageClassification", **_VISION), "image", (32, 32)),
     _h("deit", _hf("DeiTConfig", "DeiTForImageClassification", **_VISION), "image", (32, 32)),
-    _h(
-        "convnext",
-        _hf(
-            "ConvNextConfig",
-            "ConvNextForImageClassification",
-            hidden_sizes=[8, 16],
-            depths=[1, 1],
-            num_stages=2,
-            num_labels=CLASSES,
-        ),
-        "image",
-    ),  # fmt: skip
-    _h(
-        "swin",
-        _hf(
-            "SwinConfig",
-            "SwinForImageClassification",
-            image_size=64,
-            patch_size=4,
-            embed_dim=16,
-            depths=[1, 1],
-            num_heads=[1, 2],
-            window_size=4,
-            num_labels=CLASSES,
-        ),
-        "image",
-        (64, 64),
-    ),
-    _h(
-        "wav2vec2",
-        _hf(
-            "Wav2Vec2Config",
-            "Wav2Vec2ForSequenceClassification",
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=32,
-            conv_dim=(8, 8),
-            conv_stride=(5, 2),
-            conv_kernel=(10, 3),
-            num_conv_pos_embeddings=4,
-            num_conv_pos_embedding_groups=2,
-            num_labels=CLASSES,
-            classifier_proj_size=8,
-        ),
-        "audio",
-    ),
+    _h("convnext", _hf("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[8, 16],
+                       depths=[1, 1], num_stages=2, num_labels=CLASSES), "image"),
+    _h("swin", _hf("SwinConfig", "SwinForImageClassification", image_size=64, patch_size=4, embed_dim=16,
+                   depths=[1, 1], num_heads=[1, 2], window_size=4, num_labels=CLASSES), "image", (64, 64)),
+    _h("wav2vec2", _hf("Wav2Vec2Config", "Wav2Vec2ForSequenceClassification", hidden_size=16,
+                       num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                       conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+                       num_conv_pos_embedding_groups=2, num_labels=CLASSES, classifier_proj_size=8), "audio"),
 ]
+# fmt: on
 
 ZOO: list[ZooModel] = [*TIMM, *TORCHVISION, *HUGGINGFACE]
 BY_NAME = {m.name: m for m in ZOO}

@@ -38,8 +38,9 @@ sequence depends on where the mix is and on what each call's mask argument refer
 
 Refused in one line (:class:`PaddingPolicyError`), where the policy cannot be known: downstream of a mix
 whose region is the whole model, a call that cross-attends or takes both a source and a target sequence
-(an embedding that an encoder-decoder applies to both: which of the two was mixed?), and a mask to union
-whose length is none of the mixed tensor's (it does not describe the mixed sequence).
+(an embedding that an encoder-decoder applies to both: which of the two was mixed?), a mask to union
+whose length is none of the mixed tensor's (it does not describe the mixed sequence), and a mask to union
+that is not a tensor (flex attention's ``BlockMask``: HuggingFace's ``attn_implementation="flex_attention"``).
 
 Masks combine elementwise: the max where larger means "attend" (HuggingFace's 0/1, boolean
 True-attends and additive 0/-inf masks), the min where a boolean True means "padding" (PyTorch's
@@ -148,7 +149,18 @@ def _cross_only(module: nn.Module, inputs: Inputs) -> bool:
     return isinstance(key, torch.Tensor) and isinstance(query, torch.Tensor) and key is not query
 
 
-def _present(inputs: Inputs, names, batch: int) -> tuple[str, ...]:
+def _present(inputs: Inputs, names, batch: int, where: str = "") -> tuple[str, ...]:
+    """The masks of ``names`` given to a call, per sample (a mask broadcast over the batch, ``(1, ...)``,
+    is no sample's); a mask that is not a tensor (flex attention's ``BlockMask``) cannot be unioned and is
+    refused in one line."""
+    for n in names:
+        mask = inputs.get(n)
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise PaddingPolicyError(
+                f"padding='union': {where or 'a module'} gets {n} as a {type(mask).__name__}, which cannot "
+                "be unioned with its partner's; pass padding='keep', or use an attention that takes tensor "
+                "masks (HuggingFace: attn_implementation='eager' or 'sdpa')"
+            )
     return tuple(
         n
         for n in names
@@ -170,9 +182,10 @@ def downstream(module: nn.Module, name: str, region: str, inputs: Inputs, batch:
             "the decoder, or pass padding='keep'"
         )
     own, others = ((), {**OWN, **CROSS}) if cross_only else (OWN, CROSS)
+    where = f"{type(module).__name__} {name!r}"
     if inside:
-        return _present(inputs, own, batch)
-    return _present(inputs, others, batch) if cross else ()
+        return _present(inputs, own, batch, where)
+    return _present(inputs, others, batch, where) if cross else ()
 
 
 def at_input(model_inputs: Inputs, mixed: tuple[str, ...], batch: int) -> tuple[str, ...] | None:
@@ -182,12 +195,12 @@ def at_input(model_inputs: Inputs, mixed: tuple[str, ...], batch: int) -> tuple[
         return None
     first = next(iter(model_inputs), None)
     if any(n in _DECODER_INPUTS for n in mixed):
-        return _present(model_inputs, DECODER, batch)
+        return _present(model_inputs, DECODER, batch, "the model")
     if any(n == first or n in _MAIN_INPUTS for n in mixed):
         names = _MODEL_OWN
         if not any(model_inputs.get(k) is not None for k in CROSS_SOURCES):  # it builds its memory itself
             names = (*names, "memory_key_padding_mask")
-        return _present(model_inputs, names, batch)
+        return _present(model_inputs, names, batch, "the model")
     return ()
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mixhook import GradScale, ManifoldMixup
+from mixhook.padding import PaddingPolicyError
 from tests.helpers import Lazy
 
 timm = Lazy("timm")  # imported when a test first uses it, not at collection
@@ -214,3 +215,24 @@ def test_timm_vit_tokens_and_a_keyword_called_block():
         model(x).sum().backward()
     assert model.blocks[1].attn.qkv.weight.grad.abs().sum() > 0
     assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0  # still reached through the skip path
+
+
+@pytest.mark.slow  # (flex attention compiles its kernel: about 5 s)
+def test_a_mask_that_is_not_a_tensor_is_refused_not_left_out_of_the_union():
+    """Under flex attention a Llama's layers get their mask as a BlockMask, which cannot be unioned: once
+    left out of the union silently (only tensors were considered), now refused in one line. (Flex attention
+    has no backward on the CPU: the forward runs without gradients, in train mode.)"""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, attn_implementation="flex_attention",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids, mask = torch.randint(3, 64, (4, 7)), torch.ones(4, 7, dtype=torch.long)
+    mask[0, 4:] = 0
+    with torch.no_grad(), ManifoldMixup("model.layers.0").attach(model):
+        with pytest.raises(PaddingPolicyError, match="attention_mask as a BlockMask") as err:
+            model(input_ids=ids, attention_mask=mask)
+        assert "'model.layers.1'" in str(err.value) and "padding='keep'" in str(err.value)
+    with torch.no_grad(), ManifoldMixup("model.layers.0", padding="keep").attach(model):
+        model(input_ids=ids, attention_mask=mask)

@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
+from .. import packing, recompute
 from .. import padding as masks
-from .. import recompute
 from ..hooks import LayerHook
 from ..layouts import (
     CHANNELS_LAST,
@@ -411,6 +411,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         if not model.training:
             self._draw = None
             return None
+        packing.refuse(type(self).__name__, model, args, kwargs)
         self._input_sides = self._input_grid(args, kwargs)
         return self._begin(model, args, kwargs, self._agree(self._decide()))
 

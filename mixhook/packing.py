@@ -1,0 +1,74 @@
+"""Packed and padding-free batches: several sequences in one row of the batch.
+
+Language-model fine-tuning packs short sequences into long rows (TRL's ``packing=True``) or flattens a
+whole batch into one row without padding (HuggingFace's ``DataCollatorWithFlattening``, TRL's
+``padding_free=True``). The model is told where each sequence starts, so that attention and rotary
+positions restart there; a hook that treats a row as one sample would be wrong: a mix would blend each
+row with a partner row of other sequences, at the wrong positions, and a row of one packed batch has no
+partner at all. What the model is called with says it (:func:`packing`):
+
+- the varlen keywords of flash and sdpa attention: ``cu_seq_lens_q``/``cu_seq_lens_k`` (``cu_seqlens``),
+  ``max_length_q``/``max_length_k``, and Mamba-2's ``seq_idx``;
+- ``position_ids`` that restart inside a row: a position no greater than the one before it, where both
+  tokens are real (by the ``attention_mask``, where one is given: the positions of left or right padding
+  repeat without starting a sequence).
+
+Reading ``position_ids`` is a host sync, made only for a call that is given them (padded batches usually
+are not: the model counts the positions itself).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .sites import Inputs
+
+VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k", "seq_idx")
+_TELLS = (*VARLEN, "position_ids")
+
+
+class PackedBatchError(ValueError):
+    """A packed batch where a hook cannot act on packed sequences: refused, never mixed across them."""
+
+
+def packing(module: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """How the call of ``module`` with ``(args, kwargs)`` packs several sequences into a row (in words,
+    for a message), or ``None`` where it does not."""
+    if len(args) < 3 and not any(k in kwargs for k in _TELLS):  # (the usual call: tensors by keyword)
+        return None
+    inputs = Inputs(module, args, kwargs)
+    for key in VARLEN:
+        if inputs.get(key) is not None:
+            return f"{key} is given"
+    if restarts(inputs) is not None:
+        return "its position_ids restart inside a row"
+    return None
+
+
+def restarts(inputs: Inputs) -> torch.Tensor | None:
+    """Where a new sequence starts inside a row, ``(..., T)`` booleans (the first token is not counted), or
+    ``None`` where no position restarts (or no ``position_ids`` are given)."""
+    positions = inputs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.ndim < 2 or positions.shape[-1] < 2:
+        return None
+    if positions.is_floating_point():
+        return None
+    starts = torch.zeros_like(positions, dtype=torch.bool)
+    starts[..., 1:] = positions[..., 1:] <= positions[..., :-1]
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[-1] == positions.shape[-1]:
+        real = mask.to(positions.device) != 0
+        starts[..., 1:] &= real[..., 1:] & real[..., :-1]
+    return starts if bool(starts.any()) else None
+
+
+def refuse(kind: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse, in one line, a packed batch given to ``module`` under a hook of ``kind`` that mixes rows."""
+    how = packing(module, args, kwargs)
+    if how is not None:
+        raise PackedBatchError(
+            f"{kind}: the batch given to {type(module).__name__} is packed ({how}: several sequences share "
+            "a row), so a row's partner would be other sequences; train on padded batches (HuggingFace: "
+            "DataCollatorWithPadding, not DataCollatorWithFlattening; TRL: packing=False, padding_free=False)"
+        )

@@ -14,6 +14,7 @@ from .gradients import GradClip, GradScale
 from .hooks import HookHandle, LayerHook
 from .layers import INPUT, UnknownLayerError, fastai_layers, layer_names, resolve_layers
 from .mixers import *  # noqa: F403  (every mixer, found in mixhook/mixers/, and the contract)
+from .noise import NEFTune
 from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
 from .scaling import InputScale
 from .schedule import MixSchedule, Ramp
@@ -29,6 +30,7 @@ __all__ = [
     "InputScale",
     "LayerHook",
     "MixSchedule",
+    "NEFTune",
     "Ramp",
     "ShapeTrace",
     "UnknownLayerError",

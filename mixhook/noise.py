@@ -1,0 +1,251 @@
+"""Noise hooks: NEFTune's uniform noise on a language model's embeddings.
+
+Paper: Jain, Chiang, Wen, Kirchenbauer, Chiang, Somepalli, Bartoldson, Kailkhura, Schwarzschild, Saha,
+Goldblum, Geiping, Goldstein. "NEFTune: Noisy Embeddings Improve Instruction Finetuning." ICLR 2024.
+https://arxiv.org/abs/2310.05914 (the authors' code: neelsjain/NEFTune; HuggingFace's hook:
+``transformers/integrations/neftune.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import packing, recompute
+from .hooks import LayerHook
+from .sites import Inputs, batch_leaves, describe, replace_leaves
+
+LENGTHS = ("sequence", "padded")
+
+
+class NEFTune(LayerHook):
+    """NEFTune (Jain et al. 2023): in training, uniform noise added to the embeddings of every token.
+
+    Algorithm 1 of the paper adds ``eps * alpha / sqrt(L * d)`` to a sequence's ``(L, d)`` embeddings, with
+    ``eps ~ Uniform(-1, 1)`` elementwise. What ``L`` is in a batch:
+
+    - ``length="sequence"`` (default): each sequence's own length, from the ``attention_mask`` the model is
+      called with (the number of real tokens), or from its segments in a packed row (``position_ids``
+      that restart, ``cu_seq_lens_q``, ``seq_idx``: :mod:`mixhook.packing`); padded positions get no
+      noise. A sequence's noise is then the paper's whatever it is batched or packed with, and the same
+      under padding and under packing.
+    - ``length="padded"``: the padded length of the batch, ``output.size(1)``, at every position, padding
+      included: the authors' code and HuggingFace's hook (``neftune_noise_alpha``), equal to them on the
+      same uniform draws. A short sequence's noise then depends on the longest one in its batch, and in a
+      packed row ``L`` would be the whole row: a packed batch is refused in one line.
+
+    The default is the paper's own definition because it makes a run's noise independent of batching;
+    choose ``"padded"`` to reproduce a run of the authors' code or of the HuggingFace ``Trainer``.
+
+    The noise is drawn from the hook's own generator (on the embeddings' device: a generator on another
+    device seeds one there from its own draws, so a CUDA run moves no noise across), in training only;
+    ``state_dict()`` holds the generator's state (a resumed run draws what the uninterrupted one would),
+    and an activation-checkpoint recomputation adds the same noise again. ``.last`` is the magnitude
+    ``alpha / sqrt(L * d)`` of each token's noise in the last training forward, ``(B, L)`` (0 on padding),
+    or ``None``.
+
+    Args:
+        layer: the embedding layer (``"model.embed_tokens"``, ``"transformer.wte"``,
+            ``"bert.embeddings.word_embeddings"``; ``model.get_input_embeddings()``'s name), or any layer
+            whose output is ``(B, L, d)`` embeddings.
+        alpha: the noise scale, > 0 (the paper: 5, 10 or 15).
+        length: ``"sequence"`` or ``"padded"`` (see above).
+        generator: as :class:`~mixhook.ManifoldMixup`.
+        batch_dim: where mixhook cannot find the batch dimension itself (see :mod:`mixhook.sites`).
+
+    Refused in one line: a layer whose output is not one ``(B, L, d)`` tensor of embeddings, an
+    ``attention_mask`` of another length than the embeddings', a layer that already has HuggingFace's
+    NEFTune hook (the ``Trainer``'s ``neftune_noise_alpha``: the noise would be added twice), a packed
+    batch under ``length="padded"``, and a layer called more often in one forward than the model has
+    sequences (a source, and a target).
+    """
+
+    _hooks_model = True  # its own pre-hook on the model: the call's masks and packing
+
+    def __init__(
+        self,
+        layer: str | Sequence[str] = "model.embed_tokens",
+        alpha: float = 5.0,
+        length: str = "sequence",
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+    ):
+        super().__init__(layer, batch_dim)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise ValueError(f"NEFTune: alpha must be a finite number > 0, got {alpha!r}")
+        if alpha <= 0:
+            raise ValueError(f"NEFTune: alpha must be a finite number > 0, got {alpha!r}")
+        if length not in LENGTHS:
+            raise ValueError(f"NEFTune: length must be one of {', '.join(LENGTHS)}, got {length!r}")
+        self.alpha, self.length = float(alpha), length
+        self._draw_from(generator)
+        self.last: torch.Tensor | None = None
+
+    _TRANSIENT = ("_call", "_calls")
+
+    def _fresh(self) -> None:
+        super()._fresh()
+        self._call: dict | None = None  # this training forward's masks and packing (the model's pre-hook)
+        self._calls: dict[str, int] = {}  # each layer's calls in this forward
+
+    def __repr__(self) -> str:
+        return f"NEFTune(layer={self._layer_spec!r}, alpha={self.alpha}, length={self.length!r})"
+
+    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
+        for spec, module in modules.items():
+            handles.append(module.register_forward_hook(self._hook(spec)))
+
+    def _reset(self) -> None:
+        self._call, self._calls = None, {}
+
+    # --------------------------------------------------------------------------------- the model's call
+
+    def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not model.training or recompute.in_backward():
+            return
+        self._calls = {}
+        how = packing.packing(model, args, kwargs)
+        if how is not None and self.length == "padded":
+            raise packing.PackedBatchError(
+                f"NEFTune(length='padded'): the batch given to {type(model).__name__} is packed ({how}), so "
+                "its padded length would be the whole packed row; use length='sequence' (each packed "
+                "sequence's own length), or padded batches"
+            )
+        inputs = Inputs(model, args, kwargs)
+        self._call = {
+            "masks": [_mask(inputs, "attention_mask"), _mask(inputs, "decoder_attention_mask")],
+            "sources": 2 if any(k in inputs for k in ("decoder_input_ids", "decoder_inputs_embeds")) else 1,
+            "starts": _starts(inputs) if how is not None else None,
+        }
+
+    # ---------------------------------------------------------------------------------------- the noise
+
+    def _hook(self, spec: str):
+        def hook(module: nn.Module, args: tuple, output):
+            if not self._training:
+                return None
+            if getattr(module, "neftune_noise_alpha", None) is not None:
+                raise ValueError(
+                    f"NEFTune at {spec!r}: the layer already has HuggingFace's NEFTune hook "
+                    f"(neftune_noise_alpha={module.neftune_noise_alpha}), so the noise would be added twice; "
+                    "leave the Trainer's neftune_noise_alpha unset (None), or drop this hook"
+                )
+            if recompute.in_backward():  # activation checkpointing: the forward's noise again
+                payload = self._replayed(spec)
+                if payload is None:
+                    raise recompute.RecomputeError(
+                        f"NEFTune at {spec!r}: the noise of the recomputed forward was not recorded"
+                    )
+                state, call, index = payload
+                generator = recompute.replay_generator(self.generator, state)
+                return self._noised(spec, output, generator, call, index)[0]
+            self._seed_for_rank()
+            index = self._calls.get(spec, 0)
+            self._calls[spec] = index + 1
+            state = recompute.generator_state(self.generator)
+            self._note(spec, (state, self._call, index))
+            noised, magnitude = self._noised(spec, output, self.generator, self._call, index)
+            self.last = magnitude.detach()
+            return noised
+
+        return hook
+
+    def _noised(self, spec: str, output, generator: torch.Generator, call: dict | None, index: int):
+        """``output`` with its noise added (drawn from ``generator``), and each token's magnitude."""
+        found, n = batch_leaves(output, self.sites[spec], self._dims[spec], "NEFTune")
+        if len(found) != 1 or found[0].tensor.ndim != 3:
+            raise TypeError(
+                f"NEFTune at {spec!r}: the layer returned {describe(output)}; NEFTune adds noise to one "
+                "(B, L, d) tensor of embeddings: name the embedding layer (model.get_input_embeddings())"
+            )
+        leaf = found[0]
+        h = leaf.tensor.movedim(leaf.dim, 0)
+        batch, length, dim = h.shape
+        if self.length == "padded":  # as the authors' code and HuggingFace's hook compute it
+            scale = float(self.alpha / torch.sqrt(torch.tensor(length * dim)))
+            noised = h + _uniform(h, generator, scale)
+            magnitude = torch.full((batch, length), scale, dtype=torch.float64, device=h.device)
+        else:
+            magnitude = self._magnitudes(spec, h, call, index)
+            noised = h + _uniform(h, generator, 1.0) * magnitude.to(h.dtype).unsqueeze(-1)
+        noised = noised.movedim(0, leaf.dim)
+        return (noised if leaf.path == () else replace_leaves(output, {leaf.path: noised})), magnitude
+
+    def _magnitudes(self, spec: str, h: torch.Tensor, call: dict | None, index: int) -> torch.Tensor:
+        """``alpha / sqrt(L_i * d)`` for each token of ``h`` (B, L, d), ``L_i`` its own sequence's length;
+        0 on padding."""
+        batch, length, dim = h.shape
+        sources = call["sources"] if call else 1
+        if index >= sources:
+            raise ValueError(
+                f"NEFTune at {spec!r}: the layer ran {index + 1} times in one forward of a model with "
+                f"{sources} sequence(s), so which sequence each call embeds cannot be told; use "
+                "length='padded', or name a layer that embeds one sequence"
+            )
+        mask = call["masks"][index] if call else None
+        starts = call["starts"] if call and index == 0 else None
+        real = torch.ones(batch, length, dtype=torch.bool, device=h.device)
+        if mask is not None:
+            if tuple(mask.shape) != (batch, length):
+                what = "attention_mask" if index == 0 else "decoder_attention_mask"
+                raise ValueError(
+                    f"NEFTune at {spec!r}: the model's {what} has shape {tuple(mask.shape)}, but the "
+                    f"embeddings are {tuple(h.shape)}: it does not describe them; use length='padded'"
+                )
+            real = mask.to(h.device) != 0
+        if starts is None:
+            lengths = real.sum(-1, keepdim=True).expand(batch, length)
+        else:
+            if tuple(starts.shape) != (batch, length):
+                raise ValueError(
+                    f"NEFTune at {spec!r}: the packed batch's segments have shape {tuple(starts.shape)}, but "
+                    f"the embeddings are {tuple(h.shape)}"
+                )
+            segment = starts.to(h.device).long().cumsum(-1)  # each token's sequence in its row
+            counts = torch.zeros(batch, length + 1, dtype=torch.float64, device=h.device)
+            counts.scatter_add_(1, segment, real.double())
+            lengths = counts.gather(1, segment)
+        scale = self.alpha / torch.sqrt(lengths.double().clamp(min=1) * dim)
+        return torch.where(real, scale, torch.zeros((), dtype=scale.dtype, device=h.device))
+
+
+def _mask(inputs: Inputs, name: str) -> torch.Tensor | None:
+    mask = inputs.get(name)
+    return mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+
+
+def _starts(inputs: Inputs) -> torch.Tensor | None:
+    """Where each packed sequence starts in its row: from ``position_ids``, ``cu_seq_lens_q`` (one row)
+    or ``seq_idx``."""
+    found = packing.restarts(inputs)
+    if found is not None:
+        return found
+    seq_idx = inputs.get("seq_idx")
+    if isinstance(seq_idx, torch.Tensor) and seq_idx.ndim == 2:
+        starts = torch.zeros_like(seq_idx, dtype=torch.bool)
+        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        return starts
+    cumulative = inputs.get("cu_seq_lens_q")
+    if cumulative is None:
+        cumulative = inputs.get("cu_seqlens")
+    if isinstance(cumulative, torch.Tensor) and cumulative.ndim == 1:
+        total = int(cumulative[-1])
+        starts = torch.zeros(1, total, dtype=torch.bool, device=cumulative.device)
+        inner = cumulative[1:-1].long()
+        starts[0, inner[inner < total]] = True
+        return starts
+    return None
+
+
+def _uniform(h: torch.Tensor, generator: torch.Generator, bound: float) -> torch.Tensor:
+    """``Uniform(-bound, bound)`` noise shaped and typed as ``h``, on its device: from ``generator`` itself
+    where it is there, else from a generator there seeded by a draw of ``generator``."""
+    if generator.device != h.device:
+        seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+        generator = torch.Generator(device=h.device).manual_seed(seed)
+    return torch.empty_like(h).uniform_(-bound, bound, generator=generator)

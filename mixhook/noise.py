@@ -42,7 +42,9 @@ class NEFTune(LayerHook):
     choose ``"padded"`` to reproduce a run of the authors' code or of the HuggingFace ``Trainer``.
 
     The noise is drawn from the hook's own generator (on the embeddings' device: a generator on another
-    device seeds one there from its own draws, so a CUDA run moves no noise across), in training only;
+    device seeds one there from its own draws, so a CUDA run moves no noise across), in the forwards that
+    train only: in train mode with gradients (a forward under ``torch.no_grad()``, such as TRL's metrics
+    pass, gets none and draws nothing);
     ``state_dict()`` holds the generator's state (a resumed run draws what the uninterrupted one would),
     and an activation-checkpoint recomputation adds the same noise again. ``.last`` is the magnitude
     ``alpha / sqrt(L * d)`` of each token's noise in the last training forward, ``(B, L)`` (0 on padding),
@@ -106,9 +108,12 @@ class NEFTune(LayerHook):
     # --------------------------------------------------------------------------------- the model's call
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not model.training or recompute.in_backward():
+        if recompute.in_backward():
             return
         self._calls = {}
+        if not model.training or not torch.is_grad_enabled():  # a forward that cannot train: no noise
+            self._call = None
+            return
         how = packing.packing(model, args, kwargs)
         if how is not None and self.length == "padded":
             raise packing.PackedBatchError(
@@ -127,7 +132,7 @@ class NEFTune(LayerHook):
 
     def _hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, output):
-            if not self._training:
+            if not self._training or (self._call is None and not recompute.in_backward()):
                 return None
             if getattr(module, "neftune_noise_alpha", None) is not None:
                 raise ValueError(

@@ -59,13 +59,14 @@ def generators(hook: MixingHook) -> list[torch.Generator]:
     return found
 
 
-def reseed(hook: MixingHook, seed: int, rank: int, step: int) -> None:
-    """Reseed every generator of ``hook`` for step ``step`` of rank ``rank`` (:func:`step_seed`), and stop
-    its default generators from reseeding themselves per rank (the rank is in the seed already)."""
+def reseed(hook: MixingHook, seed: int, rank: int, step: int, first_part: int = 0) -> None:
+    """Reseed every generator of ``hook`` for step ``step`` of rank ``rank`` (:func:`step_seed`, the
+    generators numbered from ``first_part``: hooks reseeded from one seed take parts of their own), and
+    stop its default generators from reseeding themselves per rank (the rank is in the seed already)."""
     for h in members(hook):
         if hasattr(h, "_per_rank"):
             h._per_rank = False
-    for part, g in enumerate(generators(hook)):
+    for part, g in enumerate(generators(hook), start=first_part):
         g.manual_seed(step_seed(seed, rank, step, part))
 
 

@@ -23,6 +23,11 @@ labels shifted as the model's own loss shifts them, ``label_smoothing_factor`` a
 error for regression, binary cross-entropy for multi-label (``config.problem_type`` as the model reads
 it); ``criterion=`` takes your own, summed over items.
 
+TRL's ``SFTTrainer`` (a subclass of the Trainer) takes the same two arguments; it runs the model a
+second time after each loss, without gradients, for its metrics: the callback leaves every training
+forward without gradients unmixed (and draws nothing for it). Hooks that are not mixers (NEFTune,
+InputScale, GradScale) go in a :class:`HookCallback`, which keys their draws by the step in the same way.
+
 The callback attaches the regularizer to the model when the Trainer is made (``model_init``: when
 training begins), draws each optimizer step's mixes from ``(seed, rank, step)`` (every process its own;
 a resumed run the same as the uninterrupted one, from any checkpoint: :mod:`mixhook.integrations.draws`;
@@ -46,6 +51,7 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
         "mixhook.integrations.transformers needs transformers: pip install 'mixhook[integrations]'"
     ) from error
 
+from ..copies import own
 from ..layers import resolve_layers
 from ..mixers.contract import MixingHook, members
 from ..schedule import MixSchedule
@@ -119,6 +125,7 @@ class MixupCallback(TrainerCallback, ExportableState):
         self.args = None  # the Trainer's TrainingArguments, from on_init_end
         self._model = None  # the model the mixer is attached to (or whose submodule)
         self._handle = None
+        self._handle_no_grad = None
         self._guard: StepGuard | None = None
 
     def __repr__(self) -> str:
@@ -171,11 +178,20 @@ class MixupCallback(TrainerCallback, ExportableState):
         if self._handle is not None:  # (model_init: off the previous trial's model)
             self._handle.remove()
             self._guard.remove()
+            self._handle_no_grad.remove()
         else:
             check_unattached(self.mixer)
         self._handle = self.mixer.attach(target)
         self._guard = StepGuard(self.mixer, target, _WHERE, _FIX)
+        self._handle_no_grad = target.register_forward_pre_hook(self._without_gradients, prepend=True)
+        own(self._handle_no_grad)  # a copy of the model (an EMA) drops it
         self._model = model
+
+    def _without_gradients(self, module, args) -> None:
+        """A training forward without gradients cannot train (TRL's SFTTrainer runs one after each loss,
+        for its metrics): not mixed, and nothing drawn for it."""
+        if module.training and not torch.is_grad_enabled():
+            self.mixer.skip_next()
 
     def state(self) -> dict:
         """What ``trainer_state.json`` keeps (the Trainer saves it with each checkpoint): the draws' seed
@@ -257,3 +273,88 @@ class MixupCallback(TrainerCallback, ExportableState):
             reduction="sum",
             label_smoothing=smoothing,
         )
+
+
+class HookCallback(TrainerCallback, ExportableState):
+    """Attach mixhook's hooks that are not mixers (:class:`~mixhook.NEFTune`, :class:`~mixhook.InputScale`,
+    :class:`~mixhook.GradScale`, :class:`~mixhook.GradClip`) to the Trainer's model, their draws keyed by
+    ``(seed, rank, step)`` as :class:`MixupCallback`'s (a resumed run draws what the uninterrupted one
+    drew); the loss needs nothing of them. Beside a ``MixupCallback`` or alone::
+
+        neftune = HookCallback(NEFTune("model.embed_tokens", alpha=5.0))
+        trainer = Trainer(model=model, args=args, train_dataset=..., callbacks=[neftune])
+
+    A training forward without gradients (TRL's metrics pass) gets no noise (:class:`~mixhook.NEFTune`
+    adds noise to the forwards that train). Refused in one line: a ``NEFTune`` beside the Trainer's own
+    ``neftune_noise_alpha`` (the noise would be added twice), ``restore_callback_states_from_checkpoint``
+    (the Trainer would replace this callback without its hooks).
+
+    Args:
+        hooks: the hooks, not attached; their layers named from the model.
+        seed: the draws' seed; ``None``: ``TrainingArguments.seed``.
+    """
+
+    _FIRST_PART = 1 << 20  # the generators' parts in step_seed: none shared with a MixupCallback's
+
+    def __init__(self, *hooks, seed: int | None = None):
+        from ..hooks import LayerHook
+
+        if not hooks or not all(isinstance(h, LayerHook) and not isinstance(h, MixingHook) for h in hooks):
+            raise TypeError(
+                "HookCallback needs mixhook hooks that are not mixers (NEFTune, InputScale, GradScale, ...), "
+                f"got {hooks!r:.120}; a mixer goes in a MixupCallback"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"HookCallback(seed=...) must be an int, got {seed!r}")
+        for h in hooks:
+            check_unattached(h)
+        self.hooks, self.seed = hooks, seed
+        self._model = None
+        self._handles: list = []
+
+    def __repr__(self) -> str:
+        return f"HookCallback({', '.join(map(repr, self.hooks))}, seed={self.seed})"
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if getattr(args, "restore_callback_states_from_checkpoint", False):
+            raise ValueError(
+                "restore_callback_states_from_checkpoint=True: the Trainer would replace mixhook's "
+                "HookCallback on resume by a new one without its hooks; leave it False (the callback "
+                "restores its own state from trainer_state.json)"
+            )
+        from ..noise import NEFTune
+
+        alpha = getattr(args, "neftune_noise_alpha", None)
+        if alpha is not None and any(isinstance(h, NEFTune) for h in self.hooks):
+            raise ValueError(
+                f"HookCallback: the Trainer's neftune_noise_alpha={alpha} adds HuggingFace's NEFTune noise "
+                "beside mixhook's NEFTune, so the noise would be added twice; leave neftune_noise_alpha "
+                "unset (None)"
+            )
+        if self.seed is None:
+            self.seed = int(args.seed)
+        if model is not None:
+            self._attach(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and model is not self._model:  # model_init: a new model per train()
+            self._attach(model)
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        if state.global_step > 0 and isinstance(saved, Mapping):  # resumed: the checkpoint's seed
+            seed = saved.get("attributes", {}).get("seed")
+            if seed is not None:
+                self.seed = int(seed)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        for i, hook in enumerate(self.hooks):
+            reseed(hook, self.seed, args.process_index, state.global_step, self._FIRST_PART + i)
+
+    def _attach(self, model) -> None:
+        for handle in self._handles:  # (model_init: off the previous trial's model)
+            handle.remove()
+        self._handles = [h.attach(model) for h in self.hooks]
+        self._model = model
+
+    def state(self) -> dict:
+        """What ``trainer_state.json`` keeps: the draws' seed."""
+        return {"args": {}, "attributes": {"seed": self.seed}}

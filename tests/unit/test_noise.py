@@ -184,3 +184,15 @@ def test_bad_input_is_refused_in_one_line():
     with NEFTune("model.embed_tokens").attach(model), pytest.raises(ValueError, match="added twice") as err:
         model(input_ids=IDS, attention_mask=MASK)
     assert "\n" not in str(err.value)
+
+
+def test_a_training_forward_without_gradients_gets_no_noise_and_draws_nothing():
+    """A trainer's metrics pass (TRL's SFTTrainer runs one after each loss) cannot train: untouched."""
+    model = llama()
+    with torch.no_grad():
+        plain = model(input_ids=IDS, attention_mask=MASK).logits
+    neftune = NEFTune("model.embed_tokens", generator=torch.Generator().manual_seed(2))
+    before = neftune.generator.get_state()
+    with neftune.attach(model), torch.no_grad():
+        assert torch.equal(model(input_ids=IDS, attention_mask=MASK).logits, plain)
+    assert torch.equal(neftune.generator.get_state(), before) and neftune.last is None

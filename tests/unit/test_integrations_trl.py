@@ -1,0 +1,155 @@
+"""mixhook under TRL's SFTTrainer (the trainer most language-model fine-tuning runs), through the
+HuggingFace adapter: Manifold Mixup at a decoder layer (MixupCallback and its compute_loss_func) and
+NEFTune at the embeddings (HookCallback) train the weights a hand loop trains on the same draws, with
+TRL's completion-only loss mask (its -100 labels) honoured; a resumed run draws what the uninterrupted one
+drew; packing, and NEFTune twice, are refused in one line."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixhook import ManifoldMixup, NEFTune
+from mixhook.integrations.draws import reseed
+from mixhook.integrations.transformers import HookCallback, MixupCallback
+from mixhook.packing import PackedBatchError
+from tests.helpers import Lazy
+
+transformers = Lazy("transformers")
+trl = Lazy("trl")
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # TRL: compute_loss_func is deprecated
+VOCAB = 64
+
+
+def tokenizer():
+    """A word-level tokenizer built in code (nothing downloaded): token ``t<i>`` is id ``i``, 0 pads."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"<pad>": 0} | {f"t{i}": i for i in range(1, VOCAB)}
+    model = WordLevel(vocab, unk_token="t1")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(model), pad_token="<pad>", eos_token="t2"
+    )
+
+
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def dataset(n=12):
+    """Prompt-completion rows of different lengths: the first two tokens are the prompt (no loss)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(3, 9, (), generator=g))
+        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "completion_mask": [0, 0] + [1] * (length - 2)})
+    return datasets.Dataset.from_list(rows)
+
+
+def sft(model, tmp_path, callbacks, loss=None, **options):
+    settings = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_train_epochs=1, report_to=[],
+        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=0.1,
+        optim="sgd", lr_scheduler_type="constant", max_grad_norm=0, weight_decay=0.0, seed=7,
+        completion_only_loss=True, train_sampling_strategy="sequential",
+    )  # fmt: skip
+    settings.update(options)
+    return trl.SFTTrainer(
+        model=model, args=trl.SFTConfig(**settings), train_dataset=dataset(), processing_class=tokenizer(),
+        callbacks=callbacks, compute_loss_func=loss,
+    )  # fmt: skip
+
+
+def summed(logits, labels):
+    """The causal LM loss summed over the labelled tokens: position t predicts label t + 1."""
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def hand_loop(model, batches, items, mixer, neftune, accumulate=2, seed=7):
+    """What the SFTTrainer does with the two callbacks, in a plain loop: per optimizer step, the draws
+    reseeded from (seed, rank 0, step), each micro-batch's mixed summed loss over the labelled tokens of
+    the step's micro-batches (``items``: the Trainer's count), SGD."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mixer.attach(model), neftune.attach(model):
+        model.train()
+        for step, first in enumerate(range(0, len(batches), accumulate)):
+            reseed(mixer, seed, 0, step)
+            reseed(neftune, seed, 0, step, HookCallback._FIRST_PART)
+            for batch, n in zip(
+                batches[first : first + accumulate], items[first : first + accumulate], strict=True
+            ):
+                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                (mixer.loss(summed, out.logits, batch["labels"]) / n).backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+def test_sft_with_manifold_mixup_and_neftune_equals_the_hand_loop(tmp_path):
+    """TRL runs the model twice per micro-batch (the loss, then a forward without gradients for its
+    metrics): only the first is mixed and noised, and the second draws nothing (under gradient
+    accumulation the next micro-batch draws what the hand loop's does); the completion-only mask's -100
+    labels leave the prompts out of both partners' losses."""
+    model, hand = llama(), llama()
+    mixup = MixupCallback(ManifoldMixup("model.layers.0"))
+    noise = HookCallback(NEFTune("model.embed_tokens", alpha=5.0))
+    items = []
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        items.append(num_items_in_batch)
+        return mixup.compute_loss(outputs, labels, num_items_in_batch)
+
+    trainer = sft(model, tmp_path, [mixup, noise], loss, gradient_accumulation_steps=2)
+    batches = list(trainer.get_train_dataloader())
+    assert all((b["labels"][:, :2] == -100).all() for b in batches)  # the prompts carry no loss
+    trainer.train()
+    hand_loop(hand, batches, items, ManifoldMixup("model.layers.0"), NEFTune("model.embed_tokens", alpha=5.0))
+    for (name, p), q in zip(model.named_parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_resumed_sft_run_draws_what_the_uninterrupted_one_drew(tmp_path):
+    def run(out, resume=None, steps=3):
+        model = llama()
+        callbacks = [
+            MixupCallback(ManifoldMixup("model.layers.0")),
+            HookCallback(NEFTune("model.embed_tokens")),
+        ]
+        trainer = sft(
+            model,
+            out,
+            callbacks,
+            callbacks[0].compute_loss,
+            max_steps=steps,
+            save_strategy="steps",
+            save_steps=1,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "part", steps=1)
+    resumed = run(tmp_path / "part", resume=str(tmp_path / "part" / "checkpoint-1"))
+    for p, q in zip(resumed.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_packing_and_neftune_twice_are_refused(tmp_path):
+    mixup = MixupCallback(ManifoldMixup("model.layers.0"))
+    trainer = sft(llama(), tmp_path, [mixup], mixup.compute_loss, packing=True, max_length=16)
+    with pytest.raises(PackedBatchError, match="several sequences share a row") as err:
+        trainer.train()
+    assert "packing=False" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="the noise would be added twice"):
+        sft(llama(), tmp_path, [HookCallback(NEFTune("model.embed_tokens"))], neftune_noise_alpha=5.0)

@@ -281,6 +281,36 @@ class LayerHook:
         return self._model is not None and self._model.training
 
 
+def guard_unwrapped(hook, model: nn.Module, handles: list[RemovableHandle], verb: str = "mixed") -> None:
+    """Where ``model`` wraps another that it runs inside its forward (a PEFT ``PeftModel``: its
+    ``get_base_model()``), refuse in one line a training forward of the inner model that does not go
+    through ``model``: ``merge_and_unload()`` and ``unload()`` return the inner model, on which ``hook``'s
+    model-level hooks (on ``model``) would never run, so nothing would be ``verb``. The hook sets
+    ``hook._in_forward`` between its model's pre-hook and its output hook."""
+    get = getattr(model, "get_base_model", None)
+    if not callable(get) or not hasattr(model, "peft_config"):
+        return
+    inner = get()
+    if not isinstance(inner, nn.Module) or inner is model:
+        return
+    kind, outer = type(hook).__name__, type(model).__name__
+
+    def check(module: nn.Module, args) -> None:
+        if (
+            module.training
+            and torch.is_grad_enabled()
+            and not hook._in_forward
+            and not recompute.in_backward()
+        ):
+            raise RuntimeError(
+                f"{kind}: {type(module).__name__} was called on its own, not through the {outer} {kind} is "
+                f"attached to (merge_and_unload() and unload() return it), so nothing would be {verb}; "
+                f"attach {kind} to the model you train"
+            )
+
+    handles.append(inner.register_forward_pre_hook(check))
+
+
 def _check_batch_dim(batch_dim, specs: tuple[str, ...]):
     def valid(d) -> bool:
         return isinstance(d, int) and not isinstance(d, bool) and d >= 0

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import packing, recompute
-from .hooks import LayerHook
+from .hooks import LayerHook, guard_unwrapped
 from .sites import Inputs, batch_leaves, describe, replace_leaves
 
 LENGTHS = ("sequence", "padded")
@@ -87,10 +87,11 @@ class NEFTune(LayerHook):
         self._draw_from(generator)
         self.last: torch.Tensor | None = None
 
-    _TRANSIENT = ("_call", "_calls")
+    _TRANSIENT = ("_call", "_calls", "_in_forward")
 
     def _fresh(self) -> None:
         super()._fresh()
+        self._in_forward = False  # between the model's pre-hook and its output hook
         self._call: dict | None = None  # this training forward's masks and packing (the model's pre-hook)
         self._calls: dict[str, int] = {}  # each layer's calls in this forward
 
@@ -99,8 +100,13 @@ class NEFTune(LayerHook):
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
+        handles.append(model.register_forward_hook(self._on_model_output))
+        guard_unwrapped(self, model, handles, "noised")
         for spec, module in modules.items():
             handles.append(module.register_forward_hook(self._hook(spec)))
+
+    def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
+        self._in_forward = False
 
     def _reset(self) -> None:
         self._call, self._calls = None, {}
@@ -108,6 +114,7 @@ class NEFTune(LayerHook):
     # --------------------------------------------------------------------------------- the model's call
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._in_forward = True
         if recompute.in_backward():
             return
         self._calls = {}

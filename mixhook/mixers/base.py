@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import packing, recompute
 from .. import padding as masks
-from ..hooks import LayerHook
+from ..hooks import LayerHook, guard_unwrapped
 from ..layouts import (
     CHANNELS_LAST,
     SiteLayout,
@@ -173,6 +173,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     _TRANSIENT = (
         "_draw", "_mask_stack", "_targets", "_capture", "_seen",
         "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks", "_input_sides", "_reads_sides",
+        "_in_forward", "_modules",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -192,6 +193,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._traced = False  # whether torch.compile traces the one-graph path (set at attach)
         self._input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
         self._reads_sides = False  # whether maps are checked against the input's sides (set at attach)
+        self._in_forward = False  # between the model's pre-hook and its output hook
+        self._modules: dict[str, nn.Module] = {}  # the modules attached to, by spec
 
     @property
     def traceable(self) -> bool:
@@ -376,6 +379,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                         model, site, self._declared_layout(spec), facts, ndim
                     )
         handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
+        guard_unwrapped(self, model, handles)
+        self._modules = modules
         for spec, module in modules.items():
             if self.sites[spec].layer != INPUT:
                 handles.append(module.register_forward_hook(self._layer_hook(spec)))
@@ -404,6 +409,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
         if self._capture is not None:  # gradient_at()'s own pass
             return self._capture_input(model, args, kwargs)
+        self._in_forward = True
         if self._traced and torch.compiler.is_compiling():
             return self._traced_begin(model, args, kwargs)
         if recompute.in_backward():  # the whole model is being recomputed: replay its input's mix
@@ -514,6 +520,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
         if self._capture is not None:  # gradient_at()'s own pass
             return
+        self._in_forward = False
         if self._traced and torch.compiler.is_compiling():
             self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
             return
@@ -527,6 +534,10 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             if state.clean:
                 _check_doubled(model, output, state)
         else:
+            replaced = self._replaced(model, draw.layer)
+            if replaced:
+                where = f"{type(model).__name__}.forward()"
+                raise RuntimeError(f"mixup layer {draw.layer!r} did not run during {where}: {replaced}")
             raise RuntimeError(
                 f"mixup layer {draw.layer!r} did not run during {type(model).__name__}.forward(), so nothing "
                 "was mixed; choose a layer that forward() calls. (Under torch.compile: attach before "
@@ -535,6 +546,21 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                 "compiling.)"
             )
         self._seen.record(output, state)
+
+    def _replaced(self, model: nn.Module, spec: str) -> str | None:
+        """Why layer ``spec`` could not run, where the module now at its name is not the one attached to."""
+        name = self.sites[spec].layer
+        try:
+            current = model.get_submodule(name)
+        except AttributeError:
+            current = None
+        if current is self._modules.get(spec):
+            return None
+        now = f"a {type(current).__name__}" if current is not None else "nothing"
+        return (
+            f"the {type(self._modules.get(spec)).__name__} it was attached to was replaced by {now} (PEFT's "
+            "merge_and_unload() or unload()?), so nothing was mixed; attach the mixer again"
+        )
 
     def _agree(self, draw: _Decision | None) -> _Decision | None:
         """The decision this forward follows: its own (ranks that must agree override this)."""

@@ -25,6 +25,8 @@ GOALS = {
     "extra_ops_vs_hand": 2,  # aten ops of a training step with the mix - with the hand-written hook
     "copies_to_device_per_mix": 1,
     "host_reads_per_step": 0,
+    "neftune_vs_hf_neftune": 1.02,  # a Llama step with mixhook's NEFTune (per sequence) / HuggingFace's
+    "llm_mixup_vs_hand": 1.02,  # ... with Manifold Mixup at a decoder layer / a hand-written blend hook
 }
 
 
@@ -124,6 +126,12 @@ def goals(results: dict, device) -> list[dict]:
         if device.type == "cuda" and r["images_per_epoch"] == 50_000 and r["image_size"] == 32:
             hours = r["projected_hours_1200_epochs"]["mixup_fused"]
             add("recipe_1200_epochs_hours", hours, GOALS["recipe_1200_epochs_hours"], where)
+    if "seconds_per_step" in results.get("language_model", {}):
+        lm = results["language_model"]
+        where = f"{lm['model']}, batch {lm['batch']}, length {lm['length']}"
+        neftune = lm["neftune_vs_hf"]["neftune_sequence"]["median"]
+        add("neftune_vs_hf_neftune", neftune, GOALS["neftune_vs_hf_neftune"], where)
+        add("llm_mixup_vs_hand", lm["manifold_vs_hand"]["median"], GOALS["llm_mixup_vs_hand"], where)
     if device.type == "cuda" and "blend" in results:
         add(
             "blend_vs_copy_bandwidth",
@@ -302,6 +310,39 @@ def markdown(results: dict) -> str:
         ]
     if "memory" in results:
         lines += ["", "## Memory", "", json.dumps(results["memory"])]
+    if "language_model" in results:
+        lm = results["language_model"]
+        if "note" in lm:
+            lines += ["", "## Language model", "", lm["note"]]
+        else:
+            title = f"training step, {lm['model']}, batch {lm['batch']}, length {lm['length']}"
+            lines += [
+                "",
+                f"## Language model: {title}",
+                "",
+                "| variant | s/step | vs none |",
+                "| --- | --- | --- |",
+            ]
+            for name, sec in lm["seconds_per_step"].items():
+                rel = fmt(lm["vs_none"][name]) if name in lm["vs_none"] else "1"
+                lines.append(f"| {name} | {sec:.4f} | {rel} |")
+            lines += [
+                "",
+                *(f"{k} / hf_neftune: {fmt(v)}" for k, v in lm["neftune_vs_hf"].items()),
+                f"manifold_layer0 / hand_blend_layer0: {fmt(lm['manifold_vs_hand'])}",
+            ]
+            if "neftune_call" in lm:
+                c = lm["neftune_call"]
+                lines += [
+                    "",
+                    f"One NEFTune call on the host: an embedding layer's training forward, "
+                    f"batch {c['batch']}, length {c['length']}, width {c['hidden']} "
+                    f"(plain: {c['plain_us']:.1f} µs, {c['aten_ops']['none']} aten ops)",
+                    "",
+                    "| hook | µs added per call | aten ops |",
+                    "| --- | --- | --- |",
+                    *(f"| {k} | {v:.1f} | {c['aten_ops'][k]} |" for k, v in c["added_us"].items()),
+                ]
     if results.get("misses"):
         lines += ["", "## Goals missed: by how much and why", ""] + [f"- {m}" for m in results["misses"]]
     return "\n".join(lines) + "\n"

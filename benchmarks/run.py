@@ -20,7 +20,9 @@ and layer; 6. peak memory of a training step (CUDA); 7. methods: every mixing me
 at layer2 of PreActResNet-18 against no mixing and against Manifold Mixup (the saliency methods with
 each source); 8. data: images/s of the CIFAR batches made on the device against per-sample
 augmentation in DataLoader workers; 9. recipe: Verma et al. 2019's CIFAR-10 recipe through the app's
-loop, mixup against none, and its 1,200 epochs projected. Each case is a module of ``benchmarks/cases/``;
+loop, mixup against none, and its 1,200 epochs projected; 10. llm: a Llama's training step with NEFTune
+against HuggingFace's NEFTune and none, with Manifold Mixup against none and a hand-written blend hook
+(transformers where installed). Each case is a module of ``benchmarks/cases/``;
 ``timing.py`` times variants side by side, ``report.py`` turns results into goals and Markdown, and
 this file is the runner: the plan per device, the order, the files.
 """
@@ -44,6 +46,7 @@ from benchmarks.cases.baseline import baseline  # noqa: E402
 from benchmarks.cases.blend import blend_bandwidth  # noqa: E402
 from benchmarks.cases.dispatch import dispatch  # noqa: E402
 from benchmarks.cases.host import host  # noqa: E402
+from benchmarks.cases.language_model import language_model  # noqa: E402
 from benchmarks.cases.memory import memory  # noqa: E402
 from benchmarks.cases.methods import methods  # noqa: E402
 from benchmarks.cases.peers import peers  # noqa: E402
@@ -56,7 +59,7 @@ from mixhook.app.records import torch_messages_to_log  # noqa: E402
 
 CASES = (
     "eager", "compiled", "bf16", "peers", "methods", "dispatch", "host", "blend", "recompiles", "memory",
-    "data", "recipe",
+    "data", "recipe", "llm",
 )  # fmt: skip
 OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
 
@@ -259,6 +262,11 @@ def main(argv=None) -> dict:
                 results["recipe"] = recipe(device, timer, reps, steps=2, batch=8, size=16)
             else:  # a CPU takes seconds per step: a few steps per epoch, projected
                 results["recipe"] = recipe(device, timer, min(reps, 5), steps=None if cuda else 3)
+            checkpoint()
+        if "llm" in cases:
+            log("language model: NEFTune and Manifold Mixup on a Llama ...")
+            sizes = (4, 32, 64) if args.quick else ((16, 512, 512) if cuda else (8, 128, 128))
+            results["language_model"] = language_model(device, timer, reps, inner, *sizes)
             checkpoint()
     results["goals"] = goals(results, device)
     results["misses"] = [

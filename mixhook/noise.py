@@ -128,7 +128,7 @@ class NEFTune(LayerHook):
                 "its padded length would be the whole packed row; use length='sequence' (each packed "
                 "sequence's own length), or padded batches"
             )
-        inputs = Inputs(model, args, kwargs)
+        inputs = kwargs if len(args) <= 1 and how is None else Inputs(model, args, kwargs)  # (the usual call)
         self._call = {
             "masks": [_mask(inputs, "attention_mask"), _mask(inputs, "decoder_attention_mask")],
             "sources": 2 if any(k in inputs for k in ("decoder_input_ids", "decoder_inputs_embeds")) else 1,
@@ -159,8 +159,8 @@ class NEFTune(LayerHook):
             self._seed_for_rank()
             index = self._calls.get(spec, 0)
             self._calls[spec] = index + 1
-            state = recompute.generator_state(self.generator)
-            self._note(spec, (state, self._call, index))
+            call, generator = self._call, self.generator  # (noted only where it may be recomputed)
+            self._note(spec, lambda: (recompute.generator_state(generator), call, index))
             noised, magnitude = self._noised(spec, output, self.generator, self._call, index)
             self.last = magnitude.detach()
             return noised
@@ -176,7 +176,7 @@ class NEFTune(LayerHook):
                 "(B, L, d) tensor of embeddings: name the embedding layer (model.get_input_embeddings())"
             )
         leaf = found[0]
-        h = leaf.tensor.movedim(leaf.dim, 0)
+        h = leaf.tensor if leaf.dim == 0 else leaf.tensor.movedim(leaf.dim, 0)
         batch, length, dim = h.shape
         if self.length == "padded":  # as the authors' code and HuggingFace's hook compute it
             scale = float(self.alpha / torch.sqrt(torch.tensor(length * dim)))
@@ -185,7 +185,8 @@ class NEFTune(LayerHook):
         else:
             magnitude = self._magnitudes(spec, h, call, index)
             noised = h + _uniform(h, generator, 1.0) * magnitude.to(h.dtype).unsqueeze(-1)
-        noised = noised.movedim(0, leaf.dim)
+        if leaf.dim != 0:
+            noised = noised.movedim(0, leaf.dim)
         return (noised if leaf.path == () else replace_leaves(output, {leaf.path: noised})), magnitude
 
     def _magnitudes(self, spec: str, h: torch.Tensor, call: dict | None, index: int) -> torch.Tensor:
@@ -201,32 +202,37 @@ class NEFTune(LayerHook):
             )
         mask = call["masks"][index] if call else None
         starts = call["starts"] if call and index == 0 else None
-        real = torch.ones(batch, length, dtype=torch.bool, device=h.device)
-        if mask is not None:
-            if tuple(mask.shape) != (batch, length):
-                what = "attention_mask" if index == 0 else "decoder_attention_mask"
-                raise ValueError(
-                    f"NEFTune at {spec!r}: the model's {what} has shape {tuple(mask.shape)}, but the "
-                    f"embeddings are {tuple(h.shape)}: it does not describe them; use length='padded'"
-                )
-            real = mask.to(h.device) != 0
-        if starts is None:
-            lengths = real.sum(-1, keepdim=True).expand(batch, length)
+        if mask is not None and tuple(mask.shape) != (batch, length):
+            what = "attention_mask" if index == 0 else "decoder_attention_mask"
+            raise ValueError(
+                f"NEFTune at {spec!r}: the model's {what} has shape {tuple(mask.shape)}, but the "
+                f"embeddings are {tuple(h.shape)}: it does not describe them; use length='padded'"
+            )
+        real = None if mask is None else (mask if mask.device == h.device else mask.to(h.device)) != 0
+        if starts is None:  # (B, 1)
+            lengths = (
+                torch.full((batch, 1), length, device=h.device)
+                if real is None
+                else real.sum(-1, keepdim=True)
+            )
         else:
             if tuple(starts.shape) != (batch, length):
                 raise ValueError(
                     f"NEFTune at {spec!r}: the packed batch's segments have shape {tuple(starts.shape)}, but "
                     f"the embeddings are {tuple(h.shape)}"
                 )
+            if real is None:
+                real = torch.ones(batch, length, dtype=torch.bool, device=h.device)
             segment = starts.to(h.device).long().cumsum(-1)  # each token's sequence in its row
             counts = torch.zeros(batch, length + 1, dtype=torch.float64, device=h.device)
             counts.scatter_add_(1, segment, real.double())
             lengths = counts.gather(1, segment)
-        scale = self.alpha / torch.sqrt(lengths.double().clamp(min=1) * dim)
-        return torch.where(real, scale, torch.zeros((), dtype=scale.dtype, device=h.device))
+        # alpha / sqrt(L_i * d), and 0 on padding (a row of padding alone: L_i counted as 1, not a NaN)
+        scale = (lengths * dim).clamp(min=1).double().rsqrt().mul(self.alpha)
+        return scale.expand(batch, length) if real is None else scale * real
 
 
-def _mask(inputs: Inputs, name: str) -> torch.Tensor | None:
+def _mask(inputs, name: str) -> torch.Tensor | None:
     mask = inputs.get(name)
     return mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
 

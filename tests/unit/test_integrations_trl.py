@@ -55,7 +55,7 @@ def dataset(n=12):
     return datasets.Dataset.from_list(rows)
 
 
-def sft(model, tmp_path, callbacks, loss=None, **options):
+def sft(model, tmp_path, callbacks, loss=None, cls=None, **options):
     settings = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_train_epochs=1, report_to=[],
         use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=0.1,
@@ -63,7 +63,7 @@ def sft(model, tmp_path, callbacks, loss=None, **options):
         completion_only_loss=True, train_sampling_strategy="sequential",
     )  # fmt: skip
     settings.update(options)
-    return trl.SFTTrainer(
+    return (cls or trl.SFTTrainer)(
         model=model, args=trl.SFTConfig(**settings), train_dataset=dataset(), processing_class=tokenizer(),
         callbacks=callbacks, compute_loss_func=loss,
     )  # fmt: skip
@@ -117,6 +117,62 @@ def test_sft_with_manifold_mixup_and_neftune_equals_the_hand_loop(tmp_path):
     hand_loop(hand, batches, items, ManifoldMixup("model.layers.0"), NEFTune("model.embed_tokens", alpha=5.0))
     for (name, p), q in zip(model.named_parameters(), hand.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_neftune_alone_under_trls_own_loss_adds_the_hand_loops_noise(tmp_path):
+    """Without a compute_loss_func TRL takes its own loss from a fused LM head (the log-probabilities of
+    the labels, computed in float32 whatever the model's dtype, so the weights are compared elsewhere):
+    the noise is added in that forward, the one that trains, and is the hand loop's noise, draw for draw."""
+
+    def recording(model, noises):
+        def record(module, args, out):
+            if torch.is_grad_enabled():
+                noises.append((out - F.embedding(args[0], module.weight)).detach())
+
+        return model.model.embed_tokens.register_forward_hook(record)  # after NEFTune's: the noised output
+
+    model, hand, noises, hand_noises = llama(), llama(), [], []
+    trainer = sft(model, tmp_path, [HookCallback(NEFTune("model.embed_tokens", alpha=5.0))])
+    batches = list(trainer.get_train_dataloader())
+    recording(model, noises)
+    trainer.train()
+    neftune, opt = NEFTune("model.embed_tokens", alpha=5.0), torch.optim.SGD(hand.parameters(), lr=0.1)
+    with neftune.attach(hand):
+        recording(hand, hand_noises)
+        hand.train()
+        for step, batch in enumerate(batches):
+            reseed(neftune, 7, 0, step, HookCallback._FIRST_PART)
+            out = hand(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            (summed(out.logits, batch["labels"]) / (batch["labels"][:, 1:] != -100).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(noises) == len(batches) == len(hand_noises)
+    for noise, expected, batch in zip(noises, hand_noises, batches, strict=True):
+        torch.testing.assert_close(noise, expected, rtol=0, atol=1e-12)
+        assert not noise[batch["attention_mask"] == 0].any() and noise.abs().max() > 0
+
+
+def test_a_subclass_taking_the_mixed_loss_trains_what_compute_loss_func_trains(tmp_path):
+    """TRL deprecates compute_loss_func (removed in TRL 2.0): the subclass of the Language models page
+    takes the same loss through the Trainer's own compute_loss, with no warning and no second forward."""
+
+    class MixupSFTTrainer(trl.SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return transformers.Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+    models = []
+    for subclass in (False, True):
+        model = llama()
+        mixup = MixupCallback(ManifoldMixup("model.layers.0"))
+        if subclass:
+            trainer = sft(model, tmp_path, [mixup], gradient_accumulation_steps=2, cls=MixupSFTTrainer)
+            trainer.compute_loss_func = mixup.compute_loss
+        else:
+            trainer = sft(model, tmp_path, [mixup], mixup.compute_loss, gradient_accumulation_steps=2)
+        trainer.train()
+        models.append(model)
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 def test_a_resumed_sft_run_draws_what_the_uninterrupted_one_drew(tmp_path):

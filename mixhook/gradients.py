@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import packing
 from .hooks import LayerHook
 from .mixers.functional import per_sample
 from .sites import INPUT, Inputs, batch_leaves, replace_leaves, select
@@ -149,6 +150,8 @@ class GradClip(LayerHook):
         return f"GradClip(layer={self._layer_spec!r}, max_norm={self.max_norm})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        why = "a sample's norm would be a whole row's, over several sequences"
+        handles.append(model.register_forward_pre_hook(packing.refusing("GradClip", why), with_kwargs=True))
         for spec, module in modules.items():
             handles.append(module.register_forward_hook(self._forward_hook(spec)))
 

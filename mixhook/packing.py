@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import recompute
 from .sites import Inputs
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k", "seq_idx")
@@ -63,12 +64,28 @@ def restarts(inputs: Inputs) -> torch.Tensor | None:
     return starts if bool(starts.any()) else None
 
 
-def refuse(kind: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Refuse, in one line, a packed batch given to ``module`` under a hook of ``kind`` that mixes rows."""
+PARTNERS = "a row's partner would be other sequences"  # what a mix of a packed batch would do
+
+
+def refuse(kind: str, module: nn.Module, args: tuple, kwargs: dict, why: str = PARTNERS) -> None:
+    """Refuse, in one line, a packed batch given to ``module`` under a hook of ``kind`` that treats a row
+    as one sample (``why``: what would go wrong)."""
     how = packing(module, args, kwargs)
     if how is not None:
         raise PackedBatchError(
             f"{kind}: the batch given to {type(module).__name__} is packed ({how}: several sequences share "
-            "a row), so a row's partner would be other sequences; train on padded batches (HuggingFace: "
-            "DataCollatorWithPadding, not DataCollatorWithFlattening; TRL: packing=False, padding_free=False)"
+            f"a row), so {why}; train on padded batches (HuggingFace: DataCollatorWithPadding, not "
+            "DataCollatorWithFlattening; TRL: packing=False, padding_free=False)"
         )
+
+
+def refusing(kind: str, why: str):
+    """A forward pre-hook for the model (``with_kwargs=True``) that refuses a packed batch in the forwards
+    where a per-sample hook of ``kind`` acts: training forwards with gradients, not an
+    activation-checkpoint recomputation."""
+
+    def check(model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if model.training and torch.is_grad_enabled() and not recompute.in_backward():
+            refuse(kind, model, args, kwargs, why)
+
+    return check

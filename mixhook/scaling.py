@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import recompute
+from . import packing, recompute
 from .hooks import LayerHook
 from .mixers.functional import along, per_sample
 from .sites import Inputs, batch_leaves, blendable, replace_leaves, select
@@ -57,6 +57,10 @@ class InputScale(LayerHook):
         return f"InputScale(layer={self._layer_spec!r}, factor={self.factor}, in_eval={self.in_eval})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        if not isinstance(self.factor, float):  # per-sample factors: a packed row is not a sample
+            why = "each factor would be shared by a row's sequences"
+            check = packing.refusing("InputScale", why)
+            handles.append(model.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
         for spec, module in modules.items():  # "input" resolves to the model itself: its pre-hook
             handles.append(module.register_forward_pre_hook(self._hook(spec), with_kwargs=True))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixhook import ManifoldMixup, NoisyFeatureMixup
+from mixhook import GradClip, GradScale, InputScale, ManifoldMixup, NEFTune, NoisyFeatureMixup
 from mixhook.packing import PackedBatchError
 from tests.helpers import Lazy
 
@@ -188,6 +188,30 @@ def test_a_packed_batch_is_refused_not_mixed_across_its_sequences(flash_kwargs):
     )
     with ManifoldMixup("model.layers.0").attach(model), pytest.raises(PackedBatchError):
         model(input_ids=IDS, position_ids=rows)
+
+
+def test_per_sample_hooks_refuse_a_packed_batch_and_elementwise_ones_act_on_it():
+    """GradClip's per-sample norm and InputScale's per-sample factors would cover a whole packed row (the
+    whole batch, flattened): refused in one line; a number factor, GradScale and NEFTune (each packed
+    sequence's own length) act on it, and an eval forward of a per-sample hook is not checked."""
+    model = causal_lm("llama")
+    batch = {k: v for k, v in flattened().items() if k in ("input_ids", "position_ids")}
+    for hook, why in (
+        (GradClip("model.layers.0", 1.0), "a sample's norm would be a whole row's"),
+        (InputScale("model.layers.1", (0.5, 1.5)), "each factor would be shared by a row's sequences"),
+    ):
+        with hook.attach(model):
+            with pytest.raises(PackedBatchError) as err:
+                model(**batch)
+            assert why in str(err.value) and "\n" not in str(err.value)
+            model.eval()
+            model(**batch)
+            model.train()
+            with torch.no_grad():
+                model(**batch)
+    for hook in (InputScale("model.layers.1", 0.5), GradScale("model.layers.0", 0.5), NEFTune()):
+        with hook.attach(model):
+            model(**batch).logits.sum().backward()
 
 
 def test_position_ids_of_padded_batches_are_not_packing():

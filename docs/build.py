@@ -41,6 +41,8 @@ def build(source: Path = DOCS, out: Path = DOCS / "_build" / "html") -> list[str
         from sphinx.cmd.build import build_main
     except ImportError:
         return ["the docs build needs Sphinx: pip install -e '.[docs]'"]
+    with contextlib.suppress(ImportError):  # a fresh machine's first import builds (and logs) its font cache:
+        import matplotlib.font_manager  # noqa: F401  # outside the capture, it is no warning
     captured = io.StringIO()
     with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stderr(captured):
         status = build_main(["-b", "html", "-q", "-W", "--keep-going", "-d", scratch, str(source), str(out)])

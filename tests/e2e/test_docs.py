@@ -128,3 +128,24 @@ def test_the_readme_is_a_quick_start_whose_links_all_lead_somewhere():
     assert links and all((ROOT / link).exists() for link in links if "://" not in link), links
     for heading in ("## Set up and test", "## Train", "## Three common uses", "## Documentation"):
         assert heading in readme
+
+
+@pytest.mark.slow
+def test_the_language_models_page_runs_as_written(tmp_path):
+    """Its examples (a hand loop, the Trainer, TRL's SFTTrainer and its subclass, PEFT) run in order as
+    one script, and print what the page says they print: no noise on padding, the merged model refused."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    page = (DOCS / "language-models.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)\n```", page, flags=re.S)
+    assert len(blocks) == 5
+    script = tmp_path / "page.py"
+    script.write_text("\n\n".join(blocks))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    steps = [line for line in lines if re.match(r"\d \d", line)]
+    assert len(steps) == 3 and all(line.endswith(f"[{5 / 320**0.5}, 0.0]") for line in steps), steps
+    assert "called on its own, not through the PeftModel" in lines[-1]

@@ -151,7 +151,11 @@ class GradClip(LayerHook):
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         why = "a sample's norm would be a whole row's, over several sequences"
-        handles.append(model.register_forward_pre_hook(packing.refusing("GradClip", why), with_kwargs=True))
+        handles.append(
+            model.register_forward_pre_hook(
+                packing.refusing("GradClip", why, with_grad=True), with_kwargs=True
+            )
+        )
         for spec, module in modules.items():
             handles.append(module.register_forward_hook(self._forward_hook(spec)))
 

@@ -79,13 +79,13 @@ def refuse(kind: str, module: nn.Module, args: tuple, kwargs: dict, why: str = P
         )
 
 
-def refusing(kind: str, why: str):
+def refusing(kind: str, why: str, with_grad: bool):
     """A forward pre-hook for the model (``with_kwargs=True``) that refuses a packed batch in the forwards
-    where a per-sample hook of ``kind`` acts: training forwards with gradients, not an
-    activation-checkpoint recomputation."""
+    where a per-sample hook of ``kind`` acts: training forwards (``with_grad``: with gradients only), not
+    an activation-checkpoint recomputation."""
 
     def check(model: nn.Module, args: tuple, kwargs: dict) -> None:
-        if model.training and torch.is_grad_enabled() and not recompute.in_backward():
+        if model.training and (torch.is_grad_enabled() or not with_grad) and not recompute.in_backward():
             refuse(kind, model, args, kwargs, why)
 
     return check

@@ -59,7 +59,7 @@ class InputScale(LayerHook):
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         if not isinstance(self.factor, float):  # per-sample factors: a packed row is not a sample
             why = "each factor would be shared by a row's sequences"
-            check = packing.refusing("InputScale", why)
+            check = packing.refusing("InputScale", why, with_grad=False)  # it scales without too
             handles.append(model.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
         for spec, module in modules.items():  # "input" resolves to the model itself: its pre-hook
             handles.append(module.register_forward_pre_hook(self._hook(spec), with_kwargs=True))

@@ -84,7 +84,49 @@ def _causal(model) -> bool:
     return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
-class MixupCallback(TrainerCallback, ExportableState):
+class _StepSeeded(TrainerCallback, ExportableState):
+    """What both callbacks do around their hooks: refuse the Trainer's restoring of callback states, take
+    the seed from the arguments, attach to the model (again under ``model_init``), and take back the seed
+    a resumed run was trained with (``_resumed`` checks the rest of the saved state)."""
+
+    seed: int | None
+    _model = None
+    _HOLDS = "its hooks"  # what a new callback made by the Trainer would be without
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if getattr(args, "restore_callback_states_from_checkpoint", False):
+            raise ValueError(
+                "restore_callback_states_from_checkpoint=True: the Trainer would replace mixhook's "
+                f"{type(self).__name__} on resume by a new one without {self._HOLDS}; leave it False (the "
+                "callback restores its own state from trainer_state.json)"
+            )
+        self._check_arguments(args)
+        if self.seed is None:
+            self.seed = int(args.seed)
+        if model is not None:
+            self._attach(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and model is not self._model:  # model_init: a new model per train()
+            self._attach(model)
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        if state.global_step > 0 and isinstance(saved, Mapping):  # resumed: the checkpoint's seed
+            attributes = saved.get("attributes", {})
+            self._resumed(attributes)
+            if attributes.get("seed") is not None:
+                self.seed = int(attributes["seed"])
+
+    def _check_arguments(self, args) -> None:
+        """Refuse ``TrainingArguments`` this callback cannot train with."""
+
+    def _resumed(self, attributes: Mapping) -> None:
+        """Refuse a checkpoint's saved state this callback cannot resume."""
+
+    def _attach(self, model) -> None:
+        raise NotImplementedError
+
+
+class MixupCallback(_StepSeeded):
     """Mix at named layers of the Trainer's model; pass :meth:`compute_loss` as its ``compute_loss_func``.
 
     Args:
@@ -133,33 +175,18 @@ class MixupCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ attach, draws, the check
 
-    def on_init_end(self, args, state, control, model=None, **kwargs):
-        if getattr(args, "restore_callback_states_from_checkpoint", False):
-            raise ValueError(
-                "restore_callback_states_from_checkpoint=True: the Trainer would replace mixhook's "
-                "MixupCallback on resume by a new one without its mixer; leave it False (the callback "
-                "restores its own state from trainer_state.json)"
-            )
-        self.args = args
-        if self.seed is None:
-            self.seed = int(args.seed)
-        if model is not None:
-            self._attach(model)
+    _HOLDS = "its mixer"
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None and model is not self._model:  # model_init: a new model per train()
-            self._attach(model)
-        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
-        if state.global_step > 0 and isinstance(saved, Mapping):  # resumed: the checkpoint's seed
-            attributes = saved.get("attributes", {})
-            layers = attributes.get("layers")
-            if layers is not None and list(layers) != list(self.mixer.layers):
-                raise ValueError(
-                    f"MixupCallback: the checkpoint was trained mixing at {layers}, this mixer mixes at "
-                    f"{list(self.mixer.layers)}; resume with the same layers"
-                )
-            if "seed" in attributes:
-                self.seed = int(attributes["seed"])
+    def _check_arguments(self, args) -> None:
+        self.args = args
+
+    def _resumed(self, attributes: Mapping) -> None:
+        layers = attributes.get("layers")
+        if layers is not None and list(layers) != list(self.mixer.layers):
+            raise ValueError(
+                f"MixupCallback: the checkpoint was trained mixing at {layers}, this mixer mixes at "
+                f"{list(self.mixer.layers)}; resume with the same layers"
+            )
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.schedule is not None:
@@ -275,7 +302,7 @@ class MixupCallback(TrainerCallback, ExportableState):
         )
 
 
-class HookCallback(TrainerCallback, ExportableState):
+class HookCallback(_StepSeeded):
     """Attach mixhook's hooks that are not mixers (:class:`~mixhook.NEFTune`, :class:`~mixhook.InputScale`,
     :class:`~mixhook.GradScale`, :class:`~mixhook.GradClip`) to the Trainer's model, their draws keyed by
     ``(seed, rank, step)`` as :class:`MixupCallback`'s (a resumed run draws what the uninterrupted one
@@ -315,13 +342,7 @@ class HookCallback(TrainerCallback, ExportableState):
     def __repr__(self) -> str:
         return f"HookCallback({', '.join(map(repr, self.hooks))}, seed={self.seed})"
 
-    def on_init_end(self, args, state, control, model=None, **kwargs):
-        if getattr(args, "restore_callback_states_from_checkpoint", False):
-            raise ValueError(
-                "restore_callback_states_from_checkpoint=True: the Trainer would replace mixhook's "
-                "HookCallback on resume by a new one without its hooks; leave it False (the callback "
-                "restores its own state from trainer_state.json)"
-            )
+    def _check_arguments(self, args) -> None:
         from ..noise import NEFTune
 
         alpha = getattr(args, "neftune_noise_alpha", None)
@@ -331,19 +352,6 @@ class HookCallback(TrainerCallback, ExportableState):
                 "beside mixhook's NEFTune, so the noise would be added twice; leave neftune_noise_alpha "
                 "unset (None)"
             )
-        if self.seed is None:
-            self.seed = int(args.seed)
-        if model is not None:
-            self._attach(model)
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None and model is not self._model:  # model_init: a new model per train()
-            self._attach(model)
-        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
-        if state.global_step > 0 and isinstance(saved, Mapping):  # resumed: the checkpoint's seed
-            seed = saved.get("attributes", {}).get("seed")
-            if seed is not None:
-                self.seed = int(seed)
 
     def on_step_begin(self, args, state, control, **kwargs):
         for i, hook in enumerate(self.hooks):

@@ -201,7 +201,7 @@ def test_a_resumed_sft_run_draws_what_the_uninterrupted_one_drew(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_packing_and_neftune_twice_are_refused(tmp_path):
+def test_packing_neftune_twice_and_restored_callback_states_are_refused(tmp_path):
     mixup = MixupCallback(ManifoldMixup("model.layers.0"))
     trainer = sft(llama(), tmp_path, [mixup], mixup.compute_loss, packing=True, max_length=16)
     with pytest.raises(PackedBatchError, match="several sequences share a row") as err:
@@ -209,3 +209,8 @@ def test_packing_and_neftune_twice_are_refused(tmp_path):
     assert "packing=False" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="the noise would be added twice"):
         sft(llama(), tmp_path, [HookCallback(NEFTune("model.embed_tokens"))], neftune_noise_alpha=5.0)
+    with pytest.raises(ValueError, match="HookCallback on resume by a new one without its hooks"):
+        sft(
+            llama(), tmp_path, [HookCallback(NEFTune("model.embed_tokens"))],
+            restore_callback_states_from_checkpoint=True,
+        )  # fmt: skip

@@ -166,24 +166,7 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {g['goal']} | {measured} | {g['limit']} | {g['where']} | {'yes' if g['met'] else 'NO'} |"
         )
-    for key, title in (
-        ("training_step", "Training step, eager"),
-        ("training_step_compiled", "Training step, compiled"),
-        ("training_step_bf16", "Training step, bf16 autocast"),
-    ):
-        for run in results.get(key, []):
-            lines += [
-                "",
-                f"## {title}: {run['model']}, batch {run['batch']}, {run['image_size']}x{run['image_size']}"
-                + (", channels-last" if run.get("channels_last") else ""),
-                "",
-            ]
-            lines += ["| variant | s/step | vs none |", "| --- | --- | --- |"]
-            for name, sec in run["seconds_per_step"].items():
-                rel = fmt(run["vs_none"][name]) if name in run["vs_none"] else "1"
-                lines.append(f"| {name} | {sec:.4f} | {rel} |")
-            if "mixup_layer2_vs_hand_layer2" in run:
-                lines += ["", f"mixup_layer2 / hand_layer2: {fmt(run['mixup_layer2_vs_hand_layer2'])}"]
+    lines += _training_steps(results)
     if "peers" in results:
         p = results["peers"]
         lines += [
@@ -311,38 +294,68 @@ def markdown(results: dict) -> str:
     if "memory" in results:
         lines += ["", "## Memory", "", json.dumps(results["memory"])]
     if "language_model" in results:
-        lm = results["language_model"]
-        if "note" in lm:
-            lines += ["", "## Language model", "", lm["note"]]
-        else:
-            title = f"training step, {lm['model']}, batch {lm['batch']}, length {lm['length']}"
-            lines += [
-                "",
-                f"## Language model: {title}",
-                "",
-                "| variant | s/step | vs none |",
-                "| --- | --- | --- |",
-            ]
-            for name, sec in lm["seconds_per_step"].items():
-                rel = fmt(lm["vs_none"][name]) if name in lm["vs_none"] else "1"
-                lines.append(f"| {name} | {sec:.4f} | {rel} |")
-            lines += [
-                "",
-                *(f"{k} / hf_neftune: {fmt(v)}" for k, v in lm["neftune_vs_hf"].items()),
-                f"manifold_layer0 / hand_blend_layer0: {fmt(lm['manifold_vs_hand'])}",
-            ]
-            if "neftune_call" in lm:
-                c = lm["neftune_call"]
-                lines += [
-                    "",
-                    f"One NEFTune call on the host: an embedding layer's training forward, "
-                    f"batch {c['batch']}, length {c['length']}, width {c['hidden']} "
-                    f"(plain: {c['plain_us']:.1f} µs, {c['aten_ops']['none']} aten ops)",
-                    "",
-                    "| hook | µs added per call | aten ops |",
-                    "| --- | --- | --- |",
-                    *(f"| {k} | {v:.1f} | {c['aten_ops'][k]} |" for k, v in c["added_us"].items()),
-                ]
+        lines += _language_model(results["language_model"])
     if results.get("misses"):
         lines += ["", "## Goals missed: by how much and why", ""] + [f"- {m}" for m in results["misses"]]
     return "\n".join(lines) + "\n"
+
+
+def _language_model(lm: dict) -> list[str]:
+    """The language-model case's section: the step table, the ratios, one NEFTune call's host cost."""
+    lines: list[str] = []
+    if "note" in lm:
+        lines += ["", "## Language model", "", lm["note"]]
+    else:
+        title = f"training step, {lm['model']}, batch {lm['batch']}, length {lm['length']}"
+        lines += [
+            "",
+            f"## Language model: {title}",
+            "",
+            "| variant | s/step | vs none |",
+            "| --- | --- | --- |",
+        ]
+        for name, sec in lm["seconds_per_step"].items():
+            rel = fmt(lm["vs_none"][name]) if name in lm["vs_none"] else "1"
+            lines.append(f"| {name} | {sec:.4f} | {rel} |")
+        lines += [
+            "",
+            *(f"{k} / hf_neftune: {fmt(v)}" for k, v in lm["neftune_vs_hf"].items()),
+            f"manifold_layer0 / hand_blend_layer0: {fmt(lm['manifold_vs_hand'])}",
+        ]
+        if "neftune_call" in lm:
+            c = lm["neftune_call"]
+            lines += [
+                "",
+                f"One NEFTune call on the host: an embedding layer's training forward, "
+                f"batch {c['batch']}, length {c['length']}, width {c['hidden']} "
+                f"(plain: {c['plain_us']:.1f} µs, {c['aten_ops']['none']} aten ops)",
+                "",
+                "| hook | µs added per call | aten ops |",
+                "| --- | --- | --- |",
+                *(f"| {k} | {v:.1f} | {c['aten_ops'][k]} |" for k, v in c["added_us"].items()),
+            ]
+    return lines
+
+
+def _training_steps(results: dict) -> list[str]:
+    """The training-step sections: eager, compiled and bf16, a table per model."""
+    lines: list[str] = []
+    for key, title in (
+        ("training_step", "Training step, eager"),
+        ("training_step_compiled", "Training step, compiled"),
+        ("training_step_bf16", "Training step, bf16 autocast"),
+    ):
+        for run in results.get(key, []):
+            lines += [
+                "",
+                f"## {title}: {run['model']}, batch {run['batch']}, {run['image_size']}x{run['image_size']}"
+                + (", channels-last" if run.get("channels_last") else ""),
+                "",
+            ]
+            lines += ["| variant | s/step | vs none |", "| --- | --- | --- |"]
+            for name, sec in run["seconds_per_step"].items():
+                rel = fmt(run["vs_none"][name]) if name in run["vs_none"] else "1"
+                lines.append(f"| {name} | {sec:.4f} | {rel} |")
+            if "mixup_layer2_vs_hand_layer2" in run:
+                lines += ["", f"mixup_layer2 / hand_layer2: {fmt(run['mixup_layer2_vs_hand_layer2'])}"]
+    return lines

@@ -65,33 +65,7 @@ OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
-    )
-    parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (seconds)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--reps", type=int, default=None, help="repetitions per case (>= 5)")
-    parser.add_argument(
-        "--cases",
-        default=",".join(CASES),
-        help=f"comma-separated subset of {','.join(CASES + OPT_IN)} (default: all but {','.join(OPT_IN)}); "
-        "the file name gains the subset",
-    )
-    parser.add_argument(
-        "--baseline",
-        default=None,
-        help="a git revision: the baseline case times this checkout's hot path against that revision's",
-    )
-    args = parser.parse_args(argv)
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in CASES + OPT_IN]
-    if unknown or not cases:
-        parser.error(f"--cases {args.cases!r}: unknown {unknown}; valid: {','.join(CASES + OPT_IN)}")
-    if ("baseline" in cases) != (args.baseline is not None):
-        parser.error("--cases baseline and --baseline REV go together (the revision to compare with)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available here; use --device cpu")
+    parser, args, cases = _arguments(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     reps = args.reps or (5 if args.quick else 9)
@@ -104,34 +78,7 @@ def main(argv=None) -> dict:
     inner = 10 if cuda and not args.quick else 1
     case_modules.PREACT_WIDTH = 0.25 if args.quick else 1.0
 
-    everything = list(VARIANTS)
-    if args.quick:
-        plan = [
-            (
-                "preact_resnet18",
-                8,
-                16,
-                ["none", "mixup_random", "mixup_layer2", "hand_layer2", "gradscale_layer3"],
-            )
-        ]
-        compiled_plan, bf16_plan = [], []
-    elif cuda:
-        key = ["none", "mixup_random", "mixup_layer2", "hand_layer2"]
-        plan = [
-            ("preact_resnet18", 128, 32, everything),
-            ("preact_resnet18", 100, 32, key),  # Verma et al.'s batch
-            ("preact_resnet18", 128, 32, key, True),  # channels-last
-            ("resnet50", 256, 32, everything),
-        ]
-        compiled_plan = [
-            ("preact_resnet18", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"]),
-            ("resnet50", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"]),
-        ]
-        bf16_plan = [("preact_resnet18", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"])]
-    else:
-        plan = [("preact_resnet18", 16, 32, everything), ("resnet50", 16, 32, everything)]
-        compiled_plan = [("preact_resnet18", 16, 32, ["none", "mixup_random", "hand_layer2"])]
-        bf16_plan = []
+    plans = _plans(args.quick, cuda)
 
     results: dict = {
         "meta": {
@@ -165,31 +112,7 @@ def main(argv=None) -> dict:
     # what torch and Python warn about while the cases run (dynamo, "No CUDA runtime is found") goes to
     # <stem>.log beside the results, and the terminal gets a count
     with torch_messages_to_log(out / f"{stem}.log", say=log):
-        if "eager" in cases:
-            results["training_step"] = []
-            for model_name, batch, size, variants, *layout in plan:
-                log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
-                step = training_steps(
-                    model_name, batch, size, device, timer, reps, inner, variants, channels_last=bool(layout)
-                )
-                results["training_step"].append(step)
-                checkpoint()
-        if compiled_plan and "compiled" in cases:
-            results["training_step_compiled"] = []
-            for model_name, batch, size, variants in compiled_plan:
-                log(f"training step: {model_name} batch {batch} compiled (inductor; compiling takes a while)")
-                step = training_steps(
-                    model_name, batch, size, device, timer, reps, inner, variants, compile_=True
-                )
-                results["training_step_compiled"].append(step)
-                checkpoint()
-        if bf16_plan and "bf16" in cases:
-            log("training step: bf16 autocast ...")
-            results["training_step_bf16"] = [
-                training_steps(m, b, s, device, timer, reps, inner, v, autocast=True)
-                for m, b, s, v in bf16_plan
-            ]
-            checkpoint()
+        _training_steps(results, cases, plans, device, timer, reps, inner, log, checkpoint)
         if "peers" in cases:
             log("peers ...")
             results["peers"] = peers(
@@ -281,6 +204,101 @@ def main(argv=None) -> dict:
     print(markdown(results))
     print(f"wrote {out / stem}.json and .md")
     return results
+
+
+def _training_steps(results, cases, plans, device, timer, reps, inner, log, checkpoint) -> None:
+    """The training-step cases (eager, compiled, bf16) of ``plans`` into ``results``."""
+    plan, compiled_plan, bf16_plan = plans
+    if "eager" in cases:
+        results["training_step"] = []
+        for model_name, batch, size, variants, *layout in plan:
+            log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
+            step = training_steps(
+                model_name, batch, size, device, timer, reps, inner, variants, channels_last=bool(layout)
+            )
+            results["training_step"].append(step)
+            checkpoint()
+    if compiled_plan and "compiled" in cases:
+        results["training_step_compiled"] = []
+        for model_name, batch, size, variants in compiled_plan:
+            log(f"training step: {model_name} batch {batch} compiled (inductor; compiling takes a while)")
+            step = training_steps(
+                model_name, batch, size, device, timer, reps, inner, variants, compile_=True
+            )
+            results["training_step_compiled"].append(step)
+            checkpoint()
+    if bf16_plan and "bf16" in cases:
+        log("training step: bf16 autocast ...")
+        results["training_step_bf16"] = [
+            training_steps(m, b, s, device, timer, reps, inner, v, autocast=True) for m, b, s, v in bf16_plan
+        ]
+        checkpoint()
+
+
+def _arguments(argv) -> tuple:
+    """The parser, the parsed arguments and the cases to run; bad arguments exit 2 in one line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (seconds)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per case (>= 5)")
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated subset of {','.join(CASES + OPT_IN)} (default: all but {','.join(OPT_IN)}); "
+        "the file name gains the subset",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a git revision: the baseline case times this checkout's hot path against that revision's",
+    )
+    args = parser.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES + OPT_IN]
+    if unknown or not cases:
+        parser.error(f"--cases {args.cases!r}: unknown {unknown}; valid: {','.join(CASES + OPT_IN)}")
+    if ("baseline" in cases) != (args.baseline is not None):
+        parser.error("--cases baseline and --baseline REV go together (the revision to compare with)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here; use --device cpu")
+    return parser, args, cases
+
+
+def _plans(quick: bool, cuda: bool) -> tuple[list, list, list]:
+    """The training-step runs (model, batch, image size, variants[, channels-last]): eager, compiled, bf16."""
+    everything = list(VARIANTS)
+    if quick:
+        plan = [
+            (
+                "preact_resnet18",
+                8,
+                16,
+                ["none", "mixup_random", "mixup_layer2", "hand_layer2", "gradscale_layer3"],
+            )
+        ]
+        compiled_plan, bf16_plan = [], []
+    elif cuda:
+        key = ["none", "mixup_random", "mixup_layer2", "hand_layer2"]
+        plan = [
+            ("preact_resnet18", 128, 32, everything),
+            ("preact_resnet18", 100, 32, key),  # Verma et al.'s batch
+            ("preact_resnet18", 128, 32, key, True),  # channels-last
+            ("resnet50", 256, 32, everything),
+        ]
+        compiled_plan = [
+            ("preact_resnet18", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"]),
+            ("resnet50", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"]),
+        ]
+        bf16_plan = [("preact_resnet18", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"])]
+    else:
+        plan = [("preact_resnet18", 16, 32, everything), ("resnet50", 16, 32, everything)]
+        compiled_plan = [("preact_resnet18", 16, 32, ["none", "mixup_random", "hand_layer2"])]
+        bf16_plan = []
+
+    return plan, compiled_plan, bf16_plan
 
 
 if __name__ == "__main__":

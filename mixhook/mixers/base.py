@@ -65,7 +65,7 @@ class _Decision:
 
     layer: str
     pinned: dict = field(default_factory=dict)
-    state: torch.Tensor | None = None  # pin_last: the generator state the repeated mix drew from
+    replay: torch.Tensor | None = None  # pin_last: the generator state the repeated mix drew from
     done: bool = False
     batch: int | None = None  # the batch size of the model's input, where it can be told
     index: torch.Tensor | None = None  # once mixed: for the padding-mask policy downstream
@@ -484,7 +484,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     def _mix_now(self, spec: str, value, draw: _Decision):
         """The forward's mix at ``spec``: drawn from the mixer's generator (or, for ``pin_last``, from a
         copy in the repeated mix's state); the state is noted for a recomputation and for ``pin_last``."""
-        generator = self._replaying(draw.state)
+        generator = self._replaying(draw.replay)
         leaves, before = None, type(self).before_mix is not Mixer.before_mix  # (a method that overrides it)
         if before or not self.draws_in_mix:
             leaves = self._leaves(spec, self._site_value(spec, value), draw.batch)
@@ -595,7 +595,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             elif len(self.layers) > 1:
                 k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
             layer = self.layers[k]
-        return _Decision(layer=layer, pinned=pinned, state=state)
+        return _Decision(layer=layer, pinned=pinned, replay=state)
 
     # ------------------------------------------------------------------------------ the mix itself
 

@@ -312,7 +312,7 @@ class TracedPath:
     def _drawn(self, spec: str, n: int, decision, given: list, found: list):
         """The values and the state of the mix ``decision`` makes at ``spec``, drawn and noted as
         :meth:`~.base.Mixer._mix_now` draws and notes an eager mix."""
-        generator = self._replaying(decision.state)
+        generator = self._replaying(decision.replay)
         state = self._repeatable(spec, n, decision, generator)
         d, (values, mixed) = self._drawing(spec, n, decision.pinned, generator, self.draw_traced, given)
         last = self._state(spec, found, d, mixed)

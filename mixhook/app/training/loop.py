@@ -318,7 +318,7 @@ class Run:
     schedule: object = None  # a mixhook.MixSchedule, set before every training step
 
 
-def train(
+def train(  # noqa: C901 (26 branches: issue 46 gives the loop named state and splits it)
     run: Run,
     out_dir: str | os.PathLike,
     resume: dict | None = None,

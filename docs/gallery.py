@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixhook.geometry import region_weights
 from mixhook.mixers import METHODS
-from mixhook.mixers.cutmix import region_weights
 
 GALLERY = Path(__file__).resolve().parent / "gallery"
 SIZE = 64  # pixels a side

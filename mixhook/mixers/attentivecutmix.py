@@ -12,18 +12,19 @@ from collections.abc import Sequence
 
 import torch
 
+from ..geometry import cell_index, grid_mask
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Mixer
-from .checks import check_spatial
+from .checks import check_grid, check_spatial
 from .contract import Draw, Mixed
-from .gridmix import _grid, cell_index, check_grid_fits, grid_mask
+from .gridmix import check_grid_fits
 from .saliency import Saliency, SaliencyGuided, pinned_saliency
 from .tokens import token_grid
 
 
 def cell_scores(saliency: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The mean saliency of each cell of a ``rows x cols`` grid (:func:`~mixhook.mixers.gridmix.cell_index`)
+    """The mean saliency of each cell of a ``rows x cols`` grid (:func:`~mixhook.geometry.cell_index`)
     over ``(B, H, W)`` maps: ``(B, rows, cols)`` float64, on the maps' device."""
     n, height, width = saliency.shape
     cell = (cell_index(height, rows)[:, None] * cols + cell_index(width, cols)[None, :]).flatten()
@@ -100,7 +101,7 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
         super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "AttentiveCutMix")
         self.saliency = Saliency("AttentiveCutMix", saliency, saliency_layer, self.layers)
-        self.grid = _grid(grid)
+        self.grid = check_grid(grid)
         cells = self.grid[0] * self.grid[1]
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k < cells:
             raise ValueError(

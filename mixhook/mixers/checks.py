@@ -167,3 +167,15 @@ def check_class_labels(kind: str, target: torch.Tensor) -> None:
             f"{kind} compares class confidences, so its labels must be (B,) class indices, got "
             f"{target.dtype} {tuple(target.shape)}"
         )
+
+
+def check_grid(grid) -> tuple[int, int]:
+    """A 2-D grid given as an int or ``(rows, columns)``: the pair, or a one-line ``ValueError``."""
+    values = (grid, grid) if isinstance(grid, int) and not isinstance(grid, bool) else grid
+    try:
+        gh, gw = values
+    except (TypeError, ValueError):
+        raise ValueError(f"grid must be an int or two ints (rows, columns), got {grid!r}") from None
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (gh, gw)) or gh * gw < 2:
+        raise ValueError(f"grid must be ints >= 1 with at least 2 cells in all, got {grid!r}")
+    return gh, gw

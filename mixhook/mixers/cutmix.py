@@ -6,11 +6,18 @@ Localizable Features." ICCV 2019. https://arxiv.org/abs/1905.04899
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
+from ..geometry import (
+    rand_region,
+    rand_regions,
+    region_lam,
+    region_weights,
+    regions_lam,
+    regions_mask,
+)
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Mixer
@@ -20,160 +27,6 @@ from .functional import sample_beta, sample_lam
 from .tokens import token_grid
 
 ROUNDINGS = ("paper", "timm")
-
-
-def _sides(cut, rounding: str):
-    """How many rows (columns) of a ``cut``-long side lie before the centre and from it on: ``cut // 2``
-    each (``"paper"``: the authors' code and torchvision's; a box of even side), or ``cut // 2`` and
-    ``(cut + 1) // 2`` (``"timm"``: timm >= 1.0's ``rand_bbox``; the side is ``cut``)."""
-    return cut // 2, (cut + 1) // 2 if rounding == "timm" else cut // 2
-
-
-def side_ratio(cut: float, dims: int) -> float:
-    """The side ratio of a box that covers the fraction ``cut`` of a ``dims``-D map: ``cut``, ``sqrt(cut)``
-    or the cube root (the double nearest to it, so that ``cut = 1/8`` gives sides of exactly half)."""
-    if dims == 3:
-        return float(side_ratios(torch.tensor([cut], dtype=torch.float64), 3)[0])
-    return cut if dims == 1 else math.sqrt(cut)
-
-
-def side_ratios(cut: torch.Tensor, dims: int) -> torch.Tensor:
-    """:func:`side_ratio` of each value of ``cut`` (float64). The cube root is ``cut ** (1/3)`` moved to
-    whichever neighbouring double has the cube nearest to ``cut``, the smaller of two as near
-    (``0.125 ** (1/3)`` is not 0.5), so that one value and many give the same root."""
-    if dims == 1:
-        return cut
-    if dims == 2:
-        return torch.sqrt(cut)
-    root = cut.pow(1.0 / 3.0)
-    for _ in range(2):  # the best of each root's neighbours, ties to the smaller (pow may be 1 ulp off)
-        candidates = torch.stack([torch.nextafter(root, root - 1), root, torch.nextafter(root, root + 1)])
-        miss = (candidates * candidates * candidates - cut).abs()
-        root = candidates.gather(0, miss.argmin(0, keepdim=True))[0].clamp(min=0.0)
-    return root
-
-
-def rand_region(
-    shape: Sequence[int], lam: float, generator: torch.Generator, rounding: str = "paper"
-) -> tuple[int, ...]:
-    """A box of volume ratio about ``1 - lam`` in a map of positions ``shape`` (1, 2 or 3 sizes), with a
-    uniformly drawn centre, clipped to the borders: :func:`rand_box` in any number of dimensions.
-
-    Side ratio :func:`side_ratio` of ``1 - lam`` (for a 1-D map the length ratio ``1 - lam``, for a 3-D
-    map the cube root), each side ``int(size * ratio)`` around a centre drawn uniformly along each
-    dimension in order, rounded as ``rounding`` says. Returns ``(a1, b1, a2, b2, ...)``: positions
-    ``a_k:b_k`` along dimension ``k`` (for a 2-D map ``(y1, y2, x1, x2)``)."""
-    ratio = side_ratio(1.0 - lam, len(shape))
-    box = []
-    for size in shape:
-        cut = int(size * ratio)
-        centre = int(torch.randint(size, (), generator=generator, device=generator.device))
-        before, after = _sides(cut, rounding)
-        box += [max(centre - before, 0), min(centre + after, size)]
-    return tuple(box)
-
-
-def rand_box(
-    height: int, width: int, lam: float, generator: torch.Generator, rounding: str = "paper"
-) -> tuple[int, int, int, int]:
-    """A box of area ratio about ``1 - lam`` with a uniformly drawn centre, clipped to the borders.
-
-    Side ratio ``sqrt(1 - lam)``, sides ``cut_h = int(H * ratio)`` and ``cut_w = int(W * ratio)`` around a
-    centre ``(cy, cx)`` uniform over the map (rows first). ``rounding="paper"``: rows
-    ``cy - cut_h // 2 : cy + cut_h // 2``, as the paper's reference code and torchvision's ``v2.CutMix``;
-    ``"timm"``: rows ``cy - cut_h // 2 : cy + (cut_h + 1) // 2``, as timm >= 1.0's ``rand_bbox`` (the
-    paper's rounding drops a row and a column when ``cut`` is odd). Columns alike. Returns
-    ``(y1, y2, x1, x2)``: rows ``y1:y2`` and columns ``x1:x2``.
-    """
-    return rand_region((height, width), lam, generator, rounding)
-
-
-def rand_regions(
-    shape: Sequence[int], lam: torch.Tensor, generator: torch.Generator, rounding: str = "paper"
-) -> torch.Tensor:
-    """One :func:`rand_region` per value of ``lam`` (1-D float64), vectorised: an ``(n, 2 * len(shape))``
-    int64 tensor on the CPU. All ``n`` centres along the first dimension are drawn first, then along the
-    next."""
-    n = lam.shape[0]
-    centres = [
-        torch.randint(size, (n,), generator=generator, device=generator.device).cpu() for size in shape
-    ]
-    return regions_around(shape, lam, centres, rounding)
-
-
-def rand_boxes(
-    height: int, width: int, lam: torch.Tensor, generator: torch.Generator, rounding: str = "paper"
-) -> torch.Tensor:
-    """One :func:`rand_box` per value of ``lam`` (1-D float64), vectorised: an ``(n, 4)`` int64 tensor of
-    ``(y1, y2, x1, x2)`` rows, on the CPU. Box ``i`` is the box :func:`rand_box` makes from ``lam[i]`` and
-    the centre ``(cy[i], cx[i])``, where all ``n`` row centres are drawn first, then all column centres."""
-    return rand_regions((height, width), lam, generator, rounding)
-
-
-def regions_around(
-    shape: Sequence[int], lam: torch.Tensor, centres: Sequence[torch.Tensor], rounding: str = "paper"
-) -> torch.Tensor:
-    """:func:`rand_region`'s boxes around given centres (one tensor per dimension): side ratio
-    :func:`side_ratios` of ``1 - lam`` (one value or one per centre), the sides rounded as ``rounding``
-    says, clipped to the borders; ``(n, 2 * len(shape))`` int64 rows on the centres' device."""
-    device = centres[0].device
-    ratio = side_ratios(1.0 - to_device(torch.as_tensor(lam, dtype=torch.float64), device), len(shape))
-    bounds = []
-    for size, centre in zip(shape, centres, strict=True):
-        cut = (size * ratio).floor().long()
-        centre = to_device(centre, device).long()
-        before, after = _sides(cut, rounding)
-        bounds += [(centre - before).clamp(min=0), (centre + after).clamp(max=size)]
-    return torch.stack(torch.broadcast_tensors(*bounds), dim=1)
-
-
-def boxes_around(
-    height: int, width: int, lam: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor, rounding: str = "paper"
-) -> torch.Tensor:
-    """:func:`rand_box`'s boxes around given centres: side ratio ``sqrt(1 - lam)`` (``lam`` one value or
-    one per centre), the sides rounded as ``rounding`` says, clipped to the borders; ``(n, 4)`` int64
-    ``(y1, y2, x1, x2)`` rows on the centres' device."""
-    return regions_around((height, width), lam, (cy, cx), rounding)
-
-
-def regions_mask(boxes: torch.Tensor, shape: Sequence[int], device=None) -> torch.Tensor:
-    """``(n, 1, *shape)`` bool: True inside box ``i`` (positions ``a_k:b_k`` along each dimension ``k``)
-    of sample ``i``."""
-    boxes = boxes if device is None else to_device(boxes, device)  # queued, not a blocking copy
-    inside = None
-    for k, size in enumerate(shape):
-        positions = torch.arange(size, device=device)
-        along = (positions >= boxes[:, 2 * k : 2 * k + 1]) & (positions < boxes[:, 2 * k + 1 : 2 * k + 2])
-        along = along.view(boxes.shape[0], *(size if j == k else 1 for j in range(len(shape))))
-        inside = along if inside is None else inside & along
-    return inside.unsqueeze(1)
-
-
-def boxes_mask(boxes: torch.Tensor, height: int, width: int, device=None) -> torch.Tensor:
-    """``(n, 1, height, width)`` bool: True inside box ``i`` (rows ``y1:y2``, columns ``x1:x2``) of
-    sample ``i``."""
-    return regions_mask(boxes, (height, width), device)
-
-
-def region_weights(box: tuple[int, ...], shape: Sequence[int]) -> torch.Tensor:
-    """``(1, *shape)`` bool: the sample's own content, False inside the pasted ``box``."""
-    return ~regions_mask(torch.tensor([box]), shape)[:, 0]
-
-
-def regions_lam(boxes: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Per sample, the lam its pasted box leaves: ``1 - box volume / map volume`` (float64)."""
-    volume = (boxes[:, 1::2] - boxes[:, 0::2]).prod(dim=1)
-    return 1.0 - volume.to(torch.float64) / math.prod(shape)
-
-
-def region_lam(box: tuple[int, ...], shape: Sequence[int]) -> float:
-    """The lam a pasted ``box`` leaves in a map of positions ``shape``: ``1 - box volume / map volume``."""
-    return 1.0 - math.prod(b - a for a, b in zip(box[0::2], box[1::2], strict=True)) / math.prod(shape)
-
-
-def box_lam(box: tuple[int, int, int, int], height: int, width: int) -> float:
-    """The lam a pasted ``box`` leaves: ``1 - box area / (height * width)``."""
-    return region_lam(box, (height, width))
 
 
 def _fits(box: Sequence[int], shape: Sequence[int]) -> bool:

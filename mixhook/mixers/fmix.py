@@ -6,11 +6,11 @@ Augmentation." arXiv:2002.12047, 2020. Authors' code: github.com/ecs-vlc/FMix (`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
+from ..geometry import fmix_mask
 from ..sites import Leaf
 from .base import Mixer
 from .checks import check_non_negative, check_pinned_mask, check_positive, check_splittable
@@ -19,123 +19,6 @@ from .masked import MaskedMix
 from .tokens import token_grid
 
 SPECTRA = ("reference", "authors", "complex")
-
-
-def fmix_frequencies(*shape: int) -> torch.Tensor:
-    """The magnitude ``sqrt(fy^2 + fx^2)`` of each frequency of a real 2-D FFT of a ``height x width``
-    image (float64, ``(height, width // 2 + 1)``; for odd ``width`` one column more, as the authors'
-    ``fftfreqnd``). Given one size or three (a 1-D or 3-D map), the same over every dimension, the last
-    one halved: ``(L // 2 + 1,)`` or ``(D, H, W // 2 + 1)`` (one more for odd ``L``, ``W``)."""
-    *firsts, last = shape
-    squared = torch.fft.fftfreq(last, dtype=torch.float64)[: last // 2 + (2 if last % 2 else 1)] ** 2
-    for k, size in enumerate(reversed(firsts)):
-        f = torch.fft.fftfreq(size, dtype=torch.float64).view(-1, *([1] * (k + 1)))
-        squared = squared + f * f
-    return torch.sqrt(squared)
-
-
-def low_freq_image(
-    param: torch.Tensor, decay_power: float, height: int, width: int, spectrum: str
-) -> torch.Tensor:
-    """A ``height x width`` image in [0, 1] of Fourier noise whose amplitudes decay as ``1 / f**decay_power``.
-
-    ``param``: the Gaussian draws, ``(height, F, 2)`` with ``F`` columns of :func:`fmix_frequencies`, each
-    frequency's scale ``1 / max(f, 1 / max(height, width)) ** decay_power`` times them. ``spectrum``:
-
-    - ``"reference"``: the line the authors' ``make_low_freq_image`` (github.com/ecs-vlc/FMix,
-      ``fmix.py``) carries commented out, ``#.reshape((1, *shape[:-1], -1))``, which reshapes the
-      ``(..., F, 2)`` spectrum to ``(..., 2F)`` before ``irfftn``, so the draws are read as real
-      coefficients (the ``2`` pairs interleaved along the frequency axis, the first ``width // 2 + 1``
-      kept). Its images are point-symmetric (``m[y, x] == m[-y mod height, -x mod width]``: pixels tie
-      in pairs) and isotropic blobs, like the paper's figures. mixhook's default on 2-D maps.
-    - ``"authors"``: the line that code runs (at e5991dc, the repository's last commit, and in the copies
-      of it in OpenMixup and elsewhere), ``spectrum[:, 0] + 1j * spectrum[:, 1]``: it indexes the
-      spectrum's first two *rows* (``spectrum`` is ``(1, height, F, 2)``), so the coefficients are
-      ``weighted[0] + i * weighted[1]``, ``(F, 2)``, which ``irfftn`` zero-pads to ``(height, width // 2
-      + 1)``: only the horizontal frequencies 0 and 1 are used, and the masks are bands across the
-      width. Masks equal theirs on the same draw.
-    - ``"complex"``: the paper's description: ``param[..., 0] + i * param[..., 1]`` as complex
-      coefficients.
-
-    Then, as the authors' code: the real inverse FFT, minus its minimum, divided by its maximum.
-    """
-    freqs = fmix_frequencies(height, width)
-    scale = 1.0 / torch.clamp(freqs, min=1.0 / max(height, width)) ** decay_power
-    weighted = scale[..., None] * param
-    if spectrum == "reference":
-        coefficients = weighted.reshape(height, -1).to(torch.complex128)
-    elif spectrum == "authors":
-        coefficients = torch.complex(weighted[0], weighted[1])
-    else:
-        coefficients = torch.complex(weighted[..., 0], weighted[..., 1])
-    image = torch.fft.irfftn(coefficients, s=(height, width))
-    image = image - image.min()
-    return image / image.max()
-
-
-def binarise(image: torch.Tensor, lam: float, max_soft: float, round_up: bool) -> torch.Tensor:
-    """The mask of the authors' ``binarise_mask``: the ``num`` highest pixels of ``image`` are 1, the rest
-    0, with ``num = ceil(lam * size)`` if ``round_up`` else ``floor(lam * size)``; with ``max_soft > 0``
-    the ``2 * soft`` pixels around the threshold (``soft = int(size * min(max_soft, lam, 1 - lam))``)
-    fall linearly from 1 to 0. Its mean is ``num / size``."""
-    flat = image.reshape(-1)
-    size = flat.numel()
-    order = torch.argsort(flat, stable=True).flip(0)  # as numpy's argsort()[::-1], ties included
-    num = math.ceil(lam * size) if round_up else math.floor(lam * size)
-    soft_fraction = max_soft if max_soft <= min(lam, 1 - lam) else min(lam, 1 - lam)
-    soft = int(size * soft_fraction)
-    low, high = num - soft, num + soft
-    mask = torch.zeros(size, dtype=torch.float64)
-    mask[order[:high]] = 1.0
-    mask[order[low:]] = 0.0
-    mask[order[low:high]] = _linspace_down(high - low)
-    return mask.reshape(image.shape)
-
-
-def _linspace_down(n: int) -> torch.Tensor:
-    """``np.linspace(1, 0, n)`` to the last bit (torch's linspace rounds differently)."""
-    if n <= 1:
-        return torch.ones(n, dtype=torch.float64)
-    values = torch.arange(n, dtype=torch.float64) * (-1.0 / (n - 1)) + 1.0
-    values[-1] = 0.0
-    return values
-
-
-def low_freq_volume(param: torch.Tensor, decay_power: float, shape: tuple[int, ...]) -> torch.Tensor:
-    """:func:`low_freq_image`'s ``"complex"`` spectrum over a map of positions ``shape`` (1, 2 or 3
-    sizes): ``param`` (``(*fmix_frequencies(*shape).shape, 2)``) scaled by ``1 / max(f, 1 / max(shape))
-    ** decay_power``, read as complex coefficients, the real inverse FFT over every dimension, minus its
-    minimum, divided by its maximum. On a 2-D map it is ``low_freq_image(..., "complex")``."""
-    freqs = fmix_frequencies(*shape)
-    scale = 1.0 / torch.clamp(freqs, min=1.0 / max(shape)) ** decay_power
-    weighted = scale[..., None] * param
-    image = torch.fft.irfftn(torch.complex(weighted[..., 0], weighted[..., 1]), s=shape)
-    image = image - image.min()
-    return image / image.max()
-
-
-def fmix_mask(
-    height: int,
-    width: int | None,
-    lam: float,
-    decay_power: float,
-    max_soft: float,
-    spectrum: str,
-    generator: torch.Generator,
-    shape: tuple[int, ...] | None = None,
-) -> torch.Tensor:
-    """One FMix mask (float64 ``(height, width)``, on the CPU): Gaussian spectrum draws and the rounding
-    coin from ``generator``, then :func:`low_freq_image` and :func:`binarise`. With ``shape`` (1 or 3
-    sizes; ``height`` and ``width`` ignored) a mask of that shape from :func:`low_freq_volume` (the
-    ``"complex"`` spectrum only)."""
-    shape = (height, width) if shape is None else tuple(shape)
-    param = torch.randn(*fmix_frequencies(*shape).shape, 2, dtype=torch.float64, generator=generator)
-    round_up = bool(torch.rand((), dtype=torch.float64, generator=generator) > 0.5)
-    if len(shape) == 2:
-        image = low_freq_image(param, decay_power, *shape, spectrum)
-    else:
-        image = low_freq_volume(param, decay_power, shape)
-    return binarise(image, lam, max_soft, round_up)
 
 
 class FMix(MaskedMix, Mixer):

@@ -12,38 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..geometry import grid_volume
 from ..sites import Leaf
-from ..transfer import to_device
 from .base import Mixer
-from .checks import check_region, map_size
+from .checks import check_grid, check_region, map_size
 from .contract import Draw
 from .masked import MaskedMix
 from .tokens import token_grid
-
-
-def cell_index(size: int, cells: int) -> torch.Tensor:
-    """For each of ``size`` pixels, the cell it falls in when the side is cut into ``cells`` parts at
-    ``floor(c * size / cells)``, ``c = 0..cells`` (cells differ by at most one pixel)."""
-    edges = torch.arange(cells + 1) * size // cells
-    return torch.searchsorted(edges, torch.arange(size), right=True) - 1
-
-
-def grid_mask(cells: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """The ``(height, width)`` float64 mask that gives every pixel the value of its cell in ``cells``
-    (``(gh, gw)``, or ``(B, gh, gw)`` for one mask per sample; 1 = the sample's own, 0 = its partner's)."""
-    gh, gw = cells.shape[-2:]
-    rows, cols = (to_device(cell_index(size, n), cells.device) for size, n in ((height, gh), (width, gw)))
-    return cells.to(torch.float64)[..., rows, :][..., cols]
-
-
-def grid_volume(cells: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """:func:`grid_mask` over a map of positions ``shape`` (1, 2 or 3 sizes): the float64 mask of that
-    shape that gives every position the value of its cell in ``cells`` (one cell count per dimension)."""
-    mask = cells.to(torch.float64)
-    for k, size in enumerate(shape):
-        picks = to_device(cell_index(size, cells.shape[k]), cells.device)
-        mask = mask.index_select(k, picks)
-    return mask
 
 
 class GridMix(MaskedMix, Mixer):
@@ -101,7 +76,7 @@ class GridMix(MaskedMix, Mixer):
         self.token_grid = token_grid(tokens, prefix, "GridMix")
         self._side = grid if isinstance(grid, int) and not isinstance(grid, bool) else None
         nd = isinstance(grid, (tuple, list)) and len(grid) in (1, 3)  # a 1-D or 3-D map's counts
-        self.grid = _counts(grid) if nd else _grid(grid)
+        self.grid = _counts(grid) if nd else check_grid(grid)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, grid={self.grid})"
@@ -182,14 +157,3 @@ def _counts(grid) -> tuple[int, ...]:
             f"least 2 cells in all, got {grid!r}"
         )
     return counts
-
-
-def _grid(grid) -> tuple[int, int]:
-    values = (grid, grid) if isinstance(grid, int) and not isinstance(grid, bool) else grid
-    try:
-        gh, gw = values
-    except (TypeError, ValueError):
-        raise ValueError(f"grid must be an int or two ints (rows, columns), got {grid!r}") from None
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (gh, gw)) or gh * gw < 2:
-        raise ValueError(f"grid must be ints >= 1 with at least 2 cells in all, got {grid!r}")
-    return gh, gw

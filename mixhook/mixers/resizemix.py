@@ -14,12 +14,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..geometry import box_lam, boxes_mask
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Mixer
 from .checks import check_spatial
 from .contract import Draw, Mixed
-from .cutmix import box_lam, boxes_mask, draw_box
+from .cutmix import draw_box
 from .tokens import token_grid
 
 INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
@@ -45,7 +46,7 @@ class ResizeMix(Mixer):
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a scale
     ``tau ~ U(scope[0], scope[1])`` and a permutation ``index``; a box of sides ``int(H * tau)`` and
     ``int(W * tau)`` around a uniformly drawn centre, clipped to the borders (CutMix's
-    :func:`~mixhook.mixers.cutmix.rand_box` with side ratio ``tau``), receives the *whole* partner map
+    :func:`~mixhook.geometry.rand_box` with side ratio ``tau``), receives the *whole* partner map
     ``h[index]`` resized to the box (``F.interpolate``, ``interpolation``); the rest of ``h`` is kept.
     ``loss`` and ``targets`` use ``lam = 1 - box area / (H * W)``: the partner's label weighs what its
     pasted area covers. ``.last.info["box"]`` is the box, ``["scale"]`` the drawn ``tau``.

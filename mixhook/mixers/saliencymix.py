@@ -12,12 +12,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..geometry import boxes_around
 from ..sites import Leaf
 from ..transfer import to_device
 from .base import Mixer
 from .checks import check_spatial
 from .contract import Draw, Mixed
-from .cutmix import boxes_around, draw_box, paste_boxes, pinned_boxes
+from .cutmix import draw_box, paste_boxes, pinned_boxes
 from .saliency import Saliency, SaliencyGuided, peaks, pinned_saliency
 from .tokens import token_grid
 

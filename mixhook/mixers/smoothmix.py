@@ -11,38 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..geometry import gaussian_volume
 from ..sites import Leaf
 from .base import Mixer
 from .checks import check_pinned_mask, check_splittable
 from .contract import Draw
 from .masked import MaskedMix
 from .tokens import token_grid
-
-
-def gaussian_mask(
-    height: int, width: int, cy: float, cx: float, sigma_y: float, sigma_x: float
-) -> torch.Tensor:
-    """``G[y, x] = exp(-(y - cy)^2 / (2 sigma_y^2) - (x - cx)^2 / (2 sigma_x^2))``: float64
-    ``(height, width)``, 1 at the centre ``(cy, cx)`` (in pixel indices), falling smoothly to 0."""
-    ys = torch.arange(height, dtype=torch.float64) - cy
-    xs = torch.arange(width, dtype=torch.float64) - cx
-    return torch.exp(-(ys * ys)[:, None] / (2 * sigma_y**2) - (xs * xs)[None, :] / (2 * sigma_x**2))
-
-
-def gaussian_volume(
-    shape: tuple[int, ...], centre: tuple[float, ...], sigmas: tuple[float, ...]
-) -> torch.Tensor:
-    """:func:`gaussian_mask` over a map of positions ``shape`` (1, 2 or 3 sizes): float64, 1 at ``centre``,
-    ``exp(-sum_k (p_k - c_k)^2 / (2 sigma_k^2))``."""
-    if len(shape) == 2:
-        return gaussian_mask(*shape, *centre, *sigmas)
-    exponent = torch.zeros((), dtype=torch.float64)
-    for k, (size, c, sigma) in enumerate(zip(shape, centre, sigmas, strict=True)):
-        p = torch.arange(size, dtype=torch.float64) - c
-        exponent = exponent - (p * p).view(*(size if j == k else 1 for j in range(len(shape)))) / (
-            2 * sigma**2
-        )
-    return torch.exp(exponent)
 
 
 class SmoothMix(MaskedMix, Mixer):

@@ -8,74 +8,20 @@ Vision Transformers." ECCV 2022. https://arxiv.org/abs/2207.08409. Authors' code
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
+from ..geometry import block_token_mask, grid_mask, random_token_mask
 from ..sites import Leaf
 from .base import Mixer
-from .checks import check_spatial
+from .checks import check_grid, check_spatial
 from .contract import Draw
-from .gridmix import _grid, check_pinned_cells, grid_mask
+from .gridmix import check_pinned_cells
 from .masked import MaskedMix
 from .tokens import token_grid
 
 MASK_TYPES = ("block", "random")
-MIN_ASPECT = 0.3  # the authors' block aspect ratios: log-uniform in [0.3, 1 / 0.3]
-
-
-def _uniform(low: float, high: float, generator: torch.Generator) -> float:
-    """Python's ``random.uniform(low, high)`` (``low + (high - low) * U``), drawn from ``generator``."""
-    u = float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
-    return low + (high - low) * u
-
-
-def _randint(low: int, high: int, generator: torch.Generator) -> int:
-    """Python's ``random.randint(low, high)`` (both ends included), drawn from ``generator``."""
-    return low + int(torch.randint(high - low + 1, (), generator=generator, device=generator.device))
-
-
-def block_token_mask(rows: int, cols: int, count: int, generator: torch.Generator) -> torch.Tensor:
-    """The authors' block mask: ``(rows, cols)`` bool, True on the tokens taken from the partner.
-
-    As their ``generate_mask`` (BEiT's block-wise masking): until ``count`` tokens are masked, up to 10
-    tries per round to draw a block of area ``U(1, remaining)`` and aspect ratio log-uniform in
-    ``[0.3, 1 / 0.3]`` (sides ``round(sqrt(area * aspect))`` by ``round(sqrt(area / aspect))``, each
-    smaller than the grid's), at a uniform position; a block is accepted when it masks between 1 and
-    ``remaining`` new tokens. A round with no accepted block ends the loop, so the mask may hold fewer
-    than ``count`` tokens (the method's lam is what it holds)."""
-    mask = torch.zeros(rows, cols, dtype=torch.bool)
-    log_aspect = (math.log(MIN_ASPECT), math.log(1 / MIN_ASPECT))
-    masked = 0
-    while masked < count:
-        remaining = min(count - masked, rows * cols)
-        delta = 0
-        for _ in range(10):
-            area = _uniform(1, remaining, generator)
-            aspect = math.exp(_uniform(*log_aspect, generator))
-            h, w = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
-            if w < cols and h < rows:
-                top, left = _randint(0, rows - h, generator), _randint(0, cols - w, generator)
-                block = mask[top : top + h, left : left + w]
-                new = h * w - int(block.sum())
-                if 0 < new <= remaining:
-                    block.fill_(True)
-                    delta += new
-                if delta > 0:
-                    break
-        if delta == 0:
-            break
-        masked += delta
-    return mask
-
-
-def random_token_mask(rows: int, cols: int, count: int, generator: torch.Generator) -> torch.Tensor:
-    """The authors' random mask: ``(rows, cols)`` bool, True on ``count`` tokens drawn uniformly without
-    replacement (the first ``count`` of a permutation)."""
-    mask = torch.zeros(rows * cols, dtype=torch.bool)
-    mask[torch.randperm(rows * cols, generator=generator, device=generator.device).cpu()[:count]] = True
-    return mask.view(rows, cols)
 
 
 class TokenMix(MaskedMix, Mixer):
@@ -135,7 +81,7 @@ class TokenMix(MaskedMix, Mixer):
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
         self.token_grid = token_grid(tokens, prefix, "TokenMix")
-        self.grid = None if grid is None else _grid(grid)
+        self.grid = None if grid is None else check_grid(grid)
         if mask_type not in MASK_TYPES:
             raise ValueError(f"mask_type must be one of {', '.join(MASK_TYPES)}, got {mask_type!r}")
         if isinstance(extra_tokens, bool) or not isinstance(extra_tokens, int) or extra_tokens < 0:

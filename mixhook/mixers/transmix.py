@@ -16,10 +16,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
+from ..geometry import boxes_mask
 from ..layers import resolve_layers
 from ..sites import Inputs
 from .checks import check_fraction
-from .cutmix import CutMix, boxes_mask
+from .cutmix import CutMix
 from .tokens import model_grid
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import torchvision
 
 from mixhook import CutMix
-from mixhook.mixers.cutmix import box_lam, rand_box, rand_boxes
+from mixhook.geometry import box_lam, rand_box, rand_boxes
 from tests.helpers import SmallCNN, hook_count
 
 
@@ -214,7 +214,7 @@ def test_timm_rounding_equals_timms_rand_bbox_and_paper_rounding_the_papers(heig
     import numpy as np
     from timm.data.mixup import rand_bbox as timm_rand_bbox
 
-    from mixhook.mixers.cutmix import boxes_around
+    from mixhook.geometry import boxes_around
 
     for seed, lam in enumerate([0.05, 0.3, 0.5, 0.61, 0.9, 0.97]):
         np.random.seed(seed)

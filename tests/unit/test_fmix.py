@@ -12,7 +12,7 @@ import torchvision
 from torch.utils.checkpoint import checkpoint
 
 from mixhook import FMix
-from mixhook.mixers.fmix import binarise, fmix_frequencies, fmix_mask, low_freq_image
+from mixhook.geometry import binarise, fmix_frequencies, fmix_mask, low_freq_image
 from tests.helpers import SmallCNN, grads
 
 

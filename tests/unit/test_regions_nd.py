@@ -12,12 +12,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixhook import CutMix, FMix, GridMix, PatchUp, ResizeMix, SmoothMix
+from mixhook.geometry import (
+    fmix_frequencies,
+    gaussian_mask,
+    gaussian_volume,
+    grid_mask,
+    grid_volume,
+    low_freq_image,
+    low_freq_volume,
+    rand_region,
+    rand_regions,
+    side_ratio,
+    side_ratios,
+)
 from mixhook.layouts import AmbiguousLayoutError
-from mixhook.mixers.cutmix import rand_region, rand_regions, side_ratio, side_ratios
-from mixhook.mixers.fmix import fmix_frequencies, low_freq_image, low_freq_volume
-from mixhook.mixers.gridmix import grid_mask, grid_volume
 from mixhook.mixers.patchup import block_mask
-from mixhook.mixers.smoothmix import gaussian_mask, gaussian_volume
 from tests.helpers import grads
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (tests/conftest.py)

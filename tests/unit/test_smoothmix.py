@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import torchvision
 
 from mixhook import SmoothMix
-from mixhook.mixers.smoothmix import gaussian_mask
+from mixhook.geometry import gaussian_mask
 from tests.helpers import SmallCNN
 
 

@@ -318,7 +318,7 @@ class Run:
     schedule: object = None  # a mixhook.MixSchedule, set before every training step
 
 
-def train(  # noqa: C901 (26 branches: issue 46 gives the loop named state and splits it)
+def train(
     run: Run,
     out_dir: str | os.PathLike,
     resume: dict | None = None,
@@ -353,13 +353,7 @@ def train(  # noqa: C901 (26 branches: issue 46 gives the loop named state and s
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / ckpt.FILE
     dist = dist or Dist()
-    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
-    net = model
-    if dist.enabled:
-        net = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None
-        )
-    net = torch.compile(net) if opts.compile else net
+    net = _network(model, device, opts, dist)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     sampler = data.train.sampler
     finite = FiniteCheck(check_every(opts.check_finite_every, optimizer, device), optimizer, dist)
@@ -395,12 +389,7 @@ def train(  # noqa: C901 (26 branches: issue 46 gives the loop named state and s
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             skip = state.step if epoch == state.epoch + 1 else 0
-            if skip:
-                totals = [state.totals[0].clone(), *state.totals[1:3]]
-                if len(state.totals) >= 5:  # (a checkpoint before train_acc has none: it counts from here)
-                    totals += [state.totals[3].clone(), state.totals[4]]
-            else:
-                totals = [torch.zeros((), dtype=torch.float64), 0, 0]
+            totals = _resumed_totals(state.totals) if skip else [torch.zeros((), dtype=torch.float64), 0, 0]
             sampler.set_epoch(epoch)
             steps = len(data.train)  # the whole epoch's steps (a resumed epoch's loader has fewer left)
             sampler.set_epoch(epoch, start=skip * data.train.batch_size)
@@ -440,18 +429,9 @@ def train(  # noqa: C901 (26 branches: issue 46 gives the loop named state and s
             if scheduler is not None:
                 scheduler.step()
             row = {"epoch": epoch, "train_loss": train_loss, "lr": lr}
-            if regression:
-                test_loss = evaluate_regression(net, data.test, device, precision, dist)
-                row.update(test_loss=test_loss, test_rmse=math.sqrt(test_loss) * data.target_scale)
-                score = -row["test_rmse"]  # state.best keeps the highest score
-            else:
-                test_loss, test_acc, calibration = evaluate(
-                    net, data.test, device, precision, channels_last, dist
-                )
-                row.update(
-                    train_acc=train_acc, test_loss=test_loss, test_acc=test_acc, test_ece=calibration.ece()
-                )
-                score = test_acc
+            score, calibration = _tested(
+                row, net, data, device, opts, dist, None if regression else train_acc
+            )
             row["seconds"] = time.perf_counter() - t0
             writer.writerow(row)
             f.flush()
@@ -468,30 +448,83 @@ def train(  # noqa: C901 (26 branches: issue 46 gives the loop named state and s
                 )  # fmt: skip
             if score > state.best[0] or state.best[1] == 0:
                 state.best = (score, epoch)
-            if regression:
-                log.info(
-                    "epoch %d/%d  train_loss %.4f  test_mse %.4f  test_rmse %.3f  lr %.4g  %.1fs",
-                    epoch, epochs, train_loss, test_loss, row["test_rmse"], lr, row["seconds"],
-                )  # fmt: skip
-            else:
-                log.info(
-                    "epoch %d/%d  train_loss %.4f  train_acc %.2f%%  test_loss %.4f  test_acc %.2f%%  "
-                    "test_ece %.2f%%  lr %.4g  %.1fs", epoch, epochs, train_loss, 100 * train_acc, test_loss,
-                    100 * test_acc, 100 * row["test_ece"], lr, row["seconds"],
-                )  # fmt: skip
+            _log_epoch(row, epochs)
             checkpoint(epoch, 0, None)
             if dist.any(bool(stop[0])) and epoch < epochs:
                 raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, 0)
+    return _summary(run, state, out_dir, net, calibration, start, dist, regression)
+
+
+def _network(model: nn.Module, device: torch.device, opts: Settings, dist: Dist) -> nn.Module:
+    """What the loop calls: ``model`` on ``device`` (channels-last where asked), in
+    ``DistributedDataParallel`` for a data-parallel job (after the hooks were attached to ``model``), and
+    through ``torch.compile`` where asked."""
+    model.to(device, memory_format=torch.channels_last if opts.channels_last else torch.preserve_format)
+    net = model
+    if dist.enabled:
+        net = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+    return torch.compile(net) if opts.compile else net
+
+
+def _resumed_totals(saved: list) -> list:
+    """A resumed epoch's running totals, from the checkpoint's (a checkpoint written before train_acc
+    was counted has three: its accuracy counts from here)."""
+    totals = [saved[0].clone(), *saved[1:3]]
+    if len(saved) >= 5:
+        totals += [saved[3].clone(), saved[4]]
+    return totals
+
+
+def _tested(row: dict, net, data, device, opts: Settings, dist: Dist, train_acc: float | None) -> tuple:
+    """Evaluate ``net`` on the test set into ``row`` (and ``train_acc`` for classification; ``None``: a
+    regression task): the epoch's score (higher is better; state.best keeps the highest) and its
+    calibration (``None`` for regression)."""
+    if train_acc is None:
+        test_loss = evaluate_regression(net, data.test, device, opts.precision, dist)
+        row.update(test_loss=test_loss, test_rmse=math.sqrt(test_loss) * data.target_scale)
+        return -row["test_rmse"], None
+    test_loss, test_acc, calibration = evaluate(
+        net, data.test, device, opts.precision, opts.channels_last, dist
+    )
+    row.update(train_acc=train_acc, test_loss=test_loss, test_acc=test_acc, test_ece=calibration.ece())
+    return test_acc, calibration
+
+
+def _log_epoch(row: dict, epochs: int) -> None:
+    """The epoch's line in the log: its ``metrics.csv`` row."""
+    if "test_rmse" in row:
+        log.info(
+            "epoch %d/%d  train_loss %.4f  test_mse %.4f  test_rmse %.3f  lr %.4g  %.1fs",
+            row["epoch"], epochs, row["train_loss"], row["test_loss"], row["test_rmse"], row["lr"],
+            row["seconds"],
+        )  # fmt: skip
+    else:
+        log.info(
+            "epoch %d/%d  train_loss %.4f  train_acc %.2f%%  test_loss %.4f  test_acc %.2f%%  "
+            "test_ece %.2f%%  lr %.4g  %.1fs", row["epoch"], epochs, row["train_loss"],
+            100 * row["train_acc"], row["test_loss"], 100 * row["test_acc"], 100 * row["test_ece"], row["lr"],
+            row["seconds"],
+        )  # fmt: skip
+
+
+def _summary(
+    run: Run, state: RunState, out_dir: Path, net, calibration, start: float, dist: Dist, regression: bool
+) -> dict:
+    """The run's summary from its last epoch's row (``start``: when the run began, by ``perf_counter``,
+    less the time of the part before a resume), written atomically to ``summary.json`` by rank 0 (for
+    classification after the reliability diagram: a summary.json means the run's files are all there)."""
     last = state.rows[-1]
     if regression:
         summary = {
-            "task": task,
+            "task": "regression",
             "test_rmse": last["test_rmse"],
             "test_mse": last["test_loss"],
             "best_test_rmse": -state.best[0],
             "best_epoch": state.best[1],
             "train_loss": last["train_loss"],
-            "epochs": epochs,
+            "epochs": run.settings.epochs,
             "seconds": time.perf_counter() - start,
             **run.summary,
         }
@@ -499,7 +532,10 @@ def train(  # noqa: C901 (26 branches: issue 46 gives the loop named state and s
             write_json_atomic(out_dir / "summary.json", summary)
         return summary
     if calibration is None:  # resumed after the last epoch: the same model evaluates to the same figures
-        calibration = evaluate(net, data.test, device, precision, channels_last, dist).calibration
+        opts = run.settings
+        calibration = evaluate(
+            net, run.data.test, run.device, opts.precision, opts.channels_last, dist
+        ).calibration
     summary = {
         "test_acc": last["test_acc"],
         "test_nll": last["test_loss"],
@@ -508,13 +544,13 @@ def train(  # noqa: C901 (26 branches: issue 46 gives the loop named state and s
         "best_epoch": state.best[1],
         "train_loss": last["train_loss"],
         "train_acc": last.get("train_acc"),
-        "epochs": epochs,
+        "epochs": run.settings.epochs,
         "seconds": time.perf_counter() - start,
         "calibration": calibration.table(),
         **run.summary,
     }
     if dist.main:  # the picture first: a summary.json means the run's files are all there
-        calibration.plot(out_dir / "reliability.png", f"test set, epoch {epochs}")
+        calibration.plot(out_dir / "reliability.png", f"test set, epoch {run.settings.epochs}")
         write_json_atomic(out_dir / "summary.json", summary)
     return summary
 

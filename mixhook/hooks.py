@@ -166,6 +166,18 @@ class LayerHook:
         self.generator = own_generator(generator)
         self._per_rank = generator is None
 
+    @property
+    def seed_per_rank(self) -> bool:
+        """Whether a generator the hook made itself (none was given) is reseeded for this process's rank
+        at its first draw once ``torch.distributed`` is up, so that ranks draw differently. An adapter
+        that seeds the generators itself with the rank in the seed (every step, as
+        :func:`mixhook.integrations.draws.reseed` does) sets it ``False``."""
+        return bool(getattr(self, "_per_rank", False))
+
+    @seed_per_rank.setter
+    def seed_per_rank(self, value: bool) -> None:
+        self._per_rank = bool(value)
+
     def _seed_for_rank(self) -> None:
         """Before a draw: reseed a default generator for this rank once ``torch.distributed`` is up."""
         if self._per_rank and seed_for_rank(self.generator):

@@ -242,7 +242,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         )
     if mixup is not None and cfg.trainer.loss == "bce_softmax":
         for mixer in members(mixup):
-            why = getattr(mixer, "_targets_refused", lambda: None)()
+            why = mixer.targets_refused() if hasattr(mixer, "targets_refused") else None
             if why:
                 raise ConfigError(
                     "trainer.loss=bce_softmax trains on the mixer's soft targets, but "

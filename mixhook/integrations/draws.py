@@ -64,15 +64,14 @@ def reseed(hook: MixingHook, seed: int, rank: int, step: int, first_part: int = 
     generators numbered from ``first_part``: hooks reseeded from one seed take parts of their own), and
     stop its default generators from reseeding themselves per rank (the rank is in the seed already)."""
     for h in members(hook):
-        if hasattr(h, "_per_rank"):
-            h._per_rank = False
+        h.seed_per_rank = False
     for part, g in enumerate(generators(hook), start=first_part):
         g.manual_seed(step_seed(seed, rank, step, part))
 
 
 def _forwards(hook: MixingHook) -> list:
     """The records of recent forwards (:class:`~mixhook.mixers.binding.Forwards`) of ``hook``'s mixers."""
-    return [h._seen for h in members(hook) if getattr(h, "_seen", None) is not None]
+    return [h.forwards for h in members(hook) if getattr(h, "forwards", None) is not None]
 
 
 def check_arguments(mixer, module, schedule, seed) -> None:

@@ -180,11 +180,9 @@ class LayerMixup:
             return x, self._soft(target, 1.0, None)
         layers = mixer.layers
         spec = layers[int(torch.randint(len(layers), (), generator=g))] if len(layers) > 1 else layers[0]
-        pinned = {}
-        if self.pairing == "flip":
-            pinned = {"index": torch.arange(n - 1, -1, -1), "_range": (0, n - 1), "_permutation": True}
-        leaves = self._map(mixer, spec, x) if mixer is self.cutmix else []
-        draw, (_, mixed) = mixer._drawing(spec, n, pinned, g, mixer.draw_traced, leaves)
+        flip = torch.arange(n - 1, -1, -1) if self.pairing == "flip" else None
+        leaves = self._map(mixer, spec, x) if mixer is self.cutmix else None
+        draw, (_, mixed) = mixer.draw_for(spec, n, g, index=flip, leaves=leaves)
         if mixer is self.cutmix:
             values = {"box": mixed.info["box"]}
         else:
@@ -224,20 +222,17 @@ class LayerMixup:
             outputs = trace_outputs(self.model, [spec], x[:1])
             if spec not in outputs:
                 raise RuntimeError(f"LayerMixup: CutMix's layer {spec!r} does not run in the model's forward")
-            _, given, _ = mixer._leaves(spec, mixer._site_value(spec, outputs[spec]), None, plan=False)
             found = [
                 Leaf(leaf.path, Shape(tuple(leaf.tensor.shape), leaf.tensor.dtype), leaf.dim)
-                for leaf in given
+                for leaf in mixer.leaves_at(spec, outputs[spec])
             ]
             self._maps[key] = found
         return found
 
     def _check_used(self) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None and pending._pinned:
-            pending._pinned = {}
-            if isinstance(self.hook, OneOf):
-                self.hook._pinned_choice = None
+        if pending is not None and pending.pinned:
+            self.hook.unpin()
             raise RuntimeError(
                 "LayerMixup was called again before a training forward used its last mix: the soft targets "
                 "it returned belong to no forward (call it once per batch, right before model(x) in training)"

@@ -72,6 +72,19 @@ class _Decision:
     state: MixState | None = None  # once mixed: what it mixed (the padding-mask policy reads its shapes)
 
 
+def _given_index(index, where: str) -> dict:
+    """A partner index given to :meth:`Mixer.pin` or :meth:`Mixer.draw_for` as a 1-D int64 CPU tensor,
+    with its range and whether it is a permutation (read once here, not in the forward); else one line."""
+    index = torch.as_tensor(index)
+    if index.ndim != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+        raise ValueError(
+            f"{where}(index=...): needs a 1-D integer index, got {index.dtype} {tuple(index.shape)}"
+        )
+    index = index.to(device="cpu", dtype=torch.int64)
+    span = (int(index.min()), int(index.max())) if index.numel() else (0, -1)
+    return {"index": index, "_range": span, "_permutation": is_permutation(index)}
+
+
 def _check_doubled(model: nn.Module, output, state: MixState) -> None:
     """Refuse a clean+mixed forward whose output (a plain tensor) has no dimension of ``2B``: the model
     lost the doubled batch downstream of the mix (e.g. a ``view(B, ...)`` with the batch size read from its
@@ -293,16 +306,67 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             if lam.ndim > 1 or not bool(((lam >= 0) & (lam <= 1)).all()):
                 raise ValueError(f"pin(lam={lam.tolist()}): lam must be a number (or 1-D values) in [0, 1]")
         if index is not None:
-            index = torch.as_tensor(index)
-            if index.ndim != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
-                raise ValueError(
-                    f"pin(index=...): needs a 1-D integer index, got {index.dtype} {tuple(index.shape)}"
-                )
-            index = index.to(device="cpu", dtype=torch.int64)  # (read here, once, not in the forward)
-            values["_range"] = (int(index.min()), int(index.max())) if index.numel() else (0, -1)
-            values["_permutation"] = is_permutation(index)
+            values.update(_given_index(index, "pin"))
+            index = values.pop("index")
         pinned = {"layer": layer, "lam": lam, "index": index, **values}
         self._pinned = {k: v for k, v in pinned.items() if v is not None}
+
+    @property
+    def pinned(self) -> bool:
+        """Whether :meth:`pin`, :meth:`pin_last` or :meth:`skip_next` set something the next training
+        forward has not used yet."""
+        return self._pinned is not None
+
+    def unpin(self) -> None:
+        """Forget what :meth:`pin`, :meth:`pin_last` or :meth:`skip_next` set for the next training
+        forward, which then decides as any other (``prob``, fresh draws)."""
+        self._pinned = None
+
+    def draw_for(
+        self,
+        layer: str,
+        batch: int,
+        generator: torch.Generator | None = None,
+        index: Sequence[int] | torch.Tensor | None = None,
+        leaves: list[Leaf] | None = None,
+    ) -> tuple[Draw, Mixed]:
+        """What this mixer draws for a mix of ``batch`` samples at ``layer``, without mixing: the
+        :class:`~mixhook.mixers.contract.Draw` (lam, the partner index) and the method's own draws as its
+        :class:`~mixhook.mixers.contract.Mixed` records them (CutMix's ``info["box"]``), every draw from
+        ``generator`` (the mixer's own by default). For an adapter that must know a mix before the forward
+        (timm's ``mixup_fn`` returns the soft targets first): it then :meth:`pin` s what it drew.
+
+        ``index``: the partners to use (e.g. timm's flipped batch) instead of drawn ones; ``leaves``: what
+        a region method cuts (:meth:`leaves_at`; their tensors may be :class:`~mixhook.mixers.traced.Shape`
+        objects). The methods with a one-graph path under ``torch.compile`` can draw ahead (ManifoldMixup,
+        CutMix, FMix, GridMix, PatchUp, ...); the others are refused in one line."""
+        if type(self).draw_traced is TracedPath.draw_traced:
+            raise TypeError(
+                f"{type(self).__name__}.draw_for(): this method draws its mix from the layer's values, so it "
+                "cannot be drawn before the forward"
+            )
+        if layer not in self.layers:
+            raise ValueError(
+                f"draw_for(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}"
+            )
+        pinned = {} if index is None else _given_index(index, "draw_for")
+        return self._drawing(
+            layer, batch, pinned, generator or self.generator, self.draw_traced, leaves or []
+        )
+
+    def leaves_at(self, layer: str, output) -> list[Leaf]:
+        """The leaves the method acts on in ``output``, what ``layer`` returned (for ``"input"``, the
+        model's :class:`~mixhook.sites.Inputs`), each with its batch dimension: what :meth:`draw_for` takes
+        for a region method. Refused in one line as a forward would refuse them."""
+        return self._leaves(layer, self._site_value(layer, output), None, plan=False)[1]
+
+    @property
+    def forwards(self) -> Forwards:
+        """The record of this mixer's recent training forwards and what each mixed
+        (:class:`~mixhook.mixers.binding.Forwards`): an adapter checks at a step's end that every mixed
+        forward's loss was taken under its mix (``claim_all()`` at the step's start, ``unclaimed()`` at
+        its end)."""
+        return self._seen
 
     def pin_last(self) -> None:
         """Make the next training forward repeat the last training forward's mix exactly: the same

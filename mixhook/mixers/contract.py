@@ -1,7 +1,7 @@
 """The contract a training loop relies on: what a mixing regularizer is, and what one mix records.
 
 :class:`MixingHook` is the contract (``last``, ``loss``, ``targets``, ``state_for``, ``pin``, ``pin_last``,
-``skip_next``, ``check_output``); ``isinstance(hook, MixingHook)`` is the one way to tell a mixing
+``skip_next``, ``unpin``, ``check_output``); ``isinstance(hook, MixingHook)`` is the one way to tell a mixing
 regularizer from other hooks, and a model has at most one (:func:`claim`). :class:`MixState` is what one
 training forward mixed; :class:`Draw` and :class:`Mixed` are what a method's ``mix()`` is given and
 returns (:class:`~mixhook.mixers.base.Mixer`).
@@ -168,6 +168,11 @@ class MixingHook(abc.ABC):
     @abc.abstractmethod
     def skip_next(self) -> None:
         """Make the next training forward not mix (whatever ``prob``); sampling resumes after it."""
+
+    @abc.abstractmethod
+    def unpin(self) -> None:
+        """Forget what ``pin``, ``pin_last`` or ``skip_next`` set: the next training forward decides as
+        any other."""
 
     @abc.abstractmethod
     def check_output(self, spec: str, value, batch: int | None = None, model_input=None) -> None:

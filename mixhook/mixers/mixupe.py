@@ -63,7 +63,7 @@ class MixupE(ManifoldMixup):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, eta={self.eta}, threshold={self.threshold})"
 
-    def _targets_refused(self) -> str:
+    def targets_refused(self) -> str:
         return "adds a term of the clean logits: its loss is no criterion of mixed targets"
 
     def check_targets(self, target: torch.Tensor) -> None:

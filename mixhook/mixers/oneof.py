@@ -110,6 +110,12 @@ class OneOf(LayerHook, MixingHook):
         """The next training forward mixes with none of the mixers (and draws no choice)."""
         self._skip, self._pinned_choice = True, None
 
+    def unpin(self) -> None:
+        """Forget what ``pin``, ``pin_last`` or ``skip_next`` set (here and in every mixer)."""
+        self._skip, self._pinned_choice = False, None
+        for mixer in self.mixers:
+            mixer.unpin()
+
     def loss(self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The ``loss`` of the regularizer that mixed the forward which produced ``logits``
         (``criterion(logits, target)`` when none did); see :meth:`state_for`."""

@@ -63,7 +63,7 @@ class RankMixup(ManifoldMixup):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, margin={self.margin}, weight={self.weight})"
 
-    def _targets_refused(self) -> str:
+    def targets_refused(self) -> str:
         return "ranks confidences: its loss is no criterion of mixed targets"
 
     def check_targets(self, target: torch.Tensor) -> None:

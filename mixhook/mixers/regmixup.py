@@ -54,7 +54,7 @@ class RegMixup(ManifoldMixup):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, eta={self.eta})"
 
-    def _targets_refused(self) -> str | None:
+    def targets_refused(self) -> str | None:
         if self.eta != 1:
             return f"weighs its mixed rows by eta={self.eta}, which the mixed targets cannot carry"
         return None

@@ -166,9 +166,9 @@ class LossAndTargets:
             return torch.cat([metric(clean, target), self._mixed_loss(metric, mixed, target, last)])
         return self._mixed_loss(metric, logits, target, last)
 
-    def _targets_refused(self) -> str | None:
+    def targets_refused(self) -> str | None:
         """Why the mixed targets of a clean+mixed forward are not this method's training signal (its loss
-        is not a criterion of them), or ``None``."""
+        is not a criterion of them), or ``None``: the app asks before it trains on soft targets."""
         return None
 
     def _clean_loss(
@@ -292,7 +292,7 @@ class LossAndTargets:
         if last is None:
             return own
         if last.clean:
-            why = self._targets_refused()
+            why = self.targets_refused()
             if why:
                 raise ValueError(f"targets(): {type(self).__name__} {why}; train with its loss()")
             if logits is not None:

@@ -1,5 +1,6 @@
 """The code base passes ruff's lint and format checks (configured in pyproject.toml)."""
 
+import ast
 import subprocess
 import sys
 
@@ -12,3 +13,36 @@ def test_ruff_check_and_format():
             [sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True
         )
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _private_members_of_the_core() -> set[str]:
+    """The private names the library core defines on its classes (methods, and attributes set on self)."""
+    names = set()
+    for path in (ROOT / "mixhook").rglob("*.py"):
+        if {"app", "integrations"} & set(path.relative_to(ROOT / "mixhook").parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in ast.walk(node):
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(item.name)
+                    elif isinstance(item, ast.Attribute) and ast.unparse(item.value) == "self":
+                        names.add(item.attr)
+    return {n for n in names if n.startswith("_") and not n.endswith("__")}
+
+
+def test_the_adapters_and_the_app_use_the_cores_public_api_only():
+    """No adapter or app module reads or sets a private member of the core's objects (it would break
+    silently when the engine changes): what they need is public (draw_for, unpin, seed_per_rank, ...)."""
+    private = _private_members_of_the_core()
+    found = []
+    for folder in ("integrations", "app"):
+        for path in (ROOT / "mixhook" / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in private
+                    and ast.unparse(node.value) not in ("self", "cls")
+                ):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

@@ -229,8 +229,9 @@ def main(argv: list[str]) -> int:
     from hydra.errors import HydraException
 
     from . import CONF_DIR, CONF_MODULE
-    from . import run as app
+    from .build import build_model_and_data
     from .command_line import check_command_line
+    from .errors import ConfigError
     from .hydra_compat import VERSION_BASE
 
     problem = check_command_line(argv, str(CONF_DIR))
@@ -240,8 +241,8 @@ def main(argv: list[str]) -> int:
     try:
         with initialize_config_module(config_module=CONF_MODULE, **VERSION_BASE):
             cfg = compose(config_name="config", overrides=argv)
-        model, data = app.build_model_and_data(cfg)
-    except (app.ConfigError, HydraException) as err:
+        model, data = build_model_and_data(cfg)
+    except (ConfigError, HydraException) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     x = next(iter(data.test))[0][:2]

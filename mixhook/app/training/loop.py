@@ -295,7 +295,7 @@ class Settings:
 
 @dataclass
 class Run:
-    """Everything one run trains with: built and checked by :func:`mixhook.app.run.build`, or by hand.
+    """Everything one run trains with: built and checked by :func:`mixhook.app.build.build`, or by hand.
 
     ``hooks``: every hook attached to ``model`` (their generators are checkpointed); ``mixup`` the one
     mixing regularizer among them, if any; ``handles``: what their ``attach()`` returned (removing them

@@ -1,0 +1,340 @@
+"""A composed config in, one checked :class:`~mixhook.app.training.Run` out: the model and data, the
+hooks, the optimizer and the schedule; everything a user can get wrong is refused here, before training,
+as a :class:`~mixhook.app.errors.ConfigError`."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from mixhook.compose import mixers_of
+from mixhook.layers import INPUT, fastai_layers
+from mixhook.mixers.contract import members
+from mixhook.mixers.partners import crosses_ranks
+from mixhook.probes import ActivationStats, GradStats
+
+from . import hydra_compat, schema
+from .data import Data, DataNotFoundError, build_data
+from .errors import ConfigError
+from .instantiate import allowed_targets, instantiate, parameters_of, target_object
+from .preflight import attach_and_check
+from .provenance import environment
+from .training import Run, Settings
+from .training.distributed import Dist
+from .training.finite import check_every
+
+log = logging.getLogger("mixhook")
+
+
+def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
+    """Turn the config into checked objects. Raises :class:`ConfigError` for anything a user set wrong.
+
+    ``dist``: in a data-parallel job, this rank's data share, CUDA device and random streams."""
+    dist = dist or Dist()
+    model, data = build_model_and_data(cfg, dist)  # checks the schema's ranges first
+    device = dist.device if dist.enabled and dist.device.type == "cuda" else device_of(cfg.trainer.device)
+
+    if dist.enabled:  # the model is built alike on every rank; each rank then mixes its own way
+        torch.manual_seed(dist.seed(cfg.seed))
+    if OmegaConf.select(cfg, "mixup.layer") == "fastai":  # fastai's default candidates, named
+        try:
+            cfg.mixup.layer = fastai_layers(model)
+        except ValueError as err:
+            raise ConfigError(f"mixup.layer=fastai: {err}") from err
+    hooks = build_hooks(cfg, dist.seed(cfg.seed))
+    if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
+        hooks = [(key, hook) for key, hook in hooks if not key.startswith("probes")]
+    mixers = mixers_of([hook for _, hook in hooks])
+    if crosses_ranks(*mixers) and not dist.enabled:
+        raise ConfigError(
+            "mixup.partners=global draws partners from every rank's batch, but this run has one process; "
+            "launch it with torchrun --nproc_per_node=N, or use mixup.partners=local"
+        )
+    if crosses_ranks(*mixers) and cfg.probes.feature_maps and probe_layers(cfg):
+        raise ConfigError(
+            "probes.feature_maps=true draws its pictures on rank 0 alone, which cannot mix with partners "
+            "from the other ranks (mixup.partners=global); turn one of them off"
+        )
+    if len(mixers) > 1:
+        keys = ", ".join(key for key, hook in hooks if hook in mixers)
+        raise ConfigError(
+            f"{len(mixers)} mixing regularizers configured ({keys}); "
+            "each would mix every batch: keep one, or combine them in one entry with mixhook.OneOf"
+        )
+    mixup = mixers[0] if mixers else None
+    if mixup is None and cfg.trainer.mixed_loss_weight != 1.0:
+        raise ConfigError(
+            f"trainer.mixed_loss_weight={cfg.trainer.mixed_loss_weight!r} weights the loss of mixed batches, "
+            "but no mixup is configured; set a mixup or leave it at 1.0"
+        )
+    if data.task == "regression" and cfg.trainer.loss != "ce":
+        raise ConfigError(
+            f"trainer.loss={cfg.trainer.loss} trains on class probabilities, but data={data.name} is a "
+            "regression task (trained with the squared error); use trainer.loss=ce"
+        )
+    if data.task == "regression" and cfg.probes.feature_maps and probe_layers(cfg):
+        raise ConfigError(
+            f"probes.feature_maps=true draws image feature maps, and data={data.name} has none; turn it off"
+        )
+    if mixup is not None and cfg.trainer.loss == "bce_softmax":
+        for mixer in members(mixup):
+            why = mixer.targets_refused() if hasattr(mixer, "targets_refused") else None
+            if why:
+                raise ConfigError(
+                    "trainer.loss=bce_softmax trains on the mixer's soft targets, but "
+                    f"{type(mixer).__name__} {why}; use trainer.loss=ce"
+                )
+    handles = attach_and_check(model, hooks, data)
+    try:
+        optimizer = _optimizer(cfg.optim, model, allowed_targets(cfg))
+        scheduler = _scheduler(cfg.scheduler, optimizer, allowed_targets(cfg))
+        if (
+            cfg.trainer.precision == "fp16"
+            and isinstance(optimizer, torch.optim.SGD)
+            and optimizer.defaults.get("fused")
+        ):  # tests/e2e/test_precision.py shows it on this torch
+            raise ConfigError(
+                "optim.fused=true with trainer.precision=fp16: torch's fused SGD fills its momentum with "
+                "uninitialised memory when the grad scaler skips a first step (LibreYOLO/libreyolo#771); "
+                "use optim.fused=false or trainer.precision=bf16"
+            )
+        try:
+            check_finite_every = check_every(cfg.trainer.check_finite_every, optimizer, device)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    trainer = cfg.trainer
+    settings = Settings(
+        epochs=trainer.epochs,
+        loss=trainer.loss,
+        precision=trainer.precision,
+        compile=trainer.compile,
+        channels_last=trainer.channels_last,
+        progress_bar=trainer.progress_bar,
+        checkpoint_every=trainer.checkpoint_every,
+        mixed_loss_weight=trainer.mixed_loss_weight,
+        check_finite_every=check_finite_every,
+    )
+    try:
+        schedule = _schedule(cfg, mixup)
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    summary = {
+        "mixup": OmegaConf.to_container(cfg.mixup, resolve=True),
+        "schedule": repr(schedule) if schedule is not None else None,
+        "hooks": {key: repr(hook) for key, hook in hooks if hook is not mixup},
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "data": cfg.data.name,
+        "task": data.task,
+        "data_split": data.split_hash,
+        "seed": cfg.seed,
+        "device": str(device),
+        "torch": torch.__version__,
+        "environment": environment(device),
+        "loss": trainer.loss,
+        "mixed_loss_weight": trainer.mixed_loss_weight,
+        "precision": trainer.precision,
+        "check_finite_every": check_finite_every,
+        "processes": dist.world,
+        "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
+    }
+    return Run(
+        model, data, optimizer, scheduler, device, settings,
+        mixup=mixup, hooks=[hook for _, hook in hooks], handles=handles, summary=summary, schedule=schedule,
+    )  # fmt: skip
+
+
+def _schedule(cfg: DictConfig, mixup):
+    """The run's :class:`~mixhook.MixSchedule` from ``schedule.*`` (``None`` when every key is at its
+    default); a bad value is a :class:`ConfigError` naming the key."""
+    from mixhook.schedule import MixSchedule, Ramp
+
+    node = OmegaConf.to_container(cfg.schedule, resolve=True)
+    if not node["off_epoch"] and all(node[k] is None for k in ("prob", "alpha", "layer_weights")):
+        return None
+    if mixup is None:
+        raise ConfigError(
+            "schedule.* is set but nothing mixes (mixup=none): set a mixup or drop the schedule"
+        )
+
+    def value(key):
+        given = node[key]
+        if isinstance(given, dict):
+            unknown = set(given) - {"start", "end", "epochs", "shape"}
+            if unknown or not {"start", "end", "epochs"} <= set(given):
+                raise ConfigError(
+                    f"schedule.{key}={given}: a ramp takes start, end, epochs and optionally shape "
+                    "(linear or cosine)"
+                )
+            try:
+                return Ramp(**given)
+            except ValueError as err:
+                raise ConfigError(f"schedule.{key}: {err}") from None
+        return given
+
+    prob, alpha = value("prob"), value("alpha")
+    try:
+        return MixSchedule(
+            mixup, prob=prob, alpha=alpha, off_epoch=node["off_epoch"], layer_weights=node["layer_weights"]
+        )
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"schedule: {err}") from None
+
+
+def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.Module, Data]:
+    """Check the config's ranges (:func:`mixhook.app.schema.check`), seed everything with ``cfg.seed``,
+    then build the data and the model for it (what the layer browser needs, and the first part of
+    :func:`build`)."""
+    try:
+        schema.check(cfg)
+    except schema.SchemaError as err:
+        raise ConfigError(str(err)) from None
+    seed_everything(cfg.seed)
+    if cfg.data.get("pipeline") == "auto":  # resolved, so that a checkpoint names the batches it saw
+        cfg.data.pipeline = "device"
+    data_options = OmegaConf.to_container(cfg.data, resolve=True)
+    dist = dist or Dist()
+    device = dist.device if dist.enabled and dist.device.type == "cuda" else device_of(cfg.trainer.device)
+    try:
+        data = build_data(
+            batch_size=cfg.trainer.batch_size, eval_batch_size=cfg.trainer.eval_batch_size, seed=cfg.seed,
+            rank=dist.rank, world_size=dist.world, device=device, **data_options,
+        )  # fmt: skip
+    except DataNotFoundError as err:
+        raise ConfigError(str(err)) from err
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"data: {err}") from err
+    try:
+        model = instantiate(
+            cfg.model,
+            "model",
+            allowed_targets(cfg),
+            in_channels=data.in_channels,
+            num_classes=data.num_classes,
+        )
+    except ConfigError as err:
+        if data.task != "regression":
+            raise
+        raise ConfigError(f"{err} (data={data.name} is tabular: model=mlp)") from err
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model: {cfg.model._target_} built a {type(model).__name__}, not an nn.Module")
+    return model, data
+
+
+def probe_layers(cfg: DictConfig) -> list[str]:
+    """``probes.layers`` as a list (empty: no probes)."""
+    layers = OmegaConf.select(cfg, "probes.layers") or []
+    return [layers] if isinstance(layers, str) else list(layers)
+
+
+def build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
+    """Every configured hook with the config key it came from: ``mixup``, ``input_scale``,
+    ``grad_scale``, ``grad_clip`` (``_target_`` nodes, each off while its ``layer`` is null), the
+    probes and the ``hooks`` list. A hook whose constructor takes a ``generator`` and is not given one
+    gets its own, seeded from ``seed`` and its place (so that ``seed`` changes every hook's draws)."""
+    hooks: list[tuple[str, object]] = []
+    patterns = allowed_targets(cfg)
+    if cfg.mixup.get("_target_"):
+        hooks.append(("mixup", build_hook(cfg.mixup, "mixup", seed, patterns)))
+    for offset, key in enumerate(("input_scale", "grad_scale", "grad_clip"), start=1):
+        if cfg[key].get("layer") is not None:
+            hooks.append((key, build_hook(cfg[key], key, seed + offset, patterns)))
+    if probe_layers(cfg):
+        every = cfg.probes.every
+        try:
+            hooks.append(("probes", ActivationStats(probe_layers(cfg), every=every)))
+            graded = [name for name in probe_layers(cfg) if name != INPUT]
+            if graded:
+                hooks.append(("probes.grad", GradStats(graded, every=every)))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"probes: {err}") from err
+    for i, node in enumerate(cfg.hooks):
+        key = f"hooks[{i}]"
+        if not isinstance(node, DictConfig) or not node.get("_target_"):
+            raise ConfigError(
+                f"{key}: each entry needs a _target_ (a hook class such as mixhook.GradClip), got {node}"
+            )
+        hooks.append((key, build_hook(node, key, seed + 4 + i, patterns)))
+    return hooks
+
+
+def build_hook(node: DictConfig, key: str, seed: int, patterns: tuple[str, ...] = hydra_compat.TRUSTED):
+    """The hook a ``_target_`` node describes, checked to have ``attach(model)``."""
+    extra = {}
+    if "generator" not in node and "generator" in parameters_of(node._target_):
+        extra["generator"] = torch.Generator().manual_seed(seed)
+    hook = instantiate(node, key, patterns, **extra)
+    if not callable(getattr(hook, "attach", None)):
+        raise ConfigError(f"{key}: {node._target_} built a {type(hook).__name__}, which has no attach(model)")
+    return hook
+
+
+def _optimizer(
+    node: DictConfig, model: nn.Module, patterns: tuple[str, ...] = hydra_compat.TRUSTED
+) -> torch.optim.Optimizer:
+    """The ``optim`` node's ``torch.optim`` optimizer over the model's parameters (its constructor
+    checks the values: ``optim: Invalid learning rate: -1``)."""
+    if not node.get("_target_"):
+        raise ConfigError("optim needs a _target_ (an optimizer class such as torch.optim.SGD)")
+    optimizer = instantiate(node, "optim", patterns, params=model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optim: {node._target_} built a {type(optimizer).__name__}, not a torch.optim optimizer"
+        )
+    return optimizer
+
+
+def _scheduler(
+    node: DictConfig, optimizer: torch.optim.Optimizer, patterns: tuple[str, ...] = hydra_compat.TRUSTED
+):
+    """The ``scheduler`` node's learning-rate schedule on ``optimizer`` (``None`` without a
+    ``_target_``), stepped once at the end of every epoch."""
+    if not node.get("_target_"):
+        return None
+    plateau = ConfigError(
+        "scheduler: ReduceLROnPlateau steps on a validation metric, and this app has only the test "
+        "set: choose a schedule over epochs (cosine, multistep, or any other torch.optim.lr_scheduler)"
+    )
+    target = target_object(node._target_)  # refused by its class, before the default's T_max fails it
+    if isinstance(target, type) and issubclass(target, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise plateau
+    scheduler = instantiate(node, "scheduler", patterns, optimizer=optimizer)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise plateau
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigError(
+            f"scheduler: {node._target_} built a {type(scheduler).__name__}, not a torch.optim.lr_scheduler"
+        )
+    return scheduler
+
+
+def device_of(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"trainer.device={spec!r} is not a device; valid: auto, cpu, cuda, cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={spec!r} but no CUDA device is available; use auto or cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"trainer.device={spec!r}: only auto, cpu, cuda and cuda:N are supported")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -119,7 +119,7 @@ def test_the_lazy_finite_check_never_waits_for_the_gpu(optimizer):
         torch.cuda.set_sync_debug_mode("error" if done >= 2 and done != 3 else "default")
 
     def after_step(totals):
-        if totals[2] == len(batches):
+        if totals.steps == len(batches):
             torch.cuda.set_sync_debug_mode("default")
 
     with mixup.attach(model):

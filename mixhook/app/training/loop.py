@@ -70,6 +70,39 @@ class Interrupted(RuntimeError):
         )
 
 
+def _zero() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64)
+
+
+@dataclass
+class Totals:
+    """An epoch's running sums over its training steps, carried over from a checkpoint in a resumed
+    epoch: ``loss`` each step's loss times its batch size, summed, and ``samples`` how many; ``correct``
+    the lam-weighted correct predictions of the training forwards (classification: ``Mixer.weigh``) and
+    ``rows`` how many rows they had; ``steps`` the steps taken. The sums are float64 tensors on the
+    training device (adding to them needs no host sync); a checkpoint holds them as the list
+    :meth:`saved` gives (``[loss, samples, steps, correct, rows]``)."""
+
+    loss: torch.Tensor = field(default_factory=_zero)
+    samples: int = 0
+    steps: int = 0
+    correct: torch.Tensor = field(default_factory=_zero)
+    rows: int = 0
+
+    @classmethod
+    def restored(cls, saved: list) -> Totals:
+        """From a checkpoint's list (one written before the accuracy was counted has three entries: its
+        accuracy counts from here)."""
+        totals = cls(saved[0].clone(), int(saved[1]), int(saved[2]))
+        if len(saved) >= 5:
+            totals.correct, totals.rows = saved[3].clone(), int(saved[4])
+        return totals
+
+    def saved(self) -> list:
+        """What a checkpoint holds: ``[loss, samples, steps, correct, rows]``, the sums on the CPU."""
+        return [self.loss.detach().cpu(), self.samples, self.steps, self.correct.detach().cpu(), self.rows]
+
+
 def train_one_epoch(
     model: nn.Module,
     loader,
@@ -79,7 +112,7 @@ def train_one_epoch(
     desc: str = "train",
     progress_bar: bool = True,
     loss: str = "ce",
-    totals: list | None = None,
+    totals: Totals | None = None,
     after_step=None,
     before_step=None,
     precision: str = "32",
@@ -101,10 +134,8 @@ def train_one_epoch(
     ``mixed_loss_weight``: the loss of a step whose batch was mixed is multiplied by it (the PatchUp
     authors' code trains with twice the BCE on mixed batches: 2.0 reproduces it); unmixed steps keep 1.
 
-    ``totals``: ``[loss sum (float64 tensor), sample count, steps, correct sum (float64 tensor), rows]``
-    carried over from the part of the epoch already done (a resumed epoch); updated in place (the last
-    two, classification only, the lam-weighted correct predictions of the training forwards and how many
-    rows they had: ``Mixer.weigh``; appended when missing). ``after_step(totals)`` runs after each step,
+    ``totals``: the :class:`Totals` of the part of the epoch already done (a resumed epoch), updated in
+    place (a new one by default). ``after_step(totals)`` runs after each step,
     ``before_step(done)`` before each (``done``: the epoch's steps already taken; the mix schedule).
     Raises :class:`NonFiniteLoss` for a step whose loss is not finite, which is never applied:
     ``finite`` (a :class:`~mixhook.app.training.finite.FiniteCheck`) says when the host looks (by
@@ -116,18 +147,15 @@ def train_one_epoch(
     dtype = PRECISIONS[precision]
     dist = dist or Dist()
     model.train()
-    if totals is None:
-        totals = [torch.zeros((), dtype=torch.float64), 0, 0]
-    if len(totals) < 5:
-        totals += [torch.zeros((), dtype=torch.float64), 0]
-    totals[0], totals[3] = totals[0].to(device), totals[3].to(device)
+    totals = totals if totals is not None else Totals()
+    totals.loss, totals.correct = totals.loss.to(device), totals.correct.to(device)
     # disable=None: a bar only where stderr is a terminal, so logs and CI output stay clean
     bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
     finite = finite or FiniteCheck(dist=dist)
     finite.for_epoch(model, mixup, dtype, before_step)
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        done = totals[2]  # the steps of this epoch already done
+        done = totals.steps  # the steps of this epoch already done
         if before_step is not None:
             before_step(done)
         finite.before_forward(done)
@@ -158,19 +186,19 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         (value if scaler is None else scaler.scale(value)).backward()
         finite.step(optimizer, scaler)  # skipped on the device after a non-finite loss (lazily)
-        totals[0] += value.detach() * y.shape[0]
-        totals[1] += y.shape[0]
-        totals[2] += 1
+        totals.loss += value.detach() * y.shape[0]
+        totals.samples += y.shape[0]
+        totals.steps += 1
         if task == "classification":
             correct = mixup.weigh(_correct, logits, y) if mixup is not None else _correct(logits, y)
-            totals[3] += correct.detach().sum()
-            totals[4] += correct.shape[0]
-        if finite.due(totals[2]):
+            totals.correct += correct.detach().sum()
+            totals.rows += correct.shape[0]
+        if finite.due(totals.steps):
             finite.read()  # the device's flag, lazily (nothing to read when checked every step)
         if after_step is not None:
             after_step(totals)
     finite.read()
-    return float(totals[0]) / max(totals[1], 1)
+    return float(totals.loss) / max(totals.samples, 1)
 
 
 def _forward(
@@ -371,8 +399,9 @@ def train(
         probe.step = state.global_step
     start = time.perf_counter() - state.seconds
 
-    def checkpoint(epoch_done: int, step: int, totals) -> None:
-        state.epoch, state.step, state.totals = epoch_done, step, totals
+    def checkpoint(epoch_done: int, step: int, totals: Totals | None) -> None:
+        state.epoch, state.step = epoch_done, step
+        state.totals = None if totals is None else totals.saved()
         state.seconds = time.perf_counter() - start
         state.save(path, run, scaler, dist)
         if logger is not None and dist.main:
@@ -389,7 +418,7 @@ def train(
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             skip = state.step if epoch == state.epoch + 1 else 0
-            totals = _resumed_totals(state.totals) if skip else [torch.zeros((), dtype=torch.float64), 0, 0]
+            totals = Totals.restored(state.totals) if skip else Totals()
             sampler.set_epoch(epoch)
             steps = len(data.train)  # the whole epoch's steps (a resumed epoch's loader has fewer left)
             sampler.set_epoch(epoch, start=skip * data.train.batch_size)
@@ -398,13 +427,13 @@ def train(
                 state.global_step += 1
                 # a signal on any rank stops all of them after this step (asked where the host reads
                 # anyway: the question is a collective, a host sync, under DDP)
-                if (not dist.enabled or finite.due(totals[2])) and dist.any(bool(stop[0])):
+                if (not dist.enabled or finite.due(totals.steps)) and dist.any(bool(stop[0])):
                     finite.read()  # no checkpoint holds a non-finite step
-                    checkpoint(epoch - 1, totals[2], totals)
-                    raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, totals[2])
+                    checkpoint(epoch - 1, totals.steps, totals)
+                    raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, totals.steps)
                 if opts.checkpoint_every and state.global_step % opts.checkpoint_every == 0:
                     finite.read()
-                    checkpoint(epoch - 1, totals[2], totals)
+                    checkpoint(epoch - 1, totals.steps, totals)
 
             try:
                 train_loss = train_one_epoch(
@@ -416,10 +445,10 @@ def train(
                         lambda done, epoch=epoch, steps=steps: run.schedule.set(epoch, done / steps)
                     ),
                 )  # fmt: skip
-                correct, rows = float(totals[3]), totals[4]
+                correct, rows = float(totals.correct), totals.rows
                 if dist.enabled:  # the epoch's means over every rank's samples
                     loss_sum, count, correct, rows = dist.sum(
-                        [float(totals[0]), float(totals[1]), correct, rows]
+                        [float(totals.loss), float(totals.samples), correct, rows]
                     )
                     train_loss = loss_sum / max(count, 1)
                 train_acc = correct / max(rows, 1)
@@ -466,15 +495,6 @@ def _network(model: nn.Module, device: torch.device, opts: Settings, dist: Dist)
             model, device_ids=[device] if device.type == "cuda" else None
         )
     return torch.compile(net) if opts.compile else net
-
-
-def _resumed_totals(saved: list) -> list:
-    """A resumed epoch's running totals, from the checkpoint's (a checkpoint written before train_acc
-    was counted has three: its accuracy counts from here)."""
-    totals = [saved[0].clone(), *saved[1:3]]
-    if len(saved) >= 5:
-        totals += [saved[3].clone(), saved[4]]
-    return totals
 
 
 def _tested(row: dict, net, data, device, opts: Settings, dist: Dist, train_acc: float | None) -> tuple:

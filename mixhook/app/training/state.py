@@ -34,9 +34,9 @@ EPOCHS = "trainer.epochs"  # may grow: the run is extended
 class RunState:
     """Where a run is: ``epoch`` epochs finished and ``step`` steps into the next (0 at an epoch's end),
     ``global_step`` training steps in all; ``rows`` the ``metrics.csv`` rows so far; ``totals`` the
-    running ``[loss sum, samples, steps]`` of a part-done epoch; ``seconds`` of training so far;
-    ``best`` the best ``(score, epoch)``: the score is the test accuracy (classification) or minus the test
-    RMSE (regression)."""
+    running sums of a part-done epoch (:meth:`~mixhook.app.training.loop.Totals.saved`); ``seconds`` of
+    training so far; ``best`` the best ``(score, epoch)``: the score is the test accuracy
+    (classification) or minus the test RMSE (regression)."""
 
     epoch: int = 0
     step: int = 0

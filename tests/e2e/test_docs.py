@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers import ROOT
 
@@ -149,3 +150,38 @@ def test_the_language_models_page_runs_as_written(tmp_path):
     steps = [line for line in lines if re.match(r"\d \d", line)]
     assert len(steps) == 3 and all(line.endswith(f"[{5 / 320**0.5}, 0.0]") for line in steps), steps
     assert "called on its own, not through the PeftModel" in lines[-1]
+
+
+def test_the_adding_a_mixer_example_mixes_as_a_hand_edited_forward():
+    """docs/adding-a-mixer.md's ChannelSwap, run as written: on a pinned draw its mix at a hidden layer
+    equals the hand-edited forward (logits and every gradient), and pin_last repeats it."""
+    from torch import nn
+
+    block = re.search(
+        r"```python\n(# mixhook/mixers/channelswap.py\n.*?)\n```",
+        (DOCS / "adding-a-mixer.md").read_text(),
+        re.S,
+    )
+    namespace: dict = {}
+    exec(compile(block[1], "adding-a-mixer.md", "exec"), namespace)  # the page's own code
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).double().train()
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    index = torch.tensor([1, 2, 3, 0])
+    mixer = namespace["ChannelSwap"]("1")
+    with mixer.attach(model):
+        mixer.pin(index=index, offset=1)
+        out = model(x)
+        out.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        mixer.pin_last()
+        torch.testing.assert_close(model(x), out, rtol=0, atol=0)
+    h = model[1](model[0](x))
+    keep = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64).view(1, 4, 1, 1)
+    hand = model[2](keep * h + (1 - keep) * h[index])
+    hand.sum().backward()
+    torch.testing.assert_close(out, hand, rtol=1e-12, atol=1e-12)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-12)
+    assert mixer.last.info["offset"] == 1 and float(mixer.last.lam) == 0.5

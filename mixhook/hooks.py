@@ -297,8 +297,9 @@ def guard_unwrapped(hook, model: nn.Module, handles: list[RemovableHandle], verb
     """Where ``model`` wraps another that it runs inside its forward (a PEFT ``PeftModel``: its
     ``get_base_model()``), refuse in one line a training forward of the inner model that does not go
     through ``model``: ``merge_and_unload()`` and ``unload()`` return the inner model, on which ``hook``'s
-    model-level hooks (on ``model``) would never run, so nothing would be ``verb``. The hook sets
-    ``hook._in_forward`` between its model's pre-hook and its output hook."""
+    model-level hooks (on ``model``) would never run, so nothing would be ``verb``. Whether a call of the
+    inner model is inside ``model``'s forward is counted by hooks of the guard's own on ``model`` (the one
+    that leaves runs even when the forward raises: a failed forward leaves no stale "inside")."""
     get = getattr(model, "get_base_model", None)
     if not callable(get) or not hasattr(model, "peft_config"):
         return
@@ -306,20 +307,24 @@ def guard_unwrapped(hook, model: nn.Module, handles: list[RemovableHandle], verb
     if not isinstance(inner, nn.Module) or inner is model:
         return
     kind, outer = type(hook).__name__, type(model).__name__
+    inside = [0]  # the calls of model's forward under way (a forward may call the model again)
+
+    def enter(module: nn.Module, args) -> None:
+        inside[0] += 1
+
+    def leave(module: nn.Module, args, output) -> None:
+        inside[0] -= 1
 
     def check(module: nn.Module, args) -> None:
-        if (
-            module.training
-            and torch.is_grad_enabled()
-            and not hook._in_forward
-            and not recompute.in_backward()
-        ):
+        if module.training and torch.is_grad_enabled() and not inside[0] and not recompute.in_backward():
             raise RuntimeError(
                 f"{kind}: {type(module).__name__} was called on its own, not through the {outer} {kind} is "
                 f"attached to (merge_and_unload() and unload() return it), so nothing would be {verb}; "
                 f"attach {kind} to the model you train"
             )
 
+    handles.append(model.register_forward_pre_hook(enter))
+    handles.append(model.register_forward_hook(leave, always_call=True))
     handles.append(inner.register_forward_pre_hook(check))
 
 

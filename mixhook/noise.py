@@ -87,11 +87,10 @@ class NEFTune(LayerHook):
         self._draw_from(generator)
         self.last: torch.Tensor | None = None
 
-    _TRANSIENT = ("_call", "_calls", "_in_forward")
+    _TRANSIENT = ("_call", "_calls")
 
     def _fresh(self) -> None:
         super()._fresh()
-        self._in_forward = False  # between the model's pre-hook and its output hook
         self._call: dict | None = None  # this training forward's masks and packing (the model's pre-hook)
         self._calls: dict[str, int] = {}  # each layer's calls in this forward
 
@@ -100,13 +99,9 @@ class NEFTune(LayerHook):
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
-        handles.append(model.register_forward_hook(self._on_model_output))
         guard_unwrapped(self, model, handles, "noised")
         for spec, module in modules.items():
             handles.append(module.register_forward_hook(self._hook(spec)))
-
-    def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
-        self._in_forward = False
 
     def _reset(self) -> None:
         self._call, self._calls = None, {}
@@ -114,7 +109,6 @@ class NEFTune(LayerHook):
     # --------------------------------------------------------------------------------- the model's call
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._in_forward = True
         if recompute.in_backward():
             return
         self._calls = {}

@@ -186,7 +186,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     _TRANSIENT = (
         "_draw", "_mask_stack", "_targets", "_capture", "_seen",
         "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks", "_input_sides", "_reads_sides",
-        "_in_forward", "_modules",
+        "_modules",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -206,7 +206,6 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._traced = False  # whether torch.compile traces the one-graph path (set at attach)
         self._input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
         self._reads_sides = False  # whether maps are checked against the input's sides (set at attach)
-        self._in_forward = False  # between the model's pre-hook and its output hook
         self._modules: dict[str, nn.Module] = {}  # the modules attached to, by spec
 
     @property
@@ -473,7 +472,6 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
         if self._capture is not None:  # gradient_at()'s own pass
             return self._capture_input(model, args, kwargs)
-        self._in_forward = True
         if self._traced and torch.compiler.is_compiling():
             return self._traced_begin(model, args, kwargs)
         if recompute.in_backward():  # the whole model is being recomputed: replay its input's mix
@@ -584,7 +582,6 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
         if self._capture is not None:  # gradient_at()'s own pass
             return
-        self._in_forward = False
         if self._traced and torch.compiler.is_compiling():
             self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
             return

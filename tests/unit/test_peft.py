@@ -93,3 +93,15 @@ def test_a_saved_adapter_holds_no_hook(tmp_path):
     for (name, p), q in zip(model.named_parameters(), loaded.parameters(), strict=True):
         if "lora_" in name:
             torch.testing.assert_close(p, q, msg=name)
+
+
+def test_a_forward_that_failed_leaves_no_stale_inside_for_the_guard():
+    """A training forward of the PeftModel that raises half-way (here a batch the embeddings cannot
+    take) must not leave the guard believing the next call of the inner model runs inside it."""
+    model = lora_llama()
+    with ManifoldMixup(LAYER).attach(model):
+        with pytest.raises(IndexError):
+            model(input_ids=IDS + 1000)  # ids outside the vocabulary: the embedding raises
+        with pytest.raises(RuntimeError, match="was called on its own, not through the PeftModel"):
+            model.get_base_model()(input_ids=IDS)
+        model(input_ids=IDS)  # through the PeftModel: mixed, not refused

@@ -549,27 +549,30 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         generator = self._replaying(draw.replay)
         leaves, before = None, type(self).before_mix is not Mixer.before_mix  # (a method that overrides it)
         if before or not self.draws_in_mix:
-            leaves = self._leaves(spec, self._site_value(spec, value), draw.batch)
+            site_value = self._site_value(spec, value)
+            leaves = (site_value, *self._leaves(spec, site_value, draw.batch))
         if before:
-            extra = self.before_mix(spec, leaves[1], draw.pinned)
+            extra = self.before_mix(spec, leaves[2], draw.pinned)
             if extra:  # noted with the draw below: a recomputation and pin_last mix with the same values
                 draw.pinned = {**draw.pinned, **extra}
-        state = self._repeatable(spec, None if leaves is None else leaves[2], draw, generator)
+        state, drawn = self._repeatable(spec, None if leaves is None else leaves[3], draw, generator)
         self._note(spec, (state, draw.pinned))
-        mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch, leaves)
+        mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch, leaves, drawn)
         self._done(spec, state, draw, last)
         return mixed, last
 
     def _repeatable(self, spec: str, n: int | None, draw: _Decision, generator: torch.Generator):
-        """What a repeat of this forward's mix at ``spec`` (``pin_last``, a recomputation) draws from:
-        the generator's state before the mix, for a method that draws in :meth:`mix`; else ``None``, lam
-        and the index of the ``n`` samples being drawn now into ``draw.pinned``, which a repeat reuses."""
+        """What a repeat of this forward's mix at ``spec`` (``pin_last``, a recomputation) draws from, and
+        what was drawn for it now: the generator's state before the mix, for a method that draws in
+        :meth:`mix` (nothing drawn yet); else ``None``, and lam, the index of the ``n`` samples and whether
+        it is a permutation, drawn now (and put into ``draw.pinned``, which a repeat reuses)."""
         if self.draws_in_mix:
-            return recompute.generator_state(generator)
-        lam, index, permutation = self._draws(spec, n, draw.pinned, generator)
-        drawn = {"lam": lam, "index": index, "_permutation": permutation}
-        draw.pinned = {**draw.pinned, **drawn, "_range": draw.pinned.get("_range", (0, n - 1))}
-        return None
+            return recompute.generator_state(generator), None
+        drawn = self._draws(spec, n, draw.pinned, generator)
+        lam, index, permutation = drawn
+        values = {"lam": lam, "index": index, "_permutation": permutation}
+        draw.pinned = {**draw.pinned, **values, "_range": draw.pinned.get("_range", (0, n - 1))}
+        return None, drawn
 
     def _done(self, spec: str, state, draw: _Decision, last: MixState) -> None:
         """``draw`` mixed ``last`` at ``spec``, repeatable from ``state``: noted for ``pin_last``, and for
@@ -790,12 +793,18 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         generator: torch.Generator,
         batch: int | None = None,
         leaves: tuple | None = None,
+        drawn: tuple | None = None,
     ):
         """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
         mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`.
-        ``leaves``: what :meth:`_leaves` gave for this value, where the caller has it already."""
-        site_value = self._site_value(spec, value)
-        found, given, n = self._leaves(spec, site_value, batch) if leaves is None else leaves
+        ``leaves``: the site's value and what :meth:`_leaves` gave for it, where the caller has them;
+        ``drawn``: lam, the index and whether it is a permutation, where the caller drew them (from
+        ``pinned``'s values: not read back and checked again)."""
+        if leaves is None:
+            site_value = self._site_value(spec, value)
+            found, given, n = self._leaves(spec, site_value, batch)
+        else:
+            site_value, found, given, n = leaves
         if self._clean and n < 2:
             raise ValueError(
                 f"{type(self).__name__}(clean=True) at {spec!r}: a batch of {n} has no partner to mix with; "
@@ -815,7 +824,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                 "by the wrong sample's mask; blend the sequence instead (ManifoldMixup), or pass "
                 "padding='keep' to hand the model its own masks unchanged"
             )
-        draw, mixed = self._drawing(spec, n, pinned, generator, self.mix, given)
+        draw, mixed = self._drawing(spec, n, pinned, generator, self.mix, given, drawn)
         tensors = self._check_mixed(spec, given, mixed)
         state = self._state(spec, found, draw, mixed, self._clean)
         if self.token_grid is not None:
@@ -833,12 +842,22 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             tensors = {leaf.path: torch.cat([leaf.tensor, tensors[leaf.path]], leaf.dim) for leaf in found}
         return replace_leaves(site_value, tensors), state
 
-    def _drawing(self, spec: str, n: int, pinned: Mapping, generator: torch.Generator, method, leaves: list):
+    def _drawing(
+        self,
+        spec: str,
+        n: int,
+        pinned: Mapping,
+        generator: torch.Generator,
+        method,
+        leaves: list,
+        drawn: tuple | None = None,
+    ):
         """The :class:`Draw` of a mix of ``n`` samples at ``spec`` and what ``method(leaves, draw)``
-        returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator``."""
+        returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator`` (``drawn``: lam, the
+        index and whether it is a permutation, drawn already by :meth:`_repeatable`)."""
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
-            lam, index, permutation = self._draws(spec, n, pinned, generator)
+            lam, index, permutation = drawn if drawn is not None else self._draws(spec, n, pinned, generator)
             draw = Draw(spec, lam, index, generator, pinned, permutation)
             return draw, method(leaves, draw)
         finally:

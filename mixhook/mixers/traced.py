@@ -313,8 +313,10 @@ class TracedPath:
         """The values and the state of the mix ``decision`` makes at ``spec``, drawn and noted as
         :meth:`~.base.Mixer._mix_now` draws and notes an eager mix."""
         generator = self._replaying(decision.replay)
-        state = self._repeatable(spec, n, decision, generator)
-        d, (values, mixed) = self._drawing(spec, n, decision.pinned, generator, self.draw_traced, given)
+        state, drawn = self._repeatable(spec, n, decision, generator)
+        d, (values, mixed) = self._drawing(
+            spec, n, decision.pinned, generator, self.draw_traced, given, drawn
+        )
         last = self._state(spec, found, d, mixed)
         self._done(spec, state, decision, last)
         return values, last

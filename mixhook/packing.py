@@ -26,7 +26,7 @@ from . import recompute
 from .sites import Inputs
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k", "seq_idx")
-_TELLS = (*VARLEN, "position_ids")
+_TELLS = frozenset((*VARLEN, "position_ids"))
 
 
 class PackedBatchError(ValueError):
@@ -36,7 +36,7 @@ class PackedBatchError(ValueError):
 def packing(module: nn.Module, args: tuple, kwargs: dict) -> str | None:
     """How the call of ``module`` with ``(args, kwargs)`` packs several sequences into a row (in words,
     for a message), or ``None`` where it does not."""
-    if len(args) < 3 and not any(k in kwargs for k in _TELLS):  # (the usual call: tensors by keyword)
+    if len(args) < 3 and _TELLS.isdisjoint(kwargs):  # (the usual call: tensors by keyword)
         return None
     inputs = Inputs(module, args, kwargs)
     for key in VARLEN:

@@ -333,7 +333,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         :class:`~mixhook.mixers.contract.Draw` (lam, the partner index) and the method's own draws as its
         :class:`~mixhook.mixers.contract.Mixed` records them (CutMix's ``info["box"]``), every draw from
         ``generator`` (the mixer's own by default). For an adapter that must know a mix before the forward
-        (timm's ``mixup_fn`` returns the soft targets first): it then :meth:`pin` s what it drew.
+        (timm's ``mixup_fn`` returns the soft targets first), which then pins what it drew (:meth:`pin`).
 
         ``index``: the partners to use (e.g. timm's flipped batch) instead of drawn ones; ``leaves``: what
         a region method cuts (:meth:`leaves_at`; their tensors may be :class:`~mixhook.mixers.traced.Shape`

@@ -39,7 +39,8 @@ def _size(shape: Sequence[int]) -> str:
 
 def draw_region(draw: Draw, shape: Sequence[int], rounding: str = "paper") -> tuple[int, ...]:
     """The box of one mix of a map of positions ``shape``: the pinned ``box`` once it fits (else a
-    one-line ``ValueError``), or :func:`rand_region` from ``draw.lam`` and ``draw.generator``."""
+    one-line ``ValueError``), or :func:`~mixhook.geometry.rand_region` from ``draw.lam`` and
+    ``draw.generator``."""
     box = draw.pinned.get("box")
     if box is None:
         return rand_region(shape, float(draw.lam), draw.generator, rounding)
@@ -54,7 +55,7 @@ def draw_region(draw: Draw, shape: Sequence[int], rounding: str = "paper") -> tu
 
 def draw_box(draw: Draw, height: int, width: int, rounding: str = "paper") -> tuple[int, int, int, int]:
     """The box of one mix: the pinned ``box`` once it fits the ``height x width`` map (else a one-line
-    ``ValueError``), or :func:`rand_box` from ``draw.lam`` and ``draw.generator``."""
+    ``ValueError``), or :func:`~mixhook.geometry.rand_box` from ``draw.lam`` and ``draw.generator``."""
     return draw_region(draw, (height, width), rounding)
 
 
@@ -75,8 +76,8 @@ class CutMix(Mixer):
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
     ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and a box of area ratio ``1 - lam``
-    (:func:`rand_box`); the box of ``h[index]`` is pasted into ``h`` (the same box for the whole
-    batch), and lam is corrected to the area actually kept after clipping to the borders:
+    (:func:`~mixhook.geometry.rand_box`); the box of ``h[index]`` is pasted into ``h`` (the same box for
+    the whole batch), and lam is corrected to the area actually kept after clipping to the borders:
     ``lam = 1 - box area / (H * W)``. ``loss`` and ``targets`` use the corrected lam. At ``"input"`` this
     is classic CutMix; at a hidden layer it is Feature (Manifold) CutMix. ``.last.info["box"]`` is the box.
 
@@ -88,9 +89,10 @@ class CutMix(Mixer):
 
     On a 1-D map (a signal, a time series, a sequence's positions) the box is a segment of length ratio
     ``1 - lam``; on a 3-D map (a volume, a clip) a box of side ratio ``cbrt(1 - lam)`` in depth, height and
-    width (:func:`rand_region`), ``(z1, z2, y1, y2, x1, x2)``; lam is the fraction kept, as in 2-D. Their
-    layouts are read, never guessed (:mod:`mixhook.layouts`): a 1-D convolution states ``(B, C, L)``; a
-    ``(B, L, C)`` sequence, a model's 3-D or 5-D input, and a map nothing states need ``layout=``.
+    width (:func:`~mixhook.geometry.rand_region`), ``(z1, z2, y1, y2, x1, x2)``; lam is the fraction
+    kept, as in 2-D. Their layouts are read, never guessed (:mod:`mixhook.layouts`): a 1-D convolution
+    states ``(B, C, L)``; a ``(B, L, C)`` sequence, a model's 3-D or 5-D input, and a map nothing states
+    need ``layout=``.
 
     Args:
         layer: a name, ``"input"`` or a list (one drawn per batch); each must output a map (see above).
@@ -98,7 +100,7 @@ class CutMix(Mixer):
         prob: probability that a batch is mixed (the paper's cutmix_prob), in [0, 1].
         mode: ``"batch"`` (one box for the batch, as the paper) or ``"elem"`` (one box per sample).
         rounding: ``"paper"`` (the authors' code and torchvision's box) or ``"timm"`` (timm >= 1.0's,
-            one row/column longer for an odd side); see :func:`rand_box`.
+            one row/column longer for an odd side); see :func:`~mixhook.geometry.rand_box`.
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
         layout: ``"NHWC"`` or ``"NCHW"`` for a 4-D map, ``"NCL"``/``"NLC"`` for a 3-D one,
             ``"NCDHW"``/``"NDHWC"`` for a 5-D one (or a dict per layer), where the model does not state

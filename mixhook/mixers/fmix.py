@@ -28,7 +28,7 @@ class FMix(MaskedMix, Mixer):
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
     ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and a mask ``M`` (``H x W``, one for the batch,
     the same for every channel) that keeps the ``lam`` fraction of pixels where low-frequency Fourier
-    noise is highest (:func:`fmix_mask`):
+    noise is highest (:func:`~mixhook.geometry.fmix_mask`):
 
         ``h' = M * h + (1 - M) * h[index]``
 
@@ -37,8 +37,8 @@ class FMix(MaskedMix, Mixer):
     the drawn lam. ``.last.info["mask"]`` is ``M``.
 
     On a 1-D or 3-D map the mask is cut from the paper's spectrum over every dimension
-    (:func:`low_freq_volume`; ``spectrum="complex"``): the authors' N-D spectrum is not one a
-    ``(L,)`` or ``(D, H, W)`` inverse FFT reads as such (their 3-D frequencies are laid out
+    (:func:`~mixhook.geometry.low_freq_volume`; ``spectrum="complex"``): the authors' N-D spectrum is
+    not one a ``(L,)`` or ``(D, H, W)`` inverse FFT reads as such (their 3-D frequencies are laid out
     ``(D, W, H // 2 + 1)``), so it is not reproduced; ``"reference"`` and ``"authors"`` are then
     refused. Layouts as :class:`~mixhook.CutMix`'s.
 
@@ -51,8 +51,8 @@ class FMix(MaskedMix, Mixer):
             a binary mask).
         spectrum: on a 2-D map ``"reference"`` (the line the authors' code carries commented out),
             ``"authors"`` (the line it runs, masks equal to theirs on the same draw) or ``"complex"`` (the
-            paper's description), see :func:`low_freq_image`; on a 1-D or 3-D map ``"complex"``. ``None``
-            (default): ``"reference"`` on 2-D maps, ``"complex"`` on others.
+            paper's description), see :func:`~mixhook.geometry.low_freq_image`; on a 1-D or 3-D map
+            ``"complex"``. ``None`` (default): ``"reference"`` on 2-D maps, ``"complex"`` on others.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
         layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
             layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.

@@ -27,8 +27,8 @@ class GridMix(MaskedMix, Mixer):
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
     ``lam ~ Beta(alpha, alpha)`` and a permutation ``index``; the map is cut into a ``grid`` of cells
-    (:func:`cell_index`) and ``round(lam * cells)`` of them, drawn uniformly, stay the sample's own, the
-    others come whole from its partner (one cell pattern for the batch):
+    (:func:`~mixhook.geometry.cell_index`) and ``round(lam * cells)`` of them, drawn uniformly, stay the
+    sample's own, the others come whole from its partner (one cell pattern for the batch):
 
         ``h' = M * h + (1 - M) * h[index]``,   ``M`` = 1 on the kept cells
 

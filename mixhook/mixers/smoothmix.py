@@ -22,12 +22,14 @@ from .tokens import token_grid
 
 class SmoothMix(MaskedMix, Mixer):
     """SmoothMix (Lee et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)`` (or a 1-D
-    ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` map: a Gaussian along each dimension, :func:`gaussian_volume`).
+    ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` map: a Gaussian along each dimension,
+    :func:`~mixhook.geometry.gaussian_volume`).
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a permutation
     ``index``, a centre ``(cy, cx)`` uniform over the map's pixels and a width ``s ~ U(sigma[0],
-    sigma[1])``; the mask ``G`` (:func:`gaussian_mask`, ``sigma_y = s * H``, ``sigma_x = s * W``: one shape
-    on every map, whatever its size; one mask for the batch) blends, as the paper's equations:
+    sigma[1])``; the mask ``G`` (:func:`~mixhook.geometry.gaussian_mask`, ``sigma_y = s * H``,
+    ``sigma_x = s * W``: one shape on every map, whatever its size; one mask for the batch) blends, as the
+    paper's equations:
 
         ``h' = G * h + (1 - G) * h[index]``,   ``lam = mean(G)``
 

@@ -32,7 +32,8 @@ class TokenMix(MaskedMix, Mixer):
     ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and a token mask on a ``grid`` of cells (one
     cell per pixel, or per patch token, by default): ``min(N, int((1 - lam) * N) + extra_tokens)`` of the
     ``N`` cells are to come from the partner, as blocks (``mask_type="block"``,
-    :func:`block_token_mask`) or scattered (``"random"``, :func:`random_token_mask`); one mask for the
+    :func:`~mixhook.geometry.block_token_mask`) or scattered (``"random"``,
+    :func:`~mixhook.geometry.random_token_mask`); one mask for the
     batch:
 
         ``h' = M * h + (1 - M) * h[index]``,   ``M`` = 0 on the partner's cells, 1 elsewhere

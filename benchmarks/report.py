@@ -311,13 +311,7 @@ def _language_model(lm: dict) -> list[str]:
             "",
             f"## Language model: {title}",
             "",
-            "| variant | s/step | vs none |",
-            "| --- | --- | --- |",
-        ]
-        for name, sec in lm["seconds_per_step"].items():
-            rel = fmt(lm["vs_none"][name]) if name in lm["vs_none"] else "1"
-            lines.append(f"| {name} | {sec:.4f} | {rel} |")
-        lines += [
+            *_step_table(lm),
             "",
             *(f"{k} / hf_neftune: {fmt(v)}" for k, v in lm["neftune_vs_hf"].items()),
             f"manifold_layer0 / hand_blend_layer0: {fmt(lm['manifold_vs_hand'])}",
@@ -352,10 +346,17 @@ def _training_steps(results: dict) -> list[str]:
                 + (", channels-last" if run.get("channels_last") else ""),
                 "",
             ]
-            lines += ["| variant | s/step | vs none |", "| --- | --- | --- |"]
-            for name, sec in run["seconds_per_step"].items():
-                rel = fmt(run["vs_none"][name]) if name in run["vs_none"] else "1"
-                lines.append(f"| {name} | {sec:.4f} | {rel} |")
+            lines += _step_table(run)
             if "mixup_layer2_vs_hand_layer2" in run:
                 lines += ["", f"mixup_layer2 / hand_layer2: {fmt(run['mixup_layer2_vs_hand_layer2'])}"]
     return lines
+
+
+def _step_table(run: dict) -> list[str]:
+    """A case's seconds per training step of each variant and its ratio to ``none``, as a table."""
+    rows = ["| variant | s/step | vs none |", "| --- | --- | --- |"]
+    for name, sec in run["seconds_per_step"].items():
+        rows.append(
+            f"| {name} | {sec:.4f} | {fmt(run['vs_none'][name]) if name in run['vs_none'] else '1'} |"
+        )
+    return rows

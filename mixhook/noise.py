@@ -77,9 +77,12 @@ class NEFTune(LayerHook):
         batch_dim: int | dict | None = None,
     ):
         super().__init__(layer, batch_dim)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-            raise ValueError(f"NEFTune: alpha must be a finite number > 0, got {alpha!r}")
-        if alpha <= 0:
+        if (
+            isinstance(alpha, bool)
+            or not isinstance(alpha, (int, float))
+            or not math.isfinite(alpha)
+            or alpha <= 0
+        ):
             raise ValueError(f"NEFTune: alpha must be a finite number > 0, got {alpha!r}")
         if length not in LENGTHS:
             raise ValueError(f"NEFTune: length must be one of {', '.join(LENGTHS)}, got {length!r}")
@@ -115,18 +118,19 @@ class NEFTune(LayerHook):
         if not model.training or not torch.is_grad_enabled():  # a forward that cannot train: no noise
             self._call = None
             return
-        how = packing.packing(model, args, kwargs)
+        how, inputs, restarted = packing.packed(model, args, kwargs) or (None, None, None)
         if how is not None and self.length == "padded":
             raise packing.PackedBatchError(
                 f"NEFTune(length='padded'): the batch given to {type(model).__name__} is packed ({how}), so "
                 "its padded length would be the whole packed row; use length='sequence' (each packed "
                 "sequence's own length), or padded batches"
             )
-        inputs = kwargs if len(args) <= 1 and how is None else Inputs(model, args, kwargs)  # (the usual call)
+        if inputs is None:
+            inputs = kwargs if len(args) <= 1 else Inputs(model, args, kwargs)  # (the usual call: kwargs)
         self._call = {
             "masks": [_mask(inputs, "attention_mask"), _mask(inputs, "decoder_attention_mask")],
             "sources": 2 if any(k in inputs for k in ("decoder_input_ids", "decoder_inputs_embeds")) else 1,
-            "starts": _starts(inputs) if how is not None else None,
+            "starts": packing.starts(inputs, restarted) if how is not None else None,
         }
 
     # ---------------------------------------------------------------------------------------- the noise
@@ -229,29 +233,6 @@ class NEFTune(LayerHook):
 def _mask(inputs, name: str) -> torch.Tensor | None:
     mask = inputs.get(name)
     return mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
-
-
-def _starts(inputs: Inputs) -> torch.Tensor | None:
-    """Where each packed sequence starts in its row: from ``position_ids``, ``cu_seq_lens_q`` (one row)
-    or ``seq_idx``."""
-    found = packing.restarts(inputs)
-    if found is not None:
-        return found
-    seq_idx = inputs.get("seq_idx")
-    if isinstance(seq_idx, torch.Tensor) and seq_idx.ndim == 2:
-        starts = torch.zeros_like(seq_idx, dtype=torch.bool)
-        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-        return starts
-    cumulative = inputs.get("cu_seq_lens_q")
-    if cumulative is None:
-        cumulative = inputs.get("cu_seqlens")
-    if isinstance(cumulative, torch.Tensor) and cumulative.ndim == 1:
-        total = int(cumulative[-1])
-        starts = torch.zeros(1, total, dtype=torch.bool, device=cumulative.device)
-        inner = cumulative[1:-1].long()
-        starts[0, inner[inner < total]] = True
-        return starts
-    return None
 
 
 def _uniform(h: torch.Tensor, generator: torch.Generator, bound: float) -> torch.Tensor:

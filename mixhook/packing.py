@@ -36,15 +36,22 @@ class PackedBatchError(ValueError):
 def packing(module: nn.Module, args: tuple, kwargs: dict) -> str | None:
     """How the call of ``module`` with ``(args, kwargs)`` packs several sequences into a row (in words,
     for a message), or ``None`` where it does not."""
+    found = packed(module, args, kwargs)
+    return None if found is None else found[0]
+
+
+def packed(module: nn.Module, args: tuple, kwargs: dict) -> tuple[str, Inputs, torch.Tensor | None] | None:
+    """:func:`packing`'s words, the call's :class:`~mixhook.sites.Inputs` and, where the ``position_ids``
+    told it, their :func:`restarts` (``None`` where a varlen keyword did); ``None`` for a call that does
+    not pack. For a hook that goes on to read the segments (:func:`starts`), each read once."""
     if len(args) < 3 and _TELLS.isdisjoint(kwargs):  # (the usual call: tensors by keyword)
         return None
     inputs = Inputs(module, args, kwargs)
     for key in VARLEN:
         if inputs.get(key) is not None:
-            return f"{key} is given"
-    if restarts(inputs) is not None:
-        return "its position_ids restart inside a row"
-    return None
+            return f"{key} is given", inputs, None
+    found = restarts(inputs)
+    return None if found is None else ("its position_ids restart inside a row", inputs, found)
 
 
 def restarts(inputs: Inputs) -> torch.Tensor | None:
@@ -62,6 +69,29 @@ def restarts(inputs: Inputs) -> torch.Tensor | None:
         real = mask.to(positions.device) != 0
         starts[..., 1:] &= real[..., 1:] & real[..., :-1]
     return starts if bool(starts.any()) else None
+
+
+def starts(inputs: Inputs, found: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Where each packed sequence starts in its row, ``(rows, T)`` booleans: from the ``position_ids``
+    (``found``: their :func:`restarts`, where read already), ``seq_idx`` or ``cu_seq_lens_q`` (one row)."""
+    found = found if found is not None else restarts(inputs)
+    if found is not None:
+        return found
+    seq_idx = inputs.get("seq_idx")
+    if isinstance(seq_idx, torch.Tensor) and seq_idx.ndim == 2:
+        found = torch.zeros_like(seq_idx, dtype=torch.bool)
+        found[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        return found
+    cumulative = inputs.get("cu_seq_lens_q")
+    if cumulative is None:
+        cumulative = inputs.get("cu_seqlens")
+    if isinstance(cumulative, torch.Tensor) and cumulative.ndim == 1:
+        total = int(cumulative[-1])
+        found = torch.zeros(1, total, dtype=torch.bool, device=cumulative.device)
+        inner = cumulative[1:-1].long()
+        found[0, inner[inner < total]] = True
+        return found
+    return None
 
 
 PARTNERS = "a row's partner would be other sequences"  # what a mix of a packed batch would do

@@ -121,11 +121,12 @@ def resolve_layers(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Modul
 
 def _unknown_layer_message(model: nn.Module, name: str) -> str:
     valid = layer_names(model)
-    wrapped = sorted((n for n in valid if n.endswith(f".{name}")), key=len)[:1]  # PEFT: base_model.model.
-    close = wrapped or difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "."
+    wrapped = sorted((n for n in valid if n.endswith(f".{name}")), key=len)  # PEFT: base_model.model.
     if wrapped:
         hint = f"; did you mean {wrapped[0]!r} (the model wraps its layers: name them as it does)?"
+    else:
+        close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "."
     listed = [n for n in valid if n.count(".") < _LISTED_DEPTH]
     deeper = [n for n in valid if n.count(".") >= _LISTED_DEPTH]
     more = f" (and {len(deeper)} deeper modules such as {deeper[0]!r})" if deeper else ""

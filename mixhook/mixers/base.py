@@ -15,7 +15,6 @@ to the mixers it chooses among. See "Adding a mixer" in the README.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -51,38 +50,13 @@ from . import traced
 from .binding import Forwards
 from .checks import check_fraction, check_layer_weights, check_positive
 from .contract import Draw, Mixed, MixingHook, MixState, claim, unclaim
-from .functional import is_permutation, sample_lam
+from .forward import NO_PINS, SKIP, Forward, Pins, given_index
+from .functional import sample_lam
 from .gradient_pass import GradientPass
 from .masking import PaddingMasks
 from .targets import LossAndTargets
 from .tokens import TokenGrid
 from .traced import TracedPath
-
-
-@dataclass
-class _Decision:
-    """A mix decided at the start of a forward and applied when its layer runs."""
-
-    layer: str
-    pinned: dict = field(default_factory=dict)
-    replay: torch.Tensor | None = None  # pin_last: the generator state the repeated mix drew from
-    done: bool = False
-    batch: int | None = None  # the batch size of the model's input, where it can be told
-    index: torch.Tensor | None = None  # once mixed: for the padding-mask policy downstream
-    state: MixState | None = None  # once mixed: what it mixed (the padding-mask policy reads its shapes)
-
-
-def _given_index(index, where: str) -> dict:
-    """A partner index given to :meth:`Mixer.pin` or :meth:`Mixer.draw_for` as a 1-D int64 CPU tensor,
-    with its range and whether it is a permutation (read once here, not in the forward); else one line."""
-    index = torch.as_tensor(index)
-    if index.ndim != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
-        raise ValueError(
-            f"{where}(index=...): needs a 1-D integer index, got {index.dtype} {tuple(index.shape)}"
-        )
-    index = index.to(device="cpu", dtype=torch.int64)
-    span = (int(index.min()), int(index.max())) if index.numel() else (0, -1)
-    return {"index": index, "_range": span, "_permutation": is_permutation(index)}
 
 
 def _check_doubled(model: nn.Module, output, state: MixState) -> None:
@@ -99,7 +73,6 @@ def _check_doubled(model: nn.Module, output, state: MixState) -> None:
         )
 
 
-_SKIP = object()  # pinned for a forward that must not mix (skip_next)
 _TRACED = ("traced_params", "draw_traced", "mix_traced")  # what a method defines beside mix() to be traced
 
 
@@ -177,14 +150,14 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             raise ValueError(f"padding must be one of {', '.join(masks.PADDING)}, got {padding!r}")
         self.padding = padding
         self.last: MixState | None = None
-        self._pinned: dict | object | None = None
-        self._last_draw: tuple | None = None  # (layer, generator state, pinned) of the last mix
+        self._pinned: Pins | None = None  # what pin(), pin_last() or skip_next() set for the next forward
+        self._last_forward: Forward | None = None  # the last forward that mixed (what pin_last() repeats)
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
         self._layer_weights: tuple[float, ...] | None = None
         self._clean = type(self).keeps_clean
 
     _TRANSIENT = (
-        "_draw", "_mask_stack", "_targets", "_capture", "_seen",
+        "_current", "_mask_stack", "_targets", "_capture", "_seen",
         "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks", "_input_sides", "_reads_sides",
         "_modules",
     )  # fmt: skip
@@ -197,7 +170,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._regions: dict[str, str] = {}  # each hidden site's padding-mask region (mixhook.padding)
         self._takes_masks = False  # whether padding masks downstream get the partners' union (set at attach)
         self._plans: dict[str, tuple] = {}  # a site that returns a plain tensor: (ndim, dtype, batch dim)
-        self._draw: _Decision | None = None
+        self._current: Forward | None = None  # the training forward under way
         self._mask_stack: list[bool] = []
         self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
         self._capture: dict | None = None  # during gradient_at(): the map whose gradient is taken
@@ -292,7 +265,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         in [0, 1] (or, in ``mode="elem"``, one per sample). Subclasses take more values (CutMix ``box``,
         PatchUp ``mask``).
         """
-        unknown = sorted(set(values) - set(self.pin_keys) - {"_range", "_permutation"})
+        unknown = sorted(set(values) - set(self.pin_keys))
         if unknown:
             valid = ", ".join(("layer", "lam", "index", *self.pin_keys))
             raise TypeError(f"{type(self).__name__}.pin() got unknown values {unknown}; valid: {valid}")
@@ -304,11 +277,20 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             lam = torch.as_tensor(lam, dtype=torch.float64).detach().cpu()
             if lam.ndim > 1 or not bool(((lam >= 0) & (lam <= 1)).all()):
                 raise ValueError(f"pin(lam={lam.tolist()}): lam must be a number (or 1-D values) in [0, 1]")
-        if index is not None:
-            values.update(_given_index(index, "pin"))
-            index = values.pop("index")
-        pinned = {"layer": layer, "lam": lam, "index": index, **values}
-        self._pinned = {k: v for k, v in pinned.items() if v is not None}
+        given = {} if index is None else given_index(index, "pin")
+        self._pinned = Pins(layer, lam, values={k: v for k, v in values.items() if v is not None}, **given)
+
+    @property
+    def pins(self) -> Pins | None:
+        """What :meth:`pin`, :meth:`pin_last` or :meth:`skip_next` set for the next training forward
+        (:class:`~mixhook.mixers.forward.Pins`), or ``None``."""
+        return self._pinned
+
+    @property
+    def current(self) -> Forward | None:
+        """The training forward under way (:class:`~mixhook.mixers.forward.Forward`: its layer, pins and,
+        once its layer ran, what it mixed), or ``None`` outside one or in a forward that does not mix."""
+        return self._current
 
     @property
     def pinned(self) -> bool:
@@ -348,10 +330,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             raise ValueError(
                 f"draw_for(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}"
             )
-        pinned = {} if index is None else _given_index(index, "draw_for")
-        return self._drawing(
-            layer, batch, pinned, generator or self.generator, self.draw_traced, leaves or []
-        )
+        pins = NO_PINS if index is None else Pins(**given_index(index, "draw_for"))
+        return self._drawing(layer, batch, pins, generator or self.generator, self.draw_traced, leaves or [])
 
     def leaves_at(self, layer: str, output) -> list[Leaf]:
         """The leaves the method acts on in ``output``, what ``layer`` returned (for ``"input"``, the
@@ -371,15 +351,14 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         """Make the next training forward repeat the last training forward's mix exactly: the same
         layer and every draw (lam, index, and the method's own: box, mask, noise), or no mix if the last
         forward did not mix. The mixer's generator is not advanced by the repeat."""
-        if self.last is None or self._last_draw is None:
+        if self.last is None or self._last_forward is None:
             self.skip_next()
             return
-        layer, state, pinned = self._last_draw
-        self._pinned = {**pinned, "layer": layer, "_state": state}
+        self._pinned = self._last_forward.repeat()
 
     def skip_next(self) -> None:
         """Make the next training forward not mix, whatever ``prob`` (nothing is drawn for it)."""
-        self._pinned = _SKIP
+        self._pinned = SKIP
 
     def use_targets(self, target: torch.Tensor) -> None:
         self._targets = target
@@ -465,7 +444,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._takes_masks = takes_masks and self.padding == "union"
 
     def _reset(self) -> None:
-        self._draw = None
+        self._current = None
         self._plans = {}
         unclaim(self)
 
@@ -477,47 +456,47 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         if recompute.in_backward():  # the whole model is being recomputed: replay its input's mix
             return self._replay_input(model, args, kwargs)
         if not model.training:
-            self._draw = None
+            self._current = None
             return None
         packing.refuse(type(self).__name__, model, args, kwargs)
         self._input_sides = self._input_grid(args, kwargs)
         return self._begin(model, args, kwargs, self._agree(self._decide()))
 
-    def _begin(self, model: nn.Module, args: tuple, kwargs: dict, draw: _Decision | None):
-        """Start a training forward with ``draw`` (or no mix); mix the input now if it is the layer."""
+    def _begin(self, model: nn.Module, args: tuple, kwargs: dict, forward: Forward | None):
+        """Start a training forward that mixes as ``forward`` decided (or not at all); mix the input now
+        if it is the layer."""
         targets = self._targets
-        if draw is not None:
-            extra = self.before_forward(model, args, kwargs, draw.layer, draw.pinned, targets)
+        if forward is not None:
+            extra = self.before_forward(model, args, kwargs, forward.layer, forward.pins.given, targets)
             if extra:
-                draw.pinned = {**draw.pinned, **extra}
-        if self._begin_forward(draw) is None:
+                forward.pins = forward.pins.joined(extra)
+        if self._begin_forward(forward) is None:
             return None
-        draw.batch = self._reference_batch(model, args, kwargs)
-        if self.sites[draw.layer].layer != INPUT:
+        forward.batch = self._reference_batch(model, args, kwargs)
+        if self.sites[forward.layer].layer != INPUT:
             return None
         inputs = Inputs(model, args, kwargs)
-        value, _ = self._mix_now(draw.layer, inputs, draw)  # (self.last set)
-        args, kwargs = rebuild_inputs(inputs, self.sites[draw.layer], value)
-        return self._input_masks(model, args, kwargs, draw.layer, self.last)
+        value, _ = self._mix_now(forward.layer, inputs, forward)  # (self.last set)
+        args, kwargs = rebuild_inputs(inputs, self.sites[forward.layer], value)
+        return self._input_masks(model, args, kwargs, forward.layer, self.last)
 
-    def _begin_forward(self, draw: _Decision | None) -> _Decision | None:
-        """The state of a training forward that follows ``draw`` (eager, or in a compiled graph); a
+    def _begin_forward(self, forward: Forward | None) -> Forward | None:
+        """The state of a training forward that follows ``forward`` (eager, or in a compiled graph); a
         compiled forward before it is settled first (its record must not take this forward's mix)."""
         self._seen.settle()
         self.last = None
         self._targets = None
-        self._draw = draw
+        self._current = forward
         self._mask_stack = []
-        return draw
+        return forward
 
     def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
         for spec, site in self.sites.items():
             if site.layer == INPUT:
-                payload = self._replayed(spec)
-                if payload is not None:
-                    state, pinned = payload
+                pins = self._replayed(spec)
+                if pins is not None:
                     inputs = Inputs(model, args, kwargs)
-                    value, state = self._apply(spec, inputs, pinned, self._replaying(state))
+                    value, state = self._apply(spec, inputs, pins, self._replaying(pins.state))
                     args, kwargs = rebuild_inputs(inputs, site, value)
                     return self._input_masks(model, args, kwargs, spec, state)
         return None
@@ -528,57 +507,55 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                 return self._capture_layer(spec, output)
             if self._traced and torch.compiler.is_compiling():
                 return self._traced_mix(spec, output) if module.training else None
-            draw = self._draw
-            if draw is not None and not draw.done and draw.layer == spec:  # this forward mixes here
-                return self._mix_now(spec, output, draw)[0]  # (self.last set)
+            forward = self._current
+            if forward is not None and forward.mixed is None and forward.layer == spec:  # it mixes here
+                return self._mix_now(spec, output, forward)[0]  # (self.last set)
             # a recomputation, after its forward ended (a forward a compiled graph began keeps its draw)
-            if (draw is None or draw.done) and recompute.in_backward():
-                payload = self._replayed(spec)
-                if payload is None:
+            if (forward is None or forward.mixed is not None) and recompute.in_backward():
+                pins = self._replayed(spec)
+                if pins is None:
                     return None
-                state, pinned = payload
-                return self._apply(spec, output, pinned, self._replaying(state))[0]
+                return self._apply(spec, output, pins, self._replaying(pins.state))[0]
             self._note(spec)
             return None
 
         return hook
 
-    def _mix_now(self, spec: str, value, draw: _Decision):
+    def _mix_now(self, spec: str, value, forward: Forward):
         """The forward's mix at ``spec``: drawn from the mixer's generator (or, for ``pin_last``, from a
-        copy in the repeated mix's state); the state is noted for a recomputation and for ``pin_last``."""
-        generator = self._replaying(draw.replay)
+        copy in the repeated mix's state); what repeats it is noted for a recomputation and kept for
+        ``pin_last``."""
+        generator = self._replaying(forward.pins.state)
         leaves, before = None, type(self).before_mix is not Mixer.before_mix  # (a method that overrides it)
         if before or not self.draws_in_mix:
             site_value = self._site_value(spec, value)
-            leaves = (site_value, *self._leaves(spec, site_value, draw.batch))
+            leaves = (site_value, *self._leaves(spec, site_value, forward.batch))
         if before:
-            extra = self.before_mix(spec, leaves[2], draw.pinned)
-            if extra:  # noted with the draw below: a recomputation and pin_last mix with the same values
-                draw.pinned = {**draw.pinned, **extra}
-        state, drawn = self._repeatable(spec, None if leaves is None else leaves[3], draw, generator)
-        self._note(spec, (state, draw.pinned))
-        mixed, last = self._apply(spec, value, draw.pinned, generator, draw.batch, leaves, drawn)
-        self._done(spec, state, draw, last)
+            extra = self.before_mix(spec, leaves[2], forward.pins.given)
+            if extra:  # a recomputation and pin_last mix with the same values
+                forward.pins = forward.pins.joined(extra)
+        drawn = self._repeatable(spec, None if leaves is None else leaves[3], forward, generator)
+        self._note(spec, forward.repeat)  # (computed only where the forward may be recomputed)
+        mixed, last = self._apply(spec, value, forward.pins, generator, forward.batch, leaves, drawn)
+        self._done(forward, last)
         return mixed, last
 
-    def _repeatable(self, spec: str, n: int | None, draw: _Decision, generator: torch.Generator):
-        """What a repeat of this forward's mix at ``spec`` (``pin_last``, a recomputation) draws from, and
-        what was drawn for it now: the generator's state before the mix, for a method that draws in
-        :meth:`mix` (nothing drawn yet); else ``None``, and lam, the index of the ``n`` samples and whether
-        it is a permutation, drawn now (and put into ``draw.pinned``, which a repeat reuses)."""
+    def _repeatable(self, spec: str, n: int | None, forward: Forward, generator: torch.Generator):
+        """Make ``forward``'s mix at ``spec`` repeatable (``pin_last``, a recomputation): for a method that
+        draws in :meth:`mix`, keep the generator's state before it (and return ``None``: nothing drawn
+        yet); else draw lam, the index of the ``n`` samples and whether it is a permutation now, keep
+        them, and return them."""
         if self.draws_in_mix:
-            return recompute.generator_state(generator), None
-        drawn = self._draws(spec, n, draw.pinned, generator)
-        lam, index, permutation = drawn
-        values = {"lam": lam, "index": index, "_permutation": permutation}
-        draw.pinned = {**draw.pinned, **values, "_range": draw.pinned.get("_range", (0, n - 1))}
-        return None, drawn
+            forward.state = recompute.generator_state(generator)
+            return None
+        forward.drawn = self._draws(spec, n, forward.pins, generator)
+        return forward.drawn
 
-    def _done(self, spec: str, state, draw: _Decision, last: MixState) -> None:
-        """``draw`` mixed ``last`` at ``spec``, repeatable from ``state``: noted for ``pin_last``, and for
-        the record of a forward a compiled graph began (eager here, or in ``mixhook::draw``)."""
-        self._last_draw = (spec, state, draw.pinned)
-        draw.done, draw.index, draw.state = True, last.index, last
+    def _done(self, forward: Forward, last: MixState) -> None:
+        """``forward`` mixed ``last``: kept for ``pin_last``, and recorded for ``loss()`` (eager here, or
+        in ``mixhook::draw`` for a forward a compiled graph began)."""
+        self._last_forward = forward
+        forward.mixed = last
         self.last = last
         self._seen.mixed(last)
 
@@ -588,23 +565,23 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         if self._traced and torch.compiler.is_compiling():
             self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
             return
-        draw, self._draw = self._draw, None
-        if draw is None:
+        forward, self._current = self._current, None
+        if forward is None:
             if recompute.in_backward():  # a recomputation, which runs after its forward ended
                 return
             state = None
-        elif draw.done:
+        elif forward.mixed is not None:
             state = self.last
             if state.clean:
                 _check_doubled(model, output, state)
         else:
-            replaced = self._replaced(model, draw.layer)
+            replaced = self._replaced(model, forward.layer)
             if replaced:
                 where = f"{type(model).__name__}.forward()"
-                raise RuntimeError(f"mixup layer {draw.layer!r} did not run during {where}: {replaced}")
+                raise RuntimeError(f"mixup layer {forward.layer!r} did not run during {where}: {replaced}")
             raise RuntimeError(
-                f"mixup layer {draw.layer!r} did not run during {type(model).__name__}.forward(), so nothing "
-                "was mixed; choose a layer that forward() calls. (Under torch.compile: attach before "
+                f"mixup layer {forward.layer!r} did not run during {type(model).__name__}.forward(), so "
+                "nothing was mixed; choose a layer that forward() calls. (Under torch.compile: attach before "
                 "compiling, and if hooks changed after compiling, or another instance of this class was "
                 "compiled without them, set torch._dynamo.config.skip_nnmodule_hook_guards = False before "
                 "compiling.)"
@@ -626,31 +603,27 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             "merge_and_unload() or unload()?), so nothing was mixed; attach the mixer again"
         )
 
-    def _agree(self, draw: _Decision | None) -> _Decision | None:
+    def _agree(self, forward: Forward | None) -> Forward | None:
         """The decision this forward follows: its own (ranks that must agree override this)."""
-        return draw
+        return forward
 
     def partner_pool(self, n: int) -> int:
         """How many samples a batch of ``n`` draws its partners from: ``n`` (partners from the global
         batch of a data-parallel job: ``world * n``); a pinned index is checked against it."""
         return n
 
-    def _decide(self) -> _Decision | None:
+    def _decide(self) -> Forward | None:
         """Whether this forward mixes, and where (pinned values win; a pinned forward always mixes)."""
         self._seed_for_rank()
-        pinned, self._pinned = self._pinned, None
-        if pinned is _SKIP:
+        pins, self._pinned = self._pinned, None
+        if pins is not None and pins.skip:
             return None
         g = self.generator
-        state = None
-        if pinned is not None and "_state" in pinned:
-            pinned = dict(pinned)
-            state = pinned.pop("_state")
-        if pinned is None:
+        if pins is None:
             if self.prob < 1.0 and float(torch.rand((), generator=g, device=g.device)) >= self.prob:
                 return None
-            pinned = {}
-        layer = pinned.get("layer")
+            pins = NO_PINS
+        layer = pins.layer
         if layer is None:
             k = 0
             if self.layer_weights is not None:
@@ -659,7 +632,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             elif len(self.layers) > 1:
                 k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
             layer = self.layers[k]
-        return _Decision(layer=layer, pinned=pinned, replay=state)
+        return Forward(layer, pins)
 
     # ------------------------------------------------------------------------------ the mix itself
 
@@ -789,7 +762,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self,
         spec: str,
         value,
-        pinned: dict,
+        pins: Pins,
         generator: torch.Generator,
         batch: int | None = None,
         leaves: tuple | None = None,
@@ -798,8 +771,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
         mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`.
         ``leaves``: the site's value and what :meth:`_leaves` gave for it, where the caller has them;
-        ``drawn``: lam, the index and whether it is a permutation, where the caller drew them (from
-        ``pinned``'s values: not read back and checked again)."""
+        ``drawn``: lam, the index and whether it is a permutation, where the caller drew them (not read
+        back from ``pins`` and checked again)."""
         if leaves is None:
             site_value = self._site_value(spec, value)
             found, given, n = self._leaves(spec, site_value, batch)
@@ -824,7 +797,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                 "by the wrong sample's mask; blend the sequence instead (ManifoldMixup), or pass "
                 "padding='keep' to hand the model its own masks unchanged"
             )
-        draw, mixed = self._drawing(spec, n, pinned, generator, self.mix, given, drawn)
+        draw, mixed = self._drawing(spec, n, pins, generator, self.mix, given, drawn)
         tensors = self._check_mixed(spec, given, mixed)
         state = self._state(spec, found, draw, mixed, self._clean)
         if self.token_grid is not None:
@@ -846,7 +819,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self,
         spec: str,
         n: int,
-        pinned: Mapping,
+        pins: Pins,
         generator: torch.Generator,
         method,
         leaves: list,
@@ -857,8 +830,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         index and whether it is a permutation, drawn already by :meth:`_repeatable`)."""
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
-            lam, index, permutation = drawn if drawn is not None else self._draws(spec, n, pinned, generator)
-            draw = Draw(spec, lam, index, generator, pinned, permutation)
+            lam, index, permutation = drawn if drawn is not None else self._draws(spec, n, pins, generator)
+            draw = Draw(spec, lam, index, generator, pins.given, permutation)
             return draw, method(leaves, draw)
         finally:
             self.generator = saved
@@ -881,20 +854,20 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         )
 
     def _draws(
-        self, spec: str, n: int, pinned: Mapping, generator: torch.Generator
+        self, spec: str, n: int, pins: Pins, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """lam and the partner index of a mix of ``n`` samples at ``spec`` (pinned, else drawn from
         ``generator``), and whether the index is a permutation of the batch."""
         pool = self.partner_pool(n)
-        lam = pinned.get("lam")
+        lam = pins.lam
         if lam is None:
             lam = torch.as_tensor(self.sample_lam(n, generator), dtype=torch.float64)
         elif lam.ndim == 1 and lam.shape[0] != n:
             raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
-        index = pinned.get("index")
+        index = pins.index
         if index is None:
             return lam, self.draw_index(n, generator), pool == n and self.index_is_permutation
-        low, high = pinned["_range"]
+        low, high = pins.span
         if index.shape[0] != n or (n and (low < -pool or high >= pool)):
             where = f"the batch of {n}" if pool == n else f"{pool} partners for a batch of {n}"
             raise ValueError(
@@ -903,7 +876,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             )
         if low < 0:  # counted from the end, as indexing counts them
             index = torch.where(index < 0, index + pool, index)
-        return lam, index, pool == n and pinned["_permutation"]
+        return lam, index, pool == n and pins.permutation
 
     def _replaying(self, state: torch.Tensor | None) -> torch.Generator:
         """The generator a mix draws from: the mixer's own, or for a repeat (``pin_last``, a

@@ -88,8 +88,7 @@ class CMixup(ManifoldMixup):
         g = self.generator
         uniforms = torch.rand(labels.shape[0], generator=g, device=g.device, dtype=torch.float64)
         index = draw_partners(rates, uniforms.cpu())
-        n = labels.shape[0]
-        return {"index": index, "_range": (0, n - 1), "_permutation": False}
+        return {"index": index}  # drawn with replacement: not a permutation
 
 
 def check_regression_labels(kind: str, targets) -> torch.Tensor:

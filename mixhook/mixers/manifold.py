@@ -17,8 +17,9 @@ import torch
 from ..sites import Leaf
 from ..transfer import to_device
 from . import partners
-from .base import Mixer, _Decision
+from .base import Mixer
 from .contract import Draw, Mixed
+from .forward import Forward
 from .functional import along, blend, lerp_rows, per_sample, sample_beta, sample_lam
 from .partners import check_partners, world
 
@@ -112,7 +113,7 @@ class ManifoldMixup(Mixer):
     def partner_pool(self, n: int) -> int:
         return n if self.partners == "local" else n * world(type(self).__name__)[0]
 
-    def _agree(self, draw: _Decision | None) -> _Decision | None:
+    def _agree(self, draw: Forward | None) -> Forward | None:
         """With partners from the global batch, every rank follows rank 0's decision (whether to mix and
         where): the all-gather at the mixed layer must run on all ranks at once."""
         if self.partners == "local":
@@ -123,7 +124,7 @@ class ManifoldMixup(Mixer):
         if not mixes:
             return None
         if draw is None:
-            return _Decision(layer=self.layers[k])
+            return Forward(self.layers[k])
         draw.layer = self.layers[k]
         return draw
 

@@ -49,21 +49,22 @@ class PaddingMasks:
                     return None
                 index, names = payload
                 return masks.union(Inputs(module, args, kwargs), names, index, self._mask_source)
-            draw = self._draw
-            if draw is None or draw.index is None or any(self._mask_stack):
+            forward = self._current
+            mixed = None if forward is None else forward.mixed
+            if mixed is None or any(self._mask_stack):
                 self._mask_stack.append(False)
                 self._note(key)
                 return None
             inputs = Inputs(module, args, kwargs)
-            region = self._regions.get(draw.layer, "")
-            names = masks.downstream(module, name, region, inputs, draw.index.shape[0])
+            region = self._regions.get(forward.layer, "")
+            names = masks.downstream(module, name, region, inputs, mixed.index.shape[0])
             self._mask_stack.append(True)
-            self._note(key, (draw.index, names) if names else None)
+            self._note(key, (mixed.index, names) if names else None)
             if not names:
                 return None
-            _refuse_clean(draw.state, f"{type(module).__name__} {name!r}", names)
-            masks.check_lengths(f"{type(module).__name__} {name!r}", inputs, names, _sizes(draw.state))
-            return masks.union(inputs, names, draw.index, self._mask_source)
+            _refuse_clean(mixed, f"{type(module).__name__} {name!r}", names)
+            masks.check_lengths(f"{type(module).__name__} {name!r}", inputs, names, _sizes(mixed))
+            return masks.union(inputs, names, mixed.index, self._mask_source)
 
         def post(module: nn.Module, args: tuple, output) -> None:
             if self._mask_stack and not recompute.in_backward():

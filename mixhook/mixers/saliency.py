@@ -79,8 +79,8 @@ class Saliency:
         layout = site_layout(model, parse_site(self.layer), None)
 
         def record(module: nn.Module, args: tuple, output) -> None:
-            draw = mixer._draw
-            if not model.training or draw is None or draw.done or recompute.in_backward():
+            forward = mixer.current
+            if not model.training or forward is None or forward.done or recompute.in_backward():
                 return
             if not isinstance(output, torch.Tensor) or output.ndim != 4:
                 raise TypeError(

@@ -17,7 +17,7 @@ hooks of a mixer that supports it (:attr:`~.base.Mixer.traceable`), each forward
   chosen get zeros, which index and weigh validly and leave ``h`` and its gradient exactly as they are);
   inductor fuses the ``where`` into the blend's kernel.
 
-The decision and draws live where an eager forward keeps them (``Mixer._draw``), so a model whose
+The decision and draws live where an eager forward keeps them (``Mixer.current``), so a model whose
 input hook runs eagerly and whose layers are compiled (or the reverse) mixes the same way. A forward's
 output is bound to its record after the graph: the traced output hook leaves the output on
 :class:`~.binding.Forwards` (an attribute store dynamo replays after the graph) and the next host event
@@ -294,31 +294,29 @@ class TracedPath:
         an eager forward makes them (pinned values, ``pin_last``'s replay, the method's own draws)."""
         found, given = parse_leaves(meta, sizes)
         specs = self._traced_specs(n, given)
-        decision = self._draw
-        if decision is None or decision.done or decision.layer != spec:
+        forward = self._current
+        if forward is None or forward.done or forward.layer != spec:
             return zeros(specs, device)
         refuse_capture(type(self).__name__, spec, device)
-        if decision.batch is not None and n != decision.batch:
+        if forward.batch is not None and n != forward.batch:
             raise TypeError(
                 f"{type(self).__name__} at {spec!r}: its batch dimension has size {n}, but the model's input "
-                f"has a batch of {decision.batch}: the layer loses or reshapes the batch dimension; choose "
+                f"has a batch of {forward.batch}: the layer loses or reshapes the batch dimension; choose "
                 "another layer, or pass batch_dim"
             )
-        values, last = self._drawn(spec, n, decision, given, found)
+        values, last = self._drawn(spec, n, forward, given, found)
         if self._blends_prefix:
             values = [*values, traced_weight(last.lam, n, found[0].tensor.dtype), last.index]
         return pack([torch.ones((), dtype=torch.bool), *values], specs, device)
 
-    def _drawn(self, spec: str, n: int, decision, given: list, found: list):
-        """The values and the state of the mix ``decision`` makes at ``spec``, drawn and noted as
-        :meth:`~.base.Mixer._mix_now` draws and notes an eager mix."""
-        generator = self._replaying(decision.replay)
-        state, drawn = self._repeatable(spec, n, decision, generator)
-        d, (values, mixed) = self._drawing(
-            spec, n, decision.pinned, generator, self.draw_traced, given, drawn
-        )
+    def _drawn(self, spec: str, n: int, forward, given: list, found: list):
+        """The values and the state of the mix ``forward`` makes at ``spec``, drawn and kept as
+        :meth:`~.base.Mixer._mix_now` draws and keeps an eager mix."""
+        generator = self._replaying(forward.pins.state)
+        drawn = self._repeatable(spec, n, forward, generator)
+        d, (values, mixed) = self._drawing(spec, n, forward.pins, generator, self.draw_traced, given, drawn)
         last = self._state(spec, found, d, mixed)
-        self._done(spec, state, decision, last)
+        self._done(forward, last)
         return values, last
 
 

@@ -144,7 +144,7 @@ class TransMix(CutMix):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
             if self._reading or recompute.in_backward() or not model.training or self._capture is not None:
                 return
-            draw, last = self._draw, self.last
+            draw, last = self._current, self.last
             if draw is not None and not draw.done:
                 raise RuntimeError(
                     f"TransMix: attention layer {self.attention!r} ran before the mixed layer "

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from .engine.contract import MixingHook
 from .hooks import HookHandle, LayerHook
-from .mixers.contract import MixingHook
 
 
 def mixers_of(hooks: Sequence) -> list[MixingHook]:

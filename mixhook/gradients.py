@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import packing
+from .functional import per_sample
 from .hooks import LayerHook
-from .mixers.functional import per_sample
 from .sites import INPUT, Inputs, batch_leaves, replace_leaves, select
 
 

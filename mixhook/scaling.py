@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import packing, recompute
+from .functional import along, per_sample
 from .hooks import LayerHook
-from .mixers.functional import along, per_sample
 from .sites import Inputs, batch_leaves, blendable, replace_leaves, select
 from .transfer import to_device
 

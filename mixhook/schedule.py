@@ -19,10 +19,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .engine.checks import check_fraction, check_layer_weights, check_positive
+from .engine.contract import MixingHook
+from .engine.mixer import Mixer
 from .hooks import StateError
-from .mixers.base import Mixer
-from .mixers.checks import check_fraction, check_layer_weights, check_positive
-from .mixers.contract import MixingHook
 
 SHAPES = ("linear", "cosine")
 

@@ -13,9 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from mixhook.compose import mixers_of
+from mixhook.engine.contract import members
+from mixhook.engine.partners import crosses_ranks
 from mixhook.layers import INPUT, fastai_layers
-from mixhook.mixers.contract import members
-from mixhook.mixers.partners import crosses_ranks
 from mixhook.probes import ActivationStats, GradStats
 
 from . import hydra_compat, schema

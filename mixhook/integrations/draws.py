@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from ..copies import own
+from ..engine.contract import MixingHook, members
 from ..hooks import LayerHook
-from ..mixers.contract import MixingHook, members
 from ..schedule import MixSchedule
 
 _MASK = 2**64 - 1
@@ -70,7 +70,7 @@ def reseed(hook: MixingHook, seed: int, rank: int, step: int, first_part: int = 
 
 
 def _forwards(hook: MixingHook) -> list:
-    """The records of recent forwards (:class:`~mixhook.mixers.binding.Forwards`) of ``hook``'s mixers."""
+    """The records of recent forwards (:class:`~mixhook.engine.binding.Forwards`) of ``hook``'s mixers."""
     return [h.forwards for h in members(hook) if getattr(h, "forwards", None) is not None]
 
 

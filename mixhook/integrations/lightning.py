@@ -45,8 +45,8 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
     ) from error
 
 from ..copies import own
+from ..engine.contract import MixingHook
 from ..layers import resolve_layers
-from ..mixers.contract import MixingHook
 from ..schedule import MixSchedule
 from .draws import StepGuard, check_arguments, check_unattached, generators, reseed
 

@@ -25,12 +25,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..engine.traced import Shape
+from ..functional import smooth_one_hot
 from ..layers import trace_outputs
 from ..mixers.cutmix import CutMix
-from ..mixers.functional import smooth_one_hot
 from ..mixers.manifold import ManifoldMixup
 from ..mixers.oneof import OneOf
-from ..mixers.traced import Shape
 from ..sites import Leaf
 
 PAIRINGS = ("flip", "random")
@@ -75,7 +75,7 @@ class LayerMixup:
         pairing: ``"flip"`` (timm's) or ``"random"``.
         generator: the draws' ``torch.Generator``; ``None``: a CPU generator seeded from
             ``torch.initial_seed()``, which timm's ``random_seed(seed, rank)`` makes different per rank.
-        tokens: CutMix on a ViT's tokens: the patch grid or ``"auto"`` (see :mod:`mixhook.mixers.tokens`).
+        tokens: CutMix on a ViT's tokens: the patch grid or ``"auto"`` (see :mod:`mixhook.engine.tokens`).
 
     ``mixup_enabled`` switches it off and on, as timm's. ``state_dict()`` / ``load_state_dict()`` hold the
     generator, so a resumed run draws what the uninterrupted one would have. Calling it twice without a

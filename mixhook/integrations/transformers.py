@@ -52,8 +52,8 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
     ) from error
 
 from ..copies import own
+from ..engine.contract import MixingHook, members
 from ..layers import resolve_layers
-from ..mixers.contract import MixingHook, members
 from ..schedule import MixSchedule
 from .draws import StepGuard, check_arguments, check_unattached, reseed
 

@@ -1,10 +1,11 @@
-"""The mixing regularizers: one module per method, one public contract.
+"""The mixing regularizers: one module per method, on one public contract.
 
-:class:`~mixhook.mixers.base.MixingHook` is the contract a training loop relies on;
-:class:`~mixhook.mixers.base.Mixer` is the base a method subclasses (see "Adding a mixer" in the README);
-:mod:`~mixhook.mixers.functional` holds the math. Every ``MixingHook`` class defined in a module of this
-package is exported here and from ``mixhook`` under its own name: a new method is a new module, found
-when the package is imported.
+This package holds the methods only. What they stand on is the engine (:mod:`mixhook.engine`):
+:class:`~mixhook.engine.contract.MixingHook` is the contract a training loop relies on,
+:class:`~mixhook.engine.mixer.Mixer` the base a method subclasses (see docs/adding-a-mixer.md);
+:mod:`mixhook.functional` holds the blends' math and :mod:`mixhook.geometry` the regions'. Every
+``MixingHook`` class defined in a module of this package is exported here and from ``mixhook`` under its
+own name: a new method is a new module, found when the package is imported.
 """
 
 from __future__ import annotations
@@ -13,18 +14,16 @@ import importlib
 import inspect
 import pkgutil
 
-from .base import Mixer
-from .contract import Draw, Mixed, MixingHook, MixState
-from .functional import blend, inverse_permutation, mix_targets, sample_beta, sample_lam, smooth_one_hot
-
-_CORE = ("base", "binding", "checks", "contract", "functional", "gradient_pass", "masking", "targets")
+from ..engine.contract import Draw, Mixed, MixingHook, MixState
+from ..engine.mixer import Mixer
+from ..functional import blend, inverse_permutation, mix_targets, sample_beta, sample_lam, smooth_one_hot
 
 
 def _discover() -> dict[str, type]:
     """Every public MixingHook class defined in this package's method modules, by name."""
     found: dict[str, type] = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.name in _CORE or info.name.startswith("_"):
+        if info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         for name, obj in vars(module).items():

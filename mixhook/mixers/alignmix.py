@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_one_map, check_positive
+from ..engine.contract import Draw, Mixed
+from ..engine.mixer import Mixer
+from ..functional import per_sample
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Mixer
-from .checks import check_one_map, check_positive
-from .contract import Draw, Mixed
-from .functional import per_sample
 
 
 def sinkhorn_plan(

@@ -12,15 +12,15 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_grid, check_spatial
+from ..engine.contract import Draw, Mixed
+from ..engine.mixer import Mixer
+from ..engine.saliency import Saliency, SaliencyGuided, pinned_saliency
+from ..engine.tokens import token_grid
 from ..geometry import cell_index, grid_mask
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Mixer
-from .checks import check_grid, check_spatial
-from .contract import Draw, Mixed
 from .gridmix import check_grid_fits
-from .saliency import Saliency, SaliencyGuided, pinned_saliency
-from .tokens import token_grid
 
 
 def cell_scores(saliency: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -48,7 +48,7 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
     ``tokens``, a ViT block's tokens), with saliency from the same forward or a gradient pass.
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a permutation
-    ``index``, and the saliency ``S`` of every sample's map (:mod:`mixhook.mixers.saliency`); the map is
+    ``index``, and the saliency ``S`` of every sample's map (:mod:`mixhook.engine.saliency`); the map is
     cut into a ``grid`` of cells, each scored by its mean saliency, and the ``top_k`` cells of the
     partner's map are pasted into the sample at the same places (one pattern per sample):
 
@@ -76,7 +76,7 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
             does not state; where it does, it is read (a contradicting one is refused): see
             :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     ``pin`` also takes ``saliency`` (``(B, H, W)``).
     """

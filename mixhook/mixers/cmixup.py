@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .checks import check_positive
+from ..engine.checks import check_positive
 from .manifold import ManifoldMixup
 
 

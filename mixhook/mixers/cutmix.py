@@ -10,6 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_region, map_size
+from ..engine.contract import Draw, Mixed
+from ..engine.mixer import Mixer
+from ..engine.tokens import token_grid
+from ..functional import sample_beta, sample_lam
 from ..geometry import (
     rand_region,
     rand_regions,
@@ -20,11 +25,6 @@ from ..geometry import (
 )
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Mixer
-from .checks import check_region, map_size
-from .contract import Draw, Mixed
-from .functional import sample_beta, sample_lam
-from .tokens import token_grid
 
 ROUNDINGS = ("paper", "timm")
 
@@ -106,7 +106,7 @@ class CutMix(Mixer):
             ``"NCDHW"``/``"NDHWC"`` for a 5-D one (or a dict per layer), where the model does not state
             it; where it does, it is read (a contradicting one is refused): see :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     The layer (or the selected element, ``"block[0]"``) must give one map with every side >= 2 (a
     smaller map can never hold a pasted box: refused when first checked);

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_non_negative, check_pinned_mask, check_positive, check_splittable
+from ..engine.contract import Draw
+from ..engine.mask_mix import MaskedMix
+from ..engine.mixer import Mixer
+from ..engine.tokens import token_grid
 from ..geometry import fmix_mask
 from ..sites import Leaf
-from .base import Mixer
-from .checks import check_non_negative, check_pinned_mask, check_positive, check_splittable
-from .contract import Draw
-from .masked import MaskedMix
-from .tokens import token_grid
 
 SPECTRA = ("reference", "authors", "complex")
 
@@ -57,7 +57,7 @@ class FMix(MaskedMix, Mixer):
         layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
             layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]; ``(L,)``, ``(D, H, W)``).
     """

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_grid, check_region, map_size
+from ..engine.contract import Draw
+from ..engine.mask_mix import MaskedMix
+from ..engine.mixer import Mixer
+from ..engine.tokens import token_grid
 from ..geometry import grid_volume
 from ..sites import Leaf
-from .base import Mixer
-from .checks import check_grid, check_region, map_size
-from .contract import Draw
-from .masked import MaskedMix
-from .tokens import token_grid
 
 
 class GridMix(MaskedMix, Mixer):
@@ -51,7 +51,7 @@ class GridMix(MaskedMix, Mixer):
         layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
             layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools; one count per dimension).
     """

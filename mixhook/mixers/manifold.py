@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine import partners
+from ..engine.contract import Draw, Mixed
+from ..engine.forward import Forward
+from ..engine.mixer import Mixer
+from ..engine.partners import check_partners, world
+from ..functional import along, blend, lerp_rows, per_sample, sample_beta, sample_lam
 from ..sites import Leaf
 from ..transfer import to_device
-from . import partners
-from .base import Mixer
-from .contract import Draw, Mixed
-from .forward import Forward
-from .functional import along, blend, lerp_rows, per_sample, sample_beta, sample_lam
-from .partners import check_partners, world
 
 
 class ManifoldMixup(Mixer):
@@ -67,7 +67,7 @@ class ManifoldMixup(Mixer):
             is used as given.
         partners: ``"local"`` (default): partners from this process's batch; ``"global"``: from the
             batches of every rank of a data-parallel job, as if one process mixed the global batch
-            (:mod:`mixhook.mixers.partners`; ``.last.index`` then indexes the global batch, and ``loss``
+            (:mod:`mixhook.engine.partners`; ``.last.index`` then indexes the global batch, and ``loss``
             and ``targets`` gather the labels from every rank).
 
     A layer's output is mixed as a whole: every tensor in it that carries the batch, each along its

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
-from .contract import MixState
+from ..engine.checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
+from ..engine.contract import MixState
 from .manifold import ManifoldMixup
 
 
@@ -22,7 +22,7 @@ class MixupE(ManifoldMixup):
     directional-derivative term, rescaled to the mixup loss's size.
 
     The chosen layer emits the clean batch followed by its mix ``lam * h + (1 - lam) * h[index]``,
-    ``lam ~ Beta(alpha, alpha)`` (:attr:`~mixhook.mixers.base.Mixer.clean`). With ``z`` the clean rows'
+    ``lam ~ Beta(alpha, alpha)`` (:attr:`~mixhook.engine.mixer.Mixer.clean`). With ``z`` the clean rows'
     logits, ``g_i = sum_k z_ik (onehot(y_i)_k - softmax(z_i)_k)`` and ``E = (alpha + 1) / (2 alpha + 1)``
     (the mean of ``Beta(alpha + 1, alpha)``), :meth:`loss` is ``L = M - eta * (1 - E) * sum_{g_i <
     threshold} g_i / B`` rescaled by ``|M| / |L|`` (both without gradient), where ``M`` is the mixup

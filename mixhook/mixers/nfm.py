@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_non_negative
+from ..engine.contract import Draw, Mixed
+from ..functional import sample_beta
 from ..sites import Leaf
 from ..transfer import to_device
-from .checks import check_non_negative
-from .contract import Draw, Mixed
-from .functional import sample_beta
 from .manifold import ManifoldMixup
 
 

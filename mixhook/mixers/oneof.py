@@ -10,10 +10,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
+from ..engine import traced
+from ..engine.contract import MixingHook, MixState, claim, unclaim
+from ..engine.partners import crosses_ranks
 from ..hooks import LayerHook, StateError, check_state
-from . import traced
-from .contract import MixingHook, MixState, claim, unclaim
-from .partners import crosses_ranks
 
 
 class OneOf(LayerHook, MixingHook):
@@ -39,7 +39,7 @@ class OneOf(LayerHook, MixingHook):
 
     def _fresh(self) -> None:
         super()._fresh()
-        self._token = traced.register(self)  # names it in a compiled graph's calls (mixhook.mixers.traced)
+        self._token = traced.register(self)  # names it in a compiled graph's calls (mixhook.engine.traced)
 
     def __init__(
         self,

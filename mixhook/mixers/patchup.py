@@ -12,13 +12,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.checks import check_fraction, check_region, map_size
+from ..engine.contract import Draw, Mixed
+from ..engine.mixer import Mixer
+from ..engine.tokens import token_grid
+from ..functional import blend, lerp_rows
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Mixer
-from .checks import check_fraction, check_region, map_size
-from .contract import Draw, Mixed
-from .functional import blend, lerp_rows
-from .tokens import token_grid
 
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
@@ -77,7 +77,7 @@ class PatchUp(Mixer):
         layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
             layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     The layer (or the selected element) must give one map; ``.last.elements`` names it. ``pin`` also
     takes ``mask`` (a ``(C, H, W)`` 0/1 tensor; ``(C, L)``, ``(C, D, H, W)``); a pinned ``lam`` is soft

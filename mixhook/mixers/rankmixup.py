@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
+from ..engine.contract import MixState
 from ..transfer import to_device
-from .checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
-from .contract import MixState
 from .manifold import ManifoldMixup
 
 
@@ -22,7 +22,7 @@ class RankMixup(ManifoldMixup):
     a hinge that ranks each mixed sample's confidence below its clean source's.
 
     The chosen layer emits the clean batch followed by its mix ``lam * h + (1 - lam) * h[index]``,
-    ``lam ~ Beta(alpha, alpha)`` (:attr:`~mixhook.mixers.base.Mixer.clean`). :meth:`loss` is
+    ``lam ~ Beta(alpha, alpha)`` (:attr:`~mixhook.engine.mixer.Mixer.clean`). :meth:`loss` is
     ``CE(clean, y) + weight * mask * relu(max_k z_mix - max_k z_clean + margin)`` per clean sample, with
     ``z`` the logits (the authors' code ranks the top logits, not the softmax) and ``mask`` 0 where the mix
     keeps one label (partner of the same class, or ``lam`` of 0 or 1), as in the authors' code

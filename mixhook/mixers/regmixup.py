@@ -10,17 +10,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .checks import check_non_negative
-from .contract import MixState
+from ..engine.checks import check_non_negative
+from ..engine.contract import MixState
+from ..engine.targets import per_row
 from .manifold import ManifoldMixup
-from .targets import per_row
 
 
 class RegMixup(ManifoldMixup):
     """RegMixup (Pinto et al. 2022): train on the clean batch and, beside it, on its mixup.
 
     The chosen layer emits the clean batch followed by its mix ``lam * h + (1 - lam) * h[index]``,
-    ``lam ~ Beta(alpha, alpha)`` (:attr:`~mixhook.mixers.base.Mixer.clean`): the model's logits have
+    ``lam ~ Beta(alpha, alpha)`` (:attr:`~mixhook.engine.mixer.Mixer.clean`): the model's logits have
     ``2B`` rows, and :meth:`loss` is the criterion of the clean rows beside ``eta`` times the mixup
     criterion of the mixed rows. With a per-sample criterion it returns the ``2B`` row losses, whose mean
     is the authors' training loss (their code, FrancescoPinto/RegMixup ``models/regmixup.py``, takes the

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.checks import check_spatial
+from ..engine.contract import Draw, Mixed
+from ..engine.mixer import Mixer
+from ..engine.tokens import token_grid
 from ..geometry import box_lam, boxes_mask
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Mixer
-from .checks import check_spatial
-from .contract import Draw, Mixed
 from .cutmix import draw_box
-from .tokens import token_grid
 
 INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
 
@@ -68,7 +68,7 @@ class ResizeMix(Mixer):
             does not state; where it does, it is read (a contradicting one is refused): see
             :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     The draw is recorded as lam ``1 - tau**2`` (the box's area fraction before clipping), so ``pin(lam=)``
     sets the box's size as for CutMix (``tau = sqrt(1 - lam)``); ``pin`` also takes ``box=(y1, y2, x1,
@@ -142,7 +142,7 @@ class ResizeMix(Mixer):
         lam = torch.tensor(box_lam(box, height, width), dtype=torch.float64)
         return box, Mixed({}, lam=lam, info={"box": box, "scale": math.sqrt(max(0.0, 1.0 - float(draw.lam)))})
 
-    # The one-graph path (mixhook.mixers.traced): the box and the resize drawn on the host as the
+    # The one-graph path (mixhook.engine.traced): the box and the resize drawn on the host as the
     # resize's separable weights over the whole map, so that the graph's shapes do not depend on the box:
     # the source row (column) of each pixel for the nearest modes, else a (side, side) matrix of weights.
 

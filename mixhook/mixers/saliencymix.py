@@ -12,15 +12,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..engine.checks import check_spatial
+from ..engine.contract import Draw, Mixed
+from ..engine.mixer import Mixer
+from ..engine.saliency import Saliency, SaliencyGuided, peaks, pinned_saliency
+from ..engine.tokens import token_grid
 from ..geometry import boxes_around
 from ..sites import Leaf
 from ..transfer import to_device
-from .base import Mixer
-from .checks import check_spatial
-from .contract import Draw, Mixed
 from .cutmix import draw_box, paste_boxes, pinned_boxes
-from .saliency import Saliency, SaliencyGuided, peaks, pinned_saliency
-from .tokens import token_grid
 
 
 class SaliencyMix(SaliencyGuided, Mixer):
@@ -29,7 +29,7 @@ class SaliencyMix(SaliencyGuided, Mixer):
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``,
     ``lam ~ Beta(alpha, alpha)``, a permutation ``index`` and the saliency ``S`` of every sample's map
-    (:mod:`mixhook.mixers.saliency`); a CutMix box (side ratio ``sqrt(1 - lam)``, clipped to the borders)
+    (:mod:`mixhook.engine.saliency`); a CutMix box (side ratio ``sqrt(1 - lam)``, clipped to the borders)
     is centred on the partner's most salient position and the partner's box is pasted into the sample at
     the same place:
 
@@ -63,7 +63,7 @@ class SaliencyMix(SaliencyGuided, Mixer):
             does not state; where it does, it is read (a contradicting one is refused): see
             :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     ``pin`` also takes ``box`` (as :class:`~mixhook.CutMix`) and ``saliency``.
     """

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_pinned_mask, check_splittable
+from ..engine.contract import Draw
+from ..engine.mask_mix import MaskedMix
+from ..engine.mixer import Mixer
+from ..engine.tokens import token_grid
 from ..geometry import gaussian_volume
 from ..sites import Leaf
-from .base import Mixer
-from .checks import check_pinned_mask, check_splittable
-from .contract import Draw
-from .masked import MaskedMix
-from .tokens import token_grid
 
 
 class SmoothMix(MaskedMix, Mixer):
@@ -53,7 +53,7 @@ class SmoothMix(MaskedMix, Mixer):
         layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
             layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]; ``(L,)``, ``(D, H, W)``).
     """

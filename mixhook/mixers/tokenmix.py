@@ -12,14 +12,14 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_grid, check_spatial
+from ..engine.contract import Draw
+from ..engine.mask_mix import MaskedMix
+from ..engine.mixer import Mixer
+from ..engine.tokens import token_grid
 from ..geometry import block_token_mask, grid_mask, random_token_mask
 from ..sites import Leaf
-from .base import Mixer
-from .checks import check_grid, check_spatial
-from .contract import Draw
 from .gridmix import check_pinned_cells
-from .masked import MaskedMix
-from .tokens import token_grid
 
 MASK_TYPES = ("block", "random")
 
@@ -58,7 +58,7 @@ class TokenMix(MaskedMix, Mixer):
             does not state; where it does, it is read (a contradicting one is refused): see
             :mod:`mixhook.layouts`.
         tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.mixers.tokens`.
+            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
 
     ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools, 1: the sample's own).
     """

@@ -16,12 +16,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
+from ..engine.checks import check_fraction
+from ..engine.tokens import model_grid
 from ..geometry import boxes_mask
 from ..layers import resolve_layers
 from ..sites import Inputs
-from .checks import check_fraction
 from .cutmix import CutMix
-from .tokens import model_grid
 
 
 def class_attention(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:

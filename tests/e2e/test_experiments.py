@@ -366,7 +366,7 @@ def test_the_nfm_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path):
     import torch
     import torch.nn.functional as F
 
-    from mixhook.mixers.functional import sample_beta
+    from mixhook.functional import sample_beta
     from tests.unit.test_models import AuthorsPreActResNet
 
     write_cifar(tmp_path, "cifar10", per_file=4)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixhook import CutMix, ManifoldMixup, OneOf
-from mixhook.mixers.contract import ForeignLogitsError
+from mixhook.engine.contract import ForeignLogitsError
 from tests.helpers import mlp
 
 

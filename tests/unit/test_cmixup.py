@@ -9,8 +9,8 @@ from sklearn.neighbors import KernelDensity
 from torch import nn
 
 from mixhook import CMixup
+from mixhook.functional import sample_lam
 from mixhook.mixers.cmixup import draw_partners, partner_rates
-from mixhook.mixers.functional import sample_lam
 from tests.helpers import grads
 
 

@@ -24,7 +24,7 @@ from mixhook import (
     OneOf,
     attach,
 )
-from mixhook.mixers.contract import ForeignLogitsError
+from mixhook.engine.contract import ForeignLogitsError
 from tests.helpers import hook_count
 
 

@@ -232,7 +232,7 @@ def test_timm_rounding_equals_timms_rand_bbox_and_paper_rounding_the_papers(heig
 
 
 def test_cutmix_with_timm_rounding_pastes_timms_box_and_says_so():
-    from mixhook.mixers.functional import sample_lam
+    from mixhook.functional import sample_lam
 
     model, x = SmallCNN().train(), torch.randn(2, 3, 9, 9)
     seen = {}

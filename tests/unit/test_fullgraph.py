@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) with the mixers that trace into the graph (mixhook.mixers.traced).
+"""torch.compile(fullgraph=True) with the mixers that trace into the graph (mixhook.engine.traced).
 
 Each test compiles the hooked model with ``fullgraph=True`` (a graph break fails it) under dynamo's
 ``fail_on_recompile_limit_hit`` with a limit of one compile per frame (a recompile fails it), and compares
@@ -30,7 +30,7 @@ from mixhook import (
     SmoothMix,
     TokenMix,
 )
-from mixhook.mixers.contract import ForeignLogitsError
+from mixhook.engine.contract import ForeignLogitsError
 from tests.helpers import SmallCNN
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (tests/conftest.py)
@@ -361,7 +361,7 @@ def test_batches_and_maps_of_other_sizes_trace_with_dynamic_shapes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_the_traced_blend_equals_the_eager_blend_bit_for_bit(dtype):
-    from mixhook.mixers.functional import blend, lerp_rows
+    from mixhook.functional import blend, lerp_rows
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(6, 5, 4, 4, generator=g).to(dtype)
@@ -481,7 +481,7 @@ def test_a_vit_mixed_on_its_tokens_compiles_whole_and_equals_eager(kind):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_traced_leading_token_blend_equals_the_eager_one_bit_for_bit(dtype):
-    from mixhook.mixers.tokens import TokenGrid, traced_weight
+    from mixhook.engine.tokens import TokenGrid, traced_weight
     from mixhook.sites import Leaf
 
     g = torch.Generator().manual_seed(0)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import torchvision
 
 from mixhook import GridMix
+from mixhook.functional import sample_lam
 from mixhook.geometry import cell_index, grid_mask
-from mixhook.mixers.functional import sample_lam
 from tests.helpers import SmallCNN
 
 

@@ -24,9 +24,9 @@ from mixhook import (
     SmoothMix,
     TokenMix,
     blend,
+    functional,
 )
-from mixhook.mixers import functional
-from mixhook.mixers.functional import beta_value, sample_beta
+from mixhook.functional import beta_value, sample_beta
 
 
 @pytest.mark.parametrize("a,b", [(2.0, 2.0), (0.2, 0.2), (1.0, 1.0), (20.0, 20.0), (2.0, 5.0), (1e-3, 1e-3)])

@@ -478,7 +478,7 @@ def test_targets_come_in_the_dtype_asked_for_computed_from_the_float64_lam():
 def test_dominant_lam_is_fastais_max_of_lam_and_one_minus_lam_on_the_same_draws():
     """fastai's MixUp / ManifoldMixup callbacks draw one lam per sample and keep the larger of lam and
     1 - lam, so each sample's own input and label dominate; mode="elem", dominant=True is that."""
-    from mixhook.mixers.functional import sample_beta
+    from mixhook.functional import sample_beta
 
     model = torch.nn.Sequential(torch.nn.Identity()).train()
     x = torch.randn(6, 4)

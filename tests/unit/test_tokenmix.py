@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import torchvision
 
 from mixhook import TokenMix
+from mixhook.functional import sample_lam
 from mixhook.geometry import block_token_mask, random_token_mask
-from mixhook.mixers.functional import sample_lam
 from tests.helpers import SmallCNN
 
 

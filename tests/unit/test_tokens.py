@@ -13,7 +13,7 @@ from torch import nn
 
 import mixhook
 from mixhook import CutMix, FMix, PatchUp, TokenMix
-from mixhook.mixers.tokens import model_grid
+from mixhook.engine.tokens import model_grid
 from tests.helpers import Lazy
 
 timm = Lazy("timm")  # imported when a test first uses it, not at collection

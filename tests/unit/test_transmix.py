@@ -10,7 +10,7 @@ import torchvision
 from torch import nn
 
 from mixhook import TransMix
-from mixhook.mixers.functional import smooth_one_hot
+from mixhook.functional import smooth_one_hot
 from tests.helpers import Lazy
 
 timm = Lazy("timm")  # imported when a test first uses it, not at collection

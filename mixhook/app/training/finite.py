@@ -27,8 +27,8 @@ import torch
 import torch.distributed
 from torch import nn
 
+from mixhook.engine.partners import crosses_ranks
 from mixhook.mixers import MixingHook
-from mixhook.mixers.partners import crosses_ranks
 
 from .checkpoint import hook_generators
 from .distributed import Dist

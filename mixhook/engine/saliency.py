@@ -9,7 +9,7 @@ Two sources, each a ``(B, H, W)`` map over the map the mixer cuts:
 - ``"gradient"``: ``sqrt(mean_c g**2)`` of the gradient ``g`` of the summed cross-entropy of the batch's
   labels with respect to the mixed map (PuzzleMix's and Co-Mixup's saliency): **one more forward and a
   backward down to that layer**, in eval mode, before the training forward
-  (:meth:`~mixhook.mixers.base.Mixer.gradient_at`: no parameter gradient or batch-norm statistic is
+  (:meth:`~mixhook.engine.mixer.Mixer.gradient_at`: no parameter gradient or batch-norm statistic is
   touched). It needs the labels: ``mixer.use_targets(y)`` before each forward.
 
 The map is computed once per mixing forward and kept with the draw, so activation checkpointing's
@@ -122,7 +122,7 @@ class Saliency:
 
 
 class SaliencyGuided:
-    """What a saliency-guided mixer (a :class:`~mixhook.mixers.base.Mixer` with a :class:`Saliency` as
+    """What a saliency-guided mixer (a :class:`~mixhook.engine.mixer.Mixer` with a :class:`Saliency` as
     ``self.saliency``) adds to the base's hooks: the ``saliency_layer`` hook, the gradient pass at the
     start of a forward and the activation read at the mixed layer. Listed before ``Mixer`` among the
     bases; :meth:`needs_saliency` says when a mix needs none (SaliencyMix with a pinned box)."""

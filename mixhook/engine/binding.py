@@ -3,7 +3,7 @@
 Every output of a forward a mixer saw is marked with that forward's record (its autograd node's
 metadata, or, for a tensor without one, a weak reference), so ``loss``/``targets``/``state_for`` find the
 mix of the forward that produced their logits, through views and the autograd graph, and refuse in one
-line what no one mix applies to (:class:`~mixhook.mixers.contract.ForeignLogitsError`).
+line what no one mix applies to (:class:`~mixhook.engine.contract.ForeignLogitsError`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Forwards:
         self.outputs: dict[int, tuple] = {}  # id(mixed output without autograd) -> (weakref, _Forward)
         self.unmixed: collections.deque = collections.deque(maxlen=_RECENT)  # weakrefs: unmixed outputs
         self.key = f"mixhook.forward.{id(owner)}"  # in grad_fn.metadata: the _Forward of that output
-        # the one-graph path (mixhook.mixers.traced): the forwards a compiled graph began whose outputs
+        # the one-graph path (mixhook.engine.traced): the forwards a compiled graph began whose outputs
         # are not marked yet, and the output of the last (stored by dynamo after the graph)
         self.begun: list[_Forward] = []
         self.pending = None

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..transfer import to_device
+from .transfer import to_device
 
 _ALMOST_ONE = float.fromhex("0x1.fffffffffffffp-1")  # the largest double below 1
 _CONCENTRATIONS: dict = {}  # (a, b, device) -> the [a, b] tensor the samplers take

@@ -2,7 +2,7 @@
 
 Traced code can neither call a ``torch.Generator`` nor read a tensor's value on the host, and every
 Python value it reads becomes a guard (a recompile per new value). So when torch.compile traces the
-hooks of a mixer that supports it (:attr:`~.base.Mixer.traceable`), each forward's mix is split in two:
+hooks of a mixer that supports it (:attr:`~.mixer.Mixer.traceable`), each forward's mix is split in two:
 
 - **the host part** (whether this forward mixes and where, lam, the partners, a box or a mask: the
   same Python code, the same generator and the same order of draws as an eager forward) runs when the
@@ -23,8 +23,8 @@ output is bound to its record after the graph: the traced output hook leaves the
 :class:`~.binding.Forwards` (an attribute store dynamo replays after the graph) and the next host event
 (the next forward's ``begin``, or ``loss``/``targets``/``state_for``) marks it.
 
-A method joins by implementing :meth:`~.base.Mixer.traced_params`, :meth:`~.base.Mixer.draw_traced` and
-:meth:`~.base.Mixer.mix_traced` (see "Adding a mixer" in the README); the others run under
+A method joins by implementing :meth:`~.mixer.Mixer.traced_params`, :meth:`~.mixer.Mixer.draw_traced` and
+:meth:`~.mixer.Mixer.mix_traced` (see "Adding a mixer" in the README); the others run under
 torch.compile as before, with graph breaks around their hooks.
 """
 
@@ -195,11 +195,11 @@ draw.register_effect(EffectType.ORDERED)
 
 
 class TracedPath:
-    """The :class:`~.base.Mixer` side of the one-graph path: what its hooks trace (:meth:`_traced_begin`,
+    """The :class:`~.mixer.Mixer` side of the one-graph path: what its hooks trace (:meth:`_traced_begin`,
     :meth:`_traced_mix`) and what the operators run on the host (:meth:`_host_begin`, :meth:`_host_draw`).
 
     A method supports the path by implementing the three methods below; each mirrors a part of its
-    eager :meth:`~.base.Mixer.mix`, so that both give the same mix from the same draws."""
+    eager :meth:`~.mixer.Mixer.mix`, so that both give the same mix from the same draws."""
 
     def traced_params(self, n: int, leaves: list) -> list[Spec]:
         """The ``(shape, dtype)`` of each value :meth:`draw_traced` returns for a mix of ``n`` samples of
@@ -210,12 +210,12 @@ class TracedPath:
     def draw_traced(self, leaves: list, draw) -> tuple[list[torch.Tensor], object]:
         """On the host, when the graph runs: the values the traced mix needs (CPU tensors, as
         :meth:`traced_params` describes them) and the :class:`~.contract.Mixed` (no tensors) that
-        records the mix, drawn from ``draw`` exactly as :meth:`~.base.Mixer.mix` would."""
+        records the mix, drawn from ``draw`` exactly as :meth:`~.mixer.Mixer.mix` would."""
         raise NotImplementedError
 
     def mix_traced(self, leaves: list, values: list[torch.Tensor]) -> dict:
         """Traced: the mixed tensor of every leaf, by path, from the values :meth:`draw_traced` drew (on
-        the leaves' device): the same ops as :meth:`~.base.Mixer.mix`, with no host read and shapes that
+        the leaves' device): the same ops as :meth:`~.mixer.Mixer.mix`, with no host read and shapes that
         do not depend on the values."""
         raise NotImplementedError
 
@@ -311,7 +311,7 @@ class TracedPath:
 
     def _drawn(self, spec: str, n: int, forward, given: list, found: list):
         """The values and the state of the mix ``forward`` makes at ``spec``, drawn and kept as
-        :meth:`~.base.Mixer._mix_now` draws and keeps an eager mix."""
+        :meth:`~.mixer.Mixer._mix_now` draws and keeps an eager mix."""
         generator = self._replaying(forward.pins.state)
         drawn = self._repeatable(spec, n, forward, generator)
         d, (values, mixed) = self._drawing(spec, n, forward.pins, generator, self.draw_traced, given, drawn)

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
+from ..functional import is_permutation
 from .contract import MixState
-from .functional import is_permutation
 
 
 @dataclass(frozen=True)
 class Pins:
-    """What :meth:`~mixhook.mixers.base.Mixer.pin`, ``pin_last`` or ``skip_next`` fixed for the next
-    training forward (:attr:`~mixhook.mixers.base.Mixer.pins`); what is ``None`` is drawn as usual.
+    """What :meth:`~mixhook.engine.mixer.Mixer.pin`, ``pin_last`` or ``skip_next`` fixed for the next
+    training forward (:attr:`~mixhook.engine.mixer.Mixer.pins`); what is ``None`` is drawn as usual.
 
     Attributes:
         layer: the layer spec to mix.
@@ -51,7 +51,7 @@ class Pins:
 
     @functools.cached_property
     def given(self) -> Mapping[str, Any]:
-        """What :attr:`~mixhook.mixers.contract.Draw.pinned` shows a method: lam and the index where they
+        """What :attr:`~mixhook.engine.contract.Draw.pinned` shows a method: lam and the index where they
         are pinned, and :attr:`values`."""
         given = {"lam": self.lam, "index": self.index}
         return {**{k: v for k, v in given.items() if v is not None}, **self.values}
@@ -101,7 +101,7 @@ class Forward:
         drawn: lam, the partner index and whether it is a permutation, once drawn (before ``mix()``, for a
             method that draws nothing else).
         state: the generator's state before ``mix()`` drew (a method that draws in ``mix()``).
-        mixed: once the layer ran: the :class:`~mixhook.mixers.contract.MixState` of what it mixed.
+        mixed: once the layer ran: the :class:`~mixhook.engine.contract.MixState` of what it mixed.
     """
 
     layer: str

@@ -11,7 +11,7 @@ from ..transfer import to_device
 
 
 class GradientPass:
-    """:meth:`gradient_at` of a :class:`~mixhook.mixers.base.Mixer`, and the hooks' part in its pass."""
+    """:meth:`gradient_at` of a :class:`~mixhook.engine.mixer.Mixer`, and the hooks' part in its pass."""
 
     def gradient_at(self, model: nn.Module, args: tuple, kwargs: dict, spec: str, target) -> torch.Tensor:
         """The gradient of the summed cross-entropy of ``model(*args, **kwargs)`` against ``target``

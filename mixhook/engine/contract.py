@@ -4,7 +4,7 @@
 ``skip_next``, ``unpin``, ``check_output``); ``isinstance(hook, MixingHook)`` is the one way to tell a mixing
 regularizer from other hooks, and a model has at most one (:func:`claim`). :class:`MixState` is what one
 training forward mixed; :class:`Draw` and :class:`Mixed` are what a method's ``mix()`` is given and
-returns (:class:`~mixhook.mixers.base.Mixer`).
+returns (:class:`~mixhook.engine.mixer.Mixer`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import weight_of
+from ..functional import weight_of
 
 
 @dataclass(frozen=True)

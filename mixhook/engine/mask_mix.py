@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from ..functional import mask_blend
 from ..sites import Leaf
 from .contract import Draw, Mixed
-from .functional import mask_blend
 
 
 class MaskedMix:
-    """Mix by a mask drawn on the host: a method implements :meth:`draw_mask` (a :class:`~.base.Mixer`
+    """Mix by a mask drawn on the host: a method implements :meth:`draw_mask` (a :class:`~.mixer.Mixer`
     subclass lists this class first)."""
 
     def draw_mask(self, h: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, dict]:

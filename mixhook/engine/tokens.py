@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..functional import blend, lerp_rows
 from ..sites import Leaf
-from .functional import blend, lerp_rows
 
 PREFIX_RULES = ("blend", "keep")
 
@@ -193,6 +193,7 @@ class TokenGrid:
 
 def traced_weight(lam: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The targets' ``lam`` (one, or one per sample) as ``n`` float64 weights with which
-    :func:`~.functional.lerp_rows` blends tokens of ``dtype`` bit for bit as :func:`~.functional.blend`
-    blends them with ``lam`` (a tensor, which it rounds to the tokens' dtype)."""
+    :func:`~mixhook.functional.lerp_rows` blends tokens of ``dtype`` bit for bit as
+    :func:`~mixhook.functional.blend` blends them with ``lam`` (a tensor, which it rounds to the tokens'
+    dtype)."""
     return lam.to(dtype).to(torch.float64).expand(n)

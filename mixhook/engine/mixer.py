@@ -1,15 +1,16 @@
-"""The mechanism the single-method mixers share: :class:`Mixer`, the hot path of a mix.
+"""The base a mixing method subclasses: :class:`Mixer`, and the hot path of a mix.
 
 A training forward is decided at the model's pre-hook (:meth:`Mixer._decide`: whether, and at which
-layer), mixed when that layer runs (:meth:`Mixer._mix_now`: lam and the partners drawn or pinned, the
-site's tensors found once per site and then planned, the method's :meth:`Mixer.mix`), and recorded at the
-model's end (:mod:`.binding`). Around it, each in its own module: the contract the training loop relies
-on (:mod:`.contract`), ``loss``/``targets`` (:mod:`.targets`), padding masks downstream of a mix
-(:mod:`.masking`), the gradient pass of the saliency methods (:mod:`.gradient_pass`), the checks the
-methods share (:mod:`.checks`) and the math (:mod:`.functional`). A method subclasses :class:`Mixer` and
-implements :meth:`Mixer.mix` (and, where it needs to, :meth:`Mixer.sample_lam` and
+layer; a :class:`~.forward.Forward`), mixed when that layer runs (:meth:`Mixer._mix_now`: lam and the
+partners drawn or pinned, the site's tensors found once per site and then planned, the method's
+:meth:`Mixer.mix`), and recorded at the model's end (:mod:`.binding`). Around it, each in its own module:
+the contract the training loop relies on (:mod:`.contract`), ``loss``/``targets`` (:mod:`.targets`),
+padding masks downstream of a mix (:mod:`.padding_masks`), the gradient pass of the saliency methods
+(:mod:`.gradient_pass`), the one-graph path under ``torch.compile`` (:mod:`.traced`), the checks the
+methods share (:mod:`.checks`) and the math (:mod:`mixhook.functional`). A method subclasses
+:class:`Mixer` and implements :meth:`Mixer.mix` (and, where it needs to, :meth:`Mixer.sample_lam` and
 :meth:`Mixer.check_leaves`); :class:`~mixhook.mixers.oneof.OneOf` keeps the same contract by delegating
-to the mixers it chooses among. See "Adding a mixer" in the README.
+to the mixers it chooses among. See docs/adding-a-mixer.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import packing, recompute
 from .. import padding as masks
+from ..functional import sample_lam
 from ..hooks import LayerHook, guard_unwrapped
 from ..layouts import (
     CHANNELS_LAST,
@@ -51,9 +53,8 @@ from .binding import Forwards
 from .checks import check_fraction, check_layer_weights, check_positive
 from .contract import Draw, Mixed, MixingHook, MixState, claim, unclaim
 from .forward import NO_PINS, SKIP, Forward, Pins, given_index
-from .functional import sample_lam
 from .gradient_pass import GradientPass
-from .masking import PaddingMasks
+from .padding_masks import PaddingMasks
 from .targets import LossAndTargets
 from .tokens import TokenGrid
 from .traced import TracedPath
@@ -184,7 +185,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     @property
     def traceable(self) -> bool:
         """Whether torch.compile traces this mixer's hooks into the model's graph with no graph break
-        (``fullgraph=True``; :mod:`mixhook.mixers.traced`): the class that defines its :meth:`mix` also
+        (``fullgraph=True``; :mod:`mixhook.engine.traced`): the class that defines its :meth:`mix` also
         defines the traced path (a subclass that changes ``mix`` without it, e.g. to add noise, is not
         traced until it defines its own: the inherited one would leave its change out) and it takes no
         per-forward pass (gradient saliency); a model whose modules take padding masks
@@ -283,12 +284,12 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     @property
     def pins(self) -> Pins | None:
         """What :meth:`pin`, :meth:`pin_last` or :meth:`skip_next` set for the next training forward
-        (:class:`~mixhook.mixers.forward.Pins`), or ``None``."""
+        (:class:`~mixhook.engine.forward.Pins`), or ``None``."""
         return self._pinned
 
     @property
     def current(self) -> Forward | None:
-        """The training forward under way (:class:`~mixhook.mixers.forward.Forward`: its layer, pins and,
+        """The training forward under way (:class:`~mixhook.engine.forward.Forward`: its layer, pins and,
         once its layer ran, what it mixed), or ``None`` outside one or in a forward that does not mix."""
         return self._current
 
@@ -312,13 +313,13 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         leaves: list[Leaf] | None = None,
     ) -> tuple[Draw, Mixed]:
         """What this mixer draws for a mix of ``batch`` samples at ``layer``, without mixing: the
-        :class:`~mixhook.mixers.contract.Draw` (lam, the partner index) and the method's own draws as its
-        :class:`~mixhook.mixers.contract.Mixed` records them (CutMix's ``info["box"]``), every draw from
+        :class:`~mixhook.engine.contract.Draw` (lam, the partner index) and the method's own draws as its
+        :class:`~mixhook.engine.contract.Mixed` records them (CutMix's ``info["box"]``), every draw from
         ``generator`` (the mixer's own by default). For an adapter that must know a mix before the forward
         (timm's ``mixup_fn`` returns the soft targets first), which then pins what it drew (:meth:`pin`).
 
         ``index``: the partners to use (e.g. timm's flipped batch) instead of drawn ones; ``leaves``: what
-        a region method cuts (:meth:`leaves_at`; their tensors may be :class:`~mixhook.mixers.traced.Shape`
+        a region method cuts (:meth:`leaves_at`; their tensors may be :class:`~mixhook.engine.traced.Shape`
         objects). The methods with a one-graph path under ``torch.compile`` can draw ahead (ManifoldMixup,
         CutMix, FMix, GridMix, PatchUp, ...); the others are refused in one line."""
         if type(self).draw_traced is TracedPath.draw_traced:
@@ -342,7 +343,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
     @property
     def forwards(self) -> Forwards:
         """The record of this mixer's recent training forwards and what each mixed
-        (:class:`~mixhook.mixers.binding.Forwards`): an adapter checks at a step's end that every mixed
+        (:class:`~mixhook.engine.binding.Forwards`): an adapter checks at a step's end that every mixed
         forward's loss was taken under its mix (``claim_all()`` at the step's start, ``unclaimed()`` at
         its end)."""
         return self._seen

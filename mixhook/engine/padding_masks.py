@@ -1,4 +1,4 @@
-"""Padding masks downstream of a mix, as hooks of a :class:`~mixhook.mixers.base.Mixer`: the outermost
+"""Padding masks downstream of a mix, as hooks of a :class:`~mixhook.engine.mixer.Mixer`: the outermost
 module called with a padding mask gets the union of the partners' masks (:mod:`mixhook.padding`)."""
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from ..functional import per_sample, smooth_one_hot
 from ..transfer import to_device
 from . import partners
 from .contract import MixState
-from .functional import per_sample, smooth_one_hot
 
 
 def positions(target: torch.Tensor) -> int:
@@ -105,7 +105,7 @@ def per_row(clean: torch.Tensor, mixed: torch.Tensor, eta: float = 1.0) -> torch
 
 
 class LossAndTargets:
-    """``loss`` and ``targets`` of a :class:`~mixhook.mixers.base.Mixer`: the criterion, or the soft
+    """``loss`` and ``targets`` of a :class:`~mixhook.engine.mixer.Mixer`: the criterion, or the soft
     targets, under the mix of the forward that produced the logits (found by ``_bound_state``)."""
 
     dense_targets: ClassVar[str | None]  # set by Mixer (why a method refuses dense targets, or None)

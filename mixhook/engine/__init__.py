@@ -1,0 +1,21 @@
+"""The engine the mixing methods stand on (the methods themselves are in :mod:`mixhook.mixers`).
+
+Read one training forward as data travels, one module per hop:
+
+- :mod:`.mixer`: :class:`~.mixer.Mixer`, the base a method subclasses: its hooks decide a forward at the
+  model's pre-hook, mix when the layer runs, and mark the model's output;
+- :mod:`.forward`: that forward as one object (:class:`~.forward.Forward`: layer, pins, lam and the index
+  as drawn, what it mixed) and what a user pinned for it (:class:`~.forward.Pins`);
+- :mod:`.contract`: what a method is given and returns (:class:`~.contract.Draw`,
+  :class:`~.contract.Mixed`), what a mix did (:class:`~.contract.MixState`), and the contract a training
+  loop relies on (:class:`~.contract.MixingHook`);
+- :mod:`.binding`: which forward produced given logits (:class:`~.binding.Forwards`);
+- :mod:`.targets`: ``loss()`` and ``targets()`` from a forward's :class:`~.contract.MixState`.
+
+Beside the path, each in its own module: padding masks downstream of a mix (:mod:`.padding_masks`), the
+gradient pass of the gradient-saliency methods (:mod:`.gradient_pass`), the one-graph path under
+``torch.compile`` (:mod:`.traced`), patch tokens as maps (:mod:`.tokens`), the mask-blend base of the
+region methods (:mod:`.mask_mix`), saliency sources (:mod:`.saliency`), partners from every rank's batch
+(:mod:`.partners`) and the checks the methods share (:mod:`.checks`). Activation-checkpoint replay is
+:mod:`mixhook.recompute`.
+"""

@@ -316,7 +316,7 @@ def guard_unwrapped(hook, model: nn.Module, handles: list[RemovableHandle], verb
         inside[0] -= 1
 
     def check(module: nn.Module, args) -> None:
-        if module.training and torch.is_grad_enabled() and not inside[0] and not recompute.in_backward():
+        if module.training and torch.is_grad_enabled() and not inside[0]:
             raise RuntimeError(
                 f"{kind}: {type(module).__name__} was called on its own, not through the {outer} {kind} is "
                 f"attached to (merge_and_unload() and unload() return it), so nothing would be {verb}; "
@@ -325,7 +325,7 @@ def guard_unwrapped(hook, model: nn.Module, handles: list[RemovableHandle], verb
 
     handles.append(model.register_forward_pre_hook(enter))
     handles.append(model.register_forward_hook(leave, always_call=True))
-    handles.append(inner.register_forward_pre_hook(check))
+    handles.append(inner.register_forward_pre_hook(recompute.hook(check)))  # (not in a recomputation)
 
 
 def _check_batch_dim(batch_dim, specs: tuple[str, ...]):

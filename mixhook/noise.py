@@ -101,10 +101,11 @@ class NEFTune(LayerHook):
         return f"NEFTune(layer={self._layer_spec!r}, alpha={self.alpha}, length={self.length!r})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
+        begin = recompute.hook(self._on_model_input)  # (a recomputation is not a new call)
+        handles.append(model.register_forward_pre_hook(begin, with_kwargs=True))
         guard_unwrapped(self, model, handles, "noised")
         for spec, module in modules.items():
-            handles.append(module.register_forward_hook(self._hook(spec)))
+            handles.append(module.register_forward_hook(recompute.hook(self._hook(spec), self._again(spec))))
 
     def _reset(self) -> None:
         self._call, self._calls = None, {}
@@ -112,8 +113,6 @@ class NEFTune(LayerHook):
     # --------------------------------------------------------------------------------- the model's call
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        if recompute.in_backward():
-            return
         self._calls = {}
         if not model.training or not torch.is_grad_enabled():  # a forward that cannot train: no noise
             self._call = None
@@ -137,23 +136,9 @@ class NEFTune(LayerHook):
 
     def _hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, output):
-            if not self._training or (self._call is None and not recompute.in_backward()):
+            if not self._training or self._call is None:
                 return None
-            if getattr(module, "neftune_noise_alpha", None) is not None:
-                raise ValueError(
-                    f"NEFTune at {spec!r}: the layer already has HuggingFace's NEFTune hook "
-                    f"(neftune_noise_alpha={module.neftune_noise_alpha}), so the noise would be added twice; "
-                    "leave the Trainer's neftune_noise_alpha unset (None), or drop this hook"
-                )
-            if recompute.in_backward():  # activation checkpointing: the forward's noise again
-                payload = self._replayed(spec)
-                if payload is None:
-                    raise recompute.RecomputeError(
-                        f"NEFTune at {spec!r}: the noise of the recomputed forward was not recorded"
-                    )
-                state, call, index = payload
-                generator = recompute.replay_generator(self.generator, state)
-                return self._noised(spec, output, generator, call, index)[0]
+            _refuse_hf_neftune(spec, module)
             self._seed_for_rank()
             index = self._calls.get(spec, 0)
             self._calls[spec] = index + 1
@@ -164,6 +149,23 @@ class NEFTune(LayerHook):
             return noised
 
         return hook
+
+    def _again(self, spec: str):
+        def again(module: nn.Module, args: tuple, output):
+            """In a recomputation (activation checkpointing): the forward's noise again."""
+            if not self._training:
+                return None
+            _refuse_hf_neftune(spec, module)
+            payload = self._replayed(spec)
+            if payload is None:
+                raise recompute.RecomputeError(
+                    f"NEFTune at {spec!r}: the noise of the recomputed forward was not recorded"
+                )
+            state, call, index = payload
+            generator = recompute.replay_generator(self.generator, state)
+            return self._noised(spec, output, generator, call, index)[0]
+
+        return again
 
     def _noised(self, spec: str, output, generator: torch.Generator, call: dict | None, index: int):
         """``output`` with its noise added (drawn from ``generator``), and each token's magnitude."""
@@ -242,3 +244,13 @@ def _uniform(h: torch.Tensor, generator: torch.Generator, bound: float) -> torch
         seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
         generator = torch.Generator(device=h.device).manual_seed(seed)
     return torch.empty_like(h).uniform_(-bound, bound, generator=generator)
+
+
+def _refuse_hf_neftune(spec: str, module: nn.Module) -> None:
+    """HuggingFace's NEFTune hook on the same layer would add noise a second time."""
+    if getattr(module, "neftune_noise_alpha", None) is not None:
+        raise ValueError(
+            f"NEFTune at {spec!r}: the layer already has HuggingFace's NEFTune hook "
+            f"(neftune_noise_alpha={module.neftune_noise_alpha}), so the noise would be added twice; "
+            "leave the Trainer's neftune_noise_alpha unset (None), or drop this hook"
+        )

@@ -115,7 +115,7 @@ def refusing(kind: str, why: str, with_grad: bool):
     an activation-checkpoint recomputation."""
 
     def check(model: nn.Module, args: tuple, kwargs: dict) -> None:
-        if model.training and (torch.is_grad_enabled() or not with_grad) and not recompute.in_backward():
+        if model.training and (torch.is_grad_enabled() or not with_grad):
             refuse(kind, model, args, kwargs, why)
 
-    return check
+    return recompute.hook(check)  # (a recomputation was checked as its forward)

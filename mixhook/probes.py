@@ -60,11 +60,10 @@ class _Probe(LayerHook):
 
     def _register_root(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
         """Registered last, prepended: it runs first, ahead of any hook on the model's input."""
-        handles.append(model.register_forward_pre_hook(self._on_model_input, prepend=True))
+        begin = recompute.hook(self._on_model_input)  # (a recomputation is not a new forward)
+        handles.append(model.register_forward_pre_hook(begin, prepend=True))
 
     def _on_model_input(self, model: nn.Module, args) -> None:
-        if recompute.in_backward():  # a recomputation (activation checkpointing) is not a new forward
-            return
         if self.paused or (self.train_only and not model.training):
             self._active = False
             return
@@ -77,24 +76,24 @@ class _Probe(LayerHook):
         """``record(spec, value)`` with what each site gives (its selected element, or the output/first
         argument), once per forward: a recomputation by activation checkpointing is not recorded again
         (``recomputed(spec, value)`` is called instead, where given)."""
+
+        def look(spec: str, value) -> None:
+            record(spec, self._pick(spec, value))
+
+        def again(spec: str, value) -> None:
+            recomputed(spec, self._pick(spec, value))
+
+        see = recompute.hook(look, again if recomputed is not None else None)
         for spec, module in modules.items():
-
-            def look(spec: str, value) -> None:
-                if recompute.in_backward():
-                    if recomputed is not None:
-                        recomputed(spec, self._pick(spec, value))
-                    return
-                record(spec, self._pick(spec, value))
-
             if self.sites[spec].layer == INPUT:  # the model's input: read before anything (input mixup)
                 hook = module.register_forward_pre_hook(
-                    lambda m, args, kwargs, spec=spec: look(spec, Inputs(m, args, kwargs)),
+                    lambda m, args, kwargs, spec=spec: see(spec, Inputs(m, args, kwargs)),
                     prepend=prepend,
                     with_kwargs=True,
                 )
             else:
                 hook = module.register_forward_hook(
-                    lambda m, a, out, spec=spec: look(spec, out), prepend=prepend
+                    lambda m, a, out, spec=spec: see(spec, out), prepend=prepend
                 )
             handles.append(hook)
 

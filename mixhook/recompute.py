@@ -25,6 +25,7 @@ fail (non-reentrant mode). So:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,6 +54,26 @@ def may_be_recomputed() -> bool:
     if torch.compiler.is_compiling():
         return False
     return not torch.is_grad_enabled() or saved_tensor_hooks_active()
+
+
+def hook(act: Callable, again: Callable | None = None) -> Callable:
+    """A PyTorch hook function that runs ``act`` in a forward and ``again`` in a recomputation of it by
+    activation checkpointing (both with the hook's arguments; ``again=None``: nothing, for a hook that only
+    decides, records or refuses, which a recomputation must not do twice). The one place a hook is told
+    which of the two it is in: ``act`` notes what a recomputation must redo (:meth:`Tracker.note`, through
+    :meth:`~mixhook.hooks.LayerHook._note`) and ``again`` finds it (:meth:`Tracker.replay`)."""
+
+    def dispatch(*args):
+        if in_backward():
+            return None if again is None else again(*args)
+        return act(*args)
+
+    # Its own code object, named after the hook: torch.compile caches compiled frames per code object and
+    # counts one object's recompiles against one limit, and a hook on the model itself runs as a frame of
+    # its own, so dispatchers sharing one code object would count every hook of every model against it.
+    name = f"{getattr(act, '__name__', 'hook')}_dispatch"
+    dispatch.__code__ = dispatch.__code__.replace(co_name=name, co_qualname=name)
+    return dispatch
 
 
 class RecomputeError(RuntimeError):

@@ -62,7 +62,8 @@ class InputScale(LayerHook):
             check = packing.refusing("InputScale", why, with_grad=False)  # it scales without too
             handles.append(model.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
         for spec, module in modules.items():  # "input" resolves to the model itself: its pre-hook
-            handles.append(module.register_forward_pre_hook(self._hook(spec), with_kwargs=True))
+            hook = recompute.hook(self._hook(spec), self._again(spec))
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -70,21 +71,32 @@ class InputScale(LayerHook):
             if not (training or self.in_eval):
                 return None
             per_sample_draw = training and not isinstance(self.factor, float)
-            if recompute.in_backward():  # activation checkpointing: the forward's factors again
-                state = self._replayed(spec)
-                if per_sample_draw and state is None:
-                    raise recompute.RecomputeError(
-                        f"InputScale at {spec!r}: the factors of the recomputed forward were not recorded"
-                    )
-                generator = recompute.replay_generator(self.generator, state) if state is not None else None
-            else:
-                if per_sample_draw:
-                    self._seed_for_rank()
-                generator = self.generator
-                self._note(spec, (lambda: recompute.generator_state(generator)) if per_sample_draw else None)
-            return self._scale(spec, module, args, kwargs, training, generator)
+            if per_sample_draw:
+                self._seed_for_rank()
+            generator = self.generator
+            self._note(spec, (lambda: recompute.generator_state(generator)) if per_sample_draw else None)
+            scaled, factor = self._scale(spec, module, args, kwargs, training, generator)
+            if factor is not None:
+                self.last = factor
+            return scaled
 
         return hook
+
+    def _again(self, spec: str):
+        def again(module: nn.Module, args: tuple, kwargs: dict):
+            """In a recomputation (activation checkpointing): the forward's factors again."""
+            training = self._model.training
+            if not (training or self.in_eval):
+                return None
+            state = self._replayed(spec)
+            if training and not isinstance(self.factor, float) and state is None:
+                raise recompute.RecomputeError(
+                    f"InputScale at {spec!r}: the factors of the recomputed forward were not recorded"
+                )
+            generator = recompute.replay_generator(self.generator, state) if state is not None else None
+            return self._scale(spec, module, args, kwargs, training, generator)[0]
+
+        return again
 
     def _scale(self, spec, module, args, kwargs, training, generator):
         site = self.sites[spec]
@@ -95,7 +107,7 @@ class InputScale(LayerHook):
             inputs = Inputs(module, args, kwargs)
             if site.paths is None:
                 if not len(inputs):
-                    return None
+                    return None, None
                 name, value = inputs.first()
             else:
                 value = inputs
@@ -112,12 +124,10 @@ class InputScale(LayerHook):
             u = torch.rand(n, generator=generator, device=generator.device, dtype=torch.float64)
             factor = low + (high - low) * u
             new = {f.path: along(f.dim, lambda t: t * per_sample(factor, t), f.tensor) for f in found}
-        if not recompute.in_backward():
-            self.last = factor
         changed = replace_leaves(value, new)
         if inputs is None:
-            return (changed, *args[1:]), kwargs
-        return inputs.rebuild({name: changed} if site.paths is None else changed)
+            return ((changed, *args[1:]), kwargs), factor
+        return inputs.rebuild({name: changed} if site.paths is None else changed), factor
 
 
 def _check_factor(factor) -> float | tuple[float, float]:

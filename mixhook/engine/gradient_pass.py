@@ -3,6 +3,8 @@ methods that place their regions by gradient saliency."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -11,18 +13,35 @@ from ..transfer import to_device
 
 
 class GradientPass:
-    """:meth:`gradient_at` of a :class:`~mixhook.engine.mixer.Mixer`, and the hooks' part in its pass."""
+    """The gradient pass of one mixer, a collaborator of its hooks: :meth:`gradient_at` runs it; while it
+    runs (:attr:`running`), the mixer's hooks hand the model's input and the layers' outputs to
+    :meth:`input` and :meth:`layer` instead of mixing.
+
+    Args:
+        kind: the mixer's class name (for its messages).
+        sites: the mixer's sites, by spec.
+        leaves: ``leaves(spec, value)``: what the mixer acts on in ``value`` (a layer's output, or the
+            model's :class:`~mixhook.sites.Inputs`): the site's value and the leaves that carry the batch.
+        as_given: ``as_given(spec, leaf, model)``: a leaf's tensor as the method is given it (a token grid's
+            ``(B, D, gh, gw)`` map, a channels-last map's channels-first view).
+    """
+
+    def __init__(self, kind: str, sites: dict, leaves: Callable, as_given: Callable):
+        self._kind, self._sites, self._leaves, self._as_given = kind, sites, leaves, as_given
+        self._capture: dict | None = None  # while it runs: the spec, and the leaf whose gradient is taken
+
+    @property
+    def running(self) -> bool:
+        """Whether :meth:`gradient_at` is running its forward and backward now."""
+        return self._capture is not None
 
     def gradient_at(self, model: nn.Module, args: tuple, kwargs: dict, spec: str, target) -> torch.Tensor:
         """The gradient of the summed cross-entropy of ``model(*args, **kwargs)`` against ``target``
-        with respect to what :meth:`mix` would be given at ``spec`` (the first leaf: a ``(B, C, H, W)``
-        map, or the patch tokens' map): one more forward, in eval mode (no dropout, no batch-norm
-        statistics updated; each module's own mode restored after), and a backward down to ``spec``
-        only (``autograd.grad``, so no parameter's ``.grad`` changes). Other hooks active in training
-        mode only do not act in it."""
+        with respect to what the method would be given at ``spec`` (see
+        :meth:`~mixhook.engine.mixer.Mixer.gradient_at`)."""
         if target is None:
             raise RuntimeError(
-                f"{type(self).__name__} needs the batch's labels for its gradient pass: call "
+                f"{self._kind} needs the batch's labels for its gradient pass: call "
                 "use_targets(y) before each training forward (the app's loop does)"
             )
         modes = [(m, m.training) for m in model.modules()]
@@ -34,7 +53,7 @@ class GradientPass:
                 logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
                 if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
                     raise TypeError(
-                        f"{type(self).__name__}'s gradient pass needs (B, classes) logits from the model, "
+                        f"{self._kind}'s gradient pass needs (B, classes) logits from the model, "
                         f"got {describe(out)}"
                     )
                 leaf = self._capture.get("leaf")
@@ -52,29 +71,27 @@ class GradientPass:
             self._capture = None
             for module, mode in modes:
                 module.training = mode
-        grad_leaf = Leaf(leaf.path, grad, leaf.dim)
-        if self.token_grid is not None:
-            return self.token_grid.to_maps(spec, [grad_leaf], model)[0].tensor
-        return grad.permute(0, 3, 1, 2) if self._channels_last(spec, grad_leaf) else grad
+        return self._as_given(spec, Leaf(leaf.path, grad, leaf.dim), model)
 
-    def _capture_value(self, spec: str, site_value):
-        """``site_value`` with its first leaf replaced by a detached copy that requires grad (noted in
-        ``self._capture``): the gradient pass's backward stops there."""
-        found = self._leaves(spec, site_value)[0]
+    def _captured(self, spec: str, value):
+        """``value``'s site value with its first leaf replaced by a detached copy that requires grad (kept
+        for :meth:`gradient_at`): the pass's backward stops there."""
+        site_value, found = self._leaves(spec, value)
         leaf = found[0]
         fresh = leaf.tensor.detach().requires_grad_()
         self._capture["leaf"] = Leaf(leaf.path, fresh, leaf.dim)
         return replace_leaves(site_value, {leaf.path: fresh})
 
-    def _capture_input(self, model: nn.Module, args: tuple, kwargs: dict):
+    def input(self, model: nn.Module, args: tuple, kwargs: dict):
+        """The model's pre-hook during the pass: the input captured, where the pass is taken there."""
         spec = self._capture["spec"]
-        if self.sites[spec].layer != INPUT:
+        if self._sites[spec].layer != INPUT:
             return None
         inputs = Inputs(model, args, kwargs)
-        value = self._capture_value(spec, self._site_value(spec, inputs))
-        return rebuild_inputs(inputs, self.sites[spec], value)
+        return rebuild_inputs(inputs, self._sites[spec], self._captured(spec, inputs))
 
-    def _capture_layer(self, spec: str, output):
+    def layer(self, spec: str, output):
+        """A layer's hook during the pass: its output captured, where the pass is taken there (once)."""
         if spec != self._capture["spec"] or "leaf" in self._capture:
             return None
-        return self._capture_value(spec, output)
+        return self._captured(spec, output)

@@ -48,7 +48,6 @@ from ..sites import (
     rebuild_inputs,
     replace_leaves,
 )
-from . import traced
 from .binding import Forwards
 from .checks import check_fraction, check_layer_weights, check_positive
 from .contract import Draw, Mixed, MixingHook, MixState, claim, unclaim
@@ -57,7 +56,7 @@ from .gradient_pass import GradientPass
 from .padding_masks import PaddingMasks
 from .targets import LossAndTargets
 from .tokens import TokenGrid
-from .traced import TracedPath
+from .traced import TracedPath, refuse_capture
 
 
 def _check_doubled(model: nn.Module, output, state: MixState) -> None:
@@ -77,7 +76,7 @@ def _check_doubled(model: nn.Module, output, state: MixState) -> None:
 _TRACED = ("traced_params", "draw_traced", "mix_traced")  # what a method defines beside mix() to be traced
 
 
-class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, MixingHook):
+class Mixer(LayerHook, LossAndTargets, MixingHook):
     """Base class of the single-method mixers: mixes the output of one of ``layer`` per training batch.
 
     The shared mechanism: at the start of each training forward (a forward pre-hook on the model)
@@ -158,9 +157,8 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._clean = type(self).keeps_clean
 
     _TRANSIENT = (
-        "_current", "_mask_stack", "_targets", "_capture", "_seen",
-        "_layouts", "_regions", "_plans", "_token", "_traced", "_takes_masks", "_input_sides", "_reads_sides",
-        "_modules",
+        "_current", "_targets", "_seen", "_layouts", "_plans", "_traced", "_input_sides", "_reads_sides",
+        "_modules", "_masks", "_gradients", "_compiled",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -168,16 +166,16 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._layouts: dict[
             tuple[str, int], SiteLayout
         ] = {}  # (site, ndim): its maps' layout (mixhook.layouts)
-        self._regions: dict[str, str] = {}  # each hidden site's padding-mask region (mixhook.padding)
-        self._takes_masks = False  # whether padding masks downstream get the partners' union (set at attach)
         self._plans: dict[str, tuple] = {}  # a site that returns a plain tensor: (ndim, dtype, batch dim)
         self._current: Forward | None = None  # the training forward under way
-        self._mask_stack: list[bool] = []
         self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
-        self._capture: dict | None = None  # during gradient_at(): the map whose gradient is taken
         self._seen = Forwards(self)  # the recent forwards, and which one produced given logits
-        self._token = traced.register(self)  # names this mixer in a compiled graph's calls (.traced)
         self._traced = False  # whether torch.compile traces the one-graph path (set at attach)
+        # the collaborators: padding masks downstream of a mix, the gradient pass, the one-graph path
+        self._masks = PaddingMasks(self, self._note, self._replayed)
+        self._gradients = GradientPass(type(self).__name__, self.sites, self._captured_leaves, self._as_given)
+        self._compiled = TracedPath(self, self._read_input, self._unplanned, self._restore, self._host_begin,
+                                    self._host_draw)  # fmt: skip
         self._input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
         self._reads_sides = False  # whether maps are checked against the input's sides (set at attach)
         self._modules: dict[str, nn.Module] = {}  # the modules attached to, by spec
@@ -198,6 +196,12 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
             and cls.before_mix is Mixer.before_mix
             and not self._clean
         )
+
+    @property
+    def traced(self) -> bool:
+        """Whether, attached, torch.compile traces this mixer's hooks into the model's graph
+        (:attr:`traceable`, and its model takes no padding masks); ``False`` when not attached."""
+        return self._traced
 
     @property
     def clean(self) -> bool:
@@ -322,7 +326,7 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         a region method cuts (:meth:`leaves_at`; their tensors may be :class:`~mixhook.engine.traced.Shape`
         objects). The methods with a one-graph path under ``torch.compile`` can draw ahead (ManifoldMixup,
         CutMix, FMix, GridMix, PatchUp, ...); the others are refused in one line."""
-        if type(self).draw_traced is TracedPath.draw_traced:
+        if type(self).draw_traced is Mixer.draw_traced:
             raise TypeError(
                 f"{type(self).__name__}.draw_for(): this method draws its mix from the layer's values, so it "
                 "cannot be drawn before the forward"
@@ -421,28 +425,17 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                     self._layouts[spec, ndim] = site_layout(
                         model, site, self._declared_layout(spec), facts, ndim
                     )
-        handles.append(model.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
+        begin = recompute.hook(self._on_model_input, self._replay_input)
+        handles.append(model.register_forward_pre_hook(begin, with_kwargs=True))
         guard_unwrapped(self, model, handles)
         self._modules = modules
         for spec, module in modules.items():
             if self.sites[spec].layer != INPUT:
-                handles.append(module.register_forward_hook(self._layer_hook(spec)))
-        takes_masks = False
-        if self.padding == "union":
-            self._regions = {
-                spec: masks.region_of(model, site.layer)
-                for spec, site in self.sites.items()
-                if site.layer != INPUT
-            }
-            for name, module in model.named_modules():
-                if module is not model and masks.takes_masks(module):
-                    takes_masks = True
-                    pre, post = self._mask_hooks(name)
-                    handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                    handles.append(module.register_forward_hook(post, always_call=True))
-        handles.append(model.register_forward_hook(self._on_model_output))
+                hook = recompute.hook(self._layer_hook(spec), self._replay_layer(spec))
+                handles.append(module.register_forward_hook(hook))
+        takes_masks = self.padding == "union" and self._masks.register(model, handles)
+        handles.append(model.register_forward_hook(recompute.hook(self._on_model_output)))
         self._traced = self.traceable and not takes_masks
-        self._takes_masks = takes_masks and self.padding == "union"
 
     def _reset(self) -> None:
         self._current = None
@@ -450,12 +443,10 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         unclaim(self)
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
-        if self._capture is not None:  # gradient_at()'s own pass
-            return self._capture_input(model, args, kwargs)
+        if self._gradients.running:  # gradient_at()'s own pass
+            return self._gradients.input(model, args, kwargs)
         if self._traced and torch.compiler.is_compiling():
-            return self._traced_begin(model, args, kwargs)
-        if recompute.in_backward():  # the whole model is being recomputed: replay its input's mix
-            return self._replay_input(model, args, kwargs)
+            return self._compiled.begin(model, args, kwargs)
         if not model.training:
             self._current = None
             return None
@@ -481,6 +472,13 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         args, kwargs = rebuild_inputs(inputs, self.sites[forward.layer], value)
         return self._input_masks(model, args, kwargs, forward.layer, self.last)
 
+    def _input_masks(self, model, args: tuple, kwargs: dict, spec: str, state: MixState, again=False):
+        """The model's arguments after a mix at its input, with their padding masks unioned
+        (``padding="union"``: :meth:`~.padding_masks.PaddingMasks.at_input`)."""
+        if self.padding != "union":
+            return args, kwargs
+        return self._masks.at_input(model, args, kwargs, spec, state, again)
+
     def _begin_forward(self, forward: Forward | None) -> Forward | None:
         """The state of a training forward that follows ``forward`` (eager, or in a compiled graph); a
         compiled forward before it is settled first (its record must not take this forward's mix)."""
@@ -488,10 +486,13 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self.last = None
         self._targets = None
         self._current = forward
-        self._mask_stack = []
+        self._masks.begin()
         return forward
 
     def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
+        """In a recomputation of the whole model (activation checkpointing): its input's mix again."""
+        if self._gradients.running:
+            return None
         for spec, site in self.sites.items():
             if site.layer == INPUT:
                 pins = self._replayed(spec)
@@ -499,28 +500,32 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                     inputs = Inputs(model, args, kwargs)
                     value, state = self._apply(spec, inputs, pins, self._replaying(pins.state))
                     args, kwargs = rebuild_inputs(inputs, site, value)
-                    return self._input_masks(model, args, kwargs, spec, state)
+                    return self._input_masks(model, args, kwargs, spec, state, again=True)
         return None
 
     def _layer_hook(self, spec: str):
         def hook(module: nn.Module, args: tuple, output):
-            if self._capture is not None:  # gradient_at()'s own pass
-                return self._capture_layer(spec, output)
+            if self._gradients.running:  # gradient_at()'s own pass
+                return self._gradients.layer(spec, output)
             if self._traced and torch.compiler.is_compiling():
-                return self._traced_mix(spec, output) if module.training else None
+                return self._compiled.mix(spec, output) if module.training else None
             forward = self._current
             if forward is not None and forward.mixed is None and forward.layer == spec:  # it mixes here
                 return self._mix_now(spec, output, forward)[0]  # (self.last set)
-            # a recomputation, after its forward ended (a forward a compiled graph began keeps its draw)
-            if (forward is None or forward.mixed is not None) and recompute.in_backward():
-                pins = self._replayed(spec)
-                if pins is None:
-                    return None
-                return self._apply(spec, output, pins, self._replaying(pins.state))[0]
             self._note(spec)
             return None
 
         return hook
+
+    def _replay_layer(self, spec: str):
+        def again(module: nn.Module, args: tuple, output):
+            """In a recomputation (activation checkpointing): the forward's mix at ``spec`` again."""
+            pins = None if self._gradients.running else self._replayed(spec)
+            if pins is None:
+                return None
+            return self._apply(spec, output, pins, self._replaying(pins.state))[0]
+
+        return again
 
     def _mix_now(self, spec: str, value, forward: Forward):
         """The forward's mix at ``spec``: drawn from the mixer's generator (or, for ``pin_last``, from a
@@ -561,15 +566,13 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         self._seen.mixed(last)
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
-        if self._capture is not None:  # gradient_at()'s own pass
+        if self._gradients.running:  # gradient_at()'s own pass
             return
         if self._traced and torch.compiler.is_compiling():
             self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
             return
         forward, self._current = self._current, None
         if forward is None:
-            if recompute.in_backward():  # a recomputation, which runs after its forward ended
-                return
             state = None
         elif forward.mixed is not None:
             state = self.last
@@ -785,9 +788,9 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
                 "the clean+mixed batch needs at least 2 samples"
             )
         if found[0].tensor.is_cuda:
-            traced.refuse_capture(type(self).__name__, spec, found[0].tensor.device)
+            refuse_capture(type(self).__name__, spec, found[0].tensor.device)
         if (
-            self._takes_masks
+            self._masks.active
             and self.token_grid is None  # (a token grid cuts patches, and keeps the leading tokens' rule)
             and found[0].tensor.ndim == 3
             and self._channels_last(spec, found[0])
@@ -885,6 +888,72 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         and the index, which are repeated as pinned values)."""
         return self.generator if state is None else recompute.replay_generator(self.generator, state)
 
+    # ------------------------------------------------ what the collaborators are given (see _fresh)
+
+    def _captured_leaves(self, spec: str, value) -> tuple:
+        """For the gradient pass: the site's value in ``value`` and the leaves that carry its batch."""
+        site_value = self._site_value(spec, value)
+        return site_value, self._leaves(spec, site_value)[0]
+
+    def _as_given(self, spec: str, leaf: Leaf, model: nn.Module) -> torch.Tensor:
+        """``leaf``'s tensor as :meth:`mix` is given it: a token grid's ``(B, D, gh, gw)`` map, a
+        channels-last map's channels-first view, or itself."""
+        if self.token_grid is not None:
+            return self.token_grid.to_maps(spec, [leaf], model)[0].tensor
+        return leaf.tensor.permute(0, 3, 1, 2) if self._channels_last(spec, leaf) else leaf.tensor
+
+    def _read_input(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
+        """A training forward's input, read under torch.compile as an eager forward reads it: its sides
+        (the map checks of :meth:`_leaves`) and its batch size, where the model tells it."""
+        self._input_sides = self._input_grid(args, kwargs)
+        return self._reference_batch(model, args, kwargs)
+
+    def _unplanned(self, spec: str, value) -> tuple:
+        """The site's value in ``value``, the leaves found and given and the batch size, without the plans
+        (traced code neither reads nor writes them)."""
+        site_value = self._site_value(spec, value)
+        return (site_value, *self._leaves(spec, site_value, None, plan=False))
+
+    def _restore(self, spec: str, leaf: Leaf, t: torch.Tensor, weight, index) -> torch.Tensor:
+        """A mixed tensor ``t`` of ``leaf``, which the method was given as a view, put back (traced): a
+        token grid's map into the tokens (the leading tokens blended by ``weight`` and ``index``), a
+        channels-first view into its channels-last map."""
+        if self.token_grid is not None:
+            return self.token_grid.from_map_traced(leaf, t, weight, index)
+        return channels_last(t) if self._channels_last(spec, leaf) else t
+
+    def _host_begin(self, training: bool, batch: int | None) -> int:
+        """``mixhook::begin`` (:mod:`.traced`): the previous compiled forward's output bound to its record,
+        this forward's record opened, and (training) its decision made as an eager forward makes it; the
+        chosen layer's position (-1: none)."""
+        forward = self._begin_forward(self._agree(self._decide()) if training else None)
+        self._seen.open(None if forward is None else forward.layer)
+        if forward is None:
+            return -1
+        forward.batch = batch
+        return self.layers.index(forward.layer)
+
+    def _host_draw(self, spec: str, n: int, found: list, given: list, device: torch.device):
+        """``mixhook::draw`` at ``spec`` (:mod:`.traced`): ``None`` unless this forward mixes there; then
+        the values :meth:`draw_traced` draws and the :class:`MixState`, drawn and kept as :meth:`_mix_now`
+        draws and keeps an eager mix."""
+        forward = self._current
+        if forward is None or forward.done or forward.layer != spec:
+            return None
+        refuse_capture(type(self).__name__, spec, device)
+        if forward.batch is not None and n != forward.batch:
+            raise TypeError(
+                f"{type(self).__name__} at {spec!r}: its batch dimension has size {n}, but the model's input "
+                f"has a batch of {forward.batch}: the layer loses or reshapes the batch dimension; choose "
+                "another layer, or pass batch_dim"
+            )
+        generator = self._replaying(forward.pins.state)
+        drawn = self._repeatable(spec, n, forward, generator)
+        d, (values, mixed) = self._drawing(spec, n, forward.pins, generator, self.draw_traced, given, drawn)
+        last = self._state(spec, found, d, mixed)
+        self._done(forward, last)
+        return values, last
+
     def _check_mixed(self, spec: str, leaves: list[Leaf], mixed: Mixed) -> dict:
         """``mixed.tensors``, once it gives every leaf a tensor of the leaf's shape (a method that skipped
         one would leave it silently unmixed)."""
@@ -921,6 +990,36 @@ class Mixer(LayerHook, LossAndTargets, PaddingMasks, GradientPass, TracedPath, M
         """Refuse, with a one-line ``TypeError``/``ValueError``, what this method cannot mix: ``leaves``
         are the tensors carrying the batch at ``spec`` (each with its ``path``, ``name`` and batch
         ``dim``). Runs before every mix and in :meth:`check_output`. Accepts anything by default."""
+
+    def traced_params(self, n: int, leaves: list[Leaf]) -> list:
+        """The one-graph path under torch.compile (:mod:`.traced`; optional, with :meth:`draw_traced` and
+        :meth:`mix_traced`, in the class that defines :meth:`mix`): the ``(shape, dtype)`` of each value
+        :meth:`draw_traced` returns for a mix of ``n`` samples of ``leaves``; on the host their tensors are
+        :class:`~.traced.Shape` objects (shape, ``ndim``, dtype), whose sizes are symbolic while a graph
+        with dynamic shapes is traced."""
+        raise NotImplementedError
+
+    def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
+        """On the host, when the graph runs: the values the traced mix needs (CPU tensors, as
+        :meth:`traced_params` describes them) and the :class:`Mixed` (no tensors) that records the mix,
+        drawn from ``draw`` exactly as :meth:`mix` would."""
+        raise NotImplementedError
+
+    def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
+        """Traced: the mixed tensor of every leaf, by path, from the values :meth:`draw_traced` drew (on
+        the leaves' device): the same ops as :meth:`mix`, with no host read and shapes that do not depend
+        on the values."""
+        raise NotImplementedError
+
+    def gradient_at(self, model: nn.Module, args: tuple, kwargs: dict, spec: str, target) -> torch.Tensor:
+        """The gradient of the summed cross-entropy of ``model(*args, **kwargs)`` against ``target``
+        with respect to what :meth:`mix` would be given at ``spec`` (the first leaf: a ``(B, C, H, W)``
+        map, or the patch tokens' map): one more forward, in eval mode (no dropout, no batch-norm
+        statistics updated; each module's own mode restored after), and a backward down to ``spec``
+        only (``autograd.grad``, so no parameter's ``.grad`` changes). Other hooks active in training
+        mode only do not act in it. For the methods that place their regions by gradient saliency
+        (:mod:`.gradient_pass`), from :meth:`before_forward`."""
+        return self._gradients.gradient_at(model, args, kwargs, spec, target)
 
     def before_forward(
         self, model: nn.Module, args: tuple, kwargs: dict, spec: str, pinned: Mapping, targets

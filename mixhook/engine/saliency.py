@@ -80,7 +80,7 @@ class Saliency:
 
         def record(module: nn.Module, args: tuple, output) -> None:
             forward = mixer.current
-            if not model.training or forward is None or forward.done or recompute.in_backward():
+            if not model.training or forward is None or forward.done:
                 return
             if not isinstance(output, torch.Tensor) or output.ndim != 4:
                 raise TypeError(
@@ -91,7 +91,7 @@ class Saliency:
                 output = output.permute(0, 3, 1, 2)
             self._recorded = activation_saliency(output)
 
-        handles.append(module.register_forward_hook(record))
+        handles.append(module.register_forward_hook(recompute.hook(record)))  # (not in a recomputation)
 
     def before_forward(self, mixer, model, args, kwargs, spec: str, pinned: Mapping, targets) -> dict:
         self._recorded = None

@@ -33,16 +33,16 @@ from __future__ import annotations
 import ast
 import itertools
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch._library.effects import EffectType
 
 from .. import recompute
-from ..layouts import channels_last
 from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
 from .tokens import traced_weight
 
-_MIXERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> mixer
+_HOSTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> Host
 _TOKENS = itertools.count(1)
 _METAS: dict[str, tuple] = {}  # a draw's description of its leaves, parsed once
 _LEAVES: dict[tuple, tuple] = {}  # (description, sizes) -> the leaves the host part is given
@@ -53,19 +53,29 @@ Spec = tuple[tuple[int, ...], torch.dtype]
 FLAG: Spec = ((), torch.bool)
 
 
-def register(mixer) -> str:
-    """A token naming ``mixer`` in the operators' calls (a constant of the graph: a string, which dynamo
-    never makes symbolic as it may an int that differs between two mixers; a copy gets its own)."""
-    token = f"mixer{next(_TOKENS)}"
-    _MIXERS[token] = mixer
-    return token
+class Host:
+    """What the operators run on the host for one mixer (or :class:`~mixhook.OneOf`), found by its
+    :attr:`token` (a constant of the graph: a string, which dynamo never makes symbolic as it may an int
+    that differs between two mixers; a copy of a mixer gets its own).
+
+    Args:
+        begin: ``begin(training, batch) -> int``: the forward's decision (the chosen layer's position, -1:
+            none), made as an eager forward makes it.
+        draw: ``draw(spec, meta, n, sizes, device) -> uint8 tensor``: the packed values of a layer's mix.
+        specs: ``specs(n, given) -> list[Spec]``: what ``draw`` packs, for a batch of ``n``.
+    """
+
+    def __init__(self, begin: Callable, draw: Callable | None = None, specs: Callable | None = None):
+        self.begin, self.draw, self.specs = begin, draw, specs
+        self.token = f"mixer{next(_TOKENS)}"
+        _HOSTS[self.token] = self  # (weakly: held by its owner, it goes with it)
 
 
-def _mixer(token: str):
-    mixer = _MIXERS.get(token)
-    if mixer is None:
+def _host(token: str) -> Host:
+    host = _HOSTS.get(token)
+    if host is None:
         raise RuntimeError("a compiled graph called a mixhook mixer that no longer exists; compile again")
-    return mixer
+    return host
 
 
 class Shape:
@@ -167,7 +177,7 @@ def begin(token: str, training: bool, batch: int) -> torch.Tensor:
     """At the start of a compiled forward: the forward's decision (whether and where it mixes) and its
     record, made on the host; ``batch`` is the model input's batch size (-1: not known). Returns a 0-d
     int64 CPU tensor (what the graph orders the layers' draws after)."""
-    return torch.tensor(_mixer(token)._host_begin(training, None if batch < 0 else batch))
+    return torch.tensor(_host(token).begin(training, None if batch < 0 else batch))
 
 
 @begin.register_fake
@@ -180,13 +190,13 @@ def draw(token: str, spec: str, meta: str, n: int, sizes: list[int], device: tor
     """At a layer that may be mixed (``spec``, a batch of ``n``, whose leaves ``meta`` and ``sizes``
     describe): the packed flag and values of its mix (drawn on the host when this forward mixes there;
     zeros otherwise)."""
-    return _mixer(token)._host_draw(spec, meta, n, sizes, device)
+    return _host(token).draw(spec, meta, n, sizes, device)
 
 
 @draw.register_fake
 def _(token: str, spec: str, meta: str, n: int, sizes: list[int], device: torch.device) -> torch.Tensor:
     _, given = parse_leaves(meta, sizes)
-    specs = _mixer(token)._traced_specs(n, given)
+    specs = _host(token).specs(n, given)
     return torch.empty(_offsets(specs)[1], dtype=torch.uint8, device=device)
 
 
@@ -195,129 +205,97 @@ draw.register_effect(EffectType.ORDERED)
 
 
 class TracedPath:
-    """The :class:`~.mixer.Mixer` side of the one-graph path: what its hooks trace (:meth:`_traced_begin`,
-    :meth:`_traced_mix`) and what the operators run on the host (:meth:`_host_begin`, :meth:`_host_draw`).
+    """The one-graph path of one mixer, a collaborator of its hooks: what they trace under torch.compile
+    (:meth:`begin` at the model's pre-hook, :meth:`mix` at a layer) and what the operators run on the host
+    (:class:`Host`: the mixer's decision and draws, made by the mixer as an eager forward makes them).
 
-    A method supports the path by implementing the three methods below; each mirrors a part of its
-    eager :meth:`~.mixer.Mixer.mix`, so that both give the same mix from the same draws."""
+    Args:
+        mixer: the mixer (its public ``sites``, ``token_grid`` and :meth:`~.mixer.Mixer.mix_traced` are read).
+        start: ``start(model, args, kwargs) -> int | None``: a training forward's input read (its batch
+            size, where the model tells it; the map checks read its sides).
+        leaves: ``leaves(spec, value) -> (site_value, found, given, n)``: what the mixer acts on in a
+            layer's output (or the model's :class:`~mixhook.sites.Inputs`), unplanned.
+        restore: ``restore(spec, leaf, t, weight, index) -> tensor``: a mixed tensor the method was given
+            as a view of ``leaf`` (a token grid's map, a channels-last map's channels-first view), put back.
+        begin, draw: the mixer's host part: ``begin(training, batch) -> int`` (:meth:`Host.begin`) and
+            ``draw(spec, n, found, given, device) -> (values, MixState) | None`` (``None``: the forward
+            does not mix at ``spec``).
+    """
 
-    def traced_params(self, n: int, leaves: list) -> list[Spec]:
-        """The ``(shape, dtype)`` of each value :meth:`draw_traced` returns for a mix of ``n`` samples of
-        ``leaves``; on the host their tensors are :class:`Shape` objects (shape, ``ndim``, dtype), whose sizes
-        are symbolic while a graph with dynamic shapes is traced."""
-        raise NotImplementedError
-
-    def draw_traced(self, leaves: list, draw) -> tuple[list[torch.Tensor], object]:
-        """On the host, when the graph runs: the values the traced mix needs (CPU tensors, as
-        :meth:`traced_params` describes them) and the :class:`~.contract.Mixed` (no tensors) that
-        records the mix, drawn from ``draw`` exactly as :meth:`~.mixer.Mixer.mix` would."""
-        raise NotImplementedError
-
-    def mix_traced(self, leaves: list, values: list[torch.Tensor]) -> dict:
-        """Traced: the mixed tensor of every leaf, by path, from the values :meth:`draw_traced` drew (on
-        the leaves' device): the same ops as :meth:`~.mixer.Mixer.mix`, with no host read and shapes that
-        do not depend on the values."""
-        raise NotImplementedError
+    def __init__(
+        self, mixer, start: Callable, leaves: Callable, restore: Callable, begin: Callable, draw: Callable
+    ):
+        self._mixer, self._start, self._leaves, self._restore = mixer, start, leaves, restore
+        self._draw = draw
+        self.host = Host(begin, self._host_draw, self.specs)
 
     # ------------------------------------------------------------------------------ traced (graph)
 
-    def _traced_begin(self, model, args: tuple, kwargs: dict):
-        batch = self._reference_batch(model, args, kwargs) if model.training else None
-        if model.training:  # (the map checks of _leaves read it while tracing)
-            self._input_sides = self._input_grid(args, kwargs)
-        begin(self._token, model.training, -1 if batch is None else batch)
+    def begin(self, model, args: tuple, kwargs: dict):
+        """Traced at the model's pre-hook: the forward's decision (``mixhook::begin``) and, where the
+        model's input is a site, its mix."""
+        batch = self._start(model, args, kwargs) if model.training else None
+        begin(self.host.token, model.training, -1 if batch is None else batch)
         if not model.training:
             return None
         changed = False
-        for spec, site in self.sites.items():
+        for spec, site in self._mixer.sites.items():
             if site.layer == INPUT:
                 inputs = Inputs(model, args, kwargs)
-                args, kwargs = rebuild_inputs(inputs, site, self._traced_mix(spec, inputs))
+                args, kwargs = rebuild_inputs(inputs, site, self.mix(spec, inputs))
                 changed = True
         return (args, kwargs) if changed else None
 
-    def _traced_mix(self, spec: str, value):
+    def mix(self, spec: str, value):
         """Traced: ``value`` (a layer's output, or the model's :class:`Inputs`) as the chosen layer mixes
         it (the flag of this forward's draw at ``spec`` set) or as it is."""
+        kind = type(self._mixer).__name__
         if recomputable():  # mixed between graphs (see recomputable)
             torch._dynamo.graph_break(
-                f"mixhook: {type(self).__name__} at {spec!r} is inside an activation-checkpointed region, "
-                "which a compiled graph would recompute without its mix: it is mixed between graphs there "
-                "(exact; fullgraph=True cannot hold it)"
+                f"mixhook: {kind} at {spec!r} is inside an activation-checkpointed region, which a compiled "
+                "graph would recompute without its mix: it is mixed between graphs there (exact; "
+                "fullgraph=True cannot hold it)"
             )
 
-        site_value = self._site_value(spec, value)
-        found, given, n = self._leaves(spec, site_value, None, plan=False)
-        specs = self._traced_specs(n, given)
+        site_value, found, given, n = self._leaves(spec, value)
+        specs = self.specs(n, given)
         meta = f"{describe(found)}|{describe(given)}"
         sizes = [d for leaf in (*found, *given) for d in leaf.tensor.shape]
-        flag, *values = unpack(draw(self._token, spec, meta, n, sizes, given[0].tensor.device), specs)
-        grid = self.token_grid
+        flag, *values = unpack(draw(self.host.token, spec, meta, n, sizes, given[0].tensor.device), specs)
         weight = index = None
         if self._blends_prefix:  # the leading tokens' weights and partners come last
             *values, weight, index = values
-        mixed = self.mix_traced(given, values)
+        mixed = self._mixer.mix_traced(given, values)
         tensors = {}
         for out, leaf in zip(found, given, strict=True):
-            t = mixed[leaf.path]
-            if grid is not None:  # the (B, D, gh, gw) map back into the tokens
-                t = grid.from_map_traced(out, t, weight, index)
-            elif self._channels_last(spec, out):  # a channels-last map was given as its channels-first view
-                t = channels_last(t)
+            t = self._restore(spec, out, mixed[leaf.path], weight, index)
             tensors[leaf.path] = torch.where(flag, t, out.tensor)
         return replace_leaves(site_value, tensors)
 
     @property
     def _blends_prefix(self) -> bool:
-        return self.token_grid is not None and self.token_grid.prefix == "blend"
+        grid = self._mixer.token_grid
+        return grid is not None and grid.prefix == "blend"
+
+    def specs(self, n: int, given: list) -> list[Spec]:
+        """What ``mixhook::draw`` packs for a batch of ``n`` of the leaves ``given``: the flag, the
+        method's values (:meth:`~.mixer.Mixer.traced_params`), the leading tokens' weights and partners."""
+        prefix = [((n,), torch.float64), ((n,), torch.int64)] if self._blends_prefix else []
+        return [FLAG, *self._mixer.traced_params(n, given), *prefix]
 
     # ------------------------------------------------------------------------ on the host (runtime)
 
-    def _host_begin(self, training: bool, batch: int | None) -> int:
-        """``mixhook::begin``: the previous compiled forward's output bound to its record, this forward's
-        record opened, and (training) its decision made as an eager forward makes it."""
-        draw = self._begin_forward(self._agree(self._decide()) if training else None)
-        self._seen.open(None if draw is None else draw.layer)
-        if draw is None:
-            return -1
-        draw.batch = batch
-        return self.layers.index(draw.layer)
-
-    def _traced_specs(self, n: int, given: list) -> list[Spec]:
-        prefix = [((n,), torch.float64), ((n,), torch.int64)] if self._blends_prefix else []
-        return [FLAG, *self.traced_params(n, given), *prefix]
-
-    def _host_draw(
-        self, spec: str, meta: str, n: int, sizes: list[int], device: torch.device
-    ) -> torch.Tensor:
-        """``mixhook::draw`` at ``spec``: zeros, unless this forward mixes there: then its draws, made as
-        an eager forward makes them (pinned values, ``pin_last``'s replay, the method's own draws)."""
+    def _host_draw(self, spec: str, meta: str, n: int, sizes: list[int], device: torch.device):
+        """``mixhook::draw`` at ``spec``: zeros, unless this forward mixes there: then its draws."""
         found, given = parse_leaves(meta, sizes)
-        specs = self._traced_specs(n, given)
-        forward = self._current
-        if forward is None or forward.done or forward.layer != spec:
+        specs = self.specs(n, given)
+        drawn = self._draw(spec, n, found, given, device)
+        if drawn is None:
             return zeros(specs, device)
-        refuse_capture(type(self).__name__, spec, device)
-        if forward.batch is not None and n != forward.batch:
-            raise TypeError(
-                f"{type(self).__name__} at {spec!r}: its batch dimension has size {n}, but the model's input "
-                f"has a batch of {forward.batch}: the layer loses or reshapes the batch dimension; choose "
-                "another layer, or pass batch_dim"
-            )
-        values, last = self._drawn(spec, n, forward, given, found)
+        values, last = drawn
         if self._blends_prefix:
             values = [*values, traced_weight(last.lam, n, found[0].tensor.dtype), last.index]
         return pack([torch.ones((), dtype=torch.bool), *values], specs, device)
-
-    def _drawn(self, spec: str, n: int, forward, given: list, found: list):
-        """The values and the state of the mix ``forward`` makes at ``spec``, drawn and kept as
-        :meth:`~.mixer.Mixer._mix_now` draws and keeps an eager mix."""
-        generator = self._replaying(forward.pins.state)
-        drawn = self._repeatable(spec, n, forward, generator)
-        d, (values, mixed) = self._drawing(spec, n, forward.pins, generator, self.draw_traced, given, drawn)
-        last = self._state(spec, found, d, mixed)
-        self._done(forward, last)
-        return values, last
 
 
 def recomputable() -> bool:

@@ -35,11 +35,11 @@ class OneOf(LayerHook, MixingHook):
     """
 
     _hooks_model = True  # its own hooks on the model (see LayerHook)
-    _TRANSIENT = ("_token",)
+    _TRANSIENT = ("_host",)
 
     def _fresh(self) -> None:
         super()._fresh()
-        self._token = traced.register(self)  # names it in a compiled graph's calls (mixhook.engine.traced)
+        self._host = traced.Host(self._host_begin)  # its choice in a compiled graph (mixhook.engine.traced)
 
     def __init__(
         self,
@@ -200,7 +200,7 @@ class OneOf(LayerHook, MixingHook):
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         # The choice is made before any mixer's own pre-hook runs: registered first, it runs first.
-        handles.append(model.register_forward_pre_hook(self._choose))
+        handles.append(model.register_forward_pre_hook(recompute.hook(self._choose)))
         for mixer in self.mixers:
             handles.append(mixer.attach(model))  # a HookHandle: removed like the others
 
@@ -208,8 +208,8 @@ class OneOf(LayerHook, MixingHook):
         unclaim(self)
 
     def _choose(self, model: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling() and all(getattr(m, "_traced", False) for m in self.mixers):
-            traced.begin(self._token, model.training, -1)  # the choice, made when the graph runs
+        if torch.compiler.is_compiling() and all(m.traced for m in self.mixers):
+            traced.begin(self._host.token, model.training, -1)  # the choice, made when the graph runs
             return
         self._host_begin(model.training, None)
 

@@ -138,11 +138,13 @@ class TransMix(CutMix):
                 "block's attention, e.g. 'blocks.11.attn' or 'encoder.layers.encoder_layer_11.self_attention'"
             )
         super()._register(model, modules, handles)
-        handles.append(module.register_forward_hook(self._attention_hook(model), with_kwargs=True))
+        handles.append(
+            module.register_forward_hook(recompute.hook(self._attention_hook(model)), with_kwargs=True)
+        )
 
     def _attention_hook(self, model: nn.Module):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-            if self._reading or recompute.in_backward() or not model.training or self._capture is not None:
+            if self._reading or not model.training or self._gradients.running:
                 return
             draw, last = self._current, self.last
             if draw is not None and not draw.done:

@@ -46,3 +46,50 @@ def test_the_adapters_and_the_app_use_the_cores_public_api_only():
                 ):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+def test_no_core_module_reads_another_modules_private_members():
+    """Inside the core, a module reads only its own classes' private members: a collaborator (padding
+    masks, the gradient pass, the compiled path) gets what it needs as public members or as callables its
+    owner hands it, so that each module can change without another breaking silently."""
+    import torch
+
+    core = [
+        path
+        for path in (ROOT / "mixhook").rglob("*.py")
+        if not {"app", "integrations"} & set(path.relative_to(ROOT / "mixhook").parts)
+    ]
+    trees = {path: ast.parse(path.read_text()) for path in core}
+    owners: dict[str, set] = {}
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in ast.walk(node):
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        owners.setdefault(item.name, set()).add(path)
+                    elif isinstance(item, ast.Attribute) and ast.unparse(item.value) == "self":
+                        owners.setdefault(item.attr, set()).add(path)
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) not in ("self", "cls"):
+                name = node.attr
+            elif (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) in ("getattr", "setattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and ast.unparse(node.args[0]) not in ("self", "cls")
+            ):
+                name = node.args[1].value
+            if (
+                isinstance(name, str)
+                and name.startswith("_")
+                and not name.endswith("__")
+                and name in owners
+                and path not in owners[name]
+                and not hasattr(torch.Tensor, name)  # (torch's own, e.g. a view's _base)
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

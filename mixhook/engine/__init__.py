@@ -14,8 +14,9 @@ Read one training forward as data travels, one module per hop:
 
 Beside the path, each in its own module: padding masks downstream of a mix (:mod:`.padding_masks`), the
 gradient pass of the gradient-saliency methods (:mod:`.gradient_pass`), the one-graph path under
-``torch.compile`` (:mod:`.traced`), patch tokens as maps (:mod:`.tokens`), the mask-blend base of the
-region methods (:mod:`.mask_mix`), saliency sources (:mod:`.saliency`), partners from every rank's batch
+``torch.compile`` (:mod:`.traced`), the bases of the region methods (:mod:`.regions`: layouts, tokens as
+maps, one mask function for the eager and the compiled mix), patch tokens as maps (:mod:`.tokens`), saliency
+sources (:mod:`.saliency`), partners from every rank's batch
 (:mod:`.partners`) and the checks the methods share (:mod:`.checks`). Activation-checkpoint replay is
 :mod:`mixhook.recompute`.
 """

@@ -48,6 +48,7 @@ from ..sites import (
     rebuild_inputs,
     replace_leaves,
 )
+from ..transfer import to_device
 from .binding import Forwards
 from .checks import check_fraction, check_layer_weights, check_positive
 from .contract import Draw, Mixed, MixingHook, MixState, claim, unclaim
@@ -183,15 +184,19 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     @property
     def traceable(self) -> bool:
         """Whether torch.compile traces this mixer's hooks into the model's graph with no graph break
-        (``fullgraph=True``; :mod:`mixhook.engine.traced`): the class that defines its :meth:`mix` also
-        defines the traced path (a subclass that changes ``mix`` without it, e.g. to add noise, is not
-        traced until it defines its own: the inherited one would leave its change out) and it takes no
-        per-forward pass (gradient saliency); a model whose modules take padding masks
-        (``padding="union"``) is not traced either. Otherwise the hooks run between graphs."""
+        (``fullgraph=True``; :mod:`mixhook.engine.traced`): one class defines the traced path, and its
+        :meth:`mix` too or none of its classes does (the default :meth:`mix` is the traced path's; a
+        subclass that changes ``mix`` without it, e.g. to add noise, is not traced until it defines its
+        own: the inherited one would leave its change out), and it takes no per-forward pass (gradient
+        saliency); a model whose modules take padding masks (``padding="union"``) is not traced either.
+        Otherwise the hooks run between graphs."""
         cls = type(self)
-        defines = [next(k for k in cls.__mro__ if name in vars(k)) for name in ("mix", *_TRACED)]
+        traced_by = {next(k for k in cls.__mro__ if name in vars(k)) for name in _TRACED}
+        mixed_by = next(k for k in cls.__mro__ if "mix" in vars(k))
         return (
-            all(k is defines[0] for k in defines)
+            len(traced_by) == 1
+            and traced_by != {Mixer}
+            and mixed_by in (Mixer, *traced_by)
             and cls.before_forward is Mixer.before_forward
             and cls.before_mix is Mixer.before_mix
             and not self._clean
@@ -1039,5 +1044,17 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         """The mix itself: a mixed tensor for every leaf (``leaf.tensor`` carries the batch along
         ``leaf.dim``), partner ``draw.index[i]`` for sample ``i``, weights from ``draw.lam``; further
-        draws from ``draw.generator`` only. Gradients must flow as in a hand-edited ``forward()``."""
-        raise NotImplementedError(f"{type(self).__name__} must implement mix(leaves, draw)")
+        draws from ``draw.generator`` only. Gradients must flow as in a hand-edited ``forward()``.
+
+        By default, the traced path's, run eagerly: what :meth:`draw_traced` draws, moved to the leaves'
+        device, given to :meth:`mix_traced`, so that a method defining those three writes its mix once
+        (for the eager and the compiled forward alike)."""
+        if type(self).mix_traced is Mixer.mix_traced:
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement mix(leaves, draw), or traced_params, draw_traced and "
+                "mix_traced"
+            )
+        values, mixed = self.draw_traced(leaves, draw)
+        device = leaves[0].tensor.device
+        tensors = self.mix_traced(leaves, [to_device(v, device) for v in values])
+        return Mixed(tensors, mixed.lam, mixed.info, mixed.index, mixed.weights)

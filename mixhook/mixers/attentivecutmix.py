@@ -14,9 +14,8 @@ import torch
 
 from ..engine.checks import check_grid, check_spatial
 from ..engine.contract import Draw, Mixed
-from ..engine.mixer import Mixer
+from ..engine.regions import RegionMixer
 from ..engine.saliency import Saliency, SaliencyGuided, pinned_saliency
-from ..engine.tokens import token_grid
 from ..geometry import cell_index, grid_mask
 from ..sites import Leaf
 from ..transfer import to_device
@@ -43,7 +42,7 @@ def top_cells(scores: torch.Tensor, k: int) -> torch.Tensor:
     return cells.view(n, rows, cols)
 
 
-class AttentiveCutMix(SaliencyGuided, Mixer):
+class AttentiveCutMix(SaliencyGuided, RegionMixer):
     """Attentive CutMix (Walawalkar et al. 2020) at any layer whose output is ``(B, C, H, W)`` (or, with
     ``tokens``, a ViT block's tokens), with saliency from the same forward or a gradient pass.
 
@@ -72,11 +71,8 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
         top_k: how many of the partner's cells are pasted, from 1 to cells - 1 (the paper: 6).
         saliency, saliency_layer: the saliency source, as :class:`~mixhook.SaliencyMix`.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     ``pin`` also takes ``saliency`` (``(B, H, W)``).
     """
@@ -98,8 +94,7 @@ class AttentiveCutMix(SaliencyGuided, Mixer):
         prefix: str = "blend",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "AttentiveCutMix")
+        super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout, tokens, prefix)
         self.saliency = Saliency("AttentiveCutMix", saliency, saliency_layer, self.layers)
         self.grid = check_grid(grid)
         cells = self.grid[0] * self.grid[1]

@@ -12,8 +12,7 @@ import torch
 
 from ..engine.checks import check_region, map_size
 from ..engine.contract import Draw, Mixed
-from ..engine.mixer import Mixer
-from ..engine.tokens import token_grid
+from ..engine.regions import RegionMixer
 from ..functional import sample_beta, sample_lam
 from ..geometry import (
     rand_region,
@@ -70,7 +69,7 @@ def paste_box(h: torch.Tensor, index: torch.Tensor, box: tuple[int, ...]) -> tor
     return out
 
 
-class CutMix(Mixer):
+class CutMix(RegionMixer):
     """CutMix (Yun et al. 2019) at the input or at any layer whose output is a ``(B, C, H, W)`` map, or a
     1-D ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` one.
 
@@ -102,11 +101,8 @@ class CutMix(Mixer):
         rounding: ``"paper"`` (the authors' code and torchvision's box) or ``"timm"`` (timm >= 1.0's,
             one row/column longer for an odd side); see :func:`~mixhook.geometry.rand_box`.
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` for a 4-D map, ``"NCL"``/``"NLC"`` for a 3-D one,
-            ``"NCDHW"``/``"NDHWC"`` for a 5-D one (or a dict per layer), where the model does not state
-            it; where it does, it is read (a contradicting one is refused): see :mod:`mixhook.layouts`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     The layer (or the selected element, ``"block[0]"``) must give one map with every side >= 2 (a
     smaller map can never hold a pasted box: refused when first checked);
@@ -132,8 +128,7 @@ class CutMix(Mixer):
         rounding: str = "paper",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "CutMix")
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout, tokens, prefix)
         if mode not in ("batch", "elem"):
             raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
         self.mode = mode

@@ -12,16 +12,14 @@ import torch
 
 from ..engine.checks import check_non_negative, check_pinned_mask, check_positive, check_splittable
 from ..engine.contract import Draw
-from ..engine.mask_mix import MaskedMix
-from ..engine.mixer import Mixer
-from ..engine.tokens import token_grid
+from ..engine.regions import MaskMixer
 from ..geometry import fmix_mask
 from ..sites import Leaf
 
 SPECTRA = ("reference", "authors", "complex")
 
 
-class FMix(MaskedMix, Mixer):
+class FMix(MaskMixer):
     """FMix (Harris et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)`` (or a 1-D
     ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` map, as the authors' code offers).
 
@@ -54,10 +52,8 @@ class FMix(MaskedMix, Mixer):
             paper's description), see :func:`~mixhook.geometry.low_freq_image`; on a 1-D or 3-D map
             ``"complex"``. ``None`` (default): ``"reference"`` on 2-D maps, ``"complex"`` on others.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
-            layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]; ``(L,)``, ``(D, H, W)``).
     """
@@ -80,8 +76,7 @@ class FMix(MaskedMix, Mixer):
         prefix: str = "blend",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "FMix")
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout, tokens, prefix)
         self.decay_power = check_positive("decay_power", decay_power)
         self.max_soft = check_non_negative("max_soft", max_soft)
         if self.max_soft > 0.5:

@@ -14,14 +14,12 @@ import torch
 
 from ..engine.checks import check_grid, check_region, map_size
 from ..engine.contract import Draw
-from ..engine.mask_mix import MaskedMix
-from ..engine.mixer import Mixer
-from ..engine.tokens import token_grid
+from ..engine.regions import MaskMixer
 from ..geometry import grid_volume
 from ..sites import Leaf
 
 
-class GridMix(MaskedMix, Mixer):
+class GridMix(MaskMixer):
     """GridMix (Baek et al. 2021) at the input or at any layer whose output is ``(B, C, H, W)`` (or a 1-D
     ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` map: segments or boxes of a grid along each dimension).
 
@@ -48,10 +46,8 @@ class GridMix(MaskedMix, Mixer):
             ``(rows, columns)`` (on a 1-D or 3-D map one or three counts), each >= 1, with at least 2
             cells in all (default 4: 4 x 4 cells; 4 segments of a 1-D map, 4 x 4 x 4 of a 3-D one).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
-            layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools; one count per dimension).
     """
@@ -72,8 +68,7 @@ class GridMix(MaskedMix, Mixer):
         prefix: str = "blend",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "GridMix")
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout, tokens, prefix)
         self._side = grid if isinstance(grid, int) and not isinstance(grid, bool) else None
         nd = isinstance(grid, (tuple, list)) and len(grid) in (1, 3)  # a 1-D or 3-D map's counts
         self.grid = _counts(grid) if nd else check_grid(grid)

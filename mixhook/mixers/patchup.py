@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from ..engine.checks import check_fraction, check_region, map_size
 from ..engine.contract import Draw, Mixed
-from ..engine.mixer import Mixer
-from ..engine.tokens import token_grid
+from ..engine.regions import RegionMixer
 from ..functional import blend, lerp_rows
 from ..sites import Leaf
 from ..transfer import to_device
@@ -49,7 +48,7 @@ def block_mask(
     return _MAX_POOL[dims](centres, block_size, stride=1, padding=block_size // 2)[0]
 
 
-class PatchUp(Mixer):
+class PatchUp(RegionMixer):
     """PatchUp (Faramarzi et al. 2022) at any layer whose output is ``(B, C, H, W)`` (or a 1-D ``(B, C, L)``
     or 3-D ``(B, C, D, H, W)`` map: segments or cubes of side ``block_size``, :func:`block_mask`).
 
@@ -74,10 +73,8 @@ class PatchUp(Mixer):
         alpha: Beta concentration for soft PatchUp's lam (the paper's code: 2.0).
         prob: probability that a batch is mixed, in [0, 1].
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
-            layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     The layer (or the selected element) must give one map; ``.last.elements`` names it. ``pin`` also
     takes ``mask`` (a ``(C, H, W)`` 0/1 tensor; ``(C, L)``, ``(C, D, H, W)``); a pinned ``lam`` is soft
@@ -102,8 +99,7 @@ class PatchUp(Mixer):
         prefix: str = "blend",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "PatchUp")
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout, tokens, prefix)
         if (
             isinstance(block_size, bool)
             or not isinstance(block_size, int)

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 
 from ..engine.checks import check_spatial
 from ..engine.contract import Draw, Mixed
-from ..engine.mixer import Mixer
-from ..engine.tokens import token_grid
+from ..engine.regions import RegionMixer
 from ..geometry import box_lam, boxes_mask
 from ..sites import Leaf
 from ..transfer import to_device
@@ -40,7 +39,7 @@ def paste_resized(
     return out
 
 
-class ResizeMix(Mixer):
+class ResizeMix(RegionMixer):
     """ResizeMix (Qin et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)``.
 
     On each training forward, with probability ``prob``: one layer is drawn from ``layer``, a scale
@@ -64,11 +63,8 @@ class ResizeMix(Mixer):
         interpolation: ``F.interpolate``'s mode: ``"nearest"`` (OpenMixup's default), ``"nearest-exact"``,
             ``"bilinear"``, ``"bicubic"`` or ``"area"``.
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     The draw is recorded as lam ``1 - tau**2`` (the box's area fraction before clipping), so ``pin(lam=)``
     sets the box's size as for CutMix (``tau = sqrt(1 - lam)``); ``pin`` also takes ``box=(y1, y2, x1,
@@ -90,8 +86,7 @@ class ResizeMix(Mixer):
         prefix: str = "blend",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "ResizeMix")
+        super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout, tokens, prefix)
         low, high = _scope(scope)
         self.scope = (low, high)
         if interpolation not in INTERPOLATIONS:

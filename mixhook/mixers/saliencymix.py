@@ -14,16 +14,15 @@ import torch
 
 from ..engine.checks import check_spatial
 from ..engine.contract import Draw, Mixed
-from ..engine.mixer import Mixer
+from ..engine.regions import RegionMixer
 from ..engine.saliency import Saliency, SaliencyGuided, peaks, pinned_saliency
-from ..engine.tokens import token_grid
 from ..geometry import boxes_around
 from ..sites import Leaf
 from ..transfer import to_device
 from .cutmix import draw_box, paste_boxes, pinned_boxes
 
 
-class SaliencyMix(SaliencyGuided, Mixer):
+class SaliencyMix(SaliencyGuided, RegionMixer):
     """SaliencyMix (Uddin et al. 2021) at any layer whose output is ``(B, C, H, W)`` (or, with ``tokens``,
     a ViT block's tokens), with saliency from the same forward or from a gradient pass.
 
@@ -59,11 +58,8 @@ class SaliencyMix(SaliencyGuided, Mixer):
         mode: ``"batch"`` or ``"elem"``, as above.
         prob: probability that a batch is mixed (the paper's ``mix_prob``, 0.5 in its CIFAR runs).
         generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     ``pin`` also takes ``box`` (as :class:`~mixhook.CutMix`) and ``saliency``.
     """
@@ -85,8 +81,7 @@ class SaliencyMix(SaliencyGuided, Mixer):
         prefix: str = "blend",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "SaliencyMix")
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout, tokens, prefix)
         self.saliency = Saliency("SaliencyMix", saliency, saliency_layer, self.layers)
         if mode not in ("batch", "elem"):
             raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")

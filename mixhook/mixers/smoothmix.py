@@ -13,14 +13,12 @@ import torch
 
 from ..engine.checks import check_pinned_mask, check_splittable
 from ..engine.contract import Draw
-from ..engine.mask_mix import MaskedMix
-from ..engine.mixer import Mixer
-from ..engine.tokens import token_grid
+from ..engine.regions import MaskMixer
 from ..geometry import gaussian_volume
 from ..sites import Leaf
 
 
-class SmoothMix(MaskedMix, Mixer):
+class SmoothMix(MaskMixer):
     """SmoothMix (Lee et al. 2020) at the input or at any layer whose output is ``(B, C, H, W)`` (or a 1-D
     ``(B, C, L)`` or 3-D ``(B, C, D, H, W)`` map: a Gaussian along each dimension,
     :func:`~mixhook.geometry.gaussian_volume`).
@@ -50,10 +48,8 @@ class SmoothMix(MaskedMix, Mixer):
         sigma: the range of ``s`` (the Gaussian's width as a fraction of the side), ``0 < low <= high``
             (default ``(0.25, 0.5)``, OpenMixup's).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"``/``"NCHW"``, ``"NCL"``/``"NLC"`` or ``"NCDHW"``/``"NDHWC"`` (or a dict per
-            layer) for a map whose layout the model does not state; see :class:`~mixhook.CutMix`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]; ``(L,)``, ``(D, H, W)``).
     """
@@ -73,8 +69,7 @@ class SmoothMix(MaskedMix, Mixer):
         prefix: str = "blend",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "SmoothMix")
+        super().__init__(layer, 1.0, prob, generator, batch_dim, padding, layout, tokens, prefix)
         try:
             low, high = (float(v) for v in sigma)
         except (TypeError, ValueError):

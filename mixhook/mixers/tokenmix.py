@@ -14,9 +14,7 @@ import torch
 
 from ..engine.checks import check_grid, check_spatial
 from ..engine.contract import Draw
-from ..engine.mask_mix import MaskedMix
-from ..engine.mixer import Mixer
-from ..engine.tokens import token_grid
+from ..engine.regions import MaskMixer
 from ..geometry import block_token_mask, grid_mask, random_token_mask
 from ..sites import Leaf
 from .gridmix import check_pinned_cells
@@ -24,7 +22,7 @@ from .gridmix import check_pinned_cells
 MASK_TYPES = ("block", "random")
 
 
-class TokenMix(MaskedMix, Mixer):
+class TokenMix(MaskMixer):
     """TokenMix (Liu et al. 2022): whole tokens from the partner, at the input, at a ``(B, C, H, W)`` layer
     or on a ViT block's tokens (``tokens=(gh, gw)`` or ``"auto"``).
 
@@ -54,11 +52,8 @@ class TokenMix(MaskedMix, Mixer):
         extra_tokens: cells mixed beyond ``int((1 - lam) * N)``, >= 0 (default 0; the authors' runs add
             ``mask_token_num_start=14`` on their 14x14 grid: ``extra_tokens=14`` reproduces them).
         prob, generator, batch_dim, padding: as :class:`~mixhook.ManifoldMixup`.
-        layout: ``"NHWC"`` or ``"NCHW"`` (or a dict per layer) for a 4-D map whose layout the model
-            does not state; where it does, it is read (a contradicting one is refused): see
-            :mod:`mixhook.layouts`.
-        tokens, prefix: on ``(B, T, D)`` tokens (a ViT block), the patch grid ``(rows, columns)`` or
-            ``"auto"`` and the rule for the leading tokens; see :mod:`mixhook.engine.tokens`.
+        layout, tokens, prefix: as :class:`~mixhook.engine.regions.RegionMixer` (maps in any layout, a
+            ViT's tokens as maps).
 
     ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools, 1: the sample's own).
     """
@@ -80,8 +75,7 @@ class TokenMix(MaskedMix, Mixer):
         prefix: str = "blend",
         layout: str | dict | None = None,
     ):
-        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout=layout)
-        self.token_grid = token_grid(tokens, prefix, "TokenMix")
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout, tokens, prefix)
         self.grid = None if grid is None else check_grid(grid)
         if mask_type not in MASK_TYPES:
             raise ValueError(f"mask_type must be one of {', '.join(MASK_TYPES)}, got {mask_type!r}")

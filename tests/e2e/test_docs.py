@@ -152,6 +152,77 @@ def test_the_language_models_page_runs_as_written(tmp_path):
     assert "called on its own, not through the PeftModel" in lines[-1]
 
 
+def test_the_region_method_example_mixes_exactly_eagerly_and_compiled_in_one_graph():
+    """docs/adding-a-mixer.md's BandMix, run as written (its mix written once, as the one-graph path): on a
+    pinned draw its eager mix equals the hand-edited forward (logits and every gradient), a compiled
+    forward (fullgraph=True) mixes as the eager one from the same draws, and a channels-last map is cut
+    along its height."""
+    from torch import nn
+
+    block = re.search(
+        r"```python\n(# mixhook/mixers/bandmix.py\n.*?)\n```", (DOCS / "adding-a-mixer.md").read_text(), re.S
+    )
+    namespace: dict = {}
+    exec(compile(block[1], "adding-a-mixer.md", "exec"), namespace)  # the page's own code
+    BandMix = namespace["BandMix"]
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3), nn.Flatten()).double().train()
+
+    x = torch.randn(4, 3, 10, 10, dtype=torch.float64)
+    index = torch.tensor([2, 3, 1, 0])
+    model = net()
+    mixer = BandMix("1")
+    assert mixer.traceable
+    with mixer.attach(model):
+        mixer.pin(index=index, rows=(2, 5))
+        out = model(x)
+        out.sum().backward()
+    band = torch.zeros(1, 1, 8, 1, dtype=torch.float64)
+    band[:, :, 2:5] = 1
+    hand_model = net()
+    hand_h = hand_model[1](hand_model[0](x))
+    hand = hand_model[3](hand_model[2](band * hand_h[index] + (1 - band) * hand_h))
+    hand.sum().backward()
+    torch.testing.assert_close(out, hand, rtol=1e-12, atol=1e-12)
+    for p, q in zip(model.parameters(), hand_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    assert mixer.last.info["rows"] == (2, 5) and float(mixer.last.lam) == 5 / 8
+
+    def steps(compiled: bool) -> list:
+        torch._dynamo.reset()
+        model, mixer = net(), BandMix("1", generator=torch.Generator().manual_seed(3))
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        seen = []
+        with mixer.attach(model):
+            for _ in range(3):
+                out = run(x)
+                seen.append((out.detach(), mixer.last.info["rows"], mixer.last.index))
+        return seen
+
+    for (a, rows_a, index_a), (b, rows_b, index_b) in zip(steps(False), steps(True), strict=True):
+        assert rows_a == rows_b and torch.equal(index_a, index_b)
+        torch.testing.assert_close(b, a)
+
+    class ChannelsLast(nn.Module):  # the same map, held (B, H, W, C) between two layers
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3).double()
+            self.nhwc = nn.Identity()
+
+        def forward(self, x):
+            return self.nhwc(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    model = ChannelsLast().train()
+    mixer = BandMix("nhwc", layout="NHWC")
+    with mixer.attach(model):
+        mixer.pin(index=index, rows=(2, 5))
+        out = model(x)
+    h = model.conv(x)
+    torch.testing.assert_close(out, band * h[index] + (1 - band) * h, rtol=0, atol=0)
+
+
 def test_the_adding_a_mixer_example_mixes_as_a_hand_edited_forward():
     """docs/adding-a-mixer.md's ChannelSwap, run as written: on a pinned draw its mix at a hidden layer
     equals the hand-edited forward (logits and every gradient), and pin_last repeats it."""

@@ -26,7 +26,7 @@ from benchmarks.timing import ratio
 from mixhook import ManifoldMixup
 from mixhook.app.data import _CIFAR, CifarImages, DeviceBatches, EpochSampler, SeededSamples
 from mixhook.app.training.finite import LAZY_EVERY, FiniteCheck
-from mixhook.app.training.loop import evaluate, train_one_epoch
+from mixhook.app.training.loop import Training, evaluate, train_one_epoch
 
 PAPER_EPOCHS, TRAIN_IMAGES, TEST_IMAGES = 1200, 50_000, 10_000
 
@@ -95,9 +95,8 @@ def recipe(device, timer, reps: int, steps: int | None = None, batch: int = 100,
             )
             mixup.attach(model)
         finite = FiniteCheck(LAZY_EVERY if fused else 1, opt)
-        epochs[name] = lambda model=model, opt=opt, mixup=mixup, finite=finite: train_one_epoch(
-            model, loader, opt, device, mixup, progress_bar=False, loss="bce_softmax", finite=finite
-        )
+        training = Training(model, opt, device, mixup, loss="bce_softmax", finite=finite, progress_bar=False)
+        epochs[name] = lambda training=training: train_one_epoch(training, loader)
     epochs["eval"] = lambda: evaluate(model, test, device)
     times = timer.side_by_side(epochs, reps=reps, inner=1, warmup=1)
     seconds = {k: statistics.median(v) for k, v in times.items()}

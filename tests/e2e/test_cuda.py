@@ -105,7 +105,7 @@ def test_the_lazy_finite_check_never_waits_for_the_gpu(optimizer):
     """trainer.check_finite_every > 1 with a fused optimizer: between the host's reads a training step
     of the app's loop, mixing included, queues everything (torch's sync debug mode raises on a sync)."""
     from mixhook.app.training.finite import FiniteCheck
-    from mixhook.app.training.loop import train_one_epoch
+    from mixhook.app.training.loop import Training, train_one_epoch
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=4).cuda().train()
@@ -124,10 +124,10 @@ def test_the_lazy_finite_check_never_waits_for_the_gpu(optimizer):
 
     with mixup.attach(model):
         try:
-            loss = train_one_epoch(
-                model, batches, opt, torch.device("cuda"), mixup, progress_bar=False,
-                finite=FiniteCheck(4, opt), before_step=before_step, after_step=after_step,
-            )  # fmt: skip
+            training = Training(
+                model, opt, torch.device("cuda"), mixup, progress_bar=False, finite=FiniteCheck(4, opt)
+            )
+            loss = train_one_epoch(training, batches, before_step=before_step, after_step=after_step)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert loss > 0

@@ -240,12 +240,16 @@ def app_step(run, x, y):
     SGD: the loss it reports and each parameter's update, which is minus its gradient."""
     import torch
 
-    from mixhook.app.training.loop import train_one_epoch
+    from mixhook.app.training.loop import Training, train_one_epoch
 
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    sgd = torch.optim.SGD(run.model.parameters(), lr=1.0)
     value = train_one_epoch(
-        run.model, [(x, y)], torch.optim.SGD(run.model.parameters(), lr=1.0), torch.device("cpu"), run.mixup,
-        progress_bar=False, loss=run.settings.loss, mixed_loss_weight=run.settings.mixed_loss_weight,
+        Training(
+            run.model, sgd, torch.device("cpu"), run.mixup, progress_bar=False, loss=run.settings.loss,
+            mixed_loss_weight=run.settings.mixed_loss_weight,
+        ),
+        [(x, y)],
     )  # fmt: skip
     return value, {n: before[n] - p.detach() for n, p in run.model.named_parameters()}
 
@@ -425,7 +429,7 @@ def test_a_batch_left_unmixed_keeps_the_plain_loss_under_mixed_loss_weight():
     import torch
     import torch.nn.functional as F
 
-    from mixhook.app.training.loop import train_one_epoch
+    from mixhook.app.training.loop import Training, train_one_epoch
     from tests.helpers import SmallCNN
 
     torch.manual_seed(0)
@@ -436,7 +440,10 @@ def test_a_batch_left_unmixed_keeps_the_plain_loss_under_mixed_loss_weight():
         expected = F.binary_cross_entropy(F.softmax(model(x), 1), F.one_hot(y, 5).double())
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         value = train_one_epoch(
-            model, [(x, y)], sgd, torch.device("cpu"), never, progress_bar=False, loss="bce_softmax",
-            mixed_loss_weight=2.0,
+            Training(
+                model, sgd, torch.device("cpu"), never, progress_bar=False, loss="bce_softmax",
+                mixed_loss_weight=2.0,
+            ),
+            [(x, y)],
         )  # fmt: skip
     assert never.last is None and value == pytest.approx(float(expected.detach()), rel=1e-12)

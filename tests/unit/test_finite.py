@@ -11,7 +11,7 @@ from torch import nn
 
 from mixhook import ManifoldMixup
 from mixhook.app.training.finite import FiniteCheck, NonFiniteLoss, check_every
-from mixhook.app.training.loop import train_one_epoch
+from mixhook.app.training.loop import Training, train_one_epoch
 from tests.toy_models import TinyConvNet
 
 MARK = 1234.0  # a batch holding this value makes conv2 return NaN: a bad batch, bad again when replayed
@@ -60,8 +60,11 @@ def train(every: int, loader, optimizer: str, mix: bool = True, precision: str =
     with mixup.attach(model) if mix else _nothing():
         try:
             train_one_epoch(
-                model, loader, opt, torch.device("cpu"), mixup, progress_bar=False, precision=precision,
-                scaler=scaler, finite=FiniteCheck(every, opt),
+                Training(
+                    model, opt, torch.device("cpu"), mixup, progress_bar=False, precision=precision,
+                    scaler=scaler, finite=FiniteCheck(every, opt),
+                ),
+                loader,
             )  # fmt: skip
         except NonFiniteLoss as err:
             error = err
@@ -148,13 +151,10 @@ def test_the_replay_draws_the_bad_steps_own_mix():
         mixup = ManifoldMixup(["input", "conv1"], generator=torch.Generator().manual_seed(5))
         with mixup.attach(model), pytest.raises(NonFiniteLoss):
             train_one_epoch(
-                model,
+                Training(
+                    model, opt, torch.device("cpu"), mixup, progress_bar=False, finite=FiniteCheck(every, opt)
+                ),
                 loader,
-                opt,
-                torch.device("cpu"),
-                mixup,
-                progress_bar=False,
-                finite=FiniteCheck(every, opt),
             )
         mixups.append(mixup.last)  # after the locator's replay: the bad step's mix
     (a, b) = mixups

@@ -103,55 +103,66 @@ class Totals:
         return [self.loss.detach().cpu(), self.samples, self.steps, self.correct.detach().cpu(), self.rows]
 
 
-def train_one_epoch(
-    model: nn.Module,
-    loader,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    mixup: MixingHook | None = None,
-    desc: str = "train",
-    progress_bar: bool = True,
-    loss: str = "ce",
-    totals: Totals | None = None,
-    after_step=None,
-    before_step=None,
-    precision: str = "32",
-    scaler=None,
-    channels_last: bool = False,
-    dist: Dist | None = None,
-    mixed_loss_weight: float = 1.0,
-    finite: FiniteCheck | None = None,
-    task: str = "classification",
-) -> float:
-    """One pass over ``loader``; returns the mean training loss (the mixed loss when mixing).
+@dataclass
+class Training:
+    """What every training step of a run uses, the same from step to step: :func:`train_one_epoch` takes
+    it with the epoch's own things (its loader, its running totals, what runs around each step).
 
     ``task="regression"``: the squared error of the model's one output, mixed by the mixer's ``loss``
     (``lam * (p - y)^2 + (1 - lam) * (p - y[index])^2``, whose gradient is that of the squared error to the
     mixed label); ``loss`` must be ``"ce"``, which it then stands for. Classification: ``loss="ce"``:
-    cross-entropy, mixed by the mixer's ``loss``. ``loss="bce_softmax"``: binary
-    cross-entropy between the softmax and the mixer's soft ``targets``, averaged over samples and
-    classes, as the Manifold Mixup reference code trains (``nn.BCELoss()(softmax(out), target)``).
-    ``mixed_loss_weight``: the loss of a step whose batch was mixed is multiplied by it (the PatchUp
-    authors' code trains with twice the BCE on mixed batches: 2.0 reproduces it); unmixed steps keep 1.
-
-    ``totals``: the :class:`Totals` of the part of the epoch already done (a resumed epoch), updated in
-    place (a new one by default). ``after_step(totals)`` runs after each step,
-    ``before_step(done)`` before each (``done``: the epoch's steps already taken; the mix schedule).
-    Raises :class:`NonFiniteLoss` for a step whose loss is not finite, which is never applied:
-    ``finite`` (a :class:`~mixhook.app.training.finite.FiniteCheck`) says when the host looks (by
-    default before each step's backward).
+    cross-entropy, mixed by the mixer's ``loss``. ``loss="bce_softmax"``: binary cross-entropy between
+    the softmax and the mixer's soft ``targets``, averaged over samples and classes, as the Manifold Mixup
+    reference code trains (``nn.BCELoss()(softmax(out), target)``). ``mixed_loss_weight``: the loss of a
+    step whose batch was mixed is multiplied by it (the PatchUp authors' code trains with twice the BCE on
+    mixed batches: 2.0 reproduces it); unmixed steps keep 1.
 
     ``precision``: ``"32"``, or ``"bf16"``/``"fp16"`` for a forward under ``torch.autocast`` (the loss is
-    computed in float32 from the logits); ``scaler``: a ``torch.amp.GradScaler`` for fp16. ``dist``: the
-    data-parallel job this process is part of (a single process by default)."""
-    dtype = PRECISIONS[precision]
-    dist = dist or Dist()
+    computed in float32 from the logits); ``scaler``: a ``torch.amp.GradScaler`` for fp16;
+    ``channels_last``: image batches in NHWC. ``dist``: the data-parallel job this process is part of (a
+    single process by default). ``finite`` (a :class:`~mixhook.app.training.finite.FiniteCheck`) says when
+    the host looks at the loss (by default before each step's backward). ``progress_bar``: a tqdm bar
+    where stderr is a terminal."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    mixup: MixingHook | None = None
+    loss: str = "ce"
+    task: str = "classification"
+    mixed_loss_weight: float = 1.0
+    precision: str = "32"
+    scaler: object = None
+    channels_last: bool = False
+    dist: Dist = field(default_factory=Dist)
+    finite: FiniteCheck | None = None
+    progress_bar: bool = True
+
+
+def train_one_epoch(
+    training: Training,
+    loader,
+    totals: Totals | None = None,
+    desc: str = "train",
+    before_step=None,
+    after_step=None,
+) -> float:
+    """One pass over ``loader`` as ``training`` says; returns the mean training loss (the mixed loss when
+    mixing).
+
+    ``totals``: the :class:`Totals` of the part of the epoch already done (a resumed epoch), updated in
+    place (a new one by default). ``before_step(done)`` runs before each step (``done``: the epoch's steps
+    already taken; the mix schedule), ``after_step(totals)`` after each. Raises :class:`NonFiniteLoss` for
+    a step whose loss is not finite, which is never applied."""
+    t = training
+    model, optimizer, device, mixup, scaler = t.model, t.optimizer, t.device, t.mixup, t.scaler
+    dtype = PRECISIONS[t.precision]
     model.train()
     totals = totals if totals is not None else Totals()
     totals.loss, totals.correct = totals.loss.to(device), totals.correct.to(device)
     # disable=None: a bar only where stderr is a terminal, so logs and CI output stay clean
-    bar = tqdm(loader, desc=desc, leave=False, disable=None if progress_bar else True, dynamic_ncols=True)
-    finite = finite or FiniteCheck(dist=dist)
+    bar = tqdm(loader, desc=desc, leave=False, disable=None if t.progress_bar else True, dynamic_ncols=True)
+    finite = t.finite or FiniteCheck(dist=t.dist)
     finite.for_epoch(model, mixup, dtype, before_step)
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -161,27 +172,8 @@ def train_one_epoch(
         finite.before_forward(done)
         if mixup is not None:
             mixup.use_targets(y)  # for a method that needs the labels to mix (gradient saliency)
-        x, logits = _forward(model, x, dtype, channels_last)
-        if task == "regression":
-            per_sample = (
-                mixup.loss(_per_sample_se, logits, y) if mixup is not None else _per_sample_se(logits, y)
-            )
-            value = per_sample.mean()
-        elif loss == "bce_softmax":
-            classes = logits.shape[1]
-            soft = (  # in the logits' dtype (`dtype` is the autocast one: it must not change)
-                mixup.targets(y, classes, dtype=logits.dtype, logits=logits)
-                if mixup is not None
-                else smooth_one_hot(y, classes, dtype=logits.dtype)
-            )
-            value = F.binary_cross_entropy(F.softmax(logits, dim=1), soft)
-        else:  # per-sample losses, so that a mixer with one lam per sample (mode="elem") weights each one
-            per_sample = (
-                mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
-            )
-            value = per_sample.mean()
-        if mixed_loss_weight != 1.0 and mixup is not None and mixup.state_for(logits) is not None:
-            value = value * mixed_loss_weight
+        x, logits = _forward(model, x, dtype, t.channels_last)
+        value = _loss(t, logits, y)
         finite.after_loss(value, x, y, done)  # raises here when the host reads every step
         optimizer.zero_grad(set_to_none=True)
         (value if scaler is None else scaler.scale(value)).backward()
@@ -189,7 +181,7 @@ def train_one_epoch(
         totals.loss += value.detach() * y.shape[0]
         totals.samples += y.shape[0]
         totals.steps += 1
-        if task == "classification":
+        if t.task == "classification":
             correct = mixup.weigh(_correct, logits, y) if mixup is not None else _correct(logits, y)
             totals.correct += correct.detach().sum()
             totals.rows += correct.shape[0]
@@ -199,6 +191,29 @@ def train_one_epoch(
             after_step(totals)
     finite.read()
     return float(totals.loss) / max(totals.samples, 1)
+
+
+def _loss(t: Training, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One step's training loss, under the mix of the forward that produced ``logits`` (see
+    :class:`Training`)."""
+    mixup = t.mixup
+    if t.task == "regression":
+        per_sample = mixup.loss(_per_sample_se, logits, y) if mixup is not None else _per_sample_se(logits, y)
+        value = per_sample.mean()
+    elif t.loss == "bce_softmax":
+        classes = logits.shape[1]
+        soft = (  # in the logits' dtype (the autocast one must not change it)
+            mixup.targets(y, classes, dtype=logits.dtype, logits=logits)
+            if mixup is not None
+            else smooth_one_hot(y, classes, dtype=logits.dtype)
+        )
+        value = F.binary_cross_entropy(F.softmax(logits, dim=1), soft)
+    else:  # per-sample losses, so that a mixer with one lam per sample (mode="elem") weights each one
+        per_sample = mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
+        value = per_sample.mean()
+    if t.mixed_loss_weight != 1.0 and mixup is not None and mixup.state_for(logits) is not None:
+        value = value * t.mixed_loss_weight
+    return value
 
 
 def _forward(
@@ -407,6 +422,11 @@ def train(
         if logger is not None and dist.main:
             logger.probe_rows(epoch_done + (1 if step else 0))
 
+    training = Training(
+        net, optimizer, device, mixup, loss=opts.loss, task=task, mixed_loss_weight=opts.mixed_loss_weight,
+        precision=precision, scaler=scaler, channels_last=channels_last, dist=dist, finite=finite,
+        progress_bar=opts.progress_bar,
+    )  # fmt: skip
     calibration = None
     metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
     with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
@@ -437,13 +457,11 @@ def train(
 
             try:
                 train_loss = train_one_epoch(
-                    net, data.train, optimizer, device, mixup, f"epoch {epoch}/{epochs}",
-                    progress_bar=opts.progress_bar, loss=opts.loss, totals=totals, after_step=after_step,
-                    mixed_loss_weight=opts.mixed_loss_weight, finite=finite, task=task,
-                    precision=precision, scaler=scaler, channels_last=channels_last, dist=dist,
+                    training, data.train, totals, f"epoch {epoch}/{epochs}",
                     before_step=None if run.schedule is None else (
                         lambda done, epoch=epoch, steps=steps: run.schedule.set(epoch, done / steps)
                     ),
+                    after_step=after_step,
                 )  # fmt: skip
                 correct, rows = float(totals.correct), totals.rows
                 if dist.enabled:  # the epoch's means over every rank's samples

@@ -88,6 +88,8 @@ class MaskMixer(RegionMixer):
         return mask, Mixed({}, lam=mask.mean(), info={**info, "mask": mask}, weights=weights)
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        """``M * h + (1 - M) * h[index]`` with the mask :meth:`draw_mask` draws (as the traced path
+        blends it)."""
         mask, mixed = self._masked(leaves, draw)
         h, path = leaves[0].tensor, leaves[0].path
         return Mixed({path: mask_blend(h, mask, draw.index)}, mixed.lam, mixed.info, weights=mixed.weights)

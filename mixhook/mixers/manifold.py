@@ -78,7 +78,10 @@ class ManifoldMixup(Mixer):
     layout_aware = False  # the blend treats every element alike: any layout
 
     @property
-    def draws_in_mix(self) -> bool:  # partners from the global batch draw rank 0's permutation in mix()
+    def draws_in_mix(self) -> bool:
+        """Whether :meth:`mix` draws from the generator itself (see :attr:`Mixer.draws_in_mix`): only with
+        partners from the global batch (rank 0's permutation of it); else lam and the index are all it
+        draws."""
         return self.partners == "global"
 
     def __init__(

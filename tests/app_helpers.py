@@ -1,5 +1,6 @@
 """Shared pieces for the app's tests: a composed config, and `train.py` run the way a user runs it."""
 
+import os
 import subprocess
 import sys
 
@@ -22,12 +23,14 @@ def not_log_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith("[20")]
 
 
-def run_cli(*overrides, cwd):
-    """``python train.py *overrides`` in ``cwd``: the completed process (stdout, stderr, returncode)."""
+def run_cli(*overrides, cwd, env: dict | None = None):
+    """``python train.py *overrides`` in ``cwd`` (``env``: variables set beside this process's): the
+    completed process (stdout, stderr, returncode)."""
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *overrides],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=600,
+        env=None if env is None else {**os.environ, **env},
     )

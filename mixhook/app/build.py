@@ -225,7 +225,10 @@ def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.
     except ConfigError as err:
         if data.task != "regression":
             raise
-        raise ConfigError(f"{err} (data={data.name} is tabular: model=mlp)") from err
+        raise ConfigError(  # (the image models' own message, about channels and classes, would mislead)
+            f"model: data={data.name} is tabular ({data.in_channels} features, a regression target): train "
+            "it with model=mlp"
+        ) from err
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model: {cfg.model._target_} built a {type(model).__name__}, not an nn.Module")
     return model, data

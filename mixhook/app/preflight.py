@@ -71,7 +71,7 @@ def check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: 
             outputs = trace_outputs(model, layers, x)
     except Exception as err:  # whatever the model raises on this input is a model/data mismatch
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        hint = f" (data={data.name} is tabular: model=mlp)" if data.task == "regression" else ""
+        hint = f" (data={data.name} is tabular: train it with model=mlp)" if data.task == "regression" else ""
         raise ConfigError(
             f"model: {type(model).__name__} fails on a {data.name} batch of shape {tuple(x.shape)}{hint}: "
             f"{type(err).__name__}: {reason}"

@@ -265,10 +265,9 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], r
     last epoch, the mean of the best epoch, the paper's figure) and test ECE; the axes span the values,
     not from 0, so that close groups are told apart; a group's failed and unfinished runs are counted in
     its label, and a group with none finished is drawn as such."""
-    import matplotlib
+    from .plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     height = 1.6 + 0.42 * max(len(grouped), 1)
     fig, (err_ax, ece_ax) = plt.subplots(

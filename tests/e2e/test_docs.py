@@ -53,8 +53,12 @@ def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_p
     )
     assert "1.196 (missed)" in performance  # the H100's mixup_vs_none, from its results file
     assert (html / "_generated" / "results" / "cpu-2026-11-24-methods.html").exists()
+    # the catalogue's five-column table fits the content column: a fixed layout, cells that wrap their code
+    assert "_static/mixhook.css" in catalogue
+    assert "table-layout: fixed" in (html / "_static" / "mixhook.css").read_text()
     api = (html / "api.html").read_text()
     assert 'id="mixhook.ManifoldMixup"' in api and "Verma" in api  # the docstring, imported
+    assert 'id="mixhook.engine.regions.RegionMixer"' in api and 'id="mixhook.engine.forward.Pins"' in api
     assert "Training-time augmentation and regularization hooks" in (html / "index.html").read_text()
     assert "the quick tier for an edit-test loop" in (html / "getting-started.html").read_text()  # the README
 

@@ -52,7 +52,11 @@ def test_a_cmixup_run_reports_the_rmse_of_its_model_in_the_targets_units(tmp_pat
         (("mixup=rankmixup",), "mixup: RankMixup compares class confidences, so its labels must be"),
         (("mixup=mixupe",), "mixup: MixupE compares class confidences"),
         (("trainer.loss=bce_softmax",), "trainer.loss=bce_softmax trains on class probabilities, but"),
-        (("model=preact_resnet18",), r"\(data=diabetes is tabular: model=mlp\)"),
+        (
+            ("model=preact_resnet18",),
+            r"^model: data=diabetes is tabular \(10 features, a regression target\): train it with "
+            r"model=mlp$",
+        ),
     ],
 )
 def test_classification_only_settings_are_refused_in_one_line(overrides, message):

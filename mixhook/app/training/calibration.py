@@ -75,12 +75,10 @@ class Calibration:
     def plot(self, path: str | Path, title: str = "") -> None:
         """A reliability diagram PNG: each bin's accuracy against its confidence range beside the
         diagonal of perfect calibration, the gap shaded, and the share of samples per bin below."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         from ..files import atomic_write
+        from ..plots import pyplot
+
+        plt = pyplot()
 
         t = self.table()
         width = 1.0 / self.bins

@@ -136,10 +136,9 @@ def save_feature_maps(
     titled so. The forwards run in training mode and every random stream, buffer and probe in ``pause``
     is put back: training goes on unchanged. Layers whose output is not ``(B, C, H, W)`` are skipped.
     ``targets``: the batch's labels (shown, and passed to a mixer that mixes by them)."""
-    import matplotlib
+    from ..plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from mixhook.probes import FeatureRecorder
 

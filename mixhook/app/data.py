@@ -1,4 +1,5 @@
-"""Data sets for the experiment app: scikit-learn's digits (offline, the default), CIFAR-10/100, and
+"""Data sets for the experiment app: scikit-learn's digits (offline, the default), CIFAR-10/100, SVHN,
+ImageNet-format image folders (ImageNet, Tiny-ImageNet, any ``root/train/<class>/`` tree), and
 scikit-learn's diabetes data (offline), a regression task.
 
 :func:`build_data` returns a :class:`Data` bundle: train and test loaders and what the model needs to
@@ -63,18 +64,22 @@ def build_data(
     pipeline: str = "auto",
     **options,
 ) -> Data:
-    """Build the data set ``name`` (``digits``, ``cifar10`` or ``cifar100``) with its ``options``.
+    """Build the data set ``name`` (``digits``, ``cifar10``, ``cifar100``, ``svhn``, ``imagefolder`` or
+    ``diabetes``) with its ``options``.
 
     With ``world_size`` > 1 (data-parallel training) the loaders hold rank ``rank``'s share: every
     ``world_size``-th sample of each epoch's order for training, and a disjoint shard of the test set
     (the ranks' test metrics sum to the whole set's).
 
-    ``pipeline`` (CIFAR): ``"device"`` holds the images on ``device`` as one uint8 tensor and crops,
+    ``pipeline`` (CIFAR, SVHN): ``"device"`` holds the images on ``device`` as one uint8 tensor and crops,
     flips and normalises each batch there (:class:`DeviceBatches`); ``"workers"`` augments sample by
     sample in DataLoader workers; ``"auto"`` is ``"device"`` (faster on CPU too: see the README's
     Performance section). Both draw a sample's augmentation from its (seed, epoch) seed, and both follow
     the same order."""
-    builders = {"digits": _digits, "cifar10": _cifar, "cifar100": _cifar, "diabetes": _diabetes}
+    builders = {
+        "digits": _digits, "cifar10": _cifar, "cifar100": _cifar, "svhn": _svhn, "imagefolder": _imagefolder,
+        "diabetes": _diabetes,
+    }  # fmt: skip
     if name not in builders:
         raise ValueError(f"data.name={name!r} is not a data set; valid: {', '.join(builders)}")
     for key, value in (("trainer.batch_size", batch_size), ("trainer.eval_batch_size", eval_batch_size)):
@@ -92,6 +97,7 @@ def build_data(
         return Data(name=name, train=train, test=test, **info)
     if world_size > 1:
         test_set = Subset(test_set, range(rank, len(test_set), world_size))
+    pin = torch.device(device).type == "cuda"  # page-locked batches: their copy to the GPU is queued
     train = DataLoader(
         SeededSamples(train_set),
         batch_size=batch_size,
@@ -99,6 +105,7 @@ def build_data(
         generator=torch.Generator().manual_seed(seed),  # the workers' base seed, not the global stream
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        pin_memory=pin,
     )
     test = DataLoader(
         test_set,
@@ -106,6 +113,8 @@ def build_data(
         shuffle=False,
         generator=torch.Generator().manual_seed(seed),
         num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=pin,
     )
     return Data(name=name, train=train, test=test, **info)
 
@@ -350,19 +359,246 @@ def load_cifar_files(folder: str, files: list[str], label_key: str) -> tuple[tor
     return torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels))
 
 
-class CifarImages(Dataset):
-    """uint8 CIFAR images with the standard augmentation (4-pixel padded random crop, horizontal
-    flip, from ``torchvision.transforms.v2``) when ``augment``, then per-channel normalization."""
+# --------------------------------------------------------------------------------------------- SVHN
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean, std, augment: bool = False):
+_SVHN = {
+    "files": {"train": "train_32x32.mat", "test": "test_32x32.mat", "extra": "extra_32x32.mat"},
+    "mean": (0.4377, 0.4438, 0.4728),  # the train split's per-channel mean and std
+    "std": (0.1980, 0.2010, 0.1970),
+}
+
+
+def _svhn(
+    name: str,
+    root: str = "data/svhn",
+    download: bool = False,
+    augment: bool = False,
+    extra: bool = False,
+    num_workers: int = 2,
+):
+    """SVHN's cropped digits (torchvision's files: ``train_32x32.mat``, ``test_32x32.mat`` and, with
+    ``extra``, ``extra_32x32.mat`` joined to the training set), label 10 read as the digit 0, as
+    torchvision reads it. ``augment``: the 4-pixel padded random crop, never a flip (a mirrored digit is
+    another glyph)."""
+    splits_ = ["train", "test", *(["extra"] if extra else [])]
+    paths = {split: os.path.join(root, _SVHN["files"][split]) for split in splits_}
+    missing = [path for path in paths.values() if not os.path.isfile(path)]
+    if missing and download:
+        _download_svhn(root, splits_)
+        missing = [path for path in paths.values() if not os.path.isfile(path)]
+    if missing:
+        raise DataNotFoundError(
+            f"SVHN not found: {missing[0]} is missing. Put torchvision's SVHN files (train_32x32.mat, "
+            f"test_32x32.mat{', extra_32x32.mat' if extra else ''}) in data.root={root!r}, or set "
+            "data.download=true"
+        )
+    loaded = {split: load_svhn_file(path) for split, path in paths.items()}
+    train_x, train_y = loaded["train"]
+    if extra:
+        train_x, train_y = torch.cat([train_x, loaded["extra"][0]]), torch.cat([train_y, loaded["extra"][1]])
+    test_x, test_y = loaded["test"]
+    norm = (_SVHN["mean"], _SVHN["std"])
+    info = {"in_channels": 3, "num_classes": 10, "image_size": 32}
+    info["split_hash"] = digest(train_x, train_y, test_x, test_y)
+    train = CifarImages(train_x, train_y, *norm, augment=augment, flip=False)
+    return train, CifarImages(test_x, test_y, *norm, flip=False), info
+
+
+def load_svhn_file(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One of SVHN's ``.mat`` files: ``uint8`` images ``(N, 3, 32, 32)`` and ``int64`` labels in 0..9;
+    else a one-line ``ValueError`` naming the file."""
+    from scipy.io import loadmat
+
+    try:
+        mat = loadmat(path)
+        x, y = mat["X"], mat["y"]
+    except Exception as err:  # not a MATLAB file, or one without SVHN's arrays
+        raise ValueError(
+            f"{path} is not an SVHN file (a MATLAB file with X (32, 32, 3, N) and y (N, 1)): "
+            f"{type(err).__name__}: {err}"
+        ) from None
+    if x.ndim != 4 or x.shape[:3] != (32, 32, 3) or y.reshape(-1).shape[0] != x.shape[3]:
+        raise ValueError(
+            f"{path} is not an SVHN file: X has shape {x.shape} and y {y.shape}, not (32, 32, 3, N) and "
+            "(N, 1)"
+        )
+    images = torch.from_numpy(np.ascontiguousarray(x.transpose(3, 2, 0, 1), dtype=np.uint8))
+    labels = torch.from_numpy(y.reshape(-1).astype(np.int64) % 10)  # 10 is the digit 0
+    return images, labels
+
+
+def _download_svhn(root: str, splits_: list[str]) -> None:
+    import torchvision
+
+    try:
+        for split in splits_:
+            torchvision.datasets.SVHN(root=root, split=split, download=True)
+    except Exception as err:  # no network, a proxy, a full disk: all end in the same advice
+        raise DataNotFoundError(
+            f"SVHN is not under data.root={root!r} and downloading it failed ({type(err).__name__}: {err}); "
+            "put torchvision's SVHN files there by hand"
+        ) from err
+
+
+# ------------------------------------------------------------------------------ ImageNet-format folders
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # image files Pillow reads
+TINY_ANNOTATIONS = "val_annotations.txt"  # Tiny-ImageNet's val/: images/ and this file, not class folders
+
+
+def _imagefolder(
+    name: str,
+    root: str = "data/imagenet",
+    train: str = "train",
+    val: str = "val",
+    size: int = 224,
+    resize: int = 256,
+    augment: bool = True,
+    num_workers: int = 8,
+):
+    """An image classification set in ImageNet's layout: ``root/<train>/<class>/<image>`` (images may sit
+    deeper, as Tiny-ImageNet's ``<class>/images/``) and ``root/<val>/<class>/<image>``, or Tiny-ImageNet's
+    ``root/<val>/images/`` with ``val_annotations.txt`` (file, class per line). Classes are the training
+    folders' names, sorted. The standard pipelines (torchvision's v2 transforms on uint8 images decoded
+    by Pillow): training ``RandomResizedCrop(size)`` and a horizontal flip (``augment``; else as
+    evaluation), evaluation ``Resize(resize)`` and ``CenterCrop(size)``; both normalised with ImageNet's
+    mean and std. Bad layouts are refused before training, in one line each."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or resize < size:
+        raise ValueError(
+            f"data.size and data.resize must be ints with 1 <= size <= resize, got {size}, {resize}"
+        )
+    train_dir, val_dir = os.path.join(root, train), os.path.join(root, val)
+    for split, folder in (("data.train", train_dir), ("data.val", val_dir)):
+        if not os.path.isdir(folder):
+            raise DataNotFoundError(
+                f"data=imagefolder: {folder} is missing ({split}={os.path.basename(folder)!r} under "
+                f"data.root={root!r}); the layout is root/train/<class>/<image> and root/val/<class>/<image>"
+            )
+    classes = sorted(e.name for e in os.scandir(train_dir) if e.is_dir())
+    if not classes:
+        raise ValueError(f"data=imagefolder: {train_dir} has no class folders (<class>/<image> under it)")
+    train_samples = _folder_samples(train_dir, classes)
+    if os.path.isfile(os.path.join(val_dir, TINY_ANNOTATIONS)):
+        val_samples = _annotated_samples(val_dir, classes)
+    else:
+        val_classes = sorted(e.name for e in os.scandir(val_dir) if e.is_dir())
+        if val_classes != classes:
+            only_train = sorted(set(classes) - set(val_classes))[:3]
+            only_val = sorted(set(val_classes) - set(classes))[:3]
+            raise ValueError(
+                f"data=imagefolder: {train_dir} and {val_dir} hold different classes (only in train: "
+                f"{only_train or 'none'}; only in val: {only_val or 'none'})"
+            )
+        val_samples = _folder_samples(val_dir, classes)
+    from torchvision.transforms import v2
+
+    normalise = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    evaluate = v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(size), *normalise])
+    training = (
+        v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), *normalise])
+        if augment
+        else evaluate
+    )
+    info = {"in_channels": 3, "num_classes": len(classes), "image_size": size}
+    listing = "\n".join(f"{os.path.relpath(p, root)}\t{y}" for p, y in (*train_samples, *val_samples))
+    info["split_hash"] = digest(np.frombuffer(listing.encode(), dtype=np.uint8))
+    return FolderImages(train_samples, training), FolderImages(val_samples, evaluate), info
+
+
+def _folder_samples(folder: str, classes: list[str]) -> list[tuple[str, int]]:
+    """``(path, label)`` of every image under ``folder/<class>/`` (any depth), sorted; a class folder
+    without images or a file that is not an image is refused in one line."""
+    samples = []
+    for label, name in enumerate(classes):
+        found = []
+        for here, dirs, files in os.walk(os.path.join(folder, name)):
+            dirs.sort()
+            for file in sorted(files):
+                path = os.path.join(here, file)
+                if file.startswith("."):
+                    continue
+                if not file.lower().endswith(IMAGE_EXTENSIONS):
+                    raise ValueError(
+                        f"data=imagefolder: {path} is not an image ({', '.join(IMAGE_EXTENSIONS)}); move it "
+                        "out of the class folders"
+                    )
+                found.append((path, label))
+        if not found:
+            raise ValueError(f"data=imagefolder: the class folder {os.path.join(folder, name)} has no images")
+        samples += found
+    return samples
+
+
+def _annotated_samples(folder: str, classes: list[str]) -> list[tuple[str, int]]:
+    """Tiny-ImageNet's validation split: ``folder/images/<file>``, each file's class in
+    ``folder/val_annotations.txt`` (tab-separated: file, class, then its box)."""
+    index = {name: label for label, name in enumerate(classes)}
+    samples = []
+    path = os.path.join(folder, TINY_ANNOTATIONS)
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) < 2 or parts[1] not in index:
+                why = (
+                    "has no class column"
+                    if len(parts) < 2
+                    else f"names class {parts[1]!r}, not a training class"
+                )
+                raise ValueError(f"data=imagefolder: {path} line {number} {why}")
+            image = os.path.join(folder, "images", parts[0])
+            if not os.path.isfile(image):
+                raise DataNotFoundError(
+                    f"data=imagefolder: {image} (listed in {path} line {number}) is missing"
+                )
+            samples.append((image, index[parts[1]]))
+    if not samples:
+        raise ValueError(f"data=imagefolder: {path} lists no images")
+    return sorted(samples)
+
+
+class FolderImages(Dataset):
+    """Images read from files (Pillow, as RGB), made uint8 tensors (``v2.ToImage``) and transformed; a
+    file that cannot be decoded is named in the error."""
+
+    def __init__(self, samples: list[tuple[str, int]], transform):
         from torchvision.transforms import v2
 
-        self.images, self.labels = images, labels
+        self.samples, self.transform, self.to_image = samples, transform, v2.ToImage()
+        self.labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        path, _ = self.samples[i]
+        try:
+            with Image.open(path) as image:
+                tensor = self.to_image(image.convert("RGB"))
+        except OSError as err:  # PIL's UnidentifiedImageError, a truncated file
+            raise ValueError(f"data=imagefolder: {path} cannot be decoded as an image: {err}") from None
+        return self.transform(tensor), self.labels[i]
+
+
+class CifarImages(Dataset):
+    """uint8 32x32 images (CIFAR, SVHN) with the standard augmentation (4-pixel padded random crop and,
+    with ``flip``, a horizontal flip, from ``torchvision.transforms.v2``) when ``augment``, then
+    per-channel normalization."""
+
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, mean, std, augment: bool = False, flip: bool = True
+    ):
+        from torchvision.transforms import v2
+
+        self.images, self.labels, self.flip = images, labels, flip
         self.mean = torch.tensor(mean).view(3, 1, 1)
         self.std = torch.tensor(std).view(3, 1, 1)
-        self.augment = (
-            v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]) if augment else None
-        )
+        steps = [v2.RandomCrop(32, padding=4), *([v2.RandomHorizontalFlip()] if flip else [])]
+        self.augment = v2.Compose(steps) if augment else None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -426,6 +662,7 @@ class DeviceBatches:
         self.mean = data.mean.to(self.device)
         self.std = data.std.to(self.device)
         self.augment = data.augment is not None and sampler is not None
+        self.flip = data.flip
         self.batch_size, self.sampler = batch_size, sampler
         self.indices = torch.arange(len(data)) if indices is None else indices
 
@@ -437,7 +674,9 @@ class DeviceBatches:
     def __iter__(self):
         if self.sampler is not None:
             order, seeds = self.sampler.plan()
-            draws = [d.to(self.device, non_blocking=True) for d in augmentation_draws(seeds)]
+            top, left, flip = augmentation_draws(seeds)
+            flip = flip if self.flip else torch.zeros_like(flip)  # (SVHN's digits are not mirrored)
+            draws = [d.to(self.device, non_blocking=True) for d in (top, left, flip)]
         else:
             order, draws = self.indices, None
         order = order.to(self.device, non_blocking=True)

@@ -89,6 +89,29 @@ class CifarConfig:
 
 
 @dataclass
+class SvhnConfig:
+    name: str = "svhn"
+    root: str = "data/svhn"
+    download: bool = False
+    augment: bool = False
+    extra: bool = False
+    num_workers: int = _at_least(0, 2)
+    pipeline: str = _one_of(PIPELINES, "auto")
+
+
+@dataclass
+class ImageFolderConfig:
+    name: str = "imagefolder"
+    root: str = "data/imagenet"
+    train: str = "train"
+    val: str = "val"
+    size: int = _at_least(1, 224)
+    resize: int = _at_least(1, 256)
+    augment: bool = True
+    num_workers: int = _at_least(0, 8)
+
+
+@dataclass
 class InputScaleConfig:
     _target_: str = "mixhook.InputScale"
     layer: Any = None
@@ -152,6 +175,8 @@ def register() -> None:
     store.store(group="data", name="digits_schema", node=DigitsConfig)
     store.store(group="data", name="cifar_schema", node=CifarConfig)
     store.store(group="data", name="diabetes_schema", node=DiabetesConfig)
+    store.store(group="data", name="svhn_schema", node=SvhnConfig)
+    store.store(group="data", name="imagefolder_schema", node=ImageFolderConfig)
 
 
 # Ranges that torch's constructors leave unchecked, where the value would be silently wrong.

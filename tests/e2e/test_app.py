@@ -248,6 +248,29 @@ def test_cli_trains_on_cifar_format_files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("data", ["svhn", "imagefolder"])
+def test_cli_trains_on_svhn_files_and_on_an_image_folder(tmp_path, data):
+    from tests.unit.test_data_folders import jpeg_tree, svhn_files
+
+    if data == "svhn":
+        svhn_files(tmp_path / "files", n_train=32, n_test=16)
+        options = ["data.num_workers=0", "data.augment=true"]
+    else:
+        jpeg_tree(tmp_path / "files" / "train", per_class=8)
+        jpeg_tree(tmp_path / "files" / "val", per_class=4, seed=1)
+        options = ["data.num_workers=2", "data.size=32", "data.resize=36"]
+    out = tmp_path / "run"
+    result = run_cli(
+        f"data={data}", f"data.root={tmp_path / 'files'}", *options, "trainer.epochs=1",
+        "trainer.batch_size=8", "mixup.layer=[input,layer1]", "+model.width=0.25", f"hydra.run.dir={out}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"] == data and summary["epochs"] == 1 and 0 <= summary["test_acc"] <= 1
+
+
+@pytest.mark.slow
 def test_cli_default_experiment_reaches_95_percent(default_run):
     summary = json.loads((default_run[0] / "summary.json").read_text())
     assert summary["mixup"]["layer"] == ["input", "layer1", "layer2"] and summary["mixup"]["alpha"] == 2.0

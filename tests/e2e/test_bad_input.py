@@ -115,6 +115,15 @@ from tests.conftest import write_cifar
             "error: CIFAR-10 not found: /nonexistent/cifar-10-batches-py",
         ),
         (
+            ["data=svhn", "data.root=/nonexistent"],
+            "error: SVHN not found: /nonexistent/train_32x32.mat is missing",
+        ),
+        (
+            ["data=imagefolder", "data.root=/nonexistent"],
+            "error: data=imagefolder: /nonexistent/train is missing (data.train='train' under",
+        ),
+        (["data=imagefolder", "data.size=0"], "error: data.size must be an integer >= 1, got 0"),
+        (
             [
                 "model._target_=tests.toy_models.TupleBlockNet",
                 "allow_targets=[tests.toy_models.*]",

@@ -1,0 +1,179 @@
+"""SVHN and ImageNet-format image folders: read from files the tests write (torchvision's SVHN .mat files,
+small JPEG trees in ImageNet's and Tiny-ImageNet's layouts), with the standard pipelines, reproducible
+augmentation, and one line for each bad layout."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from scipy.io import savemat
+from torchvision.transforms import v2
+
+from mixhook.app.data import IMAGENET_MEAN, IMAGENET_STD, DataNotFoundError, DeviceBatches, build_data
+
+
+def svhn_files(root, n_train=10, n_test=6, seed=0):
+    """SVHN-format files: X (32, 32, 3, N) uint8, y (N, 1) with labels 1..10 (10: the digit 0)."""
+    g = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        x = g.integers(0, 256, (32, 32, 3, n), dtype=np.uint8)
+        y = (np.arange(n) % 10 + 1).reshape(n, 1).astype(np.uint8)  # 1..10, then again
+        savemat(root / f"{split}_32x32.mat", {"X": x, "y": y})
+        arrays[split] = (x, y)
+    return arrays
+
+
+def test_svhn_reads_torchvisions_files_with_10_as_the_digit_0(tmp_path):
+    arrays = svhn_files(tmp_path / "svhn")
+    data = build_data("svhn", batch_size=4, eval_batch_size=6, root=str(tmp_path / "svhn"))
+    assert (data.in_channels, data.num_classes, data.image_size) == (3, 10, 32)
+    assert isinstance(data.test, DeviceBatches) and not data.test.flip and not data.train.flip
+    x, y = next(iter(data.test))  # unaugmented, in order
+    expected_y = torch.from_numpy(arrays["test"][1].reshape(-1).astype(np.int64)) % 10
+    assert torch.equal(y, expected_y) and y.tolist() == [1, 2, 3, 4, 5, 6]
+    raw = torch.from_numpy(arrays["test"][0].transpose(3, 2, 0, 1).copy()).float() / 255
+    mean, std = torch.tensor([0.4377, 0.4438, 0.4728]), torch.tensor([0.1980, 0.2010, 0.1970])
+    torch.testing.assert_close(x, (raw - mean.view(3, 1, 1)) / std.view(3, 1, 1))
+    labels = torch.cat([b[1] for b in build_data("svhn", batch_size=10, root=str(tmp_path / "svhn")).train])
+    assert sorted(labels.tolist()) == list(range(10))  # train's 10 became 0
+
+
+def test_svhn_augments_by_cropping_only_never_a_mirror(tmp_path):
+    svhn_files(tmp_path / "svhn", n_train=64)
+    for pipeline in ("device", "workers"):
+        data = build_data(
+            "svhn", batch_size=64, root=str(tmp_path / "svhn"), augment=True, pipeline=pipeline, num_workers=0
+        )
+        if pipeline == "workers":
+            steps = [type(t).__name__ for t in data.train.dataset.dataset.augment.transforms]
+            assert steps == ["RandomCrop"]
+        else:
+            x, _ = next(iter(data.train))
+            order, seeds = data.train.sampler.plan()
+            images = data.train.images[order].float() / 255
+            images = (images - data.train.mean) / data.train.std
+            # a crop of the padded image at (top, left): the same pixels, never mirrored
+            from mixhook.app.data import augmentation_draws, crop_and_flip
+
+            top, left, _ = augmentation_draws(seeds)
+            unflipped = crop_and_flip(data.train.images[order], top, left, torch.zeros(64, dtype=torch.bool))
+            torch.testing.assert_close(x, (unflipped.float() / 255 - data.train.mean) / data.train.std)
+            assert images.shape == x.shape
+
+
+def test_svhn_missing_or_not_svhn_is_one_line(tmp_path):
+    with pytest.raises(
+        DataNotFoundError, match=r"SVHN not found: .*train_32x32.mat is missing.*data.download=true"
+    ):
+        build_data("svhn", batch_size=4, root=str(tmp_path / "none"))
+    svhn_files(tmp_path / "svhn")
+    savemat(tmp_path / "svhn" / "test_32x32.mat", {"images": np.zeros((2, 2))})
+    with pytest.raises(ValueError, match=r"test_32x32.mat is not an SVHN file \(a MATLAB file with X"):
+        build_data("svhn", batch_size=4, root=str(tmp_path / "svhn"))
+
+
+def write_jpeg(image: torch.Tensor, path) -> None:
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(path, quality=95)
+
+
+def jpeg_tree(root, classes=("cat", "dog", "owl"), per_class=4, nested=False, seed=0):
+    """``root/<class>/[images/]<i>.jpg``: small JPEGs of varied sizes, each class its own tint."""
+    g = torch.Generator().manual_seed(seed)
+    for k, name in enumerate(classes):
+        folder = root / name / ("images" if nested else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            h, w = 40 + 4 * i, 48 - 2 * i
+            image = torch.randint(0, 60, (3, h, w), generator=g, dtype=torch.uint8) + 60 * k
+            write_jpeg(image, folder / f"{name}_{i}.jpg")
+
+
+def test_an_image_folder_trains_with_the_standard_pipelines(tmp_path):
+    jpeg_tree(tmp_path / "train")
+    jpeg_tree(tmp_path / "val", per_class=2, seed=1)
+    data = build_data(
+        "imagefolder", batch_size=4, eval_batch_size=6, root=str(tmp_path), size=32, resize=36, num_workers=0
+    )
+    assert (data.in_channels, data.num_classes, data.image_size) == (3, 3, 32)
+    x, y = next(iter(data.test))
+    assert x.shape == (6, 3, 32, 32) and y.tolist() == [0, 0, 1, 1, 2, 2]  # classes sorted: cat, dog, owl
+    first = v2.ToImage()(Image.open(tmp_path / "val" / "cat" / "cat_0.jpg").convert("RGB"))
+    expected = v2.Compose([
+        v2.Resize(36, antialias=True), v2.CenterCrop(32), v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])(first)  # fmt: skip
+    torch.testing.assert_close(x[0], expected)
+    # the training batches: RandomResizedCrop + flip, the same for a seed and epoch whatever the workers
+    batches = {}
+    for workers in (0, 2):
+        d = build_data(
+            "imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=36, num_workers=workers
+        )
+        d.train.sampler.set_epoch(3)
+        batches[workers] = [b for b in d.train]
+    for (x0, y0), (x2, y2) in zip(batches[0], batches[2], strict=True):
+        assert torch.equal(x0, x2) and torch.equal(y0, y2) and x0.shape[1:] == (3, 32, 32)
+    assert sorted(torch.cat([b[1] for b in batches[0]]).tolist()) == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_tiny_imagenets_layout_reads_the_val_annotations(tmp_path):
+    classes = ("n01443537", "n01629819")
+    jpeg_tree(tmp_path / "train", classes=classes, nested=True)  # train/<wnid>/images/<file>
+    (tmp_path / "val" / "images").mkdir(parents=True)
+    lines = []
+    for i, (wnid, k) in enumerate([(classes[1], 1), (classes[0], 0), (classes[1], 1)]):
+        image = torch.full((3, 64, 64), 40 * k + 10, dtype=torch.uint8)
+        write_jpeg(image, tmp_path / "val" / "images" / f"val_{i}.JPEG")
+        lines.append(f"val_{i}.JPEG\t{wnid}\t0\t0\t63\t63")
+    (tmp_path / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+    data = build_data("imagefolder", batch_size=4, eval_batch_size=8, root=str(tmp_path), size=64, resize=64)
+    x, y = next(iter(data.test))
+    assert data.num_classes == 2 and y.tolist() == [1, 0, 1] and x.shape == (3, 3, 64, 64)
+    assert len(data.train.dataset) == 8  # the nested images/ folders are read
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda r: (r / "val").mkdir(), r"data=imagefolder: .*/train is missing \(data.train='train' under"),
+        (
+            lambda r: (jpeg_tree(r / "train"), (r / "train" / "emu").mkdir()),
+            r"the class folder .*/train/emu has no images",
+        ),
+        (
+            lambda r: (jpeg_tree(r / "train"), (r / "train" / "cat" / "notes.txt").write_text("x")),
+            r"train/cat/notes.txt is not an image \(.jpg, .jpeg",
+        ),
+        (
+            lambda r: (jpeg_tree(r / "train"), jpeg_tree(r / "val", classes=("cat", "dog", "emu"))),
+            r"hold different classes \(only in train: \['owl'\]; only in val: \['emu'\]\)",
+        ),
+        (
+            lambda r: (
+                jpeg_tree(r / "train"),
+                (r / "val" / "images").mkdir(parents=True),
+                (r / "val" / "val_annotations.txt").write_text("a.JPEG\tn999\t0\t0\t1\t1\n"),
+            ),
+            r"val_annotations.txt line 1 names class 'n999', not a training class",
+        ),
+    ],
+    ids=["missing split", "empty class", "not an image", "other classes", "unknown annotated class"],
+)
+def test_a_bad_image_folder_is_one_line(tmp_path, make, message):
+    make(tmp_path)
+    if not (tmp_path / "val").exists():
+        jpeg_tree(tmp_path / "val")
+    with pytest.raises((ValueError, DataNotFoundError), match=message) as caught:
+        build_data("imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=32)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_undecodable_image_is_named(tmp_path):
+    jpeg_tree(tmp_path / "train")
+    jpeg_tree(tmp_path / "val")
+    (tmp_path / "val" / "cat" / "cat_0.jpg").write_bytes(b"not a jpeg")
+    data = build_data("imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=32, num_workers=0)
+    with pytest.raises(ValueError, match=r"val/cat/cat_0.jpg cannot be decoded as an image"):
+        next(iter(data.test))

@@ -274,6 +274,27 @@ def markdown(results: dict) -> str:
         ]
         lines += [f"| {k} | {v:.0f} |" for k, v in d["images_per_second"].items()]
         lines += ["", f"device / workers ({d['workers']} workers), time: {fmt(d['device_vs_workers'])}"]
+        if "imagefolder" in d:
+            f = d["imagefolder"]
+            lines += [
+                "",
+                f"## ImageNet pipeline (data=imagefolder): {f['images']} images, {f['image_size']}, to "
+                f"{'x'.join(map(str, f['output']))}",
+                "",
+                "| what | images/s |",
+                "| --- | --- |",
+            ]
+            names = {
+                "decode": "Pillow decode only, one process",
+                "pipeline_one_worker": "decode, RandomResizedCrop, flip, normalise: one process (a worker)",
+                "pipeline_workers": f"the same through {f['workers']} DataLoader workers",
+            }
+            lines += [f"| {names[k]} | {v:.0f} |" for k, v in f["images_per_second"].items()]
+            lines += [
+                "",
+                "Workers (cores) to feed a GPU step of 1,000 images/s: "
+                f"{f['workers_per_1000_images_per_second']:.1f}",
+            ]
     if "recipe" in results:
         r = results["recipe"]
         lines += [

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ import benchmarks.cases as case_modules  # noqa: E402
 from benchmarks.cases.baseline import baseline  # noqa: E402
 from benchmarks.cases.blend import blend_bandwidth  # noqa: E402
 from benchmarks.cases.dispatch import dispatch  # noqa: E402
+from benchmarks.cases.folders import folder_pipeline  # noqa: E402
 from benchmarks.cases.host import host  # noqa: E402
 from benchmarks.cases.language_model import language_model  # noqa: E402
 from benchmarks.cases.memory import memory  # noqa: E402
@@ -178,6 +180,10 @@ def main(argv=None) -> dict:
             log("data pipelines ...")
             images, workers = (500, 0) if args.quick else ((50_000, None) if cuda else (10_000, 2))
             results["data"] = data_pipelines(device, timer, reps, images, workers=workers)
+            checkpoint()
+            log("ImageNet-format folder pipeline ...")
+            images, workers = (32, 0) if args.quick else (512, min(8, os.cpu_count() or 1))
+            results["data"]["imagefolder"] = folder_pipeline(timer, reps, images, workers)
             checkpoint()
         if "recipe" in cases:
             log("Verma et al. 2019 recipe ...")

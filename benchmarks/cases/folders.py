@@ -1,0 +1,84 @@
+"""Case 8b (with ``data``): what the ImageNet pipeline of ``data=imagefolder`` delivers per loader worker.
+
+A folder of JPEGs at ImageNet's typical size (500x375, quality 90, synthetic content) in ImageNet's layout,
+read through the app's own ``build_data("imagefolder", ...)``: the training pipeline (Pillow's decode,
+``RandomResizedCrop(224)``, a flip, the float conversion and ImageNet's normalisation) timed over one pass
+in the main process (one worker's rate), its decode alone, and the pass through ``workers`` DataLoader
+workers. What a GPU step needs is the images/s it trains at: divided by the per-worker rate, that is the
+number of workers (CPU cores) that keep it fed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+
+import numpy as np
+import torch
+
+from mixhook.app.data import build_data
+
+
+def write_folder(root: str, images: int, classes: int = 10, size: tuple[int, int] = (375, 500)) -> None:
+    """``images`` JPEGs (``size`` = height, width) in ``root/{train,val}/<class>/``, smooth synthetic
+    content (noise compresses worse than photographs)."""
+    from PIL import Image
+
+    g = np.random.default_rng(0)
+    h, w = size
+    base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * np.ones((h, 1, 3), np.float32)
+    for split, count in (("train", images), ("val", max(classes, images // 10))):
+        for i in range(count):
+            folder = os.path.join(root, split, f"class{i % classes:03d}")
+            os.makedirs(folder, exist_ok=True)
+            pixels = (base + g.normal(0, 12, (h, w, 3))).clip(0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(os.path.join(folder, f"{i:06d}.jpg"), quality=90)
+
+
+def folder_pipeline(timer, reps: int, images: int, workers: int, batch: int = 32) -> dict:
+    with tempfile.TemporaryDirectory() as root:
+        write_folder(root, images)
+
+        def loader(num_workers: int):
+            data = build_data("imagefolder", batch_size=batch, root=root, num_workers=num_workers)
+            return data.train
+
+        one, many = loader(0), loader(workers)
+        dataset = one.dataset.dataset  # (SeededSamples -> FolderImages)
+
+        def decode_only():
+            from PIL import Image
+
+            for path, _ in dataset.samples:
+                with Image.open(path) as image:
+                    dataset.to_image(image.convert("RGB"))
+
+        def epoch(data_loader):
+            batches = 0
+            for _ in data_loader:
+                batches += 1
+            return batches
+
+        times = timer.side_by_side(
+            {
+                "decode": decode_only,
+                "pipeline_one_worker": lambda: epoch(one),
+                "pipeline_workers": lambda: epoch(many),
+            },
+            reps=reps,
+            inner=1,
+            warmup=1,
+        )
+        x, _ = next(iter(one))
+    per_second = {k: images / statistics.median(v) for k, v in times.items()}
+    return {
+        "images": images,
+        "image_size": "500x375 JPEG, quality 90",
+        "batch": batch,
+        "workers": workers,
+        "output": list(x.shape[1:]),
+        "images_per_second": per_second,
+        "workers_per_1000_images_per_second": 1000 / per_second["pipeline_one_worker"],
+        "threads": torch.get_num_threads(),
+    }

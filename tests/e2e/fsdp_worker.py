@@ -1,0 +1,129 @@
+"""Run by test_distributed.py under torchrun (2 processes, gloo): ManifoldMixup on a model sharded by FSDP2
+(``fully_shard`` on each block, then on the root) equals, in float64, one process replaying each rank's
+batch with the blend written by hand: every rank's logits and loss, and the gradients FSDP reduces
+(the mean over the ranks of each rank's gradient), for partners from each rank's own batch
+(``partners="local"``) and from the global batch (``partners="global"``).
+
+Each rank holds 4 of the same 8 samples and its own mixer stream; over several steps with prob < 1 and
+three layers, rank 0 gathers what every rank mixed and writes the largest differences to argv[1]."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from mixhook import ManifoldMixup
+
+
+def per_sample_ce(logits, y):
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def gathered(t: torch.Tensor, world: int) -> list[torch.Tensor]:
+    out = [torch.zeros_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def replay(reference, x, layer, lam, index, partners_x=None):
+    """``reference``'s forward of ``x`` with the mix at ``layer`` written by hand: ``lam * h + (1 - lam) *
+    partner`` where the partners are rows ``index`` of ``partners_x``'s activations (default: ``x``'s)."""
+    w = lam.view(-1, 1)
+    source = x if partners_x is None else partners_x
+    h, g = x, source
+    if layer == "input":
+        h = w * h + (1 - w) * g[index]
+    for i, module in enumerate(reference):
+        h, g = module(h), module(g) if partners_x is not None else None
+        if str(i) == layer:
+            h = w * h + (1 - w) * (g if partners_x is not None else h)[index]
+    return h
+
+
+def run(partners: str, rank: int, world: int, x, y) -> dict:
+    model, reference = net(), net()
+    n = 8 // world
+    local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    mix = ManifoldMixup(
+        ["input", "1", "3"],
+        alpha=1.0,
+        prob=0.7,
+        partners=partners,
+        generator=torch.Generator().manual_seed(10 + rank),
+    )
+    mix.attach(model)
+    for block in model:  # the unit: each layer with parameters, then the root
+        if any(True for _ in block.parameters()):
+            fully_shard(block)
+    fully_shard(model)
+    worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
+    mixed_steps, layers = 0, set()
+    for _ in range(10):
+        model.zero_grad()
+        logits = model(local_x)
+        loss = mix.loss(per_sample_ce, logits, local_y).mean()
+        loss.backward()
+        last = mix.last
+        code = torch.tensor([-1 if last is None else mix.layers.index(last.layer)])
+        codes = gathered(code, world)
+        all_logits = gathered(logits.detach(), world)
+        all_losses = gathered(loss.detach().reshape(1), world)
+        lam = (torch.zeros(n, dtype=torch.double) if last is None else last.lam.expand(n)).contiguous()
+        index = torch.zeros(n, dtype=torch.int64) if last is None else last.index
+        lams, indices = gathered(lam, world), gathered(index, world)
+        grads = [p.grad.full_tensor() for p in model.parameters()]  # (DTensor: gathered from every rank)
+        if partners == "global":  # every rank follows rank 0's decision
+            assert len({int(c) for c in codes}) == 1, codes
+        if last is not None:
+            mixed_steps += 1
+            layers.add(last.layer)
+        if rank != 0:
+            continue
+        if partners == "global" and last is not None:  # one permutation of the global batch
+            assert sorted(torch.cat(indices).tolist()) == list(range(8)), indices
+        reference.zero_grad()
+        total = 0.0
+        for r in range(world):
+            xr, yr = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
+            k = int(codes[r])
+            if k < 0:
+                h = reference(xr)
+                lr = per_sample_ce(h, yr).mean()
+            else:
+                layer = mix.layers[k]
+                source = x if partners == "global" else None
+                h = replay(reference, xr, layer, lams[r], indices[r], source)
+                y_partner = (y if partners == "global" else yr)[indices[r]]
+                lr = (lams[r] * per_sample_ce(h, yr) + (1 - lams[r]) * per_sample_ce(h, y_partner)).mean()
+            worst["logits"] = max(worst["logits"], float((all_logits[r] - h.detach()).abs().max()))
+            worst["loss"] = max(worst["loss"], abs(float(all_losses[r]) - float(lr.detach())))
+            total = total + lr / world  # FSDP averages the ranks' gradients
+        total.backward()
+        for g, q in zip(grads, reference.parameters(), strict=True):
+            worst["grad"] = max(worst["grad"], float((g - q.grad).abs().max()))
+    return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.double), torch.randint(0, 3, (8,), generator=g)
+    found = {partners: run(partners, rank, world, x, y) for partners in ("local", "global")}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(found, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

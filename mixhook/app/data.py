@@ -455,6 +455,8 @@ def _imagefolder(
     size: int = 224,
     resize: int = 256,
     augment: bool = True,
+    color_jitter: float = 0.0,
+    lighting: float = 0.0,
     num_workers: int = 8,
 ):
     """An image classification set in ImageNet's layout: ``root/<train>/<class>/<image>`` (images may sit
@@ -463,7 +465,9 @@ def _imagefolder(
     folders' names, sorted. The standard pipelines (torchvision's v2 transforms on uint8 images decoded
     by Pillow): training ``RandomResizedCrop(size)`` and a horizontal flip (``augment``; else as
     evaluation), evaluation ``Resize(resize)`` and ``CenterCrop(size)``; both normalised with ImageNet's
-    mean and std. Bad layouts are refused before training, in one line each."""
+    mean and std. ``color_jitter`` and ``lighting`` (> 0) add, to training images, the color augmentation
+    of fb.resnet.torch that CutMix's ImageNet code uses (:class:`ResNetColor`). Bad layouts are refused
+    before training, in one line each."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1 or resize < size:
         raise ValueError(
             f"data.size and data.resize must be ints with 1 <= size <= resize, got {size}, {resize}"
@@ -495,11 +499,17 @@ def _imagefolder(
 
     normalise = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     evaluate = v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(size), *normalise])
+    if color_jitter < 0 or lighting < 0:
+        raise ValueError(f"data.color_jitter and data.lighting must be >= 0, got {color_jitter}, {lighting}")
+    color = [ResNetColor(color_jitter, lighting)] if color_jitter or lighting else []
     training = (
-        v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), *normalise])
+        v2.Compose([
+            v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), normalise[0], *color,
+            normalise[1],
+        ])
         if augment
         else evaluate
-    )
+    )  # fmt: skip
     info = {"in_channels": 3, "num_classes": len(classes), "image_size": size}
     listing = "\n".join(f"{os.path.relpath(p, root)}\t{y}" for p, y in (*train_samples, *val_samples))
     info["split_hash"] = digest(np.frombuffer(listing.encode(), dtype=np.uint8))
@@ -557,6 +567,58 @@ def _annotated_samples(folder: str, classes: list[str]) -> list[tuple[str, int]]
     if not samples:
         raise ValueError(f"data=imagefolder: {path} lists no images")
     return sorted(samples)
+
+
+# AlexNet's PCA of ImageNet's RGB pixels, as fb.resnet.torch and CutMix's code (utils.py) give them
+IMAGENET_EIGVAL = (0.2175, 0.0188, 0.0045)
+IMAGENET_EIGVEC = ((-0.5675, 0.7192, 0.4009), (-0.5808, -0.0045, -0.8140), (-0.5836, -0.6948, 0.4203))
+
+
+def jitter(image: torch.Tensor, order: list[str], alphas: list[float]) -> torch.Tensor:
+    """fb.resnet.torch's color jitter on a float ``(3, H, W)`` image in [0, 1]: in ``order``, each of
+    ``brightness`` (towards black), ``contrast`` (towards the grey image's mean) and ``saturation`` (towards
+    the grey image) as ``image.lerp(target, alpha)`` with its ``alpha``."""
+    for what, alpha in zip(order, alphas, strict=True):
+        if what == "brightness":
+            target = torch.zeros_like(image)
+        else:
+            grey = (0.299 * image[0] + 0.587 * image[1] + 0.114 * image[2]).expand_as(image)
+            target = torch.full_like(image, float(grey[0].mean())) if what == "contrast" else grey
+        image = image.lerp(target, alpha)
+    return image
+
+
+def pca_lighting(image: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """AlexNet's lighting noise: ``image`` plus ``eigvec @ (alpha * eigval)`` on every pixel."""
+    eigval = torch.tensor(IMAGENET_EIGVAL, dtype=image.dtype)
+    eigvec = torch.tensor(IMAGENET_EIGVEC, dtype=image.dtype)
+    rgb = (eigvec * (alpha.to(image.dtype) * eigval).view(1, 3)).sum(1)
+    return image + rgb.view(3, 1, 1)
+
+
+class ResNetColor:
+    """The color augmentation of fb.resnet.torch, as CutMix's ImageNet code uses it (``utils.ColorJitter``
+    and ``utils.Lighting``): brightness, contrast and saturation in a random order, each moved by a
+    uniform ``alpha`` in ``[-jitter, jitter]`` (:func:`jitter`), then the PCA lighting noise with
+    ``alpha ~ N(0, lighting)`` per component (:func:`pca_lighting`). On float images in [0, 1], before the
+    normalisation. The draws come from torch's generator (the sample's own seed in the app's loaders),
+    where the authors' code takes Python's global ``random`` for the jitter."""
+
+    def __init__(self, jitter: float = 0.4, lighting: float = 0.1):
+        self.jitter, self.lighting = jitter, lighting
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        if self.jitter:
+            kinds = ["brightness", "contrast", "saturation"]
+            order = [kinds[i] for i in torch.randperm(3).tolist()]
+            alphas = ((torch.rand(3, dtype=torch.float64) * 2 - 1) * self.jitter).tolist()
+            image = jitter(image, order, alphas)
+        if self.lighting:
+            image = pca_lighting(image, torch.randn(3, dtype=torch.float64) * self.lighting)
+        return image
+
+    def __repr__(self) -> str:
+        return f"ResNetColor(jitter={self.jitter}, lighting={self.lighting})"
 
 
 class FolderImages(Dataset):

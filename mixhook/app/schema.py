@@ -108,6 +108,8 @@ class ImageFolderConfig:
     size: int = _at_least(1, 224)
     resize: int = _at_least(1, 256)
     augment: bool = True
+    color_jitter: float = 0.0  # (>= 0: the data builder checks it)
+    lighting: float = 0.0
     num_workers: int = _at_least(0, 8)
 
 

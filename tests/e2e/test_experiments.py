@@ -35,6 +35,13 @@ YUN = {  # Yun et al. 2019: the authors' CIFAR-100 command and code
     "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [150, 225], "gamma": 0.1},
     "trainer": {"epochs": 300, "batch_size": 64, "loss": "ce"},
 }  # fmt: skip
+YUN_IMAGENET = {  # Yun et al. 2019: the authors' ImageNet command and code (per process: 256 over 4)
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
+              "nesterov": True},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [75, 150, 225],
+                  "gamma": 0.1},
+    "trainer": {"epochs": 300, "batch_size": 64, "loss": "ce"},
+}  # fmt: skip
 FARAMARZI = {  # the PatchUp authors' README command and code (chandar-lab/PatchUp)
     "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
               "nesterov": True},
@@ -87,6 +94,7 @@ def patchup(mode, gamma, prob):  # models/preresnet.py's k in {0, 1, 2}: CutMix 
 NFM = {"_target_": "mixhook.NoisyFeatureMixup", "layer": ["input", "layer1", "layer2", "layer3"],
        "alpha": 1.0, "add_noise": 0.4, "mult_noise": 0.2, "prob": 1.0}  # fmt: skip
 PREACT = {"_target_": "mixhook.app.models.PreActResNet18"}
+RESNET50 = {"_target_": "mixhook.app.models.torchvision_model", "name": "resnet50"}
 NFM_NET = {**PREACT, "shortcut": "activated", "width": 1}
 
 # name: (recipe, data, mixup keys, paper test error, its std[, model])
@@ -101,6 +109,7 @@ EXPECTED = {
     "zhang2018_cifar10_mixup": (ZHANG, "cifar10", INPUT, 4.2, None),
     "zhang2018_cifar100_mixup": (ZHANG, "cifar100", INPUT, 21.1, None),
     "yun2019_cifar100_cutmix": (YUN, "cifar100", CUTMIX, None, None),
+    "yun2019_imagenet_cutmix": (YUN_IMAGENET, "imagefolder", {**CUTMIX, "prob": 1.0}, 21.40, None, RESNET50),
     "faramarzi2022_cifar10_patchup_soft": (FARAMARZI, "cifar10", patchup("soft", 0.75, 1.0), None, None),
     "faramarzi2022_cifar10_patchup_hard": (FARAMARZI, "cifar10", patchup("hard", 0.5, 0.7), None, None),
     "faramarzi2022_cifar100_patchup_soft": (FARAMARZI, "cifar100", patchup("soft", 0.75, 1.0), None, None),
@@ -175,7 +184,7 @@ def test_command_line_overrides_win_over_the_experiment():
     assert cfg.trainer.epochs == 3 and cfg.trainer.loss == "ce" and cfg.scheduler.milestones == [400, 800]
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", sorted(n for n, e in EXPECTED.items() if e[1].startswith("cifar")))
 def test_experiment_builds_on_cifar_format_files(tmp_path, name):
     recipe, data, mixup, *_, model = (*EXPECTED[name], PREACT)[:6]
     write_cifar(tmp_path, data, per_file=4)
@@ -447,3 +456,28 @@ def test_a_batch_left_unmixed_keeps_the_plain_loss_under_mixed_loss_weight():
             [(x, y)],
         )  # fmt: skip
     assert never.last is None and value == pytest.approx(float(expected.detach()), rel=1e-12)
+
+
+def test_the_imagenet_cutmix_recipe_builds_on_an_image_folder_with_the_authors_pipeline(tmp_path):
+    """Yun et al. 2019's ImageNet recipe on a small JPEG tree (images cut to 32 pixels to keep it quick):
+    ResNet-50 with one output per class, Nesterov SGD decayed every 75 epochs, CutMix on every batch at the
+    input, and the authors' color augmentation (jitter 0.4, lighting 0.1) in the training pipeline only."""
+    from tests.unit.test_data_folders import jpeg_tree
+
+    jpeg_tree(tmp_path / "train")
+    jpeg_tree(tmp_path / "val", per_class=2)
+    overrides = ["experiment=yun2019_imagenet_cutmix", f"data.root={tmp_path}", "data.num_workers=0"]
+    run = app.build(config(*overrides, "data.size=32", "data.resize=32", "trainer.batch_size=4"))
+    try:
+        assert type(run.model).__name__ == "ResNet" and run.model.fc.out_features == 3
+        assert run.optimizer.param_groups[0]["nesterov"] and run.scheduler.milestones == {
+            75: 1,
+            150: 1,
+            225: 1,
+        }
+        assert isinstance(run.mixup, CutMix) and run.mixup.prob == 1.0 and run.mixup.alpha == 1.0
+        steps = [type(t).__name__ for t in run.data.train.dataset.dataset.transform.transforms]
+        assert steps == ["RandomResizedCrop", "RandomHorizontalFlip", "ToDtype", "ResNetColor", "Normalize"]
+        assert run.summary["paper"]["value"] == 21.40
+    finally:
+        run.mixup.remove()

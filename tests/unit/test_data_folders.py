@@ -177,3 +177,87 @@ def test_an_undecodable_image_is_named(tmp_path):
     data = build_data("imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=32, num_workers=0)
     with pytest.raises(ValueError, match=r"val/cat/cat_0.jpg cannot be decoded as an image"):
         next(iter(data.test))
+
+
+# clovaai/CutMix-PyTorch (2d8eb68) utils.py:39-123, the lines this test needs (fb.resnet.torch's color
+# augmentation, which the authors' ImageNet pipeline applies after ToTensor; old torch's add_(scalar, tensor)
+# written as add_(tensor, alpha=scalar))
+class _AuthorsLighting:
+    def __init__(self, alphastd, eigval, eigvec):
+        self.alphastd = alphastd
+        self.eigval = torch.Tensor(eigval)
+        self.eigvec = torch.Tensor(eigvec)
+
+    def __call__(self, img):
+        if self.alphastd == 0:
+            return img
+        alpha = img.new().resize_(3).normal_(0, self.alphastd)
+        rgb = (
+            self.eigvec.type_as(img).clone()
+            .mul(alpha.view(1, 3).expand(3, 3))
+            .mul(self.eigval.view(1, 3).expand(3, 3))
+            .sum(1).squeeze()
+        )  # fmt: skip
+        return img.add(rgb.view(3, 1, 1).expand_as(img))
+
+
+def _authors_grayscale(img):
+    gs = img.clone()
+    gs[0].mul_(0.299).add_(gs[1], alpha=0.587).add_(gs[2], alpha=0.114)
+    gs[1].copy_(gs[0])
+    gs[2].copy_(gs[0])
+    return gs
+
+
+def _authors_jitter(img, rng, var=0.4):
+    """utils.ColorJitter(0.4, 0.4, 0.4) with Python's ``random`` as ``rng``: the transforms shuffled, then
+    each ``img.lerp(target, uniform(-var, var))``; returns the image and the order and alphas drawn."""
+    names = ["brightness", "contrast", "saturation"]
+    rng.shuffle(names)
+    alphas = []
+    for name in names:
+        if name == "brightness":
+            target = img.new().resize_as_(img).zero_()
+        elif name == "contrast":
+            target = _authors_grayscale(img)
+            target.fill_(target.mean())
+        else:
+            target = _authors_grayscale(img)
+        alpha = rng.uniform(-var, var)
+        alphas.append(alpha)
+        img = img.lerp(target, alpha)
+    return img, names, alphas
+
+
+def test_the_color_augmentation_equals_cutmix_authors_code_on_the_same_draws():
+    import random
+
+    from mixhook.app.data import IMAGENET_EIGVAL, IMAGENET_EIGVEC, ResNetColor, jitter, pca_lighting
+
+    image = torch.rand(3, 12, 10, generator=torch.Generator().manual_seed(0))
+    for seed in range(5):
+        theirs, order, alphas = _authors_jitter(image.clone(), random.Random(seed))
+        torch.testing.assert_close(jitter(image, order, alphas), theirs, rtol=0, atol=1e-6)
+        torch.manual_seed(seed)
+        lit = _AuthorsLighting(0.1, IMAGENET_EIGVAL, IMAGENET_EIGVEC)(image)
+        torch.manual_seed(seed)
+        alpha = torch.empty(3).normal_(0, 0.1)
+        torch.testing.assert_close(pca_lighting(image, alpha), lit, rtol=0, atol=1e-6)
+    # the transform: reproducible from torch's generator, and a change to the image
+    torch.manual_seed(3)
+    a = ResNetColor(0.4, 0.1)(image)
+    torch.manual_seed(3)
+    assert torch.equal(ResNetColor(0.4, 0.1)(image), a) and not torch.allclose(a, image)
+
+
+def test_the_color_augmentation_joins_the_training_pipeline_only(tmp_path):
+    jpeg_tree(tmp_path / "train")
+    jpeg_tree(tmp_path / "val", per_class=2)
+    data = build_data(
+        "imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=32, color_jitter=0.4, lighting=0.1
+    )
+    names = [type(t).__name__ for t in data.train.dataset.dataset.transform.transforms]
+    assert names == ["RandomResizedCrop", "RandomHorizontalFlip", "ToDtype", "ResNetColor", "Normalize"]
+    assert "ResNetColor" not in [type(t).__name__ for t in data.test.dataset.transform.transforms]
+    with pytest.raises(ValueError, match=r"data.color_jitter and data.lighting must be >= 0, got -0.1, 0.0"):
+        build_data("imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=32, color_jitter=-0.1)

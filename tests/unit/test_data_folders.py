@@ -261,3 +261,20 @@ def test_the_color_augmentation_joins_the_training_pipeline_only(tmp_path):
     assert "ResNetColor" not in [type(t).__name__ for t in data.test.dataset.transform.transforms]
     with pytest.raises(ValueError, match=r"data.color_jitter and data.lighting must be >= 0, got -0.1, 0.0"):
         build_data("imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=32, color_jitter=-0.1)
+
+
+def test_a_resumed_epoch_of_an_image_folder_sees_the_batches_it_would_have_seen(tmp_path):
+    """A run resumed after 2 of an epoch's batches (the sampler told to skip their samples) gets the rest
+    of that epoch's batches, crops and flips included, as the uninterrupted run got them."""
+    jpeg_tree(tmp_path / "train", per_class=4)
+    jpeg_tree(tmp_path / "val", per_class=2)
+
+    def batches(start: int) -> list:
+        data = build_data("imagefolder", batch_size=3, root=str(tmp_path), size=32, resize=32, seed=5)
+        data.train.sampler.set_epoch(4, start=start)
+        return list(data.train)
+
+    whole, resumed = batches(0), batches(2 * 3)
+    assert len(whole) == 4 and len(resumed) == 2
+    for (x0, y0), (x1, y1) in zip(whole[2:], resumed, strict=True):
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)

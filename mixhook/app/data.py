@@ -472,6 +472,8 @@ def _imagefolder(
         raise ValueError(
             f"data.size and data.resize must be ints with 1 <= size <= resize, got {size}, {resize}"
         )
+    if color_jitter < 0 or lighting < 0:
+        raise ValueError(f"data.color_jitter and data.lighting must be >= 0, got {color_jitter}, {lighting}")
     train_dir, val_dir = os.path.join(root, train), os.path.join(root, val)
     for split, folder in (("data.train", train_dir), ("data.val", val_dir)):
         if not os.path.isdir(folder):
@@ -499,8 +501,6 @@ def _imagefolder(
 
     normalise = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     evaluate = v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(size), *normalise])
-    if color_jitter < 0 or lighting < 0:
-        raise ValueError(f"data.color_jitter and data.lighting must be >= 0, got {color_jitter}, {lighting}")
     color = [ResNetColor(color_jitter, lighting)] if color_jitter or lighting else []
     training = (
         v2.Compose([

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
 
 from mixhook import ManifoldMixup
 
@@ -113,12 +114,88 @@ def run(partners: str, rank: int, world: int, x, y) -> dict:
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
+class Checkpointed(nn.Module):
+    """A Linear, a block recomputed in backward (activation checkpointing, non-reentrant), the head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+        self.double()
+
+    def forward(self, x, recompute: bool = True):
+        h = self.stem(x)
+        h = checkpoint(self.block, h, use_reentrant=False) if recompute else self.block(h)
+        return self.head(h)
+
+
+def run_checkpointed(rank: int, world: int, x, y) -> dict:
+    """Manifold Mixup inside an activation-checkpointed block of an FSDP2 model: the recomputation in
+    backward replays each rank's mix, so the reduced gradients equal one process replaying each rank's
+    batch without checkpointing."""
+    model, reference = Checkpointed(), Checkpointed()
+    n = 8 // world
+    local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    mix = ManifoldMixup(
+        ["block.0", "block.2"], alpha=1.0, prob=0.8, generator=torch.Generator().manual_seed(20 + rank)
+    )
+    mix.attach(model)
+    for module in (model.stem, model.block[1], model.head, model):
+        fully_shard(module)
+    worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
+    mixed_steps, layers = 0, set()
+    for _ in range(8):
+        model.zero_grad()
+        logits = model(local_x)
+        loss = mix.loss(per_sample_ce, logits, local_y).mean()
+        loss.backward()
+        last = mix.last
+        codes = gathered(torch.tensor([-1 if last is None else mix.layers.index(last.layer)]), world)
+        all_logits, all_losses = gathered(logits.detach(), world), gathered(loss.detach().reshape(1), world)
+        lams = gathered(
+            (torch.zeros(n, dtype=torch.double) if last is None else last.lam.expand(n)).contiguous(), world
+        )
+        indices = gathered(torch.zeros(n, dtype=torch.int64) if last is None else last.index, world)
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        if last is not None:
+            mixed_steps += 1
+            layers.add(last.layer)
+        if rank != 0:
+            continue
+        reference.zero_grad()
+        total = 0.0
+        for r in range(world):
+            xr, yr = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
+            h = reference.stem(xr)
+            k = int(codes[r])
+            w, index = lams[r].view(-1, 1), indices[r]
+            for i, module in enumerate(reference.block):
+                h = module(h)
+                if k >= 0 and mix.layers[k] == f"block.{i}":
+                    h = w * h + (1 - w) * h[index]
+            h = reference.head(h)
+            if k < 0:
+                lr = per_sample_ce(h, yr).mean()
+            else:
+                lr = (lams[r] * per_sample_ce(h, yr) + (1 - lams[r]) * per_sample_ce(h, yr[index])).mean()
+            worst["logits"] = max(worst["logits"], float((all_logits[r] - h.detach()).abs().max()))
+            worst["loss"] = max(worst["loss"], abs(float(all_losses[r]) - float(lr.detach())))
+            total = total + lr / world
+        total.backward()
+        for g, q in zip(grads, reference.parameters(), strict=True):
+            worst["grad"] = max(worst["grad"], float((g - q.grad).abs().max()))
+    return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=g, dtype=torch.double), torch.randint(0, 3, (8,), generator=g)
     found = {partners: run(partners, rank, world, x, y) for partners in ("local", "global")}
+    found["checkpointed"] = run_checkpointed(rank, world, x, y)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(found, f)

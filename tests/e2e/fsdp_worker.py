@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from mixhook import ManifoldMixup
+from mixhook import GradScale, InputScale, ManifoldMixup
 
 
 def per_sample_ce(logits, y):
@@ -189,6 +189,53 @@ def run_checkpointed(rank: int, world: int, x, y) -> dict:
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
+def run_scales(rank: int, world: int, x, y) -> dict:
+    """InputScale with per-sample factors at the input of Linear "2" and GradScale (-0.5) at Linear "4" on an
+    FSDP2 model: every rank's logits and loss and the reduced gradients equal one process replaying each
+    rank's batch with the factors it drew and the gradient scaled by hand."""
+    model, reference = net(), net()
+    n = 8 // world
+    local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    scale = InputScale("2", factor=(0.5, 1.5), generator=torch.Generator().manual_seed(30 + rank))
+    flip = GradScale("4", factor=-0.5)
+    scale.attach(model)
+    flip.attach(model)
+    for block in model:
+        if any(True for _ in block.parameters()):
+            fully_shard(block)
+    fully_shard(model)
+    worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
+    for _ in range(4):
+        model.zero_grad()
+        logits = model(local_x)
+        loss = per_sample_ce(logits, local_y).mean()
+        loss.backward()
+        factors = gathered(scale.last.to(torch.double).reshape(n), world)
+        all_logits, all_losses = gathered(logits.detach(), world), gathered(loss.detach().reshape(1), world)
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        if rank != 0:
+            continue
+        reference.zero_grad()
+        total = 0.0
+        for r in range(world):
+            xr, yr = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
+            h = xr
+            for i, module in enumerate(reference):
+                if i == 2:
+                    h = h * factors[r].view(-1, 1)
+                if i == 4:  # the value h, the gradient upstream times -0.5
+                    h = -0.5 * h + 1.5 * h.detach()
+                h = module(h)
+            lr = per_sample_ce(h, yr).mean()
+            worst["logits"] = max(worst["logits"], float((all_logits[r] - h.detach()).abs().max()))
+            worst["loss"] = max(worst["loss"], abs(float(all_losses[r]) - float(lr.detach())))
+            total = total + lr / world
+        total.backward()
+        for g, q in zip(grads, reference.parameters(), strict=True):
+            worst["grad"] = max(worst["grad"], float((g - q.grad).abs().max()))
+    return {"worst": worst, "mixed_steps": 4, "layers": ["2", "4"]}
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -196,6 +243,7 @@ def main(out_path: str) -> None:
     x, y = torch.randn(8, 6, generator=g, dtype=torch.double), torch.randint(0, 3, (8,), generator=g)
     found = {partners: run(partners, rank, world, x, y) for partners in ("local", "global")}
     found["checkpointed"] = run_checkpointed(rank, world, x, y)
+    found["scales"] = run_scales(rank, world, x, y)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(found, f)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from mixhook import GradScale, InputScale, ManifoldMixup
+from mixhook import GradClip, GradScale, InputScale, ManifoldMixup
 
 
 def per_sample_ce(logits, y):
@@ -236,6 +236,39 @@ def run_scales(rank: int, world: int, x, y) -> dict:
     return {"worst": worst, "mixed_steps": 4, "layers": ["2", "4"]}
 
 
+def run_clip(rank: int, world: int, x, y, max_norm: float = 0.02) -> dict:
+    """GradClip at Tanh "3" (each sample's gradient at its output clipped to L2 norm ``max_norm``) on an
+    FSDP2 model: each rank clips its own backward's gradient, then FSDP averages the parameters'; the
+    reference replays each rank's batch, clips by hand, and averages the same way."""
+    model, reference = net(), net()
+    n = 8 // world
+    local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    clip = GradClip("3", max_norm=max_norm)
+    clip.attach(model)
+    for block in model:
+        if any(True for _ in block.parameters()):
+            fully_shard(block)
+    fully_shard(model)
+    model.zero_grad()
+    loss = per_sample_ce(model(local_x), local_y).mean()
+    loss.backward()
+    clipped = gathered((clip.last_norms > max_norm).sum().reshape(1), world)
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    worst = {"grad": 0.0}
+    if rank == 0:
+        reference.zero_grad()
+        for r in range(world):
+            h = x[r * n : (r + 1) * n]
+            for i, module in enumerate(reference):
+                h = module(h)
+                if i == 3:
+                    h.register_hook(lambda g: g * (max_norm / g.norm(dim=1, keepdim=True)).clamp(max=1.0))
+            per_sample_ce(h, y[r * n : (r + 1) * n]).mean().backward()
+        for g, q in zip(grads, reference.parameters(), strict=True):
+            worst["grad"] = max(worst["grad"], float((g - q.grad / world).abs().max()))
+    return {"worst": worst, "mixed_steps": int(sum(int(c) for c in clipped)), "layers": ["3"]}
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -244,6 +277,7 @@ def main(out_path: str) -> None:
     found = {partners: run(partners, rank, world, x, y) for partners in ("local", "global")}
     found["checkpointed"] = run_checkpointed(rank, world, x, y)
     found["scales"] = run_scales(rank, world, x, y)
+    found["clip"] = run_clip(rank, world, x, y)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(found, f)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from mixhook import GradClip, GradScale, InputScale, ManifoldMixup
+from mixhook import GradClip, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup
 
 
 def per_sample_ce(logits, y):
@@ -269,6 +269,54 @@ def run_clip(rank: int, world: int, x, y, max_norm: float = 0.02) -> dict:
     return {"worst": worst, "mixed_steps": int(sum(int(c) for c in clipped)), "layers": ["3"]}
 
 
+def run_nfm(rank: int, world: int, x, y) -> dict:
+    """Noisy Feature Mixup (its draws: the layer, lam, the partners and the noise) on an FSDP2 model:
+    each rank's step equals the same mixer, started from that rank's generator state, on the unsharded
+    model in one process, and the reduced gradients equal the mean of those processes' gradients."""
+    model, reference = net(), net()
+    n = 8 // world
+    local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    options = {"alpha": 1.0, "add_noise": 0.4, "mult_noise": 0.2, "prob": 0.9}
+    nfm = NoisyFeatureMixup(
+        ["input", "1", "3"], generator=torch.Generator().manual_seed(40 + rank), **options
+    )
+    nfm.attach(model)
+    for block in model:
+        if any(True for _ in block.parameters()):
+            fully_shard(block)
+    fully_shard(model)
+    replayed = NoisyFeatureMixup(["input", "1", "3"], generator=torch.Generator(), **options)
+    replayed.attach(reference)
+    worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
+    mixed_steps, layers = 0, set()
+    for _ in range(10):
+        states = gathered(nfm.generator.get_state(), world)
+        model.zero_grad()
+        logits = model(local_x)
+        loss = nfm.loss(per_sample_ce, logits, local_y).mean()
+        loss.backward()
+        all_logits, all_losses = gathered(logits.detach(), world), gathered(loss.detach().reshape(1), world)
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        if nfm.last is not None:
+            mixed_steps += 1
+            layers.add(nfm.last.layer)
+        if rank != 0:
+            continue
+        reference.zero_grad()
+        total = 0.0
+        for r in range(world):
+            replayed.generator.set_state(states[r])
+            h = reference(x[r * n : (r + 1) * n])
+            lr = replayed.loss(per_sample_ce, h, y[r * n : (r + 1) * n]).mean()
+            worst["logits"] = max(worst["logits"], float((all_logits[r] - h.detach()).abs().max()))
+            worst["loss"] = max(worst["loss"], abs(float(all_losses[r]) - float(lr.detach())))
+            total = total + lr / world
+        total.backward()
+        for g, q in zip(grads, reference.parameters(), strict=True):
+            worst["grad"] = max(worst["grad"], float((g - q.grad).abs().max()))
+    return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -278,6 +326,7 @@ def main(out_path: str) -> None:
     found["checkpointed"] = run_checkpointed(rank, world, x, y)
     found["scales"] = run_scales(rank, world, x, y)
     found["clip"] = run_clip(rank, world, x, y)
+    found["nfm"] = run_nfm(rank, world, x, y)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(found, f)

@@ -109,7 +109,8 @@ def test_manifold_mixup_under_fsdp2_equals_one_process_replaying_each_ranks_batc
     batch, every rank's logits and loss and the gradients FSDP reduces equal one process replaying each
     rank's batch with the blend written by hand (float64); and so with the mix inside a block that
     activation checkpointing recomputes in backward (the replay of each rank's mix); and InputScale with
-    per-sample factors, GradScale and GradClip (each rank clips its own gradient) on the sharded model."""
+    per-sample factors, GradScale and GradClip (each rank clips its own gradient) on the sharded model; and
+    NoisyFeatureMixup equal to itself on the unsharded model from each rank's generator state."""
     out = tmp_path / "result.json"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -118,7 +119,7 @@ def test_manifold_mixup_under_fsdp2_equals_one_process_replaying_each_ranks_batc
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(out.read_text())
-    for partners in ("local", "global", "checkpointed", "scales", "clip"):
+    for partners in ("local", "global", "checkpointed", "scales", "clip", "nfm"):
         run = found[partners]  # (for clip, mixed_steps counts the samples whose gradient was clipped)
         assert run["mixed_steps"] >= 4 and len(run["layers"]) >= (1 if partners == "clip" else 2), run
         assert all(value < 1e-12 for value in run["worst"].values()), (partners, run["worst"])

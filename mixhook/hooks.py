@@ -79,6 +79,29 @@ def check_state(hook, state, keys: tuple[str, ...] = ()) -> None:
     missing = [k for k in keys if k not in state]
     if missing:
         raise StateError(f"{kind}.load_state_dict(): the state has no {', '.join(missing)}")
+    rank = _rank()
+    if "rank" in state and rank is not None and int(state["rank"]) != rank:
+        raise StateError(
+            f"{kind}.load_state_dict(): the state is rank {int(state['rank'])}'s and this process is rank "
+            f"{rank}: each rank draws from its own stream, so save each rank's state under its own key "
+            "(e.g. f'mixup.rank{rank}' in a torch.distributed.checkpoint) or in its own file"
+        )
+
+
+def _rank() -> int | None:
+    """This process's rank under an initialised ``torch.distributed`` process group, else ``None``."""
+    return dist.get_rank() if _DISTRIBUTED and dist.is_initialized() else None
+
+
+def without_rank(state):
+    """``state`` (a hook's :meth:`LayerHook.state_dict`, nested ones included) without the rank it was
+    saved on, for a loader that draws each rank's stream anew anyway (an adapter that reseeds every step
+    from the seed, the rank and the step): any rank may then load it."""
+    if isinstance(state, Mapping):
+        return {k: without_rank(v) for k, v in state.items() if k != "rank"}
+    if isinstance(state, list):
+        return [without_rank(v) for v in state]
+    return state
 
 
 class HookHandle:
@@ -189,10 +212,15 @@ class LayerHook:
         loaded into a hook of the same class and layers, the same draws follow, so a resumed run continues
         bit for bit. Tensors, strings and lists only, so ``torch.load(weights_only=True)`` reads it; save it
         with your own checkpoint (``torch.save({"model": ..., "mixup": mix.state_dict()})``). A ``pin()``
-        not yet used by a forward is not part of it."""
+        not yet used by a forward is not part of it. Under ``torch.distributed`` it records the rank, and
+        another rank's state is refused on loading (in one line; a checkpoint that keeps one copy of what
+        every rank saves under one key would otherwise hand one rank's stream to all)."""
         state = {"type": type(self).__name__, "layers": list(self.layers)}
         if "generator" in self.__dict__:
             state.update(generator=self.generator.get_state(), per_rank=self._per_rank)
+            rank = _rank()
+            if rank is not None:  # each rank's stream is its own: loading it on another rank is refused
+                state["rank"] = rank
         return state
 
     def load_state_dict(self, state: Mapping) -> None:

@@ -46,6 +46,7 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
 
 from ..copies import own
 from ..engine.contract import MixingHook
+from ..hooks import without_rank
 from ..layers import resolve_layers
 from ..schedule import MixSchedule
 from .draws import StepGuard, check_arguments, check_unattached, generators, reseed
@@ -184,7 +185,9 @@ class MixupCallback(Callback):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.mixer.load_state_dict(state["mixer"])  # another class or other layers: one line
+        # another class or other layers: one line; the rank it was saved on does not matter (rank 0's
+        # checkpoint on every rank): each step's draws come from (seed, rank, step) anyway
+        self.mixer.load_state_dict(without_rank(state["mixer"]))
         if self.schedule is not None and "schedule" in state:
             self.schedule.load_state_dict(state["schedule"])
         self.seed = int(state["seed"])

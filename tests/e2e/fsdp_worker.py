@@ -8,6 +8,7 @@ Each rank holds 4 of the same 8 samples and its own mixer stream; over several s
 three layers, rank 0 gathers what every rank mixed and writes the largest differences to argv[1]."""
 
 import json
+import os
 import sys
 
 import torch
@@ -317,6 +318,76 @@ def run_nfm(rank: int, world: int, x, y) -> dict:
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
+def run_dcp(rank: int, world: int, x, y, folder: str) -> dict:
+    """A sharded checkpoint (torch.distributed.checkpoint) of the model, its optimizer and each rank's mixer
+    state under the rank's own key resumes exactly (the losses of the steps after it, bit for bit); the
+    mixer states of every rank under one key (one copy kept) are refused on loading, not resumed wrongly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from mixhook.hooks import StateError
+
+    n = 8 // world
+    local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+    def build():
+        model = net()
+        mix = ManifoldMixup(
+            ["input", "1", "3"], alpha=1.0, prob=0.8, generator=torch.Generator().manual_seed(50 + rank)
+        )
+        mix.attach(model)
+        for block in model:
+            if any(True for _ in block.parameters()):
+                fully_shard(block)
+        fully_shard(model)
+        return model, mix, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def steps(model, mix, opt, k: int) -> list[float]:
+        losses = []
+        for _ in range(k):
+            opt.zero_grad()
+            loss = mix.loss(per_sample_ce, model(local_x), local_y).mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def state(model, mix, opt, key: str) -> dict:
+        return {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, opt),
+            key: mix.state_dict(),
+        }
+
+    model, mix, opt = build()
+    steps(model, mix, opt, 3)
+    dcp.save(state(model, mix, opt, f"mixup_rank{rank}"), checkpoint_id=f"{folder}/own")
+    dcp.save(state(model, mix, opt, "mixup"), checkpoint_id=f"{folder}/shared")
+    after = steps(model, mix, opt, 4)
+    model, mix, opt = build()
+    loaded = state(model, mix, opt, f"mixup_rank{rank}")
+    dcp.load(loaded, checkpoint_id=f"{folder}/own")
+    set_model_state_dict(model, loaded["model"])
+    set_optimizer_state_dict(model, opt, loaded["optim"])
+    mix.load_state_dict(loaded[f"mixup_rank{rank}"])
+    resumed = steps(model, mix, opt, 4)
+    shared = state(*build(), "mixup")
+    dcp.load(shared, checkpoint_id=f"{folder}/shared")
+    try:
+        build()[1].load_state_dict(shared["mixup"])
+        refused = 0
+    except StateError:
+        refused = 1
+    exact = gathered(torch.tensor([int(after == resumed)]), world)
+    refusals = gathered(torch.tensor([refused]), world)
+    return {"exact": [int(e) for e in exact], "refused": [int(r) for r in refusals]}
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -327,6 +398,9 @@ def main(out_path: str) -> None:
     found["scales"] = run_scales(rank, world, x, y)
     found["clip"] = run_clip(rank, world, x, y)
     found["nfm"] = run_nfm(rank, world, x, y)
+    folder = [os.path.dirname(os.path.abspath(out_path))]
+    dist.broadcast_object_list(folder)
+    found["dcp"] = run_dcp(rank, world, x, y, folder[0])
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(found, f)

@@ -119,6 +119,9 @@ def test_manifold_mixup_under_fsdp2_equals_one_process_replaying_each_ranks_batc
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(out.read_text())
+    # a sharded checkpoint with each rank's mixer state under its own key resumes exactly on every rank; the
+    # states under one key (one copy kept) are refused where a rank would get another's stream
+    assert found["dcp"]["exact"] == [1, 1] and any(found["dcp"]["refused"]), found["dcp"]
     for partners in ("local", "global", "checkpointed", "scales", "clip", "nfm"):
         run = found[partners]  # (for clip, mixed_steps counts the samples whose gradient was clipped)
         assert run["mixed_steps"] >= 4 and len(run["layers"]) >= (1 if partners == "clip" else 2), run

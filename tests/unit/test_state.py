@@ -162,3 +162,41 @@ def test_under_torch_distributed_a_default_generator_draws_per_rank():
         single.model(torch.randn(8, 3, 6, 6))
     assert default_0 == (float(single.last.lam), single.last.index.tolist())
     assert rank_seed(7, 0) == 7 and rank_seed(7, 1) != 7
+
+
+def test_under_torch_distributed_a_state_records_its_rank_and_another_ranks_is_refused(tmp_path):
+    """A checkpoint that keeps one copy of what every rank saved under one key (torch.distributed.checkpoint
+    does, for a tensor that is not sharded) would hand one rank's stream to all: the state records the
+    rank it was saved on, and loading another rank's is refused in one line, unless the loader reseeds
+    every rank anyway (``without_rank``, as the Lightning adapter does)."""
+    import torch.distributed as dist
+
+    from mixhook.hooks import without_rank
+
+    plain = ManifoldMixup("input").state_dict()
+    assert "rank" not in plain  # not distributed: nothing to tell apart
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mix = ManifoldMixup("input", generator=torch.Generator().manual_seed(3))
+        state = mix.state_dict()
+        assert state["rank"] == 0
+        mix.load_state_dict(state)
+        mix.load_state_dict(plain)  # a state from no process group: any rank may load it
+        theirs = {**state, "rank": 1}
+        with pytest.raises(
+            StateError,
+            match=r"^ManifoldMixup.load_state_dict\(\): the state is rank 1's and "
+            r"this process is rank 0: each rank draws from its own stream, so save each rank's",
+        ):
+            mix.load_state_dict(theirs)
+        nested = OneOf([ManifoldMixup("input"), CutMix("input")]).state_dict()
+        assert nested["rank"] == 0 and all(m["rank"] == 0 for m in nested["mixers"])
+        ones = {**without_rank(nested), "rank": 1}
+        with pytest.raises(StateError, match="the state is rank 1's"):
+            OneOf([ManifoldMixup("input"), CutMix("input")]).load_state_dict(ones)
+        OneOf([ManifoldMixup("input"), CutMix("input")]).load_state_dict(without_rank(ones))
+        stripped = without_rank(nested)
+        assert "rank" not in stripped and all("rank" not in m for m in stripped["mixers"])
+    finally:
+        dist.destroy_process_group()

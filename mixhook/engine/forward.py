@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -61,13 +61,11 @@ class Pins:
         ``lam`` or an ``index`` there are this forward's (an index a method drew is in range by
         construction and a permutation only where it says so, ``"permutation": True``)."""
         extra = dict(extra)
-        lam, index = extra.pop("lam", self.lam), extra.pop("index", None)
-        permutation = extra.pop("permutation", False)
-        values = {**self.values, **extra}
-        if index is None:
-            return Pins(self.layer, lam, self.index, values, False, self.span, self.permutation, self.state)
-        span = (0, index.shape[0] - 1)
-        return Pins(self.layer, lam, index, values, False, span, bool(permutation), self.state)
+        changes = {"lam": extra.pop("lam", self.lam), "skip": False}
+        index, permutation = extra.pop("index", None), extra.pop("permutation", False)
+        if index is not None:
+            changes.update(index=index, span=(0, index.shape[0] - 1), permutation=bool(permutation))
+        return replace(self, values={**self.values, **extra}, **changes)
 
 
 NO_PINS = Pins()
@@ -120,10 +118,9 @@ class Forward:
         """The pins that repeat this forward's mix exactly (``pin_last``; a recomputation replays them):
         its layer and values, lam and the index as drawn, and the generator's state before the method's
         own draws."""
-        pins = self.pins
+        pins = replace(self.pins, layer=self.layer, skip=False, state=self.state)
         if self.drawn is None:
-            return Pins(self.layer, pins.lam, pins.index, pins.values, False, pins.span, pins.permutation,
-                        self.state)  # fmt: skip
+            return pins
         lam, index, permutation = self.drawn
         span = pins.span if pins.index is not None else (0, index.shape[0] - 1)
-        return Pins(self.layer, lam, index, pins.values, False, span, permutation, self.state)
+        return replace(pins, lam=lam, index=index, span=span, permutation=permutation)

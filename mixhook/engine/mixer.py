@@ -905,7 +905,9 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         channels-last map's channels-first view, or itself."""
         if self.token_grid is not None:
             return self.token_grid.to_maps(spec, [leaf], model)[0].tensor
-        return leaf.tensor.permute(0, 3, 1, 2) if self._channels_last(spec, leaf) else leaf.tensor
+        if self._channels_last(spec, leaf):  # (as _leaves gives the method a channels-last map)
+            return channels_first(leaf.tensor, CHANNELS_LAST[leaf.tensor.ndim])
+        return leaf.tensor
 
     def _read_input(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
         """A training forward's input, read under torch.compile as an eager forward reads it: its sides

@@ -89,7 +89,8 @@ class MaskMixer(RegionMixer):
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         """``M * h + (1 - M) * h[index]`` with the mask :meth:`draw_mask` draws (as the traced path
-        blends it)."""
+        blends it). Not :meth:`~.mixer.Mixer.mix`'s default: that would copy the float64 mask to the map's
+        device and cast it there; :func:`~mixhook.functional.mask_blend` casts it before its one copy."""
         mask, mixed = self._masked(leaves, draw)
         h, path = leaves[0].tensor, leaves[0].path
         return Mixed({path: mask_blend(h, mask, draw.index)}, mixed.lam, mixed.info, weights=mixed.weights)

@@ -36,6 +36,19 @@ def gathered(t: torch.Tensor, world: int) -> list[torch.Tensor]:
     return out
 
 
+def shard(model: nn.Module) -> None:
+    """FSDP2 as the tests shard: each module with parameters of its own, then the root."""
+    for block in model.children():
+        if any(True for _ in block.parameters()):
+            fully_shard(block)
+    fully_shard(model)
+
+
+def note(worst: dict, key: str, measured, expected) -> None:
+    """Keep the largest absolute difference seen for ``key``."""
+    worst[key] = max(worst[key], float((torch.as_tensor(measured) - torch.as_tensor(expected)).abs().max()))
+
+
 def replay(reference, x, layer, lam, index, partners_x=None):
     """``reference``'s forward of ``x`` with the mix at ``layer`` written by hand: ``lam * h + (1 - lam) *
     partner`` where the partners are rows ``index`` of ``partners_x``'s activations (default: ``x``'s)."""
@@ -63,10 +76,7 @@ def run(partners: str, rank: int, world: int, x, y) -> dict:
         generator=torch.Generator().manual_seed(10 + rank),
     )
     mix.attach(model)
-    for block in model:  # the unit: each layer with parameters, then the root
-        if any(True for _ in block.parameters()):
-            fully_shard(block)
-    fully_shard(model)
+    shard(model)  # the unit: each layer with parameters, then the root
     worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
     mixed_steps, layers = 0, set()
     for _ in range(10):
@@ -106,12 +116,12 @@ def run(partners: str, rank: int, world: int, x, y) -> dict:
                 h = replay(reference, xr, layer, lams[r], indices[r], source)
                 y_partner = (y if partners == "global" else yr)[indices[r]]
                 lr = (lams[r] * per_sample_ce(h, yr) + (1 - lams[r]) * per_sample_ce(h, y_partner)).mean()
-            worst["logits"] = max(worst["logits"], float((all_logits[r] - h.detach()).abs().max()))
-            worst["loss"] = max(worst["loss"], abs(float(all_losses[r]) - float(lr.detach())))
+            note(worst, "logits", all_logits[r], h.detach())
+            note(worst, "loss", all_losses[r], lr.detach().reshape(1))
             total = total + lr / world  # FSDP averages the ranks' gradients
         total.backward()
         for g, q in zip(grads, reference.parameters(), strict=True):
-            worst["grad"] = max(worst["grad"], float((g - q.grad).abs().max()))
+            note(worst, "grad", g, q.grad)
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
@@ -181,12 +191,12 @@ def run_checkpointed(rank: int, world: int, x, y) -> dict:
                 lr = per_sample_ce(h, yr).mean()
             else:
                 lr = (lams[r] * per_sample_ce(h, yr) + (1 - lams[r]) * per_sample_ce(h, yr[index])).mean()
-            worst["logits"] = max(worst["logits"], float((all_logits[r] - h.detach()).abs().max()))
-            worst["loss"] = max(worst["loss"], abs(float(all_losses[r]) - float(lr.detach())))
+            note(worst, "logits", all_logits[r], h.detach())
+            note(worst, "loss", all_losses[r], lr.detach().reshape(1))
             total = total + lr / world
         total.backward()
         for g, q in zip(grads, reference.parameters(), strict=True):
-            worst["grad"] = max(worst["grad"], float((g - q.grad).abs().max()))
+            note(worst, "grad", g, q.grad)
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
@@ -201,10 +211,7 @@ def run_scales(rank: int, world: int, x, y) -> dict:
     flip = GradScale("4", factor=-0.5)
     scale.attach(model)
     flip.attach(model)
-    for block in model:
-        if any(True for _ in block.parameters()):
-            fully_shard(block)
-    fully_shard(model)
+    shard(model)
     worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
     for _ in range(4):
         model.zero_grad()
@@ -228,12 +235,12 @@ def run_scales(rank: int, world: int, x, y) -> dict:
                     h = -0.5 * h + 1.5 * h.detach()
                 h = module(h)
             lr = per_sample_ce(h, yr).mean()
-            worst["logits"] = max(worst["logits"], float((all_logits[r] - h.detach()).abs().max()))
-            worst["loss"] = max(worst["loss"], abs(float(all_losses[r]) - float(lr.detach())))
+            note(worst, "logits", all_logits[r], h.detach())
+            note(worst, "loss", all_losses[r], lr.detach().reshape(1))
             total = total + lr / world
         total.backward()
         for g, q in zip(grads, reference.parameters(), strict=True):
-            worst["grad"] = max(worst["grad"], float((g - q.grad).abs().max()))
+            note(worst, "grad", g, q.grad)
     return {"worst": worst, "mixed_steps": 4, "layers": ["2", "4"]}
 
 
@@ -246,10 +253,7 @@ def run_clip(rank: int, world: int, x, y, max_norm: float = 0.02) -> dict:
     local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
     clip = GradClip("3", max_norm=max_norm)
     clip.attach(model)
-    for block in model:
-        if any(True for _ in block.parameters()):
-            fully_shard(block)
-    fully_shard(model)
+    shard(model)
     model.zero_grad()
     loss = per_sample_ce(model(local_x), local_y).mean()
     loss.backward()
@@ -266,7 +270,7 @@ def run_clip(rank: int, world: int, x, y, max_norm: float = 0.02) -> dict:
                     h.register_hook(lambda g: g * (max_norm / g.norm(dim=1, keepdim=True)).clamp(max=1.0))
             per_sample_ce(h, y[r * n : (r + 1) * n]).mean().backward()
         for g, q in zip(grads, reference.parameters(), strict=True):
-            worst["grad"] = max(worst["grad"], float((g - q.grad / world).abs().max()))
+            note(worst, "grad", g, q.grad / world)
     return {"worst": worst, "mixed_steps": int(sum(int(c) for c in clipped)), "layers": ["3"]}
 
 
@@ -282,10 +286,7 @@ def run_nfm(rank: int, world: int, x, y) -> dict:
         ["input", "1", "3"], generator=torch.Generator().manual_seed(40 + rank), **options
     )
     nfm.attach(model)
-    for block in model:
-        if any(True for _ in block.parameters()):
-            fully_shard(block)
-    fully_shard(model)
+    shard(model)
     replayed = NoisyFeatureMixup(["input", "1", "3"], generator=torch.Generator(), **options)
     replayed.attach(reference)
     worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
@@ -309,12 +310,12 @@ def run_nfm(rank: int, world: int, x, y) -> dict:
             replayed.generator.set_state(states[r])
             h = reference(x[r * n : (r + 1) * n])
             lr = replayed.loss(per_sample_ce, h, y[r * n : (r + 1) * n]).mean()
-            worst["logits"] = max(worst["logits"], float((all_logits[r] - h.detach()).abs().max()))
-            worst["loss"] = max(worst["loss"], abs(float(all_losses[r]) - float(lr.detach())))
+            note(worst, "logits", all_logits[r], h.detach())
+            note(worst, "loss", all_losses[r], lr.detach().reshape(1))
             total = total + lr / world
         total.backward()
         for g, q in zip(grads, reference.parameters(), strict=True):
-            worst["grad"] = max(worst["grad"], float((g - q.grad).abs().max()))
+            note(worst, "grad", g, q.grad)
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
@@ -341,10 +342,7 @@ def run_dcp(rank: int, world: int, x, y, folder: str) -> dict:
             ["input", "1", "3"], alpha=1.0, prob=0.8, generator=torch.Generator().manual_seed(50 + rank)
         )
         mix.attach(model)
-        for block in model:
-            if any(True for _ in block.parameters()):
-                fully_shard(block)
-        fully_shard(model)
+        shard(model)
         return model, mix, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def steps(model, mix, opt, k: int) -> list[float]:

@@ -89,14 +89,11 @@ class CifarConfig:
 
 
 @dataclass
-class SvhnConfig:
+class SvhnConfig(CifarConfig):  # CIFAR's keys and pipelines, and the extra split
     name: str = "svhn"
     root: str = "data/svhn"
-    download: bool = False
     augment: bool = False
     extra: bool = False
-    num_workers: int = _at_least(0, 2)
-    pipeline: str = _one_of(PIPELINES, "auto")
 
 
 @dataclass

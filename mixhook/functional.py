@@ -20,7 +20,7 @@ _CONCENTRATIONS: dict = {}  # (a, b, device) -> the [a, b] tensor the samplers t
 
 
 def _concentration(a: float, b: float, device: torch.device) -> torch.Tensor:
-    key = (a, b, str(device))
+    key = (a, b, device)
     found = _CONCENTRATIONS.get(key)
     if found is None:
         found = _CONCENTRATIONS[key] = torch.tensor([a, b], dtype=torch.float64, device=device)

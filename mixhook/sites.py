@@ -374,17 +374,26 @@ class BatchDims:
         )
 
 
-def input_batch(model: nn.Module, first: torch.Tensor | None, seq_first: list[str]) -> int | None:
-    """The batch size of a model call whose first tensor argument is ``first``, where the model's layout
-    tells it: the model's own ``batch_first`` if it declares one, else dim 0 unless the model holds
-    sequence-first modules (``seq_first``), where it cannot be told (``None``)."""
-    if first is None or first.ndim == 0:
-        return None
+def input_dim(model: nn.Module, seq_first: list[str]) -> int | None:
+    """The batch dimension of a model call's first tensor argument, where the model's layout tells it: the
+    model's own ``batch_first`` if it declares one, else dim 0 unless the model holds sequence-first
+    modules (``seq_first``), where it cannot be told (``None``)."""
     layout = batch_first(model)
     if layout is None and seq_first:
         return None
-    dim = 0 if layout in (None, True) else 1
-    return first.shape[dim] if first.ndim > dim else None
+    return 0 if layout in (None, True) else 1
+
+
+def input_batch(model: nn.Module, first: torch.Tensor | None, seq_first: list[str]) -> int | None:
+    """The batch size of a model call whose first tensor argument is ``first`` (:func:`input_dim`), or
+    ``None`` where it cannot be told."""
+    return size_along(first, input_dim(model, seq_first))
+
+
+def size_along(first: torch.Tensor | None, dim: int | None) -> int | None:
+    """``first``'s size along the batch dimension ``dim`` (:func:`input_dim`), or ``None`` where there is no
+    tensor, no known dimension, or the tensor has no such dimension."""
+    return first.shape[dim] if dim is not None and first is not None and first.ndim > dim else None
 
 
 def _enclosing(model: nn.Module, name: str) -> list[nn.Module]:

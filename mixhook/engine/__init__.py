@@ -3,7 +3,8 @@
 Read one training forward as data travels, one module per hop:
 
 - :mod:`.mixer`: :class:`~.mixer.Mixer`, the base a method subclasses: its hooks decide a forward at the
-  model's pre-hook, mix when the layer runs, and mark the model's output;
+  model's pre-hook, mix when the layer runs, and mark the model's output (a layer that returned a plain
+  tensor once takes the short path, ``Mixer._mix_plain``, for a method that draws nothing in ``mix()``);
 - :mod:`.forward`: that forward as one object (:class:`~.forward.Forward`: layer, pins, lam and the index
   as drawn, what it mixed) and what a user pinned for it (:class:`~.forward.Pins`);
 - :mod:`.contract`: what a method is given and returns (:class:`~.contract.Draw`,

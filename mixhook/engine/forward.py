@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..functional import is_permutation
-from .contract import MixState
+from .contract import Draw, MixState
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ class Forward:
             ``before_forward``/``before_mix`` added.
         batch: the batch size of the model's input, where it can be told (each mixed layer is checked
             against it).
-        drawn: lam, the partner index and whether it is a permutation, once drawn (before ``mix()``, for a
-            method that draws nothing else).
+        drawn: the :class:`~mixhook.engine.contract.Draw` of lam and the partner index, once drawn (before
+            ``mix()``, for a method that draws nothing else).
         state: the generator's state before ``mix()`` drew (a method that draws in ``mix()``).
         mixed: once the layer ran: the :class:`~mixhook.engine.contract.MixState` of what it mixed.
     """
@@ -105,7 +105,7 @@ class Forward:
     layer: str
     pins: Pins = NO_PINS
     batch: int | None = None
-    drawn: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+    drawn: Draw | None = None
     state: torch.Tensor | None = None
     mixed: MixState | None = None
 
@@ -121,6 +121,6 @@ class Forward:
         pins = replace(self.pins, layer=self.layer, skip=False, state=self.state)
         if self.drawn is None:
             return pins
-        lam, index, permutation = self.drawn
+        lam, index, permutation = self.drawn.lam, self.drawn.index, self.drawn.permutation
         span = pins.span if pins.index is not None else (0, index.shape[0] - 1)
         return replace(pins, lam=lam, index=index, span=span, permutation=permutation)

@@ -3,8 +3,9 @@
 A training forward is decided at the model's pre-hook (:meth:`Mixer._decide`: whether, and at which
 layer; a :class:`~.forward.Forward`), mixed when that layer runs (:meth:`Mixer._mix_now`: lam and the
 partners drawn or pinned, the site's tensors found once per site and then planned, the method's
-:meth:`Mixer.mix`), and recorded at the model's end (:mod:`.binding`). Around it, each in its own module:
-the contract the training loop relies on (:mod:`.contract`), ``loss``/``targets`` (:mod:`.targets`),
+:meth:`Mixer.mix`; a planned plain tensor, for a method that draws nothing in ``mix()``, in the few calls of
+:meth:`Mixer._mix_plain`), and recorded at the model's end (:mod:`.binding`). Around it, each in its own
+module: the contract the training loop relies on (:mod:`.contract`), ``loss``/``targets`` (:mod:`.targets`),
 padding masks downstream of a mix (:mod:`.padding_masks`), the gradient pass of the saliency methods
 (:mod:`.gradient_pass`), the one-graph path under ``torch.compile`` (:mod:`.traced`), the checks the
 methods share (:mod:`.checks`) and the math (:mod:`mixhook.functional`). A method subclasses
@@ -44,9 +45,10 @@ from ..sites import (
     blendable,
     describe,
     embedding_layers,
-    input_batch,
+    input_dim,
     rebuild_inputs,
     replace_leaves,
+    size_along,
 )
 from ..transfer import to_device
 from .binding import Forwards
@@ -159,7 +161,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     _TRANSIENT = (
         "_current", "_targets", "_seen", "_layouts", "_plans", "_traced", "_input_sides", "_reads_sides",
-        "_modules", "_masks", "_gradients", "_compiled",
+        "_modules", "_masks", "_gradients", "_compiled", "_plain", "_input_dim",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -180,6 +182,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         self._input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
         self._reads_sides = False  # whether maps are checked against the input's sides (set at attach)
         self._modules: dict[str, nn.Module] = {}  # the modules attached to, by spec
+        self._plain = False  # whether a planned plain tensor takes the short path (_mix_plain; set at attach)
+        self._input_dim: int | None = None  # the batch dimension of the model's input (set at attach)
 
     @property
     def traceable(self) -> bool:
@@ -430,6 +434,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
                     self._layouts[spec, ndim] = site_layout(
                         model, site, self._declared_layout(spec), facts, ndim
                     )
+        dims = next(iter(self._dims.values()), None)  # (the model's layout is fixed once it is built)
+        self._input_dim = None if dims is None else input_dim(model, dims.seq_first)
         begin = recompute.hook(self._on_model_input, self._replay_input)
         handles.append(model.register_forward_pre_hook(begin, with_kwargs=True))
         guard_unwrapped(self, model, handles)
@@ -441,6 +447,13 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         takes_masks = self.padding == "union" and self._masks.register(model, handles)
         handles.append(model.register_forward_hook(recompute.hook(self._on_model_output)))
         self._traced = self.traceable and not takes_masks
+        self._plain = (
+            not self.draws_in_mix
+            and type(self).before_mix is Mixer.before_mix
+            and not self._clean
+            and not self._masks.active
+            and self.token_grid is None
+        )
 
     def _reset(self) -> None:
         self._current = None
@@ -463,7 +476,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         """Start a training forward that mixes as ``forward`` decided (or not at all); mix the input now
         if it is the layer."""
         targets = self._targets
-        if forward is not None:
+        if forward is not None and type(self).before_forward is not Mixer.before_forward:
             extra = self.before_forward(model, args, kwargs, forward.layer, forward.pins.given, targets)
             if extra:
                 forward.pins = forward.pins.joined(extra)
@@ -536,6 +549,10 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         """The forward's mix at ``spec``: drawn from the mixer's generator (or, for ``pin_last``, from a
         copy in the repeated mix's state); what repeats it is noted for a recomputation and kept for
         ``pin_last``."""
+        planned = self._plans.get(spec) if self._plain else None
+        if planned is not None and type(value) is torch.Tensor and (value.ndim, value.dtype) == planned[:2]:
+            if forward.batch is None or value.shape[planned[2]] == forward.batch:
+                return self._mix_plain(spec, value, planned[2], forward)
         generator = self._replaying(forward.pins.state)
         leaves, before = None, type(self).before_mix is not Mixer.before_mix  # (a method that overrides it)
         if before or not self.draws_in_mix:
@@ -551,11 +568,30 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         self._done(forward, last)
         return mixed, last
 
+    def _mix_plain(self, spec: str, h: torch.Tensor, dim: int, forward: Forward):
+        """:meth:`_mix_now` where ``spec`` returned a plain tensor as it did before (planned: its batch
+        dimension ``dim`` known, the checks that depend on nothing else passed) and the method draws nothing
+        in :meth:`mix` and needs nothing before it (ManifoldMixup): what :meth:`_apply` does for it, without
+        the structure, layouts, token grids and clean rows it has none of."""
+        if h.is_cuda:
+            refuse_capture(type(self).__name__, spec, h.device)
+        leaves = [Leaf((), h, dim)]
+        self.check_leaves(spec, leaves)
+        draw = forward.drawn = self._draws(
+            spec, h.shape[dim], forward.pins, self._replaying(forward.pins.state)
+        )
+        self._note(spec, forward.repeat)  # (computed only where the forward may be recomputed)
+        mixed = self.mix(leaves, draw)
+        t = self._check_mixed(spec, leaves, mixed)[()]
+        last = self._state(spec, leaves, draw, mixed)
+        self._done(forward, last)
+        return t, last
+
     def _repeatable(self, spec: str, n: int | None, forward: Forward, generator: torch.Generator):
         """Make ``forward``'s mix at ``spec`` repeatable (``pin_last``, a recomputation): for a method that
         draws in :meth:`mix`, keep the generator's state before it (and return ``None``: nothing drawn
-        yet); else draw lam, the index of the ``n`` samples and whether it is a permutation now, keep
-        them, and return them."""
+        yet); else draw lam and the index of the ``n`` samples now (the :class:`Draw`), keep and return
+        it."""
         if self.draws_in_mix:
             forward.state = recompute.generator_state(generator)
             return None
@@ -722,7 +758,6 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     def _reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
         """The batch size of the model's input, to check each mixed layer against: the first tensor
         argument's batch dimension, where the model's layout tells it (``None`` where it does not)."""
-        dims = next(iter(self._dims.values()), None)
         first = args[0] if args and type(args[0]) is torch.Tensor else None  # (the usual call)
         if first is None:
             first = next(
@@ -730,7 +765,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             )
         if isinstance(first, PackedSequence):  # its .data rows are time steps of every sample
             return int(first.batch_sizes[0])
-        return input_batch(model, first, dims.seq_first) if dims is not None else None
+        return size_along(first, self._input_dim)
 
     def _input_grid(self, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
         """The number of dimensions, height and width of the model's input where it is an image or a clip
@@ -775,13 +810,13 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         generator: torch.Generator,
         batch: int | None = None,
         leaves: tuple | None = None,
-        drawn: tuple | None = None,
+        drawn: Draw | None = None,
     ):
         """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
         mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`.
         ``leaves``: the site's value and what :meth:`_leaves` gave for it, where the caller has them;
-        ``drawn``: lam, the index and whether it is a permutation, where the caller drew them (not read
-        back from ``pins`` and checked again)."""
+        ``drawn``: the :class:`Draw`, where the caller drew it (not read back from ``pins`` and checked
+        again)."""
         if leaves is None:
             site_value = self._site_value(spec, value)
             found, given, n = self._leaves(spec, site_value, batch)
@@ -832,15 +867,14 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         generator: torch.Generator,
         method,
         leaves: list,
-        drawn: tuple | None = None,
+        drawn: Draw | None = None,
     ):
         """The :class:`Draw` of a mix of ``n`` samples at ``spec`` and what ``method(leaves, draw)``
-        returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator`` (``drawn``: lam, the
-        index and whether it is a permutation, drawn already by :meth:`_repeatable`)."""
+        returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator`` (``drawn``: the draw
+        of lam and the index, made already by :meth:`_repeatable`)."""
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
-            lam, index, permutation = drawn if drawn is not None else self._draws(spec, n, pins, generator)
-            draw = Draw(spec, lam, index, generator, pins.given, permutation)
+            draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
             return draw, method(leaves, draw)
         finally:
             self.generator = saved
@@ -862,11 +896,9 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             _weight=draw.weight if mixed.lam is None and isinstance(draw.weight, float) else None,
         )
 
-    def _draws(
-        self, spec: str, n: int, pins: Pins, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """lam and the partner index of a mix of ``n`` samples at ``spec`` (pinned, else drawn from
-        ``generator``), and whether the index is a permutation of the batch."""
+    def _draws(self, spec: str, n: int, pins: Pins, generator: torch.Generator) -> Draw:
+        """The :class:`Draw` of a mix of ``n`` samples at ``spec``: lam and the partner index (pinned, else
+        drawn from ``generator``), and whether the index is a permutation of the batch."""
         pool = self.partner_pool(n)
         lam = pins.lam
         if lam is None:
@@ -875,7 +907,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
         index = pins.index
         if index is None:
-            return lam, self.draw_index(n, generator), pool == n and self.index_is_permutation
+            permutation = pool == n and self.index_is_permutation
+            return Draw(spec, lam, self.draw_index(n, generator), generator, pins.given, permutation)
         low, high = pins.span
         if index.shape[0] != n or (n and (low < -pool or high >= pool)):
             where = f"the batch of {n}" if pool == n else f"{pool} partners for a batch of {n}"
@@ -885,7 +918,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             )
         if low < 0:  # counted from the end, as indexing counts them
             index = torch.where(index < 0, index + pool, index)
-        return lam, index, pool == n and pins.permutation
+        return Draw(spec, lam, index, generator, pins.given, pool == n and pins.permutation)
 
     def _replaying(self, state: torch.Tensor | None) -> torch.Generator:
         """The generator a mix draws from: the mixer's own, or for a repeat (``pin_last``, a

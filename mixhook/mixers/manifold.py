@@ -137,6 +137,8 @@ class ManifoldMixup(Mixer):
         return super().draw_index(n, generator)
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        if self.mode == "batch" and not self.dominant:  # (the usual draw, first)
+            return sample_lam(self.alpha, generator)
         if self.mode == "elem":
             lam = sample_beta(self.alpha, self.alpha, generator, size=n)
         elif self.mode == "pair":  # one lam per pair, the same for both of its samples (timm's _mix_pair)

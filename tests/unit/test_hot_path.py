@@ -79,6 +79,51 @@ def test_a_pinned_index_with_repeats_keeps_the_summed_gradient():
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("mode", ["batch", "elem", "pair"])
+def test_every_forward_of_a_planned_site_is_the_hand_edited_blend(mode):
+    """A site that returned a plain tensor once is planned, and the method that draws nothing in mix() then
+    takes the short path (Mixer._mix_plain): each of several forwards, the first (full path) and those
+    after it, equals the hand-edited forward with the same lam and index, logits and gradients in float64;
+    the dtype changing in between goes the full path again and stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Identity(), nn.Linear(5, 3)).double().train()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    mix = ManifoldMixup("1", mode=mode)
+    with mix.attach(model):
+        for step in range(5):
+            if step == 3:  # another dtype: a plan of its own
+                model.float()
+                x = x.float()
+            logits = model(x)
+            loss = mix.loss(lambda o, t: F.cross_entropy(o, t, reduction="none"), logits, y).mean()
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            last = mix.last
+            lam = last.lam.to(x.dtype).view(-1, 1) if last.lam.ndim else float(last.lam)
+            h = model[0](x)
+            theirs = model[2](lam * h + (1 - lam) * h[last.index])
+            per = (
+                F.cross_entropy(theirs, y, reduction="none"),
+                F.cross_entropy(theirs, y[last.index], reduction="none"),
+            )
+            weight = last.lam.to(x.dtype)
+            expected = (weight * per[0] + (1 - weight) * per[1]).mean()
+            tol = dict(rtol=1e-12, atol=1e-14) if x.dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(logits, theirs, **tol)
+            torch.testing.assert_close(loss, expected, **tol)
+            for mine, hand in zip(
+                grads, torch.autograd.grad(expected, list(model.parameters())), strict=True
+            ):
+                torch.testing.assert_close(mine, hand, **tol)
+        model.double()
+        with pytest.raises(
+            TypeError, match="batch dimension 0 has size 6, but the model's input has a batch of 3"
+        ):
+            model[1].register_forward_hook(
+                lambda m, a, out: torch.cat([out, out]), prepend=True
+            )  # (B rows become 2B)
+            model(x[:3].double())
+
+
 def _conv():
     return nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1),

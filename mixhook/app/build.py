@@ -25,7 +25,7 @@ from .instantiate import allowed_targets, instantiate, parameters_of, target_obj
 from .preflight import attach_and_check
 from .provenance import environment
 from .training import Run, Settings
-from .training.distributed import Dist
+from .training.distributed import Dist, shard, shard_units
 from .training.finite import check_every
 
 log = logging.getLogger("mixhook")
@@ -38,6 +38,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     dist = dist or Dist()
     model, data = build_model_and_data(cfg, dist)  # checks the schema's ranges first
     device = dist.device if dist.enabled and dist.device.type == "cuda" else device_of(cfg.trainer.device)
+    units = _check_strategy(cfg, dist, model)
 
     if dist.enabled:  # the model is built alike on every rank; each rank then mixes its own way
         torch.manual_seed(dist.seed(cfg.seed))
@@ -91,6 +92,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
                 )
     handles = attach_and_check(model, hooks, data)
     try:
+        _shard(model, units, device, dist)  # after the hooks, before the optimizer
         optimizer = _optimizer(cfg.optim, model, allowed_targets(cfg))
         scheduler = _scheduler(cfg.scheduler, optimizer, allowed_targets(cfg))
         if (
@@ -146,12 +148,68 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         "precision": trainer.precision,
         "check_finite_every": check_finite_every,
         "processes": dist.world,
+        "strategy": trainer.strategy if dist.enabled else None,  # (trainer.strategy: ddp or fsdp)
         "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
     }
     return Run(
         model, data, optimizer, scheduler, device, settings,
         mixup=mixup, hooks=[hook for _, hook in hooks], handles=handles, summary=summary, schedule=schedule,
     )  # fmt: skip
+
+
+def _shard(model: nn.Module, units: list[str] | None, device: torch.device, dist: Dist) -> None:
+    """With ``trainer.strategy=fsdp`` (``units``, from :func:`_check_strategy`; ``None``: DDP, nothing done
+    here): ``model``, its hooks attached, on ``device``, sharded over the job's ranks: each of ``units``,
+    then the model. The optimizer is built over the shards after it."""
+    if units is None:
+        return
+    model.to(device)
+    shard(model, units, dist)
+
+
+def _check_strategy(cfg: DictConfig, dist: Dist, model: nn.Module) -> list[str] | None:
+    """The modules FSDP shards one by one with ``trainer.strategy=fsdp`` (``None``: ``ddp``); refuse, in one
+    line, a strategy the run cannot train with."""
+    trainer = cfg.trainer
+    if trainer.strategy != "fsdp":
+        if trainer.fsdp_units is not None:
+            raise ConfigError(
+                f"trainer.fsdp_units={list(trainer.fsdp_units)} names the units FSDP shards, but "
+                f"trainer.strategy={trainer.strategy}; set trainer.strategy=fsdp, or leave fsdp_units null"
+            )
+        return None
+    try:
+        units = shard_units(model, None if trainer.fsdp_units is None else list(trainer.fsdp_units))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not dist.enabled:
+        raise ConfigError(
+            "trainer.strategy=fsdp shards the model over the processes of a job, but this run has one; "
+            "launch it with torchrun --nproc_per_node=N (or Hydra's submitit launcher with tasks_per_node), "
+            "or use trainer.strategy=ddp"
+        )
+    refused = [  # (what is set, why a sharded run does not train with it)
+        (trainer.compile, "trainer.compile=true", "compiling a sharded model is not tested by the app"),
+        (
+            trainer.precision == "fp16",
+            "trainer.precision=fp16",
+            "the fp16 grad scaler is not tested on sharded gradients (use bf16)",
+        ),
+        (
+            trainer.channels_last,
+            "trainer.channels_last=true",
+            "FSDP2 shards contiguous parameters only (torch refuses a channels-last weight)",
+        ),
+        (
+            bool(cfg.probes.feature_maps and probe_layers(cfg)),
+            "probes.feature_maps=true",
+            "the pictures are drawn by rank 0 alone, and a sharded model's forward needs every rank",
+        ),
+    ]
+    for set_, key, why in refused:
+        if set_:
+            raise ConfigError(f"{key} with trainer.strategy=fsdp: {why}; turn one of them off")
+    return units
 
 
 def _schedule(cfg: DictConfig, mixup):

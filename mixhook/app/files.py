@@ -37,9 +37,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
 
 def make_writable_dir(path: str | os.PathLike) -> None:
     """Create directory ``path`` (and its parents) and write and remove a file in it; ``OSError`` if
-    either cannot be done."""
+    either cannot be done. The file is this process's own: the processes of a job started by torchrun
+    check the same directory at once (with one name, one removed the file another was about to)."""
     os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, ".mixhook-write-test")
+    probe = os.path.join(path, f".mixhook-write-test.{os.getpid()}")
     with open(probe, "w") as f:
         f.write("ok")
     os.remove(probe)

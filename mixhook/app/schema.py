@@ -25,8 +25,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from .data import PIPELINES
+from .data import NORMALIZE, PIPELINES
 from .models.preact_resnet import SHORTCUTS
+from .training.distributed import STRATEGIES
 from .training.logging import LOGGERS
 from .training.loop import LOSSES, PRECISIONS
 
@@ -60,6 +61,8 @@ class TrainerConfig:
     check_finite_every: int | None = _at_least(1, None)
     resume: str | None = None
     threads: int | None = _at_least(1, None)  # torch's intra-op threads (null: training.threads.default)
+    strategy: str = _one_of(STRATEGIES, "ddp")  # how a job of several processes trains (training.distributed)
+    fsdp_units: list[str] | None = None  # the modules FSDP shards as units (null: each child with parameters)
 
 
 @dataclass
@@ -108,6 +111,7 @@ class ImageFolderConfig:
     color_jitter: float = 0.0  # (>= 0: the data builder checks it)
     lighting: float = 0.0
     num_workers: int = _at_least(0, 8)
+    normalize: str = _one_of(NORMALIZE, "workers")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Run by test_distributed.py under torchrun (2 processes, gloo): ManifoldMixup on a model sharded by FSDP2
-(``fully_shard`` on each block, then on the root) equals, in float64, one process replaying each rank's
+(``fully_shard`` on each block, then on the root), and by FSDP1 (``FullyShardedDataParallel`` wrapping each
+Linear, then the root; ``use_orig_params`` both ways), equals, in float64, one process replaying each rank's
 batch with the blend written by hand: every rank's logits and loss, and the gradients FSDP reduces
 (the mean over the ranks of each rank's gradient), for partners from each rank's own batch
 (``partners="local"``) and from the global batch (``partners="global"``).
@@ -10,12 +11,14 @@ three layers, rank 0 gathers what every rank mixed and writes the largest differ
 import json
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import checkpoint
 
 from mixhook import GradClip, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup
@@ -44,9 +47,74 @@ def shard(model: nn.Module) -> None:
     fully_shard(model)
 
 
+def wrap_fsdp1(model: nn.Module, use_orig_params: bool) -> FullyShardedDataParallel:
+    """FSDP1 as a user wraps with it: each Linear its own unit (auto-wrapped), then the root."""
+    policy = ModuleWrapPolicy({nn.Linear})
+    device = torch.device("cpu")
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=policy, use_orig_params=use_orig_params, device_id=device
+    )
+
+
+def fsdp1_grads(module: FullyShardedDataParallel, use_orig_params: bool) -> list[torch.Tensor]:
+    """The gradients FSDP1 reduced, each of its parameter's full shape: unsharded with the parameters where
+    it can (``use_orig_params=True``); else read from an SGD step of rate 1 (each flat shard less its reduced
+    gradient: the full parameters before less after), then the parameters put back as they were."""
+    if use_orig_params:
+        with FullyShardedDataParallel.summon_full_params(module, with_grads=True):
+            return [p.grad.detach().clone() for p in module.parameters()]
+    with FullyShardedDataParallel.summon_full_params(module):
+        before = [p.detach().clone() for p in module.parameters()]
+    torch.optim.SGD(module.parameters(), lr=1.0).step()
+    with FullyShardedDataParallel.summon_full_params(module, writeback=True), torch.no_grad():
+        grads = [b - p for b, p in zip(before, module.parameters(), strict=True)]
+        for b, p in zip(before, module.parameters(), strict=True):
+            p.copy_(b)
+    return grads
+
+
 def note(worst: dict, key: str, measured, expected) -> None:
     """Keep the largest absolute difference seen for ``key``."""
     worst[key] = max(worst[key], float((torch.as_tensor(measured) - torch.as_tensor(expected)).abs().max()))
+
+
+class Step(NamedTuple):
+    """One training step of a mixing model, and what every rank did in it, gathered in rank order."""
+
+    last: object  # this rank's MixState, or None
+    codes: list  # each rank's mixed layer's position in mix.layers (-1: none)
+    logits: list
+    losses: list
+    lams: list  # each rank's lam per sample (zeros where it did not mix)
+    indices: list  # each rank's partner index (zeros where it did not mix)
+
+
+def mixed_step(module, mix, local_x, local_y, world: int) -> Step:
+    """``mix.loss`` of ``module(local_x)`` (the per-sample criterion, averaged) and its backward."""
+    n = local_x.shape[0]
+    module.zero_grad()
+    logits = module(local_x)
+    loss = mix.loss(per_sample_ce, logits, local_y).mean()
+    loss.backward()
+    last = mix.last
+    code = torch.tensor([-1 if last is None else mix.layers.index(last.layer)])
+    lam = (torch.zeros(n, dtype=torch.double) if last is None else last.lam.expand(n)).contiguous()
+    index = torch.zeros(n, dtype=torch.int64) if last is None else last.index
+    gather = [gathered(t, world) for t in (code, logits.detach(), loss.detach().reshape(1), lam, index)]
+    return Step(last, *gather)
+
+
+def compare(worst: dict, all_logits: list, all_losses: list, replays: list, grads: list, reference) -> None:
+    """Each rank's logits and loss against its replay ``(h, lr)`` in one process, and the gradients FSDP
+    reduced against those of the replays' mean (FSDP averages the ranks' gradients)."""
+    total = 0.0
+    for r, (h, lr) in enumerate(replays):
+        note(worst, "logits", all_logits[r], h.detach())
+        note(worst, "loss", all_losses[r], lr.detach().reshape(1))
+        total = total + lr / len(replays)
+    total.backward()
+    for g, q in zip(grads, reference.parameters(), strict=True):
+        note(worst, "grad", g, q.grad)
 
 
 def replay(reference, x, layer, lam, index, partners_x=None):
@@ -64,7 +132,9 @@ def replay(reference, x, layer, lam, index, partners_x=None):
     return h
 
 
-def run(partners: str, rank: int, world: int, x, y) -> dict:
+def run(partners: str, rank: int, world: int, x, y, fsdp1: bool | None = None) -> dict:
+    """FSDP2, or with ``fsdp1`` FSDP1 with ``use_orig_params=fsdp1`` (the mixer attached before wrapping, as
+    before sharding)."""
     model, reference = net(), net()
     n = 8 // world
     local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
@@ -76,23 +146,19 @@ def run(partners: str, rank: int, world: int, x, y) -> dict:
         generator=torch.Generator().manual_seed(10 + rank),
     )
     mix.attach(model)
-    shard(model)  # the unit: each layer with parameters, then the root
+    if fsdp1 is None:
+        shard(model)  # the unit: each layer with parameters, then the root
+        module = model
+    else:
+        module = wrap_fsdp1(model, use_orig_params=fsdp1)
     worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
     mixed_steps, layers = 0, set()
     for _ in range(10):
-        model.zero_grad()
-        logits = model(local_x)
-        loss = mix.loss(per_sample_ce, logits, local_y).mean()
-        loss.backward()
-        last = mix.last
-        code = torch.tensor([-1 if last is None else mix.layers.index(last.layer)])
-        codes = gathered(code, world)
-        all_logits = gathered(logits.detach(), world)
-        all_losses = gathered(loss.detach().reshape(1), world)
-        lam = (torch.zeros(n, dtype=torch.double) if last is None else last.lam.expand(n)).contiguous()
-        index = torch.zeros(n, dtype=torch.int64) if last is None else last.index
-        lams, indices = gathered(lam, world), gathered(index, world)
-        grads = [p.grad.full_tensor() for p in model.parameters()]  # (DTensor: gathered from every rank)
+        last, codes, all_logits, all_losses, lams, indices = mixed_step(module, mix, local_x, local_y, world)
+        if fsdp1 is None:
+            grads = [p.grad.full_tensor() for p in model.parameters()]  # (DTensor: gathered from every rank)
+        else:
+            grads = fsdp1_grads(module, use_orig_params=fsdp1)
         if partners == "global":  # every rank follows rank 0's decision
             assert len({int(c) for c in codes}) == 1, codes
         if last is not None:
@@ -103,7 +169,7 @@ def run(partners: str, rank: int, world: int, x, y) -> dict:
         if partners == "global" and last is not None:  # one permutation of the global batch
             assert sorted(torch.cat(indices).tolist()) == list(range(8)), indices
         reference.zero_grad()
-        total = 0.0
+        replays = []  # each rank's batch replayed in one process: (logits, loss)
         for r in range(world):
             xr, yr = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
             k = int(codes[r])
@@ -116,12 +182,8 @@ def run(partners: str, rank: int, world: int, x, y) -> dict:
                 h = replay(reference, xr, layer, lams[r], indices[r], source)
                 y_partner = (y if partners == "global" else yr)[indices[r]]
                 lr = (lams[r] * per_sample_ce(h, yr) + (1 - lams[r]) * per_sample_ce(h, y_partner)).mean()
-            note(worst, "logits", all_logits[r], h.detach())
-            note(worst, "loss", all_losses[r], lr.detach().reshape(1))
-            total = total + lr / world  # FSDP averages the ranks' gradients
-        total.backward()
-        for g, q in zip(grads, reference.parameters(), strict=True):
-            note(worst, "grad", g, q.grad)
+            replays.append((h, lr))
+        compare(worst, all_logits, all_losses, replays, grads, reference)
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
@@ -158,17 +220,7 @@ def run_checkpointed(rank: int, world: int, x, y) -> dict:
     worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
     mixed_steps, layers = 0, set()
     for _ in range(8):
-        model.zero_grad()
-        logits = model(local_x)
-        loss = mix.loss(per_sample_ce, logits, local_y).mean()
-        loss.backward()
-        last = mix.last
-        codes = gathered(torch.tensor([-1 if last is None else mix.layers.index(last.layer)]), world)
-        all_logits, all_losses = gathered(logits.detach(), world), gathered(loss.detach().reshape(1), world)
-        lams = gathered(
-            (torch.zeros(n, dtype=torch.double) if last is None else last.lam.expand(n)).contiguous(), world
-        )
-        indices = gathered(torch.zeros(n, dtype=torch.int64) if last is None else last.index, world)
+        last, codes, all_logits, all_losses, lams, indices = mixed_step(model, mix, local_x, local_y, world)
         grads = [p.grad.full_tensor() for p in model.parameters()]
         if last is not None:
             mixed_steps += 1
@@ -176,7 +228,7 @@ def run_checkpointed(rank: int, world: int, x, y) -> dict:
         if rank != 0:
             continue
         reference.zero_grad()
-        total = 0.0
+        replays = []  # each rank's batch replayed in one process: (logits, loss)
         for r in range(world):
             xr, yr = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
             h = reference.stem(xr)
@@ -191,12 +243,8 @@ def run_checkpointed(rank: int, world: int, x, y) -> dict:
                 lr = per_sample_ce(h, yr).mean()
             else:
                 lr = (lams[r] * per_sample_ce(h, yr) + (1 - lams[r]) * per_sample_ce(h, yr[index])).mean()
-            note(worst, "logits", all_logits[r], h.detach())
-            note(worst, "loss", all_losses[r], lr.detach().reshape(1))
-            total = total + lr / world
-        total.backward()
-        for g, q in zip(grads, reference.parameters(), strict=True):
-            note(worst, "grad", g, q.grad)
+            replays.append((h, lr))
+        compare(worst, all_logits, all_losses, replays, grads, reference)
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
@@ -224,7 +272,7 @@ def run_scales(rank: int, world: int, x, y) -> dict:
         if rank != 0:
             continue
         reference.zero_grad()
-        total = 0.0
+        replays = []  # each rank's batch replayed in one process: (logits, loss)
         for r in range(world):
             xr, yr = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
             h = xr
@@ -235,12 +283,8 @@ def run_scales(rank: int, world: int, x, y) -> dict:
                     h = -0.5 * h + 1.5 * h.detach()
                 h = module(h)
             lr = per_sample_ce(h, yr).mean()
-            note(worst, "logits", all_logits[r], h.detach())
-            note(worst, "loss", all_losses[r], lr.detach().reshape(1))
-            total = total + lr / world
-        total.backward()
-        for g, q in zip(grads, reference.parameters(), strict=True):
-            note(worst, "grad", g, q.grad)
+            replays.append((h, lr))
+        compare(worst, all_logits, all_losses, replays, grads, reference)
     return {"worst": worst, "mixed_steps": 4, "layers": ["2", "4"]}
 
 
@@ -305,17 +349,13 @@ def run_nfm(rank: int, world: int, x, y) -> dict:
         if rank != 0:
             continue
         reference.zero_grad()
-        total = 0.0
+        replays = []  # each rank's batch replayed in one process: (logits, loss)
         for r in range(world):
             replayed.generator.set_state(states[r])
             h = reference(x[r * n : (r + 1) * n])
             lr = replayed.loss(per_sample_ce, h, y[r * n : (r + 1) * n]).mean()
-            note(worst, "logits", all_logits[r], h.detach())
-            note(worst, "loss", all_losses[r], lr.detach().reshape(1))
-            total = total + lr / world
-        total.backward()
-        for g, q in zip(grads, reference.parameters(), strict=True):
-            note(worst, "grad", g, q.grad)
+            replays.append((h, lr))
+        compare(worst, all_logits, all_losses, replays, grads, reference)
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
 
 
@@ -392,6 +432,9 @@ def main(out_path: str) -> None:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=g, dtype=torch.double), torch.randint(0, 3, (8,), generator=g)
     found = {partners: run(partners, rank, world, x, y) for partners in ("local", "global")}
+    for orig in (True, False):
+        for partners in ("local", "global"):
+            found[f"fsdp1_{'orig' if orig else 'flat'}_{partners}"] = run(partners, rank, world, x, y, orig)
     found["checkpointed"] = run_checkpointed(rank, world, x, y)
     found["scales"] = run_scales(rank, world, x, y)
     found["clip"] = run_clip(rank, world, x, y)

@@ -90,6 +90,36 @@ def test_bad_settings_fail_in_build_with_one_line(overrides, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["trainer.compile=true"],
+            "trainer.compile=true with trainer.strategy=fsdp: compiling a sharded model",
+        ),
+        (
+            ["trainer.precision=fp16"],
+            "trainer.precision=fp16 with trainer.strategy=fsdp: the fp16 grad scaler",
+        ),
+        (
+            ["trainer.channels_last=true"],
+            "trainer.channels_last=true with trainer.strategy=fsdp: FSDP2 shards contiguous parameters only",
+        ),
+        (
+            ["probes.feature_maps=true", "probes.layers=[layer1]"],
+            "probes.feature_maps=true with trainer.strategy=fsdp: the pictures are drawn by rank 0 alone",
+        ),
+    ],
+)
+def test_what_fsdp_cannot_train_with_is_refused_in_one_line(overrides, message):
+    """As rank 0 of a job of two processes builds it (refused before anything joins the ranks)."""
+    from mixhook.app.training.distributed import Dist
+
+    with pytest.raises(app.ConfigError) as info:
+        app.build(config("trainer.strategy=fsdp", *overrides), Dist(rank=0, world=2))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
 def test_cuda_requested_without_cuda_is_refused():
     with pytest.raises(app.ConfigError, match="trainer.device='cuda' but no CUDA device is available"):
@@ -258,7 +288,7 @@ def test_cli_trains_on_svhn_files_and_on_an_image_folder(tmp_path, data):
     else:
         jpeg_tree(tmp_path / "files" / "train", per_class=8)
         jpeg_tree(tmp_path / "files" / "val", per_class=4, seed=1)
-        options = ["data.num_workers=2", "data.size=32", "data.resize=36"]
+        options = ["data.num_workers=2", "data.size=32", "data.resize=36", "data.normalize=device"]
     out = tmp_path / "run"
     result = run_cli(
         f"data={data}", f"data.root={tmp_path / 'files'}", *options, "trainer.epochs=1",

@@ -36,6 +36,25 @@ from tests.conftest import write_cifar
             "error: trainer.batch_size=1: ResNet's BatchNorm layer 'layer2.0.bn1' would see one value",
         ),
         (["trainer.epochs=-1"], "error: trainer.epochs must be an integer >= 1, got -1"),
+        (["trainer.strategy=zero3"], "error: trainer.strategy='zero3' is not a strategy; valid: ddp, fsdp"),
+        (
+            ["trainer.strategy=fsdp"],
+            "error: trainer.strategy=fsdp shards the model over the processes of a job, but this run has "
+            "one; launch it with torchrun --nproc_per_node=N",
+        ),
+        (
+            ["trainer.fsdp_units=[layer1]"],
+            "error: trainer.fsdp_units=['layer1'] names the units FSDP shards, but trainer.strategy=ddp; set "
+            "trainer.strategy=fsdp, or leave fsdp_units null",
+        ),
+        (
+            ["trainer.strategy=fsdp", "trainer.fsdp_units=[layer5]"],
+            "error: trainer.fsdp_units: 'layer5' is not a module of the model; its children: conv1, layer1,",
+        ),
+        (
+            ["trainer.strategy=fsdp", "trainer.fsdp_units=[layer1,layer1.0]"],
+            "error: trainer.fsdp_units: 'layer1.0' is inside 'layer1'; name units that do not nest",
+        ),
         (["trainer.checkpoint_every=-5"], "error: trainer.checkpoint_every must be an integer >= 0, got -5"),
         (["trainer.logger=wandb"], "error: trainer.logger='wandb' is not a logger; valid: csv, tensorboard"),
         (["trainer.precision=8"], "error: trainer.precision='8' is not a precision; valid: 32, bf16, fp16"),
@@ -371,3 +390,30 @@ def test_a_value_of_the_wrong_type_is_named_before_hydra_starts():
         ["probes.layers=[layer1,layer2]", "input_scale.factor=[0.5,2.0]"],
     ):
         assert check(*fine) is None, fine
+
+
+def _check_run_directory(path, times, barrier):
+    from mixhook.app.files import make_writable_dir
+
+    barrier.wait()  # (all at once, as torchrun's processes start)
+    for _ in range(times):
+        make_writable_dir(path)
+
+
+def test_the_processes_of_a_job_check_one_run_directory_at_once(tmp_path):
+    """torchrun's processes check the run directory together: each writes and removes a file of its own
+    (with one name for all, a process removed the file another was about to, and a rank of a healthy job
+    exited 2 saying the directory could not be written)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(4)
+    workers = [
+        context.Process(target=_check_run_directory, args=(tmp_path / "run", 2000, barrier)) for _ in range(4)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert [w.exitcode for w in workers] == [0, 0, 0, 0]
+    assert list((tmp_path / "run").iterdir()) == []

@@ -5,8 +5,10 @@ submitit launcher with two tasks."""
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -35,20 +37,35 @@ def metrics_without_time(run_dir):
     ]
 
 
-def torchrun(out, cwd):
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "train.py"), *ARGS, f"hydra.run.dir={out}"],
-        cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores: one thread each
+
+
+def command(script, *args, processes: int = 2) -> list[str]:
+    """``torchrun --standalone --nproc_per_node=processes script *args``."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    return [*run, str(script), *args]
+
+
+def torchrun(script, *args, cwd, processes: int = 2, timeout: int = 300):
+    """``script`` under torchrun in ``cwd``: the completed process (stdout, stderr, returncode)."""
+    return subprocess.run(
+        command(script, *args, processes=processes), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env=ENV,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+
+
+def torchrun_app(out, cwd, *args, processes: int = 2, timeout: int = 300):
+    """``train.py *args`` under torchrun, writing to ``out``."""
+    return torchrun(
+        ROOT / "train.py", *args, f"hydra.run.dir={out}", cwd=cwd, processes=processes, timeout=timeout
+    )
 
 
 @pytest.mark.slow
 def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp_path):
     out = tmp_path / "run"
-    result = torchrun(out, tmp_path)
+    result = torchrun_app(out, tmp_path, *ARGS, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["epochs"] == 1
     rows = list(csv.DictReader(open(out / "metrics.csv")))
@@ -78,11 +95,80 @@ def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=submitit_local",
          "hydra.launcher.tasks_per_node=2", *ARGS, f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=ENV,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((sweep / "0" / "summary.json").read_text())["processes"] == 2
     assert metrics_without_time(out) == metrics_without_time(sweep / "0")
+
+
+def interrupted(out, cwd, *args):
+    """``torchrun_app`` stopped by SIGTERM a few steps after its first checkpoint (each rank finishes its
+    step, rank 0 writes the checkpoint), then resumed in its directory; the checkpoint it stopped at."""
+    proc = subprocess.Popen(
+        command(ROOT / "train.py", *args, f"hydra.run.dir={out}"),
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while not (out / "last.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.02)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert "stopped by SIGTERM" in stderr, stderr[-3000:]
+    state = ckpt.load(out / "last.pt")
+    resumed = torchrun_app(out, cwd, *args, "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return state
+
+
+@pytest.mark.slow
+def test_the_app_under_fsdp_trains_as_ddp_resumes_exactly_and_refuses_another_world_size(tmp_path):
+    """trainer.strategy=fsdp (the residual stages sharded one by one, then the model) under torchrun (gloo,
+    2 processes): the same metrics as DDP, bit for bit (both average the two ranks' gradients, and each
+    forward starts from rank 0's batch-norm buffers); stopped by SIGTERM in the middle of an epoch and
+    resumed from its checkpoint, it ends identical to the run that was not stopped (each rank's running
+    sums of the part-done epoch kept as its own); the checkpoint holds the whole model (one process
+    evaluating it gets the run's test metrics, over a test set whose ranks' shards differ by a batch: 180
+    and 179 samples, 179 per batch); resumed by 3 processes, refused in one line."""
+    common = [
+        "data.train_size=240", "data.test_size=0.1997", "trainer.batch_size=8", "trainer.epochs=2",
+        "trainer.eval_batch_size=179", "trainer.checkpoint_every=1", "trainer.progress_bar=false", "seed=2",
+        "+model.width=0.25", "scheduler=multistep", "scheduler.milestones=[1]",
+    ]  # fmt: skip
+    strategies = {
+        "fsdp": ["trainer.strategy=fsdp", "trainer.fsdp_units=[layer1,layer2,layer3,layer4]"],
+        "ddp": [],
+    }
+    for name, extra in strategies.items():
+        result = torchrun_app(tmp_path / name, tmp_path, *common, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_without_time(tmp_path / "fsdp")
+    assert len(rows) == 2 and rows == metrics_without_time(tmp_path / "ddp")
+    # (the running sums are kept per rank by the code both strategies share: the sharded run stands for both)
+    state = interrupted(tmp_path / "stopped", tmp_path, *common, *strategies["fsdp"])
+    assert state["epoch"] == 0 and state["step"] > 0, (state["epoch"], state["step"])  # mid-epoch
+    assert metrics_without_time(tmp_path / "stopped") == rows
+
+    summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
+    assert (
+        summary["strategy"] == "fsdp"
+        and json.loads((tmp_path / "ddp" / "summary.json").read_text())["strategy"] == "ddp"
+    )
+    state = ckpt.load(tmp_path / "fsdp" / "last.pt")
+    model = PreActResNet18(in_channels=1, num_classes=10, width=0.25)
+    model.load_state_dict(state["model"])
+    data = build_data("digits", batch_size=8, seed=2, train_size=240, test_size=0.1997, num_workers=0)
+    nll, acc, _ = evaluate(model, data.test, torch.device("cpu"))
+    assert (
+        len(data.test.dataset) == 359 and acc == summary["test_acc"] and abs(nll - summary["test_nll"]) < 1e-6
+    )
+
+    resume = f"trainer.resume={tmp_path / 'fsdp' / 'last.pt'}"
+    wider = torchrun_app(tmp_path / "wider", tmp_path, *common, *strategies["fsdp"], resume, processes=3)
+    assert wider.returncode != 0
+    assert "the checkpoint was written by 2 process(es), this run has 3" in wider.stderr
 
 
 def test_global_partners_in_ddp_equal_one_process_mixing_the_global_batch(tmp_path):
@@ -91,11 +177,7 @@ def test_global_partners_in_ddp_equal_one_process_mixing_the_global_batch(tmp_pa
     partners are one permutation of the global batch, and logits, losses, targets and DDP gradients
     equal one process mixing the whole batch by hand (float64)."""
     out = tmp_path / "result.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "e2e" / "global_partners_worker.py"), str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = torchrun(ROOT / "tests" / "e2e" / "global_partners_worker.py", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(out.read_text())
     assert found["mixed_steps"] >= 5 and found["layers"] == ["1", "3", "input"]
@@ -103,26 +185,24 @@ def test_global_partners_in_ddp_equal_one_process_mixing_the_global_batch(tmp_pa
     assert all(value < 1e-12 for value in worst.values()), worst
 
 
-def test_manifold_mixup_under_fsdp2_equals_one_process_replaying_each_ranks_batch(tmp_path):
+def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch(tmp_path):
     """FSDP2 (``fully_shard`` on each Linear, then on the root) under torchrun (gloo, 2 processes): over
     10 steps with prob 0.7 at three layers, with partners from each rank's batch and from the global
     batch, every rank's logits and loss and the gradients FSDP reduces equal one process replaying each
     rank's batch with the blend written by hand (float64); and so with the mix inside a block that
     activation checkpointing recomputes in backward (the replay of each rank's mix); and InputScale with
     per-sample factors, GradScale and GradClip (each rank clips its own gradient) on the sharded model; and
-    NoisyFeatureMixup equal to itself on the unsharded model from each rank's generator state."""
+    NoisyFeatureMixup equal to itself on the unsharded model from each rank's generator state; and FSDP1
+    (each Linear wrapped, then the root; ``use_orig_params`` True and False) for both partner modes."""
     out = tmp_path / "result.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "e2e" / "fsdp_worker.py"), str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = torchrun(ROOT / "tests" / "e2e" / "fsdp_worker.py", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(out.read_text())
     # a sharded checkpoint with each rank's mixer state under its own key resumes exactly on every rank; the
     # states under one key (one copy kept) are refused where a rank would get another's stream
     assert found["dcp"]["exact"] == [1, 1] and any(found["dcp"]["refused"]), found["dcp"]
-    for partners in ("local", "global", "checkpointed", "scales", "clip", "nfm"):
+    fsdp1 = [f"fsdp1_{params}_{partners}" for params in ("orig", "flat") for partners in ("local", "global")]
+    for partners in ("local", "global", "checkpointed", "scales", "clip", "nfm", *fsdp1):
         run = found[partners]  # (for clip, mixed_steps counts the samples whose gradient was clipped)
         assert run["mixed_steps"] >= 4 and len(run["layers"]) >= (1 if partners == "clip" else 2), run
         assert all(value < 1e-12 for value in run["worst"].values()), (partners, run["worst"])

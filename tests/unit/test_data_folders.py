@@ -278,3 +278,33 @@ def test_a_resumed_epoch_of_an_image_folder_sees_the_batches_it_would_have_seen(
     assert len(whole) == 4 and len(resumed) == 2
     for (x0, y0), (x1, y1) in zip(whole[2:], resumed, strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
+def test_normalizing_on_the_device_gives_the_workers_values_from_a_quarter_of_the_bytes(tmp_path):
+    """data.normalize=device: the workers deliver uint8 crops and each batch is converted and normalised
+    where it trains; its batches, training (crops and flips from the same seeds) and evaluation, equal the
+    workers' own to the bit. The color augmentation, which works on each image's floats, is refused with
+    it."""
+    jpeg_tree(tmp_path / "train", per_class=4)
+    jpeg_tree(tmp_path / "val", per_class=2)
+    made = {}
+    for where in ("workers", "device"):
+        data = build_data(
+            "imagefolder", batch_size=5, eval_batch_size=4, root=str(tmp_path), size=32, resize=36, seed=3,
+            num_workers=0, normalize=where,
+        )  # fmt: skip
+        data.train.sampler.set_epoch(2)
+        made[where] = (list(data.train), list(data.test), data)
+    uint8, _ = next(iter(made["device"][2].train.loader))
+    assert uint8.dtype == torch.uint8 and uint8.shape == (5, 3, 32, 32)
+    for split in (0, 1):
+        pairs = list(zip(made["workers"][split], made["device"][split], strict=True))
+        assert len(pairs) == (3 if split == 0 else 2)
+        for (x0, y0), (x1, y1) in pairs:
+            assert x1.dtype == torch.float32 and torch.equal(x0, x1) and torch.equal(y0, y1)
+    assert len(made["device"][2].train) == 3 and made["device"][2].train.batch_size == 5
+    with pytest.raises(ValueError, match="data.normalize=device converts whole uint8 batches on the device"):
+        build_data("imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=32, lighting=0.1,
+                   normalize="device")  # fmt: skip
+    with pytest.raises(ValueError, match="data.normalize='gpu' is not a choice; valid: workers, device"):
+        build_data("imagefolder", batch_size=4, root=str(tmp_path), size=32, resize=32, normalize="gpu")

@@ -1,6 +1,13 @@
 """Data-parallel training on PyTorch's own engine: ``torchrun`` starts the processes, this module joins
 them (NCCL on CUDA, gloo on CPU) and gives the loop the few collective operations it needs.
 
+Two strategies (``trainer.strategy``): ``ddp`` wraps the model in ``DistributedDataParallel`` (every rank
+holds all of it); ``fsdp`` shards it with FSDP2 (:func:`shard`: ``fully_shard`` on each unit, then on the
+model), so each rank holds a share of the parameters, gradients and optimizer state. Either way the hooks
+are attached to the model before it is wrapped or sharded, every rank starts each forward from rank 0's
+buffers (batch-norm statistics: DDP broadcasts them, :func:`shard` does the same), the gradients are the
+mean of the ranks', and the checkpoint holds the whole model and optimizer (:func:`full_state`).
+
 One process per device. Each rank trains on its share of every epoch (:class:`mixhook.app.data.EpochSampler`
 shards like ``DistributedSampler``), mixes its own local batch with its own generator stream, and takes
 part in agreeing when to stop (a signal or a non-finite loss on any rank stops every rank at the same
@@ -16,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
+
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -71,6 +81,14 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def max(self, value: int) -> int:
+        """The largest of the ranks' ``value``."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sums over the ranks, in float64."""
         if not self.enabled:
@@ -98,3 +116,90 @@ class Dist:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def shard_units(model: nn.Module, units: list[str] | None) -> list[str]:
+    """The names of the modules :func:`shard` shards one by one: ``units`` (each checked to be a module of
+    ``model`` holding parameters, and none inside another; a one-line ``ValueError`` otherwise), or each
+    of the model's children that holds parameters."""
+    if units is None:
+        return [name for name, child in model.named_children() if any(True for _ in child.parameters())]
+    names = dict(model.named_modules())
+    for name in units:
+        if name not in names or name == "":
+            children = ", ".join(n for n, _ in model.named_children())
+            raise ValueError(
+                f"trainer.fsdp_units: {name!r} is not a module of the model; its children: {children}"
+            )
+        if not any(True for _ in names[name].parameters()):
+            raise ValueError(
+                f"trainer.fsdp_units: {name!r} holds no parameters, so there is nothing to shard"
+            )
+    for name in units:
+        outer = next((o for o in units if o != name and name.startswith(o + ".")), None)
+        if outer is not None:
+            raise ValueError(f"trainer.fsdp_units: {name!r} is inside {outer!r}; name units that do not nest")
+    return list(units)
+
+
+def shard(model: nn.Module, units: list[str], dist_: Dist) -> None:
+    """Shard ``model`` in place with FSDP2 over the job's ranks: ``fully_shard`` on each of ``units``, then
+    on the model; and, as ``DistributedDataParallel`` does, every forward starts from rank 0's buffers
+    (a model pre-hook broadcasts them), so that the ranks' batch-norm statistics agree and the checkpoint
+    rank 0 writes is every rank's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dist_.device.type, (dist_.world,))
+    for name in units:
+        fully_shard(model.get_submodule(name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    buffers = [b for b in model.buffers() if b.numel()]
+    if buffers:
+        model.register_forward_pre_hook(lambda module, args: _broadcast(buffers))
+
+
+def _broadcast(buffers: list[torch.Tensor]) -> None:
+    """Rank 0's values of ``buffers`` on every rank, in one broadcast per dtype (as DDP coalesces them)."""
+    for dtype in dict.fromkeys(b.dtype for b in buffers):
+        group = [b for b in buffers if b.dtype == dtype]
+        flat = torch.cat([b.reshape(-1) for b in group])
+        dist.broadcast(flat, src=0)
+        for b, values in zip(group, flat.split([b.numel() for b in group]), strict=True):
+            b.copy_(values.view_as(b))
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (:func:`shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole model's and optimizer's state dicts of a sharded model, on the CPU, as one process's
+    would be (every rank must call it: the shards are gathered)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(
+        model, optimizer, options=options
+    )
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict):
+    """Put :func:`full_state`'s dicts back into a sharded model and its optimizer (each rank takes its
+    shard)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)

@@ -36,7 +36,7 @@ from mixhook.mixers import MixingHook, smooth_one_hot
 from ..files import atomic_write
 from . import checkpoint as ckpt
 from .calibration import Calibration
-from .distributed import Dist
+from .distributed import Dist, sharded
 from .finite import FiniteCheck, NonFiniteLoss, check_every
 from .logging import save_feature_maps
 from .state import RunState
@@ -266,11 +266,12 @@ def evaluate(
     model.eval()
     nll = torch.zeros((), device=device, dtype=torch.float64)
     calibration = Calibration()  # its bins count the samples and the correct top-1 predictions
-    for x, y in loader:
+    for x, y in _batches(loader, model, dist):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         _, logits = _forward(model, x, dtype, channels_last)
-        nll += F.cross_entropy(logits, y, reduction="sum")
-        calibration.update(logits, y)
+        if len(y):
+            nll += F.cross_entropy(logits, y, reduction="sum")
+            calibration.update(logits, y)
     (nll,) = (dist or Dist()).sum([float(nll)])
     calibration.reduce(dist or Dist())
     count, correct = int(calibration.count.sum()), round(float(calibration.correct.sum()))
@@ -291,13 +292,34 @@ def evaluate_regression(
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = 0
-    for x, y in loader:
+    for x, y in _batches(loader, model, dist):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         _, output = _forward(model, x, dtype, False)
         total += _per_sample_se(output, y).sum()
         count += y.shape[0]
     total, count = (dist or Dist()).sum([float(total), float(count)])
     return total / count
+
+
+def _batches(loader, model: nn.Module, dist: Dist | None):
+    """``loader``'s batches; for a model sharded over the ranks (``trainer.strategy=fsdp``), then as many
+    empty ones (the last batch's first zero rows) as another rank has more: a sharded model's forward takes
+    every rank, and the ranks' shards of the test set may differ by a batch."""
+    dist = dist or Dist()
+    if not (dist.enabled and sharded(model)):
+        yield from loader
+        return
+    most, empty = dist.max(len(loader)), None
+    for x, y in loader:
+        empty = x[:0], y[:0]
+        yield x, y
+    if most > len(loader) and empty is None:
+        raise RuntimeError(
+            f"rank {dist.rank} has no test batch while another has {most}: the test set is smaller than "
+            "the number of processes"
+        )
+    for _ in range(most - len(loader)):
+        yield empty
 
 
 @contextmanager
@@ -506,6 +528,8 @@ def _network(model: nn.Module, device: torch.device, opts: Settings, dist: Dist)
     """What the loop calls: ``model`` on ``device`` (channels-last where asked), in
     ``DistributedDataParallel`` for a data-parallel job (after the hooks were attached to ``model``), and
     through ``torch.compile`` where asked."""
+    if sharded(model):  # (on its device since it was sharded, its hooks attached)
+        return model
     model.to(device, memory_format=torch.channels_last if opts.channels_last else torch.preserve_format)
     net = model
     if dist.enabled:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import checkpoint as ckpt
-from .distributed import Dist
+from .distributed import Dist, full_state, load_full_state, sharded
 
 # Keys that may differ between a run and its resumption: where things are, how they are shown.
 RESUMABLE_CHANGES = {
@@ -50,22 +50,27 @@ class RunState:
         """Write the checkpoint of ``run`` (a :class:`~mixhook.app.training.loop.Run`) at this state to
         ``path``. Every rank must call it (the random streams are gathered); rank 0 writes."""
         dist = dist or Dist()
-        randoms = dist.gather(ckpt.random_states(run.hooks))  # every rank's streams, in rank order
-        if not dist.main:
-            return
         totals = (
             None
             if self.totals is None
             else [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in self.totals]
         )
+        # every rank's random streams and running sums of a part-done epoch, in rank order (one gather)
+        randoms, every_totals = zip(*dist.gather((ckpt.random_states(run.hooks), totals)), strict=True)
+        # a sharded model's whole state is gathered from every rank's shards
+        whole = full_state(run.model, run.optimizer) if sharded(run.model) else None
+        if not dist.main:
+            return
+        model, optimizer = whole or (run.model.state_dict(), run.optimizer.state_dict())
         ckpt.save(path, {
             "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
             "rows": self.rows, "seconds": self.seconds, "best": list(self.best), "totals": totals,
-            "model": run.model.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
+            "rank_totals": list(every_totals) if dist.enabled else None,
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
-            "random": randoms,
+            "random": list(randoms),
             "config": run.config,
             "data_split": getattr(run.data, "split_hash", None),
         })  # fmt: skip
@@ -76,8 +81,11 @@ class RunState:
         optimizer, schedule, scaler and this rank's random streams; return its state.
         :class:`~mixhook.app.training.checkpoint.CheckpointError` when it does not fit the run."""
         try:
-            run.model.load_state_dict(saved["model"])
-            run.optimizer.load_state_dict(saved["optimizer"])
+            if sharded(run.model):  # each rank takes its shards of the whole model and optimizer
+                load_full_state(run.model, run.optimizer, saved["model"], saved["optimizer"])
+            else:
+                run.model.load_state_dict(saved["model"])
+                run.optimizer.load_state_dict(saved["optimizer"])
         except (RuntimeError, KeyError, ValueError) as err:
             said = " ".join(str(err).split())[:300] or type(err).__name__  # torch's report, on one line
             raise ckpt.CheckpointError(
@@ -101,9 +109,11 @@ class RunState:
                 f"the checkpoint was written by {len(saved['random'])} process(es), this run has {dist.world}"
             )
         ckpt.restore_random_states(saved["random"][dist.rank], run.hooks)
+        every_totals = saved.get("rank_totals")  # (several processes: each rank's own running sums)
+        totals = saved["totals"] if every_totals is None else every_totals[dist.rank]
         return cls(
             epoch=saved["epoch"], step=saved["step"], global_step=saved["global_step"],
-            rows=list(saved["rows"]), totals=saved["totals"], seconds=saved["seconds"],
+            rows=list(saved["rows"]), totals=totals, seconds=saved["seconds"],
             best=tuple(saved["best"]),
         )  # fmt: skip
 

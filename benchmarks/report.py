@@ -22,7 +22,7 @@ GOALS = {
     "recipe_mixup_vs_none": 1.02,  # Verma et al. 2019's CIFAR-10 recipe: mixup epoch / plain epoch
     "recipe_1200_epochs_hours": 2.0,  # ... its 1,200 epochs projected, on one GPU
     # an active mix's added host time / a minimal hand-written hook's (issue 46: forward and loss, step)
-    "host_vs_hand": {"forward_and_loss": 1.2, "step": 1.15},
+    "host_vs_hand": {"forward": 1.3, "forward_and_loss": 1.2, "step": 1.15},
     "extra_ops_vs_hand": 0,  # aten ops of a training step with the mix - with the hand-written hook
     "copies_to_device_per_mix": 1,
     "host_reads_per_step": 0,
@@ -59,9 +59,10 @@ def goals(results: dict, device) -> list[dict]:
     eager = results.get("training_step", [])
     compiled = results.get("training_step_compiled", [])
 
-    def add(goal, measured, limit, where, lower_is_better=True):
+    def add(goal, measured, limit, where, lower_is_better=True, why=None):
         ok = measured <= limit if lower_is_better else measured >= limit
-        rows.append({"goal": goal, "measured": measured, "limit": limit, "where": where, "met": ok})
+        row = {"goal": goal, "measured": measured, "limit": limit, "where": where, "met": ok}
+        rows.append(row if why is None else {**row, "why": why})
 
     for run in eager:
         tag = f"{run['model']} b{run['batch']}{' channels-last' if run.get('channels_last') else ''} eager"
@@ -101,8 +102,21 @@ def goals(results: dict, device) -> list[dict]:
             add("graph_breaks", rc["graph_breaks"], 0, f"{rc['model']}, fullgraph=True")
     if "host" in results:
         h = results["host"]
-        for what in ("forward_and_loss", "step"):
-            add("host_vs_hand", h[what]["mixhook_vs_hand"]["median"], GOALS["host_vs_hand"][what], what)
+        for what in (w for w in ("forward", "forward_and_loss", "step") if w in h):
+            floor = h[what].get("floor_vs_hand")
+            why = (
+                None
+                if floor is None
+                else f"mixhook's structure alone (the floor row) is {floor['median']:.3f}: what is over the "
+                "goal is the per-forward bookkeeping, not the hooks"
+            )
+            add(
+                "host_vs_hand",
+                h[what]["mixhook_vs_hand"]["median"],
+                GOALS["host_vs_hand"][what],
+                what,
+                why=why,
+            )
         add("extra_ops_vs_hand", h["extra_ops_vs_hand"], GOALS["extra_ops_vs_hand"], "training step")
         census = h["census"]["mixhook"]
         add("copies_to_device_per_mix", census["copies_to_device"], 1, "training step")
@@ -215,14 +229,20 @@ def markdown(results: dict) -> str:
             f"## Host cost of an active mix, against a hand-written hook (batch {h['batch']}, width "
             f"{h['width']})",
             "",
-            "| call | plain (µs) | hand-written hook adds (µs) | mixhook adds (µs) | mixhook / hand |",
-            "| --- | --- | --- | --- | --- |",
+            "| call | plain (µs) | hand-written hook adds (µs) | mixhook adds (µs) | mixhook / hand | "
+            "mixhook's structure alone adds (µs) | structure / hand |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for what in ("forward_and_loss", "step"):
+        for what in (w for w in ("forward", "forward_and_loss", "step") if w in h):
             row = h[what]
+            floor = (
+                f" {row['added_us']['floor']:.1f} | {fmt(row['floor_vs_hand'])} |"
+                if "floor_vs_hand" in row
+                else " | |"
+            )
             lines.append(
                 f"| {what.replace('_', ' ')} | {row['plain_us']:.1f} | {row['added_us']['hand']:.1f} | "
-                f"{row['added_us']['mixhook']:.1f} | {fmt(row['mixhook_vs_hand'])} |"
+                f"{row['added_us']['mixhook']:.1f} | {fmt(row['mixhook_vs_hand'])} |{floor}"
             )
         lines += [
             "",
@@ -288,12 +308,21 @@ def markdown(results: dict) -> str:
                 "decode": "Pillow decode only, one process",
                 "pipeline_one_worker": "decode, RandomResizedCrop, flip, normalise: one process (a worker)",
                 "pipeline_workers": f"the same through {f['workers']} DataLoader workers",
+                "uint8_one_worker": "decode, RandomResizedCrop, flip, uint8 out (data.normalize=device): one "
+                "process (a worker)",
             }
             lines += [f"| {names[k]} | {v:.0f} |" for k, v in f["images_per_second"].items()]
             lines += [
                 "",
                 "Workers (cores) to feed a GPU step of 1,000 images/s: "
-                f"{f['workers_per_1000_images_per_second']:.1f}",
+                f"{f['workers_per_1000_images_per_second']:.1f}"
+                + (
+                    f"; with data.normalize=device {f['workers_per_1000_images_per_second_uint8']:.1f}, "
+                    f"copying {f['bytes_per_image']['uint8']:,} bytes per image to the device instead of "
+                    f"{f['bytes_per_image']['float32']:,}"
+                    if "uint8_one_worker" in f["images_per_second"]
+                    else ""
+                ),
             ]
     if "recipe" in results:
         r = results["recipe"]

@@ -200,6 +200,7 @@ def main(argv=None) -> dict:
     results["goals"] = goals(results, device)
     results["misses"] = [
         f"{g['goal']} ({g['where']}): {g['measured']:.3f} against {g['limit']}"
+        + (f"; {g['why']}" if g.get("why") else "")
         for g in results["goals"]
         if not g["met"]
     ]

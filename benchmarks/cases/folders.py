@@ -3,9 +3,11 @@
 A folder of JPEGs at ImageNet's typical size (500x375, quality 90, synthetic content) in ImageNet's layout,
 read through the app's own ``build_data("imagefolder", ...)``: the training pipeline (Pillow's decode,
 ``RandomResizedCrop(224)``, a flip, the float conversion and ImageNet's normalisation) timed over one pass
-in the main process (one worker's rate), its decode alone, and the pass through ``workers`` DataLoader
-workers. What a GPU step needs is the images/s it trains at: divided by the per-worker rate, that is the
-number of workers (CPU cores) that keep it fed.
+in the main process (one worker's rate), its decode alone, the pass through ``workers`` DataLoader
+workers, and one worker's rate with ``data.normalize=device`` (it stops at the uint8 crop; the batch is
+converted and normalised where it trains, which on a GPU is a few elementwise kernels per batch). What a
+GPU step needs is the images/s it trains at: divided by the per-worker rate, that is the number of workers
+(CPU cores) that keep it fed.
 """
 
 from __future__ import annotations
@@ -40,11 +42,14 @@ def folder_pipeline(timer, reps: int, images: int, workers: int, batch: int = 32
     with tempfile.TemporaryDirectory() as root:
         write_folder(root, images)
 
-        def loader(num_workers: int):
-            data = build_data("imagefolder", batch_size=batch, root=root, num_workers=num_workers)
+        def loader(num_workers: int, normalize: str = "workers"):
+            data = build_data(
+                "imagefolder", batch_size=batch, root=root, num_workers=num_workers, normalize=normalize
+            )
             return data.train
 
         one, many = loader(0), loader(workers)
+        uint8 = loader(0, "device").loader  # (the workers' part: the uint8 batches, before the device)
         dataset = one.dataset.dataset  # (SeededSamples -> FolderImages)
 
         def decode_only():
@@ -65,6 +70,7 @@ def folder_pipeline(timer, reps: int, images: int, workers: int, batch: int = 32
                 "decode": decode_only,
                 "pipeline_one_worker": lambda: epoch(one),
                 "pipeline_workers": lambda: epoch(many),
+                "uint8_one_worker": lambda: epoch(uint8),
             },
             reps=reps,
             inner=1,
@@ -80,5 +86,7 @@ def folder_pipeline(timer, reps: int, images: int, workers: int, batch: int = 32
         "output": list(x.shape[1:]),
         "images_per_second": per_second,
         "workers_per_1000_images_per_second": 1000 / per_second["pipeline_one_worker"],
+        "workers_per_1000_images_per_second_uint8": 1000 / per_second["uint8_one_worker"],
+        "bytes_per_image": {"float32": 4 * int(np.prod(x.shape[1:])), "uint8": int(np.prod(x.shape[1:]))},
         "threads": torch.get_num_threads(),
     }

@@ -1,14 +1,17 @@
 """Case: host: what an active mix costs the host, against a minimal hand-written hook with its own generators.
 
-Three copies of a small model (Linear, Identity, Linear), with no hook, with the hand-written Manifold
+Four copies of a small model (Linear, Identity, Linear), with no hook, with the hand-written Manifold
 Mixup hook below on the Identity (NumPy's Beta for lam, torch's randperm for the partners, the blend and the
-loss as the papers write them), and with ``ManifoldMixup`` there. The tensors are tiny, so the time is
-the host's: what a launch-bound GPU step pays. Timed side by side, the forward with its loss and the whole
-step (with backward); the figure is the mix's time over the plain model's, divided by the hand-written
-hook's: the ratio of the two median added times (:func:`ratio_of_medians`; a ratio per repetition
-would divide by a noise-sized time). Counted in the same step under a dispatch mode: aten ops,
-copies from the CPU to another device (one per mix at most: the partner index), and reads of a device
-tensor's value on the host (each a sync: none)."""
+loss as the papers write them), with ``ManifoldMixup`` there, and with :class:`Floor`: mixhook's structure
+(a model pre-hook that starts the forward, the layer hook that draws from a torch generator and blends, a
+model hook that marks the output, a loss that finds its forward from the logits) and none of its checks
+or records, what that structure costs by itself. The tensors are tiny, so the time is the host's: what a
+launch-bound GPU step pays. Timed side by side: the forward alone (the hooks' calls: a "bare" active hook
+call, at the model's level), the forward with its loss, and the whole step (with backward); the figure is
+the mix's time over the plain model's, divided by the hand-written hook's: the ratio of the two median
+added times (:func:`ratio_of_medians`; a ratio per repetition would divide by a noise-sized time).
+Counted in the same step under a dispatch mode: aten ops, copies from the CPU to another device (one per
+mix at most: the partner index), and reads of a device tensor's value on the host (each a sync: none)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixhook import ManifoldMixup
+from mixhook.functional import beta_value
 
 HOST_READS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.equal.default"}
 COPIES = {"aten._to_copy.default", "aten.copy_.default"}
@@ -42,6 +46,39 @@ class HandMix:
 
     def loss(self, logits, y):
         return self.lam * F.cross_entropy(logits, y) + (1 - self.lam) * F.cross_entropy(logits, y[self.index])
+
+
+class Floor:
+    """What mixhook's structure costs with none of its checks: the model's pre-hook starts a forward, the
+    layer's hook draws lam as ``ManifoldMixup`` does (``beta_value``: torch's Dirichlet kernel) and the
+    partners from one torch generator and blends (index_select, lerp), the model's hook marks the output's
+    autograd node with the draw, and the loss finds the draw from the logits' node."""
+
+    def __init__(self, model: nn.Module, layer: nn.Module, alpha: float = 2.0):
+        self.generator = torch.Generator().manual_seed(0)
+        self.alpha, self.current, self.marks = alpha, None, {}
+        model.register_forward_pre_hook(self.begin)
+        layer.register_forward_hook(self.mix)
+        model.register_forward_hook(self.end)
+
+    def begin(self, model, args):
+        self.current = [None] if model.training else None
+
+    def mix(self, module, args, out):
+        if self.current is None:
+            return None
+        lam = beta_value(self.alpha, self.alpha, self.generator)
+        index = torch.randperm(out.shape[0], generator=self.generator).to(out.device)
+        self.current[0] = (lam, index)
+        return torch.lerp(out.index_select(0, index), out, lam)
+
+    def end(self, model, args, out):
+        self.marks[out.grad_fn] = self.current[0]
+        self.current = None
+
+    def loss(self, logits, y):
+        lam, index = self.marks.pop(logits.grad_fn)
+        return torch.lerp(F.cross_entropy(logits, y[index]), F.cross_entropy(logits, y), lam)
 
 
 class Census(TorchDispatchMode):
@@ -87,7 +124,7 @@ def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) 
     x = torch.randn(batch, width, device=device)
     y = torch.randint(0, 4, (batch,), device=device)
     models, losses = {}, {}
-    for name in ("none", "hand", "mixhook"):
+    for name in ("none", "hand", "mixhook", "floor"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(width, width), nn.Identity(), nn.Linear(width, 4)).to(device).train()
         if name == "hand":
@@ -98,9 +135,18 @@ def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) 
             mix = ManifoldMixup("1")
             mix.attach(model)
             losses[name] = lambda logits, t, mix=mix: mix.loss(F.cross_entropy, logits, t)
+        elif name == "floor":
+            losses[name] = Floor(model, model[1]).loss
         else:
             losses[name] = F.cross_entropy
         models[name] = model
+
+    def forward_only(name):
+        def call():
+            for _ in range(calls):
+                models[name](x)
+
+        return call
 
     def forward(name):
         def call():
@@ -117,15 +163,16 @@ def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) 
         return call
 
     out = {"batch": batch, "width": width, "calls": calls}
-    for what, make in (("forward_and_loss", forward), ("step", step)):
+    for what, make in (("forward", forward_only), ("forward_and_loss", forward), ("step", step)):
         times = timer.side_by_side({n: make(n) for n in models}, reps=reps, inner=1, warmup=1)
         added = {
             n: [(t - b) / calls * 1e6 for t, b in zip(times[n], times["none"], strict=True)] for n in models
         }
         out[what] = {
-            "added_us": {n: statistics.median(added[n]) for n in ("hand", "mixhook")},
+            "added_us": {n: statistics.median(added[n]) for n in ("hand", "mixhook", "floor")},
             "plain_us": 1e6 * statistics.median(times["none"]) / calls,
             "mixhook_vs_hand": ratio_of_medians(added["mixhook"], added["hand"]),
+            "floor_vs_hand": ratio_of_medians(added["floor"], added["hand"]),
         }
     census = {}
     for name, model in models.items():

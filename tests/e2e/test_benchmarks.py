@@ -49,9 +49,16 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     host = data["host"]  # counts, not times: the same on every machine
     assert host["extra_ops_vs_hand"] <= 2 and host["census"]["mixhook"]["host_reads"] == 0
     assert host["census"]["hand"]["aten_ops"] > host["census"]["none"]["aten_ops"]
+    # the structure alone (no checks) does the hand hook's work in no more aten ops than mixhook
+    assert host["census"]["none"]["aten_ops"] < host["census"]["floor"]["aten_ops"]
+    assert host["census"]["floor"]["aten_ops"] <= host["census"]["mixhook"]["aten_ops"]
+    assert all("floor_vs_hand" in host[what] for what in ("forward", "forward_and_loss", "step"))
     assert {"host_vs_hand", "extra_ops_vs_hand", "host_reads_per_step"} <= {g["goal"] for g in data["goals"]}
     data_ = data["data"]
     assert set(data_["images_per_second"]) == {"device", "workers"} and data_["images"] == 500
+    folder = data_["imagefolder"]  # the uint8 batch is a quarter of the float one
+    assert "uint8_one_worker" in folder["images_per_second"]
+    assert folder["bytes_per_image"]["float32"] == 4 * folder["bytes_per_image"]["uint8"]
     recipe = data["recipe"]
     assert set(recipe["images_per_second"]) == {"none", "mixup", "none_fused", "mixup_fused", "eval"}
     hours = recipe["projected_hours_1200_epochs"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -149,14 +150,18 @@ def pack(values: list[torch.Tensor], specs: list[Spec], device: torch.device) ->
 
 
 def unpack(buffer: torch.Tensor, specs: list[Spec]) -> list[torch.Tensor]:
-    """The values :func:`pack` put in ``buffer``, as views of it (traced: no copy, no host read)."""
+    """The values :func:`pack` put in ``buffer``, as views of it (a bool as a comparison of its byte;
+    traced: no copy, no host read)."""
     offsets, _ = _offsets(specs)
     out = []
     for (shape, dtype), start in zip(specs, offsets, strict=True):
         numel = 1
         for d in shape:
             numel *= d
-        out.append(buffer[start : start + numel * dtype.itemsize].view(dtype).view(shape))
+        chunk = buffer[start : start + numel * dtype.itemsize]
+        # a bool is one byte: compared, not bit-cast (inductor of torch 2.11 cannot lower a bit cast to
+        # bool on CUDA: "torch.bool is not supported by torch.iinfo")
+        out.append((chunk != 0 if dtype == torch.bool else chunk.view(dtype)).view(shape))
     return out
 
 
@@ -182,6 +187,7 @@ def begin(token: str, training: bool, batch: int) -> torch.Tensor:
 
 @begin.register_fake
 def _(token: str, training: bool, batch: int) -> torch.Tensor:
+    _partition_on_ops()
     return torch.empty((), dtype=torch.int64)
 
 
@@ -195,6 +201,7 @@ def draw(token: str, spec: str, meta: str, n: int, sizes: list[int], device: tor
 
 @draw.register_fake
 def _(token: str, spec: str, meta: str, n: int, sizes: list[int], device: torch.device) -> torch.Tensor:
+    _partition_on_ops()
     _, given = parse_leaves(meta, sizes)
     specs = _host(token).specs(n, given)
     return torch.empty(_offsets(specs)[1], dtype=torch.uint8, device=device)
@@ -202,6 +209,23 @@ def _(token: str, spec: str, meta: str, n: int, sizes: list[int], device: torch.
 
 begin.register_effect(EffectType.ORDERED)
 draw.register_effect(EffectType.ORDERED)
+
+
+def _partition_on_ops() -> None:
+    """Where a compile captures CUDA graphs, name both ops in inductor's ``custom_should_partition_ops``.
+
+    An ordered op reaches inductor wrapped in ``with_effects``, whose node its graph partition does not
+    read the ``cudagraph_unsafe`` tag through (torch 2.11 on CUDA captured ``mixhook::draw`` into a graph:
+    the capture refusal fired); named there, the ops are partitioned on by name. Called from the ops'
+    fake implementations, which run on the host while the graph is traced, before inductor lowers it;
+    compiles without CUDA graphs are left as they are.
+    """
+    config = sys.modules.get("torch._inductor.config")
+    if config is None or not config.triton.cudagraphs:
+        return
+    for name in ("mixhook::begin", "mixhook::draw"):
+        if name not in config.custom_should_partition_ops:
+            config.custom_should_partition_ops.append(name)
 
 
 class TracedPath:

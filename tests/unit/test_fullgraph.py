@@ -493,3 +493,24 @@ def test_the_traced_leading_token_blend_equals_the_eager_one_bit_for_bit(dtype):
         eager = grid.from_map(Leaf((), tokens, 0), mixed, lam, index, permutation=True)
         traced = grid.from_map_traced(Leaf((), tokens, 0), mixed, traced_weight(lam, 6, dtype), index)
         assert torch.equal(traced, eager)
+
+
+@pytest.mark.slow
+def test_a_compile_that_captures_cuda_graphs_partitions_on_mixhooks_operators():
+    """torch.compile(mode="reduce-overhead") must run mixhook::begin/draw between the captured graphs, fresh
+    at every replay. Their cudagraph_unsafe tag is not read through the with_effects wrapper of an ordered
+    operator (torch 2.11 on CUDA captured mixhook::draw, and the capture refusal fired), so mixhook names
+    them in inductor's custom_should_partition_ops when a compile captures graphs, and only then. (The
+    replay itself is tests/e2e/test_cuda.py's; on the CPU no graph is captured.)"""
+    import torch._inductor.config as inductor
+
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
+    for mode, named in ((None, []), ("reduce-overhead", ["mixhook::begin", "mixhook::draw"])):
+        torch._dynamo.reset()
+        with inductor.patch(custom_should_partition_ops=[]):
+            model, mix, net = _compiled_model(lambda: ManifoldMixup(["input", "conv1"], generator=_gen()))
+            if mode:
+                net = torch.compile(model, mode=mode, fullgraph=True)
+            mix.loss(F.cross_entropy, net(x), y).backward()
+            assert mix.last is not None
+            assert inductor.custom_should_partition_ops == named

@@ -41,11 +41,13 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def saved_tensor_hooks_active() -> bool:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # an older torch: assume it may be a checkpointed region
+    if _TOP_SAVED_TENSORS_HOOKS is None:  # an older torch: assume it may be a checkpointed region
         return True
-    return top(False) is not None
+    return _TOP_SAVED_TENSORS_HOOKS(False) is not None
 
 
 def may_be_recomputed() -> bool:
@@ -64,7 +66,7 @@ def hook(act: Callable, again: Callable | None = None) -> Callable:
     :meth:`~mixhook.hooks.LayerHook._note`) and ``again`` finds it (:meth:`Tracker.replay`)."""
 
     def dispatch(*args):
-        if in_backward():
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:  # in_backward()
             return None if again is None else again(*args)
         return act(*args)
 

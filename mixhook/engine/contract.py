@@ -10,7 +10,6 @@ returns (:class:`~mixhook.engine.mixer.Mixer`).
 from __future__ import annotations
 
 import abc
-import functools
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -60,6 +59,25 @@ class MixState:
     _weight: float | None = field(default=None, repr=False, compare=False)  # lam as a float, when one
 
 
+class cached:
+    """``functools.cached_property`` without its lock (Python 3.11 takes an ``RLock`` at every first
+    read, a cost a mix pays on every forward): computed at the first read and kept in the instance's
+    ``__dict__``, which later reads find before this descriptor. The values are pure functions of
+    frozen fields, so computing one twice in a race would give the same value."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.fn(instance)
+        return value
+
+
 @dataclass(frozen=True)
 class Draw:
     """What :meth:`Mixer.mix` is given for one mix.
@@ -82,13 +100,13 @@ class Draw:
     pinned: Mapping[str, Any]
     permutation: bool = False
 
-    @functools.cached_property
+    @cached
     def inverse(self) -> torch.Tensor | None:
         """``index``'s inverse permutation (computed when first asked for), or ``None`` when ``index`` is
         not a permutation of the batch."""
         return torch.argsort(self.index) if self.permutation else None
 
-    @functools.cached_property
+    @cached
     def weight(self) -> float | torch.Tensor:
         """``lam`` as the blends take it: a Python float for one lam on the CPU (no cast, no copy to the
         device), else the tensor."""

@@ -10,7 +10,6 @@ values, lam and the index as drawn, and the generator's state before the method'
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from ..functional import is_permutation
-from .contract import Draw, MixState
+from .contract import Draw, MixState, cached
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class Pins:
     permutation: bool = False
     state: torch.Tensor | None = None
 
-    @functools.cached_property
+    @cached
     def given(self) -> Mapping[str, Any]:
         """What :attr:`~mixhook.engine.contract.Draw.pinned` shows a method: lam and the index where they
         are pinned, and :attr:`values`."""

@@ -582,7 +582,9 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         )
         self._note(spec, forward.repeat)  # (computed only where the forward may be recomputed)
         mixed = self.mix(leaves, draw)
-        t = self._check_mixed(spec, leaves, mixed)[()]
+        t = mixed.tensors.get(()) if type(mixed) is Mixed and len(mixed.tensors) == 1 else None
+        if t is None or t.shape != h.shape:  # (what _check_mixed refuses, said by it)
+            t = self._check_mixed(spec, leaves, mixed)[()]
         last = self._state(spec, leaves, draw, mixed)
         self._done(forward, last)
         return t, last
@@ -887,11 +889,11 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             layer=spec,
             lam=draw.lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64),
             index=draw.index if mixed.index is None else mixed.index,
-            info=dict(mixed.info),
-            elements=tuple(leaf.name for leaf in found),
-            batch_dims=tuple(leaf.dim for leaf in found),
+            info=dict(mixed.info) if mixed.info else {},
+            elements=tuple([leaf.name for leaf in found]),
+            batch_dims=tuple([leaf.dim for leaf in found]),
             weights=mixed.weights,
-            shapes=tuple(leaf.tensor.shape for leaf in found),
+            shapes=tuple([leaf.tensor.shape for leaf in found]),
             clean=clean,
             _weight=draw.weight if mixed.lam is None and isinstance(draw.weight, float) else None,
         )
@@ -902,7 +904,9 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         pool = self.partner_pool(n)
         lam = pins.lam
         if lam is None:
-            lam = torch.as_tensor(self.sample_lam(n, generator), dtype=torch.float64)
+            lam = self.sample_lam(n, generator)
+            if type(lam) is not torch.Tensor or lam.dtype != torch.float64:
+                lam = torch.as_tensor(lam, dtype=torch.float64)
         elif lam.ndim == 1 and lam.shape[0] != n:
             raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
         index = pins.index

@@ -124,6 +124,8 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         checkpoint_every=trainer.checkpoint_every,
         mixed_loss_weight=trainer.mixed_loss_weight,
         check_finite_every=check_finite_every,
+        warmup_epochs=trainer.warmup_epochs,
+        warmup_start_factor=trainer.warmup_start_factor,
     )
     try:
         schedule = _schedule(cfg, mixup)
@@ -144,6 +146,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         "torch": torch.__version__,
         "environment": environment(device),
         "loss": trainer.loss,
+        "warmup": _warmup(trainer),
         "mixed_loss_weight": trainer.mixed_loss_weight,
         "precision": trainer.precision,
         "check_finite_every": check_finite_every,
@@ -353,6 +356,19 @@ def _optimizer(
             f"optim: {node._target_} built a {type(optimizer).__name__}, not a torch.optim optimizer"
         )
     return optimizer
+
+
+def _warmup(trainer) -> dict | None:
+    """``summary.json``'s record of the learning-rate warm-up (``None``: none); a warm-up longer than the
+    run is said in the log."""
+    if not trainer.warmup_epochs:
+        return None
+    if trainer.warmup_epochs > trainer.epochs:
+        log.warning(
+            "trainer.warmup_epochs=%d is longer than the run (trainer.epochs=%d): the learning rate never "
+            "reaches the scheduler's", trainer.warmup_epochs, trainer.epochs,
+        )  # fmt: skip
+    return {"epochs": trainer.warmup_epochs, "start_factor": trainer.warmup_start_factor}
 
 
 def _scheduler(

@@ -57,6 +57,8 @@ class TrainerConfig:
     channels_last: bool = False
     loss: str = _one_of(LOSSES, "ce")
     mixed_loss_weight: float = field(default=1.0, metadata={"open": (0.0, math.inf)})
+    warmup_epochs: int = _at_least(0, 0)  # a linear warm-up of the learning rate (training.warmup)
+    warmup_start_factor: float = field(default=0.1, metadata={"closed": (0.0, 1.0)})
     checkpoint_every: int = _at_least(0, 0)
     check_finite_every: int | None = _at_least(1, None)
     resume: str | None = None
@@ -283,6 +285,10 @@ def _check_value(key: str, value: Any, rule) -> None:
         raise SchemaError(f"{key} must be increasing numbers >= {rule['increasing']}, got {value}")
     if "positive" in rule and not value > 0:
         raise SchemaError(f"{key} must be > 0, got {value!r}")
+    if "closed" in rule:
+        low, high = rule["closed"]
+        if not (math.isfinite(value) and low <= value <= high):
+            raise SchemaError(f"{key} must be in [{low:g}, {high:g}], got {value!r}")
     if "open" in rule:
         low, high = rule["open"]
         if not (math.isfinite(value) and low < value < high):

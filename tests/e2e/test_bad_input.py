@@ -56,6 +56,11 @@ from tests.conftest import write_cifar
             "error: trainer.fsdp_units: 'layer1.0' is inside 'layer1'; name units that do not nest",
         ),
         (["trainer.checkpoint_every=-5"], "error: trainer.checkpoint_every must be an integer >= 0, got -5"),
+        (["trainer.warmup_epochs=-1"], "error: trainer.warmup_epochs must be an integer >= 0, got -1"),
+        (
+            ["trainer.warmup_epochs=5", "trainer.warmup_start_factor=1.5"],
+            "error: trainer.warmup_start_factor must be in [0, 1], got 1.5",
+        ),
         (["trainer.logger=wandb"], "error: trainer.logger='wandb' is not a logger; valid: csv, tensorboard"),
         (["trainer.precision=8"], "error: trainer.precision='8' is not a precision; valid: 32, bf16, fp16"),
         (["probes.layers=[layr1]"], "error: probes.layer: unknown layer 'layr1'"),

@@ -351,17 +351,22 @@ DIGITS_200 = "bb1dcce0280df5f5"  # the digits split of data.train_size=200 (test
 SCHEDULED = [
     "schedule.off_epoch=3", "schedule.prob={start:0.2,end:1.0,epochs:2}",
     "schedule.alpha={start:0.5,end:2.0,epochs:3,shape:cosine}", "schedule.layer_weights=[1,2,2]",
+    "trainer.warmup_epochs=2", "trainer.warmup_start_factor=0.25",
 ]  # fmt: skip
 
 
-def test_a_mix_schedule_resumes_exactly_after_sigkill(tmp_path, uninterrupted):
-    """Ramps move every step and mixing stops after epoch 3 (timm's mixup_off_epoch): a run killed at a
-    random step and resumed ends identical to the same schedule uninterrupted."""
+def test_a_mix_schedule_and_a_warmup_resume_exactly_after_sigkill(tmp_path, uninterrupted):
+    """Ramps move every step, mixing stops after epoch 3 (timm's mixup_off_epoch) and the learning rate
+    warms up over two epochs, step by step: a run killed at a random step and resumed ends identical to
+    the same schedules uninterrupted."""
     reference = tmp_path / "reference"
     app.main(config(*SMALL, *SCHEDULED), out_dir=str(reference))
     expected = results(reference)
-    assert expected[0] != uninterrupted[0]  # the schedule changed the training
+    assert expected[0] != uninterrupted[0]  # the schedules changed the training
     assert expected[1]["schedule"].startswith("MixSchedule(prob=Ramp(start=0.2, end=1.0, epochs=2")
+    assert expected[1]["warmup"] == {"epochs": 2, "start_factor": 0.25}
+    lrs = [(float(a["lr"]), float(b["lr"])) for a, b in zip(expected[0], uninterrupted[0], strict=True)]
+    assert lrs[0][0] == pytest.approx(0.25 * lrs[0][1]) and lrs[1][0] < lrs[1][1] and lrs[2][0] == lrs[2][1]
     out = tmp_path / "run"
     proc = start(out, *SCHEDULED)
     wait_for_checkpoint(out, proc, after=at_random())

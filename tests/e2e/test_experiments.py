@@ -42,6 +42,14 @@ YUN_IMAGENET = {  # Yun et al. 2019: the authors' ImageNet command and code (per
                   "gamma": 0.1},
     "trainer": {"epochs": 300, "batch_size": 64, "loss": "ce"},
 }  # fmt: skip
+ZHANG_IMAGENET = {  # Zhang et al. 2018, Section 3.1; the authors' CIFAR code where it is silent (per process)
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.4, "momentum": 0.9, "weight_decay": 1e-4,
+              "nesterov": False},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [30, 60, 80],
+                  "gamma": 0.1},
+    "trainer": {"epochs": 90, "batch_size": 128, "loss": "ce", "warmup_epochs": 5,
+                "warmup_start_factor": 0.25},
+}  # fmt: skip
 FARAMARZI = {  # the PatchUp authors' README command and code (chandar-lab/PatchUp)
     "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
               "nesterov": True},
@@ -108,6 +116,9 @@ EXPECTED = {
     "zhang2018_cifar10_erm": (ZHANG, "cifar10", {}, 5.6, None),
     "zhang2018_cifar10_mixup": (ZHANG, "cifar10", INPUT, 4.2, None),
     "zhang2018_cifar100_mixup": (ZHANG, "cifar100", INPUT, 21.1, None),
+    "zhang2018_imagenet_mixup": (
+        ZHANG_IMAGENET, "imagefolder", {**INPUT, "alpha": 0.2}, None, None, RESNET50
+    ),
     "yun2019_cifar100_cutmix": (YUN, "cifar100", CUTMIX, None, None),
     "yun2019_imagenet_cutmix": (YUN_IMAGENET, "imagefolder", {**CUTMIX, "prob": 1.0}, 21.40, None, RESNET50),
     "faramarzi2022_cifar10_patchup_soft": (FARAMARZI, "cifar10", patchup("soft", 0.75, 1.0), None, None),
@@ -479,5 +490,31 @@ def test_the_imagenet_cutmix_recipe_builds_on_an_image_folder_with_the_authors_p
         steps = [type(t).__name__ for t in run.data.train.dataset.dataset.transform.transforms]
         assert steps == ["RandomResizedCrop", "RandomHorizontalFlip", "ToDtype", "ResNetColor", "Normalize"]
         assert run.summary["paper"]["value"] == 21.40
+    finally:
+        run.mixup.remove()
+
+
+def test_the_imagenet_mixup_recipe_warms_up_and_attaches_no_unread_figure(tmp_path):
+    """Zhang et al. 2018's ImageNet recipe on a small JPEG tree: ResNet-50, input mixup with alpha 0.2, the
+    rate warming up from 0.1 to 0.4 over 5 epochs step by step, then divided by 10 at 30, 60 and 80, the
+    plain training pipeline; the paper's figure is named, not quoted."""
+    from tests.unit.test_data_folders import jpeg_tree
+
+    jpeg_tree(tmp_path / "train")
+    jpeg_tree(tmp_path / "val", per_class=2)
+    overrides = ["experiment=zhang2018_imagenet_mixup", f"data.root={tmp_path}", "data.num_workers=0"]
+    run = app.build(config(*overrides, "data.size=32", "data.resize=32", "trainer.batch_size=4"))
+    try:
+        assert type(run.model).__name__ == "ResNet" and run.model.fc.out_features == 3
+        assert run.settings.warmup_epochs == 5 and run.settings.warmup_start_factor == 0.25
+        assert run.optimizer.param_groups[0]["lr"] == 0.4
+        assert run.scheduler.milestones == {30: 1, 60: 1, 80: 1}
+        assert isinstance(run.mixup, ManifoldMixup) and run.mixup.layers == ("input",)
+        assert run.mixup.alpha == 0.2
+        steps = [type(t).__name__ for t in run.data.train.dataset.dataset.transform.transforms]
+        assert steps == ["RandomResizedCrop", "RandomHorizontalFlip", "ToDtype", "Normalize"]
+        assert run.summary["warmup"] == {"epochs": 5, "start_factor": 0.25}
+        paper = run.summary["paper"]
+        assert "value" not in paper and paper["figure"].startswith("not attached")
     finally:
         run.mixup.remove()

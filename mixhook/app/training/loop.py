@@ -40,6 +40,7 @@ from .distributed import Dist, sharded
 from .finite import FiniteCheck, NonFiniteLoss, check_every
 from .logging import save_feature_maps
 from .state import RunState
+from .warmup import Warmup
 
 log = logging.getLogger("mixhook")
 
@@ -356,6 +357,8 @@ class Settings:
     checkpoint_every: int = 0
     mixed_loss_weight: float = 1.0  # the loss of a mixed step times this (PatchUp's authors: 2)
     check_finite_every: int | None = None  # host reads of the finite check (finite.check_every)
+    warmup_epochs: int = 0  # a linear warm-up of the learning rate over these first epochs (warmup.Warmup)
+    warmup_start_factor: float = 1.0  # its first step's rate over the scheduled one
 
 
 @dataclass
@@ -420,6 +423,7 @@ def train(
     dist = dist or Dist()
     net = _network(model, device, opts, dist)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    warmup = Warmup(opts.warmup_epochs, opts.warmup_start_factor)  # (0 epochs: a factor of 1 throughout)
     sampler = data.train.sampler
     finite = FiniteCheck(check_every(opts.check_finite_every, optimizer, device), optimizer, dist)
     if finite.lazy:
@@ -464,8 +468,15 @@ def train(
             sampler.set_epoch(epoch)
             steps = len(data.train)  # the whole epoch's steps (a resumed epoch's loader has fewer left)
             sampler.set_epoch(epoch, start=skip * data.train.batch_size)
+            lr *= warmup.factor(state.global_step - skip, steps)  # the rate of the epoch's first step
+
+            def before_step(done, epoch=epoch, steps=steps):
+                if run.schedule is not None:
+                    run.schedule.set(epoch, done / steps)
+                warmup.apply(optimizer, state.global_step, steps)
 
             def after_step(totals, epoch=epoch):
+                warmup.restore(optimizer)  # (before a checkpoint: it holds the scheduled rate)
                 state.global_step += 1
                 # a signal on any rank stops all of them after this step (asked where the host reads
                 # anyway: the question is a collective, a host sync, under DDP)
@@ -480,9 +491,7 @@ def train(
             try:
                 train_loss = train_one_epoch(
                     training, data.train, totals, f"epoch {epoch}/{epochs}",
-                    before_step=None if run.schedule is None else (
-                        lambda done, epoch=epoch, steps=steps: run.schedule.set(epoch, done / steps)
-                    ),
+                    before_step=before_step,
                     after_step=after_step,
                 )  # fmt: skip
                 correct, rows = float(totals.correct), totals.rows

@@ -10,13 +10,52 @@ run, so the source may be dropped at once.
 
 from __future__ import annotations
 
+import collections
+import weakref
+
 import torch
+
+# The partner indices copied last: id(the CPU index) -> (a weak reference to it, its version counter when
+# copied, the device, the copy). A mix needs its index on the device twice, in the blend and in the loss
+# (the partners' targets): the second asks for the copy the first made, so a mix copies it once, as a
+# hand-written hook keeps its index on the device. An index changed in place since (its version moved)
+# or gone (its reference dead) is copied anew. A few are kept: a blend may copy the inverse permutation
+# between the two.
+_INDICES: collections.OrderedDict = collections.OrderedDict()
+_KEEP = 4
 
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``t.to(device, dtype)``, queued without a host sync when ``t`` is on the CPU and ``device`` is CUDA."""
+    """``t.to(device, dtype)``, queued without a host sync when ``t`` is on the CPU and ``device`` is CUDA;
+    a 1-D int64 CPU tensor (a partner index) is copied to a device once while it is unchanged."""
     if dtype is None and t.device == device:
         return t
+    if (
+        not torch.compiler.is_compiling()
+        and dtype is None
+        and t.dtype == torch.int64
+        and t.ndim == 1
+        and t.device.type == "cpu"
+        and not t.is_inference()  # (no version counter)
+    ):
+        return _index_on(t, torch.device(device))
+    return _copy(t, device, dtype)
+
+
+def _index_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The index ``t`` on ``device``: the copy made before if ``t`` is unchanged since, else a new one."""
+    found = _INDICES.get(id(t))
+    if found is not None and found[0]() is t and found[1] == t._version and found[2] == device:
+        return found[3]
+    copy = _copy(t, device, None)
+    _INDICES[id(t)] = (weakref.ref(t), t._version, device, copy)
+    _INDICES.move_to_end(id(t))
+    while len(_INDICES) > _KEEP:
+        _INDICES.popitem(last=False)
+    return copy
+
+
+def _copy(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
     if (
         t.device.type != "cpu"
         or torch.device(device).type != "cuda"

@@ -227,3 +227,52 @@ def test_a_training_step_dispatches_at_most_two_ops_more_than_a_hand_written_hoo
         ours = _step_ops(hooked, lambda logits, t: mix.loss(F.cross_entropy, logits, t), x, y)
     theirs = _step_ops(hand, manual.loss, x, y)
     assert ours <= theirs + 2, (ours, theirs)
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the copies of a CPU tensor to another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func) == "aten._to_copy.default" and args[0].device.type == "cpu":
+            target = kwargs.get("device")
+            self.copies += target is not None and torch.device(target).type != "cpu"
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("width", [4, 2048])  # 6x4x16x16: indexing's backward; 6x2048x16x16: the gather
+def test_a_mix_copies_its_partner_index_to_the_device_once_and_the_loss_takes_that_copy(width):
+    """On a device (meta here: the same path as CUDA's, without values) the blend needs the partner index
+    there and so does the loss (the partners' targets): one copy, as a hand-written hook keeps its index
+    on the device (the gather backward of a large map inverts the permutation on the device)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.Flatten(), nn.Linear(width * 256, 5))
+    model = model.to("meta").train()
+    x, y = torch.randn(6, 3, 16, 16, device="meta"), torch.randint(0, 5, (6,), device="meta")
+    mix = ManifoldMixup("0")
+    with mix.attach(model):
+        for _ in range(2):
+            with _Copies() as forward:
+                logits = model(x)
+            with _Copies() as loss:
+                value = mix.loss(F.cross_entropy, logits, y)
+            value.backward()
+            assert (forward.copies, loss.copies) == (1, 0)
+
+
+def test_an_index_changed_in_place_or_another_index_is_copied_anew():
+    from mixhook.transfer import to_device
+
+    index = torch.tensor([2, 0, 1])
+    first = to_device(index, torch.device("meta"))
+    assert to_device(index, torch.device("meta")) is first  # unchanged: the same copy
+    index[0] = 1  # in place: its version moves
+    assert to_device(index, torch.device("meta")) is not first
+    assert to_device(index.clone(), torch.device("meta")) is not first  # another tensor
+    with torch.inference_mode():
+        frozen = torch.tensor([1, 0])
+    assert to_device(frozen, torch.device("meta")).device.type == "meta"  # (no version counter: copied)

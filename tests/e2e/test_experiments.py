@@ -469,16 +469,22 @@ def test_a_batch_left_unmixed_keeps_the_plain_loss_under_mixed_loss_weight():
     assert never.last is None and value == pytest.approx(float(expected.detach()), rel=1e-12)
 
 
-def test_the_imagenet_cutmix_recipe_builds_on_an_image_folder_with_the_authors_pipeline(tmp_path):
-    """Yun et al. 2019's ImageNet recipe on a small JPEG tree (images cut to 32 pixels to keep it quick):
-    ResNet-50 with one output per class, Nesterov SGD decayed every 75 epochs, CutMix on every batch at the
-    input, and the authors' color augmentation (jitter 0.4, lighting 0.1) in the training pipeline only."""
+def imagenet_recipe(root, name: str):
+    """The run experiment ``name`` builds on a small JPEG tree in ImageNet's layout under ``root`` (three
+    classes; images cut to 32 pixels to keep it quick)."""
     from tests.unit.test_data_folders import jpeg_tree
 
-    jpeg_tree(tmp_path / "train")
-    jpeg_tree(tmp_path / "val", per_class=2)
-    overrides = ["experiment=yun2019_imagenet_cutmix", f"data.root={tmp_path}", "data.num_workers=0"]
-    run = app.build(config(*overrides, "data.size=32", "data.resize=32", "trainer.batch_size=4"))
+    jpeg_tree(root / "train")
+    jpeg_tree(root / "val", per_class=2)
+    overrides = [f"experiment={name}", f"data.root={root}", "data.num_workers=0"]
+    return app.build(config(*overrides, "data.size=32", "data.resize=32", "trainer.batch_size=4"))
+
+
+def test_the_imagenet_cutmix_recipe_builds_on_an_image_folder_with_the_authors_pipeline(tmp_path):
+    """Yun et al. 2019's ImageNet recipe on a small JPEG tree:
+    ResNet-50 with one output per class, Nesterov SGD decayed every 75 epochs, CutMix on every batch at the
+    input, and the authors' color augmentation (jitter 0.4, lighting 0.1) in the training pipeline only."""
+    run = imagenet_recipe(tmp_path, "yun2019_imagenet_cutmix")
     try:
         assert type(run.model).__name__ == "ResNet" and run.model.fc.out_features == 3
         assert run.optimizer.param_groups[0]["nesterov"] and run.scheduler.milestones == {
@@ -498,12 +504,7 @@ def test_the_imagenet_mixup_recipe_warms_up_and_attaches_no_unread_figure(tmp_pa
     """Zhang et al. 2018's ImageNet recipe on a small JPEG tree: ResNet-50, input mixup with alpha 0.2, the
     rate warming up from 0.1 to 0.4 over 5 epochs step by step, then divided by 10 at 30, 60 and 80, the
     plain training pipeline; the paper's figure is named, not quoted."""
-    from tests.unit.test_data_folders import jpeg_tree
-
-    jpeg_tree(tmp_path / "train")
-    jpeg_tree(tmp_path / "val", per_class=2)
-    overrides = ["experiment=zhang2018_imagenet_mixup", f"data.root={tmp_path}", "data.num_workers=0"]
-    run = app.build(config(*overrides, "data.size=32", "data.resize=32", "trainer.batch_size=4"))
+    run = imagenet_recipe(tmp_path, "zhang2018_imagenet_mixup")
     try:
         assert type(run.model).__name__ == "ResNet" and run.model.fc.out_features == 3
         assert run.settings.warmup_epochs == 5 and run.settings.warmup_start_factor == 0.25

@@ -16,11 +16,11 @@ import weakref
 import torch
 
 # The partner indices copied last: id(the CPU index) -> (a weak reference to it, its version counter when
-# copied, the device, the copy). A mix needs its index on the device twice, in the blend and in the loss
-# (the partners' targets): the second asks for the copy the first made, so a mix copies it once, as a
-# hand-written hook keeps its index on the device. An index changed in place since (its version moved)
-# or gone (its reference dead) is copied anew. A few are kept: a blend may copy the inverse permutation
-# between the two.
+# copied, the device, the CUDA stream the copy was queued on, the copy). A mix needs its index on the
+# device twice, in the blend and in the loss (the partners' targets): the second asks for the copy the
+# first made, so a mix copies it once, as a hand-written hook keeps its index on the device. An index
+# changed in place since (its version moved) or gone (its reference dead) is copied anew. A few are kept:
+# a blend may copy the inverse permutation between the two.
 _INDICES: collections.OrderedDict = collections.OrderedDict()
 _KEEP = 4
 
@@ -43,12 +43,14 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None =
 
 
 def _index_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The index ``t`` on ``device``: the copy made before if ``t`` is unchanged since, else a new one."""
+    """The index ``t`` on ``device``: the copy made before if ``t`` is unchanged since and the same CUDA
+    stream asks (another stream could read it before the queued copy ran), else a new one."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     found = _INDICES.get(id(t))
-    if found is not None and found[0]() is t and found[1] == t._version and found[2] == device:
-        return found[3]
+    if found is not None and found[0]() is t and found[1:4] == (t._version, device, stream):
+        return found[4]
     copy = _copy(t, device, None)
-    _INDICES[id(t)] = (weakref.ref(t), t._version, device, copy)
+    _INDICES[id(t)] = (weakref.ref(t), t._version, device, stream, copy)
     _INDICES.move_to_end(id(t))
     while len(_INDICES) > _KEEP:
         _INDICES.popitem(last=False)

@@ -333,7 +333,14 @@ _CIFAR = {
 }
 
 
-def _cifar(name: str, root: str = "data", download: bool = False, augment: bool = True, num_workers: int = 2):
+def _cifar(
+    name: str,
+    root: str = "data",
+    download: bool = False,
+    augment: bool = True,
+    num_workers: int = 2,
+    padding: int = 4,
+):
     spec = _CIFAR[name]
     folder = os.path.join(root, spec["folder"])
     missing = [f for f in spec["train"] + spec["test"] if not os.path.isfile(os.path.join(folder, f))]
@@ -350,7 +357,8 @@ def _cifar(name: str, root: str = "data", download: bool = False, augment: bool 
     norm = (spec["mean"], spec["std"])
     info = {"in_channels": 3, "num_classes": spec["num_classes"], "image_size": 32}
     info["split_hash"] = digest(train_x, train_y, test_x, test_y)
-    return CifarImages(train_x, train_y, *norm, augment=augment), CifarImages(test_x, test_y, *norm), info
+    train = CifarImages(train_x, train_y, *norm, augment=augment, padding=padding)
+    return train, CifarImages(test_x, test_y, *norm), info
 
 
 def _download(name: str, root: str) -> None:
@@ -398,11 +406,12 @@ def _svhn(
     augment: bool = False,
     extra: bool = False,
     num_workers: int = 2,
+    padding: int = 4,
 ):
     """SVHN's cropped digits (torchvision's files: ``train_32x32.mat``, ``test_32x32.mat`` and, with
     ``extra``, ``extra_32x32.mat`` joined to the training set), label 10 read as the digit 0, as
-    torchvision reads it. ``augment``: the 4-pixel padded random crop, never a flip (a mirrored digit is
-    another glyph)."""
+    torchvision reads it. ``augment``: the ``padding``-pixel padded random crop, never a flip (a mirrored
+    digit is another glyph)."""
     splits_ = ["train", "test", *(["extra"] if extra else [])]
     paths = {split: os.path.join(root, _SVHN["files"][split]) for split in splits_}
     missing = [path for path in paths.values() if not os.path.isfile(path)]
@@ -423,7 +432,7 @@ def _svhn(
     norm = (_SVHN["mean"], _SVHN["std"])
     info = {"in_channels": 3, "num_classes": 10, "image_size": 32}
     info["split_hash"] = digest(train_x, train_y, test_x, test_y)
-    train = CifarImages(train_x, train_y, *norm, augment=augment, flip=False)
+    train = CifarImages(train_x, train_y, *norm, augment=augment, flip=False, padding=padding)
     return train, CifarImages(test_x, test_y, *norm, flip=False), info
 
 
@@ -686,19 +695,26 @@ class FolderImages(Dataset):
 
 
 class CifarImages(Dataset):
-    """uint8 32x32 images (CIFAR, SVHN) with the standard augmentation (4-pixel padded random crop and,
-    with ``flip``, a horizontal flip, from ``torchvision.transforms.v2``) when ``augment``, then
-    per-channel normalization."""
+    """uint8 32x32 images (CIFAR, SVHN) with the standard augmentation (a random crop of the image
+    zero-padded by ``padding`` pixels, 4 by default, and, with ``flip``, a horizontal flip, from
+    ``torchvision.transforms.v2``) when ``augment``, then per-channel normalization."""
 
     def __init__(
-        self, images: torch.Tensor, labels: torch.Tensor, mean, std, augment: bool = False, flip: bool = True
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        mean,
+        std,
+        augment: bool = False,
+        flip: bool = True,
+        padding: int = 4,
     ):
         from torchvision.transforms import v2
 
-        self.images, self.labels, self.flip = images, labels, flip
+        self.images, self.labels, self.flip, self.padding = images, labels, flip, padding
         self.mean = torch.tensor(mean).view(3, 1, 1)
         self.std = torch.tensor(std).view(3, 1, 1)
-        steps = [v2.RandomCrop(32, padding=4), *([v2.RandomHorizontalFlip()] if flip else [])]
+        steps = [v2.RandomCrop(32, padding=padding), *([v2.RandomHorizontalFlip()] if flip else [])]
         self.augment = v2.Compose(steps) if augment else None
 
     def __len__(self) -> int:
@@ -763,7 +779,7 @@ class DeviceBatches:
         self.mean = data.mean.to(self.device)
         self.std = data.std.to(self.device)
         self.augment = data.augment is not None and sampler is not None
-        self.flip = data.flip
+        self.flip, self.padding = data.flip, data.padding
         self.batch_size, self.sampler = batch_size, sampler
         self.indices = torch.arange(len(data)) if indices is None else indices
 
@@ -775,7 +791,7 @@ class DeviceBatches:
     def __iter__(self):
         if self.sampler is not None:
             order, seeds = self.sampler.plan()
-            top, left, flip = augmentation_draws(seeds)
+            top, left, flip = augmentation_draws(seeds, self.padding)
             flip = flip if self.flip else torch.zeros_like(flip)  # (SVHN's digits are not mirrored)
             draws = [d.to(self.device, non_blocking=True) for d in (top, left, flip)]
         else:
@@ -785,5 +801,5 @@ class DeviceBatches:
             part = slice(start, start + self.batch_size)
             x = self.images[order[part]]
             if self.augment:
-                x = crop_and_flip(x, *(d[part] for d in draws))
+                x = crop_and_flip(x, *(d[part] for d in draws), padding=self.padding)
             yield (x.float() / 255.0 - self.mean) / self.std, self.labels[order[part]]

@@ -89,6 +89,7 @@ class CifarConfig:
     root: str = "data"
     download: bool = False
     augment: bool = True
+    padding: int = _at_least(0, 4)  # the random crop's zero padding, in pixels (augment=true)
     num_workers: int = _at_least(0, 2)
     pipeline: str = _one_of(PIPELINES, "auto")
 

@@ -147,6 +147,7 @@ from tests.conftest import write_cifar
             "error: data=imagefolder: /nonexistent/train is missing (data.train='train' under",
         ),
         (["data=imagefolder", "data.size=0"], "error: data.size must be an integer >= 1, got 0"),
+        (["data=cifar10", "data.padding=-2"], "error: data.padding must be an integer >= 0, got -2"),
         (
             [
                 "model._target_=tests.toy_models.TupleBlockNet",

@@ -207,6 +207,7 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
         assert run.model.shortcut == model.get("shortcut", "input")
         assert run.settings.mixed_loss_weight == recipe["trainer"].get("mixed_loss_weight", 1.0)
         assert run.optimizer.param_groups[0]["nesterov"] == recipe["optim"]["nesterov"]
+        assert run.data.train.padding == (2 if name.startswith("verma2019") else 4)  # (the authors' code)
         assert run.scheduler.milestones == dict.fromkeys(recipe["scheduler"]["milestones"], 1)
         kind = {"mixhook.ManifoldMixup": ManifoldMixup, "mixhook.CutMix": CutMix, "mixhook.OneOf": OneOf,
                 "mixhook.NoisyFeatureMixup": NoisyFeatureMixup, "mixhook.RegMixup": RegMixup,

@@ -177,11 +177,12 @@ def test_augmented_batches_depend_on_seed_and_epoch_only(cifar10_root, workers):
 # ------------------------------------------------------------------ CIFAR batches made on the device
 
 
-def cifar(images, augment=True):
+def cifar(images, augment=True, padding=4):
     from mixhook.app.data import _CIFAR, CifarImages
 
     spec = _CIFAR["cifar10"]
-    return CifarImages(images, torch.arange(len(images)) % 10, spec["mean"], spec["std"], augment=augment)
+    labels = torch.arange(len(images)) % 10
+    return CifarImages(images, labels, spec["mean"], spec["std"], augment=augment, padding=padding)
 
 
 def test_a_batch_is_cropped_and_flipped_as_torchvision_crops_and_flips_each_image():
@@ -214,17 +215,19 @@ def test_the_crop_and_flip_draws_are_uniform_and_independent():
     assert int(cells.min()) > 0 and chisquare(cells.numpy()).pvalue > 1e-3
 
 
-def outcome_counts(outputs: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-    """How often each of the 162 crops and flips of ``image`` is among ``outputs`` (unnormalised), each
-    output matched exactly to one of them (compared on every 4th pixel, where they already all differ)."""
-    padded = torch.nn.functional.pad(image, (4, 4, 4, 4))
-    windows = [padded[:, r : r + 32, c : c + 32] for r in range(9) for c in range(9)]
+def outcome_counts(outputs: torch.Tensor, image: torch.Tensor, padding: int = 4) -> torch.Tensor:
+    """How often each of the ``(2 * padding + 1)**2 * 2`` crops and flips of ``image`` (162 for 4 pixels)
+    is among ``outputs`` (unnormalised), each output matched exactly to one of them (compared on every
+    4th pixel, where they already all differ)."""
+    padded = torch.nn.functional.pad(image, (padding,) * 4)
+    n = 2 * padding + 1
+    windows = [padded[:, r : r + 32, c : c + 32] for r in range(n) for c in range(n)]
     candidates = torch.stack([w.flip(-1) if f else w for w in windows for f in (0, 1)])[:, :, ::4, ::4]
     outputs = outputs[:, :, ::4, ::4]
     distance = torch.cdist(outputs.flatten(1), candidates.flatten(1), p=float("inf"))
     closest = distance.topk(2, largest=False)
     assert bool((closest.values[:, 0] < 1e-5).all() and (closest.values[:, 1] > 1e-3).all())
-    return torch.bincount(closest.indices[:, 0], minlength=162)
+    return torch.bincount(closest.indices[:, 0], minlength=2 * n * n)
 
 
 def test_device_batches_have_the_per_sample_pipelines_distribution():
@@ -250,6 +253,28 @@ def test_device_batches_have_the_per_sample_pipelines_distribution():
     counts = [outcome_counts(out * std + mean, plain) for out in (per_sample, batched)]
     assert all(chisquare(c.numpy()).pvalue > 1e-3 for c in counts)
     assert chi2_contingency(torch.stack(counts).numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("padding", [0, 2])
+def test_another_padding_crops_within_it_in_both_pipelines(padding):
+    """data.padding (the Manifold Mixup authors' code pads CIFAR and SVHN by 2 pixels): every output of
+    both pipelines is one of the image's (2 * padding + 1)**2 crops of its padded copy, flipped or not,
+    and each of them comes out (0: the image itself or its mirror)."""
+    from scipy.stats import chisquare
+
+    from mixhook.app.data import DeviceBatches, SeededSamples
+
+    image = torch.randint(
+        0, 256, (1, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    data = cifar(image.expand(1000, -1, -1, -1).clone(), padding=padding)
+    sampler = EpochSampler(1000, seed=0)
+    sampler.set_epoch(0)
+    per_sample = torch.stack([SeededSamples(data)[key][0] for key in sampler])
+    batched = torch.cat([x for x, _ in DeviceBatches(data, 250, sampler=sampler)])
+    for out in (per_sample, batched):
+        counts = outcome_counts(out * data.std + data.mean, image[0].float() / 255, padding)
+        assert int(counts.min()) > 0 and chisquare(counts.numpy()).pvalue > 1e-3
 
 
 def test_device_batches_follow_the_epoch_order_resume_exactly_and_shard_the_test_set(tmp_path):

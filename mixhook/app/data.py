@@ -14,6 +14,7 @@ resumed at step k of an epoch sees exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from dataclasses import dataclass
@@ -340,6 +341,10 @@ def _cifar(
     augment: bool = True,
     num_workers: int = 2,
     padding: int = 4,
+    per_class: int | None = None,
+    subset_seed: int = 0,
+    mean: list | None = None,
+    std: list | None = None,
 ):
     spec = _CIFAR[name]
     folder = os.path.join(root, spec["folder"])
@@ -354,7 +359,10 @@ def _cifar(
         )
     train_x, train_y = load_cifar_files(folder, spec["train"], spec["label_key"])
     test_x, test_y = load_cifar_files(folder, spec["test"], spec["label_key"])
-    norm = (spec["mean"], spec["std"])
+    norm = normalization(spec["mean"], spec["std"], mean, std)
+    if per_class is not None:
+        keep = per_class_subset(train_y, per_class, subset_seed)
+        train_x, train_y = train_x[keep], train_y[keep]
     info = {"in_channels": 3, "num_classes": spec["num_classes"], "image_size": 32}
     info["split_hash"] = digest(train_x, train_y, test_x, test_y)
     train = CifarImages(train_x, train_y, *norm, augment=augment, padding=padding)
@@ -373,6 +381,31 @@ def _download(name: str, root: str) -> None:
             f"{spec['title']} is not under data.root={root!r} and downloading it failed "
             f"({type(err).__name__}: {err}). Extract {spec['archive']} there by hand"
         ) from err
+
+
+def normalization(own_mean, own_std, mean: list | None, std: list | None) -> tuple:
+    """The per-channel mean and std images are normalised with: the data set's own, or ``data.mean`` /
+    ``data.std`` (three finite numbers each, the std's > 0), e.g. the Manifold Mixup authors' 0.5 and
+    0.5 for SVHN; else a one-line ``ValueError``."""
+    mean = tuple(own_mean if mean is None else mean)
+    std = tuple(own_std if std is None else std)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (*mean, *std))
+    finite = numbers and len(mean) == len(std) == 3 and all(map(math.isfinite, (*mean, *std)))
+    if not finite or min(std) <= 0:
+        raise ValueError(
+            f"data.mean={list(mean)} and data.std={list(std)} must be three finite numbers each, the "
+            "std's > 0"
+        )
+    return mean, std
+
+
+def per_class_subset(labels: torch.Tensor, per_class: int, seed: int) -> torch.Tensor:
+    """The indices, in order, of at most ``per_class`` training images of each class (every image of a
+    class that has fewer), drawn at random with ``seed`` (``data.subset_seed``), as the Manifold Mixup
+    authors' code keeps ``--labels_per_class`` of each class (supervised/load_data.py, get_sampler)."""
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    kept = [order[labels[order] == c][:per_class] for c in labels.unique()]
+    return torch.cat(kept).sort().values
 
 
 def load_cifar_files(folder: str, files: list[str], label_key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,6 +440,10 @@ def _svhn(
     extra: bool = False,
     num_workers: int = 2,
     padding: int = 4,
+    per_class: int | None = None,
+    subset_seed: int = 0,
+    mean: list | None = None,
+    std: list | None = None,
 ):
     """SVHN's cropped digits (torchvision's files: ``train_32x32.mat``, ``test_32x32.mat`` and, with
     ``extra``, ``extra_32x32.mat`` joined to the training set), label 10 read as the digit 0, as
@@ -429,7 +466,10 @@ def _svhn(
     if extra:
         train_x, train_y = torch.cat([train_x, loaded["extra"][0]]), torch.cat([train_y, loaded["extra"][1]])
     test_x, test_y = loaded["test"]
-    norm = (_SVHN["mean"], _SVHN["std"])
+    norm = normalization(_SVHN["mean"], _SVHN["std"], mean, std)
+    if per_class is not None:
+        keep = per_class_subset(train_y, per_class, subset_seed)
+        train_x, train_y = train_x[keep], train_y[keep]
     info = {"in_channels": 3, "num_classes": 10, "image_size": 32}
     info["split_hash"] = digest(train_x, train_y, test_x, test_y)
     train = CifarImages(train_x, train_y, *norm, augment=augment, flip=False, padding=padding)

@@ -90,6 +90,10 @@ class CifarConfig:
     download: bool = False
     augment: bool = True
     padding: int = _at_least(0, 4)  # the random crop's zero padding, in pixels (augment=true)
+    per_class: int | None = _at_least(1, None)  # at most this many training images per class
+    subset_seed: int = _at_least(0, 0)  # the seed of that subset
+    mean: list[float] | None = None  # the normalisation (null: the data set's own)
+    std: list[float] | None = None
     num_workers: int = _at_least(0, 2)
     pipeline: str = _one_of(PIPELINES, "auto")
 

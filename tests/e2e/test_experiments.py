@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from mixhook import CutMix, ManifoldMixup, MixupE, NoisyFeatureMixup, OneOf, RankMixup, RegMixup
@@ -22,6 +23,12 @@ VERMA = {  # Verma et al. 2019, Appendix C, and the authors' code where the pape
               "nesterov": True},
     "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [400, 800], "gamma": 0.1},
     "trainer": {"epochs": 1200, "batch_size": 100, "loss": "bce_softmax"},
+}  # fmt: skip
+VERMA_SVHN = {  # the authors' README SVHN commands and code; the rest as their CIFAR recipe
+    **VERMA,
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [500, 1000, 1500],
+                  "gamma": 0.1},
+    "trainer": {"epochs": 2000, "batch_size": 100, "loss": "bce_softmax"},
 }  # fmt: skip
 ZHANG = {  # Zhang et al. 2018, Section 3.2, and the authors' code
     "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
@@ -113,6 +120,9 @@ EXPECTED = {
     "verma2019_cifar100_none": (VERMA, "cifar100", {}, 24.01, 0.376),
     "verma2019_cifar100_input": (VERMA, "cifar100", INPUT, 22.11, 0.424),
     "verma2019_cifar100_manifold": (VERMA, "cifar100", MANIFOLD, 20.34, 0.525),
+    "verma2019_svhn_none": (VERMA_SVHN, "svhn", {}, None, None),
+    "verma2019_svhn_input": (VERMA_SVHN, "svhn", INPUT, None, None),
+    "verma2019_svhn_manifold": (VERMA_SVHN, "svhn", MANIFOLD, None, None),
     "zhang2018_cifar10_erm": (ZHANG, "cifar10", {}, 5.6, None),
     "zhang2018_cifar10_mixup": (ZHANG, "cifar10", INPUT, 4.2, None),
     "zhang2018_cifar100_mixup": (ZHANG, "cifar100", INPUT, 21.1, None),
@@ -137,13 +147,14 @@ EXPECTED = {
                                 "alpha": 2.0, "eta": 0.001, "threshold": 1.0}, None, None),
 }  # fmt: skip
 REPOSITORIES = {
+    "verma2019": "vikasverma1077/manifold_mixup at 870ef77",  # (SVHN; the CIFAR rows carry figures)
     "faramarzi2022": "chandar-lab/PatchUp at 31133f3",
     "lim2022": "erichson/NFM at ed22d5d",
     "pinto2022": "FrancescoPinto/RegMixup at fd78465",
     "noh2023": "cvlab-yonsei/RankMixup at e5dc77f",
     "zou2023": "oneHuster/MixupE at 64ba406",
 }
-UNVERIFIED = [name for name in EXPECTED if name.startswith(tuple(REPOSITORIES))]
+UNVERIFIED = [name for name in EXPECTED if name.startswith(tuple(REPOSITORIES)) and EXPECTED[name][3] is None]
 
 
 def test_every_experiment_config_is_checked_here():
@@ -518,5 +529,26 @@ def test_the_imagenet_mixup_recipe_warms_up_and_attaches_no_unread_figure(tmp_pa
         assert run.summary["warmup"] == {"epochs": 5, "start_factor": 0.25}
         paper = run.summary["paper"]
         assert "value" not in paper and paper["figure"].startswith("not attached")
+    finally:
+        run.mixup.remove()
+
+
+def test_the_svhn_recipes_build_on_svhn_files_with_the_authors_pipeline(tmp_path):
+    """Verma et al. 2019's SVHN rows as the authors' code trains them: at most 7,325 training images of each
+    class, a 2-pixel padded crop and never a flip, the normalisation to [-1, 1], 2,000 epochs decayed at
+    500, 1,000 and 1,500, Manifold Mixup over {input, layer1, layer2}."""
+    from tests.unit.test_data_folders import svhn_files
+
+    svhn_files(tmp_path / "svhn", n_train=20)
+    overrides = ["experiment=verma2019_svhn_manifold", f"data.root={tmp_path / 'svhn'}"]
+    run = app.build(config(*overrides, "data.per_class=1"))  # (the files hold 2 of each class)
+    try:
+        train = run.data.train
+        assert (train.padding, train.flip, train.augment) == (2, False, True)
+        assert train.mean.flatten().tolist() == [0.5] * 3 and train.std.flatten().tolist() == [0.5] * 3
+        assert torch.bincount(train.labels.cpu(), minlength=10).tolist() == [1] * 10
+        assert run.settings.epochs == 2000 and run.scheduler.milestones == {500: 1, 1000: 1, 1500: 1}
+        assert isinstance(run.mixup, ManifoldMixup) and run.mixup.layers == ("input", "layer1", "layer2")
+        assert run.summary["paper"]["figure"].startswith("not attached")
     finally:
         run.mixup.remove()

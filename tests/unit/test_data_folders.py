@@ -2,6 +2,8 @@
 small JPEG trees in ImageNet's and Tiny-ImageNet's layouts), with the standard pipelines, reproducible
 augmentation, and one line for each bad layout."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -61,6 +63,46 @@ def test_svhn_augments_by_cropping_only_never_a_mirror(tmp_path):
             unflipped = crop_and_flip(data.train.images[order], top, left, torch.zeros(64, dtype=torch.bool))
             torch.testing.assert_close(x, (unflipped.float() / 255 - data.train.mean) / data.train.std)
             assert images.shape == x.shape
+
+
+def test_a_per_class_subset_keeps_that_many_of_each_class_and_the_normalisation_can_be_given(tmp_path):
+    """data.per_class, as the Manifold Mixup authors' code keeps --labels_per_class of each class
+    (supervised/load_data.py, get_sampler: shuffle, then each class's first n; every image of a class with
+    fewer), drawn with data.subset_seed; data.mean/std replace the set's own normalisation (their SVHN:
+    0.5 and 0.5). The subset is part of the split's digest."""
+    arrays = svhn_files(tmp_path / "svhn", n_train=40)  # labels 1..10 four times each: 4 per class
+    root = str(tmp_path / "svhn")
+    half = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "pipeline": "workers", "num_workers": 0}
+    full = build_data("svhn", batch_size=4, root=root, **half)
+    subsets = [
+        build_data("svhn", batch_size=4, root=root, per_class=3, subset_seed=k, **half) for k in (0, 0, 1)
+    ]
+    for data in subsets:
+        labels = data.train.dataset.dataset.labels
+        assert torch.bincount(labels, minlength=10).tolist() == [3] * 10
+    kept = [s.train.dataset.dataset.images for s in subsets]
+    assert torch.equal(kept[0], kept[1]) and not torch.equal(kept[0], kept[2])  # the seed draws it
+    assert subsets[0].split_hash == subsets[1].split_hash != subsets[2].split_hash != full.split_hash
+    images = torch.from_numpy(arrays["train"][0].transpose(3, 2, 0, 1).copy())
+    assert all(any(torch.equal(k, i) for i in images) for k in kept[0])  # training images, unchanged
+    every = build_data("svhn", batch_size=4, root=root, per_class=9, **half)  # more than a class has: all
+    assert len(every.train.dataset.dataset.labels) == 40 and every.split_hash == full.split_hash
+    x, _ = next(iter(full.test))
+    test = torch.from_numpy(arrays["test"][0].transpose(3, 2, 0, 1).copy())
+    torch.testing.assert_close(x, (test.float() / 255 - 0.5) / 0.5)
+
+
+@pytest.mark.parametrize(
+    ("options", "line"),
+    [
+        ({"mean": [0.5, 0.5]}, "data.mean=[0.5, 0.5] and data.std=[0.198, 0.201, 0.197] must be three"),
+        ({"std": [0.5, 0.0, 0.5]}, "the std's > 0"),
+    ],
+)
+def test_a_bad_normalisation_is_one_line(tmp_path, options, line):
+    svhn_files(tmp_path / "svhn")
+    with pytest.raises(ValueError, match=re.escape(line)):
+        build_data("svhn", batch_size=4, root=str(tmp_path / "svhn"), **options)
 
 
 def test_svhn_missing_or_not_svhn_is_one_line(tmp_path):

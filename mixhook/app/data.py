@@ -117,19 +117,23 @@ def build_data(
         persistent_workers=num_workers > 0,
         pin_memory=pin,
     )
-    if info.pop("normalized_on_device", False):
-        train, test = DeviceNormalized(train, device), DeviceNormalized(test, device)
+    norm = info.pop("normalized_on_device", None)
+    if norm is not None:  # (the mean and std)
+        train, test = DeviceNormalized(train, device, *norm), DeviceNormalized(test, device, *norm)
     return Data(name=name, train=train, test=test, **info)
 
 
 class DeviceNormalized:
     """A DataLoader of uint8 image batches (``data.normalize=device``), each copied to ``device`` (queued,
-    from page-locked memory on CUDA) and converted and normalised there with ImageNet's mean and std, by
-    the same torchvision functions the workers would apply to each image (elementwise: the same values).
+    from page-locked memory on CUDA) and converted and normalised there with ``mean`` and ``std`` (by
+    default ImageNet's), by the same torchvision functions the workers would apply to each image
+    (elementwise: the same values).
     Its ``sampler``, ``batch_size``, ``dataset`` and length are the loader's."""
 
-    def __init__(self, loader: DataLoader, device: torch.device | str):
+    def __init__(self, loader: DataLoader, device: torch.device | str, mean=None, std=None):
         self.loader, self.device = loader, torch.device(device)
+        self.mean = list(IMAGENET_MEAN if mean is None else mean)
+        self.std = list(IMAGENET_STD if std is None else std)
         self.sampler, self.batch_size, self.dataset = loader.sampler, loader.batch_size, loader.dataset
 
     def __len__(self) -> int:
@@ -140,7 +144,7 @@ class DeviceNormalized:
 
         for x, y in self.loader:
             x = F.to_dtype(x.to(self.device, non_blocking=True), torch.float32, scale=True)
-            yield F.normalize(x, list(IMAGENET_MEAN), list(IMAGENET_STD)), y
+            yield F.normalize(x, self.mean, self.std), y
 
 
 class EpochSampler(Sampler):
@@ -516,6 +520,7 @@ def _download_svhn(root: str, splits_: list[str]) -> None:
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 NORMALIZE = ("workers", "device")  # data.normalize (image folders): where a batch becomes normalised floats
+CROPS = ("resized", "padded")  # data.crop (image folders): ImageNet's RandomResizedCrop, or a padded crop
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # image files Pillow reads
 TINY_ANNOTATIONS = "val_annotations.txt"  # Tiny-ImageNet's val/: images/ and this file, not class folders
 
@@ -532,6 +537,10 @@ def _imagefolder(
     lighting: float = 0.0,
     num_workers: int = 8,
     normalize: str = "workers",
+    crop: str = "resized",
+    padding: int = 4,
+    mean: list | None = None,
+    std: list | None = None,
 ):
     """An image classification set in ImageNet's layout: ``root/<train>/<class>/<image>`` (images may sit
     deeper, as Tiny-ImageNet's ``<class>/images/``) and ``root/<val>/<class>/<image>``, or Tiny-ImageNet's
@@ -543,8 +552,11 @@ def _imagefolder(
     of fb.resnet.torch that CutMix's ImageNet code uses (:class:`ResNetColor`). ``normalize="device"``: the
     workers stop at the uint8 crop, and each batch is converted and normalised on the training device
     (:class:`DeviceNormalized`: the same values, a quarter of the bytes to copy, less work per image in the
-    workers); not with the color augmentation, which works on each image's floats. Bad layouts are refused
-    before training, in one line each."""
+    workers); not with the color augmentation, which works on each image's floats. ``crop="padded"``: the
+    small-image pipelines (Tiny-ImageNet's 64x64, as the Manifold Mixup authors train it): training a
+    random ``size`` crop of the image zero-padded by ``padding`` and a flip, evaluation ``CenterCrop(size)``
+    (the image itself at that size), without resizing. ``mean``/``std``: the normalisation instead of
+    ImageNet's. Bad layouts are refused before training, in one line each."""
     if normalize not in NORMALIZE:
         raise ValueError(f"data.normalize={normalize!r} is not a choice; valid: {', '.join(NORMALIZE)}")
     if normalize == "device" and (color_jitter or lighting):
@@ -556,6 +568,11 @@ def _imagefolder(
         raise ValueError(
             f"data.size and data.resize must be ints with 1 <= size <= resize, got {size}, {resize}"
         )
+    if crop not in CROPS:
+        raise ValueError(f"data.crop={crop!r} is not a crop; valid: {', '.join(CROPS)}")
+    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+        raise ValueError(f"data.padding must be an integer >= 0, got {padding!r}")
+    norm = normalization(IMAGENET_MEAN, IMAGENET_STD, mean, std)
     if color_jitter < 0 or lighting < 0:
         raise ValueError(f"data.color_jitter and data.lighting must be >= 0, got {color_jitter}, {lighting}")
     train_dir, val_dir = os.path.join(root, train), os.path.join(root, val)
@@ -583,22 +600,22 @@ def _imagefolder(
         val_samples = _folder_samples(val_dir, classes)
     from torchvision.transforms import v2
 
-    normalise = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    normalise = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(*norm)]
     if normalize == "device":  # (DeviceNormalized does both to each batch)
         normalise = []
-    evaluate = v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(size), *normalise])
+    resized = crop == "resized"
+    evaluate = v2.Compose([*([v2.Resize(resize, antialias=True)] if resized else []), v2.CenterCrop(size),
+                           *normalise])  # fmt: skip
     color = [ResNetColor(color_jitter, lighting)] if color_jitter or lighting else []
+    cropping = v2.RandomResizedCrop(size, antialias=True) if resized else v2.RandomCrop(size, padding=padding)
     training = (
-        v2.Compose([
-            v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), *normalise[:1], *color,
-            *normalise[1:],
-        ])
+        v2.Compose([cropping, v2.RandomHorizontalFlip(), *normalise[:1], *color, *normalise[1:]])
         if augment
         else evaluate
     )  # fmt: skip
     info = {"in_channels": 3, "num_classes": len(classes), "image_size": size}
     if normalize == "device":
-        info["normalized_on_device"] = True
+        info["normalized_on_device"] = norm
     listing = "\n".join(f"{os.path.relpath(p, root)}\t{y}" for p, y in (*train_samples, *val_samples))
     info["split_hash"] = digest(np.frombuffer(listing.encode(), dtype=np.uint8))
     return FolderImages(train_samples, training), FolderImages(val_samples, evaluate), info

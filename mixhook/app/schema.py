@@ -25,7 +25,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from .data import NORMALIZE, PIPELINES
+from .data import CROPS, NORMALIZE, PIPELINES
 from .models.preact_resnet import SHORTCUTS
 from .training.distributed import STRATEGIES
 from .training.logging import LOGGERS
@@ -119,6 +119,10 @@ class ImageFolderConfig:
     lighting: float = 0.0
     num_workers: int = _at_least(0, 8)
     normalize: str = _one_of(NORMALIZE, "workers")
+    crop: str = _one_of(CROPS, "resized")
+    padding: int = _at_least(0, 4)  # crop=padded: the random crop's zero padding, in pixels
+    mean: list[float] | None = None  # the normalisation (null: ImageNet's)
+    std: list[float] | None = None
 
 
 @dataclass
@@ -201,6 +205,7 @@ TARGET_RULES: dict[str, dict[str, dict]] = {
     "mixhook.app.models.PreActResNet18": {
         "shortcut": {"choices": SHORTCUTS},
         "width": {"positive": True},
+        "stride": {"min": 1},
     },
 }
 

@@ -149,6 +149,11 @@ from tests.conftest import write_cifar
         (["data=imagefolder", "data.size=0"], "error: data.size must be an integer >= 1, got 0"),
         (["data=cifar10", "data.padding=-2"], "error: data.padding must be an integer >= 0, got -2"),
         (
+            ["data=imagefolder", "data.crop=zoom"],
+            "error: data.crop='zoom' is not a crop; valid: resized, padded",
+        ),
+        (["+model.stride=0"], "error: model.stride must be an integer >= 1, got 0"),
+        (
             [
                 "model._target_=tests.toy_models.TupleBlockNet",
                 "allow_targets=[tests.toy_models.*]",

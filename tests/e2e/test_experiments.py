@@ -30,6 +30,12 @@ VERMA_SVHN = {  # the authors' README SVHN commands and code; the rest as their 
                   "gamma": 0.1},
     "trainer": {"epochs": 2000, "batch_size": 100, "loss": "bce_softmax"},
 }  # fmt: skip
+VERMA_TINY = {  # the authors' README Tiny-ImageNet commands and code; the rest as their CIFAR recipe
+    **VERMA,
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [1000, 1500],
+                  "gamma": 0.1},
+    "trainer": {"epochs": 2000, "batch_size": 100, "loss": "bce_softmax"},
+}  # fmt: skip
 ZHANG = {  # Zhang et al. 2018, Section 3.2, and the authors' code
     "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
               "nesterov": False},
@@ -123,6 +129,13 @@ EXPECTED = {
     "verma2019_svhn_none": (VERMA_SVHN, "svhn", {}, None, None),
     "verma2019_svhn_input": (VERMA_SVHN, "svhn", INPUT, None, None),
     "verma2019_svhn_manifold": (VERMA_SVHN, "svhn", MANIFOLD, None, None),
+    "verma2019_tinyimagenet_none": (VERMA_TINY, "imagefolder", {}, None, None, {**PREACT, "stride": 2}),
+    "verma2019_tinyimagenet_input": (
+        VERMA_TINY, "imagefolder", {**INPUT, "alpha": 0.2}, None, None, {**PREACT, "stride": 2}
+    ),
+    "verma2019_tinyimagenet_manifold": (
+        VERMA_TINY, "imagefolder", {**MANIFOLD, "alpha": 0.2}, None, None, {**PREACT, "stride": 2}
+    ),
     "zhang2018_cifar10_erm": (ZHANG, "cifar10", {}, 5.6, None),
     "zhang2018_cifar10_mixup": (ZHANG, "cifar10", INPUT, 4.2, None),
     "zhang2018_cifar100_mixup": (ZHANG, "cifar100", INPUT, 21.1, None),
@@ -549,6 +562,32 @@ def test_the_svhn_recipes_build_on_svhn_files_with_the_authors_pipeline(tmp_path
         assert torch.bincount(train.labels.cpu(), minlength=10).tolist() == [1] * 10
         assert run.settings.epochs == 2000 and run.scheduler.milestones == {500: 1, 1000: 1, 1500: 1}
         assert isinstance(run.mixup, ManifoldMixup) and run.mixup.layers == ("input", "layer1", "layer2")
+        assert run.summary["paper"]["figure"].startswith("not attached")
+    finally:
+        run.mixup.remove()
+
+
+def test_the_tiny_imagenet_recipes_build_on_tiny_imagenets_layout_with_the_authors_pipeline(tmp_path):
+    """Verma et al. 2019's Tiny-ImageNet rows as the authors' code trains them: 64x64 images cropped from
+    their 4-pixel padded copy and flipped, evaluated as they are, normalised to [-1, 1]; PreActResNet-18
+    with a stride of 2 in its first convolution; 2,000 epochs decayed at 1,000 and 1,500; alpha 0.2."""
+    from tests.unit.test_data_folders import jpeg_tree
+
+    jpeg_tree(tmp_path / "train", classes=("n01443537", "n01629819"), nested=True)
+    jpeg_tree(tmp_path / "val", classes=("n01443537", "n01629819"), per_class=1)
+    run = app.build(config("experiment=verma2019_tinyimagenet_manifold", f"data.root={tmp_path}",
+                           "data.num_workers=0"))  # fmt: skip
+    try:
+        steps = [type(t).__name__ for t in run.data.train.dataset.dataset.transform.transforms]
+        assert steps == ["RandomCrop", "RandomHorizontalFlip", "ToDtype", "Normalize"]
+        crop, normalize = run.data.train.dataset.dataset.transform.transforms[0::3]
+        assert crop.size == (64, 64) and crop.padding == [4, 4, 4, 4]
+        assert list(normalize.mean) == [0.5] * 3 and list(normalize.std) == [0.5] * 3
+        evaluation = [type(t).__name__ for t in run.data.test.dataset.transform.transforms]
+        assert evaluation == ["CenterCrop", "ToDtype", "Normalize"]
+        assert run.model.conv1.stride == (2, 2) and run.model.linear.out_features == 2
+        assert run.settings.epochs == 2000 and run.scheduler.milestones == {1000: 1, 1500: 1}
+        assert isinstance(run.mixup, ManifoldMixup) and run.mixup.alpha == 0.2
         assert run.summary["paper"]["figure"].startswith("not attached")
     finally:
         run.mixup.remove()

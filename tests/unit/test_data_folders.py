@@ -160,6 +160,50 @@ def test_an_image_folder_trains_with_the_standard_pipelines(tmp_path):
     assert sorted(torch.cat([b[1] for b in batches[0]]).tolist()) == [0] * 4 + [1] * 4 + [2] * 4
 
 
+def test_the_padded_crop_pipelines_cut_small_images_as_the_manifold_mixup_authors_do(tmp_path):
+    """data.crop=padded (Tiny-ImageNet's 64x64, the Manifold Mixup authors' code): each training image is a
+    64x64 window of the image zero-padded by 4 pixels, flipped or not (RandomCrop(64, padding=4) and a
+    flip), never resized; each evaluation image is the image itself; both normalised with the given
+    mean and std."""
+    from torchvision.transforms.v2 import functional as TF
+
+    for split in ("train", "val"):
+        folder = tmp_path / split / "cls"
+        folder.mkdir(parents=True)
+        for i in range(3):
+            image = torch.randint(0, 256, (3, 64, 64), generator=torch.Generator().manual_seed(i))
+            write_jpeg(image.to(torch.uint8), folder / f"{i}.jpg")
+    options = {"size": 64, "crop": "padded", "padding": 4, "mean": [0.5] * 3, "std": [0.5] * 3}
+    data = build_data("imagefolder", batch_size=3, root=str(tmp_path), num_workers=0, **options)
+    decoded = [
+        TF.pil_to_tensor(Image.open(tmp_path / "train" / "cls" / f"{i}.jpg").convert("RGB")).float() / 255
+        for i in range(3)
+    ]
+    seen = set()
+    for epoch in range(4):
+        data.train.sampler.set_epoch(epoch)
+        for x, _ in data.train:
+            for out in x * 0.5 + 0.5:
+                matches = [
+                    (i, r, c, f)
+                    for i, image in enumerate(decoded)
+                    for r in range(9)
+                    for c in range(9)
+                    for f in (0, 1)
+                    if torch.allclose(out, TF.crop(TF.pad(image, [4]), r, c, 64, 64).flip(-1) if f else
+                                      TF.crop(TF.pad(image, [4]), r, c, 64, 64), atol=1e-6)
+                ]  # fmt: skip
+                assert matches, "a training image is no padded window of its source"
+                seen.add(matches[0][1:3])
+    assert len(seen) > 1  # the windows move
+    x, _ = next(iter(data.test))
+    val = [
+        TF.pil_to_tensor(Image.open(tmp_path / "val" / "cls" / f"{i}.jpg").convert("RGB")).float() / 255
+        for i in range(3)
+    ]
+    torch.testing.assert_close(x, (torch.stack(val) - 0.5) / 0.5)
+
+
 def test_tiny_imagenets_layout_reads_the_val_annotations(tmp_path):
     classes = ("n01443537", "n01629819")
     jpeg_tree(tmp_path / "train", classes=classes, nested=True)  # train/<wnid>/images/<file>

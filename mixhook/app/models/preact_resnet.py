@@ -35,6 +35,8 @@ class PreActBlock(nn.Module):
 
     def __init__(self, in_planes: int, planes: int, stride: int = 1, shortcut: str = "input"):
         super().__init__()
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be an integer >= 1 (the first convolution's), got {stride!r}")
         if shortcut not in SHORTCUTS:
             raise ValueError(f"shortcut={shortcut!r} is not a shortcut; valid: {', '.join(SHORTCUTS)}")
         self.activated = shortcut == "activated"
@@ -67,6 +69,7 @@ class PreActResNet(nn.Module):
         num_classes: int = 10,
         shortcut: str = "input",
         width: float = 1,
+        stride: int = 1,
     ):
         super().__init__()
         if in_channels < 1 or num_classes < 2:
@@ -76,12 +79,14 @@ class PreActResNet(nn.Module):
                 f"width must be a positive multiple of 1/64 (stages of 64*width, 128*width, ... channels: "
                 f"0.25, 0.5, 1, 2), got {width!r}"
             )
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be an integer >= 1 (the first convolution's), got {stride!r}")
         if shortcut not in SHORTCUTS:
             raise ValueError(f"shortcut={shortcut!r} is not a shortcut; valid: {', '.join(SHORTCUTS)}")
         self.shortcut = shortcut
         widths = [int(w * width) for w in (64, 128, 256, 512)]
         self.in_planes = widths[0]
-        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, stride=1, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, stride=stride, padding=1, bias=False)
         self.layer1 = self._make_layer(widths[0], num_blocks[0], stride=1)
         self.layer2 = self._make_layer(widths[1], num_blocks[1], stride=2)
         self.layer3 = self._make_layer(widths[2], num_blocks[2], stride=2)
@@ -103,9 +108,12 @@ class PreActResNet(nn.Module):
 
 
 def PreActResNet18(  # noqa: N802 (a class-like factory)
-    in_channels: int = 3, num_classes: int = 10, shortcut: str = "input", width: float = 1
+    in_channels: int = 3, num_classes: int = 10, shortcut: str = "input", width: float = 1, stride: int = 1
 ) -> PreActResNet:
-    """PreActResNet-18: two blocks per stage (``shortcut``, ``width``: see the module's docstring)."""
+    """PreActResNet-18: two blocks per stage (``shortcut``, ``width``: see the module's docstring;
+    ``stride``: the first convolution's, 2 for 64x64 images as the Manifold Mixup authors train
+    Tiny-ImageNet)."""
     return PreActResNet(
-        [2, 2, 2, 2], in_channels=in_channels, num_classes=num_classes, shortcut=shortcut, width=width
-    )
+        [2, 2, 2, 2], in_channels=in_channels, num_classes=num_classes, shortcut=shortcut, width=width,
+        stride=stride,
+    )  # fmt: skip

@@ -366,18 +366,19 @@ def test_a_resumed_epoch_of_an_image_folder_sees_the_batches_it_would_have_seen(
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
 
 
-def test_normalizing_on_the_device_gives_the_workers_values_from_a_quarter_of_the_bytes(tmp_path):
+@pytest.mark.parametrize("given", [{}, {"crop": "padded", "mean": [0.5] * 3, "std": [0.5] * 3}])
+def test_normalizing_on_the_device_gives_the_workers_values_from_a_quarter_of_the_bytes(tmp_path, given):
     """data.normalize=device: the workers deliver uint8 crops and each batch is converted and normalised
     where it trains; its batches, training (crops and flips from the same seeds) and evaluation, equal the
-    workers' own to the bit. The color augmentation, which works on each image's floats, is refused with
-    it."""
+    workers' own to the bit, with ImageNet's normalisation or a given one. The color augmentation, which
+    works on each image's floats, is refused with it."""
     jpeg_tree(tmp_path / "train", per_class=4)
     jpeg_tree(tmp_path / "val", per_class=2)
     made = {}
     for where in ("workers", "device"):
         data = build_data(
             "imagefolder", batch_size=5, eval_batch_size=4, root=str(tmp_path), size=32, resize=36, seed=3,
-            num_workers=0, normalize=where,
+            num_workers=0, normalize=where, **given,
         )  # fmt: skip
         data.train.sampler.set_epoch(2)
         made[where] = (list(data.train), list(data.test), data)

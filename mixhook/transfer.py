@@ -11,6 +11,7 @@ run, so the source may be dropped at once.
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 
 import torch
@@ -23,6 +24,7 @@ import torch
 # a blend may copy the inverse permutation between the two.
 _INDICES: collections.OrderedDict = collections.OrderedDict()
 _KEEP = 4
+_LOCK = threading.Lock()
 
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -46,14 +48,16 @@ def _index_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The index ``t`` on ``device``: the copy made before if ``t`` is unchanged since and the same CUDA
     stream asks (another stream could read it before the queued copy ran), else a new one."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    found = _INDICES.get(id(t))
+    with _LOCK:  # (threads: nn.DataParallel's replicas run their forwards at once)
+        found = _INDICES.get(id(t))
     if found is not None and found[0]() is t and found[1:4] == (t._version, device, stream):
         return found[4]
     copy = _copy(t, device, None)
-    _INDICES[id(t)] = (weakref.ref(t), t._version, device, stream, copy)
-    _INDICES.move_to_end(id(t))
-    while len(_INDICES) > _KEEP:
-        _INDICES.popitem(last=False)
+    with _LOCK:
+        _INDICES.pop(id(t), None)
+        _INDICES[id(t)] = (weakref.ref(t), t._version, device, stream, copy)
+        while len(_INDICES) > _KEEP:
+            _INDICES.popitem(last=False)
     return copy
 
 

@@ -344,12 +344,9 @@ def _cifar(
     download: bool = False,
     augment: bool = True,
     num_workers: int = 2,
-    padding: int = 4,
-    per_class: int | None = None,
-    subset_seed: int = 0,
-    mean: list | None = None,
-    std: list | None = None,
+    **images,
 ):
+    """CIFAR-10/100's python-format files under ``root``; ``images``: :func:`_small_images`' options."""
     spec = _CIFAR[name]
     folder = os.path.join(root, spec["folder"])
     missing = [f for f in spec["train"] + spec["test"] if not os.path.isfile(os.path.join(folder, f))]
@@ -363,14 +360,36 @@ def _cifar(
         )
     train_x, train_y = load_cifar_files(folder, spec["train"], spec["label_key"])
     test_x, test_y = load_cifar_files(folder, spec["test"], spec["label_key"])
-    norm = normalization(spec["mean"], spec["std"], mean, std)
+    own = (spec["mean"], spec["std"])
+    return _small_images((train_x, train_y), (test_x, test_y), own, spec["num_classes"], augment, **images)
+
+
+def _small_images(
+    train: tuple,
+    test: tuple,
+    own: tuple,
+    num_classes: int,
+    augment: bool,
+    flip: bool = True,
+    padding: int = 4,
+    per_class: int | None = None,
+    subset_seed: int = 0,
+    mean: list | None = None,
+    std: list | None = None,
+):
+    """The training and test :class:`CifarImages` of 32x32 ``(images, labels)`` sets (CIFAR, SVHN) and
+    their info: normalised with the set's ``own`` mean and std or the given ``mean``/``std``, the
+    training set cut to ``per_class`` images of each class (drawn with ``subset_seed``) before its digest,
+    augmented (``augment``) with a ``padding``-pixel padded crop and, with ``flip``, a flip."""
+    norm = normalization(*own, mean, std)
+    train_x, train_y = train
     if per_class is not None:
         keep = per_class_subset(train_y, per_class, subset_seed)
         train_x, train_y = train_x[keep], train_y[keep]
-    info = {"in_channels": 3, "num_classes": spec["num_classes"], "image_size": 32}
-    info["split_hash"] = digest(train_x, train_y, test_x, test_y)
-    train = CifarImages(train_x, train_y, *norm, augment=augment, padding=padding)
-    return train, CifarImages(test_x, test_y, *norm), info
+    info = {"in_channels": 3, "num_classes": num_classes, "image_size": 32}
+    info["split_hash"] = digest(train_x, train_y, *test)
+    training = CifarImages(train_x, train_y, *norm, augment=augment, flip=flip, padding=padding)
+    return training, CifarImages(*test, *norm, flip=flip), info
 
 
 def _download(name: str, root: str) -> None:
@@ -443,16 +462,12 @@ def _svhn(
     augment: bool = False,
     extra: bool = False,
     num_workers: int = 2,
-    padding: int = 4,
-    per_class: int | None = None,
-    subset_seed: int = 0,
-    mean: list | None = None,
-    std: list | None = None,
+    **images,
 ):
     """SVHN's cropped digits (torchvision's files: ``train_32x32.mat``, ``test_32x32.mat`` and, with
     ``extra``, ``extra_32x32.mat`` joined to the training set), label 10 read as the digit 0, as
-    torchvision reads it. ``augment``: the ``padding``-pixel padded random crop, never a flip (a mirrored
-    digit is another glyph)."""
+    torchvision reads it. ``augment``: the padded random crop, never a flip (a mirrored digit is another
+    glyph); ``images``: :func:`_small_images`' options."""
     splits_ = ["train", "test", *(["extra"] if extra else [])]
     paths = {split: os.path.join(root, _SVHN["files"][split]) for split in splits_}
     missing = [path for path in paths.values() if not os.path.isfile(path)]
@@ -469,15 +484,8 @@ def _svhn(
     train_x, train_y = loaded["train"]
     if extra:
         train_x, train_y = torch.cat([train_x, loaded["extra"][0]]), torch.cat([train_y, loaded["extra"][1]])
-    test_x, test_y = loaded["test"]
-    norm = normalization(_SVHN["mean"], _SVHN["std"], mean, std)
-    if per_class is not None:
-        keep = per_class_subset(train_y, per_class, subset_seed)
-        train_x, train_y = train_x[keep], train_y[keep]
-    info = {"in_channels": 3, "num_classes": 10, "image_size": 32}
-    info["split_hash"] = digest(train_x, train_y, test_x, test_y)
-    train = CifarImages(train_x, train_y, *norm, augment=augment, flip=False, padding=padding)
-    return train, CifarImages(test_x, test_y, *norm, flip=False), info
+    own = (_SVHN["mean"], _SVHN["std"])
+    return _small_images((train_x, train_y), loaded["test"], own, 10, augment, flip=False, **images)
 
 
 def load_svhn_file(path: str) -> tuple[torch.Tensor, torch.Tensor]:

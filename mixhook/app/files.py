@@ -38,9 +38,17 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
 def make_writable_dir(path: str | os.PathLike) -> None:
     """Create directory ``path`` (and its parents) and write and remove a file in it; ``OSError`` if
     either cannot be done. The file is this process's own: the processes of a job started by torchrun
-    check the same directory at once (with one name, one removed the file another was about to)."""
-    os.makedirs(path, exist_ok=True)
+    check the same directory at once (with one name, one removed the file another was about to). For the
+    same reason the directory can vanish between its creation and the file's (another process's check
+    removes the directories it created): it is created again, a few times at most."""
     probe = os.path.join(path, f".mixhook-write-test.{os.getpid()}")
-    with open(probe, "w") as f:
-        f.write("ok")
+    for attempt in range(3):
+        os.makedirs(path, exist_ok=True)
+        try:
+            with open(probe, "w") as f:
+                f.write("ok")
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
     os.remove(probe)

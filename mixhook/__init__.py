@@ -8,7 +8,7 @@ The library core imports torch only::
         loss = mix.loss(F.cross_entropy, model(x), y)
 """
 
-from . import mixers
+from . import mixers, policies
 from .compose import attach
 from .gradients import GradClip, GradScale
 from .hooks import HookHandle, LayerHook
@@ -38,6 +38,7 @@ __all__ = [
     "fastai_layers",
     "layer_names",
     "mixers",
+    "policies",
     "resolve_layers",
 ]
 __all__ += mixers.__all__

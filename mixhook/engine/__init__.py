@@ -18,6 +18,7 @@ gradient pass of the gradient-saliency methods (:mod:`.gradient_pass`), the one-
 ``torch.compile`` (:mod:`.traced`), the bases of the region methods (:mod:`.regions`: layouts, tokens as
 maps, one mask function for the eager and the compiled mix), patch tokens as maps (:mod:`.tokens`), saliency
 sources (:mod:`.saliency`), partners from every rank's batch
-(:mod:`.partners`) and the checks the methods share (:mod:`.checks`). Activation-checkpoint replay is
+(:mod:`.partners`), the policies a mixer uses (:mod:`.policies`: partners, lam, targets) and the checks
+the methods share (:mod:`.checks`). Activation-checkpoint replay is
 :mod:`mixhook.recompute`.
 """

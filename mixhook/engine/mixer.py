@@ -57,6 +57,7 @@ from .contract import Draw, Mixed, MixingHook, MixState, claim, unclaim
 from .forward import NO_PINS, SKIP, Forward, Pins, given_index
 from .gradient_pass import GradientPass
 from .padding_masks import PaddingMasks
+from .policies import Policies, Policy
 from .targets import LossAndTargets
 from .tokens import TokenGrid
 from .traced import TracedPath, refuse_capture
@@ -131,6 +132,9 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     # Whether the method's loss needs the clean batch beside its mix (RegMixup, RankMixup, MixupE): then
     # `clean` is True from the start and cannot be turned off.
     keeps_clean: ClassVar[bool] = False
+    # Whether the method's loss is the mixed criterion (_mixed_loss), which target, weights and loss
+    # policies (Remix, LocalWeights, DecoupledLoss) change; False for a method with a loss of its own.
+    takes_loss_policies: ClassVar[bool] = True
 
     _hooks_model = True  # its own hooks on the model (see LayerHook)
 
@@ -158,10 +162,11 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
         self._layer_weights: tuple[float, ...] | None = None
         self._clean = type(self).keeps_clean
+        self._policies: Policies | None = None  # use(): the partners, lam and target policies
 
     _TRANSIENT = (
         "_current", "_targets", "_seen", "_layouts", "_plans", "_traced", "_input_sides", "_reads_sides",
-        "_modules", "_masks", "_gradients", "_compiled", "_plain", "_input_dim",
+        "_modules", "_masks", "_gradients", "_compiled", "_plain", "_input_dim", "_given",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -184,6 +189,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         self._modules: dict[str, nn.Module] = {}  # the modules attached to, by spec
         self._plain = False  # whether a planned plain tensor takes the short path (_mix_plain; set at attach)
         self._input_dim: int | None = None  # the batch dimension of the model's input (set at attach)
+        self._given: dict = {}  # use_features() / use_partners(): the next training forward's
 
     @property
     def traceable(self) -> bool:
@@ -204,6 +210,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             and cls.before_forward is Mixer.before_forward
             and cls.before_mix is Mixer.before_mix
             and not self._clean
+            and self._policies is None
         )
 
     @property
@@ -257,9 +264,10 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         )
         layout = "" if self.layout is None else f", layout={self.layout!r}"
         clean = ", clean=True" if self._clean and not type(self).keeps_clean else ""
+        policies = "" if self._policies is None else f", policies={self._policies!r}"
         return (
             f"{type(self).__name__}(layer={self._layer_spec!r}, alpha={self.alpha}, prob={self.prob}{tokens}"
-            f"{layout}{clean})"
+            f"{layout}{clean}{policies})"
         )
 
     # ----------------------------------------------------------------------------------- user API
@@ -335,6 +343,12 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         a region method cuts (:meth:`leaves_at`; their tensors may be :class:`~mixhook.engine.traced.Shape`
         objects). The methods with a one-graph path under ``torch.compile`` can draw ahead (ManifoldMixup,
         CutMix, FMix, GridMix, PatchUp, ...); the others are refused in one line."""
+        if self._policies is not None:
+            raise TypeError(
+                f"{type(self).__name__}.draw_for(): a mixer with policies ({self._policies!r}) draws "
+                "from the "
+                "forward's values, so it cannot be drawn before the forward"
+            )
         if type(self).draw_traced is Mixer.draw_traced:
             raise TypeError(
                 f"{type(self).__name__}.draw_for(): this method draws its mix from the layer's values, so it "
@@ -376,6 +390,64 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     def use_targets(self, target: torch.Tensor) -> None:
         self._targets = target
+
+    def use(self, *policies: Policy) -> Mixer:
+        """Mix with these policies (:mod:`mixhook.policies`), replacing any used before: who is paired
+        (``PartnerBatch``, ``BalancedMixup``, ``SaliencyPairing``), how much (``KernelWarping``), what the
+        target is (``Remix``) and the loss (``LocalWeights``, ``DecoupledLoss``); at most one per knob
+        (:data:`mixhook.engine.policies.KNOBS`). ``use()`` with none removes them. Set them before
+        attaching. A mixer with policies runs its hooks between graphs under ``torch.compile`` (not traced)
+        and takes the engine's general path. Returns the mixer, so ``ManifoldMixup("layer2").use(Remix())``
+        builds one in a line. A policy refuses, in one line, a mixer it cannot act through."""
+        if self._model is not None:
+            raise RuntimeError(f"{type(self).__name__}.use(): set the policies before attach()")
+        chosen = Policies(type(self).__name__, policies) if policies else None
+        for policy in () if chosen is None else chosen.all:
+            policy.check_mixer(self)
+        self._policies = chosen
+        return self
+
+    @property
+    def policies(self) -> tuple[Policy, ...]:
+        """The policies this mixer uses (:meth:`use`), in the order a forward meets them."""
+        return () if self._policies is None else self._policies.all
+
+    def use_features(self, features: torch.Tensor) -> None:
+        """The features of the next training forward's rows, for a policy that takes distances between
+        partners (``KernelWarping``, ``LocalWeights``) from them instead of from the mixed layer (the
+        authors of SK-Mixup embed the batch with the model's feature extractor first): one row per
+        sample, ``(B, ...)`` (with a partner batch: ``(B + P, ...)``, the batch's rows then the partners').
+        Used for one forward only; call it before each."""
+        if not isinstance(features, torch.Tensor):
+            raise TypeError(
+                f"use_features() takes a tensor of one row per sample, got {type(features).__name__}"
+            )
+        self._given["features"] = features
+
+    def use_partners(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+        """The partner batch of the next training forward, for a ``PartnerBatch`` policy (Balanced-MixUp's
+        class-balanced batch): ``inputs`` as the model's first argument takes them, ``targets`` their labels
+        (what ``loss``/``targets`` mix with). Used for one forward only: call it before each training
+        forward, as the app's loop does; an eval forward drops it."""
+        partners = self._policies.get("partners") if self._policies is not None else None
+        if partners is None or not partners.needs_partner_batch:
+            raise RuntimeError(
+                f"{type(self).__name__}.use_partners(): this mixer draws its partners from the batch; "
+                "give it a "
+                "PartnerBatch policy first (mixer.use(PartnerBatch()) or BalancedMixup())"
+            )
+        if not isinstance(inputs, torch.Tensor) or (
+            targets is not None and not isinstance(targets, torch.Tensor)
+        ):
+            raise TypeError("use_partners(inputs, targets) takes tensors: the partner batch and its labels")
+        self._given["partner_inputs"] = inputs
+        if targets is not None:
+            self._given["partner_targets"] = targets
+
+    def check_targets(self, target: torch.Tensor) -> None:
+        """Refuse, in one line, labels this mixer or one of its policies cannot train with."""
+        if self._policies is not None:
+            self._policies.check_targets(target)
 
     # ------------------------------------------------------------ which forward produced these logits
 
@@ -453,6 +525,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             and not self._clean
             and not self._masks.active
             and self.token_grid is None
+            and self._policies is None
         )
 
     def _reset(self) -> None:
@@ -467,6 +540,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             return self._compiled.begin(model, args, kwargs)
         if not model.training:
             self._current = None
+            self._given = {}
             return None
         packing.refuse(type(self).__name__, model, args, kwargs)
         self._input_sides = self._input_grid(args, kwargs)
@@ -480,11 +554,19 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             extra = self.before_forward(model, args, kwargs, forward.layer, forward.pins.given, targets)
             if extra:
                 forward.pins = forward.pins.joined(extra)
+        changed = None
+        if self._policies is not None:
+            given, self._given = self._given, {}
+            changed = self._policies.begin(
+                self, model, args, kwargs, forward, targets, given, self._input_dim or 0
+            )
+            if changed is not None:  # (a partner batch appended to the model's input)
+                args, kwargs = changed
         if self._begin_forward(forward) is None:
             return None
         forward.batch = self._reference_batch(model, args, kwargs)
         if self.sites[forward.layer].layer != INPUT:
-            return None
+            return changed
         inputs = Inputs(model, args, kwargs)
         value, _ = self._mix_now(forward.layer, inputs, forward)  # (self.last set)
         args, kwargs = rebuild_inputs(inputs, self.sites[forward.layer], value)
@@ -555,12 +637,17 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
                 return self._mix_plain(spec, value, planned[2], forward)
         generator = self._replaying(forward.pins.state)
         leaves, before = None, type(self).before_mix is not Mixer.before_mix  # (a method that overrides it)
-        if before or not self.draws_in_mix:
+        policies = self._policies
+        if before or not self.draws_in_mix or policies is not None:
             site_value = self._site_value(spec, value)
             leaves = (site_value, *self._leaves(spec, site_value, forward.batch))
         if before:
             extra = self.before_mix(spec, leaves[2], forward.pins.given)
             if extra:  # a recomputation and pin_last mix with the same values
+                forward.pins = forward.pins.joined(extra)
+        if policies is not None:
+            extra = policies.before_mix(spec, leaves[2], forward.pins.given)
+            if extra:
                 forward.pins = forward.pins.joined(extra)
         drawn = self._repeatable(spec, None if leaves is None else leaves[3], forward, generator)
         self._note(spec, forward.repeat)  # (computed only where the forward may be recomputed)
@@ -859,6 +946,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
                     tensors[leaf.path] = channels_last(tensors[leaf.path])
         if self._clean:  # the clean rows, then their mixes, along each tensor's batch dimension
             tensors = {leaf.path: torch.cat([leaf.tensor, tensors[leaf.path]], leaf.dim) for leaf in found}
+        if self._policies is not None:  # (a partner batch's rows dropped)
+            tensors, state = self._policies.finish(found, tensors, state)
         return replace_leaves(site_value, tensors), state
 
     def _drawing(
@@ -877,7 +966,15 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
         try:
             draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
-            return draw, method(leaves, draw)
+            if self._policies is None:
+                return draw, method(leaves, draw)
+            draw, info = self._policies.adjust(
+                draw, leaves, self._masks.active
+            )  # (lam warped per pair, pair weights)
+            mixed = method(leaves, draw)
+            if info:
+                mixed = Mixed(mixed.tensors, mixed.lam, {**mixed.info, **info}, mixed.index, mixed.weights)
+            return draw, mixed
         finally:
             self.generator = saved
 
@@ -901,6 +998,10 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     def _draws(self, spec: str, n: int, pins: Pins, generator: torch.Generator) -> Draw:
         """The :class:`Draw` of a mix of ``n`` samples at ``spec``: lam and the partner index (pinned, else
         drawn from ``generator``), and whether the index is a permutation of the batch."""
+        if self._policies is not None:
+            drawn = self._policies.draws(self, spec, n, pins, generator)
+            if drawn is not None:
+                return drawn
         pool = self.partner_pool(n)
         lam = pins.lam
         if lam is None:

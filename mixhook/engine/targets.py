@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..functional import per_sample, smooth_one_hot
 from ..transfer import to_device
-from . import partners
+from . import partners, policies
 from .contract import MixState
 
 
@@ -109,6 +109,7 @@ class LossAndTargets:
     targets, under the mix of the forward that produced the logits (found by ``_bound_state``)."""
 
     dense_targets: ClassVar[str | None]  # set by Mixer (why a method refuses dense targets, or None)
+    _policies: policies.Policies | None  # set by Mixer (use())
 
     def loss(
         self,
@@ -163,8 +164,8 @@ class LossAndTargets:
             return metric(logits, target)
         if last.clean:
             clean, mixed = halves(last, logits, "weigh")
-            return torch.cat([metric(clean, target), self._mixed_loss(metric, mixed, target, last)])
-        return self._mixed_loss(metric, logits, target, last)
+            return torch.cat([metric(clean, target), self._mixed_loss(metric, mixed, target, last, False)])
+        return self._mixed_loss(metric, logits, target, last, False)
 
     def targets_refused(self) -> str | None:
         """Why the mixed targets of a clean+mixed forward are not this method's training signal (its loss
@@ -184,9 +185,18 @@ class LossAndTargets:
         return per_row(criterion(clean, target), self._mixed_loss(criterion, mixed, target, last))
 
     def _mixed_loss(
-        self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor, last: MixState
+        self,
+        criterion: Callable,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        last: MixState,
+        own_terms: bool = True,
     ) -> torch.Tensor:
-        """The criterion of ``logits`` under the mix ``last`` (its mixed rows only)."""
+        """The criterion of ``logits`` under the mix ``last`` (its mixed rows only); with ``own_terms``
+        (``loss``, not ``weigh``), a loss policy's weights and terms too."""
+        if self._policies is not None and self._policies.on_loss:
+            partner = self._partners_of(last, target, "loss")
+            return self._policies.mixed_loss(criterion, logits, target, partner, last, own_terms)
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, self._partners_of(last, target, "loss"))
         if last._weight is not None and last.weights is None and positions(target) <= 0:
@@ -291,6 +301,20 @@ class LossAndTargets:
             partner = None if last is None else one_hot(self._partners_of(last, target, "targets"))
         if last is None:
             return own
+        if self._policies is not None and self._policies.on_loss:
+            if self._policies.changes_loss:
+                names = ", ".join(type(p).__name__ for p in self._policies.all if p.changes_loss)
+                raise ValueError(
+                    f"targets(): {type(self).__name__} uses {names}, which weights or adds to the "
+                    "loss beyond "
+                    "mixed targets; train with loss()"
+                )
+            partner_labels = self._partners_of(last, target, "targets")
+            lam = self._policies.target_lam(last, target, partner_labels, "targets", num_classes)
+            mixed = torch.lerp(
+                partner, own, to_device(lam, own.device, own.dtype).view(-1, *[1] * (own.ndim - 1))
+            )
+            return torch.cat([own, mixed]) if last.clean else mixed
         if last.clean:
             why = self.targets_refused()
             if why:
@@ -323,6 +347,9 @@ class LossAndTargets:
                 f"{what}(): target has {target.shape[0]} rows but the forward that produced the logits "
                 f"mixed a batch of {index.shape[0]}"
             )
-        if last.info.get("partners") == "global":
+        where = last.info.get("partners")
+        if where == "global":
             target = partners.gather_labels(target)
+        elif where == "batch":  # a partner batch (mixhook.policies.PartnerBatch): its own labels
+            target = policies.partner_targets(last, target, what, type(self).__name__)
         return target.index_select(0, to_device(index, target.device))

@@ -189,6 +189,30 @@ class OneOf(LayerHook, MixingHook):
         for mixer in self.mixers:
             mixer.use_targets(target)
 
+    def use(self, *policies) -> OneOf:
+        """Every regularizer mixes with these policies (:meth:`mixhook.Mixer.use`; each refuses in one line
+        one it cannot take). Returns self."""
+        for mixer in self.mixers:
+            if not callable(getattr(mixer, "use", None)):
+                raise TypeError(f"OneOf.use(): {type(mixer).__name__} takes no policies")
+            mixer.use(*policies)
+        return self
+
+    @property
+    def policies(self) -> tuple:
+        """The policies of its first regularizer (:meth:`use` gives all the same)."""
+        return getattr(self.mixers[0], "policies", ())
+
+    def use_features(self, features: torch.Tensor) -> None:
+        """Every regularizer gets the features (whichever is chosen uses them)."""
+        for mixer in self.mixers:
+            mixer.use_features(features)
+
+    def use_partners(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+        """Every regularizer gets the partner batch (whichever is chosen uses it)."""
+        for mixer in self.mixers:
+            mixer.use_partners(inputs, targets)
+
     # ---------------------------------------------------------------------------------- the hooks
 
     def _check_attach(self, model: nn.Module) -> None:

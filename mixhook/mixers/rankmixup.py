@@ -45,6 +45,7 @@ class RankMixup(ManifoldMixup):
     """
 
     keeps_clean = True
+    takes_loss_policies = False  # its loss is its own (cross-entropy of the clean rows and a ranking hinge)
 
     def __init__(
         self,

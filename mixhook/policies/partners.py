@@ -1,0 +1,389 @@
+"""Who is paired: partners from a second batch (Balanced-MixUp), and saliency-greedy pairing (GuidedMixup).
+
+Papers:
+    - Galdran, Carneiro, González Ballester. "Balanced-MixUp for Highly Imbalanced Medical Image
+      Classification." MICCAI 2021. https://arxiv.org/abs/2109.09850 (code: agaldran/balanced_mixup)
+    - Kang, Kim. "GuidedMixup: An Efficient Mixup Strategy Guided by Saliency Maps." AAAI 2023.
+      https://arxiv.org/abs/2306.16612 (code: 3neutronstar/GuidedMixup)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.contract import Draw, MixState
+from ..engine.mixer import Mixer
+from ..engine.policies import Policy
+from ..functional import sample_beta
+from ..sites import INPUT, describe
+
+
+def _refuse_own_partners(policy: Policy, mixer: Mixer) -> None:
+    """A partners policy replaces the mixer's partners: refuse a mixer that chooses its own, keeps a clean
+    batch beside its mix, or draws from every rank."""
+    name, kind = type(policy).__name__, type(mixer).__name__
+    if not type(mixer).index_is_permutation or type(mixer).before_forward is not Mixer.before_forward:
+        raise TypeError(
+            f"{name} chooses the partners, but {kind} chooses its own or reads the batch before the forward "
+            "(labels, saliency); use it with a mixer that pairs at random (ManifoldMixup, CutMix, ...)"
+        )
+    if getattr(mixer, "partners", "local") == "global":
+        raise ValueError(f"{name} chooses the partners; {kind}(partners='global') draws them from every rank")
+
+
+class PartnerBatch(Policy):
+    """Partners from a second batch fed with the first, instead of from the batch itself.
+
+    Before every training forward, ``mixer.use_partners(inputs, targets)`` gives the partner batch (the
+    app's loop gives a class-balanced one: ``data.partner_sampler=balanced``). In a forward that mixes,
+    the partner batch is appended to the model's first argument along its batch dimension, so the layers
+    before the mix see the batch's ``B`` rows followed by the ``P`` partner rows (as a hand-edited
+    ``forward()`` that runs ``torch.cat([x, x_partner])`` up to the mixed layer would: batch-norm
+    statistics there include the partners); the mixed layer mixes row ``i`` with partner row
+    ``index[i]`` and hands the next layer the ``B`` mixed rows only. At ``"input"`` the inputs are mixed
+    directly. A forward that does not mix (``prob``) runs on the batch alone.
+
+    ``.last.index`` then indexes the partner batch, ``.last.info["partners"]`` is ``"batch"`` and
+    ``loss``/``targets`` take the partners' labels from ``use_partners``. This is the primitive a queue or
+    memory bank of partners would use: a pool of rows beside the batch, indexed by the draw.
+
+    Args:
+        pairing: ``"aligned"`` (sample ``i`` with partner ``i``, as Balanced-MixUp pairs its two loaders'
+            batches: the partner batch must have the batch's size) or ``"shuffled"`` (a random choice of
+            ``B`` distinct partners among the ``P >= B``).
+
+    Refused in one line: a partner batch of the wrong size, device, dtype or shape, a model that takes
+    other per-sample arguments (a padding mask the partner rows would lack), and a mixer that chooses
+    its partners itself (C-Mixup, the saliency mixers), keeps a clean batch (RegMixup) or draws them from
+    every rank. Under activation checkpointing, layers inside the model may be checkpointed; a
+    recomputation of the whole model's forward (the partner batch is not appended again) is refused.
+    """
+
+    knob = "partners"
+    needs_partner_batch = True
+
+    def __init__(self, pairing: str = "aligned"):
+        if pairing not in ("aligned", "shuffled"):
+            raise ValueError(f"pairing must be 'aligned' or 'shuffled', got {pairing!r}")
+        self.pairing = pairing
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(pairing={self.pairing!r})"
+
+    def check_mixer(self, mixer: Mixer) -> None:
+        _refuse_own_partners(self, mixer)
+        if mixer.clean:
+            raise ValueError(
+                f"{type(self).__name__}: {type(mixer).__name__} keeps the clean batch beside its mix "
+                "(clean=True), "
+                "whose rows would be the batch's and the partners'; use a mixer without a clean batch"
+            )
+
+    def sample_lam(self, mixer: Mixer, n: int, generator: torch.Generator) -> torch.Tensor:
+        """lam of a mix of ``n`` rows (the batch's and the partners'): the mixer's own draw."""
+        return mixer.sample_lam(n, generator)
+
+    def begin(self, mixer: Mixer, model, args: tuple, kwargs: dict, pinned: Mapping, dim: int):
+        name = type(self).__name__
+        inputs = pinned.get("partner_inputs")
+        if inputs is None:
+            raise RuntimeError(
+                f"{name}: no partner batch for this training forward; call mixer.use_partners(inputs, "
+                "targets) "
+                "before every training forward"
+            )
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is None:
+            raise TypeError(
+                f"{name} appends the partner batch to the model's first positional argument, a tensor; this "
+                f"forward got {describe(args[0]) if args else 'no positional argument'}"
+            )
+        batch, rows = first.shape[dim], inputs.shape[dim] if inputs.ndim > dim else -1
+        if inputs.ndim != first.ndim or inputs.shape[:dim] + inputs.shape[dim + 1 :] != (
+            first.shape[:dim] + first.shape[dim + 1 :]
+        ):
+            raise ValueError(
+                f"{name}: the partner batch has shape {tuple(inputs.shape)}, the batch {tuple(first.shape)}: "
+                f"they must differ in the batch dimension ({dim}) only"
+            )
+        if inputs.device != first.device or inputs.dtype != first.dtype:
+            raise ValueError(
+                f"{name}: the partner batch is {inputs.dtype} on {inputs.device}, the batch {first.dtype} on "
+                f"{first.device}; move it where the batch is"
+            )
+        if self.pairing == "aligned" and rows != batch:
+            raise ValueError(
+                f"{name}(pairing='aligned') pairs sample i with partner i: the partner batch has "
+                f"{rows} rows, "
+                f"the batch {batch}; give one partner per sample, or pairing='shuffled' for a larger pool"
+            )
+        if rows < batch:
+            raise ValueError(
+                f"{name}(pairing='shuffled') draws {batch} distinct partners: the partner batch has "
+                f"only {rows}"
+            )
+        others = [*(f"argument {i}" for i, v in enumerate(args[1:], 1) if _carries(v, batch, dim)),
+                  *(repr(k) for k, v in kwargs.items() if _carries(v, batch, dim))]  # fmt: skip
+        if others:
+            raise ValueError(
+                f"{name} appends the partner batch to the model's first argument only, but this forward also "
+                f"passes {', '.join(others)} with a row per sample (a padding mask?), which the partner rows "
+                "would lack"
+            )
+        targets = pinned.get("partner_targets")
+        if targets is not None and (targets.ndim == 0 or targets.shape[0] != rows):
+            raise ValueError(
+                f"{name}: the partner batch has {rows} rows but {tuple(targets.shape)} labels; give "
+                "one per row"
+            )
+        values = {"partner_rows": rows, "partner_targets": targets}
+        return (torch.cat([first, inputs], dim), *args[1:]), kwargs, values
+
+    def draws(self, mixer: Mixer, spec: str, n: int, pins, generator: torch.Generator) -> Draw:
+        rows = pins.values.get("partner_rows", 0)
+        own = n - rows
+        if own < 1 or (self.pairing == "aligned" and own != rows) or own > rows:
+            raise RuntimeError(
+                f"{type(self).__name__}: {spec!r} has {n} rows where the batch and its partner batch "
+                f"of {rows} "
+                "should be: a recomputation of the whole model's forward (activation checkpointing around "
+                "the model) does not append the partner batch again; checkpoint the layers inside the model"
+            )
+        lam = pins.lam
+        if lam is None:
+            lam = self.sample_lam(mixer, n, generator)
+            lam = (
+                lam
+                if type(lam) is torch.Tensor and lam.dtype == torch.float64
+                else torch.as_tensor(lam, dtype=torch.float64)
+            )
+        elif lam.ndim == 1 and lam.shape[0] == own:  # (pinned for the batch's rows: the partners' are unused)
+            lam = torch.cat([lam, lam.new_ones(rows)])
+        elif lam.ndim == 1 and lam.shape[0] != n:
+            raise ValueError(
+                f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {own}"
+            )
+        index = pins.index
+        if index is not None and index.shape[0] == n:  # a repeat (pin_last, a recomputation): as drawn
+            return Draw(spec, lam, index, generator, pins.given, pins.permutation)
+        if index is None:
+            chosen = (
+                torch.arange(own, device=generator.device)
+                if self.pairing == "aligned"
+                else torch.randperm(rows, generator=generator, device=generator.device)[:own]
+            )
+            distinct = True
+        else:
+            low, high = pins.span
+            if index.shape[0] != own or low < 0 or high >= rows:
+                raise ValueError(
+                    f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) does not pick "
+                    f"partners among the {rows} of the partner batch for the batch of {own} at layer {spec!r}"
+                )
+            chosen, distinct = index, len(set(index.tolist())) == own
+        full = torch.arange(n, device=chosen.device)
+        full[:own] = own + chosen
+        if distinct:  # each chosen partner row takes its sample's place: a permutation of the n rows
+            full[own + chosen] = torch.arange(own, device=chosen.device)
+        return Draw(spec, lam, full, generator, pins.given, distinct)
+
+    def adjust(self, draw: Draw, leaves: list, own: int):
+        return None, {"partners": "batch", "partner_rows": draw.pinned.get("partner_rows", 0),
+                      "partner_targets": draw.pinned.get("partner_targets")}  # fmt: skip
+
+    def finish(self, leaves: list, tensors: dict, state: MixState) -> tuple[dict, MixState]:
+        """The batch's ``B`` mixed rows only; lam, the index (into the partner batch) and the region
+        weights of those rows."""
+        rows = state.info.get("partner_rows", 0)
+        own = state.index.shape[0] - rows
+        tensors = {leaf.path: tensors[leaf.path].narrow(leaf.dim, 0, own) for leaf in leaves}
+        lam = state.lam[:own] if state.lam.ndim == 1 else state.lam
+        weights = state.weights
+        if weights is not None and weights.shape[0] == own + rows:
+            weights = weights[:own]
+        shapes = tuple(
+            s[:d] + (own,) + s[d + 1 :] for s, d in zip(state.shapes, state.batch_dims, strict=True)
+        )
+        info = {k: (v[:own] if k in _PER_ROW and v is not None else v) for k, v in state.info.items()}
+        return tensors, replace(
+            state, lam=lam, index=state.index[:own] - own, info=info, weights=weights, shapes=shapes
+        )
+
+
+_PER_ROW = ("pair_weights", "warp")  # what the lam and weights policies record per row
+
+
+def _carries(value, batch: int, dim: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim > dim and value.shape[dim] == batch
+
+
+class BalancedMixup(PartnerBatch):
+    """Balanced-MixUp (Galdran et al. 2021): each sample mixed with the sample at its place in a second,
+    class-balanced batch, the partner's weight ``lam ~ Beta(alpha, 1)`` (small for the paper's ``alpha``:
+    the mix stays close to the instance-sampled batch, and the minority classes come in through the
+    partners): the sample keeps ``1 - lam``, as the authors' ``(1 - lam) * inputs + lam *
+    balanced_inputs`` (agaldran/balanced_mixup ``train_lt_mxp.py``). A :class:`PartnerBatch` with aligned
+    pairing; the app feeds the class-balanced batch (``mixup=balanced``).
+
+    Args:
+        alpha: the Beta(alpha, 1) concentration of the partner's weight, > 0 (authors: 0.1 to 0.3).
+    """
+
+    needs_classes = True
+    why_classes = "pairs each sample with one of a class-balanced batch"
+
+    def __init__(self, alpha: float = 0.1):
+        super().__init__("aligned")
+        if not (isinstance(alpha, (int, float)) and alpha > 0):
+            raise ValueError(f"alpha must be > 0, got {alpha!r}")
+        self.alpha = float(alpha)
+
+    def __repr__(self) -> str:
+        return f"BalancedMixup(alpha={self.alpha})"
+
+    def sample_lam(self, mixer: Mixer, n: int, generator: torch.Generator) -> torch.Tensor:
+        return 1 - sample_beta(self.alpha, 1.0, generator)  # the sample's own weight
+
+
+# ------------------------------------------------------------------------------- saliency pairing
+
+SALIENCY = "pairing_saliency"  # its pinned key (apart from the saliency mixers' "saliency")
+
+
+def gradient_saliency(grad: torch.Tensor) -> torch.Tensor:
+    """GuidedMixup's saliency of a ``(B, C, ...)`` gradient: ``sqrt(mean_c g**2)`` per position (``|g|``
+    of a ``(B, D)`` one), detached, float32 at least."""
+    g = grad.detach().to(torch.promote_types(grad.dtype, torch.float32))
+    return g.abs() if g.ndim == 2 else g.square().mean(1).sqrt()
+
+
+def activation_saliency(h: torch.Tensor) -> torch.Tensor:
+    """The activation saliency of a ``(B, C, ...)`` map: ``mean_c |h|`` per position (``|h|`` of ``(B,
+    D)``), detached, float32 at least."""
+    h = h.detach().to(torch.promote_types(h.dtype, torch.float32))
+    return h.abs() if h.ndim == 2 else h.abs().mean(1)
+
+
+def gaussian_blur(maps: torch.Tensor, size: int, sigma: float) -> torch.Tensor:
+    """``(B, H, W)`` maps blurred as torchvision's ``GaussianBlur((size, size), sigma)`` blurs them (its
+    normalised 1-D kernel in both directions, reflect padding); ``size`` shrinks to the largest odd size
+    the map's sides can reflect (a hidden layer's 4x4 map takes 7x7 kernels down to 7; 2x2 to 3)."""
+    size = min(size, 2 * min(maps.shape[-2:]) - 1)
+    if size < 3:
+        return maps
+    size -= 1 - size % 2
+    x = torch.linspace(-(size - 1) / 2, (size - 1) / 2, size, dtype=maps.dtype, device=maps.device)
+    pdf = torch.exp(-0.5 * (x / sigma).square())
+    kernel = pdf / pdf.sum()
+    pad = size // 2
+    out = F.pad(maps[:, None], [pad, pad, pad, pad], mode="reflect")
+    out = F.conv2d(out, kernel.view(1, 1, 1, -1))
+    return F.conv2d(out, kernel.view(1, 1, -1, 1))[:, 0]
+
+
+def greedy_cycle(distance: torch.Tensor) -> torch.Tensor:
+    """GuidedMixup's ``onecycle_cover`` (3neutronstar/GuidedMixup ``FGVC/Implementor/pairing.pyx``) on
+    the device: start at the farthest pair ``(row, col)`` (the first in row-major order on ties, as
+    numpy's ``argmax``), then from each partner to its farthest sample not yet taken, and close the cycle
+    back to the first: every sample is one partner's once (a permutation). ``n - 2`` steps of device ops,
+    no host read."""
+    n = distance.shape[0]
+    d = distance.clone()
+    d.fill_diagonal_(float("-inf"))
+    first = d.flatten().argmax().view(1)
+    row, col = first // n, first % n
+    first = row
+    index = torch.empty(n, dtype=torch.int64, device=d.device)
+    index.index_put_((row,), col)
+    d.index_fill_(1, row, float("-inf"))
+    for _ in range(n - 2):
+        row = col
+        col = d.index_select(0, row).argmax(1)
+        index.index_put_((row,), col)
+        d.index_fill_(1, row, float("-inf"))
+    index.index_put_((col,), first)
+    return index
+
+
+class SaliencyPairing(Policy):
+    """GuidedMixup's pairing (Kang & Kim 2023): each sample's partner chosen by a greedy cycle over the
+    batch's saliency distances, so that samples whose salient regions differ most are mixed (and a mix
+    keeps both salient parts): the ``(B, B)`` L2 distances between the samples' saliency maps (blurred,
+    each normalised to sum 1, as the authors do), then :func:`greedy_cycle`, all on the device.
+
+    Args:
+        saliency: ``"gradient"`` (default; the authors' ``guided-ap``: ``sqrt(mean_c g**2)`` of the gradient
+            of the batch's cross-entropy with respect to what is mixed: one more forward and a backward down
+            to the layer, in eval mode, before the training forward; needs ``use_targets(y)``) or
+            ``"activation"`` (``mean_c |h|`` of the mixed map itself: no extra pass; not at ``"input"``).
+        blur: the Gaussian blur's kernel size on 2-D maps (authors: 7; 0: none).
+        sigma: its standard deviation (authors: 3).
+
+    The mix itself is the mixer's own: with ManifoldMixup the pairs are blended (GuidedMixup's own mix is
+    a saliency-weighted one; this policy is its pairing, for any mixer). The pairing is a permutation; a
+    pinned ``index`` wins. Cost: ``B - 2`` sequential device steps per mix.
+    """
+
+    knob = "partners"
+
+    def __init__(self, saliency: str = "gradient", blur: int = 7, sigma: float = 3.0):
+        if saliency not in ("gradient", "activation"):
+            raise ValueError(f"saliency must be 'gradient' or 'activation', got {saliency!r}")
+        if not isinstance(blur, int) or blur < 0:
+            raise ValueError(f"blur must be a kernel size >= 0, got {blur!r}")
+        if not sigma > 0:
+            raise ValueError(f"sigma must be > 0, got {sigma!r}")
+        self.saliency, self.blur, self.sigma = saliency, blur, float(sigma)
+
+    def __repr__(self) -> str:
+        return f"SaliencyPairing(saliency={self.saliency!r}, blur={self.blur}, sigma={self.sigma})"
+
+    def check_mixer(self, mixer: Mixer) -> None:
+        _refuse_own_partners(self, mixer)
+        if self.saliency == "activation" and INPUT in mixer.layers:
+            raise ValueError(
+                "SaliencyPairing(saliency='activation') at 'input': the input is mixed before any "
+                "layer runs, so "
+                "there is no activation to read; use saliency='gradient' (one more forward and "
+                "backward) there"
+            )
+
+    def before_forward(self, mixer: Mixer, model, args, kwargs, spec: str, pinned, targets):
+        if self.saliency != "gradient" or SALIENCY in pinned or "index" in pinned:
+            return {}
+        return {SALIENCY: gradient_saliency(mixer.gradient_at(model, args, kwargs, spec, targets))}
+
+    def before_mix(self, spec: str, leaves: list, pinned: Mapping) -> Mapping:
+        if self.saliency != "activation" or SALIENCY in pinned or "index" in pinned:
+            return {}
+        return {SALIENCY: activation_saliency(leaves[0].tensor.movedim(leaves[0].dim, 0))}
+
+    def maps(self, saliency: torch.Tensor) -> torch.Tensor:
+        """The saliency maps as they are compared: blurred (2-D maps), each normalised to sum 1, flattened."""
+        if saliency.ndim == 3 and self.blur:
+            saliency = gaussian_blur(saliency, self.blur, self.sigma)
+        flat = saliency.flatten(1)
+        return flat / flat.sum(1, keepdim=True).clamp_min(torch.finfo(flat.dtype).tiny)
+
+    def draws(self, mixer: Mixer, spec: str, n: int, pins, generator: torch.Generator) -> Draw | None:
+        if pins.index is not None:
+            return None  # (pinned, or a repeat: the mixer's own path)
+        saliency = pins.values.get(SALIENCY)
+        if saliency is None or saliency.shape[0] != n:
+            raise RuntimeError(
+                f"SaliencyPairing at {spec!r}: no saliency of the {n} rows mixed (attach the mixer, "
+                "and give the "
+                "labels with use_targets(y) before each training forward for saliency='gradient')"
+            )
+        flat = self.maps(saliency)
+        index = greedy_cycle(torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist"))
+        lam = pins.lam
+        if lam is None:
+            lam = torch.as_tensor(mixer.sample_lam(n, generator), dtype=torch.float64)
+        elif lam.ndim == 1 and lam.shape[0] != n:
+            raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
+        return Draw(spec, lam, index, generator, pins.given, True)

@@ -2,7 +2,10 @@
 layer, against no mixing and against Manifold Mixup at the same layer; the saliency methods with each
 source (activation: read from the same forward; gradient: one more forward and a backward). The methods
 that keep the clean batch beside its mix (RegMixup, RankMixup, MixupE) run the layers after the mixed one
-on twice the batch; C-Mixup pairs by the class numbers taken as regression labels."""
+on twice the batch; C-Mixup pairs by the class numbers taken as regression labels. Each policy
+(mixhook.policies) on Manifold Mixup at the same layer (``ManifoldMixup+Remix``, ...): a partner batch
+runs the layers before the mix on twice the batch; a gradient saliency pairing adds a forward and a
+backward."""
 
 from __future__ import annotations
 
@@ -15,8 +18,16 @@ import torch.nn.functional as F
 
 from benchmarks import cases
 from benchmarks.timing import ratio
-from mixhook import AttentiveCutMix, CMixup, SaliencyMix
+from mixhook import AttentiveCutMix, CMixup, ManifoldMixup, SaliencyMix
 from mixhook.mixers import METHODS
+from mixhook.policies import (
+    BalancedMixup,
+    DecoupledLoss,
+    KernelWarping,
+    LocalWeights,
+    Remix,
+    SaliencyPairing,
+)
 
 LAYER = "layer2"  # 16x16 maps at 32x32 images: room for every method's defaults (PatchUp's 7x7 blocks)
 
@@ -38,6 +49,17 @@ def method_variants() -> dict:
     makers["SaliencyMix_gradient"] = lambda: SaliencyMix(LAYER, saliency="gradient")
     makers["SaliencyMix_layer1_activation"] = lambda: SaliencyMix(LAYER, saliency_layer="layer1")
     makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")
+    policies = {
+        "Remix": lambda: Remix([500, 300, 200, 120, 70, 40, 25, 15, 9, 5]),
+        "KernelWarping": KernelWarping,
+        "LocalWeights": lambda: LocalWeights(sigma=0.01),
+        "DecoupledLoss": DecoupledLoss,
+        "BalancedMixup": BalancedMixup,
+        "SaliencyPairing_gradient": SaliencyPairing,
+        "SaliencyPairing_activation": lambda: SaliencyPairing("activation"),
+    }
+    for name, policy in policies.items():
+        makers[f"ManifoldMixup+{name}"] = lambda policy=policy: ManifoldMixup(LAYER).use(policy())
     return makers
 
 
@@ -46,6 +68,7 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
     base = cases.preact_resnet18().to(device).train()
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
+    partners = torch.randn_like(x), torch.randint(0, 10, (batch,), device=device)  # (a partner batch)
     makers = method_variants()
     names = ["none", *(n for n in makers if wanted is None or n in wanted)]
 
@@ -63,6 +86,8 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
         def step(model=model, opt=opt, mixer=mixer):
             if mixer is not None:  # C-Mixup pairs by regression labels: the class numbers serve as such
                 mixer.use_targets(y.double() if isinstance(mixer, CMixup) else y)
+                if any(p.needs_partner_batch for p in getattr(mixer, "policies", ())):
+                    mixer.use_partners(*partners)
             logits = model(x)
             loss = (mixer.loss(per_sample_ce, logits, y) if mixer else per_sample_ce(logits, y)).mean()
             opt.zero_grad(set_to_none=True)

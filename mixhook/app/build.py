@@ -16,6 +16,7 @@ from mixhook.compose import mixers_of
 from mixhook.engine.contract import members
 from mixhook.engine.partners import crosses_ranks
 from mixhook.layers import INPUT, fastai_layers
+from mixhook.policies import KNOBS, Remix
 from mixhook.probes import ActivationStats, GradStats
 
 from . import hydra_compat, schema
@@ -82,6 +83,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         raise ConfigError(
             f"probes.feature_maps=true draws image feature maps, and data={data.name} has none; turn it off"
         )
+    _feed_policies(cfg, mixup, data)
     if mixup is not None and cfg.trainer.loss == "bce_softmax":
         for mixer in members(mixup):
             why = mixer.targets_refused() if hasattr(mixer, "targets_refused") else None
@@ -333,14 +335,79 @@ def build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
 
 
 def build_hook(node: DictConfig, key: str, seed: int, patterns: tuple[str, ...] = hydra_compat.TRUSTED):
-    """The hook a ``_target_`` node describes, checked to have ``attach(model)``."""
+    """The hook a ``_target_`` node describes, checked to have ``attach(model)``; a mixer's ``policies``
+    node (``partners``, ``lam``, ``target``, ``weights``, ``loss``: a policy's ``_target_`` node each, or
+    null) is built and given to it (``mixer.use(...)``)."""
     extra = {}
+    policies = None
+    if "policies" in node and "policies" not in parameters_of(node._target_):
+        policies = node.policies
+        node = OmegaConf.masked_copy(node, [k for k in node if k != "policies"])
     if "generator" not in node and "generator" in parameters_of(node._target_):
         extra["generator"] = torch.Generator().manual_seed(seed)
     hook = instantiate(node, key, patterns, **extra)
     if not callable(getattr(hook, "attach", None)):
         raise ConfigError(f"{key}: {node._target_} built a {type(hook).__name__}, which has no attach(model)")
+    if policies is not None:
+        _use_policies(hook, policies, f"{key}.policies", patterns)
     return hook
+
+
+def _use_policies(hook, node, key: str, patterns: tuple[str, ...]) -> None:
+    """``hook.use(...)`` the policies of a ``policies`` node, each under the knob it sets."""
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{key} must map knobs ({', '.join(KNOBS)}) to policies, got {node!r}")
+    if not callable(getattr(hook, "use", None)):
+        raise ConfigError(f"{key}: {type(hook).__name__} takes no policies")
+    chosen = []
+    for knob, value in node.items():
+        if value is None:  # (a knob turned off: mixup.policies.target=null)
+            continue
+        where = f"{key}.{knob}"
+        if knob not in KNOBS:
+            raise ConfigError(f"{where}: {knob!r} is not a knob of a mix; valid: {', '.join(KNOBS)}")
+        if not isinstance(value, DictConfig) or not value.get("_target_"):
+            raise ConfigError(
+                f"{where} needs a _target_ (a policy such as mixhook.policies.Remix), got {value}"
+            )
+        policy = instantiate(value, where, patterns)
+        if getattr(policy, "knob", None) != knob:
+            raise ConfigError(
+                f"{where}: {type(policy).__name__} sets the {getattr(policy, 'knob', '?')} of a mix, not its "
+                f"{knob}; put it under {key}.{getattr(policy, 'knob', '?')}"
+            )
+        chosen.append(policy)
+    try:
+        hook.use(*chosen)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
+def _feed_policies(cfg: DictConfig, mixup, data: Data) -> None:
+    """What the mixer's policies need from the data: Remix the training set's class counts (where not
+    given), a partner batch per step (:meth:`~mixhook.app.data.Data.partner_batches`)."""
+    policies = [
+        p for mixer in (members(mixup) if mixup is not None else []) for p in getattr(mixer, "policies", ())
+    ]
+    for policy in policies:
+        if isinstance(policy, Remix) and policy.counts is None:
+            if data.class_counts is None:
+                raise ConfigError(
+                    f"mixup.policies.target: Remix needs classes, and data={data.name} has none"
+                )
+            policy.counts = data.class_counts
+    if any(policy.needs_partner_batch for policy in policies):
+        if data.make_partners is None:
+            raise ConfigError(
+                "mixup.policies.partners: the mixer mixes with a class-balanced partner batch, and "
+                f"data={data.name} has no classes"
+            )
+        if cfg.probes.feature_maps and probe_layers(cfg):
+            raise ConfigError(
+                "probes.feature_maps=true pins a mix of the batch with itself reversed, but the mixer draws "
+                "its partners from a second batch (mixup.policies.partners); turn one of them off"
+            )
+        data.partner_batches()
 
 
 def _optimizer(

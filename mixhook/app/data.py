@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import os
 import pickle
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 from . import splits
 from .provenance import digest
 
+SAMPLERS = ("random", "balanced")  # data.sampler: each epoch a permutation, or classes drawn equally often
 PIPELINES = ("auto", "device", "workers")  # data.pipeline: where CIFAR batches are made (see build_data)
 
 
@@ -52,6 +54,16 @@ class Data:
     split_hash: str | None = None  # provenance.digest of the train and test images and labels
     task: str = "classification"  # or "regression": float targets, MSE, RMSE (training.loop.TASKS)
     target_scale: float = 1.0  # regression: the std the targets were divided by (RMSE in their units)
+    class_counts: list[int] | None = None  # classification: the training images of each class
+    partners: DataLoader | DeviceBatches | None = None  # a class-balanced partner batch per step
+    make_partners: Callable | None = field(default=None, repr=False)  # builds ``partners`` (partner_batches)
+
+    def partner_batches(self) -> None:
+        """Give the training loop a second, class-balanced batch per step (:attr:`partners`: the same
+        images, batch size and pipeline, each class drawn equally often, with replacement: Balanced-MixUp's
+        class-based loader), for a mixer whose partners come from a second batch."""
+        if self.partners is None and self.make_partners is not None:
+            self.partners = self.make_partners()
 
 
 def build_data(
@@ -63,6 +75,7 @@ def build_data(
     world_size: int = 1,
     device: torch.device | str = "cpu",
     pipeline: str = "auto",
+    sampler: str = "random",
     **options,
 ) -> Data:
     """Build the data set ``name`` (``digits``, ``cifar10``, ``cifar100``, ``svhn``, ``imagefolder`` or
@@ -76,7 +89,12 @@ def build_data(
     flips and normalises each batch there (:class:`DeviceBatches`); ``"workers"`` augments sample by
     sample in DataLoader workers; ``"auto"`` is ``"device"`` (faster on CPU too: see the README's
     Performance section). Both draw a sample's augmentation from its (seed, epoch) seed, and both follow
-    the same order."""
+    the same order.
+
+    ``sampler``: ``"random"`` (each epoch a permutation of the training set) or ``"balanced"`` (each epoch
+    as many samples, drawn with replacement so that every class comes equally often: a class-balanced
+    sampler for long-tailed data). :meth:`Data.partner_batches` adds a second, class-balanced batch per
+    step."""
     builders = {
         "digits": _digits, "cifar10": _cifar, "cifar100": _cifar, "svhn": _svhn, "imagefolder": _imagefolder,
         "diabetes": _diabetes,
@@ -88,26 +106,48 @@ def build_data(
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
     if pipeline not in PIPELINES:
         raise ValueError(f"data.pipeline={pipeline!r} is not a pipeline; valid: {', '.join(PIPELINES)}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"data.sampler={sampler!r} is not a sampler; valid: {', '.join(SAMPLERS)}")
     train_set, test_set, info = builders[name](name=name, **options)
+    labels = info.pop("train_labels", None)
+    if labels is not None:
+        info["class_counts"] = torch.bincount(labels, minlength=info["num_classes"]).tolist()
+    elif sampler == "balanced":
+        raise ValueError(f"data.sampler=balanced draws classes equally often, but data={name} has no classes")
     num_workers = int(options.get("num_workers", 0))
-    sampler = EpochSampler(len(train_set), seed=seed, rank=rank, world_size=world_size, batch_size=batch_size)
-    if isinstance(train_set, CifarImages) and pipeline in ("auto", "device"):
+
+    def epochs(stream: int = 0, balanced: bool = sampler == "balanced") -> EpochSampler:
+        weights = class_balanced_weights(labels) if balanced else None
+        return EpochSampler(
+            len(train_set), seed, rank=rank, world_size=world_size, batch_size=batch_size, weights=weights,
+            stream=stream,
+        )  # fmt: skip
+
+    pin = torch.device(device).type == "cuda"  # page-locked batches: their copy to the GPU is queued
+    device_batches = isinstance(train_set, CifarImages) and pipeline in ("auto", "device")
+
+    def training(order: EpochSampler):
+        if device_batches:
+            return DeviceBatches(train_set, batch_size, device, sampler=order)
+        return DataLoader(
+            SeededSamples(train_set),
+            batch_size=batch_size,
+            sampler=order,
+            generator=torch.Generator().manual_seed(seed),  # the workers' base seed, not the global stream
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+            pin_memory=pin,
+        )
+
+    if labels is not None:  # the partner batches: their own stream of class-balanced epochs
+        info["make_partners"] = lambda: _normalized(training(epochs(stream=1, balanced=True)), info, device)
+    if device_batches:
         shard = torch.arange(rank, len(test_set), world_size)
-        train = DeviceBatches(train_set, batch_size, device, sampler=sampler)
         test = DeviceBatches(test_set, eval_batch_size, device, indices=shard)
-        return Data(name=name, train=train, test=test, **info)
+        return Data(name=name, train=training(epochs()), test=test, **info)
     if world_size > 1:
         test_set = Subset(test_set, range(rank, len(test_set), world_size))
-    pin = torch.device(device).type == "cuda"  # page-locked batches: their copy to the GPU is queued
-    train = DataLoader(
-        SeededSamples(train_set),
-        batch_size=batch_size,
-        sampler=sampler,
-        generator=torch.Generator().manual_seed(seed),  # the workers' base seed, not the global stream
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        pin_memory=pin,
-    )
+    train = training(epochs())
     test = DataLoader(
         test_set,
         batch_size=eval_batch_size,
@@ -120,7 +160,56 @@ def build_data(
     norm = info.pop("normalized_on_device", None)
     if norm is not None:  # (the mean and std)
         train, test = DeviceNormalized(train, device, *norm), DeviceNormalized(test, device, *norm)
-    return Data(name=name, train=train, test=test, **info)
+        info["normalized_on_device"] = norm  # (for the partner batches, popped by Data below)
+    return Data(
+        name=name, train=train, test=test, **{k: v for k, v in info.items() if k != "normalized_on_device"}
+    )
+
+
+def _normalized(loader, info: dict, device):
+    """``loader`` normalised on ``device`` where the data set's batches are (``data.normalize=device``)."""
+    norm = info.get("normalized_on_device")
+    return loader if norm is None else DeviceNormalized(loader, device, *norm)
+
+
+def class_balanced_weights(labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's weight in a class-balanced draw: one over its class's size (float64), so that every
+    class present is drawn equally often."""
+    counts = torch.bincount(labels).to(torch.float64)
+    return 1.0 / counts[labels]
+
+
+def long_tail_subset(labels: torch.Tensor, ratio: float, seed: int, num_classes: int) -> torch.Tensor:
+    """The training indices of a long-tailed set (``data.imbalance_ratio``), as Cao et al. 2019 (LDAM-DRW,
+    kaidic/LDAM-DRW ``imbalance_cifar.py``) cut CIFAR: class ``c`` keeps ``int(n_max * ratio ** (-c / (C -
+    1)))`` images, ``n_max`` the set's size over its ``C`` classes (the largest class, 0, keeps ``n_max``;
+    the smallest ``n_max / ratio``), each class's drawn by a NumPy shuffle seeded with ``seed`` (class by
+    class, as theirs: the same images for the same set); in class order. A class with fewer images keeps
+    all of them. The test set stays balanced."""
+    if (
+        isinstance(ratio, bool)
+        or not isinstance(ratio, (int, float))
+        or not (math.isfinite(ratio) and ratio >= 1)
+    ):
+        raise ValueError(
+            f"data.imbalance_ratio must be a number >= 1 (the largest class over the smallest), got {ratio!r}"
+        )
+    labels_np = labels.numpy()
+    n_max = len(labels_np) / num_classes
+    rng = np.random.RandomState(seed)  # (LDAM's np.random.seed(rand_number), then np.random.shuffle)
+    kept = []
+    for c in range(num_classes):
+        number = int(n_max * ((1 / ratio) ** (c / (num_classes - 1.0))))
+        idx = np.where(labels_np == c)[0]
+        rng.shuffle(idx)
+        kept.append(idx[:number])
+    kept = np.concatenate(kept)
+    if not len(kept):
+        raise ValueError(
+            f"data.imbalance_ratio={ratio:g} leaves no training image: {len(labels_np)} images over "
+            f"{num_classes} classes give the largest class fewer than one"
+        )
+    return torch.from_numpy(kept).to(torch.int64)
 
 
 class DeviceNormalized:
@@ -152,7 +241,10 @@ class EpochSampler(Sampler):
     generator seeded by ``(seed, e)``; optionally this rank's share, as ``DistributedSampler`` shards
     (the permutation padded to a multiple of ``world_size``, then every ``world_size``-th index).
 
-    Yields ``(index, augmentation seed)`` pairs for :class:`SeededSamples`. Call :meth:`set_epoch`
+    With ``weights`` (one per sample) each epoch draws ``size`` samples with replacement, with probability
+    by weight (the class-balanced sampler), instead of a permutation; ``stream`` (> 0) draws from a stream of
+    its own (the partner batches'). Yields ``(index, augmentation seed)`` pairs for :class:`SeededSamples`.
+    Call :meth:`set_epoch`
     before each epoch; ``start`` skips that many of this rank's samples (a resumed epoch), without
     loading them. With ``batch_size``, an epoch whose last batch would hold a single sample leaves that
     sample out (BatchNorm cannot train on one sample, nor can a mixer pair it): a different sample each
@@ -167,10 +259,13 @@ class EpochSampler(Sampler):
         rank: int = 0,
         world_size: int = 1,
         batch_size: int | None = None,
+        weights: torch.Tensor | None = None,
+        stream: int = 0,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.weights, self.stream = weights, stream
         self.rank, self.world_size = rank, world_size
         self.epoch, self.start = 0, 0
         share = -(-size // world_size)
@@ -184,9 +279,13 @@ class EpochSampler(Sampler):
 
     def plan(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's indices for the rest of the epoch and each one's augmentation seed (int64)."""
-        mixed = np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0]
+        entropy = [self.seed, self.epoch] + ([self.stream] if self.stream else [])
+        mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
         g = torch.Generator().manual_seed(int(mixed))
-        order = torch.randperm(self.size, generator=g) if self.shuffle else torch.arange(self.size)
+        if self.weights is not None:  # drawn with replacement by the weights (data.sampler=balanced)
+            order = torch.multinomial(self.weights, self.size, replacement=True, generator=g)
+        else:
+            order = torch.randperm(self.size, generator=g) if self.shuffle else torch.arange(self.size)
         seeds = torch.randint(2**62, (self.size,), generator=g)
         total = -(-self.size // self.world_size) * self.world_size
         order = torch.cat([order, order[: total - self.size]])[self.rank :: self.world_size]
@@ -227,12 +326,14 @@ def _digits(
     split_seed: int = 0,
     train_size: int | None = None,
     num_workers: int = 0,
+    imbalance_ratio: float | None = None,
 ):
     """scikit-learn's bundled handwritten digits: 1797 8x8 grey images of 0-9, shipped with the package.
 
     A stratified train/test split with ``split_seed``; ``train_size`` keeps only that many training
-    images (a stratified subset, for studies where regularization matters); pixels scaled by the
-    training set's mean and std.
+    images (a stratified subset, for studies where regularization matters); ``imbalance_ratio`` cuts the
+    training set to a long tail (:func:`long_tail_subset`, drawn with ``split_seed``; the test set stays
+    balanced); pixels scaled by the training set's mean and std.
     """
     if not 0.0 < float(test_size) < 1.0:
         raise ValueError(f"data.test_size must be in (0, 1), got {test_size!r}")
@@ -254,13 +355,16 @@ def _digits(
                 y_train, *splits.sizes(len(y_train), train_size=train_size), int(split_seed)
             )
             x_train, y_train = x_train[keep], y_train[keep]
+    if imbalance_ratio is not None:
+        keep = long_tail_subset(torch.from_numpy(y_train), imbalance_ratio, int(split_seed), 10).numpy()
+        x_train, y_train = x_train[keep], y_train[keep]
     mean, std = x_train.mean(), x_train.std()
 
     def tensors(images, labels):
         images = torch.from_numpy((images - mean) / std).unsqueeze(1)
         return TensorDataset(images, torch.from_numpy(labels))
 
-    info = {"in_channels": 1, "num_classes": 10, "image_size": 8}
+    info = {"in_channels": 1, "num_classes": 10, "image_size": 8, "train_labels": torch.from_numpy(y_train)}
     info["split_hash"] = digest(x_train, y_train, x_test, y_test)
     return tensors(x_train, y_train), tensors(x_test, y_test), info
 
@@ -376,17 +480,22 @@ def _small_images(
     subset_seed: int = 0,
     mean: list | None = None,
     std: list | None = None,
+    imbalance_ratio: float | None = None,
 ):
     """The training and test :class:`CifarImages` of 32x32 ``(images, labels)`` sets (CIFAR, SVHN) and
     their info: normalised with the set's ``own`` mean and std or the given ``mean``/``std``, the
-    training set cut to ``per_class`` images of each class (drawn with ``subset_seed``) before its digest,
+    training set cut to ``per_class`` images of each class (drawn with ``subset_seed``) and then to a long
+    tail (``imbalance_ratio``: :func:`long_tail_subset`, drawn with ``subset_seed``) before its digest,
     augmented (``augment``) with a ``padding``-pixel padded crop and, with ``flip``, a flip."""
     norm = normalization(*own, mean, std)
     train_x, train_y = train
     if per_class is not None:
         keep = per_class_subset(train_y, per_class, subset_seed)
         train_x, train_y = train_x[keep], train_y[keep]
-    info = {"in_channels": 3, "num_classes": num_classes, "image_size": 32}
+    if imbalance_ratio is not None:
+        keep = long_tail_subset(train_y, imbalance_ratio, subset_seed, num_classes)
+        train_x, train_y = train_x[keep], train_y[keep]
+    info = {"in_channels": 3, "num_classes": num_classes, "image_size": 32, "train_labels": train_y}
     info["split_hash"] = digest(train_x, train_y, *test)
     training = CifarImages(train_x, train_y, *norm, augment=augment, flip=flip, padding=padding)
     return training, CifarImages(*test, *norm, flip=flip), info
@@ -549,6 +658,8 @@ def _imagefolder(
     padding: int = 4,
     mean: list | None = None,
     std: list | None = None,
+    imbalance_ratio: float | None = None,
+    subset_seed: int = 0,
 ):
     """An image classification set in ImageNet's layout: ``root/<train>/<class>/<image>`` (images may sit
     deeper, as Tiny-ImageNet's ``<class>/images/``) and ``root/<val>/<class>/<image>``, or Tiny-ImageNet's
@@ -564,7 +675,9 @@ def _imagefolder(
     small-image pipelines (Tiny-ImageNet's 64x64, as the Manifold Mixup authors train it): training a
     random ``size`` crop of the image zero-padded by ``padding`` and a flip, evaluation ``CenterCrop(size)``
     (the image itself at that size), without resizing. ``mean``/``std``: the normalisation instead of
-    ImageNet's. Bad layouts are refused before training, in one line each."""
+    ImageNet's. ``imbalance_ratio``: the training images cut to a long tail (:func:`long_tail_subset`, by
+    the sorted classes' order, drawn with ``subset_seed``). Bad layouts are refused before training, in one
+    line each."""
     if normalize not in NORMALIZE:
         raise ValueError(f"data.normalize={normalize!r} is not a choice; valid: {', '.join(NORMALIZE)}")
     if normalize == "device" and (color_jitter or lighting):
@@ -621,7 +734,12 @@ def _imagefolder(
         if augment
         else evaluate
     )  # fmt: skip
-    info = {"in_channels": 3, "num_classes": len(classes), "image_size": size}
+    if imbalance_ratio is not None:
+        labels = torch.tensor([y for _, y in train_samples], dtype=torch.int64)
+        keep = long_tail_subset(labels, imbalance_ratio, subset_seed, len(classes)).tolist()
+        train_samples = [train_samples[i] for i in keep]
+    info = {"in_channels": 3, "num_classes": len(classes), "image_size": size,
+            "train_labels": torch.tensor([y for _, y in train_samples], dtype=torch.int64)}  # fmt: skip
     if normalize == "device":
         info["normalized_on_device"] = norm
     listing = "\n".join(f"{os.path.relpath(p, root)}\t{y}" for p, y in (*train_samples, *val_samples))

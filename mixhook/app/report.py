@@ -9,7 +9,9 @@ writes into ``<sweep_dir>``:
   metrics under their names and units (``test_acc``, ``test_ece``: fractions), plus ``test_error`` and
   ``best_test_error`` in %, with the paper's figure when the run's config carries one;
 - ``summary.md``: runs grouped by their overrides other than ``seed``: n, mean ± std of test error (%)
-  at the last and the best epoch, test NLL and test ECE (%), best first, beside the paper's figure;
+  at the last and the best epoch, test NLL, test ECE (%) and, where the runs recorded it, balanced
+  accuracy (%, the mean of the classes' accuracies: the long-tail figure), best first, beside the paper's
+  figure;
   failed runs listed below;
 - ``summary.png``: per group, each run's test error, the mean ± std at the last epoch, the mean at the
   best epoch and the paper's figure, beside the test ECE; the title says what was swept and how many
@@ -34,7 +36,10 @@ from pathlib import Path
 from .files import atomic_write
 from .records import ERROR_FILE
 
-METRICS = ["test_acc", "test_error", "test_nll", "test_ece", "best_test_acc", "epochs", "seconds"]
+METRICS = [
+    "test_acc", "test_error", "test_nll", "test_ece", "test_balanced_acc", "best_test_acc", "epochs",
+    "seconds",
+]  # fmt: skip
 FAILED_DIR = ".failed"  # the sweep's failed jobs, one file each (mark_failed)
 REGRESSION_METRICS = ["test_rmse", "best_test_rmse", "test_mse", "epochs", "seconds"]
 
@@ -142,6 +147,8 @@ def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
         nll_mean, nll_std = _mean_std([r["test_nll"] for r in members if "test_nll" in r])
         ece = [100.0 * r["test_ece"] for r in members if "test_ece" in r]  # in %, as the error
         ece_mean, ece_std = _mean_std(ece) if len(ece) == len(members) else (math.nan, math.nan)
+        balanced = [100.0 * r["test_balanced_acc"] for r in members if r.get("test_balanced_acc") is not None]
+        bal_mean, bal_std = _mean_std(balanced) if len(balanced) == len(members) else (math.nan, math.nan)
         paper = next((r for r in members if "paper_value" in r), None)
         out.append({
             "group": key, "n": len(members), "errors": errors,
@@ -150,6 +157,7 @@ def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
             "best_error_mean": best_mean, "best_error_std": best_std,
             "test_nll_mean": nll_mean, "test_nll_std": nll_std,
             "test_ece_mean": ece_mean, "test_ece_std": ece_std,
+            "balanced_acc_mean": bal_mean, "balanced_acc_std": bal_std,
             "failed": sum(r["status"] == "failed" for r in runs),
             "incomplete": sum(r["status"] == "incomplete" for r in runs),
             "paper": None if paper is None else {k[6:]: paper[k] for k in paper if k.startswith("paper_")},
@@ -220,6 +228,11 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
             "RMSE in the target's own units."
             if regression
             else "ECE: expected calibration error of the top-1 confidence, 15 equal-width bins."
+            + (
+                " Balanced accuracy: the mean of the classes' test accuracies."
+                if any(not math.isnan(g["balanced_acc_mean"]) for g in grouped if g["n"])
+                else ""
+            )
         ),
         "",
         f"Common to every run: `{' '.join(common)}`." if common else "",
@@ -235,10 +248,13 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
                 f"| {g['group']} | {g['n']} | {_pm(g['test_error_mean'], g['test_error_std'], 2)} | "
                 f"{_pm(g['best_error_mean'], g['best_error_std'], 2)} |"
             )
+    balanced = any(not math.isnan(g["balanced_acc_mean"]) for g in grouped if g["n"])
     lines += [] if regression or not any(g["n"] for g in grouped) else [
         "| group | n | test error %, last epoch | test error %, best epoch | test NLL, last epoch "
-        "| test ECE %, last epoch | paper |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| test ECE %, last epoch |"
+        + (" balanced accuracy %, last epoch |" if balanced else "")
+        + " paper |",
+        "| --- | --- | --- | --- | --- | --- |" + (" --- |" if balanced else "") + " --- |",
     ]  # fmt: skip
     for g in (g for g in grouped if g["n"] and not regression):
         paper = ""
@@ -250,7 +266,9 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
             f"| {g['group']} | {g['n']} | {_pm(g['test_error_mean'], g['test_error_std'], 2)} | "
             f"{_pm(g['best_error_mean'], g['best_error_std'], 2)} | "
             f"{_pm(g['test_nll_mean'], g['test_nll_std'], 4)} | "
-            f"{_pm(g['test_ece_mean'], g['test_ece_std'], 2)} | {paper} |"
+            f"{_pm(g['test_ece_mean'], g['test_ece_std'], 2)} | "
+            + (f"{_pm(g['balanced_acc_mean'], g['balanced_acc_std'], 2)} | " if balanced else "")
+            + f"{paper} |"
         )
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:

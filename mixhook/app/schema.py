@@ -25,7 +25,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from .data import CROPS, NORMALIZE, PIPELINES
+from .data import CROPS, NORMALIZE, PIPELINES, SAMPLERS
 from .models.preact_resnet import SHORTCUTS
 from .training.distributed import STRATEGIES
 from .training.logging import LOGGERS
@@ -42,6 +42,10 @@ def _at_least(minimum: int, default: Any):
 
 def _one_of(choices, default: Any):
     return field(default=default, metadata={"choices": tuple(choices)})
+
+
+# data.imbalance_ratio: the largest training class over the smallest (data.long_tail_subset; null: as is)
+IMBALANCE = field(default=None, metadata={"closed": (1.0, math.inf)})
 
 
 @dataclass
@@ -73,6 +77,8 @@ class DigitsConfig:
     test_size: float = field(default=0.2, metadata={"open": (0.0, 1.0)})
     split_seed: int = _at_least(0, 0)
     train_size: int | None = _at_least(10, None)
+    imbalance_ratio: float | None = IMBALANCE
+    sampler: str = _one_of(SAMPLERS, "random")  # random: a permutation per epoch; balanced: classes equally
 
 
 @dataclass
@@ -96,6 +102,8 @@ class CifarConfig:
     std: list[float] | None = None
     num_workers: int = _at_least(0, 2)
     pipeline: str = _one_of(PIPELINES, "auto")
+    imbalance_ratio: float | None = IMBALANCE
+    sampler: str = _one_of(SAMPLERS, "random")
 
 
 @dataclass
@@ -123,6 +131,9 @@ class ImageFolderConfig:
     padding: int = _at_least(0, 4)  # crop=padded: the random crop's zero padding, in pixels
     mean: list[float] | None = None  # the normalisation (null: ImageNet's)
     std: list[float] | None = None
+    imbalance_ratio: float | None = IMBALANCE
+    subset_seed: int = _at_least(0, 0)  # the seed of the long tail's images
+    sampler: str = _one_of(SAMPLERS, "random")
 
 
 @dataclass

@@ -345,9 +345,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         CutMix, FMix, GridMix, PatchUp, ...); the others are refused in one line."""
         if self._policies is not None:
             raise TypeError(
-                f"{type(self).__name__}.draw_for(): a mixer with policies ({self._policies!r}) draws "
-                "from the "
-                "forward's values, so it cannot be drawn before the forward"
+                f"{type(self).__name__}.draw_for(): a mixer with policies ({self._policies!r}) draws from "
+                "the forward's values, so it cannot be drawn before the forward"
             )
         if type(self).draw_traced is Mixer.draw_traced:
             raise TypeError(
@@ -432,9 +431,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         partners = self._policies.get("partners") if self._policies is not None else None
         if partners is None or not partners.needs_partner_batch:
             raise RuntimeError(
-                f"{type(self).__name__}.use_partners(): this mixer draws its partners from the batch; "
-                "give it a "
-                "PartnerBatch policy first (mixer.use(PartnerBatch()) or BalancedMixup())"
+                f"{type(self).__name__}.use_partners(): this mixer draws its partners from the batch; give "
+                "it a PartnerBatch policy first (mixer.use(PartnerBatch()) or BalancedMixup())"
             )
         if not isinstance(inputs, torch.Tensor) or (
             targets is not None and not isinstance(targets, torch.Tensor)

@@ -133,21 +133,18 @@ class Policies:
         for policy in policies:
             if not isinstance(policy, Policy):
                 raise TypeError(
-                    f"{kind}.use() takes policies (mixhook.policies: Remix, KernelWarping, "
-                    "PartnerBatch, ...), "
-                    f"got {type(policy).__name__}"
+                    f"{kind}.use() takes policies (mixhook.policies: Remix, KernelWarping, PartnerBatch, "
+                    f"...), got {type(policy).__name__}"
                 )
             other = self.by_knob.get(policy.knob)
             if other is not None:
                 raise ValueError(
                     f"{kind}.use(): {type(other).__name__} and {type(policy).__name__} both set the "
-                    f"{policy.knob} "
-                    "of a mix; one policy per knob"
+                    f"{policy.knob} of a mix; one policy per knob"
                 )
             self.by_knob[policy.knob] = policy
-        self.all = tuple(
-            self.by_knob[k] for k in KNOBS if k in self.by_knob
-        )  # in the order a forward meets them
+        # in the order a forward meets them
+        self.all = tuple(self.by_knob[k] for k in KNOBS if k in self.by_knob)
 
     def __repr__(self) -> str:
         return repr(list(self.all))
@@ -211,9 +208,8 @@ class Policies:
         measuring = [type(p).__name__ for p in self.all if p.takes_distances]
         if measuring and FEATURES not in draw.pinned and padded:
             raise ValueError(
-                f"{measuring[0]} at {draw.layer!r}: the model takes padding masks, so the rows mixed "
-                "there hold "
-                "padded positions, whose distance means nothing; give each sample's features with "
+                f"{measuring[0]} at {draw.layer!r}: the model takes padding masks, so the rows mixed there "
+                "hold padded positions, whose distance means nothing; give each sample's features with "
                 "use_features(f) (e.g. the mean of its real tokens' embeddings)"
             )
         info: dict[str, Any] = {}
@@ -304,9 +300,8 @@ def given_features(draw: Draw, leaves: list, kind: str, what: str) -> list[torch
         if not isinstance(given, torch.Tensor) or given.ndim < 1 or given.shape[0] != rows:
             shape = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
             raise ValueError(
-                f"{kind}: use_features() gave {shape}, but the mix at {draw.layer!r} has {rows} rows: "
-                "give one "
-                f"feature row per row mixed ({rows},...)"
+                f"{kind}: use_features() gave {shape}, but the mix at {draw.layer!r} has {rows} rows: give "
+                f"one feature row per row mixed ({rows},...)"
             )
         tensors = [given]
     else:

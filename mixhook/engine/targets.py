@@ -305,9 +305,8 @@ class LossAndTargets:
             if self._policies.changes_loss:
                 names = ", ".join(type(p).__name__ for p in self._policies.all if p.changes_loss)
                 raise ValueError(
-                    f"targets(): {type(self).__name__} uses {names}, which weights or adds to the "
-                    "loss beyond "
-                    "mixed targets; train with loss()"
+                    f"targets(): {type(self).__name__} uses {names}, which weights or adds to the loss "
+                    "beyond mixed targets; train with loss()"
                 )
             partner_labels = self._partners_of(last, target, "targets")
             lam = self._policies.target_lam(last, target, partner_labels, "targets", num_classes)

@@ -77,6 +77,7 @@ class CMixup(ManifoldMixup):
 
     def check_targets(self, target: torch.Tensor) -> None:
         check_regression_labels(type(self).__name__, target)
+        super().check_targets(target)  # (its policies')
 
     def before_forward(
         self, model: nn.Module, args: tuple, kwargs: dict, spec: str, pinned: Mapping, targets

@@ -69,6 +69,7 @@ class RankMixup(ManifoldMixup):
 
     def check_targets(self, target: torch.Tensor) -> None:
         check_class_labels(type(self).__name__, target)
+        super().check_targets(target)  # (its policies')
 
     def _clean_loss(
         self,

@@ -75,12 +75,14 @@ def symmetric_beta_cdf(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 
 def warp_parameters(sq_distances: torch.Tensor, tau_max: float, tau_std: float, own: int) -> torch.Tensor:
-    """SK-Mixup's warping parameter of each pair from its squared distance ``d``: ``1 / (tau_max *
-    exp(-(d - 1) / (2 tau_std^2 mean(d))) + 1e-12)``, the mean over the batch's own rows (the first
-    ``own``), as the authors' ``sim_gauss_kernel``: close pairs (small ``d``) get a parameter near
-    ``1 / tau_max``, distant ones a large parameter (their lam pushed to 0 or 1)."""
+    """SK-Mixup's warping parameter of each pair from its squared distance ``d``, normalised by the
+    batch's mean (over the batch's own rows, the first ``own``): ``1 / (tau_max * exp(-(d / mean(d) - 1) /
+    (2 tau_std^2)) + 1e-12)``, as the authors' ``KernelMixup(warping="beta_cdf")`` with their
+    ``sim_gauss_kernel`` (qbouniot/sim_kernel_mixup ``classification/torch_uncertainty/transforms/
+    mixup.py``): a pair at the mean distance gets ``1 / tau_max``, closer pairs less (their lam stays
+    spread: they mix), farther pairs more (their lam pushed to 0 or 1: they barely mix)."""
     mean = sq_distances[:own].mean().clamp_min(torch.finfo(torch.float64).tiny)
-    rate = tau_max * torch.exp(-(sq_distances - 1) / (mean * 2 * tau_std * tau_std))
+    rate = tau_max * torch.exp(-(sq_distances / mean - 1) / (2 * tau_std * tau_std))
     return 1 / (rate + 1e-12)
 
 
@@ -101,10 +103,14 @@ def _check_blend(policy: Policy, mixer: Mixer) -> None:
 
 class KernelWarping(Policy):
     """SK-Mixup's kernel warping (Bouniot et al., ICLR 2025): each pair's lam warped by the pair's
-    similarity, ``lam_i <- BetaCDF(lam; w_i + eps, w_i + eps)`` with ``w_i`` a Gaussian kernel of the
-    pair's squared distance normalised by the batch's mean (:func:`warp_parameters`): distant pairs keep
-    lam near 0 or 1 (little mixing: less of the calibration damage mixup does between far classes), close
-    pairs mix as drawn. The warped lam weighs the blend and the targets alike.
+    similarity, ``lam_i <- BetaCDF(lam; w_i + eps, w_i + eps)`` with ``w_i`` the inverse of a Gaussian
+    kernel of the pair's squared distance normalised by the batch's mean (:func:`warp_parameters`):
+    distant pairs get lam near 0 or 1 (little mixing: less of the calibration damage mixup does between
+    far classes), close pairs mix as drawn. The warped lam weighs the blend and the targets alike. This is
+    the authors' ``KernelMixup(warping="beta_cdf")``; their CIFAR configs run ``warping="inverse_beta_cdf"``
+    (the Beta quantile, with the kernel itself as the parameter), which needs the incomplete beta's
+    inverse on the device and is not built; torch-uncertainty's ``WarpingMixup`` divides ``d - 1``, not
+    ``d``, by the mean (the same where the mean distance is 1).
 
     The distance is taken between the rows mixed at the mixed layer (at ``"input"``, the authors'
     ``dist_sim="inp"``) or between features given with ``mixer.use_features(f)`` before the forward (the

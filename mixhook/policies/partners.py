@@ -79,8 +79,8 @@ class PartnerBatch(Policy):
         if mixer.clean:
             raise ValueError(
                 f"{type(self).__name__}: {type(mixer).__name__} keeps the clean batch beside its mix "
-                "(clean=True), "
-                "whose rows would be the batch's and the partners'; use a mixer without a clean batch"
+                "(clean=True), whose rows would be the batch's and the partners'; use a mixer without a "
+                "clean batch"
             )
 
     def sample_lam(self, mixer: Mixer, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -93,8 +93,7 @@ class PartnerBatch(Policy):
         if inputs is None:
             raise RuntimeError(
                 f"{name}: no partner batch for this training forward; call mixer.use_partners(inputs, "
-                "targets) "
-                "before every training forward"
+                "targets) before every training forward"
             )
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if first is None:
@@ -118,8 +117,8 @@ class PartnerBatch(Policy):
         if self.pairing == "aligned" and rows != batch:
             raise ValueError(
                 f"{name}(pairing='aligned') pairs sample i with partner i: the partner batch has "
-                f"{rows} rows, "
-                f"the batch {batch}; give one partner per sample, or pairing='shuffled' for a larger pool"
+                f"{rows} rows, the batch {batch}; give one partner per sample, or pairing='shuffled' for a "
+                "larger pool"
             )
         if rows < batch:
             raise ValueError(
@@ -149,9 +148,9 @@ class PartnerBatch(Policy):
         if own < 1 or (self.pairing == "aligned" and own != rows) or own > rows:
             raise RuntimeError(
                 f"{type(self).__name__}: {spec!r} has {n} rows where the batch and its partner batch "
-                f"of {rows} "
-                "should be: a recomputation of the whole model's forward (activation checkpointing around "
-                "the model) does not append the partner batch again; checkpoint the layers inside the model"
+                f"of {rows} should be: a recomputation of the whole model's forward (activation "
+                "checkpointing around the model) does not append the partner batch again; checkpoint the "
+                "layers inside the model"
             )
         lam = pins.lam
         if lam is None:
@@ -346,9 +345,8 @@ class SaliencyPairing(Policy):
         _refuse_own_partners(self, mixer)
         if self.saliency == "activation" and INPUT in mixer.layers:
             raise ValueError(
-                "SaliencyPairing(saliency='activation') at 'input': the input is mixed before any "
-                "layer runs, so "
-                "there is no activation to read; use saliency='gradient' (one more forward and "
+                "SaliencyPairing(saliency='activation') at 'input': the input is mixed before any layer "
+                "runs, so there is no activation to read; use saliency='gradient' (one more forward and "
                 "backward) there"
             )
 
@@ -375,9 +373,8 @@ class SaliencyPairing(Policy):
         saliency = pins.values.get(SALIENCY)
         if saliency is None or saliency.shape[0] != n:
             raise RuntimeError(
-                f"SaliencyPairing at {spec!r}: no saliency of the {n} rows mixed (attach the mixer, "
-                "and give the "
-                "labels with use_targets(y) before each training forward for saliency='gradient')"
+                f"SaliencyPairing at {spec!r}: no saliency of the {n} rows mixed (attach the mixer, and give "
+                "the labels with use_targets(y) before each training forward for saliency='gradient')"
             )
         flat = self.maps(saliency)
         index = greedy_cycle(torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist"))

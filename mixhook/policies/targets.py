@@ -3,7 +3,7 @@
 Papers:
     - Chou, Chang, Pan, Wei, Juan. "Remix: Rebalanced Mixup." ECCV Workshops 2020.
       https://arxiv.org/abs/2007.03943 (no official code: the rule is the paper's Eq. 3)
-    - Liu, Li, Tan, Wang, Wu, Li. "Harnessing Hard Mixed Samples with Decoupled Regularizer." NeurIPS 2023.
+    - Liu, Li, Wang, Tan, Wu, Li. "Harnessing Hard Mixed Samples with Decoupled Regularizer." NeurIPS 2023.
       https://arxiv.org/abs/2203.10761 (OpenMixup's ``soft_mix_cross_entropy``,
       ``openmixup/models/losses/cross_entropy_loss.py``, ``use_mix_decouple=True``)
 """
@@ -66,7 +66,16 @@ class Remix(Policy):
         if not (isinstance(tau, (int, float)) and 0 < tau <= 1):
             raise ValueError(f"tau must be in (0, 1], got {tau!r}")
         self.kappa, self.tau = float(kappa), float(tau)
-        self.counts = None if counts is None else _check_counts(counts)
+        self.counts = counts
+
+    @property
+    def counts(self) -> torch.Tensor | None:
+        """The number of training samples of each class (float64 on the CPU), or ``None`` until given."""
+        return self._counts
+
+    @counts.setter
+    def counts(self, counts) -> None:
+        self._counts = None if counts is None else _check_counts(counts)
 
     def __repr__(self) -> str:
         counts = "" if self.counts is None else f"counts={self.counts.tolist()}, "
@@ -81,7 +90,7 @@ class Remix(Policy):
             )
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
             raise ValueError(f"Remix.count(): labels must lie in [0, {num_classes})")
-        self.counts = _check_counts(torch.bincount(labels.cpu(), minlength=num_classes))
+        self.counts = torch.bincount(labels.cpu(), minlength=num_classes)
         return self
 
     def check_mixer(self, mixer: Mixer) -> None:
@@ -94,9 +103,8 @@ class Remix(Policy):
             )
         if classes is not None and classes != self.counts.shape[0]:
             raise ValueError(
-                f"Remix has counts for {self.counts.shape[0]} classes, but the logits have {classes}; "
-                "count the "
-                "classes of this data set"
+                f"Remix has counts for {self.counts.shape[0]} classes, but the logits have {classes}; count "
+                "the classes of this data set"
             )
         counts = to_device(self.counts, target.device)
         return remix_lam(lam, counts[target], counts[partner], self.kappa, self.tau)

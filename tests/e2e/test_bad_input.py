@@ -213,6 +213,43 @@ from tests.conftest import write_cifar
             ["mixup=transmix"],
             "error: mixup.attention: unknown layer 'blocks.11.attn' in PreActResNet",
         ),
+        (["data.imbalance_ratio=0.5"], "error: data.imbalance_ratio must be in [1, inf], got 0.5"),
+        (
+            ["data.sampler=weighted"],
+            "error: data.sampler='weighted' is not a sampler; valid: random, balanced",
+        ),
+        (
+            ["mixup=remix", "data=diabetes", "model=mlp"],
+            "error: mixup.policies.target: Remix needs classes, and data=diabetes has none",
+        ),
+        (
+            ["mixup=balanced", "data=diabetes", "model=mlp"],
+            "error: mixup.policies.partners: the mixer mixes with a class-balanced partner batch, and "
+            "data=diabetes has no classes",
+        ),
+        (
+            ["mixup=cutmix", "+mixup.policies.lam._target_=mixhook.policies.KernelWarping"],
+            "error: mixup.policies: KernelWarping changes lam for each pair, which CutMix cannot take",
+        ),
+        (
+            ["+mixup.policies.lam._target_=mixhook.policies.Remix"],
+            "error: mixup.policies.lam: Remix sets the target of a mix, not its lam; put it under "
+            "mixup.policies.target",
+        ),
+        (
+            ["+mixup.policies.knob._target_=mixhook.policies.Remix"],
+            "error: mixup.policies.knob: 'knob' is not a knob of a mix; valid: partners, lam, target",
+        ),
+        (["mixup=remix", "mixup.policies.target.kappa=0.5"], "error: mixup.policies.target: kappa must be"),
+        (["mixup=skmixup", "mixup.policies.lam.tau_std=0"], "error: mixup.policies.lam: tau_std must be"),
+        (
+            ["mixup=regmixup", "+mixup.policies.partners._target_=mixhook.policies.BalancedMixup"],
+            "error: mixup.policies: BalancedMixup: RegMixup keeps the clean batch beside its mix",
+        ),
+        (
+            ["mixup=balanced", "probes.layers=[layer1]", "probes.feature_maps=true"],
+            "error: probes.feature_maps=true pins a mix of the batch with itself reversed, but the mixer",
+        ),
         (
             ["mixup=cutmix", "mixup.tokens=auto"],
             "error: mixup.layer: CutMix at 'input': tokens='auto' but PreActResNet does not state a fixed "

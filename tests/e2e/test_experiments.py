@@ -95,6 +95,18 @@ ZOU = {  # the MixupE authors' README command and code (oneHuster/MixupE)
     "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [300, 600], "gamma": 0.1},
     "trainer": {"epochs": 800, "batch_size": 100, "loss": "ce"},
 }  # fmt: skip
+CAO = {  # the LDAM-DRW code's long-tailed CIFAR recipe (kaidic/LDAM-DRW), its CE baseline
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 2e-4,
+              "nesterov": False},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [160, 180],
+                  "gamma": 0.01},
+    "trainer": {"epochs": 200, "batch_size": 128, "loss": "ce", "warmup_epochs": 5,
+                "warmup_start_factor": 0.2},
+}  # fmt: skip
+REMIX = {"_target_": "mixhook.ManifoldMixup", "layer": "input", "alpha": 1.0,
+         "policies": {"target": {"_target_": "mixhook.policies.Remix", "kappa": 3.0,
+                                 "tau": 0.5}}}  # fmt: skip
+RESNET32 = {"_target_": "mixhook.app.models.ResNet32"}
 CUTMIX = {"_target_": "mixhook.CutMix", "layer": "input", "alpha": 1.0, "prob": 0.5}
 MANIFOLD = {"_target_": "mixhook.ManifoldMixup", "layer": ["input", "layer1", "layer2"], "alpha": 2.0}
 INPUT = {"_target_": "mixhook.ManifoldMixup", "layer": "input", "alpha": 1.0}
@@ -158,6 +170,10 @@ EXPECTED = {
                                   "alpha": 2.0, "margin": 2.0, "weight": 0.1}, None, None),
     "zou2023_cifar100_mixupe": (ZOU, "cifar100", {"_target_": "mixhook.MixupE", "layer": "input",
                                 "alpha": 2.0, "eta": 0.001, "threshold": 1.0}, None, None),
+    "cao2019_cifar10_lt_erm": (CAO, "cifar10", {}, None, None, RESNET32),
+    "cao2019_cifar100_lt_erm": (CAO, "cifar100", {}, None, None, RESNET32),
+    "chou2020_cifar10_lt_remix": (CAO, "cifar10", REMIX, None, None, RESNET32),
+    "chou2020_cifar100_lt_remix": (CAO, "cifar100", REMIX, None, None, RESNET32),
 }  # fmt: skip
 REPOSITORIES = {
     "verma2019": "vikasverma1077/manifold_mixup at 870ef77",  # (SVHN; the CIFAR rows carry figures)
@@ -166,6 +182,8 @@ REPOSITORIES = {
     "pinto2022": "FrancescoPinto/RegMixup at fd78465",
     "noh2023": "cvlab-yonsei/RankMixup at e5dc77f",
     "zou2023": "oneHuster/MixupE at 64ba406",
+    "cao2019": "kaidic/LDAM-DRW at 2536330",
+    "chou2020": "kaidic/LDAM-DRW at 2536330",  # (Remix has no code: the recipe is LDAM-DRW's)
 }
 UNVERIFIED = [name for name in EXPECTED if name.startswith(tuple(REPOSITORIES)) and EXPECTED[name][3] is None]
 
@@ -194,6 +212,8 @@ def test_experiment_sets_the_papers_hyperparameters_and_figure(name):
         "Pinto et al. 2022",
         "Noh et al. 2023",
         "Zou et al. 2023",
+        "Cao et al. 2019",
+        "Chou et al. 2020",
     )
     assert cfg["paper"]["source"].startswith(papers)
 
@@ -222,13 +242,23 @@ def test_command_line_overrides_win_over_the_experiment():
 @pytest.mark.parametrize("name", sorted(n for n, e in EXPECTED.items() if e[1].startswith("cifar")))
 def test_experiment_builds_on_cifar_format_files(tmp_path, name):
     recipe, data, mixup, *_, model = (*EXPECTED[name], PREACT)[:6]
-    write_cifar(tmp_path, data, per_file=4)
+    per_file = 200 if model == RESNET32 else 4  # (a long tail of 100 classes needs 100 images at least)
+    written = write_cifar(tmp_path, data, per_file=per_file)
     run = app.build(config(f"experiment={name}", f"data.root={tmp_path}", "data.num_workers=0"))
     try:
         classes = 10 if data == "cifar10" else 100
         assert run.model.linear.out_features == classes and run.settings.epochs == recipe["trainer"]["epochs"]
-        assert run.model.linear.in_features == 512 * model.get("width", 1)
-        assert run.model.shortcut == model.get("shortcut", "input")
+        if model == RESNET32:
+            assert run.model.linear.in_features == 64 and len(run.model.layer3) == 5
+            counts, total = (
+                run.data.class_counts,
+                sum(len(v[1]) for k, v in written.items() if "test" not in k),
+            )
+            assert counts[0] == min(total // classes, int((written_labels(written) == 0).sum()))
+            assert sum(counts) < total and counts[-1] <= max(total // classes // 100, 1)
+        else:
+            assert run.model.linear.in_features == 512 * model.get("width", 1)
+            assert run.model.shortcut == model.get("shortcut", "input")
         assert run.settings.mixed_loss_weight == recipe["trainer"].get("mixed_loss_weight", 1.0)
         assert run.optimizer.param_groups[0]["nesterov"] == recipe["optim"]["nesterov"]
         assert run.data.train.padding == (2 if name.startswith("verma2019") else 4)  # (the authors' code)
@@ -242,6 +272,10 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
     finally:
         if run.mixup is not None:
             run.mixup.remove()
+
+
+def written_labels(written: dict):
+    return torch.cat([torch.as_tensor(v[1]) for k, v in written.items() if "test" not in k])
 
 
 @pytest.mark.slow

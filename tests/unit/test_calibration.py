@@ -90,7 +90,7 @@ def test_evaluate_reads_accuracy_and_nll_off_the_same_pass():
     x, y = torch.randn(50, 6, generator=g), torch.randint(0, 3, (50,), generator=g)
     model = nn.Linear(6, 3)
     loader = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 50, 16)]
-    nll, acc, calibration = evaluate(model, loader, torch.device("cpu"))
+    nll, acc, calibration, _ = evaluate(model, loader, torch.device("cpu"))
     with torch.no_grad():
         logits = model(x)
     assert acc == float((logits.argmax(1) == y).double().mean())

@@ -361,3 +361,105 @@ def test_building_the_digits_imports_no_scikit_learn():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]
+
+
+# From kaidic/LDAM-DRW imbalance_cifar.py (2536330), IMBALANCECIFAR10: the exponential profile and the
+# images kept, on labels given here (their dataset's self.targets), returning the kept indices.
+def ldam_imbalanced_indices(targets, imb_factor, rand_number, cls_num):
+    np.random.seed(rand_number)
+    img_max = len(targets) / cls_num
+    img_num_per_cls = []
+    for cls_idx in range(cls_num):
+        num = img_max * (imb_factor ** (cls_idx / (cls_num - 1.0)))
+        img_num_per_cls.append(int(num))
+    targets_np = np.array(targets, dtype=np.int64)
+    classes = np.unique(targets_np)
+    kept = []
+    for the_class, the_img_num in zip(classes, img_num_per_cls, strict=False):
+        idx = np.where(targets_np == the_class)[0]
+        np.random.shuffle(idx)
+        kept.append(idx[:the_img_num])
+    return np.concatenate(kept), img_num_per_cls
+
+
+@pytest.mark.parametrize("ratio", [1.0, 10.0, 100.0])
+def test_the_long_tail_keeps_the_images_ldam_drws_code_keeps(tmp_path, ratio):
+    written = write_cifar(tmp_path, "cifar10", per_file=300, seed=3)
+    labels = np.concatenate([written[f"data_batch_{i}"][1] for i in range(1, 6)])
+    images = np.concatenate([written[f"data_batch_{i}"][0] for i in range(1, 6)])
+    kept, profile = ldam_imbalanced_indices(labels.tolist(), 1 / ratio, 7, 10)
+    data = build_data("cifar10", batch_size=16, root=str(tmp_path), num_workers=0, pipeline="workers",
+                      augment=False, imbalance_ratio=ratio, subset_seed=7)  # fmt: skip
+    ours = data.train.dataset.dataset
+    assert np.array_equal(ours.images.numpy(), images[kept]) and np.array_equal(
+        ours.labels.numpy(), labels[kept]
+    )
+    assert data.class_counts == np.bincount(labels[kept], minlength=10).tolist()
+    assert data.class_counts[0] == profile[0] == 150 and data.class_counts[9] == min(
+        profile[9], (labels == 9).sum()
+    )
+    test = torch.cat([y for _, y in data.test])
+    assert len(test) == 300  # the test set is left as it is
+    with pytest.raises(ValueError, match="data.imbalance_ratio must be a number >= 1"):
+        build_data("cifar10", batch_size=16, root=str(tmp_path), num_workers=0, imbalance_ratio=0.5)
+    write_cifar(tmp_path, "cifar100", per_file=40)  # 40 images over 100 classes: none is kept
+    with pytest.raises(
+        ValueError, match="data.imbalance_ratio=100 leaves no training image: 40 images over 100"
+    ):
+        build_data("cifar100", batch_size=16, root=str(tmp_path), num_workers=0, imbalance_ratio=100)
+
+
+def test_digits_long_tail_and_the_class_balanced_sampler():
+    data = build_data("digits", batch_size=64, imbalance_ratio=10.0)
+    assert data.class_counts == [
+        142,
+        111,
+        86,
+        66,
+        51,
+        39,
+        30,
+        23,
+        18,
+        14,
+    ]  # int(143.7 * 10^(-c/9)), class 0 has 142
+    assert sum(len(y) for _, y in data.test) == 360
+    balanced = build_data("digits", batch_size=64, imbalance_ratio=10.0, sampler="balanced")
+    seen = torch.zeros(10)
+    for epoch in range(1, 21):
+        balanced.train.sampler.set_epoch(epoch)
+        seen += torch.bincount(torch.cat([y for _, y in balanced.train]), minlength=10)
+    share = seen / seen.sum()  # each class drawn about equally often (580 draws an epoch, 20 epochs)
+    assert (share - 0.1).abs().max() < 0.02, share
+    balanced.train.sampler.set_epoch(3)
+    first = [y.tolist() for _, y in balanced.train]
+    balanced.train.sampler.set_epoch(3, start=128)
+    assert [y.tolist() for _, y in balanced.train] == first[2:]  # a resumed epoch: the same draws
+    with pytest.raises(ValueError, match="data.sampler='weighted' is not a sampler; valid: random, balanced"):
+        build_data("digits", batch_size=64, sampler="weighted")
+    with pytest.raises(
+        ValueError, match="data.sampler=balanced draws classes equally often, but data=diabetes"
+    ):
+        build_data("diabetes", batch_size=64, sampler="balanced")
+
+
+@pytest.mark.parametrize("pipeline", ["device", "workers"])
+def test_partner_batches_are_class_balanced_in_step_with_the_training_batches(tmp_path, pipeline):
+    write_cifar(tmp_path, "cifar10", per_file=40, seed=1)
+    data = build_data("cifar10", batch_size=16, root=str(tmp_path), num_workers=0, pipeline=pipeline,
+                      imbalance_ratio=10.0)  # fmt: skip
+    assert data.partners is None
+    data.partner_batches()
+    assert len(data.partners) == len(data.train) and data.partners.batch_size == 16
+    counts = torch.zeros(10)
+    for epoch in range(1, 31):
+        data.partners.sampler.set_epoch(epoch)
+        data.train.sampler.set_epoch(epoch)
+        for (x, y), (xp, yp) in zip(data.train, data.partners, strict=True):
+            assert x.shape == xp.shape and y.shape == yp.shape
+            counts += torch.bincount(yp, minlength=10)
+    share = counts / counts.sum()
+    assert (share - 0.1).abs().max() < 0.03, share  # the training batches' own are long-tailed
+    data.train.sampler.set_epoch(1)
+    data.partners.sampler.set_epoch(1)
+    assert not torch.equal(next(iter(data.train))[1], next(iter(data.partners))[1])  # their own stream

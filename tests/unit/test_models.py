@@ -129,3 +129,80 @@ def test_a_fractional_width_is_the_same_network_narrower():
     channels = [model.conv1.out_channels, model.layer2[0].conv1.out_channels, model.linear.in_features]
     assert channels == [16, 32, 128]
     assert [n for n, _ in model.named_modules()] == [n for n, _ in PreActResNet18(1).named_modules()]
+
+
+# From kaidic/LDAM-DRW models/resnet_cifar.py (2536330): ResNet_s with option A, as the test's reference.
+class _LambdaLayer(torch.nn.Module):
+    def __init__(self, lambd):
+        super().__init__()
+        self.lambd = lambd
+
+    def forward(self, x):
+        return self.lambd(x)
+
+
+class _LdamBlock(torch.nn.Module):
+    def __init__(self, in_planes, planes, stride=1):
+        super().__init__()
+        nn, F = torch.nn, torch.nn.functional
+        self.conv1 = nn.Conv2d(in_planes, planes, kernel_size=3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = _LambdaLayer(
+                lambda x: F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, planes // 4, planes // 4), "constant", 0)
+            )
+
+    def forward(self, x):
+        F = torch.nn.functional
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += self.shortcut(x)
+        return F.relu(out)
+
+
+class _LdamResNet32(torch.nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        nn = torch.nn
+        self.in_planes = 16
+        self.conv1 = nn.Conv2d(3, 16, kernel_size=3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.layer1 = self._make_layer(16, 5, 1)
+        self.layer2 = self._make_layer(32, 5, 2)
+        self.layer3 = self._make_layer(64, 5, 2)
+        self.linear = nn.Linear(64, num_classes)
+
+    def _make_layer(self, planes, num_blocks, stride):
+        layers = []
+        for s in [stride] + [1] * (num_blocks - 1):
+            layers.append(_LdamBlock(self.in_planes, planes, s))
+            self.in_planes = planes
+        return torch.nn.Sequential(*layers)
+
+    def forward(self, x):
+        F = torch.nn.functional
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layer3(self.layer2(self.layer1(out)))
+        out = F.avg_pool2d(out, out.size()[3])
+        return self.linear(out.view(out.size(0), -1))
+
+
+def test_resnet32_is_the_ldam_drw_codes_network():
+    from mixhook.app.models import ResNet32
+
+    torch.manual_seed(0)
+    ours, theirs = ResNet32(3, 10).double(), _LdamResNet32(10).double()
+    assert sum(p.numel() for p in ours.parameters()) == 464_154
+    theirs.load_state_dict(ours.state_dict())  # the same names and shapes
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    for mode in ("train", "eval"):
+        getattr(ours, mode)(), getattr(theirs, mode)()
+        torch.testing.assert_close(ours(x), theirs(x))
+    assert ResNet32(1, 7)(torch.randn(2, 1, 8, 8)).shape == (2, 7)  # digits too
+    with pytest.raises(ValueError, match="depth must be 6n \\+ 2"):
+        from mixhook.app.models import CifarResNet
+
+        CifarResNet(33)

@@ -96,31 +96,43 @@ def test_the_beta_cdf_reads_nothing_on_the_host():
 # ------------------------------------------------------------------------------------ SK-Mixup
 
 
-# From ENSTA-U2IS-AI/torch-uncertainty src/torch_uncertainty/transforms/mixup.py (0d0df2b2): the kernel,
-# the warping and WarpingMixup.__call__ after its draw (lam and index given here instead of drawn; its
-# _linear_mixing casts lam to float32, left out so that the comparison is in float64).
-def sim_gauss_kernel(dist, tau_max: float = 1.0, tau_std: float = 0.5) -> float:
-    dist_rate = tau_max * np.exp(-(dist - 1) / (np.mean(dist) * 2 * tau_std * tau_std))
+# From qbouniot/sim_kernel_mixup classification/torch_uncertainty/transforms/mixup.py (4fa2237): the kernel,
+# the warping and KernelMixup.__call__'s warping="beta_cdf" branch after its draw (lam and index given here
+# instead of drawn; its _linear_mixing casts lam to float32, left out so that the comparison is in float64).
+def sim_gauss_kernel(dist, tau_max: float = 1.0, tau_std: float = 0.5, inverse_cdf=False) -> float:
+    dist_rate = tau_max * np.exp(-(dist - 1) / (2 * tau_std * tau_std))
+    if inverse_cdf:
+        return dist_rate
     return 1 / (dist_rate + 1e-12)
 
 
-def beta_warping(x, alpha_cdf: float = 1.0, eps: float = 1e-12) -> float:
-    return scipy_stats.beta.cdf(x, a=alpha_cdf + eps, b=alpha_cdf + eps)
+def beta_warping(x, alpha: float = 1.0, eps: float = 1e-12, inverse_cdf: bool = False) -> float:
+    if inverse_cdf:
+        return scipy_stats.beta.ppf(x, a=alpha + eps, b=alpha + eps)
+    return scipy_stats.beta.cdf(x, a=alpha + eps, b=alpha + eps)
 
 
-def warping_mixup(x, y, feats, lam, index, num_classes, tau_max, tau_std):
-    l2_dist = (feats - feats[index]).pow(2).sum([i for i in range(len(feats.size())) if i > 0]).cpu().numpy()
-    warp_param = sim_gauss_kernel(l2_dist, tau_max, tau_std)
-    k_lam = torch.as_tensor(beta_warping(lam, warp_param), device=x.device)
+def kernel_mixup(x, y, feats, lam, index, num_classes, tau_max, tau_std):
+    dist = (feats - feats[index]).pow(2).sum([i for i in range(len(feats.size())) if i > 0]).cpu().numpy()
+    dist = dist / dist.mean()
+    warp_param = sim_gauss_kernel(dist, tau_max, tau_std)
+    k_lam = torch.tensor(beta_warping(lam, warp_param, inverse_cdf=False), device=x.device)
     kl = k_lam.view(-1, *[1 for _ in range(x.ndim - 1)])
     mixed_x = kl * x + (1 - kl) * x[index, :]
     y1, y2 = F.one_hot(y, num_classes), F.one_hot(y[index], num_classes)
     mixed_y = k_lam.view(-1, 1) * y1 + (1 - k_lam.view(-1, 1)) * y2
-    return mixed_x, mixed_y, k_lam
+    return mixed_x, mixed_y, k_lam, warp_param
 
 
-@pytest.mark.parametrize("tau_max,tau_std", [(1.0, 0.5), (2.0, 0.25)])
-def test_kernel_warping_at_the_input_is_the_authors_warping_mixup(tau_max, tau_std):
+# From ENSTA-U2IS-AI/torch-uncertainty src/torch_uncertainty/transforms/mixup.py (0d0df2b2): its port,
+# which divides d - 1 by the mean distance (the authors: d, then subtract 1).
+def tu_sim_gauss_kernel(dist, tau_max: float = 1.0, tau_std: float = 0.5) -> float:
+    dist_rate = tau_max * np.exp(-(dist - 1) / (np.mean(dist) * 2 * tau_std * tau_std))
+    return 1 / (dist_rate + 1e-12)
+
+
+@pytest.mark.parametrize("tau_max,tau_std", [(1.0, 0.5), (1.0, 0.25), (2.0, 1.0)])
+def test_kernel_warping_at_the_input_is_the_authors_kernel_mixup(tau_max, tau_std):
     model = mlp()
     x, y = torch.randn(8, 5, dtype=torch.float64) * 3, torch.randint(0, 4, (8,))
     lam, index = 0.37, torch.tensor([3, 0, 6, 1, 7, 2, 5, 4])
@@ -131,12 +143,27 @@ def test_kernel_warping_at_the_input_is_the_authors_warping_mixup(tau_max, tau_s
         mix.pin(lam=lam, index=index)
         logits = model(x)
         soft = mix.targets(y, 4, dtype=torch.float64, logits=logits)
-    mixed_x, mixed_y, k_lam = warping_mixup(x, y, x, lam, index, 4, tau_max, tau_std)
+    mixed_x, mixed_y, k_lam, warp = kernel_mixup(x, y, x, lam, index, 4, tau_max, tau_std)
+    assert (k_lam - lam).abs().min() > 0.01  # (the warping changes every lam)
     torch.testing.assert_close(mix.last.lam, k_lam, rtol=0, atol=1e-10)
+    torch.testing.assert_close(mix.last.info["warp"], torch.as_tensor(warp), rtol=1e-12, atol=0)
     torch.testing.assert_close(seen[0], mixed_x, rtol=0, atol=1e-9)
     torch.testing.assert_close(soft, mixed_y.double(), rtol=0, atol=1e-10)
-    torch.testing.assert_close(mix.last.info["warp"], torch.as_tensor(sim_gauss_kernel(
-        (x - x[index]).pow(2).sum(1).numpy(), tau_max, tau_std)), rtol=1e-12, atol=0)  # fmt: skip
+
+
+def test_kernel_warping_is_torch_uncertaintys_where_the_mean_distance_is_one():
+    x = torch.randn(8, 5, dtype=torch.float64)
+    index = torch.tensor([3, 0, 6, 1, 7, 2, 5, 4])
+    d = (x - x[index]).square().sum(1)
+    x = x / d.mean().sqrt()  # the mean squared distance is now 1
+    d = (x - x[index]).square().sum(1).numpy()
+    mix = ManifoldMixup("input", alpha=1.0).use(KernelWarping(1.0, 0.5))
+    with mix.attach(mlp()) as _:
+        mix.pin(lam=0.3, index=index)
+        mix.model(x)
+    torch.testing.assert_close(
+        mix.last.info["warp"], torch.as_tensor(tu_sim_gauss_kernel(d)), rtol=1e-12, atol=0
+    )
 
 
 def test_kernel_warping_at_a_hidden_layer_is_the_hand_edited_forward_with_given_or_layer_distances():
@@ -156,7 +183,8 @@ def test_kernel_warping_at_a_hidden_layer_is_the_hand_edited_forward_with_given_
         h = model[1](model[0](x))
         f = h if given is None else given
         d = (f - f[index]).square().sum(1)
-        k = torch.as_tensor(beta_warping(lam, sim_gauss_kernel(d.detach().numpy()))).view(-1, 1)
+        d = (d / d.mean()).detach().numpy()
+        k = torch.as_tensor(beta_warping(lam, sim_gauss_kernel(d))).view(-1, 1)
         theirs_logits = model[2:](k * h + (1 - k) * h[index])
         k = k.view(-1)
         theirs = (
@@ -168,10 +196,8 @@ def test_kernel_warping_at_a_hidden_layer_is_the_hand_edited_forward_with_given_
 
 def test_warp_parameters_take_the_mean_over_the_batchs_own_rows():
     d = torch.tensor([1.0, 2.0, 3.0, 0.0], dtype=torch.float64)  # the last row: a partner batch's
-    expected = 1 / (1.0 * torch.exp(-(d - 1) / (2.0 * 2 * 0.5 * 0.5)) + 1e-12)  # mean of the first three: 2
+    expected = 1 / (torch.exp(-(d / 2.0 - 1) / (2 * 0.5 * 0.5)) + 1e-12)  # the mean of the first three: 2
     torch.testing.assert_close(warp_parameters(d, 1.0, 0.5, own=3), expected)
-    torch.testing.assert_close(warp_parameters(d[:3], 1.0, 0.5, own=3),
-                               torch.as_tensor(sim_gauss_kernel(d[:3].numpy())))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ Local Mixup

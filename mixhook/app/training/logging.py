@@ -60,7 +60,7 @@ class RunLogger:
         """One epoch's metrics (a ``metrics.csv`` row) as TensorBoard scalars at step = epoch."""
         if self.writer is None:
             return
-        for key in ("train_loss", "test_loss", "test_acc", "test_ece", "lr"):
+        for key in ("train_loss", "test_loss", "test_acc", "test_ece", "test_balanced_acc", "lr"):
             if row.get(key) not in (None, ""):  # test_ece: missing from rows of runs before it existed
                 self.writer.add_scalar(f"epoch/{key}", float(row[key]), row["epoch"])
         self.writer.flush()

@@ -49,7 +49,8 @@ log = logging.getLogger("mixhook")
 # the target's own units
 METRICS = {
     "classification": [
-        "epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_ece", "lr", "seconds"
+        "epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_ece", "lr", "seconds",
+        "test_balanced_acc",  # the mean of the classes' accuracies; then test_acc_c0, test_acc_c1, ...
     ],
     "regression": ["epoch", "train_loss", "test_loss", "test_rmse", "lr", "seconds"],
 }  # fmt: skip
@@ -147,9 +148,11 @@ def train_one_epoch(
     desc: str = "train",
     before_step=None,
     after_step=None,
+    partners=None,
 ) -> float:
     """One pass over ``loader`` as ``training`` says; returns the mean training loss (the mixed loss when
-    mixing).
+    mixing). ``partners``: a loader of as many batches, whose each batch the mixer gets as the step's
+    partner batch (``mixup.use_partners``; :meth:`~mixhook.app.data.Data.partner_batches`).
 
     ``totals``: the :class:`Totals` of the part of the epoch already done (a resumed epoch), updated in
     place (a new one by default). ``before_step(done)`` runs before each step (``done``: the epoch's steps
@@ -165,6 +168,7 @@ def train_one_epoch(
     bar = tqdm(loader, desc=desc, leave=False, disable=None if t.progress_bar else True, dynamic_ncols=True)
     finite = t.finite or FiniteCheck(dist=t.dist)
     finite.for_epoch(model, mixup, dtype, before_step)
+    partner_batches = iter(partners) if partners is not None else None
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         done = totals.steps  # the steps of this epoch already done
@@ -173,6 +177,11 @@ def train_one_epoch(
         finite.before_forward(done)
         if mixup is not None:
             mixup.use_targets(y)  # for a method that needs the labels to mix (gradient saliency)
+        if partner_batches is not None:  # (as many batches as the epoch has: the same sampler's length)
+            xp, yp = (t.to(device, non_blocking=True) for t in next(partner_batches))
+            if t.channels_last and xp.ndim == 4:
+                xp = xp.contiguous(memory_format=torch.channels_last)
+            mixup.use_partners(xp, yp)
         x, logits = _forward(model, x, dtype, t.channels_last)
         value = _loss(t, logits, y)
         finite.after_loss(value, x, y, done)  # raises here when the host reads every step
@@ -244,12 +253,21 @@ def _correct(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class Evaluation(NamedTuple):
-    """The test figures of one evaluation: mean cross-entropy (NLL), accuracy (a fraction), and the
-    top-1 confidence calibration (:class:`~mixhook.app.training.calibration.Calibration`, 15 bins)."""
+    """The test figures of one evaluation: mean cross-entropy (NLL), accuracy (a fraction), the top-1
+    confidence calibration (:class:`~mixhook.app.training.calibration.Calibration`, 15 bins) and each
+    class's accuracy (its recall; NaN for a class the test set lacks)."""
 
     nll: float
     acc: float
     calibration: Calibration
+    per_class: tuple[float, ...] = ()
+
+    @property
+    def balanced_acc(self) -> float:
+        """The mean of the accuracies of the classes in the test set (balanced accuracy, as scikit-learn's
+        ``balanced_accuracy_score``)."""
+        present = [a for a in self.per_class if not math.isnan(a)]
+        return sum(present) / len(present) if present else math.nan
 
 
 @torch.no_grad()
@@ -267,16 +285,26 @@ def evaluate(
     model.eval()
     nll = torch.zeros((), device=device, dtype=torch.float64)
     calibration = Calibration()  # its bins count the samples and the correct top-1 predictions
+    seen = hits = None  # per class: the test samples and the correct ones
     for x, y in _batches(loader, model, dist):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         _, logits = _forward(model, x, dtype, channels_last)
         if len(y):
             nll += F.cross_entropy(logits, y, reduction="sum")
             calibration.update(logits, y)
-    (nll,) = (dist or Dist()).sum([float(nll)])
+            k = logits.shape[1]
+            if seen is None:
+                seen = torch.zeros(k, device=device, dtype=torch.float64)
+                hits = torch.zeros(k, device=device, dtype=torch.float64)
+            seen += torch.bincount(y, minlength=k)[:k]
+            hits += torch.bincount(y, weights=(logits.argmax(1) == y).double(), minlength=k)[:k]
+    per = [] if seen is None else [*seen.tolist(), *hits.tolist()]
+    nll, *per = (dist or Dist()).sum([float(nll), *per])
     calibration.reduce(dist or Dist())
     count, correct = int(calibration.count.sum()), round(float(calibration.correct.sum()))
-    return Evaluation(nll / count, correct / count, calibration)
+    k = len(per) // 2
+    per_class = tuple(h / n if n else math.nan for n, h in zip(per[:k], per[k:], strict=True))
+    return Evaluation(nll / count, correct / count, calibration, per_class)
 
 
 @torch.no_grad()
@@ -425,6 +453,7 @@ def train(
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     warmup = Warmup(opts.warmup_epochs, opts.warmup_start_factor)  # (0 epochs: a factor of 1 throughout)
     sampler = data.train.sampler
+    partners = getattr(data, "partners", None)  # (Data.partner_batches: a partner batch per step)
     finite = FiniteCheck(check_every(opts.check_finite_every, optimizer, device), optimizer, dist)
     if finite.lazy:
         log.info(
@@ -456,7 +485,7 @@ def train(
     calibration = None
     metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
     with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
-        writer = csv.DictWriter(f, fieldnames=METRICS[task], extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=metric_columns(task, data.num_classes), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(state.rows)  # the epochs before the checkpoint (none when starting)
         f.flush()
@@ -468,6 +497,8 @@ def train(
             sampler.set_epoch(epoch)
             steps = len(data.train)  # the whole epoch's steps (a resumed epoch's loader has fewer left)
             sampler.set_epoch(epoch, start=skip * data.train.batch_size)
+            if partners is not None:  # (the same steps of its own class-balanced order)
+                partners.sampler.set_epoch(epoch, start=skip * data.train.batch_size)
             lr *= warmup.factor(state.global_step - skip, steps)  # the rate of the epoch's first step
 
             def before_step(done, epoch=epoch, steps=steps):
@@ -493,6 +524,7 @@ def train(
                     training, data.train, totals, f"epoch {epoch}/{epochs}",
                     before_step=before_step,
                     after_step=after_step,
+                    partners=partners,
                 )  # fmt: skip
                 correct, rows = float(totals.correct), totals.rows
                 if dist.enabled:  # the epoch's means over every rank's samples
@@ -533,6 +565,13 @@ def train(
     return _summary(run, state, out_dir, net, calibration, start, dist, regression)
 
 
+def metric_columns(task: str, num_classes: int) -> list[str]:
+    """``metrics.csv``'s columns: :data:`METRICS` of the task, then, for classification, each class's test
+    accuracy (``test_acc_c0``, ``test_acc_c1``, ...)."""
+    per_class = [f"test_acc_c{c}" for c in range(num_classes)] if task == "classification" else []
+    return METRICS[task] + per_class
+
+
 def _network(model: nn.Module, device: torch.device, opts: Settings, dist: Dist) -> nn.Module:
     """What the loop calls: ``model`` on ``device`` (channels-last where asked), in
     ``DistributedDataParallel`` for a data-parallel job (after the hooks were attached to ``model``), and
@@ -556,11 +595,16 @@ def _tested(row: dict, net, data, device, opts: Settings, dist: Dist, train_acc:
         test_loss = evaluate_regression(net, data.test, device, opts.precision, dist)
         row.update(test_loss=test_loss, test_rmse=math.sqrt(test_loss) * data.target_scale)
         return -row["test_rmse"], None
-    test_loss, test_acc, calibration = evaluate(
-        net, data.test, device, opts.precision, opts.channels_last, dist
+    found = evaluate(net, data.test, device, opts.precision, opts.channels_last, dist)
+    row.update(
+        train_acc=train_acc,
+        test_loss=found.nll,
+        test_acc=found.acc,
+        test_ece=found.calibration.ece(),
+        test_balanced_acc=found.balanced_acc,
+        **{f"test_acc_c{c}": acc for c, acc in enumerate(found.per_class)},
     )
-    row.update(train_acc=train_acc, test_loss=test_loss, test_acc=test_acc, test_ece=calibration.ece())
-    return test_acc, calibration
+    return found.acc, found.calibration
 
 
 def _log_epoch(row: dict, epochs: int) -> None:
@@ -574,9 +618,9 @@ def _log_epoch(row: dict, epochs: int) -> None:
     else:
         log.info(
             "epoch %d/%d  train_loss %.4f  train_acc %.2f%%  test_loss %.4f  test_acc %.2f%%  "
-            "test_ece %.2f%%  lr %.4g  %.1fs", row["epoch"], epochs, row["train_loss"],
-            100 * row["train_acc"], row["test_loss"], 100 * row["test_acc"], 100 * row["test_ece"], row["lr"],
-            row["seconds"],
+            "test_ece %.2f%%  test_balanced_acc %.2f%%  lr %.4g  %.1fs", row["epoch"], epochs,
+            row["train_loss"], 100 * row["train_acc"], row["test_loss"], 100 * row["test_acc"],
+            100 * row["test_ece"], 100 * row["test_balanced_acc"], row["lr"], row["seconds"],
         )  # fmt: skip
 
 
@@ -611,6 +655,8 @@ def _summary(
         "test_acc": last["test_acc"],
         "test_nll": last["test_loss"],
         "test_ece": calibration.ece(),
+        "test_balanced_acc": last.get("test_balanced_acc"),
+        "test_class_acc": [last.get(f"test_acc_c{c}") for c in range(run.data.num_classes)],
         "best_test_acc": state.best[0],
         "best_epoch": state.best[1],
         "train_loss": last["train_loss"],

@@ -425,9 +425,10 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     def use_partners(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> None:
         """The partner batch of the next training forward, for a ``PartnerBatch`` policy (Balanced-MixUp's
-        class-balanced batch): ``inputs`` as the model's first argument takes them, ``targets`` their labels
-        (what ``loss``/``targets`` mix with). Used for one forward only: call it before each training
-        forward, as the app's loop does; an eval forward drops it."""
+        class-balanced batch): ``inputs`` as the model's first argument takes them (with
+        ``PartnerBatch(at="layer")``: rows as the mixed layer returns them, a memory bank's), ``targets``
+        their labels (what ``loss``/``targets`` mix with). Used for one forward only: call it before each
+        training forward, as the app's loop does; an eval forward drops it."""
         partners = self._policies.get("partners") if self._policies is not None else None
         if partners is None or not partners.needs_partner_batch:
             raise RuntimeError(
@@ -639,6 +640,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         if before or not self.draws_in_mix or policies is not None:
             site_value = self._site_value(spec, value)
             leaves = (site_value, *self._leaves(spec, site_value, forward.batch))
+            if policies is not None:  # (a memory bank's partner rows appended)
+                leaves = policies.extend(spec, leaves, forward.pins.given)
         if before:
             extra = self.before_mix(spec, leaves[2], forward.pins.given)
             if extra:  # a recomputation and pin_last mix with the same values
@@ -907,6 +910,10 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         if leaves is None:
             site_value = self._site_value(spec, value)
             found, given, n = self._leaves(spec, site_value, batch)
+            if self._policies is not None:  # (a recomputation: the bank's rows appended again)
+                site_value, found, given, n = self._policies.extend(
+                    spec, (site_value, found, given, n), pins.given
+                )
         else:
             site_value, found, given, n = leaves
         if self._clean and n < 2:

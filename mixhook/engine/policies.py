@@ -9,7 +9,8 @@ travels (:class:`Policies`, which the :class:`~mixhook.engine.mixer.Mixer` holds
 
 - the model's pre-hook: :meth:`Policy.begin` (a partner batch appended to the model's input) and
   :meth:`Policy.before_forward` (a pass the policy needs first: gradient saliency for a pairing);
-- the mixed layer: :meth:`Policy.before_mix` (activation saliency), :meth:`Policy.draws` (lam and the
+- the mixed layer: :meth:`Policy.extend` (a memory bank's partner rows appended to the layer's output),
+  :meth:`Policy.before_mix` (activation saliency), :meth:`Policy.draws` (lam and the
   partner index, where the policy draws them), :meth:`Policy.adjust` (lam warped per pair, each pair's
   weight in the loss), and after the method's mix :meth:`Policy.finish` (the partner batch's rows
   dropped);
@@ -90,6 +91,11 @@ class Policy:
     def before_mix(self, spec: str, leaves: list, pinned: Mapping) -> Mapping:
         """At the mixed layer, before the mix: values to pin (activation saliency)."""
         return {}
+
+    def extend(self, kind: str, spec: str, leaves: tuple, pinned: Mapping) -> tuple | None:
+        """At the mixed layer: its ``(site value, found, given, rows)`` with rows of the policy's appended
+        (a memory bank's partners), or ``None``: as they are."""
+        return None
 
     def draws(self, mixer: Mixer, spec: str, n: int, pins, generator: torch.Generator) -> Draw | None:
         """The :class:`Draw` of a mix of ``n`` rows where this policy draws lam or the partners (a
@@ -196,6 +202,13 @@ class Policies:
         for policy in self.all:
             extra.update(policy.before_mix(spec, leaves, pinned))
         return extra
+
+    def extend(self, spec: str, leaves: tuple, pinned: Mapping) -> tuple:
+        """The mixed layer's ``(site value, found, given, rows)`` with a partners policy's rows appended
+        at the layer (a memory bank's: :meth:`Policy.extend`), or as they are."""
+        partners = self.by_knob.get("partners")
+        extended = None if partners is None else partners.extend(self.kind, spec, leaves, pinned)
+        return leaves if extended is None else extended
 
     def draws(self, mixer: Mixer, spec: str, n: int, pins, generator: torch.Generator) -> Draw | None:
         partners = self.by_knob.get("partners")

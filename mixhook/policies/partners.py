@@ -19,7 +19,10 @@ from ..engine.contract import Draw, MixState
 from ..engine.mixer import Mixer
 from ..engine.policies import Policy
 from ..functional import sample_beta
-from ..sites import INPUT, describe
+from ..sites import INPUT, Leaf, describe
+
+_PER_ROW = ("pair_weights", "warp")  # what the lam and weights policies record per row
+BANK = "partner_features"  # the pinned key of PartnerBatch(at="layer")'s rows
 
 
 def _refuse_own_partners(policy: Policy, mixer: Mixer) -> None:
@@ -51,10 +54,18 @@ class PartnerBatch(Policy):
     ``loss``/``targets`` take the partners' labels from ``use_partners``. This is the primitive a queue or
     memory bank of partners would use: a pool of rows beside the batch, indexed by the draw.
 
+    With ``at="layer"`` the partners are rows of the mixed layer's output itself, given with
+    ``use_partners(rows, targets)`` (a memory bank or queue of features stored from earlier batches, as
+    MoCo-style queues keep them): they are appended to what the layer returns (one tensor), detached (no
+    gradient reaches them: they are constants of this step), in its dtype; the layers before it run the
+    batch alone.
+
     Args:
         pairing: ``"aligned"`` (sample ``i`` with partner ``i``, as Balanced-MixUp pairs its two loaders'
             batches: the partner batch must have the batch's size) or ``"shuffled"`` (a random choice of
             ``B`` distinct partners among the ``P >= B``).
+        at: ``"input"`` (partners are inputs, run through the layers before the mix with the batch) or
+            ``"layer"`` (partners are rows of the mixed layer's output: a memory bank's).
 
     Refused in one line: a partner batch of the wrong size, device, dtype or shape, a model that takes
     other per-sample arguments (a padding mask the partner rows would lack), and a mixer that chooses
@@ -66,13 +77,16 @@ class PartnerBatch(Policy):
     knob = "partners"
     needs_partner_batch = True
 
-    def __init__(self, pairing: str = "aligned"):
+    def __init__(self, pairing: str = "aligned", at: str = "input"):
         if pairing not in ("aligned", "shuffled"):
             raise ValueError(f"pairing must be 'aligned' or 'shuffled', got {pairing!r}")
-        self.pairing = pairing
+        if at not in ("input", "layer"):
+            raise ValueError(f"at must be 'input' or 'layer', got {at!r}")
+        self.pairing, self.at = pairing, at
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(pairing={self.pairing!r})"
+        at = "" if self.at == "input" else ", at='layer'"
+        return f"{type(self).__name__}(pairing={self.pairing!r}{at})"
 
     def check_mixer(self, mixer: Mixer) -> None:
         _refuse_own_partners(self, mixer)
@@ -95,6 +109,15 @@ class PartnerBatch(Policy):
                 f"{name}: no partner batch for this training forward; call mixer.use_partners(inputs, "
                 "targets) before every training forward"
             )
+        targets = pinned.get("partner_targets")
+        if self.at == "layer":  # (appended at the mixed layer: extend)
+            if targets is not None and (targets.ndim == 0 or targets.shape[0] != inputs.shape[0]):
+                raise ValueError(
+                    f"{name}: the partner rows are {inputs.shape[0]} but {tuple(targets.shape)} labels; give "
+                    "one per row"
+                )
+            values = {"partner_rows": inputs.shape[0], "partner_targets": targets, BANK: inputs.detach()}
+            return args, kwargs, values
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if first is None:
             raise TypeError(
@@ -133,7 +156,6 @@ class PartnerBatch(Policy):
                 f"passes {', '.join(others)} with a row per sample (a padding mask?), which the partner rows "
                 "would lack"
             )
-        targets = pinned.get("partner_targets")
         if targets is not None and (targets.ndim == 0 or targets.shape[0] != rows):
             raise ValueError(
                 f"{name}: the partner batch has {rows} rows but {tuple(targets.shape)} labels; give "
@@ -141,6 +163,34 @@ class PartnerBatch(Policy):
             )
         values = {"partner_rows": rows, "partner_targets": targets}
         return (torch.cat([first, inputs], dim), *args[1:]), kwargs, values
+
+    def extend(self, kind: str, spec: str, leaves: tuple, pinned: Mapping) -> tuple | None:
+        """``at="layer"``: the partner rows appended to the layer's one tensor along its batch dimension."""
+        bank = pinned.get(BANK)
+        if bank is None:
+            return None
+        site_value, found, given, n = leaves
+        name = type(self).__name__
+        if len(found) != 1 or found[0].path != () or given[0] is not found[0]:
+            raise TypeError(
+                f"{kind} with {name}(at='layer') appends the partner rows to what {spec!r} returns, which "
+                f"must be one tensor mixed as it is; it returned {describe(site_value)}"
+            )
+        leaf = found[0]
+        t, d = leaf.tensor, leaf.dim
+        if bank.ndim != t.ndim or bank.shape[:d] + bank.shape[d + 1 :] != t.shape[:d] + t.shape[d + 1 :]:
+            raise ValueError(
+                f"{name}(at='layer'): the partner rows have shape {tuple(bank.shape)}, but {spec!r} returns "
+                f"{tuple(t.shape)}: they must differ in the batch dimension ({d}) only"
+            )
+        if bank.device != t.device:
+            raise ValueError(
+                f"{name}(at='layer'): the partner rows are on {bank.device}, {spec!r}'s output on "
+                f"{t.device}; move them where the model is"
+            )
+        rows = torch.cat([t, bank.to(t.dtype)], d)
+        extended = [Leaf((), rows, d)]
+        return rows, extended, extended, n + bank.shape[d]
 
     def draws(self, mixer: Mixer, spec: str, n: int, pins, generator: torch.Generator) -> Draw:
         rows = pins.values.get("partner_rows", 0)
@@ -211,9 +261,6 @@ class PartnerBatch(Policy):
         return tensors, replace(
             state, lam=lam, index=state.index[:own] - own, info=info, weights=weights, shapes=shapes
         )
-
-
-_PER_ROW = ("pair_weights", "warp")  # what the lam and weights policies record per row
 
 
 def _carries(value, batch: int, dim: int) -> bool:

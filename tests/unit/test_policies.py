@@ -410,6 +410,37 @@ def test_a_shuffled_partner_batch_picks_distinct_partners_and_batch_norm_sees_bo
     assert_all_close(grads(model, loss), grads(hand, theirs), rtol=1e-10, atol=1e-12)
 
 
+def test_a_memory_bank_of_rows_at_the_layer_is_mixed_in_as_constants():
+    model = mlp()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    bank, labels = torch.randn(9, 8, dtype=torch.float64), torch.tensor([3, 2, 1, 0, 1, 2, 3, 0, 1])
+    mix = ManifoldMixup("1", alpha=1.0).use(PartnerBatch("shuffled", at="layer"))
+    with mix.attach(model):
+        mix.use_partners(bank.clone().requires_grad_(), labels)  # (no gradient reaches the bank)
+        logits = model(x)
+        loss = mix.loss(per_sample_ce, logits, y).mean()
+        soft = mix.targets(y, 4, dtype=torch.float64, logits=logits)
+    index, lam = mix.last.index, float(mix.last.lam)
+    assert len(set(index.tolist())) == 4 and index.max() < 9
+    h = model[:2](x)
+    out = model[2:](lam * h + (1 - lam) * bank[index])
+    theirs = (lam * per_sample_ce(out, y) + (1 - lam) * per_sample_ce(out, labels[index])).mean()
+    torch.testing.assert_close(logits, out)
+    torch.testing.assert_close(
+        soft, lam * F.one_hot(y, 4).double() + (1 - lam) * F.one_hot(labels[index], 4).double()
+    )
+    assert_all_close(grads(model, loss), grads(model, theirs), rtol=1e-10, atol=1e-12)
+    with mix.attach(model):
+        mix.use_partners(torch.randn(9, 7, dtype=torch.float64), labels)
+        with pytest.raises(
+            ValueError, match="the partner rows have shape \\(9, 7\\), but '1' returns \\(4, 8\\)"
+        ):
+            model(x)
+        mix.use_partners(torch.randn(9, 8, dtype=torch.float64, device="meta"), labels)
+        with pytest.raises(ValueError, match="the partner rows are on meta, '1''s output on cpu"):
+            model(x)
+
+
 def test_a_forward_that_does_not_mix_runs_on_the_batch_alone_and_an_eval_forward_drops_the_partners():
     model = mlp()
     x = torch.randn(4, 5, dtype=torch.float64)
@@ -571,6 +602,7 @@ POLICIES = {
     "decoupled": lambda: [DecoupledLoss(0.5)],
     "balanced": lambda: [BalancedMixup(0.3)],
     "shuffled_batch": lambda: [PartnerBatch("shuffled")],
+    "memory_bank": lambda: [PartnerBatch("shuffled", at="layer"), KernelWarping()],
     "pairing_gradient": lambda: [SaliencyPairing("gradient")],
     "pairing_activation": lambda: [SaliencyPairing("activation")],
     "all_knobs": lambda: [
@@ -595,8 +627,9 @@ class Checkpointed(nn.Module):
 def _step(model, mix, x, y, partners):
     if partners:
         g = torch.Generator(device="cpu").manual_seed(1)
-        rows = x.shape[0] + (2 if partners == "shuffled" else 0)
-        xb = torch.randn((rows, *x.shape[1:]), generator=g, dtype=x.dtype).to(x.device)
+        rows = x.shape[0] + (2 if partners != "aligned" else 0)
+        shape = (4, 8, 8) if partners == "bank" else x.shape[1:]  # (the Conv's block's output)
+        xb = torch.randn((rows, *shape), generator=g, dtype=x.dtype).to(x.device)
         mix.use_partners(xb, torch.randint(0, 4, (rows,), generator=g).to(x.device))
     mix.use_targets(y)
     logits = model(x)
@@ -605,7 +638,7 @@ def _step(model, mix, x, y, partners):
 
 def _partners(policies):
     batch = next((p for p in policies if isinstance(p, PartnerBatch)), None)
-    return None if batch is None else batch.pairing
+    return None if batch is None else "bank" if batch.at == "layer" else batch.pairing
 
 
 @pytest.mark.parametrize("kind", sorted(POLICIES))
@@ -639,7 +672,7 @@ def test_no_value_of_a_device_tensor_is_read_on_the_host_with_a_policy(kind):
     model = Conv().to("meta").train()
     x, y = torch.randn(6, 3, 8, 8, device="meta"), torch.randint(0, 4, (6,), device="meta")
     policies = POLICIES[kind]()
-    layers = ["input", "block"] if kind != "pairing_activation" else ["block"]
+    layers = ["block"] if kind in ("pairing_activation", "memory_bank") else ["input", "block"]
     for layer in layers:
         mix = ManifoldMixup(layer, alpha=1.0).use(*policies)
         with mix.attach(model):

@@ -186,8 +186,11 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 16)]
     assert list(rows[0]) == [
-        "epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_ece", "lr", "seconds"
+        "epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_ece", "lr", "seconds",
+        "test_balanced_acc", *(f"test_acc_c{c}" for c in range(10)),
     ]  # fmt: skip
+    per_class = [float(rows[-1][f"test_acc_c{c}"]) for c in range(10)]
+    assert float(rows[-1]["test_balanced_acc"]) == pytest.approx(sum(per_class) / 10)
     assert all(
         0.0 < float(r["train_acc"]) < 1.0 for r in rows
     )  # lam-weighted: Manifold Mixup mixes every batch

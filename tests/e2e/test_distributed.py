@@ -78,10 +78,13 @@ def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp
     model = PreActResNet18(in_channels=1, num_classes=10, width=0.25)
     model.load_state_dict(state["model"])
     data = build_data("digits", batch_size=32, seed=2, train_size=200, num_workers=0)
-    nll, acc, calibration = evaluate(model, data.test, torch.device("cpu"))
+    found = evaluate(model, data.test, torch.device("cpu"))
+    nll, acc, calibration = found.nll, found.acc, found.calibration
     assert acc == summary["test_acc"] and abs(nll - summary["test_nll"]) < 1e-6
     assert calibration.table()["count"] == summary["calibration"]["count"]  # the ranks' bins summed
     assert abs(calibration.ece() - summary["test_ece"]) < 1e-9
+    assert list(found.per_class) == pytest.approx(summary["test_class_acc"])  # the ranks' classes summed
+    assert found.balanced_acc == pytest.approx(summary["test_balanced_acc"])
 
     # each rank mixed with its own stream, and both are in the checkpoint
     ranks = state["random"]
@@ -160,7 +163,7 @@ def test_the_app_under_fsdp_trains_as_ddp_resumes_exactly_and_refuses_another_wo
     model = PreActResNet18(in_channels=1, num_classes=10, width=0.25)
     model.load_state_dict(state["model"])
     data = build_data("digits", batch_size=8, seed=2, train_size=240, test_size=0.1997, num_workers=0)
-    nll, acc, _ = evaluate(model, data.test, torch.device("cpu"))
+    nll, acc = evaluate(model, data.test, torch.device("cpu"))[:2]
     assert (
         len(data.test.dataset) == 359 and acc == summary["test_acc"] and abs(nll - summary["test_nll"]) < 1e-6
     )

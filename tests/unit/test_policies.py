@@ -273,6 +273,18 @@ def test_remix_moves_the_label_in_loss_and_targets_for_any_mixer(make):
     torch.testing.assert_close(soft, w.view(-1, 1) * onehot + (1 - w.view(-1, 1)) * onehot[last.index])
 
 
+def test_remix_on_classes_of_like_sizes_is_the_plain_mix():
+    model = mlp()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 0, 3, 1, 2])
+    losses = []
+    for mix in (ManifoldMixup("1"), ManifoldMixup("1").use(Remix([140, 146, 143, 142]))):
+        with mix.attach(model):
+            mix.pin(lam=0.3, index=[1, 2, 3, 0, 5, 6, 7, 4])
+            losses.append(mix.loss(per_sample_ce, model(x), y).mean())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-15, atol=0)
+    assert_all_close(grads(model, losses[1]), grads(model, losses[0]), rtol=1e-14, atol=1e-16)
+
+
 def test_remix_counts_are_counted_and_checked():
     remix = Remix().count(torch.tensor([0, 0, 0, 1, 2]), 4)
     assert remix.counts.tolist() == [3.0, 1.0, 1.0, 0.0]

@@ -618,9 +618,9 @@ def _log_epoch(row: dict, epochs: int) -> None:
     else:
         log.info(
             "epoch %d/%d  train_loss %.4f  train_acc %.2f%%  test_loss %.4f  test_acc %.2f%%  "
-            "test_ece %.2f%%  test_balanced_acc %.2f%%  lr %.4g  %.1fs", row["epoch"], epochs,
-            row["train_loss"], 100 * row["train_acc"], row["test_loss"], 100 * row["test_acc"],
-            100 * row["test_ece"], 100 * row["test_balanced_acc"], row["lr"], row["seconds"],
+            "test_ece %.2f%%  lr %.4g  %.1fs", row["epoch"], epochs, row["train_loss"],
+            100 * row["train_acc"], row["test_loss"], 100 * row["test_acc"], 100 * row["test_ece"], row["lr"],
+            row["seconds"],
         )  # fmt: skip
 
 

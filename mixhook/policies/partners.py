@@ -70,8 +70,9 @@ class PartnerBatch(Policy):
     Refused in one line: a partner batch of the wrong size, device, dtype or shape, a model that takes
     other per-sample arguments (a padding mask the partner rows would lack), and a mixer that chooses
     its partners itself (C-Mixup, the saliency mixers), keeps a clean batch (RegMixup) or draws them from
-    every rank. Under activation checkpointing, layers inside the model may be checkpointed; a
-    recomputation of the whole model's forward (the partner batch is not appended again) is refused.
+    every rank. Under activation checkpointing, layers inside the model may be checkpointed; with
+    ``at="input"`` a recomputation of the whole model's forward (the partner batch is not appended again)
+    is refused.
     """
 
     knob = "partners"
@@ -111,6 +112,10 @@ class PartnerBatch(Policy):
             )
         targets = pinned.get("partner_targets")
         if self.at == "layer":  # (appended at the mixed layer: extend)
+            if inputs.ndim == 0:
+                raise ValueError(
+                    f"{name}(at='layer'): the partner rows must have a batch dimension, got a number"
+                )
             if targets is not None and (targets.ndim == 0 or targets.shape[0] != inputs.shape[0]):
                 raise ValueError(
                     f"{name}: the partner rows are {inputs.shape[0]} but {tuple(targets.shape)} labels; give "
@@ -187,6 +192,12 @@ class PartnerBatch(Policy):
             raise ValueError(
                 f"{name}(at='layer'): the partner rows are on {bank.device}, {spec!r}'s output on "
                 f"{t.device}; move them where the model is"
+            )
+        batch, pool = t.shape[d], bank.shape[d]
+        if (self.pairing == "aligned" and pool != batch) or pool < batch:
+            raise ValueError(
+                f"{name}(pairing={self.pairing!r}, at='layer'): {pool} partner rows for a batch of {batch}; "
+                + ("give one per sample" if self.pairing == "aligned" else f"give {batch} or more")
             )
         rows = torch.cat([t, bank.to(t.dtype)], d)
         extended = [Leaf((), rows, d)]

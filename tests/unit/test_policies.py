@@ -451,6 +451,9 @@ def test_a_memory_bank_of_rows_at_the_layer_is_mixed_in_as_constants():
         mix.use_partners(torch.randn(9, 8, dtype=torch.float64, device="meta"), labels)
         with pytest.raises(ValueError, match="the partner rows are on meta, '1''s output on cpu"):
             model(x)
+        mix.use_partners(torch.randn(3, 8, dtype=torch.float64), labels[:3])
+        with pytest.raises(ValueError, match="3 partner rows for a batch of 4; give 4 or more"):
+            model(x)
 
 
 def test_a_forward_that_does_not_mix_runs_on_the_batch_alone_and_an_eval_forward_drops_the_partners():

@@ -84,14 +84,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
             f"probes.feature_maps=true draws image feature maps, and data={data.name} has none; turn it off"
         )
     _feed_policies(cfg, mixup, data)
-    if mixup is not None and cfg.trainer.loss == "bce_softmax":
-        for mixer in members(mixup):
-            why = mixer.targets_refused() if hasattr(mixer, "targets_refused") else None
-            if why:
-                raise ConfigError(
-                    "trainer.loss=bce_softmax trains on the mixer's soft targets, but "
-                    f"{type(mixer).__name__} {why}; use trainer.loss=ce"
-                )
+    _check_soft_targets(cfg, mixup)
     handles = attach_and_check(model, hooks, data)
     try:
         _shard(model, units, device, dist)  # after the hooks, before the optimizer
@@ -381,6 +374,25 @@ def _use_policies(hook, node, key: str, patterns: tuple[str, ...]) -> None:
         hook.use(*chosen)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{key}: {err}") from None
+
+
+def _check_soft_targets(cfg: DictConfig, mixup) -> None:
+    """``trainer.loss=bce_softmax`` trains on the mixer's soft targets: refuse a mixer (or a policy) whose
+    loss is more than a criterion of them."""
+    if mixup is not None and cfg.trainer.loss == "bce_softmax":
+        for mixer in members(mixup):
+            changing = [type(p).__name__ for p in getattr(mixer, "policies", ()) if p.changes_loss]
+            if changing:
+                raise ConfigError(
+                    "trainer.loss=bce_softmax trains on the mixer's soft targets, but "
+                    f"{', '.join(changing)} weights or adds to its loss beyond them; use trainer.loss=ce"
+                )
+            why = mixer.targets_refused() if hasattr(mixer, "targets_refused") else None
+            if why:
+                raise ConfigError(
+                    "trainer.loss=bce_softmax trains on the mixer's soft targets, but "
+                    f"{type(mixer).__name__} {why}; use trainer.loss=ce"
+                )
 
 
 def _feed_policies(cfg: DictConfig, mixup, data: Data) -> None:

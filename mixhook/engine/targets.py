@@ -301,6 +301,12 @@ class LossAndTargets:
             partner = None if last is None else one_hot(self._partners_of(last, target, "targets"))
         if last is None:
             return own
+        if last.clean:
+            why = self.targets_refused()
+            if why:
+                raise ValueError(f"targets(): {type(self).__name__} {why}; train with its loss()")
+            if logits is not None:
+                halves(last, logits, "targets")
         if self._policies is not None and self._policies.on_loss:
             if self._policies.changes_loss:
                 names = ", ".join(type(p).__name__ for p in self._policies.all if p.changes_loss)
@@ -314,12 +320,6 @@ class LossAndTargets:
                 partner, own, to_device(lam, own.device, own.dtype).view(-1, *[1] * (own.ndim - 1))
             )
             return torch.cat([own, mixed]) if last.clean else mixed
-        if last.clean:
-            why = self.targets_refused()
-            if why:
-                raise ValueError(f"targets(): {type(self).__name__} {why}; train with its loss()")
-            if logits is not None:
-                halves(last, logits, "targets")
         weights = self._target_weights(last, target, "targets")
         if weights is None:
             lam = last._weight if last._weight is not None else per_sample(last.lam, own)

@@ -241,6 +241,11 @@ from tests.conftest import write_cifar
             "error: mixup.policies.knob: 'knob' is not a knob of a mix; valid: partners, lam, target",
         ),
         (["mixup=remix", "mixup.policies.target.kappa=0.5"], "error: mixup.policies.target: kappa must be"),
+        (
+            ["mixup=decouplemix", "trainer.loss=bce_softmax"],
+            "error: trainer.loss=bce_softmax trains on the mixer's soft targets, but DecoupledLoss weights "
+            "or adds to its loss",
+        ),
         (["mixup=skmixup", "mixup.policies.lam.tau_std=0"], "error: mixup.policies.lam: tau_std must be"),
         (
             ["mixup=regmixup", "+mixup.policies.partners._target_=mixhook.policies.BalancedMixup"],

@@ -285,6 +285,20 @@ def test_remix_on_classes_of_like_sizes_is_the_plain_mix():
     assert_all_close(grads(model, losses[1]), grads(model, losses[0]), rtol=1e-14, atol=1e-16)
 
 
+def test_a_clean_method_that_refuses_targets_still_refuses_them_with_a_target_policy():
+    model = mlp()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    for eta, refused in ((0.5, True), (1.0, False)):
+        mix = RegMixup("1", eta=eta).use(Remix([4, 3, 2, 1]))
+        with mix.attach(model):
+            logits = model(x)
+            if refused:
+                with pytest.raises(ValueError, match="weighs its mixed rows by eta=0.5"):
+                    mix.targets(y, 4, logits=logits)
+            else:
+                assert mix.targets(y, 4, logits=logits).shape == (8, 4)  # the clean rows, then the mixed
+
+
 def test_remix_counts_are_counted_and_checked():
     remix = Remix().count(torch.tensor([0, 0, 0, 1, 2]), 4)
     assert remix.counts.tolist() == [3.0, 1.0, 1.0, 0.0]

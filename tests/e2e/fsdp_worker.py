@@ -445,6 +445,11 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(found, f)
+    # Rank 0 was seen to abort after writing its (complete) results ("terminate called without an active
+    # exception", exit -6, twice in about ten runs), the ranks tearing gloo down at different times: a
+    # barrier first, so that neither destroys its group while the other may still be in it (a mitigation;
+    # the cause inside torch was not found).
+    dist.barrier()
     dist.destroy_process_group()
 
 

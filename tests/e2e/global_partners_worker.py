@@ -101,6 +101,7 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers_seen)}, f)
+    dist.barrier()  # (as fsdp_worker.py: neither rank tears gloo down while the other may still be in it)
     dist.destroy_process_group()
 
 

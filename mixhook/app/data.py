@@ -115,6 +115,7 @@ def build_data(
     elif sampler == "balanced":
         raise ValueError(f"data.sampler=balanced draws classes equally often, but data={name} has no classes")
     num_workers = int(options.get("num_workers", 0))
+    norm = info.pop("normalized_on_device", None)  # (data.normalize=device: the mean and std)
 
     def epochs(stream: int = 0, balanced: bool = sampler == "balanced") -> EpochSampler:
         weights = class_balanced_weights(labels) if balanced else None
@@ -129,7 +130,7 @@ def build_data(
     def training(order: EpochSampler):
         if device_batches:
             return DeviceBatches(train_set, batch_size, device, sampler=order)
-        return DataLoader(
+        loader = DataLoader(
             SeededSamples(train_set),
             batch_size=batch_size,
             sampler=order,
@@ -138,9 +139,10 @@ def build_data(
             persistent_workers=num_workers > 0,
             pin_memory=pin,
         )
+        return loader if norm is None else DeviceNormalized(loader, device, *norm)
 
     if labels is not None:  # the partner batches: their own stream of class-balanced epochs
-        info["make_partners"] = lambda: _normalized(training(epochs(stream=1, balanced=True)), info, device)
+        info["make_partners"] = lambda: training(epochs(stream=1, balanced=True))
     if device_batches:
         shard = torch.arange(rank, len(test_set), world_size)
         test = DeviceBatches(test_set, eval_batch_size, device, indices=shard)
@@ -157,19 +159,9 @@ def build_data(
         persistent_workers=num_workers > 0,
         pin_memory=pin,
     )
-    norm = info.pop("normalized_on_device", None)
-    if norm is not None:  # (the mean and std)
-        train, test = DeviceNormalized(train, device, *norm), DeviceNormalized(test, device, *norm)
-        info["normalized_on_device"] = norm  # (for the partner batches, popped by Data below)
-    return Data(
-        name=name, train=train, test=test, **{k: v for k, v in info.items() if k != "normalized_on_device"}
-    )
-
-
-def _normalized(loader, info: dict, device):
-    """``loader`` normalised on ``device`` where the data set's batches are (``data.normalize=device``)."""
-    norm = info.get("normalized_on_device")
-    return loader if norm is None else DeviceNormalized(loader, device, *norm)
+    if norm is not None:
+        test = DeviceNormalized(test, device, *norm)
+    return Data(name=name, train=train, test=test, **info)
 
 
 def class_balanced_weights(labels: torch.Tensor) -> torch.Tensor:

@@ -973,9 +973,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
             if self._policies is None:
                 return draw, method(leaves, draw)
-            draw, info = self._policies.adjust(
-                draw, leaves, self._masks.active
-            )  # (lam warped per pair, pair weights)
+            # lam warped per pair, pair weights: what the mix uses and records
+            draw, info = self._policies.adjust(draw, leaves, self._masks.active)
             mixed = method(leaves, draw)
             if info:
                 mixed = Mixed(mixed.tensors, mixed.lam, {**mixed.info, **info}, mixed.index, mixed.weights)

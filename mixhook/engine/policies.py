@@ -14,9 +14,9 @@ travels (:class:`Policies`, which the :class:`~mixhook.engine.mixer.Mixer` holds
   partner index, where the policy draws them), :meth:`Policy.adjust` (lam warped per pair, each pair's
   weight in the loss), and after the method's mix :meth:`Policy.finish` (the partner batch's rows
   dropped);
-- ``loss()``/``targets()`` (:func:`mixed_loss`, :func:`target_lam`): :meth:`Policy.target_lam` (the
-  label's weight), :meth:`Policy.pair_weights` (each pair's share of the loss), :meth:`Policy.extra_loss`
-  (a term of the method's own).
+- ``loss()``/``targets()`` (:meth:`Policies.mixed_loss`, :meth:`Policies.target_lam`):
+  :meth:`Policy.target_lam` (the label's weight), :meth:`Policy.pair_weights` (each pair's share of the
+  loss), :meth:`Policy.extra_loss` (a term of the method's own).
 
 Everything a policy computes in a forward runs on the activations' device without a host read; what it
 computes once per forward (a saliency map, the partner batch) joins the forward's pinned values, so that a
@@ -32,6 +32,7 @@ import torch
 
 from ..transfer import to_device
 from .contract import Draw, MixState
+from .targets import positions
 
 if TYPE_CHECKING:  # (the mixer imports this module)
     from .mixer import Mixer
@@ -127,6 +128,26 @@ class Policy:
     def extra_loss(self, logits, target, partner, lam) -> torch.Tensor:
         """A per-sample term added to the mixed loss."""
         raise NotImplementedError
+
+
+def refuse_own_loss(policy: Policy, mixer: Mixer) -> None:
+    """A target, weights or loss policy changes the mixed criterion: refuse a mixer whose loss is its own
+    (``takes_loss_policies = False``: RankMixup)."""
+    if not type(mixer).takes_loss_policies:
+        raise TypeError(
+            f"{type(policy).__name__} changes the mixed loss, which {type(mixer).__name__}'s own loss "
+            "does not use"
+        )
+
+
+def refuse_global_partners(policy: Policy, mixer: Mixer, does: str) -> None:
+    """Refuse a mixer that draws its partners from every rank (``partners="global"``) for a policy that
+    ``does`` something with the partners this rank does not hold."""
+    if getattr(mixer, "partners", "local") == "global":
+        raise ValueError(
+            f"{type(policy).__name__} {does}; {type(mixer).__name__}(partners='global') draws them from "
+            "every rank"
+        )
 
 
 class Policies:
@@ -251,7 +272,8 @@ class Policies:
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, partner)
         classes = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.ndim == 2 else None
-        lam = to_device(self.target_lam(last, target, partner, "loss", classes), loss_a.device, loss_a.dtype)
+        label_lam = self.target_lam(last, target, partner, "loss", classes)
+        lam = to_device(label_lam, loss_a.device, loss_a.dtype)
         if lam.ndim == 1 and (loss_a.ndim == 0 or loss_a.shape[0] != lam.shape[0]):
             raise ValueError(
                 f"loss(): {self.kind} with {self!r} weighs each sample's labels by its own lam, so the "
@@ -275,8 +297,7 @@ class Policies:
             value = value * (w * (w.shape[0] / w.sum().clamp_min(torch.finfo(value.dtype).tiny)))
         extra = self.by_knob.get("loss")
         if extra is not None:
-            lam = self.target_lam(last, target, partner, "loss", classes)
-            term = extra.extra_loss(logits, target, partner, lam).to(value.dtype)
+            term = extra.extra_loss(logits, target, partner, label_lam).to(value.dtype)
             if value.ndim == 0:
                 term = term.mean()
             elif value.shape != term.shape:
@@ -343,29 +364,3 @@ def pair_sq_distances(draw: Draw, leaves: list, kind: str, what: str) -> torch.T
         d = (f - f.index_select(0, to_device(draw.index, f.device))).square().sum(1, dtype=torch.float64)
         total = d if total is None else total + d
     return total
-
-
-# ------------------------------------------------------------------------------------ the loss side
-
-
-def positions(target: torch.Tensor) -> int:
-    """How many position dimensions a target has beyond its batch (and, floating, its class) dimension
-    (as :func:`mixhook.engine.targets.positions`)."""
-    return target.ndim - (2 if target.dtype.is_floating_point else 1)
-
-
-def partner_targets(last: MixState, target: torch.Tensor, what: str, kind: str) -> torch.Tensor:
-    """The labels of the partner batch a mix drew its partners from (``use_partners(inputs, targets)``),
-    on ``target``'s device, checked to be labels of the same kind as ``target``."""
-    found = last.info.get("partner_targets")
-    if found is None:
-        raise ValueError(
-            f"{what}(): {kind} drew its partners from a partner batch given without labels: pass them, "
-            "use_partners(inputs, targets)"
-        )
-    if found.dtype.is_floating_point != target.dtype.is_floating_point or found.shape[1:] != target.shape[1:]:
-        raise ValueError(
-            f"{what}(): the partner batch's labels are {found.dtype} {tuple(found.shape)}, the batch's "
-            f"{target.dtype} {tuple(target.shape)}: give labels of the same kind"
-        )
-    return to_device(found, target.device, target.dtype)

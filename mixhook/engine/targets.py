@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ..functional import per_sample, smooth_one_hot
 from ..transfer import to_device
-from . import partners, policies
+from . import partners
 from .contract import MixState
+
+if TYPE_CHECKING:  # (the policies import this module)
+    from .policies import Policies
 
 
 def positions(target: torch.Tensor) -> int:
@@ -104,12 +107,30 @@ def per_row(clean: torch.Tensor, mixed: torch.Tensor, eta: float = 1.0) -> torch
     )
 
 
+def partner_targets(last: MixState, target: torch.Tensor, what: str, kind: str) -> torch.Tensor:
+    """The labels of the partner batch a mix drew its partners from (``use_partners(inputs, targets)``:
+    a :class:`~mixhook.policies.PartnerBatch`), on ``target``'s device, checked to be labels of the same
+    kind as ``target``."""
+    found = last.info.get("partner_targets")
+    if found is None:
+        raise ValueError(
+            f"{what}(): {kind} drew its partners from a partner batch given without labels: pass them, "
+            "use_partners(inputs, targets)"
+        )
+    if found.dtype.is_floating_point != target.dtype.is_floating_point or found.shape[1:] != target.shape[1:]:
+        raise ValueError(
+            f"{what}(): the partner batch's labels are {found.dtype} {tuple(found.shape)}, the batch's "
+            f"{target.dtype} {tuple(target.shape)}: give labels of the same kind"
+        )
+    return to_device(found, target.device, target.dtype)
+
+
 class LossAndTargets:
     """``loss`` and ``targets`` of a :class:`~mixhook.engine.mixer.Mixer`: the criterion, or the soft
     targets, under the mix of the forward that produced the logits (found by ``_bound_state``)."""
 
     dense_targets: ClassVar[str | None]  # set by Mixer (why a method refuses dense targets, or None)
-    _policies: policies.Policies | None  # set by Mixer (use())
+    _policies: Policies | None  # set by Mixer (use())
 
     def loss(
         self,
@@ -285,8 +306,9 @@ class LossAndTargets:
                     f"num_classes={num_classes} classes along dimension 1"
                 )
             last = self._bound_state(logits, "targets")
+            labels = None if last is None else self._partners_of(last, target, "targets")
             own = target.to(dtype)
-            partner = None if last is None else self._partners_of(last, target, "targets").to(dtype)
+            partner = None if last is None else labels.to(dtype)
         else:
             if num_classes is None:
                 raise ValueError("targets(): class indices need num_classes")
@@ -297,8 +319,9 @@ class LossAndTargets:
                 return soft.view(*t.shape, num_classes).movedim(-1, 1) if t.ndim > 1 else soft
 
             last = self._bound_state(logits, "targets")
+            labels = None if last is None else self._partners_of(last, target, "targets")
             own = one_hot(target)
-            partner = None if last is None else one_hot(self._partners_of(last, target, "targets"))
+            partner = None if last is None else one_hot(labels)
         if last is None:
             return own
         if last.clean:
@@ -314,8 +337,7 @@ class LossAndTargets:
                     f"targets(): {type(self).__name__} uses {names}, which weights or adds to the loss "
                     "beyond mixed targets; train with loss()"
                 )
-            partner_labels = self._partners_of(last, target, "targets")
-            lam = self._policies.target_lam(last, target, partner_labels, "targets", num_classes)
+            lam = self._policies.target_lam(last, target, labels, "targets", num_classes)
             mixed = torch.lerp(
                 partner, own, to_device(lam, own.device, own.dtype).view(-1, *[1] * (own.ndim - 1))
             )
@@ -350,5 +372,5 @@ class LossAndTargets:
         if where == "global":
             target = partners.gather_labels(target)
         elif where == "batch":  # a partner batch (mixhook.policies.PartnerBatch): its own labels
-            target = policies.partner_targets(last, target, what, type(self).__name__)
+            target = partner_targets(last, target, what, type(self).__name__)
         return target.index_select(0, to_device(index, target.device))

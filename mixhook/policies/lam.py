@@ -11,13 +11,12 @@ Papers:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..engine.checks import check_positive
 from ..engine.contract import Draw, MixState
 from ..engine.mixer import Mixer
-from ..engine.policies import Policy, pair_sq_distances
+from ..engine.policies import Policy, pair_sq_distances, refuse_global_partners, refuse_own_loss
 from ..transfer import to_device
 
 # The symmetric Beta CDF: a continued fraction of CF_TERMS terms up to CF_UP_TO, the Student-t limit above.
@@ -95,10 +94,7 @@ def _check_blend(policy: Policy, mixer: Mixer) -> None:
             f"{name} changes lam for each pair, which {kind} cannot take (its lam sizes a region, one per "
             "batch): use it with a blend, ManifoldMixup or a method built on it"
         )
-    if mixer.partners == "global":
-        raise ValueError(
-            f"{name} takes distances between partners; {kind}(partners='global') has them on other ranks"
-        )
+    refuse_global_partners(policy, mixer, "takes distances between partners")
 
 
 class KernelWarping(Policy):
@@ -131,10 +127,7 @@ class KernelWarping(Policy):
     takes_distances = True
 
     def __init__(self, tau_max: float = 1.0, tau_std: float = 0.5):
-        for name, v in (("tau_max", tau_max), ("tau_std", tau_std)):
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
-        self.tau_max, self.tau_std = float(tau_max), float(tau_std)
+        self.tau_max, self.tau_std = check_positive("tau_max", tau_max), check_positive("tau_std", tau_std)
 
     def __repr__(self) -> str:
         return f"KernelWarping(tau_max={self.tau_max}, tau_std={self.tau_std})"
@@ -173,26 +166,16 @@ class LocalWeights(Policy):
             raise ValueError(
                 "LocalWeights takes exactly one of epsilon (a distance threshold) and sigma (a rate)"
             )
-        value = epsilon if sigma is None else sigma
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            name = "epsilon" if sigma is None else "sigma"
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-        self.epsilon = None if epsilon is None else float(epsilon)
-        self.sigma = None if sigma is None else float(sigma)
+        self.epsilon = None if epsilon is None else check_positive("epsilon", epsilon)
+        self.sigma = None if sigma is None else check_positive("sigma", sigma)
 
     def __repr__(self) -> str:
         which = f"epsilon={self.epsilon}" if self.sigma is None else f"sigma={self.sigma}"
         return f"LocalWeights({which})"
 
     def check_mixer(self, mixer: Mixer) -> None:
-        if not type(mixer).takes_loss_policies:
-            raise TypeError(
-                f"LocalWeights weighs the mixed loss, which {type(mixer).__name__}'s own loss does not use"
-            )
-        if getattr(mixer, "partners", "local") == "global":
-            raise ValueError(
-                "LocalWeights takes distances between partners; partners='global' has them on other ranks"
-            )
+        refuse_own_loss(self, mixer)
+        refuse_global_partners(self, mixer, "takes distances between partners")
 
     def adjust(self, draw: Draw, leaves: list, own: int):
         d = pair_sq_distances(draw, leaves, type(self).__name__, "Local Mixup").sqrt()

@@ -15,9 +15,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ..engine import saliency as sources
+from ..engine.checks import check_positive
 from ..engine.contract import Draw, MixState
 from ..engine.mixer import Mixer
-from ..engine.policies import Policy
+from ..engine.policies import Policy, refuse_global_partners
 from ..functional import sample_beta
 from ..sites import INPUT, Leaf, describe
 
@@ -34,8 +36,7 @@ def _refuse_own_partners(policy: Policy, mixer: Mixer) -> None:
             f"{name} chooses the partners, but {kind} chooses its own or reads the batch before the forward "
             "(labels, saliency); use it with a mixer that pairs at random (ManifoldMixup, CutMix, ...)"
         )
-    if getattr(mixer, "partners", "local") == "global":
-        raise ValueError(f"{name} chooses the partners; {kind}(partners='global') draws them from every rank")
+    refuse_global_partners(policy, mixer, "chooses the partners")
 
 
 class PartnerBatch(Policy):
@@ -295,9 +296,7 @@ class BalancedMixup(PartnerBatch):
 
     def __init__(self, alpha: float = 0.1):
         super().__init__("aligned")
-        if not (isinstance(alpha, (int, float)) and alpha > 0):
-            raise ValueError(f"alpha must be > 0, got {alpha!r}")
-        self.alpha = float(alpha)
+        self.alpha = check_positive("alpha", alpha)
 
     def __repr__(self) -> str:
         return f"BalancedMixup(alpha={self.alpha})"
@@ -312,17 +311,21 @@ SALIENCY = "pairing_saliency"  # its pinned key (apart from the saliency mixers'
 
 
 def gradient_saliency(grad: torch.Tensor) -> torch.Tensor:
-    """GuidedMixup's saliency of a ``(B, C, ...)`` gradient: ``sqrt(mean_c g**2)`` per position (``|g|``
-    of a ``(B, D)`` one), detached, float32 at least."""
-    g = grad.detach().to(torch.promote_types(grad.dtype, torch.float32))
-    return g.abs() if g.ndim == 2 else g.square().mean(1).sqrt()
+    """GuidedMixup's saliency of a ``(B, C, ...)`` gradient: the saliency mixers' ``sqrt(mean_c g**2)``
+    per position (:func:`mixhook.engine.saliency.gradient_saliency`); ``|g|`` of a ``(B, D)`` one, whose
+    mean over ``D`` would leave one number per sample to pair by. Detached, float32 at least."""
+    if grad.ndim != 2:
+        return sources.gradient_saliency(grad)
+    return grad.detach().abs().to(torch.promote_types(grad.dtype, torch.float32))
 
 
 def activation_saliency(h: torch.Tensor) -> torch.Tensor:
-    """The activation saliency of a ``(B, C, ...)`` map: ``mean_c |h|`` per position (``|h|`` of ``(B,
-    D)``), detached, float32 at least."""
-    h = h.detach().to(torch.promote_types(h.dtype, torch.float32))
-    return h.abs() if h.ndim == 2 else h.abs().mean(1)
+    """The activation saliency of a ``(B, C, ...)`` map: the saliency mixers' ``mean_c |h|`` per position
+    (:func:`mixhook.engine.saliency.activation_saliency`); ``|h|`` of a ``(B, D)`` one. Detached, float32
+    at least."""
+    if h.ndim != 2:
+        return sources.activation_saliency(h)
+    return h.detach().abs().to(torch.promote_types(h.dtype, torch.float32))
 
 
 def gaussian_blur(maps: torch.Tensor, size: int, sigma: float) -> torch.Tensor:
@@ -392,9 +395,7 @@ class SaliencyPairing(Policy):
             raise ValueError(f"saliency must be 'gradient' or 'activation', got {saliency!r}")
         if not isinstance(blur, int) or blur < 0:
             raise ValueError(f"blur must be a kernel size >= 0, got {blur!r}")
-        if not sigma > 0:
-            raise ValueError(f"sigma must be > 0, got {sigma!r}")
-        self.saliency, self.blur, self.sigma = saliency, blur, float(sigma)
+        self.saliency, self.blur, self.sigma = saliency, blur, check_positive("sigma", sigma)
 
     def __repr__(self) -> str:
         return f"SaliencyPairing(saliency={self.saliency!r}, blur={self.blur}, sigma={self.sigma})"

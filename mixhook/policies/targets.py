@@ -15,17 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.checks import check_non_negative
 from ..engine.mixer import Mixer
-from ..engine.policies import Policy
+from ..engine.policies import Policy, refuse_own_loss
 from ..transfer import to_device
-
-
-def _check_loss_mixer(policy: Policy, mixer: Mixer) -> None:
-    if not type(mixer).takes_loss_policies:
-        raise TypeError(
-            f"{type(policy).__name__} changes the mixed loss, which {type(mixer).__name__}'s own loss "
-            "does not use"
-        )
 
 
 def remix_lam(lam: torch.Tensor, n_own: torch.Tensor, n_partner: torch.Tensor, kappa: float, tau: float):
@@ -94,7 +87,7 @@ class Remix(Policy):
         return self
 
     def check_mixer(self, mixer: Mixer) -> None:
-        _check_loss_mixer(self, mixer)
+        refuse_own_loss(self, mixer)
 
     def target_lam(self, lam: torch.Tensor, target: torch.Tensor, partner: torch.Tensor, classes: int | None):
         if self.counts is None:
@@ -156,8 +149,7 @@ class DecoupledLoss(Policy):
     why_classes = "removes one class of each pair from the softmax"
 
     def __init__(self, eta: float = 0.1, eps: float = 1e-3):
-        if not (isinstance(eta, (int, float)) and math.isfinite(eta) and eta >= 0):
-            raise ValueError(f"eta must be a number >= 0, got {eta!r}")
+        check_non_negative("eta", eta)
         if not (isinstance(eps, (int, float)) and 0 <= eps < 0.5):
             raise ValueError(f"eps must be in [0, 0.5), got {eps!r}")
         self.eta, self.eps = float(eta), float(eps)
@@ -166,7 +158,7 @@ class DecoupledLoss(Policy):
         return f"DecoupledLoss(eta={self.eta}, eps={self.eps})"
 
     def check_mixer(self, mixer: Mixer) -> None:
-        _check_loss_mixer(self, mixer)
+        refuse_own_loss(self, mixer)
 
     def extra_loss(self, logits, target, partner, lam) -> torch.Tensor:
         if logits.ndim != 2:

@@ -33,6 +33,7 @@ GALLERY = Path(__file__).resolve().parent / "gallery"
 SIZE = 64  # pixels a side
 SMALL, SMALL_INPUT = 32, {"AlignMix"}  # its transport plan has (pixels)**2 entries: 32x32 images for it
 SEED = 2
+SPECMIX_SEED = 1
 NOT_DRAWN = {"OneOf": "a composition: it draws one of the methods below per batch"}
 TOLERANCE = 0.02  # --check: the largest mean absolute pixel difference (0..1) taken as the same picture
 
@@ -92,6 +93,10 @@ def method(name: str, layer: str, hidden: bool):
         kwargs.update(grid=4, top_k=6)
     if name == "PatchUp":
         kwargs.update(block_size=5, gamma=0.5)
+    if name == "SpecMix":  # a draw with a band along each axis of image 0 (0 to 2 are drawn per sample)
+        kwargs.update(generator=torch.Generator().manual_seed(SPECMIX_SEED), ratio=0.3)
+    if name == "SnapMix":
+        kwargs.update(features="features", classifier="head.3")
     return cls(layer, **kwargs)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from benchmarks import cases
 from benchmarks.timing import ratio
-from mixhook import AttentiveCutMix, CMixup, ManifoldMixup, SaliencyMix
+from mixhook import AttentiveCutMix, CMixup, ManifoldMixup, SaliencyMix, SnapMix
 from mixhook.mixers import METHODS
 from mixhook.policies import (
     BalancedMixup,
@@ -33,8 +33,8 @@ LAYER = "layer2"  # 16x16 maps at 32x32 images: room for every method's defaults
 
 
 def needs_more_than_a_layer(cls) -> bool:
-    """A method with a required argument beside the layer (TransMix's attention layer: a ViT's): not
-    measured on a CNN."""
+    """A method with a required argument beside the layer (TransMix's attention layer: a ViT's; SnapMix's
+    classifier, measured with the CNN's own): not measured on a CNN at its defaults."""
     params = list(inspect.signature(cls).parameters.values())[1:]
     return any(p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
 
@@ -49,6 +49,7 @@ def method_variants() -> dict:
     makers["SaliencyMix_gradient"] = lambda: SaliencyMix(LAYER, saliency="gradient")
     makers["SaliencyMix_layer1_activation"] = lambda: SaliencyMix(LAYER, saliency_layer="layer1")
     makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")
+    makers["SnapMix"] = lambda: SnapMix(LAYER, features="layer4", classifier="linear")  # the CNN's own
     policies = {
         "Remix": lambda: Remix([500, 300, 200, 120, 70, 40, 25, 15, 9, 5]),
         "KernelWarping": KernelWarping,
@@ -109,6 +110,8 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
         if "ManifoldMixup" in times
         else {},
         "not_measured": sorted(
-            n for n, cls in METHODS.items() if n != "OneOf" and needs_more_than_a_layer(cls)
+            n
+            for n, cls in METHODS.items()
+            if n not in makers and n != "OneOf" and needs_more_than_a_layer(cls)
         ),
     }

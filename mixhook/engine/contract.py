@@ -45,6 +45,10 @@ class MixState:
             ``clean=True``: RegMixup, RankMixup, MixupE): downstream of it the batch is doubled, rows
             ``[0, B)`` of the logits are the clean samples and rows ``[B, 2B)`` their mixes, which ``lam``,
             ``index`` and ``weights`` describe. ``False``: the layer's output was replaced by the mix.
+        partner_lam: the weight of each partner's target where it is not ``1 - lam`` (SnapMix's label
+            weights, from class activation maps, need not sum to one): one per sample, float64; ``loss``
+            is then ``lam * criterion(y) + partner_lam * criterion(y[index])`` and ``targets`` alike.
+            ``None``: ``1 - lam``.
     """
 
     layer: str
@@ -56,6 +60,7 @@ class MixState:
     weights: torch.Tensor | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
     clean: bool = False
+    partner_lam: torch.Tensor | None = None
     _weight: float | None = field(default=None, repr=False, compare=False)  # lam as a float, when one
 
 
@@ -126,6 +131,8 @@ class Mixed:
             batch: indices into it); ``None``: ``draw.index``.
         weights: a region method's own-content weight per position of the mixed map, ``(1 or B, H, W)``
             (see :attr:`MixState.weights`); ``None`` for a method that blends every position alike.
+        partner_lam: the partners' target weights where they are not ``1 - lam`` (see
+            :attr:`MixState.partner_lam`); ``None``: ``1 - lam``.
     """
 
     tensors: dict
@@ -133,6 +140,7 @@ class Mixed:
     info: Mapping[str, Any] = field(default_factory=dict)
     index: torch.Tensor | None = None
     weights: torch.Tensor | None = None
+    partner_lam: torch.Tensor | None = None
 
 
 class ForeignLogitsError(RuntimeError):

@@ -73,6 +73,24 @@ class GradientPass:
                 module.training = mode
         return self._as_given(spec, Leaf(leaf.path, grad, leaf.dim), model)
 
+    def plain_forward(self, model: nn.Module, args: tuple, kwargs: dict):
+        """``model(*args, **kwargs)`` without gradients and without this mixer's mix (its hooks pass while it
+        runs), in the modules' own modes, batch-norm layers that track running statistics normalising by
+        the batch's as in training but leaving their running statistics (and count) untouched: what a
+        method that reads the unmixed batch's own forward needs (SnapMix's class activation maps)."""
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        norms = [m for m in norms if m.track_running_stats]
+        self._capture = {"spec": None}
+        try:
+            for m in norms:
+                m.track_running_stats = False
+            with torch.no_grad():
+                return model(*args, **kwargs)
+        finally:
+            self._capture = None
+            for m in norms:
+                m.track_running_stats = True
+
     def _captured(self, spec: str, value):
         """``value``'s site value with its first leaf replaced by a detached copy that requires grad (kept
         for :meth:`gradient_at`): the pass's backward stops there."""
@@ -85,13 +103,13 @@ class GradientPass:
     def input(self, model: nn.Module, args: tuple, kwargs: dict):
         """The model's pre-hook during the pass: the input captured, where the pass is taken there."""
         spec = self._capture["spec"]
-        if self._sites[spec].layer != INPUT:
+        if spec is None or self._sites[spec].layer != INPUT:
             return None
         inputs = Inputs(model, args, kwargs)
         return rebuild_inputs(inputs, self._sites[spec], self._captured(spec, inputs))
 
     def layer(self, spec: str, output):
         """A layer's hook during the pass: its output captured, where the pass is taken there (once)."""
-        if spec != self._capture["spec"] or "leaf" in self._capture:
+        if self._capture["spec"] is None or spec != self._capture["spec"] or "leaf" in self._capture:
             return None
         return self._captured(spec, output)

@@ -996,6 +996,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             weights=mixed.weights,
             shapes=tuple([leaf.tensor.shape for leaf in found]),
             clean=clean,
+            partner_lam=mixed.partner_lam,
             _weight=draw.weight if mixed.lam is None and isinstance(draw.weight, float) else None,
         )
 

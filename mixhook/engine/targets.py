@@ -220,6 +220,15 @@ class LossAndTargets:
             return self._policies.mixed_loss(criterion, logits, target, partner, last, own_terms)
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, self._partners_of(last, target, "loss"))
+        if last.partner_lam is not None:  # weights that need not sum to one (SnapMix)
+            if loss_a.ndim == 0 or loss_a.shape[0] != last.partner_lam.shape[0]:
+                raise ValueError(
+                    f"loss(): {type(self).__name__} weighs each sample's two labels by its own weights, so "
+                    "the criterion must return one loss per sample (reduction='none'), but it returned "
+                    f"shape {tuple(loss_a.shape)}"
+                )
+            lam, partner = (per_sample(w, loss_a) for w in (last.lam, last.partner_lam))
+            return lam * loss_a + partner * loss_b
         if last._weight is not None and last.weights is None and positions(target) <= 0:
             return torch.lerp(loss_b, loss_a, last._weight)  # one lam as a float: the common case
         lam = self._target_weights(last, target, "loss")
@@ -343,6 +352,9 @@ class LossAndTargets:
             )
             return torch.cat([own, mixed]) if last.clean else mixed
         weights = self._target_weights(last, target, "targets")
+        if last.partner_lam is not None:  # weights that need not sum to one (SnapMix)
+            lam, partner_lam = (per_sample(w, own) for w in (last.lam, last.partner_lam))
+            return lam * own + partner_lam * partner
         if weights is None:
             lam = last._weight if last._weight is not None else per_sample(last.lam, own)
             mixed = torch.lerp(partner, own, lam)

@@ -76,6 +76,7 @@ def _every_hook():
         NoisyFeatureMixup,
         PatchUp,
         SaliencyMix,
+        SnapMix,
     )
     from mixhook.mixers import METHODS
 
@@ -94,8 +95,9 @@ def _every_hook():
         **{  # every method of the package at its defaults, so a new one is checked compiled too
             f"method-{name}": (lambda cls=cls: cls("conv1", generator=g()))
             for name, cls in METHODS.items()
-            if name not in ("OneOf", "TransMix")  # TransMix reads a ViT's attention: see transmix_vit below
+            if name not in ("OneOf", "TransMix", "SnapMix")  # TransMix reads a ViT's attention: see below
         },
+        "method-SnapMix": lambda: SnapMix("conv1", features="conv2", classifier="head", generator=g()),
         "cutmix-elem": lambda: CutMix("conv1", mode="elem", generator=g()),
         "saliencymix-gradient": lambda: SaliencyMix(["input", "conv2"], saliency="gradient", generator=g()),
     }

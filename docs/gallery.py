@@ -34,6 +34,7 @@ SIZE = 64  # pixels a side
 SMALL, SMALL_INPUT = 32, {"AlignMix"}  # its transport plan has (pixels)**2 entries: 32x32 images for it
 SEED = 2
 SPECMIX_SEED = 1
+PUZZLEMIX_SEED = 3
 NOT_DRAWN = {"OneOf": "a composition: it draws one of the methods below per batch"}
 TOLERANCE = 0.02  # --check: the largest mean absolute pixel difference (0..1) taken as the same picture
 
@@ -65,8 +66,8 @@ def convnet() -> nn.Module:
 
 
 def vit() -> nn.Module:
-    """A two-block torchvision ViT on the images (8x8 patch tokens and a class token): TransMix needs the
-    class token's attention."""
+    """A two-block torchvision ViT on the images (8x8 patch tokens and a class token): TransMix and MixPro
+    need the class token's attention."""
     from torchvision.models import VisionTransformer
 
     torch.manual_seed(0)
@@ -85,16 +86,20 @@ def method(name: str, layer: str, hidden: bool):
     """The method ``name`` at ``layer`` with its defaults (a few settings chosen for a 64x64 picture)."""
     cls = METHODS[name]
     kwargs: dict = {"generator": torch.Generator().manual_seed(SEED)}
-    if name == "TransMix":
+    if name in ("TransMix", "MixPro"):
         kwargs.update(attention="encoder.layers.encoder_layer_1.self_attention")
         if hidden:
             kwargs.update(tokens="auto")
+    if name == "MixPro":  # cells of 2x2 patches: 16 pixels at the input, 2 tokens on the block's tokens
+        kwargs.update(cell=2 if hidden else 16)
     if name == "AttentiveCutMix":
         kwargs.update(grid=4, top_k=6)
     if name == "PatchUp":
         kwargs.update(block_size=5, gamma=0.5)
     if name == "SpecMix":  # a draw with a band along each axis of image 0 (0 to 2 are drawn per sample)
         kwargs.update(generator=torch.Generator().manual_seed(SPECMIX_SEED), ratio=0.3)
+    if name == "PuzzleMix":  # a draw whose labelling mixes both images (a lam near 0 or 1 keeps one whole)
+        kwargs.update(generator=torch.Generator().manual_seed(PUZZLEMIX_SEED))
     if name == "SnapMix":
         kwargs.update(features="features", classifier="head.3")
     return cls(layer, **kwargs)
@@ -105,7 +110,7 @@ def draw(name: str) -> dict:
     weights of sample 0 on the hidden map and their lam."""
     x = images(SMALL if name in SMALL_INPUT else SIZE)
     y = torch.tensor([0.0, 1.0]) if name == "CMixup" else torch.tensor([0, 1])
-    if name == "TransMix":
+    if name in ("TransMix", "MixPro"):
         model, image, hidden = vit(), "input", "encoder.layers.encoder_layer_0"
         first = model.conv_proj
     else:
@@ -129,6 +134,9 @@ def draw(name: str) -> dict:
                 out["mixed"], out["input_lam"] = rows[0].clamp(0, 1), lam
             elif last.weights is not None:
                 out["weights"], out["hidden_lam"] = last.weights[0].float(), lam
+            elif name == "PuzzleMix":  # (its own-content weights per block, before the transport moves them)
+                mask = last.info["mask"][:1, None].float()
+                out["weights"], out["hidden_lam"] = F.interpolate(mask, size=tuple(side))[0, 0], lam
             elif "box" in last.info:  # ResizeMix: the partner resized into its box, no weights per position
                 out["weights"], out["hidden_lam"] = region_weights(last.info["box"], side)[0].float(), lam
             else:

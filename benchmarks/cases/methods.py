@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from benchmarks import cases
 from benchmarks.timing import ratio
-from mixhook import AttentiveCutMix, CMixup, ManifoldMixup, SaliencyMix, SnapMix
+from mixhook import AttentiveCutMix, CMixup, ManifoldMixup, PuzzleMix, SaliencyMix, SnapMix
 from mixhook.mixers import METHODS
 from mixhook.policies import (
     BalancedMixup,
@@ -49,6 +49,7 @@ def method_variants() -> dict:
     makers["SaliencyMix_gradient"] = lambda: SaliencyMix(LAYER, saliency="gradient")
     makers["SaliencyMix_layer1_activation"] = lambda: SaliencyMix(LAYER, saliency_layer="layer1")
     makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")
+    makers["PuzzleMix_input"] = lambda: PuzzleMix("input")  # the paper's place (the authors: 1.47x a step)
     makers["SnapMix"] = lambda: SnapMix(LAYER, features="layer4", classifier="linear")  # the CNN's own
     policies = {
         "Remix": lambda: Remix([500, 300, 200, 120, 70, 40, 25, 15, 9, 5]),

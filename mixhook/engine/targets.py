@@ -160,7 +160,7 @@ class LossAndTargets:
         (``2B``, for a per-sample criterion) or, for a criterion that reduces, the mean of the two (the
         doubled batch's mean, as RegMixup's authors train); a method's own loss may weigh them otherwise
         (RegMixup's ``eta``, RankMixup, MixupE)."""
-        last = self._bound_state(logits, "loss")
+        last = self._labelled_state(logits, target, "loss")
         if last is None:
             return criterion(logits, target)
         if last.clean:
@@ -180,13 +180,31 @@ class LossAndTargets:
         clean rows' metric, then the mixed rows' weighted one (``2B`` values). For reporting: the app's
         lam-weighted training accuracy is ``weigh(lambda o, t: (o.argmax(1) == t).double(), logits, y)``.
         ``metric(logits, target)`` when that forward mixed nothing."""
-        last = self._bound_state(logits, "weigh")
+        last = self._labelled_state(logits, target, "weigh")
         if last is None:
             return metric(logits, target)
         if last.clean:
             clean, mixed = halves(last, logits, "weigh")
             return torch.cat([metric(clean, target), self._mixed_loss(metric, mixed, target, last, False)])
         return self._mixed_loss(metric, logits, target, last, False)
+
+    def labelled(self, last: MixState, logits: torch.Tensor, target: torch.Tensor) -> MixState:
+        """The mix ``last`` as ``loss``/``weigh``/``targets`` weigh the labels of the forward that produced
+        ``logits``: itself by default; a method whose label weights follow the prediction (MixPro's
+        progressive attention labelling) returns it with those weights."""
+        return last
+
+    def _labelled_state(self, logits, target: torch.Tensor, what: str) -> MixState | None:
+        """The mix bound to ``logits`` (:meth:`_bound_state`), as :meth:`labelled` weighs its labels."""
+        last = self._bound_state(logits, what)
+        if last is None or type(self).labelled is LossAndTargets.labelled:
+            return last
+        if logits is None:
+            raise ValueError(
+                f"{what}(): {type(self).__name__} weighs the labels by the prediction: pass the logits "
+                f"({what}(y, ..., logits=logits))"
+            )
+        return self.labelled(last, logits, target)
 
     def targets_refused(self) -> str | None:
         """Why the mixed targets of a clean+mixed forward are not this method's training signal (its loss
@@ -314,7 +332,7 @@ class LossAndTargets:
                     f"targets(): floating targets of shape {tuple(target.shape)} do not have "
                     f"num_classes={num_classes} classes along dimension 1"
                 )
-            last = self._bound_state(logits, "targets")
+            last = self._labelled_state(logits, target, "targets")
             labels = None if last is None else self._partners_of(last, target, "targets")
             own = target.to(dtype)
             partner = None if last is None else labels.to(dtype)
@@ -327,7 +345,7 @@ class LossAndTargets:
                 soft = smooth_one_hot(t.reshape(-1), num_classes, smoothing, dtype)
                 return soft.view(*t.shape, num_classes).movedim(-1, 1) if t.ndim > 1 else soft
 
-            last = self._bound_state(logits, "targets")
+            last = self._labelled_state(logits, target, "targets")
             labels = None if last is None else self._partners_of(last, target, "targets")
             own = one_hot(target)
             partner = None if last is None else one_hot(labels)

@@ -60,6 +60,40 @@ def _attention_kind(module: nn.Module) -> str | None:
     return None
 
 
+def attention_grid(mixer, model: nn.Module, count: int) -> tuple[int, int, int]:
+    """The patch grid ``(rows, columns)`` and the number of leading tokens of the ``count`` tokens the
+    attention layer ``mixer.attention`` attends over: from ``mixer.token_grid`` (``tokens=``), else from
+    the model (a timm, torchvision or HuggingFace ViT); else a one-line error."""
+    kind = type(mixer).__name__
+    if mixer.token_grid is not None and mixer.token_grid.grid is not None:
+        rows, cols = mixer.token_grid.grid
+        return rows, cols, count - rows * cols
+    stated = model_grid(model)
+    if stated is None:
+        raise TypeError(
+            f"{kind}: {type(model).__name__} does not state its patch grid; use a timm, torchvision or "
+            "HuggingFace ViT, or mix its tokens with tokens=(rows, columns)"
+        )
+    prefix = count - stated.rows * stated.cols
+    if prefix < 0 or (stated.prefix is not None and prefix != stated.prefix):
+        raise ValueError(
+            f"{kind}: attention layer {mixer.attention!r} has {count} tokens, which do not fit the "
+            f"model's {stated.rows}x{stated.cols} patches and {stated.prefix} leading tokens"
+        )
+    return stated.rows, stated.cols, prefix
+
+
+def check_attention(kind: str, name: str, module: nn.Module) -> None:
+    """A one-line ``TypeError`` unless ``module`` (named ``name``) is an attention module whose class
+    token's weights :func:`class_attention` can read."""
+    if _attention_kind(module) is None:
+        raise TypeError(
+            f"{kind}: attention={name!r} is a {type(module).__name__}, not an attention module whose weights "
+            "can be read (timm's Attention, HuggingFace's ViT attention, nn.MultiheadAttention); name the "
+            "block's attention, e.g. 'blocks.11.attn' or 'encoder.layers.encoder_layer_11.self_attention'"
+        )
+
+
 class TransMix(CutMix):
     """TransMix (Chen et al. 2022): CutMix on a ViT (at the input, or on a block's tokens with ``tokens``)
     whose target weights are re-weighted by the class token's attention in a named attention layer of the
@@ -130,13 +164,7 @@ class TransMix(CutMix):
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
         module = resolve_layers(model, [self.attention])[self.attention]
-        if _attention_kind(module) is None:
-            raise TypeError(
-                f"TransMix: attention={self.attention!r} is a {type(module).__name__}, not an attention "
-                "module whose weights can be read (timm's Attention, HuggingFace's ViT attention, "
-                "nn.MultiheadAttention); name the "
-                "block's attention, e.g. 'blocks.11.attn' or 'encoder.layers.encoder_layer_11.self_attention'"
-            )
+        check_attention("TransMix", self.attention, module)
         super()._register(model, modules, handles)
         handles.append(
             module.register_forward_hook(recompute.hook(self._attention_hook(model)), with_kwargs=True)
@@ -179,22 +207,7 @@ class TransMix(CutMix):
         return dataclasses.replace(last, lam=1 - partner, info=info)
 
     def _grid(self, model: nn.Module, count: int) -> tuple[int, int, int]:
-        if self.token_grid is not None and self.token_grid.grid is not None:
-            rows, cols = self.token_grid.grid
-            return rows, cols, count - rows * cols
-        stated = model_grid(model)
-        if stated is None:
-            raise TypeError(
-                f"TransMix: {type(model).__name__} does not state its patch grid; use a timm, torchvision or "
-                "HuggingFace ViT, or mix its tokens with tokens=(rows, columns)"
-            )
-        prefix = count - stated.rows * stated.cols
-        if prefix < 0 or (stated.prefix is not None and prefix != stated.prefix):
-            raise ValueError(
-                f"TransMix: attention layer {self.attention!r} has {count} tokens, which do not fit the "
-                f"model's {stated.rows}x{stated.cols} patches and {stated.prefix} leading tokens"
-            )
-        return stated.rows, stated.cols, prefix
+        return attention_grid(self, model, count)
 
     def mix(self, leaves, draw):
         self._map_size = tuple(leaves[0].tensor.shape[-2:])

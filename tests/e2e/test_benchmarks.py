@@ -120,11 +120,11 @@ def test_bad_arguments_are_refused(capsys):  # the runner's own parser, in this 
 def test_every_method_the_full_run_measures_can_be_built():
     """The quick run measures four methods; the full one builds every discovered method at layer2 of
     a CNN (SnapMix with the CNN's last map and classifier), and leaves out (and lists) the ones that need
-    more than a layer (TransMix: a ViT's attention)."""
+    more than a layer (MixPro, TransMix: a ViT's attention)."""
     from benchmarks.cases.methods import METHODS, method_variants, needs_more_than_a_layer
 
     for name, make in method_variants().items():
         assert make().layers, name
     variants = method_variants()
     left = [n for n, cls in METHODS.items() if needs_more_than_a_layer(cls) and n not in variants]
-    assert left == ["TransMix"]
+    assert left == ["MixPro", "TransMix"]

@@ -75,6 +75,7 @@ def _every_hook():
         InputScale,
         NoisyFeatureMixup,
         PatchUp,
+        PuzzleMix,
         SaliencyMix,
         SnapMix,
     )
@@ -95,8 +96,9 @@ def _every_hook():
         **{  # every method of the package at its defaults, so a new one is checked compiled too
             f"method-{name}": (lambda cls=cls: cls("conv1", generator=g()))
             for name, cls in METHODS.items()
-            if name not in ("OneOf", "TransMix", "SnapMix")  # TransMix reads a ViT's attention: see below
+            if name not in ("OneOf", "TransMix", "MixPro", "SnapMix", "PuzzleMix")  # (TransMix: below)
         },
+        "method-PuzzleMix": lambda: PuzzleMix("conv1", grids=(2, 4), saliency="activation", generator=g()),
         "method-SnapMix": lambda: SnapMix("conv1", features="conv2", classifier="head", generator=g()),
         "cutmix-elem": lambda: CutMix("conv1", mode="elem", generator=g()),
         "saliencymix-gradient": lambda: SaliencyMix(["input", "conv2"], saliency="gradient", generator=g()),

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops.misc import Permute
 
-from mixhook import CutMix, FMix, ManifoldMixup, PatchUp, SaliencyMix, SnapMix
+from mixhook import CutMix, FMix, ManifoldMixup, PatchUp, PuzzleMix, SaliencyMix, SnapMix
 from mixhook.layouts import AmbiguousLayoutError
 from mixhook.mixers import METHODS
 from tests.helpers import set_module
@@ -160,9 +160,11 @@ class Maps(nn.Module):
 LAYOUT_AWARE = {
     name: (lambda cls=cls: cls("features.2", generator=gen(5)))
     for name, cls in METHODS.items()
-    if getattr(cls, "layout_aware", False) and name not in ("TransMix", "OneOf", "SnapMix")
+    if getattr(cls, "layout_aware", False)
+    and name not in ("TransMix", "MixPro", "OneOf", "SnapMix", "PuzzleMix")
 }
 LAYOUT_AWARE.update({
+    "PuzzleMix": lambda: PuzzleMix("features.2", grids=(2, 4), saliency="activation", generator=gen(5)),
     "SnapMix": lambda: SnapMix("features.2", features="back", classifier="head", generator=gen(5)),
     "CutMix-elem": lambda: CutMix("features.2", mode="elem", generator=gen(5)),
     "SaliencyMix-gradient": lambda: SaliencyMix("features.2", saliency="gradient", generator=gen(5)),

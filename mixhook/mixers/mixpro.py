@@ -1,0 +1,218 @@
+"""MixPro for ViTs: MaskMix (a random grid of cells from the partner) with progressive attention labelling
+(the label weights move from the mask's area toward the class token's attention as the prediction agrees).
+
+Paper: Zhao, Wang, Liu, Zhang, Tang, Chen. "MixPro: Data Augmentation with MaskMix and Progressive
+Attention Labeling for Vision Transformer." ICLR 2023. https://arxiv.org/abs/2304.12043. Authors' code:
+github.com/fistyee/MixPro (``utils.py``: ``MaskMix``, ``mixup_target``; ``main.py``: the labels and loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import recompute
+from ..engine.checks import check_non_negative, check_spatial
+from ..engine.contract import Draw, Mixed, MixState
+from ..engine.regions import RegionMixer
+from ..functional import sample_lam, smooth_one_hot
+from ..layers import resolve_layers
+from ..sites import Leaf
+from ..transfer import to_device
+from .transmix import attention_grid, check_attention, class_attention
+
+
+class MixPro(RegionMixer):
+    """MixPro (Zhao et al. 2023) on a ViT: at the input (the paper), or on a block's tokens with ``tokens``.
+
+    **MaskMix.** On each training forward, with probability ``prob``: ``lam ~ Beta(alpha, alpha)``, a
+    permutation ``index``, and for each sample its own mask of ``cell x cell`` cells over the map
+    (``ceil(H / cell) x ceil(W / cell)`` of them, the last row and column cropped): ``ceil(lam * N)`` of
+    the ``N`` cells, drawn at random, keep the sample's own content, the rest come from its partner. The
+    area weight is ``lam_a = ceil(lam * N) / N`` (the authors' ``mask_ratio``, also where the crop makes
+    the kept pixels a little more or less).
+
+    **Progressive attention labelling.** When ``attention`` runs (the last block's attention, after the
+    mix, in the same forward: no extra pass), the class token's attention ``a`` over the patches
+    (averaged over heads; recomputed without gradients from the module's inputs, as
+    :class:`~mixhook.TransMix` reads it) gives ``lam_att = sum(a * M) / sum(a)``, ``M`` the mask at patch
+    resolution. At the loss, with the forward's prediction ``p = softmax(logits)`` and the smoothed mixed
+    target ``t = lam_a * s(y) + (1 - lam_a) * s(y[index])`` (``smoothing``):
+
+        ``sim = cos(t, p)``,   ``lam = sim * lam_att + (1 - sim) * lam_a``
+
+    one per sample (``loss`` needs a per-sample criterion, ``reduction="none"``; ``targets`` needs
+    ``logits=``). ``.last.lam`` is ``lam_a``; ``.last.info``: ``"cells"`` (``(B, rows, cols)``),
+    ``"attention_lam"``, and, once a loss was taken, ``"lam"`` and ``"similarity"``.
+
+    Equal to the authors' ``MaskMix`` and labels on the same draws (tested), with the prediction in
+    ``sim`` taken as a constant: their ``main.py`` leaves ``softmax(outputs)`` attached, so their loss
+    also back-propagates through the label weights (a term the paper does not describe); OpenMixup's port
+    detaches it, as here. OpenMixup's port also reads the attention from a second forward of the unmixed
+    images, which the authors' code does not.
+
+    Args:
+        layer: ``"input"`` (the paper) or a ViT block with ``tokens``.
+        attention: the attention module whose class-token row weighs the labels (the authors: the last
+            block's, e.g. ``"blocks.11.attn"``); it must run after ``layer``.
+        alpha: Beta concentration, > 0 (the authors' DeiT configs: 1.0).
+        cell: a mask cell's side, in the mixed map's positions: pixels at the input (the authors' DeiT
+            configs: 56 on 224-pixel images, ``mask56``), tokens on a block's tokens; a whole number of
+            patches.
+        smoothing: the label smoothing of the target ``t`` the prediction is compared with (theirs: 0.1).
+        prob, generator, batch_dim, padding, tokens, prefix, layout: as :class:`~mixhook.CutMix`.
+
+    ``pin`` also takes ``cells`` (``(B, rows, cols)``, 1: own).
+    """
+
+    pin_keys = ("cells",)
+    region_dims = (2,)
+
+    dense_targets = (
+        "weighs each image's labels by its attention and its prediction: it has no per-position labels for "
+        "a dense target"
+    )
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        attention: str,
+        alpha: float = 1.0,
+        cell: int = 56,
+        smoothing: float = 0.1,
+        prob: float = 1.0,
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+        tokens: Sequence[int] | str | None = None,
+        prefix: str = "blend",
+        layout: str | dict | None = None,
+    ):
+        super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout, tokens, prefix)
+        if not isinstance(attention, str) or not attention:
+            raise ValueError(f"attention must be the name of an attention module, got {attention!r}")
+        if isinstance(cell, bool) or not isinstance(cell, int) or cell < 1:
+            raise ValueError(f"cell must be a mask cell's side in positions, an int >= 1, got {cell!r}")
+        smoothing = check_non_negative("smoothing", smoothing)
+        if smoothing >= 1:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+        self.attention, self.cell, self.smoothing = attention, cell, smoothing
+        self._reading = False
+
+    def __repr__(self) -> str:
+        return (
+            f"MixPro(layer={self._layer_spec!r}, attention={self.attention!r}, alpha={self.alpha}, "
+            f"cell={self.cell}, prob={self.prob})"
+        )
+
+    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        module = resolve_layers(model, [self.attention])[self.attention]
+        check_attention("MixPro", self.attention, module)
+        super()._register(model, modules, handles)
+
+        def read(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            if self._reading or not model.training or self._gradients.running:
+                return
+            draw, last = self._current, self.last
+            if draw is not None and not draw.done:
+                raise RuntimeError(
+                    f"MixPro: attention layer {self.attention!r} ran before the mixed layer {draw.layer!r}; "
+                    "name an attention layer after it (the authors: the last block's)"
+                )
+            if draw is None or last is None or "attention_lam" in last.info:  # no mix, or a second call
+                return
+            self._reading = True
+            try:
+                with torch.no_grad():
+                    weights = class_attention(module, args, kwargs)
+            finally:
+                self._reading = False
+            self.last = self._attended(model, last, weights)
+
+        handles.append(module.register_forward_hook(recompute.hook(read), with_kwargs=True))
+
+    def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        return sample_lam(self.alpha, generator)
+
+    def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        check_spatial("MixPro", spec, leaves)
+
+    def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
+        h, path = leaves[0].tensor, leaves[0].path
+        n, (height, width) = h.shape[0], h.shape[2:]
+        if draw.lam.ndim:
+            raise ValueError(f"MixPro draws one lam per batch: pin one lam, not {draw.lam.shape[0]}")
+        rows, cols = math.ceil(height / self.cell), math.ceil(width / self.cell)
+        cells = self._cells(n, rows, cols, draw)
+        kept = cells.flatten(1).sum(1).to(torch.float64) / (rows * cols)
+        own = cells.repeat_interleave(self.cell, 1).repeat_interleave(self.cell, 2)[:, :height, :width]
+        mixed = torch.where(to_device(own, h.device)[:, None], h, h[to_device(draw.index, h.device)])
+        return Mixed({path: mixed}, lam=kept, info={"cells": cells, "map": (height, width)}, weights=own)
+
+    def _attended(self, model: nn.Module, last: MixState, weights: torch.Tensor) -> MixState:
+        """``last`` with ``lam_att``, from the class token's attention ``weights`` ``(B, T)``."""
+        patch_rows, patch_cols, prefix = attention_grid(self, model, weights.shape[1])
+        height, width = last.info["map"]
+        patch = height // patch_rows
+        if height % patch_rows or width % patch_cols or width // patch_cols != patch or self.cell % patch:
+            raise ValueError(
+                f"MixPro: cell={self.cell} is not a whole number of the patches of the {height}x{width} map "
+                f"({patch_rows}x{patch_cols} of them, as attention layer {self.attention!r} attends over)"
+            )
+        step = self.cell // patch
+        cells = last.info["cells"]
+        on_patches = cells.repeat_interleave(step, 1).repeat_interleave(step, 2)[:, :patch_rows, :patch_cols]
+        a = weights[:, prefix:].to(torch.float64)
+        m = to_device(on_patches.flatten(1), a.device, torch.float64)
+        w_own, w_partner = (a * m).sum(1), (a * (1 - m)).sum(1)
+        info = {**last.info, "attention_lam": (w_own / (w_own + w_partner)).cpu()}
+        return dataclasses.replace(last, info=info)
+
+    def _cells(self, n: int, rows: int, cols: int, draw: Draw) -> torch.Tensor:
+        """The ``(n, rows, cols)`` boolean cells each sample keeps: pinned (checked), or ``ceil(lam * N)``
+        of the ``N`` cells drawn without replacement per sample from ``draw.generator``."""
+        cells = draw.pinned.get("cells")
+        if cells is not None:
+            cells = torch.as_tensor(cells).to(torch.bool).cpu()
+            if cells.shape != (n, rows, cols):
+                raise ValueError(
+                    f"pinned cells of shape {tuple(cells.shape)} do not fit the batch of {n} and the "
+                    f"{rows}x{cols} cells of layer {draw.layer!r}"
+                )
+            return cells
+        count = rows * cols
+        kept = math.ceil(count * float(draw.lam))
+        g = draw.generator
+        order = torch.rand(n, count, generator=g, device=g.device).argsort(1).cpu()
+        cells = torch.zeros(n, count, dtype=torch.bool)
+        cells.scatter_(1, order[:, :kept], True)
+        return cells.view(n, rows, cols)
+
+    def labelled(self, last: MixState, logits: torch.Tensor, target: torch.Tensor) -> MixState:
+        if "attention_lam" not in last.info:
+            raise RuntimeError(
+                f"MixPro: attention layer {self.attention!r} did not run after the mix in the forward that "
+                "produced these logits; name the last block's attention"
+            )
+        if target.dtype.is_floating_point or target.ndim != 1:
+            raise ValueError(
+                f"MixPro compares its prediction with smoothed class labels: give (B,) class indices, got "
+                f"{target.dtype} {tuple(target.shape)}"
+            )
+        classes = logits.shape[1]
+        area = to_device(last.lam, logits.device, torch.float64)
+        index = to_device(last.index, logits.device)
+        soft = smooth_one_hot(target.to(logits.device), classes, self.smoothing, torch.float64)
+        mixed = area[:, None] * soft + (1 - area[:, None]) * soft[index]
+        p = F.softmax(logits.detach().to(torch.float64), dim=-1)
+        sim = F.cosine_similarity(mixed, p, dim=1)
+        attention = to_device(last.info["attention_lam"], logits.device, torch.float64)
+        lam = (sim * attention + (1 - sim) * area).cpu()
+        last.info.update(lam=lam, similarity=sim.cpu())  # (readable from .last.info once a loss was taken)
+        return dataclasses.replace(last, lam=lam)

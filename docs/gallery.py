@@ -144,6 +144,8 @@ def draw(name: str) -> dict:
     out["images"] = x
     if name in SMALL_INPUT:
         out["note"] = f" ({SMALL}x{SMALL} images)"
+    if name == "CatchUpMix":  # (the gallery's image is a layer: the channel rule; its "input" is CutMix)
+        out["note"] = "\n(its channel rule on the RGB layer)"
     return out
 
 

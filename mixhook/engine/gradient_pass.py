@@ -74,22 +74,28 @@ class GradientPass:
         return self._as_given(spec, Leaf(leaf.path, grad, leaf.dim), model)
 
     def plain_forward(self, model: nn.Module, args: tuple, kwargs: dict):
-        """``model(*args, **kwargs)`` without gradients and without this mixer's mix (its hooks pass while it
-        runs), in the modules' own modes, batch-norm layers that track running statistics normalising by
-        the batch's as in training but leaving their running statistics (and count) untouched: what a
-        method that reads the unmixed batch's own forward needs (SnapMix's class activation maps)."""
+        """``model(*args, **kwargs)`` without gradients and without any mix: what a method that reads the
+        unmixed batch's own forward needs (SnapMix's class activation maps). The model runs in eval mode, so
+        no hook that acts in training (this mixer's, a ``OneOf``'s choice, its other mixers') acts and
+        dropout is off, except its batch-norm layers, which normalise by the batch's statistics as in
+        training but leave their running statistics (and count) untouched. Each module's mode and
+        ``track_running_stats`` are restored after."""
+        modes = [(m, m.training) for m in model.modules()]
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        norms = [m for m in norms if m.track_running_stats]
+        tracked = [m.track_running_stats for m in norms]
         self._capture = {"spec": None}
         try:
+            model.eval()
             for m in norms:
-                m.track_running_stats = False
+                m.training, m.track_running_stats = True, False
             with torch.no_grad():
                 return model(*args, **kwargs)
         finally:
             self._capture = None
-            for m in norms:
-                m.track_running_stats = True
+            for m, mode in modes:
+                m.training = mode
+            for m, track in zip(norms, tracked, strict=True):
+                m.track_running_stats = track
 
     def _captured(self, spec: str, value):
         """``value``'s site value with its first leaf replaced by a detached copy that requires grad (kept

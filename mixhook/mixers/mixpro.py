@@ -1,7 +1,7 @@
 """MixPro for ViTs: MaskMix (a random grid of cells from the partner) with progressive attention labelling
 (the label weights move from the mask's area toward the class token's attention as the prediction agrees).
 
-Paper: Zhao, Wang, Liu, Zhang, Tang, Chen. "MixPro: Data Augmentation with MaskMix and Progressive
+Paper: Zhao, Huang, Hu, Zhang, Liu. "MixPro: Data Augmentation with MaskMix and Progressive
 Attention Labeling for Vision Transformer." ICLR 2023. https://arxiv.org/abs/2304.12043. Authors' code:
 github.com/fistyee/MixPro (``utils.py``: ``MaskMix``, ``mixup_target``; ``main.py``: the labels and loss).
 """
@@ -21,9 +21,10 @@ from .. import recompute
 from ..engine.checks import check_non_negative, check_spatial
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.regions import RegionMixer
+from ..engine.tokens import model_grid
 from ..functional import sample_lam, smooth_one_hot
 from ..layers import resolve_layers
-from ..sites import Leaf
+from ..sites import INPUT, Leaf
 from ..transfer import to_device
 from .transmix import attention_grid, check_attention, class_attention
 
@@ -62,9 +63,10 @@ class MixPro(RegionMixer):
         attention: the attention module whose class-token row weighs the labels (the authors: the last
             block's, e.g. ``"blocks.11.attn"``); it must run after ``layer``.
         alpha: Beta concentration, > 0 (the authors' DeiT configs: 1.0).
-        cell: a mask cell's side, in the mixed map's positions: pixels at the input (the authors' DeiT
-            configs: 56 on 224-pixel images, ``mask56``), tokens on a block's tokens; a whole number of
-            patches.
+        cell: a mask cell's side, in the mixed map's positions (pixels at the input, tokens on a block's
+            tokens), a whole number of patches; ``None`` (default): four patches a side, read from the
+            model's patch grid (the authors' DeiT configs: 56 pixels with 14-pixel patches, ``mask56``;
+            OpenMixup's: 64 with 16).
         smoothing: the label smoothing of the target ``t`` the prediction is compared with (theirs: 0.1).
         prob, generator, batch_dim, padding, tokens, prefix, layout: as :class:`~mixhook.CutMix`.
 
@@ -84,7 +86,7 @@ class MixPro(RegionMixer):
         layer: str | Sequence[str],
         attention: str,
         alpha: float = 1.0,
-        cell: int = 56,
+        cell: int | None = None,
         smoothing: float = 0.1,
         prob: float = 1.0,
         generator: torch.Generator | None = None,
@@ -97,7 +99,7 @@ class MixPro(RegionMixer):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout, tokens, prefix)
         if not isinstance(attention, str) or not attention:
             raise ValueError(f"attention must be the name of an attention module, got {attention!r}")
-        if isinstance(cell, bool) or not isinstance(cell, int) or cell < 1:
+        if cell is not None and (isinstance(cell, bool) or not isinstance(cell, int) or cell < 1):
             raise ValueError(f"cell must be a mask cell's side in positions, an int >= 1, got {cell!r}")
         smoothing = check_non_negative("smoothing", smoothing)
         if smoothing >= 1:
@@ -148,24 +150,40 @@ class MixPro(RegionMixer):
         n, (height, width) = h.shape[0], h.shape[2:]
         if draw.lam.ndim:
             raise ValueError(f"MixPro draws one lam per batch: pin one lam, not {draw.lam.shape[0]}")
-        rows, cols = math.ceil(height / self.cell), math.ceil(width / self.cell)
+        cell = self._cell(draw.layer, height)
+        rows, cols = math.ceil(height / cell), math.ceil(width / cell)
         cells = self._cells(n, rows, cols, draw)
         kept = cells.flatten(1).sum(1).to(torch.float64) / (rows * cols)
-        own = cells.repeat_interleave(self.cell, 1).repeat_interleave(self.cell, 2)[:, :height, :width]
+        own = cells.repeat_interleave(cell, 1).repeat_interleave(cell, 2)[:, :height, :width]
         mixed = torch.where(to_device(own, h.device)[:, None], h, h[to_device(draw.index, h.device)])
-        return Mixed({path: mixed}, lam=kept, info={"cells": cells, "map": (height, width)}, weights=own)
+        info = {"cells": cells, "map": (height, width), "cell": cell}
+        return Mixed({path: mixed}, lam=kept, info=info, weights=own)
+
+    def _cell(self, spec: str, height: int) -> int:
+        """The cell side at ``spec``: ``cell``, or four patches of the model's patch grid."""
+        if self.cell is not None:
+            return self.cell
+        if self.token_grid is not None and self.sites[spec].layer != INPUT:
+            return 4  # (the block's tokens: one position per patch)
+        stated = model_grid(self._model)
+        if stated is None:
+            raise TypeError(
+                f"MixPro: {type(self._model).__name__} does not state its patch grid; give cell=... (a mask "
+                "cell's side in positions, a whole number of patches)"
+            )
+        return 4 * (height // stated.rows)
 
     def _attended(self, model: nn.Module, last: MixState, weights: torch.Tensor) -> MixState:
         """``last`` with ``lam_att``, from the class token's attention ``weights`` ``(B, T)``."""
         patch_rows, patch_cols, prefix = attention_grid(self, model, weights.shape[1])
         height, width = last.info["map"]
-        patch = height // patch_rows
-        if height % patch_rows or width % patch_cols or width // patch_cols != patch or self.cell % patch:
+        patch, cell = height // patch_rows, last.info["cell"]
+        if height % patch_rows or width % patch_cols or width // patch_cols != patch or cell % patch:
             raise ValueError(
-                f"MixPro: cell={self.cell} is not a whole number of the patches of the {height}x{width} map "
+                f"MixPro: cell={cell} is not a whole number of the patches of the {height}x{width} map "
                 f"({patch_rows}x{patch_cols} of them, as attention layer {self.attention!r} attends over)"
             )
-        step = self.cell // patch
+        step = cell // patch
         cells = last.info["cells"]
         on_patches = cells.repeat_interleave(step, 1).repeat_interleave(step, 2)[:, :patch_rows, :patch_cols]
         a = weights[:, prefix:].to(torch.float64)

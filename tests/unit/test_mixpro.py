@@ -213,3 +213,11 @@ def test_mixpro_on_a_vit_blocks_tokens_cuts_cells_of_tokens_and_reads_the_next_b
     ce = lambda t: F.cross_entropy(logits, t, reduction="none")  # noqa: E731
     lam = mix.last.info["lam"]
     torch.testing.assert_close(loss, lam * ce(y) + (1 - lam) * ce(y[index]))
+
+
+def test_the_default_cell_is_four_patches_a_side_read_from_the_model():
+    model = vit(64)  # 8x8 patches of 8 pixels: cells of 32 pixels, 2x2 of them
+    mix = MixPro("input", attention="blocks.1.attn", generator=torch.Generator().manual_seed(0))
+    with mix.attach(model):
+        model(torch.randn(2, 3, 64, 64, dtype=torch.float64))
+    assert mix.last.info["cell"] == 32 and mix.last.info["cells"].shape == (2, 2, 2)

@@ -265,3 +265,33 @@ def test_snapmix_refuses_a_model_without_a_linear_classifier_over_pooled_feature
         mix.use_targets(torch.tensor([0, 1]))
         logits = net(torch.randn(2, 3, 16, 16))
         mix.targets(torch.zeros(2, 4, 4, dtype=torch.int64), num_classes=4, logits=logits)
+
+
+def test_under_oneof_the_map_pass_mixes_nothing_and_draws_no_choice():
+    """SnapMix's pass on the unmixed batch runs the model again inside the training forward: neither
+    OneOf's choice nor its other mixer may act in it (a second choice, or a CutMix of the batch whose maps
+    weigh the labels, would be silently wrong)."""
+    from mixhook import CutMix, OneOf
+
+    torch.manual_seed(0)
+    net = Net().double().train()
+    alone = copy.deepcopy(net)
+    x, y = torch.randn(4, 3, 16, 16, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    snap = SnapMix("input", features="layer", classifier="fc", generator=torch.Generator().manual_seed(1))
+    cut = CutMix("input", generator=torch.Generator().manual_seed(2))
+    both = OneOf([snap, cut], p=[0.5, 0.5], generator=torch.Generator().manual_seed(0))
+    with both.attach(net):
+        both.pin(choice=0)
+        snap.use_targets(y)
+        logits = net(x)
+        assert cut.last is None and snap.last is not None
+        first = snap.last
+    solo = SnapMix("input", features="layer", classifier="fc")
+    with solo.attach(alone):
+        solo.pin(lam=0.5, index=first.index, box=first.info["box"], partner_box=first.info["partner_box"])
+        solo.use_targets(y)
+        expected = alone(x)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert torch.equal(solo.last.lam, first.lam) and torch.equal(solo.last.partner_lam, first.partner_lam)
+    for a, b in zip(net.buffers(), alone.buffers(), strict=True):
+        assert torch.equal(a, b)

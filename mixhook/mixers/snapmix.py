@@ -82,10 +82,11 @@ class SnapMix(RegionMixer):
     gradients at the start of each training forward that mixes (the authors' ``get_spm``), reading
     ``features``' output; no backward. Batch-norm layers normalise by the batch, as theirs, but their
     running statistics are left untouched (theirs are updated twice a step), and dropout is off (theirs
-    runs in training mode; their networks have none before the last map). It needs the labels: ``mixer.use_targets(y)`` before each forward (the app's loop does).
-    The map is kept with the draw, so activation checkpointing's recomputation and ``pin_last`` reuse it;
-    ``pin(cam=...)`` supplies ``(B, h, w)`` maps of your own (no pass then). Reading the ``B`` label
-    weights is one device-to-host copy per step.
+    runs in training mode; their networks have none before the last map). It needs the labels:
+    ``mixer.use_targets(y)`` before each forward (the app's loop does). The map is kept with the draw, so
+    activation checkpointing's recomputation and ``pin_last`` reuse it; ``pin(cam=...)`` supplies
+    ``(B, h, w)`` maps of your own (no pass then). Reading the ``B`` label weights is one device-to-host
+    copy per step.
 
     Equal to the authors' ``snapmix`` and ``get_spm`` on the same draws and the same network (tested).
 

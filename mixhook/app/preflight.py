@@ -21,12 +21,20 @@ from .errors import ConfigError
 log = logging.getLogger("mixhook")
 
 
-def layer_key(hook, err: UnknownLayerError) -> str:
-    """The config key that named the unknown layer: ``layer``, or a method's other layer argument
-    (TransMix's ``attention``, the saliency methods' ``saliency_layer``)."""
+ARGUMENTS = ("attention", "features", "classifier")  # a method's layer arguments beside ``layer``
+
+
+def layer_key(hook, err: Exception) -> str:
+    """The config key an error about a layer is about: ``layer``, or a method's other layer argument the
+    error names (TransMix's and MixPro's ``attention``, SnapMix's ``features`` and ``classifier``, the
+    saliency methods' ``saliency_layer``)."""
     named = re.search(r"unknown layer '([^']+)'", str(err))
-    if named and getattr(hook, "attention", None) == named[1]:
-        return "attention"
+    for argument in ARGUMENTS:
+        value = getattr(hook, argument, None)
+        if isinstance(value, str) and (
+            (named and value == named[1]) or (not named and f"{argument}={value!r}" in str(err))
+        ):
+            return argument
     if named and getattr(getattr(hook, "saliency", None), "layer", None) == named[1]:
         return "saliency_layer"
     return "layer"
@@ -46,6 +54,8 @@ def attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Da
                     f"{key}.{layer_key(hook, err)}: {err}. `python -m mixhook.layers` with this run's model "
                     "and data overrides lists every layer with its output and whether it can be mixed"
                 ) from err
+            except (TypeError, ValueError) as err:  # a layer argument of the wrong kind (not attention...)
+                raise ConfigError(f"{key}.{layer_key(hook, err)}: {err}") from err
         check_sample_batch(model, hooks, data)
     except BaseException:
         for handle in handles:
@@ -85,7 +95,7 @@ def check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: 
             try:
                 hook.check_output(name, outputs[name], x.shape[0], model_input=x)
             except (TypeError, ValueError) as err:
-                raise ConfigError(f"{key}.layer: {err}") from err
+                raise ConfigError(f"{key}.{layer_key(hook, err)}: {err}") from err
 
 
 def one_sample_batches(data: Data) -> bool:

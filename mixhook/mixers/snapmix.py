@@ -21,7 +21,7 @@ from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
 from ..functional import sample_lam
 from ..geometry import rand_region, region_lam
-from ..layers import resolve_layers
+from ..layers import resolve_layers, trace_outputs
 from ..sites import Leaf, describe
 from ..transfer import to_device
 from .cutmix import draw_region, pinned_regions
@@ -188,13 +188,8 @@ class SnapMix(RegionMixer):
         if not recorded:
             raise RuntimeError(f"SnapMix: features={self.features!r} did not run in the model's forward")
         fms = recorded[-1]
+        self._check_features(fms)
         linear = self._linear
-        if not isinstance(fms, torch.Tensor) or fms.ndim != 4 or fms.shape[1] != linear.in_features:
-            raise TypeError(
-                f"SnapMix: features={self.features!r} outputs {describe(fms)}, but SnapMix needs the "
-                f"(B, D, h, w) map whose pooled D = {linear.in_features} features classifier "
-                f"{self.classifier!r} takes"
-            )
         labels = to_device(targets, fms.device)
         if labels.dtype.is_floating_point or labels.shape != fms.shape[:1]:
             raise ValueError(
@@ -206,6 +201,26 @@ class SnapMix(RegionMixer):
             bias = 0 if linear.bias is None else linear.bias[labels][:, None, None]
             cam = torch.einsum("bdhw,bd->bhw", F.relu(fms), weight) + bias
         return {"cam": cam, "labels": targets}
+
+    def _check_features(self, fms) -> None:
+        """A one-line ``TypeError`` unless ``fms`` is the ``(B, D, h, w)`` map the classifier's ``D``
+        pooled features come from."""
+        d = self._linear.in_features
+        if not isinstance(fms, torch.Tensor) or fms.ndim != 4 or fms.shape[1] != d:
+            raise TypeError(
+                f"SnapMix: features={self.features!r} outputs {describe(fms)}, but SnapMix needs the "
+                f"(B, D, h, w) map whose pooled D = {d} features classifier {self.classifier!r} takes"
+            )
+
+    def check_output(self, spec: str, value, batch: int | None = None, model_input=None) -> None:
+        """:meth:`~mixhook.engine.mixer.Mixer.check_output`, and, given the model's input, that
+        ``features`` outputs the map the classifier pools (one more forward in eval mode: the app's
+        check before training)."""
+        super().check_output(spec, value, batch, model_input)
+        if model_input is not None and self._model is not None:
+            outputs = trace_outputs(self._model, [self.features], model_input)
+            if self.features in outputs:
+                self._check_features(outputs[self.features])
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path

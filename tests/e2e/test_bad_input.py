@@ -256,6 +256,26 @@ from tests.conftest import write_cifar
             "error: probes.feature_maps=true pins a mix of the batch with itself reversed, but the mixer",
         ),
         (
+            ["mixup=puzzlemix"],
+            "error: mixup.layer: PuzzleMix at 'input': grid side 16 does not fit its 8x8 map (a grid side "
+            "must divide 8: [2, 4, 8])",
+        ),
+        (["mixup=puzzlemix", "mixup.n_labels=4"], "error: mixup: n_labels must be 2 or 3"),
+        (
+            ["mixup=snapmix", "mixup.classifier=layer4"],
+            "error: mixup.classifier: SnapMix: classifier='layer4' is a Sequential; SnapMix needs the "
+            "nn.Linear classifier over pooled features",
+        ),
+        (
+            ["mixup=snapmix", "mixup.features=layer3"],
+            "error: mixup.features: SnapMix: features='layer3' outputs a tensor of shape (2, 256, 2, 2), but "
+            "SnapMix needs the (B, D, h, w) map whose pooled D = 512 features",
+        ),
+        (
+            ["mixup=specmix", "mixup.layer=linear"],
+            "error: mixup.layer: SpecMix at 'linear' needs a (B, C, H, W) map",
+        ),
+        (
             ["mixup=cutmix", "mixup.tokens=auto"],
             "error: mixup.layer: CutMix at 'input': tokens='auto' but PreActResNet does not state a fixed "
             "patch grid",

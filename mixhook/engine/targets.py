@@ -372,7 +372,8 @@ class LossAndTargets:
         weights = self._target_weights(last, target, "targets")
         if last.partner_lam is not None:  # weights that need not sum to one (SnapMix)
             lam, partner_lam = (per_sample(w, own) for w in (last.lam, last.partner_lam))
-            return lam * own + partner_lam * partner
+            mixed = lam * own + partner_lam * partner
+            return torch.cat([own, mixed]) if last.clean else mixed
         if weights is None:
             lam = last._weight if last._weight is not None else per_sample(last.lam, own)
             mixed = torch.lerp(partner, own, lam)

@@ -174,7 +174,10 @@ class MixPro(RegionMixer):
         return 4 * (height // stated.rows)
 
     def _attended(self, model: nn.Module, last: MixState, weights: torch.Tensor) -> MixState:
-        """``last`` with ``lam_att``, from the class token's attention ``weights`` ``(B, T)``."""
+        """``last`` with ``lam_att``, from the class token's attention ``weights`` ``(B, T)`` (with the clean
+        batch kept, its mixed rows)."""
+        if last.clean:
+            weights = weights[last.index.shape[0] :]
         patch_rows, patch_cols, prefix = attention_grid(self, model, weights.shape[1])
         height, width = last.info["map"]
         patch, cell = height // patch_rows, last.info["cell"]
@@ -223,6 +226,8 @@ class MixPro(RegionMixer):
                 f"MixPro compares its prediction with smoothed class labels: give (B,) class indices, got "
                 f"{target.dtype} {tuple(target.shape)}"
             )
+        if last.clean:  # (clean=True: the logits' mixed rows follow the clean ones)
+            logits = logits[last.index.shape[0] :]
         classes = logits.shape[1]
         area = to_device(last.lam, logits.device, torch.float64)
         index = to_device(last.index, logits.device)

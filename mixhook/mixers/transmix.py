@@ -193,6 +193,8 @@ class TransMix(CutMix):
         return hook
 
     def _reweighted(self, model: nn.Module, last, weights: torch.Tensor):
+        if last.clean:  # (the clean batch kept: its mixed rows follow the clean ones)
+            weights = weights[last.index.shape[0] :]
         rows, cols, prefix = self._grid(model, weights.shape[1])
         attention = weights[:, prefix:].to("cpu", torch.float64)
         box = torch.as_tensor(last.info["box"]).view(1, 4)

@@ -221,3 +221,20 @@ def test_the_default_cell_is_four_patches_a_side_read_from_the_model():
     with mix.attach(model):
         model(torch.randn(2, 3, 64, 64, dtype=torch.float64))
     assert mix.last.info["cell"] == 32 and mix.last.info["cells"].shape == (2, 2, 2)
+
+
+def test_with_the_clean_batch_kept_the_similarity_reads_the_mixed_rows():
+    model = vit(32)
+    x, y = torch.randn(4, 3, 32, 32, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    mix = MixPro("input", attention="blocks.1.attn", cell=8, generator=torch.Generator().manual_seed(3))
+    mix.clean = True
+    with mix.attach(model):
+        logits = model(x)
+        loss = mix.loss(lambda o, t: F.cross_entropy(o, t, reduction="none"), logits, y)
+    last = mix.last
+    area, att, index = last.lam, last.info["attention_lam"], last.index
+    soft = F.one_hot(y, 5).double() * 0.9 + 0.1 / 5
+    target = area[:, None] * soft + (1 - area[:, None]) * soft[index]
+    sim = F.cosine_similarity(target, F.softmax(logits[4:].detach(), -1), dim=1)
+    torch.testing.assert_close(last.info["lam"], sim * att + (1 - sim) * area)
+    assert loss.shape == (8,)

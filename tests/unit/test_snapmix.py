@@ -295,3 +295,24 @@ def test_under_oneof_the_map_pass_mixes_nothing_and_draws_no_choice():
     assert torch.equal(solo.last.lam, first.lam) and torch.equal(solo.last.partner_lam, first.partner_lam)
     for a, b in zip(net.buffers(), alone.buffers(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_with_the_clean_batch_kept_the_targets_are_the_clean_ones_then_the_weighted_mix():
+    torch.manual_seed(0)
+    net = Net().double().train()
+    x, y = torch.randn(4, 3, 16, 16, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    mix = SnapMix("stem", features="layer", classifier="fc", generator=torch.Generator().manual_seed(1))
+    mix.clean = True
+    with mix.attach(net):
+        mix.use_targets(y)
+        logits = net(x)
+        soft = mix.targets(y, num_classes=4, dtype=torch.float64, logits=logits)
+        loss = mix.loss(lambda o, t: F.cross_entropy(o, t, reduction="none"), logits, y)
+    own, partner, index = mix.last.lam, mix.last.partner_lam, mix.last.index
+    one = F.one_hot(y, 4).double()
+    torch.testing.assert_close(soft, torch.cat([one, own[:, None] * one + partner[:, None] * one[index]]))
+    ce = lambda o, t: F.cross_entropy(o, t, reduction="none")  # noqa: E731
+    mixed = logits[4:]
+    torch.testing.assert_close(
+        loss, torch.cat([ce(logits[:4], y), own * ce(mixed, y) + partner * ce(mixed, y[index])])
+    )

@@ -179,3 +179,21 @@ def test_refusals_are_one_line():
     with pytest.raises(TypeError, match="TransMix: ConvAttention does not state its patch grid"):
         with TransMix("conv", attention="attn").attach(net):
             net(torch.randn(3, 3, 8, 8))
+
+
+def test_with_the_clean_batch_kept_the_weights_read_the_mixed_rows_attention():
+    """clean=True doubles the batch before the attention layer: the label weights are the mixed rows'."""
+    model = tiny_vit()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 3, 16, 16, dtype=torch.double)
+    index, box = torch.arange(3, -1, -1), (2, 10, 4, 16)
+    kept, alone = TransMix("input", attention="blocks.1.attn"), TransMix("input", attention="blocks.1.attn")
+    kept.clean = True
+    with kept.attach(model):
+        kept.pin(box=box, index=index)
+        model(x)
+    with alone.attach(plain):
+        alone.pin(box=box, index=index)
+        plain(x)
+    assert kept.last.lam.shape == (4,)
+    torch.testing.assert_close(kept.last.lam, alone.last.lam, rtol=1e-10, atol=1e-12)

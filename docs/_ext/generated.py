@@ -94,12 +94,15 @@ def costs_table(results: dict[str, dict]) -> str:
     ]
     if methods:
         run, link = results[methods[-1]]["methods"], _link(methods[-1])
-        where = f"{run['model']} at `{run['layer']}`, batch {run['batch']}"
         for name, ratio in run["vs_none"].items():
             versus = run.get("vs_manifold", {}).get(name)
             label = name.replace("_gradient", " (gradient saliency)").replace(
                 "_layer1_activation", " (saliency of layer1)"
             )
+            layer = run["layer"]
+            if name.endswith("_input"):  # a variant measured at the model's input (PuzzleMix_input)
+                label, layer = f"{name.removesuffix('_input')} (at the input)", "input"
+            where = f"{run['model']} at `{layer}`, batch {run['batch']}"
             lines.append(
                 f"| `{label}` | {_fmt(ratio)} | {_fmt(versus) if versus else ''} | {link}: {where} |"
             )

@@ -26,7 +26,7 @@ from ..functional import sample_lam, smooth_one_hot
 from ..layers import resolve_layers
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import attention_grid, check_attention, class_attention
+from .transmix import attention_grid, attention_reader, check_attention
 
 
 class MixPro(RegionMixer):
@@ -117,26 +117,7 @@ class MixPro(RegionMixer):
         module = resolve_layers(model, [self.attention])[self.attention]
         check_attention("MixPro", self.attention, module)
         super()._register(model, modules, handles)
-
-        def read(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-            if self._reading or not model.training or self._gradients.running:
-                return
-            draw, last = self._current, self.last
-            if draw is not None and not draw.done:
-                raise RuntimeError(
-                    f"MixPro: attention layer {self.attention!r} ran before the mixed layer {draw.layer!r}; "
-                    "name an attention layer after it (the authors: the last block's)"
-                )
-            if draw is None or last is None or "attention_lam" in last.info:  # no mix, or a second call
-                return
-            self._reading = True
-            try:
-                with torch.no_grad():
-                    weights = class_attention(module, args, kwargs)
-            finally:
-                self._reading = False
-            self.last = self._attended(model, last, weights)
-
+        read = attention_reader(self, model, "attention_lam", self._attended)
         handles.append(module.register_forward_hook(recompute.hook(read), with_kwargs=True))
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:

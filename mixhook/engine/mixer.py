@@ -1171,6 +1171,13 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         (:mod:`.gradient_pass`), from :meth:`before_forward`."""
         return self._gradients.gradient_at(model, args, kwargs, spec, target)
 
+    def unmixed_forward(self, model: nn.Module, args: tuple, kwargs: dict):
+        """``model(*args, **kwargs)`` once more, without gradients and without any mix, for a method that
+        reads what the network computes on the unmixed batch (SnapMix's class activation maps), from
+        :meth:`before_forward`: in eval mode (no training hook acts, dropout off) but with batch norm on
+        the batch's statistics, its running statistics untouched (:mod:`.gradient_pass`)."""
+        return self._gradients.plain_forward(model, args, kwargs)
+
     def before_forward(
         self, model: nn.Module, args: tuple, kwargs: dict, spec: str, pinned: Mapping, targets
     ) -> Mapping:

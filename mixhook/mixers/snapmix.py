@@ -181,7 +181,7 @@ class SnapMix(RegionMixer):
             return {"labels": targets}
         self._recording = []
         try:
-            self._gradients.plain_forward(model, args, kwargs)
+            self.unmixed_forward(model, args, kwargs)
             recorded = self._recording
         finally:
             self._recording = None

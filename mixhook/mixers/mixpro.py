@@ -26,10 +26,10 @@ from ..functional import sample_lam, smooth_one_hot
 from ..layers import resolve_layers
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import attention_grid, attention_reader, check_attention
+from .transmix import ReadsAttention, attention_grid, check_attention
 
 
-class MixPro(RegionMixer):
+class MixPro(ReadsAttention, RegionMixer):
     """MixPro (Zhao et al. 2023) on a ViT: at the input (the paper), or on a block's tokens with ``tokens``.
 
     **MaskMix.** On each training forward, with probability ``prob``: ``lam ~ Beta(alpha, alpha)``, a
@@ -117,7 +117,7 @@ class MixPro(RegionMixer):
         module = resolve_layers(model, [self.attention])[self.attention]
         check_attention("MixPro", self.attention, module)
         super()._register(model, modules, handles)
-        read = attention_reader(self, model, "attention_lam", self._attended)
+        read = self._attention_reader(model, "attention_lam", self._attended)
         handles.append(module.register_forward_hook(recompute.hook(read), with_kwargs=True))
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:

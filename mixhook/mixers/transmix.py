@@ -94,36 +94,40 @@ def check_attention(kind: str, name: str, module: nn.Module) -> None:
         )
 
 
-def attention_reader(mixer, model: nn.Module, recorded: str, labelled):
-    """The forward hook on ``mixer.attention`` that, once per training forward that mixed, after the mix,
-    reads the class token's attention (:func:`class_attention`, without gradients) and makes
-    ``mixer.last`` what ``labelled(model, last, weights)`` returns; ``recorded``: the key of
-    ``last.info`` that says it was read (a second call of the layer reads nothing). An attention layer
-    that runs before the mixed layer is refused in one line. (TransMix, MixPro.)"""
+class ReadsAttention:
+    """What TransMix and MixPro share (listed before their mixer base): the forward hook on their
+    ``attention`` layer that reads the class token's attention once per training forward that mixed."""
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        if mixer._reading or not model.training or mixer._gradients.running:
-            return
-        draw, last = mixer._current, mixer.last
-        if draw is not None and not draw.done:
-            raise RuntimeError(
-                f"{type(mixer).__name__}: attention layer {mixer.attention!r} ran before the mixed layer "
-                f"{draw.layer!r}; name an attention layer after it (the paper: the last block's)"
-            )
-        if draw is None or last is None or recorded in last.info:  # no mix, or a second call
-            return
-        mixer._reading = True  # (nn.MultiheadAttention is called again to read its weights)
-        try:
-            with torch.no_grad():
-                weights = class_attention(module, args, kwargs)
-        finally:
-            mixer._reading = False
-        mixer.last = labelled(model, last, weights)
+    def _attention_reader(self, model: nn.Module, recorded: str, labelled):
+        """The hook that, once per training forward that mixed, after the mix, reads the class token's
+        attention (:func:`class_attention`, without gradients) and makes ``self.last`` what
+        ``labelled(model, last, weights)`` returns; ``recorded``: the key of ``last.info`` that says it
+        was read (a second call of the layer reads nothing). An attention layer that runs before the
+        mixed layer is refused in one line."""
 
-    return hook
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            if self._reading or not model.training or self._gradients.running:
+                return
+            draw, last = self._current, self.last
+            if draw is not None and not draw.done:
+                raise RuntimeError(
+                    f"{type(self).__name__}: attention layer {self.attention!r} ran before the mixed layer "
+                    f"{draw.layer!r}; name an attention layer after it (the paper: the last block's)"
+                )
+            if draw is None or last is None or recorded in last.info:  # no mix, or a second call
+                return
+            self._reading = True  # (nn.MultiheadAttention is called again to read its weights)
+            try:
+                with torch.no_grad():
+                    weights = class_attention(module, args, kwargs)
+            finally:
+                self._reading = False
+            self.last = labelled(model, last, weights)
+
+        return hook
 
 
-class TransMix(CutMix):
+class TransMix(ReadsAttention, CutMix):
     """TransMix (Chen et al. 2022): CutMix on a ViT (at the input, or on a block's tokens with ``tokens``)
     whose target weights are re-weighted by the class token's attention in a named attention layer of the
     same forward.
@@ -200,7 +204,7 @@ class TransMix(CutMix):
         )
 
     def _attention_hook(self, model: nn.Module):
-        return attention_reader(self, model, "attention", self._reweighted)
+        return self._attention_reader(model, "attention", self._reweighted)
 
     def _reweighted(self, model: nn.Module, last, weights: torch.Tensor):
         if last.clean:  # (the clean batch kept: its mixed rows follow the clean ones)

@@ -266,6 +266,15 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
                 f"PuzzleMix at {spec!r}: grid side {bad[0]} does not fit its {height}x{width} map (a grid "
                 f"side must divide {width}: {fits}); choose grids among those"
             )
+        if self.transport and self.t_size is not None:
+            for g in self.grids:
+                block = width // g
+                if block % min(self.t_size, block):
+                    raise ValueError(
+                        f"PuzzleMix at {spec!r}: t_size {self.t_size} does not divide the {block}-position "
+                        f"blocks of a {g}x{g} grid on its {height}x{width} map; choose a t_size that divides "
+                        "each block size (or None: the block size)"
+                    )
 
     def needs_saliency(self, pinned: Mapping) -> bool:
         return True
@@ -313,12 +322,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
             block = width // grid
             t_size = block if self.t_size is None else min(self.t_size, block)
             t_grid, t_mask, t_own = grid, mask, own
-            if t_size < block:
-                if block % t_size:
-                    raise ValueError(
-                        f"PuzzleMix: t_size {t_size} does not divide the block size {block} of a "
-                        f"{grid}x{grid} grid on a {width}x{width} map; choose a t_size that divides each"
-                    )
+            if t_size < block:  # (check_leaves saw that it divides the block)
                 t_grid = width // t_size
                 t_mask = F.interpolate(mask, size=t_grid)
                 pooled = F.avg_pool2d(saliency, t_size)

@@ -74,8 +74,8 @@ def min_labelling(unary, w_v, w_h):
         wt = weights[..., None]
         # (l_p - l_q)**2 on the chains: x_pj (2j - 1 - 2K) + x_qj (2j - 1) + 2 x_pk (1 - x_qm) for all k, m
         lin_p, lin_q = wt * (2 * j - 1 - 2 * k), wt * (2 * j - 1)
-        _add(linear, first, ids, lin_p)
-        _add(linear, second, ids, lin_q)
+        _add(linear, first, lin_p)
+        _add(linear, second, lin_q)
         a = np.broadcast_to(first[..., :, None], (*first.shape, k))
         c = np.broadcast_to(second[..., None, :], (*second.shape[:-1], k, k))
         rows.append(a.reshape(-1))
@@ -119,8 +119,9 @@ def min_labelling(unary, w_v, w_h):
     return side[:nodes].reshape(b, h, w, k).sum(-1).astype(np.int64)
 
 
-def _add(linear, nodes, ids, values) -> None:
-    """``linear`` at the chain nodes ``nodes`` (a slice of ``ids``) += ``values`` (broadcast)."""
+def _add(linear, nodes, values) -> None:
+    """``linear`` at the chain nodes ``nodes`` (node ids, which index ``linear`` flattened) += ``values``
+    (broadcast)."""
     import numpy as np
 
     flat = linear.reshape(-1)

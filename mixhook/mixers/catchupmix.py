@@ -16,10 +16,9 @@ from ..engine.checks import check_region
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
 from ..functional import sample_lam
-from ..geometry import region_lam, region_weights
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .cutmix import draw_region, paste_box
+from .cutmix import draw_region, pasted
 
 
 def relative_influence(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -106,14 +105,7 @@ class CatchUpMix(RegionMixer):
             raise ValueError(f"CatchUpMix draws one lam per batch: pin one lam, not {draw.lam.shape[0]}")
         shape = tuple(h.shape[2:])
         if self.sites[draw.layer].layer == INPUT:  # CutMix at the input (the paper's layer 0)
-            box = draw_region(draw, shape)
-            lam = torch.tensor(region_lam(box, shape), dtype=torch.float64)
-            return Mixed(
-                {path: paste_box(h, draw.index, box)},
-                lam=lam,
-                info={"box": box},
-                weights=region_weights(box, shape),
-            )
+            return pasted(h, path, draw.index, draw_region(draw, shape))
         index = to_device(draw.index, h.device)
         channels = h.shape[1]
         count = math.floor(float(draw.lam) * channels)

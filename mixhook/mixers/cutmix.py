@@ -158,15 +158,7 @@ class CutMix(RegionMixer):
         h, path = leaves[0].tensor, leaves[0].path
         if self.mode == "elem":
             return paste_boxes(h, path, draw.index, self._boxes(h, draw))
-        box = self._box(h, draw)
-        shape = h.shape[2:]
-        lam = torch.tensor(region_lam(box, shape), dtype=torch.float64)
-        return Mixed(
-            {path: paste_box(h, draw.index, box)},
-            lam=lam,
-            info={"box": box},
-            weights=region_weights(box, shape),
-        )
+        return pasted(h, path, draw.index, self._box(h, draw))
 
     def _box(self, h: torch.Tensor, draw: Draw) -> tuple[int, ...]:
         """The box of a ``mode="batch"`` mix of the map ``h`` (pinned, or drawn)."""
@@ -208,6 +200,16 @@ class CutMix(RegionMixer):
         h = leaves[0].tensor
         mask = regions_mask(boxes, h.shape[2:], h.device)
         return {leaves[0].path: torch.where(mask, h.index_select(0, index), h)}
+
+
+def pasted(h: torch.Tensor, path, index: torch.Tensor, box: tuple[int, ...]) -> Mixed:
+    """One ``box`` of ``h[index]`` pasted into ``h`` (:func:`paste_box`): the :class:`Mixed` with the
+    volume it leaves as lam, ``info["box"]`` and the box's own-content weights."""
+    shape = h.shape[2:]
+    lam = torch.tensor(region_lam(box, shape), dtype=torch.float64)
+    return Mixed(
+        {path: paste_box(h, index, box)}, lam=lam, info={"box": box}, weights=region_weights(box, shape)
+    )
 
 
 def pinned_regions(kind: str, boxes, n: int, shape: Sequence[int], layer: str) -> torch.Tensor:

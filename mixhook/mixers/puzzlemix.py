@@ -11,7 +11,7 @@ one is solved exactly by :mod:`mixhook.engine.graphcut` (one minimum cut, SciPy'
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -275,9 +275,6 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
                         f"blocks of a {g}x{g} grid on its {height}x{width} map; choose a t_size that divides "
                         "each block size (or None: the block size)"
                     )
-
-    def needs_saliency(self, pinned: Mapping) -> bool:
-        return True
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path

@@ -17,9 +17,11 @@ from .transfer import to_device
 
 _ALMOST_ONE = float.fromhex("0x1.fffffffffffffp-1")  # the largest double below 1
 _CONCENTRATIONS: dict = {}  # (a, b, device) -> the [a, b] tensor the samplers take
+_CPU = torch.device("cpu")  # (compared with a generator's device: cheaper than reading its .type)
 
 
 def _concentration(a: float, b: float, device: torch.device) -> torch.Tensor:
+    """The ``[a, b]`` tensor the samplers take on ``device``, made once."""
     key = (a, b, device)
     found = _CONCENTRATIONS.get(key)
     if found is None:
@@ -32,7 +34,10 @@ def beta_value(a: float, b: float, generator: torch.Generator) -> float:
     the same generator state after it) as ``float(sample_beta(a, b, generator))``, drawn the way
     torch's Dirichlet kernel draws it (two Gamma variates, the first over their sum, clamped into
     ``[DBL_MIN, 1)``) at a fraction of its host cost, with no tensor made for the result."""
-    g0, g1 = torch._standard_gamma(_concentration(a, b, generator.device), generator=generator).tolist()
+    concentration = _CONCENTRATIONS.get((a, b, generator.device))
+    if concentration is None:
+        concentration = _concentration(a, b, generator.device)
+    g0, g1 = torch._standard_gamma(concentration, generator=generator).tolist()
     return min(_ALMOST_ONE, max(sys.float_info.min, g0 / (g0 + g1)))
 
 
@@ -43,7 +48,7 @@ def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None
     it would (Beta is its first coordinate) through the generator-aware kernel. Values are float64 and
     are cast to the activation's (or the loss's) dtype where they are used.
     """
-    if size is None and generator.device.type == "cpu":
+    if size is None and generator.device == _CPU:
         return torch.scalar_tensor(beta_value(a, b, generator), dtype=torch.float64)
     concentration = _concentration(a, b, generator.device)
     if size is not None:
@@ -52,14 +57,17 @@ def sample_beta(a: float, b: float, generator: torch.Generator, size: int | None
 
 
 def sample_lam(alpha: float, generator: torch.Generator) -> torch.Tensor:
-    """``lam ~ Beta(alpha, alpha)`` as a 0-d float64 tensor (see :func:`sample_beta`)."""
+    """``lam ~ Beta(alpha, alpha)`` as a 0-d float64 tensor (see :func:`sample_beta`; on the CPU, its
+    :func:`beta_value` directly: the draw of every mix)."""
+    if generator.device == _CPU:
+        return torch.scalar_tensor(beta_value(alpha, alpha, generator), dtype=torch.float64)
     return sample_beta(alpha, alpha, generator)
 
 
 def weight_of(lam: torch.Tensor) -> float | torch.Tensor:
     """What the blends and the loss weigh with: one lam on the CPU as a Python float (it then enters
     each op as a scalar: no cast, no copy to the device, no host sync), anything else as it is."""
-    if lam.ndim == 0 and lam.device.type == "cpu" and not torch.compiler.is_compiling():
+    if lam.ndim == 0 and lam.is_cpu and not torch.compiler.is_compiling():
         return lam.item()
     return lam
 
@@ -124,8 +132,10 @@ def blend(
     index: torch.Tensor,
     inverse: torch.Tensor | None = None,
     permutation: bool = False,
+    dim: int = 0,
 ) -> torch.Tensor:
-    """``lam * h + (1 - lam) * h[index]``, in ``h``'s dtype on ``h``'s device.
+    """``lam * h + (1 - lam) * h[index]`` along the batch dimension ``dim``, in ``h``'s dtype on ``h``'s
+    device.
 
     ``lam`` is a number, a 0-d tensor, or one value per sample (a 1-D tensor of the batch's length);
     ``index`` holds partners in ``[0, B)`` (it is taken with ``index_select``).
@@ -136,11 +146,14 @@ def blend(
     its repeated rows would get one gradient instead of their sum). It does so from
     ``GATHER_FROM`` elements on: below, the scatter-add costs less than the custom backward's host time.
     """
+    if dim:  # (a view: the batch first, and back)
+        return blend(h.movedim(dim, 0), lam, index, inverse, permutation).movedim(0, dim)
     if isinstance(lam, torch.Tensor):
         lam = per_sample(lam.to(torch.float64) if not lam.dtype.is_floating_point else lam, h)
     else:
         lam = float(lam)
-    index = to_device(index, h.device)
+    if index.device != h.device:
+        index = to_device(index, h.device)
     if (
         (inverse is not None or permutation)
         and h.requires_grad
@@ -169,6 +182,12 @@ def mask_blend(h: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> torc
     the sample's own), in ``h``'s dtype on ``h``'s device; gradients flow to both terms."""
     m = to_device(mask, h.device, h.dtype)
     return m * h + (1 - m) * h[to_device(index, h.device)]
+
+
+def positions(target: torch.Tensor) -> int:
+    """How many position dimensions a target has beyond its batch (and, floating, its class) dimension:
+    0 for ``(B,)`` indices and ``(B, K)`` floating targets, 2 for a ``(B, H, W)`` or ``(B, K, H, W)`` map."""
+    return target.ndim - (2 if target.dtype.is_floating_point else 1)
 
 
 def smooth_one_hot(

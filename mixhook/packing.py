@@ -19,6 +19,8 @@ are not: the model counts the positions itself).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -31,6 +33,19 @@ _TELLS = frozenset((*VARLEN, "position_ids"))
 
 class PackedBatchError(ValueError):
     """A packed batch where a hook cannot act on packed sequences: refused, never mixed across them."""
+
+
+def may_pack(module: nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` can be given a packed batch at all: it takes one of the arguments
+    that tell packing (:data:`VARLEN`, ``position_ids``), or any keyword (``**kwargs``) or any number of
+    positional arguments. Read once, where a hook is attached: a call of a module that cannot be given
+    them needs no look at its arguments (:func:`packing`)."""
+    forward = getattr(module.forward, "__func__", module.forward)
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return True  # (no signature to read: look at every call)
+    return any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) or p.name in _TELLS for p in params)
 
 
 def packing(module: nn.Module, args: tuple, kwargs: dict) -> str | None:

@@ -24,6 +24,7 @@ fail (non-reentrant mode). So:
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable
 
@@ -41,13 +42,19 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+def _unknown(ignore_disabled: bool) -> object:
+    """An older torch that cannot say which saved-tensor hooks are on: assume some are (the region may be
+    checkpointed)."""
+    return True
+
+
+saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", _unknown)
+"""``saved_tensor_hooks(False)``: the innermost saved-tensor hooks in effect, ``None`` where none are (a
+C function: the hot path calls it inline, where :func:`may_be_recomputed` would be one more call)."""
 
 
 def saved_tensor_hooks_active() -> bool:
-    if _TOP_SAVED_TENSORS_HOOKS is None:  # an older torch: assume it may be a checkpointed region
-        return True
-    return _TOP_SAVED_TENSORS_HOOKS(False) is not None
+    return saved_tensor_hooks(False) is not None
 
 
 def may_be_recomputed() -> bool:
@@ -70,12 +77,22 @@ def hook(act: Callable, again: Callable | None = None) -> Callable:
             return None if again is None else again(*args)
         return act(*args)
 
-    # Its own code object, named after the hook: torch.compile caches compiled frames per code object and
-    # counts one object's recompiles against one limit, and a hook on the model itself runs as a frame of
-    # its own, so dispatchers sharing one code object would count every hook of every model against it.
-    name = f"{getattr(act, '__name__', 'hook')}_dispatch"
-    dispatch.__code__ = dispatch.__code__.replace(co_name=name, co_qualname=name)
-    return dispatch
+    return own_code(dispatch, f"{getattr(act, '__name__', 'hook')}_dispatch")
+
+
+def own_code(fn: Callable, name: str | None = None) -> Callable:
+    """``fn`` (a function, or a method bound to its object) with a code object of its own, named ``name``
+    (by default its own name): what a hook registered once per attachment needs. torch.compile caches
+    compiled frames per code object and counts one object's recompiles against one limit, and a hook on the
+    model itself runs as a frame of its own, so hooks sharing one code object (every mixer's bound
+    ``_on_model_input``, every closure of one ``def``) would count every hook of every model against it."""
+    func = getattr(fn, "__func__", fn)
+    name = name or func.__name__
+    code = func.__code__.replace(co_name=name, co_qualname=name)
+    copy = types.FunctionType(code, func.__globals__, name, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    bound = getattr(fn, "__self__", None)
+    return copy if bound is None else types.MethodType(copy, bound)
 
 
 class RecomputeError(RuntimeError):

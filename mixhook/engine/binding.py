@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -17,23 +18,22 @@ from ..sites import leaves as tree_leaves
 from .contract import ForeignLogitsError, MixState
 
 
+@dataclass(slots=True)
 class _Forward:
-    """One forward of the model a mixer saw: what it mixed (``state``, ``None`` when it mixed nothing) and
-    whether a ``loss``/``targets``/``state_for`` call has claimed its output yet."""
+    """One forward of the model a mixer saw: what it mixed (``state``, ``None`` when it mixed nothing),
+    whether a ``loss``/``targets``/``state_for`` call has claimed its output yet and, for a compiled
+    forward, the layer it was to mix (checked when it is settled)."""
 
-    __slots__ = ("state", "bound", "layer")
-
-    def __init__(self, state: MixState | None = None, layer: str | None = None):
-        self.state = state
-        self.bound = False
-        self.layer = layer  # a compiled forward: the layer it was to mix (checked when it is settled)
+    state: MixState | None = None
+    layer: str | None = None
+    bound: bool = False
 
 
 _UNMIXED = _Forward()  # every forward that mixed nothing (eval, skipped, not drawn): one shared record
 
 
 _RECENT = 64  # the forwards a mixer keeps to tell whether an unclaimed one mixed
-_RECORD_TRACED: list = []  # Forwards._record wrapped by torch.compiler.disable, made when first needed
+_RECORD_TRACED: list = []  # Forwards.record wrapped by torch.compiler.disable, made when first needed
 
 
 class Forwards:
@@ -59,10 +59,18 @@ class Forwards:
         torch._dynamo."""
         if torch.compiler.is_compiling():
             if not _RECORD_TRACED:
-                _RECORD_TRACED.append(torch.compiler.disable(Forwards._record))
+                _RECORD_TRACED.append(torch.compiler.disable(Forwards.record))
             _RECORD_TRACED[0](self, output, state)
+            return
+        if self.begun or self.pending is not None:
+            self.settle()
+        record = _UNMIXED if state is None else _Forward(state)
+        self.recent.append(record)
+        node = output.grad_fn if type(output) is torch.Tensor else None
+        if node is not None:  # (the usual output: one tensor with gradients)
+            node.metadata[self.key] = record
         else:
-            self._record(output, state)
+            _mark_outputs(output, record, self.key, self.outputs, self.unmixed)
 
     def open(self, layer: str | None) -> None:
         """A compiled graph began a forward (``mixhook::begin``) that is to mix ``layer`` (``None``:
@@ -98,28 +106,18 @@ class Forwards:
         if output is not None and begun:
             _mark_outputs(output, begun[-1], self.key, self.outputs, self.unmixed)
 
-    def _record(self, output, state: MixState | None) -> None:
-        self.settle()
-        record = _UNMIXED if state is None else _Forward(state)
-        self.recent.append(record)
-        _mark_outputs(output, record, self.key, self.outputs, self.unmixed)
-
     def state_for(self, logits: torch.Tensor | None, what: str, kind: str, attached: bool) -> MixState | None:
         """The state of the forward that produced ``logits`` (see :meth:`Mixer.state_for`), naming
         ``what`` and the mixer ``kind`` in its errors; the forward found is marked claimed."""
-        self.settle()
+        if self.begun or self.pending is not None:
+            self.settle()
+        node = logits.grad_fn if type(logits) is torch.Tensor else None
+        record = node.metadata.get(self.key) if node is not None else None
+        if record is not None:  # (the usual logits: the output a forward marked)
+            record.bound = True
+            return record.state
         if logits is None:
-            if not self.recent:
-                return None
-            latest = self.recent[-1]
-            if _unclaimed(list(self.recent)[:-1]) is not None:
-                raise ForeignLogitsError(
-                    f"{what}(): an earlier forward than the latest one mixed and has had no loss or targets "
-                    f"taken yet, so the forward these targets are for cannot be told; pass logits= "
-                    f"({kind}.{what}(..., logits=logits))"
-                )
-            latest.bound = True
-            return latest.state
+            return self._latest(what, kind)
         if not isinstance(logits, torch.Tensor):
             raise TypeError(f"{what}(): logits must be a tensor, got {type(logits).__name__}")
         found = self._of(logits)
@@ -155,6 +153,21 @@ class Forwards:
                 "from it with gradients)"
             )
         return None  # every forward since the last claimed one mixed nothing: the plain criterion
+
+    def _latest(self, what: str, kind: str) -> MixState | None:
+        """The latest forward's state, for a call without logits: refused while an earlier forward that
+        mixed is unclaimed (it could be the one meant)."""
+        if not self.recent:
+            return None
+        latest = self.recent[-1]
+        if _unclaimed(list(self.recent)[:-1]) is not None:
+            raise ForeignLogitsError(
+                f"{what}(): an earlier forward than the latest one mixed and has had no loss or targets "
+                f"taken yet, so the forward these targets are for cannot be told; pass logits= "
+                f"({kind}.{what}(..., logits=logits))"
+            )
+        latest.bound = True
+        return latest.state
 
     def unclaimed(self) -> MixState | None:
         """What a recent forward mixed whose output no ``loss``/``targets``/``state_for`` has claimed

@@ -29,11 +29,7 @@ class GradientPass:
     def __init__(self, kind: str, sites: dict, leaves: Callable, as_given: Callable):
         self._kind, self._sites, self._leaves, self._as_given = kind, sites, leaves, as_given
         self._capture: dict | None = None  # while it runs: the spec, and the leaf whose gradient is taken
-
-    @property
-    def running(self) -> bool:
-        """Whether :meth:`gradient_at` is running its forward and backward now."""
-        return self._capture is not None
+        self.running = False  # whether a pass (gradient_at, plain_forward) runs its forward now
 
     def gradient_at(self, model: nn.Module, args: tuple, kwargs: dict, spec: str, target) -> torch.Tensor:
         """The gradient of the summed cross-entropy of ``model(*args, **kwargs)`` against ``target``
@@ -45,7 +41,7 @@ class GradientPass:
                 "use_targets(y) before each training forward (the app's loop does)"
             )
         modes = [(m, m.training) for m in model.modules()]
-        self._capture = {"spec": spec}
+        self._capture, self.running = {"spec": spec}, True
         try:
             model.eval()
             with torch.enable_grad():
@@ -68,7 +64,7 @@ class GradientPass:
                 loss = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
                 (grad,) = torch.autograd.grad(loss, [leaf.tensor])
         finally:
-            self._capture = None
+            self._capture, self.running = None, False
             for module, mode in modes:
                 module.training = mode
         return self._as_given(spec, Leaf(leaf.path, grad, leaf.dim), model)
@@ -83,7 +79,7 @@ class GradientPass:
         modes = [(m, m.training) for m in model.modules()]
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         tracked = [m.track_running_stats for m in norms]
-        self._capture = {"spec": None}
+        self._capture, self.running = {"spec": None}, True
         try:
             model.eval()
             for m in norms:
@@ -91,7 +87,7 @@ class GradientPass:
             with torch.no_grad():
                 return model(*args, **kwargs)
         finally:
-            self._capture = None
+            self._capture, self.running = None, False
             for m, mode in modes:
                 m.training = mode
             for m, track in zip(norms, tracked, strict=True):

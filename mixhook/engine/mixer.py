@@ -1,17 +1,17 @@
-"""The base a mixing method subclasses: :class:`Mixer`, and the hot path of a mix.
+"""The base a mixing method subclasses: :class:`Mixer`, what a method implements and what a user calls.
 
-A training forward is decided at the model's pre-hook (:meth:`Mixer._decide`: whether, and at which
-layer; a :class:`~.forward.Forward`), mixed when that layer runs (:meth:`Mixer._mix_now`: lam and the
-partners drawn or pinned, the site's tensors found once per site and then planned, the method's
-:meth:`Mixer.mix`; a planned plain tensor, for a method that draws nothing in ``mix()``, in the few calls of
-:meth:`Mixer._mix_plain`), and recorded at the model's end (:mod:`.binding`). Around it, each in its own
-module: the contract the training loop relies on (:mod:`.contract`), ``loss``/``targets`` (:mod:`.targets`),
-padding masks downstream of a mix (:mod:`.padding_masks`), the gradient pass of the saliency methods
-(:mod:`.gradient_pass`), the one-graph path under ``torch.compile`` (:mod:`.traced`), the checks the
-methods share (:mod:`.checks`) and the math (:mod:`mixhook.functional`). A method subclasses
-:class:`Mixer` and implements :meth:`Mixer.mix` (and, where it needs to, :meth:`Mixer.sample_lam` and
-:meth:`Mixer.check_leaves`); :class:`~mixhook.mixers.oneof.OneOf` keeps the same contract by delegating
-to the mixers it chooses among. See docs/adding-a-mixer.md.
+A method subclasses :class:`Mixer` and implements :meth:`Mixer.mix` (and, where it needs to,
+:meth:`Mixer.sample_lam`, :meth:`Mixer.draw_index` and :meth:`Mixer.check_leaves`; see
+docs/adding-a-mixer.md); a user attaches it and calls ``pin``, ``loss``, ``targets`` and the rest of its
+API, the same for every method. How one training forward travels through the mixer's hooks is
+:mod:`.path` (the model's pre-hook decides, the mixed layer's hook draws, mixes and records, the model's
+output hook marks the output); beside it, each in its own module: one forward as one object
+(:mod:`.forward`), what a method is given and returns (:mod:`.contract`), the leaves of a site as the
+method is given them (:mod:`.leaves`), which forward produced given logits (:mod:`.binding`),
+``loss``/``targets`` (:mod:`.targets`), padding masks downstream of a mix (:mod:`.padding_masks`), the
+gradient pass of the saliency methods (:mod:`.gradient_pass`), the one-graph path under ``torch.compile``
+(:mod:`.traced`), the checks the methods share (:mod:`.checks`) and the math (:mod:`mixhook.functional`).
+:class:`~mixhook.mixers.oneof.OneOf` keeps the same contract by delegating to the mixers it chooses among.
 """
 
 from __future__ import annotations
@@ -21,66 +21,29 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence
-from torch.utils.hooks import RemovableHandle
 
-from .. import packing, recompute
 from .. import padding as masks
 from ..functional import sample_lam
-from ..hooks import LayerHook, guard_unwrapped
-from ..layouts import (
-    CHANNELS_LAST,
-    SiteLayout,
-    channels_first,
-    channels_last,
-    check_layout,
-    layout_facts,
-    site_layout,
-)
-from ..sites import (
-    INPUT,
-    Inputs,
-    Leaf,
-    batch_leaves,
-    blendable,
-    describe,
-    embedding_layers,
-    input_dim,
-    rebuild_inputs,
-    replace_leaves,
-    size_along,
-)
+from ..layouts import check_layout
+from ..sites import Leaf
 from ..transfer import to_device
 from .binding import Forwards
 from .checks import check_fraction, check_layer_weights, check_positive
-from .contract import Draw, Mixed, MixingHook, MixState, claim, unclaim
+from .contract import Draw, Mixed, MixingHook, MixState
 from .forward import NO_PINS, SKIP, Forward, Pins, given_index
-from .gradient_pass import GradientPass
-from .padding_masks import PaddingMasks
+from .leaves import SiteLeaves
+from .path import MixerHooks
 from .policies import Policies, Policy
 from .targets import LossAndTargets
 from .tokens import TokenGrid
-from .traced import TracedPath, refuse_capture
-
-
-def _check_doubled(model: nn.Module, output, state: MixState) -> None:
-    """Refuse a clean+mixed forward whose output (a plain tensor) has no dimension of ``2B``: the model
-    lost the doubled batch downstream of the mix (e.g. a ``view(B, ...)`` with the batch size read from its
-    input), so its rows would not be the clean samples and their mixes."""
-    n = state.index.shape[0]
-    if isinstance(output, torch.Tensor) and output.ndim and 2 * n not in output.shape:
-        raise RuntimeError(
-            f"{type(model).__name__} returned shape {tuple(output.shape)} after a clean+mixed mix at "
-            f"{state.layer!r}, which emitted {2 * n} rows (the {n} clean samples, then their mixes): the "
-            "model reshapes by the batch size of its input downstream of that layer; mix a later layer, or "
-            "use clean=False"
-        )
-
 
 _TRACED = ("traced_params", "draw_traced", "mix_traced")  # what a method defines beside mix() to be traced
+# the extension points whose default does nothing, so that a forward skips them where a method keeps it
+# (Mixer._overrides: those its class overrides, read once per class)
+_EXTENSIONS = ("check_leaves", "before_forward", "before_mix")
 
 
-class Mixer(LayerHook, LossAndTargets, MixingHook):
+class Mixer(MixerHooks, LossAndTargets, MixingHook):
     """Base class of the single-method mixers: mixes the output of one of ``layer`` per training batch.
 
     The shared mechanism: at the start of each training forward (a forward pre-hook on the model)
@@ -136,8 +99,6 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     # policies (Remix, LocalWeights, DecoupledLoss) change; False for a method with a loss of its own.
     takes_loss_policies: ClassVar[bool] = True
 
-    _hooks_model = True  # its own hooks on the model (see LayerHook)
-
     def __init__(
         self,
         layer: str | Sequence[str],
@@ -164,32 +125,15 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         self._clean = type(self).keeps_clean
         self._policies: Policies | None = None  # use(): the partners, lam and target policies
 
-    _TRANSIENT = (
-        "_current", "_targets", "_seen", "_layouts", "_plans", "_traced", "_input_sides", "_reads_sides",
-        "_modules", "_masks", "_gradients", "_compiled", "_plain", "_input_dim", "_given",
-    )  # fmt: skip
+    # Which of _EXTENSIONS the class overrides (set for each subclass as it is defined): the hooks call
+    # only those.
+    _overrides: ClassVar[frozenset[str]] = frozenset()
 
-    def _fresh(self) -> None:
-        super()._fresh()
-        self._layouts: dict[
-            tuple[str, int], SiteLayout
-        ] = {}  # (site, ndim): its maps' layout (mixhook.layouts)
-        self._plans: dict[str, tuple] = {}  # a site that returns a plain tensor: (ndim, dtype, batch dim)
-        self._current: Forward | None = None  # the training forward under way
-        self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
-        self._seen = Forwards(self)  # the recent forwards, and which one produced given logits
-        self._traced = False  # whether torch.compile traces the one-graph path (set at attach)
-        # the collaborators: padding masks downstream of a mix, the gradient pass, the one-graph path
-        self._masks = PaddingMasks(self, self._note, self._replayed)
-        self._gradients = GradientPass(type(self).__name__, self.sites, self._captured_leaves, self._as_given)
-        self._compiled = TracedPath(self, self._read_input, self._unplanned, self._restore, self._host_begin,
-                                    self._host_draw)  # fmt: skip
-        self._input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
-        self._reads_sides = False  # whether maps are checked against the input's sides (set at attach)
-        self._modules: dict[str, nn.Module] = {}  # the modules attached to, by spec
-        self._plain = False  # whether a planned plain tensor takes the short path (_mix_plain; set at attach)
-        self._input_dim: int | None = None  # the batch dimension of the model's input (set at attach)
-        self._given: dict = {}  # use_features() / use_partners(): the next training forward's
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._overrides = frozenset(
+            name for name in _EXTENSIONS if getattr(cls, name) is not getattr(Mixer, name)
+        )
 
     @property
     def traceable(self) -> bool:
@@ -364,7 +308,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         """The leaves the method acts on in ``output``, what ``layer`` returned (for ``"input"``, the
         model's :class:`~mixhook.sites.Inputs`), each with its batch dimension: what :meth:`draw_for` takes
         for a region method. Refused in one line as a forward would refuse them."""
-        return self._leaves(layer, self._site_value(layer, output), None, plan=False)[1]
+        reading = self._attached("leaves_at")
+        return reading.leaves(layer, reading.value(layer, output), None, plan=False)[1]
 
     @property
     def forwards(self) -> Forwards:
@@ -464,10 +409,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         several forwards that mixed, and logits without gradients that cannot be traced while a forward
         that mixed has not been claimed. Without ``logits``: the latest forward's, refused while an
         earlier forward that mixed is unclaimed (say which with ``logits``)."""
-        return self._bound_state(logits, "state_for")
-
-    def _bound_state(self, logits: torch.Tensor | None, what: str) -> MixState | None:
-        return self._seen.state_for(logits, what, type(self).__name__, self._model is not None)
+        return self._seen.state_for(logits, "state_for", type(self).__name__, self._model is not None)
 
     def check_output(self, spec: str, value, batch: int | None = None, model_input=None) -> None:
         """Raise ``TypeError``/``ValueError`` (one line) unless what layer ``spec`` returned (for
@@ -477,266 +419,22 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
         The app calls it on a sample batch before training; the hooks check every mix the same way.
         Needs the regularizer to be attached (the batch dimensions depend on the model)."""
-        saved = self._input_sides
+        reading = self._attached("check_output")
+        saved = reading.input_sides
         if model_input is not None:
-            self._input_sides = self._input_grid((model_input,), {})
+            reading.input_sides = reading.input_grid((model_input,), {})
         try:
-            self._leaves(spec, self._site_value(spec, value), batch, plan=False)
+            reading.leaves(spec, reading.value(spec, value), batch, plan=False)
         finally:
-            self._input_sides = saved
+            reading.input_sides = saved
 
-    # ---------------------------------------------------------------------------------- the hooks
+    def _attached(self, what: str) -> SiteLeaves:
+        """The leaves of this mixer's sites (:mod:`.leaves`), or a one-line error where it is not attached."""
+        if self._site_leaves is None:
+            raise RuntimeError(f"{type(self).__name__}.{what}() needs the regularizer attached")
+        return self._site_leaves
 
-    def _check_attach(self, model: nn.Module) -> None:
-        claim(model, self)
-
-    def _register(
-        self, model: nn.Module, modules: dict[str, nn.Module], handles: list[RemovableHandle]
-    ) -> None:
-        """Register the model hooks that start and end each forward, the layer hooks and the
-        padding-mask hooks."""
-        if self.layout_aware:
-            declared = [self._declared_layout(s) for s, site in self.sites.items() if site.layer == INPUT]
-            self._reads_sides = not any(d in CHANNELS_LAST.values() for d in declared if d is not None)
-            self._layouts = {}
-            for ndim in (d + 2 for d in self.region_dims):
-                facts = layout_facts(model, ndim)
-                for spec, site in self.sites.items():
-                    self._layouts[spec, ndim] = site_layout(
-                        model, site, self._declared_layout(spec), facts, ndim
-                    )
-        dims = next(iter(self._dims.values()), None)  # (the model's layout is fixed once it is built)
-        self._input_dim = None if dims is None else input_dim(model, dims.seq_first)
-        begin = recompute.hook(self._on_model_input, self._replay_input)
-        handles.append(model.register_forward_pre_hook(begin, with_kwargs=True))
-        guard_unwrapped(self, model, handles)
-        self._modules = modules
-        for spec, module in modules.items():
-            if self.sites[spec].layer != INPUT:
-                hook = recompute.hook(self._layer_hook(spec), self._replay_layer(spec))
-                handles.append(module.register_forward_hook(hook))
-        takes_masks = self.padding == "union" and self._masks.register(model, handles)
-        handles.append(model.register_forward_hook(recompute.hook(self._on_model_output)))
-        self._traced = self.traceable and not takes_masks
-        self._plain = (
-            not self.draws_in_mix
-            and type(self).before_mix is Mixer.before_mix
-            and not self._clean
-            and not self._masks.active
-            and self.token_grid is None
-            and self._policies is None
-        )
-
-    def _reset(self) -> None:
-        self._current = None
-        self._plans = {}
-        unclaim(self)
-
-    def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
-        if self._gradients.running:  # gradient_at()'s own pass
-            return self._gradients.input(model, args, kwargs)
-        if self._traced and torch.compiler.is_compiling():
-            return self._compiled.begin(model, args, kwargs)
-        if not model.training:
-            self._current = None
-            self._given = {}
-            return None
-        packing.refuse(type(self).__name__, model, args, kwargs)
-        self._input_sides = self._input_grid(args, kwargs)
-        return self._begin(model, args, kwargs, self._agree(self._decide()))
-
-    def _begin(self, model: nn.Module, args: tuple, kwargs: dict, forward: Forward | None):
-        """Start a training forward that mixes as ``forward`` decided (or not at all); mix the input now
-        if it is the layer."""
-        targets = self._targets
-        if forward is not None and type(self).before_forward is not Mixer.before_forward:
-            extra = self.before_forward(model, args, kwargs, forward.layer, forward.pins.given, targets)
-            if extra:
-                forward.pins = forward.pins.joined(extra)
-        changed = None
-        if self._policies is not None:
-            given, self._given = self._given, {}
-            changed = self._policies.begin(
-                self, model, args, kwargs, forward, targets, given, self._input_dim or 0
-            )
-            if changed is not None:  # (a partner batch appended to the model's input)
-                args, kwargs = changed
-        if self._begin_forward(forward) is None:
-            return None
-        forward.batch = self._reference_batch(model, args, kwargs)
-        if self.sites[forward.layer].layer != INPUT:
-            return changed
-        inputs = Inputs(model, args, kwargs)
-        value, _ = self._mix_now(forward.layer, inputs, forward)  # (self.last set)
-        args, kwargs = rebuild_inputs(inputs, self.sites[forward.layer], value)
-        return self._input_masks(model, args, kwargs, forward.layer, self.last)
-
-    def _input_masks(self, model, args: tuple, kwargs: dict, spec: str, state: MixState, again=False):
-        """The model's arguments after a mix at its input, with their padding masks unioned
-        (``padding="union"``: :meth:`~.padding_masks.PaddingMasks.at_input`)."""
-        if self.padding != "union":
-            return args, kwargs
-        return self._masks.at_input(model, args, kwargs, spec, state, again)
-
-    def _begin_forward(self, forward: Forward | None) -> Forward | None:
-        """The state of a training forward that follows ``forward`` (eager, or in a compiled graph); a
-        compiled forward before it is settled first (its record must not take this forward's mix)."""
-        self._seen.settle()
-        self.last = None
-        self._targets = None
-        self._current = forward
-        self._masks.begin()
-        return forward
-
-    def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
-        """In a recomputation of the whole model (activation checkpointing): its input's mix again."""
-        if self._gradients.running:
-            return None
-        for spec, site in self.sites.items():
-            if site.layer == INPUT:
-                pins = self._replayed(spec)
-                if pins is not None:
-                    inputs = Inputs(model, args, kwargs)
-                    value, state = self._apply(spec, inputs, pins, self._replaying(pins.state))
-                    args, kwargs = rebuild_inputs(inputs, site, value)
-                    return self._input_masks(model, args, kwargs, spec, state, again=True)
-        return None
-
-    def _layer_hook(self, spec: str):
-        def hook(module: nn.Module, args: tuple, output):
-            if self._gradients.running:  # gradient_at()'s own pass
-                return self._gradients.layer(spec, output)
-            if self._traced and torch.compiler.is_compiling():
-                return self._compiled.mix(spec, output) if module.training else None
-            forward = self._current
-            if forward is not None and forward.mixed is None and forward.layer == spec:  # it mixes here
-                return self._mix_now(spec, output, forward)[0]  # (self.last set)
-            self._note(spec)
-            return None
-
-        return hook
-
-    def _replay_layer(self, spec: str):
-        def again(module: nn.Module, args: tuple, output):
-            """In a recomputation (activation checkpointing): the forward's mix at ``spec`` again."""
-            pins = None if self._gradients.running else self._replayed(spec)
-            if pins is None:
-                return None
-            return self._apply(spec, output, pins, self._replaying(pins.state))[0]
-
-        return again
-
-    def _mix_now(self, spec: str, value, forward: Forward):
-        """The forward's mix at ``spec``: drawn from the mixer's generator (or, for ``pin_last``, from a
-        copy in the repeated mix's state); what repeats it is noted for a recomputation and kept for
-        ``pin_last``."""
-        planned = self._plans.get(spec) if self._plain else None
-        if planned is not None and type(value) is torch.Tensor and (value.ndim, value.dtype) == planned[:2]:
-            if forward.batch is None or value.shape[planned[2]] == forward.batch:
-                return self._mix_plain(spec, value, planned[2], forward)
-        generator = self._replaying(forward.pins.state)
-        leaves, before = None, type(self).before_mix is not Mixer.before_mix  # (a method that overrides it)
-        policies = self._policies
-        if before or not self.draws_in_mix or policies is not None:
-            site_value = self._site_value(spec, value)
-            leaves = (site_value, *self._leaves(spec, site_value, forward.batch))
-            if policies is not None:  # (a memory bank's partner rows appended)
-                leaves = policies.extend(spec, leaves, forward.pins.given)
-        if before:
-            extra = self.before_mix(spec, leaves[2], forward.pins.given)
-            if extra:  # a recomputation and pin_last mix with the same values
-                forward.pins = forward.pins.joined(extra)
-        if policies is not None:
-            extra = policies.before_mix(spec, leaves[2], forward.pins.given)
-            if extra:
-                forward.pins = forward.pins.joined(extra)
-        drawn = self._repeatable(spec, None if leaves is None else leaves[3], forward, generator)
-        self._note(spec, forward.repeat)  # (computed only where the forward may be recomputed)
-        mixed, last = self._apply(spec, value, forward.pins, generator, forward.batch, leaves, drawn)
-        self._done(forward, last)
-        return mixed, last
-
-    def _mix_plain(self, spec: str, h: torch.Tensor, dim: int, forward: Forward):
-        """:meth:`_mix_now` where ``spec`` returned a plain tensor as it did before (planned: its batch
-        dimension ``dim`` known, the checks that depend on nothing else passed) and the method draws nothing
-        in :meth:`mix` and needs nothing before it (ManifoldMixup): what :meth:`_apply` does for it, without
-        the structure, layouts, token grids and clean rows it has none of."""
-        if h.is_cuda:
-            refuse_capture(type(self).__name__, spec, h.device)
-        leaves = [Leaf((), h, dim)]
-        self.check_leaves(spec, leaves)
-        draw = forward.drawn = self._draws(
-            spec, h.shape[dim], forward.pins, self._replaying(forward.pins.state)
-        )
-        self._note(spec, forward.repeat)  # (computed only where the forward may be recomputed)
-        mixed = self.mix(leaves, draw)
-        t = mixed.tensors.get(()) if type(mixed) is Mixed and len(mixed.tensors) == 1 else None
-        if t is None or t.shape != h.shape:  # (what _check_mixed refuses, said by it)
-            t = self._check_mixed(spec, leaves, mixed)[()]
-        last = self._state(spec, leaves, draw, mixed)
-        self._done(forward, last)
-        return t, last
-
-    def _repeatable(self, spec: str, n: int | None, forward: Forward, generator: torch.Generator):
-        """Make ``forward``'s mix at ``spec`` repeatable (``pin_last``, a recomputation): for a method that
-        draws in :meth:`mix`, keep the generator's state before it (and return ``None``: nothing drawn
-        yet); else draw lam and the index of the ``n`` samples now (the :class:`Draw`), keep and return
-        it."""
-        if self.draws_in_mix:
-            forward.state = recompute.generator_state(generator)
-            return None
-        forward.drawn = self._draws(spec, n, forward.pins, generator)
-        return forward.drawn
-
-    def _done(self, forward: Forward, last: MixState) -> None:
-        """``forward`` mixed ``last``: kept for ``pin_last``, and recorded for ``loss()`` (eager here, or
-        in ``mixhook::draw`` for a forward a compiled graph began)."""
-        self._last_forward = forward
-        forward.mixed = last
-        self.last = last
-        self._seen.mixed(last)
-
-    def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
-        if self._gradients.running:  # gradient_at()'s own pass
-            return
-        if self._traced and torch.compiler.is_compiling():
-            self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
-            return
-        forward, self._current = self._current, None
-        if forward is None:
-            state = None
-        elif forward.mixed is not None:
-            state = self.last
-            if state.clean:
-                _check_doubled(model, output, state)
-        else:
-            replaced = self._replaced(model, forward.layer)
-            if replaced:
-                where = f"{type(model).__name__}.forward()"
-                raise RuntimeError(f"mixup layer {forward.layer!r} did not run during {where}: {replaced}")
-            raise RuntimeError(
-                f"mixup layer {forward.layer!r} did not run during {type(model).__name__}.forward(), so "
-                "nothing was mixed; choose a layer that forward() calls. (Under torch.compile: attach before "
-                "compiling, and if hooks changed after compiling, or another instance of this class was "
-                "compiled without them, set torch._dynamo.config.skip_nnmodule_hook_guards = False before "
-                "compiling.)"
-            )
-        self._seen.record(output, state)
-
-    def _replaced(self, model: nn.Module, spec: str) -> str | None:
-        """Why layer ``spec`` could not run, where the module now at its name is not the one attached to."""
-        name = self.sites[spec].layer
-        try:
-            current = model.get_submodule(name)
-        except AttributeError:
-            current = None
-        if current is self._modules.get(spec):
-            return None
-        now = f"a {type(current).__name__}" if current is not None else "nothing"
-        return (
-            f"the {type(self._modules.get(spec)).__name__} it was attached to was replaced by {now} (PEFT's "
-            "merge_and_unload() or unload()?), so nothing was mixed; attach the mixer again"
-        )
+    # ------------------------------------------------------------------------- what a method implements
 
     def _agree(self, forward: Forward | None) -> Forward | None:
         """The decision this forward follows: its own (ranks that must agree override this)."""
@@ -746,385 +444,6 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         """How many samples a batch of ``n`` draws its partners from: ``n`` (partners from the global
         batch of a data-parallel job: ``world * n``); a pinned index is checked against it."""
         return n
-
-    def _decide(self) -> Forward | None:
-        """Whether this forward mixes, and where (pinned values win; a pinned forward always mixes)."""
-        self._seed_for_rank()
-        pins, self._pinned = self._pinned, None
-        if pins is not None and pins.skip:
-            return None
-        g = self.generator
-        if pins is None:
-            if self.prob < 1.0 and float(torch.rand((), generator=g, device=g.device)) >= self.prob:
-                return None
-            pins = NO_PINS
-        layer = pins.layer
-        if layer is None:
-            k = 0
-            if self.layer_weights is not None:
-                weights = torch.tensor(self.layer_weights, dtype=torch.float64, device=g.device)
-                k = int(torch.multinomial(weights, 1, generator=g))
-            elif len(self.layers) > 1:
-                k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
-            layer = self.layers[k]
-        return Forward(layer, pins)
-
-    # ------------------------------------------------------------------------------ the mix itself
-
-    def _site_value(self, spec: str, value):
-        """What a spec acts on in a layer's output or, for ``"input"``, the model's :class:`Inputs`:
-        with a selector, the whole (the selector picks), else the output or the first argument."""
-        site = self.sites[spec]
-        if site.layer != INPUT:
-            return value
-        if not len(value):
-            raise TypeError(f"mixup layer {spec!r}: the model was called without arguments; nothing to mix")
-        return value if site.paths is not None else value[0]
-
-    def _leaves(
-        self, spec: str, value, expected: int | None = None, plan: bool = True
-    ) -> tuple[list[Leaf], list[Leaf], int]:
-        """The leaves that carry the batch at ``spec``, what the method is given for them (the same, or
-        with a token grid their ``(B, D, gh, gw)`` patch maps), and the batch size.
-
-        A site that returned a plain tensor once is planned (its batch dimension, for its number of
-        dimensions and dtype): the next tensor of the same kind skips the structure walk and the checks
-        that depend on nothing else; the method's own :meth:`check_leaves` runs every time. Traced code
-        (``plan=False``) neither reads nor writes plans (a traced read of the dict would be a guard)."""
-        planned = self._plans.get(spec) if plan else None
-        if planned is not None and type(value) is torch.Tensor and (value.ndim, value.dtype) == planned[:2]:
-            batch = value.shape[planned[2]]
-            if expected is not None and batch != expected:
-                self._plans.pop(spec)  # the full path says what is wrong
-                return self._leaves(spec, value, expected)
-            found = [Leaf((), value, planned[2])]
-            self.check_leaves(spec, found)
-            return found, found, batch
-        site = self.sites[spec]
-        if site.layer == INPUT:
-            self._check_token_ids(spec, value)
-        if self._model is None:
-            raise RuntimeError(f"{type(self).__name__}.check_output() needs the regularizer attached")
-        kind = type(self).__name__
-        found, batch = batch_leaves(value, site, self._dims[spec], kind, inputs=site.layer == INPUT)
-        if expected is not None and batch != expected:
-            rule = self._layouts.get((spec, found[0].tensor.ndim)) if self.layout_aware else None
-            if rule is not None and rule.how == "windows":  # (B * windows) rows: say why
-                rule.of(kind, spec)
-            raise TypeError(
-                f"{kind} at {spec!r}: it returned {describe(value)}, whose batch dimension "
-                f"{found[0].dim} has size {batch}, but the model's input has a batch of {expected}: the "
-                "layer loses or reshapes the batch dimension (or, applied to a PackedSequence's .data, sees "
-                "the time steps of every sample as rows); choose another layer, or pass batch_dim"
-            )
-        if self.layout_aware and self._input_sides is not None and site.layer != INPUT:
-            for leaf in found:
-                self._check_sides(spec, leaf)
-        if self.token_grid is not None:
-            given = self.token_grid.to_maps(spec, found, self._model)
-        elif self.layout_aware and any(self._channels_last(spec, leaf) for leaf in found):
-            given = [Leaf(f.path, channels_first(f.tensor, CHANNELS_LAST[f.tensor.ndim]), 0)
-                     if self._channels_last(spec, f) else f for f in found]  # fmt: skip
-        else:
-            given = found
-            if plan and type(value) is torch.Tensor and found[0].path == ():
-                self._plans[spec] = (value.ndim, value.dtype, found[0].dim)
-        self.check_leaves(spec, given)
-        return found, given, batch
-
-    def _declared_layout(self, spec: str) -> str | None:
-        return self.layout.get(spec) if isinstance(self.layout, dict) else self.layout
-
-    def _channels_last(self, spec: str, leaf: Leaf) -> bool:
-        """Whether ``leaf`` is a channels-last map (``(B, H, W, C)``; for a method that cuts them,
-        ``(B, L, C)`` or ``(B, D, H, W, C)``), which a layout-aware method is given as its channels-first
-        view; a map whose layout cannot be told is refused here (one line)."""
-        ndim = leaf.tensor.ndim
-        if not self.layout_aware or leaf.dim != 0 or ndim - 2 not in self.region_dims:
-            return False
-        rule = self._layouts.get((spec, ndim))
-        return rule is not None and rule.of(type(self).__name__, spec) == CHANNELS_LAST[ndim]
-
-    def _reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
-        """The batch size of the model's input, to check each mixed layer against: the first tensor
-        argument's batch dimension, where the model's layout tells it (``None`` where it does not)."""
-        first = args[0] if args and type(args[0]) is torch.Tensor else None  # (the usual call)
-        if first is None:
-            first = next(
-                (v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PackedSequence))), None
-            )
-        if isinstance(first, PackedSequence):  # its .data rows are time steps of every sample
-            return int(first.batch_sizes[0])
-        return size_along(first, self._input_dim)
-
-    def _input_grid(self, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
-        """The number of dimensions, height and width of the model's input where it is an image or a clip
-        (4-D or 5-D, its height and width last, as NCHW images and both clip layouts have them) and the
-        region methods read their maps' layouts (to check a map's sides against: ``check_sides``)."""
-        if not self._reads_sides:
-            return None
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        if type(first) is not torch.Tensor or first.ndim not in (4, 5):
-            return None
-        return first.ndim, int(first.shape[-2]), int(first.shape[-1])
-
-    def _check_sides(self, spec: str, leaf: Leaf) -> None:
-        """A map read by its model's statement, PyTorch's convention or a last-dimension op, checked
-        against the input's height and width (:meth:`mixhook.layouts.SiteLayout.check_sides`)."""
-        rule = self._layouts.get((spec, leaf.tensor.ndim))
-        if rule is not None and leaf.dim == 0:
-            rule.check_sides(type(self).__name__, spec, leaf.tensor.shape, self._input_sides)
-
-    def _check_token_ids(self, spec: str, value) -> None:
-        selected = value if isinstance(value, torch.Tensor) else None
-        if selected is None and isinstance(value, Inputs):
-            paths = self.sites[spec].paths or ()
-            picked = [value.get(value.key(p[0])) if isinstance(p[0], str) or p[0] < len(value) else None
-                      for p in paths]  # fmt: skip
-            selected = next((t for t in picked if isinstance(t, torch.Tensor) and not blendable(t)), None)
-        if isinstance(selected, torch.Tensor) and not blendable(selected):
-            embeddings = embedding_layers(self._model) if self._model is not None else []
-            where = (f"mix the embeddings instead: {', '.join(embeddings[:4])}, or a layer after them"
-                     if embeddings else "mix a layer whose output is floating point")  # fmt: skip
-            dtype = str(selected.dtype).removeprefix("torch.")
-            raise TypeError(
-                f"mixup layer {spec!r}: the model's input is a {dtype} tensor of shape "
-                f"{tuple(selected.shape)} (token ids or labels), which cannot be blended; {where}"
-            )
-
-    def _apply(
-        self,
-        spec: str,
-        value,
-        pins: Pins,
-        generator: torch.Generator,
-        batch: int | None = None,
-        leaves: tuple | None = None,
-        drawn: Draw | None = None,
-    ):
-        """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
-        mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`.
-        ``leaves``: the site's value and what :meth:`_leaves` gave for it, where the caller has them;
-        ``drawn``: the :class:`Draw`, where the caller drew it (not read back from ``pins`` and checked
-        again)."""
-        if leaves is None:
-            site_value = self._site_value(spec, value)
-            found, given, n = self._leaves(spec, site_value, batch)
-            if self._policies is not None:  # (a recomputation: the bank's rows appended again)
-                site_value, found, given, n = self._policies.extend(
-                    spec, (site_value, found, given, n), pins.given
-                )
-        else:
-            site_value, found, given, n = leaves
-        if self._clean and n < 2:
-            raise ValueError(
-                f"{type(self).__name__}(clean=True) at {spec!r}: a batch of {n} has no partner to mix with; "
-                "the clean+mixed batch needs at least 2 samples"
-            )
-        if found[0].tensor.is_cuda:
-            refuse_capture(type(self).__name__, spec, found[0].tensor.device)
-        if (
-            self._masks.active
-            and self.token_grid is None  # (a token grid cuts patches, and keeps the leading tokens' rule)
-            and found[0].tensor.ndim == 3
-            and self._channels_last(spec, found[0])
-        ):
-            raise ValueError(
-                f"{type(self).__name__} at {spec!r} cuts the positions of a (B, L, C) sequence, and the "
-                "model takes padding masks: their union (padding='union') would call a pasted position valid "
-                "by the wrong sample's mask; blend the sequence instead (ManifoldMixup), or pass "
-                "padding='keep' to hand the model its own masks unchanged"
-            )
-        draw, mixed = self._drawing(spec, n, pins, generator, self.mix, given, drawn)
-        tensors = self._check_mixed(spec, given, mixed)
-        state = self._state(spec, found, draw, mixed, self._clean)
-        if self.token_grid is not None:
-            grid = self.token_grid
-            tensors = {
-                leaf.path: grid.from_map(leaf, tensors[leaf.path], state.lam, draw.index, draw.permutation)
-                for leaf in found
-            }
-        elif self.layout_aware:  # channels-last maps were given as their channels-first views
-            tensors = dict(tensors)
-            for leaf in found:
-                if self._channels_last(spec, leaf):
-                    tensors[leaf.path] = channels_last(tensors[leaf.path])
-        if self._clean:  # the clean rows, then their mixes, along each tensor's batch dimension
-            tensors = {leaf.path: torch.cat([leaf.tensor, tensors[leaf.path]], leaf.dim) for leaf in found}
-        if self._policies is not None:  # (a partner batch's rows dropped)
-            tensors, state = self._policies.finish(found, tensors, state)
-        return replace_leaves(site_value, tensors), state
-
-    def _drawing(
-        self,
-        spec: str,
-        n: int,
-        pins: Pins,
-        generator: torch.Generator,
-        method,
-        leaves: list,
-        drawn: Draw | None = None,
-    ):
-        """The :class:`Draw` of a mix of ``n`` samples at ``spec`` and what ``method(leaves, draw)``
-        returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator`` (``drawn``: the draw
-        of lam and the index, made already by :meth:`_repeatable`)."""
-        saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
-        try:
-            draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
-            if self._policies is None:
-                return draw, method(leaves, draw)
-            # lam warped per pair, pair weights: what the mix uses and records
-            draw, info = self._policies.adjust(draw, leaves, self._masks.active)
-            mixed = method(leaves, draw)
-            if info:
-                mixed = Mixed(mixed.tensors, mixed.lam, {**mixed.info, **info}, mixed.index, mixed.weights)
-            return draw, mixed
-        finally:
-            self.generator = saved
-
-    @staticmethod
-    def _state(spec: str, found: list[Leaf], draw: Draw, mixed: Mixed, clean: bool = False) -> MixState:
-        """What a mix at ``spec`` of the leaves ``found`` did, drawn ``draw``, as ``mixed`` says (``clean``:
-        the clean rows kept before it)."""
-        return MixState(
-            layer=spec,
-            lam=draw.lam if mixed.lam is None else torch.as_tensor(mixed.lam, dtype=torch.float64),
-            index=draw.index if mixed.index is None else mixed.index,
-            info=dict(mixed.info) if mixed.info else {},
-            elements=tuple([leaf.name for leaf in found]),
-            batch_dims=tuple([leaf.dim for leaf in found]),
-            weights=mixed.weights,
-            shapes=tuple([leaf.tensor.shape for leaf in found]),
-            clean=clean,
-            partner_lam=mixed.partner_lam,
-            _weight=draw.weight if mixed.lam is None and isinstance(draw.weight, float) else None,
-        )
-
-    def _draws(self, spec: str, n: int, pins: Pins, generator: torch.Generator) -> Draw:
-        """The :class:`Draw` of a mix of ``n`` samples at ``spec``: lam and the partner index (pinned, else
-        drawn from ``generator``), and whether the index is a permutation of the batch."""
-        if self._policies is not None:
-            drawn = self._policies.draws(self, spec, n, pins, generator)
-            if drawn is not None:
-                return drawn
-        pool = self.partner_pool(n)
-        lam = pins.lam
-        if lam is None:
-            lam = self.sample_lam(n, generator)
-            if type(lam) is not torch.Tensor or lam.dtype != torch.float64:
-                lam = torch.as_tensor(lam, dtype=torch.float64)
-        elif lam.ndim == 1 and lam.shape[0] != n:
-            raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
-        index = pins.index
-        if index is None:
-            permutation = pool == n and self.index_is_permutation
-            return Draw(spec, lam, self.draw_index(n, generator), generator, pins.given, permutation)
-        low, high = pins.span
-        if index.shape[0] != n or (n and (low < -pool or high >= pool)):
-            where = f"the batch of {n}" if pool == n else f"{pool} partners for a batch of {n}"
-            raise ValueError(
-                f"pinned index of length {index.shape[0]} (values {index.tolist()[:8]}...) "
-                f"does not index {where} at layer {spec!r}"
-            )
-        if low < 0:  # counted from the end, as indexing counts them
-            index = torch.where(index < 0, index + pool, index)
-        return Draw(spec, lam, index, generator, pins.given, pool == n and pins.permutation)
-
-    def _replaying(self, state: torch.Tensor | None) -> torch.Generator:
-        """The generator a mix draws from: the mixer's own, or for a repeat (``pin_last``, a
-        recomputation) a copy in the repeated mix's ``state`` (``None``: the mix drew nothing beyond lam
-        and the index, which are repeated as pinned values)."""
-        return self.generator if state is None else recompute.replay_generator(self.generator, state)
-
-    # ------------------------------------------------ what the collaborators are given (see _fresh)
-
-    def _captured_leaves(self, spec: str, value) -> tuple:
-        """For the gradient pass: the site's value in ``value`` and the leaves that carry its batch."""
-        site_value = self._site_value(spec, value)
-        return site_value, self._leaves(spec, site_value)[0]
-
-    def _as_given(self, spec: str, leaf: Leaf, model: nn.Module) -> torch.Tensor:
-        """``leaf``'s tensor as :meth:`mix` is given it: a token grid's ``(B, D, gh, gw)`` map, a
-        channels-last map's channels-first view, or itself."""
-        if self.token_grid is not None:
-            return self.token_grid.to_maps(spec, [leaf], model)[0].tensor
-        if self._channels_last(spec, leaf):  # (as _leaves gives the method a channels-last map)
-            return channels_first(leaf.tensor, CHANNELS_LAST[leaf.tensor.ndim])
-        return leaf.tensor
-
-    def _read_input(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
-        """A training forward's input, read under torch.compile as an eager forward reads it: its sides
-        (the map checks of :meth:`_leaves`) and its batch size, where the model tells it."""
-        self._input_sides = self._input_grid(args, kwargs)
-        return self._reference_batch(model, args, kwargs)
-
-    def _unplanned(self, spec: str, value) -> tuple:
-        """The site's value in ``value``, the leaves found and given and the batch size, without the plans
-        (traced code neither reads nor writes them)."""
-        site_value = self._site_value(spec, value)
-        return (site_value, *self._leaves(spec, site_value, None, plan=False))
-
-    def _restore(self, spec: str, leaf: Leaf, t: torch.Tensor, weight, index) -> torch.Tensor:
-        """A mixed tensor ``t`` of ``leaf``, which the method was given as a view, put back (traced): a
-        token grid's map into the tokens (the leading tokens blended by ``weight`` and ``index``), a
-        channels-first view into its channels-last map."""
-        if self.token_grid is not None:
-            return self.token_grid.from_map_traced(leaf, t, weight, index)
-        return channels_last(t) if self._channels_last(spec, leaf) else t
-
-    def _host_begin(self, training: bool, batch: int | None) -> int:
-        """``mixhook::begin`` (:mod:`.traced`): the previous compiled forward's output bound to its record,
-        this forward's record opened, and (training) its decision made as an eager forward makes it; the
-        chosen layer's position (-1: none)."""
-        forward = self._begin_forward(self._agree(self._decide()) if training else None)
-        self._seen.open(None if forward is None else forward.layer)
-        if forward is None:
-            return -1
-        forward.batch = batch
-        return self.layers.index(forward.layer)
-
-    def _host_draw(self, spec: str, n: int, found: list, given: list, device: torch.device):
-        """``mixhook::draw`` at ``spec`` (:mod:`.traced`): ``None`` unless this forward mixes there; then
-        the values :meth:`draw_traced` draws and the :class:`MixState`, drawn and kept as :meth:`_mix_now`
-        draws and keeps an eager mix."""
-        forward = self._current
-        if forward is None or forward.done or forward.layer != spec:
-            return None
-        refuse_capture(type(self).__name__, spec, device)
-        if forward.batch is not None and n != forward.batch:
-            raise TypeError(
-                f"{type(self).__name__} at {spec!r}: its batch dimension has size {n}, but the model's input "
-                f"has a batch of {forward.batch}: the layer loses or reshapes the batch dimension; choose "
-                "another layer, or pass batch_dim"
-            )
-        generator = self._replaying(forward.pins.state)
-        drawn = self._repeatable(spec, n, forward, generator)
-        d, (values, mixed) = self._drawing(spec, n, forward.pins, generator, self.draw_traced, given, drawn)
-        last = self._state(spec, found, d, mixed)
-        self._done(forward, last)
-        return values, last
-
-    def _check_mixed(self, spec: str, leaves: list[Leaf], mixed: Mixed) -> dict:
-        """``mixed.tensors``, once it gives every leaf a tensor of the leaf's shape (a method that skipped
-        one would leave it silently unmixed)."""
-        kind = type(self).__name__
-        if not isinstance(mixed, Mixed):
-            raise TypeError(f"{kind}.mix() must return a mixhook.mixers.Mixed, got {type(mixed).__name__}")
-        expected = {leaf.path: leaf for leaf in leaves}
-        if set(mixed.tensors) != set(expected):
-            raise RuntimeError(
-                f"{kind}.mix() at {spec!r} returned tensors for {sorted(map(str, mixed.tensors))} but was "
-                f"given {sorted(map(str, expected))}: every leaf must be mixed"
-            )
-        for path, t in mixed.tensors.items():
-            if t.shape != expected[path].tensor.shape:
-                raise RuntimeError(
-                    f"{kind}.mix() at {spec!r} changed the shape of {expected[path].name} from "
-                    f"{tuple(expected[path].tensor.shape)} to {tuple(t.shape)}"
-                )
-        return mixed.tensors
-
-    # ------------------------------------------------------------------------- what a method implements
 
     def draw_index(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """Each sample's partner for a batch of ``n``: a uniformly random permutation (override for a

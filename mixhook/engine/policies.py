@@ -26,16 +26,14 @@ recomputation under activation checkpointing and ``pin_last`` repeat the same mi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch
 
+from ..functional import positions, weight_of
 from ..transfer import to_device
-from .contract import Draw, MixState
-from .targets import positions
-
-if TYPE_CHECKING:  # (the mixer imports this module)
-    from .mixer import Mixer
+from .contract import Draw, MixingHook, MixState
 
 KNOBS = ("partners", "lam", "target", "weights", "loss")
 FEATURES = "features"  # the pinned key of the features given with use_features()
@@ -45,7 +43,9 @@ class Policy:
     """One knob of a mix (:data:`KNOBS`), for any mixer that can take it. A subclass sets ``knob`` and
     implements the hooks of that knob; every hook does nothing by default. Policies hold configuration
     only (per-forward values travel in the forward's pinned values), so one policy object may serve
-    several mixers (:class:`~mixhook.OneOf`'s)."""
+    several mixers (:class:`~mixhook.OneOf`'s). The ``mixer`` the hooks are given is the
+    :class:`~mixhook.engine.mixer.Mixer` that uses the policy (its ``layers``, ``sample_lam``,
+    ``gradient_at``, ...), typed by its contract: the engine imports its modules one way only."""
 
     knob: ClassVar[str] = ""
     # Whether it needs class-index targets (B,) (Remix, a class-balanced partner batch, DecoupleMix):
@@ -58,7 +58,7 @@ class Policy:
     # Whether it takes distances between the rows mixed (refused where padding makes them meaningless).
     takes_distances: ClassVar[bool] = False
 
-    def check_mixer(self, mixer: Mixer) -> None:
+    def check_mixer(self, mixer: MixingHook) -> None:
         """Refuse, in one line, a mixer this policy cannot act through (at ``use()``)."""
 
     def check_targets(self, kind: str, target: torch.Tensor) -> None:
@@ -78,14 +78,14 @@ class Policy:
 
     # ------------------------------------------------------------------------------- the forward
     def begin(
-        self, mixer: Mixer, model, args: tuple, kwargs: dict, pinned: Mapping, dim: int
+        self, mixer: MixingHook, model, args: tuple, kwargs: dict, pinned: Mapping, dim: int
     ) -> tuple | None:
         """At the model's pre-hook of a forward that mixes: ``(args, kwargs, values)`` where the policy
         changes the model's arguments (a partner batch appended along the input's batch dimension ``dim``)
         and the values to pin; ``None``: no change."""
         return None
 
-    def before_forward(self, mixer: Mixer, model, args: tuple, kwargs: dict, spec: str, pinned, targets):
+    def before_forward(self, mixer: MixingHook, model, args: tuple, kwargs: dict, spec: str, pinned, targets):
         """At the model's pre-hook of a forward that mixes at ``spec``: values to pin (a gradient pass)."""
         return {}
 
@@ -98,7 +98,7 @@ class Policy:
         (a memory bank's partners), or ``None``: as they are."""
         return None
 
-    def draws(self, mixer: Mixer, spec: str, n: int, pins, generator: torch.Generator) -> Draw | None:
+    def draws(self, mixer: MixingHook, spec: str, n: int, pins, generator: torch.Generator) -> Draw | None:
         """The :class:`Draw` of a mix of ``n`` rows where this policy draws lam or the partners (a
         partners policy); ``None``: the mixer draws as it would alone."""
         return None
@@ -130,7 +130,7 @@ class Policy:
         raise NotImplementedError
 
 
-def refuse_own_loss(policy: Policy, mixer: Mixer) -> None:
+def refuse_own_loss(policy: Policy, mixer: MixingHook) -> None:
     """A target, weights or loss policy changes the mixed criterion: refuse a mixer whose loss is its own
     (``takes_loss_policies = False``: RankMixup)."""
     if not type(mixer).takes_loss_policies:
@@ -140,7 +140,7 @@ def refuse_own_loss(policy: Policy, mixer: Mixer) -> None:
         )
 
 
-def refuse_global_partners(policy: Policy, mixer: Mixer, does: str) -> None:
+def refuse_global_partners(policy: Policy, mixer: MixingHook, does: str) -> None:
     """Refuse a mixer that draws its partners from every rank (``partners="global"``) for a policy that
     ``does`` something with the partners this rank does not hold."""
     if getattr(mixer, "partners", "local") == "global":
@@ -194,7 +194,9 @@ class Policies:
             policy.check_targets(self.kind, target)
 
     # ------------------------------------------------------------------------------- the forward
-    def begin(self, mixer: Mixer, model, args: tuple, kwargs: dict, forward, targets, given: dict, dim: int):
+    def begin(
+        self, mixer: MixingHook, model, args: tuple, kwargs: dict, forward, targets, given: dict, dim: int
+    ):
         """The model's pre-hook of a training forward (``forward``: ``None`` when it does not mix):
         ``(args, kwargs)`` where a policy changed the model's arguments, else ``None``. ``given``: what
         ``use_features``/``use_partners`` gave for this forward; ``dim``: the batch dimension of the model's
@@ -231,7 +233,7 @@ class Policies:
         extended = None if partners is None else partners.extend(self.kind, spec, leaves, pinned)
         return leaves if extended is None else extended
 
-    def draws(self, mixer: Mixer, spec: str, n: int, pins, generator: torch.Generator) -> Draw | None:
+    def draws(self, mixer: MixingHook, spec: str, n: int, pins, generator: torch.Generator) -> Draw | None:
         partners = self.by_knob.get("partners")
         return None if partners is None else partners.draws(mixer, spec, n, pins, generator)
 
@@ -251,7 +253,7 @@ class Policies:
             lam, recorded = policy.adjust(draw, leaves, own)
             info.update(recorded)
             if lam is not None:
-                draw = Draw(draw.layer, lam, draw.index, draw.generator, draw.pinned, draw.permutation)
+                draw = replace(draw, lam=lam, weight=weight_of(lam))
         return draw, info
 
     def finish(self, leaves: list, tensors: dict, state: MixState) -> tuple[dict, MixState]:

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..functional import per_sample, smooth_one_hot
+from ..functional import per_sample, positions, smooth_one_hot
 from ..transfer import to_device
 from . import partners
 from .contract import MixState
-
-if TYPE_CHECKING:  # (the policies import this module)
-    from .policies import Policies
-
-
-def positions(target: torch.Tensor) -> int:
-    """How many position dimensions a target has beyond its batch (and, floating, its class) dimension:
-    0 for ``(B,)`` indices and ``(B, K)`` floating targets, 2 for a ``(B, H, W)`` or ``(B, K, H, W)`` map."""
-    return target.ndim - (2 if target.dtype.is_floating_point else 1)
+from .policies import Policies
 
 
 def check_classes(target: torch.Tensor, num_classes: int) -> None:
@@ -125,6 +117,45 @@ def partner_targets(last: MixState, target: torch.Tensor, what: str, kind: str) 
     return to_device(found, target.device, target.dtype)
 
 
+def soft_targets(target: torch.Tensor, num_classes: int | None, smoothing: float, dtype: torch.dtype | None):
+    """What ``targets()`` makes of labels like ``target`` (checked here, with its arguments, in one line
+    each): ``soft(t)``, the soft targets of labels ``t`` in ``dtype`` (``None``: torch's default): one-hot
+    class indices (per position for dense ones) with label ``smoothing``, or floating targets as they are."""
+    if num_classes is not None and (
+        isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
+    ):
+        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if not dtype.is_floating_point:
+        raise ValueError(f"targets(dtype=...) must be a floating dtype, got {dtype}")
+    if not isinstance(target, torch.Tensor) or target.ndim == 0 or target.dtype == torch.bool:
+        what = f"{target.dtype} {tuple(target.shape)}" if isinstance(target, torch.Tensor) else type(target)
+        raise ValueError(f"targets() needs a batch of integer class indices or floating targets, got {what}")
+    if target.dtype.is_floating_point:
+        if smoothing:
+            raise ValueError(
+                "targets(smoothing=...) applies to class indices; smooth floating (soft, multi-hot) "
+                "targets yourself before mixing them"
+            )
+        if num_classes is not None and (target.ndim < 2 or target.shape[1] != num_classes):
+            raise ValueError(
+                f"targets(): floating targets of shape {tuple(target.shape)} do not have "
+                f"num_classes={num_classes} classes along dimension 1"
+            )
+        return lambda t: t.to(dtype)
+    if num_classes is None:
+        raise ValueError("targets(): class indices need num_classes")
+    check_classes(target, num_classes)
+
+    def one_hot(t: torch.Tensor) -> torch.Tensor:
+        soft = smooth_one_hot(t.reshape(-1), num_classes, smoothing, dtype)
+        return soft.view(*t.shape, num_classes).movedim(-1, 1) if t.ndim > 1 else soft
+
+    return one_hot
+
+
 class LossAndTargets:
     """``loss`` and ``targets`` of a :class:`~mixhook.engine.mixer.Mixer`: the criterion, or the soft
     targets, under the mix of the forward that produced the logits (found by ``_bound_state``)."""
@@ -160,9 +191,11 @@ class LossAndTargets:
         (``2B``, for a per-sample criterion) or, for a criterion that reduces, the mean of the two (the
         doubled batch's mean, as RegMixup's authors train); a method's own loss may weigh them otherwise
         (RegMixup's ``eta``, RankMixup, MixupE)."""
-        last = self._labelled_state(logits, target, "loss")
+        last = self._seen.state_for(logits, "loss", type(self).__name__, self._model is not None)
         if last is None:
             return criterion(logits, target)
+        if type(self).labelled is not LossAndTargets.labelled:  # (MixPro: weights that follow the logits)
+            last = self._labelled(last, logits, target, "loss")
         if last.clean:
             clean, mixed = halves(last, logits, "loss")
             return self._clean_loss(criterion, clean, mixed, target, last)
@@ -195,10 +228,14 @@ class LossAndTargets:
         return last
 
     def _labelled_state(self, logits, target: torch.Tensor, what: str) -> MixState | None:
-        """The mix bound to ``logits`` (:meth:`_bound_state`), as :meth:`labelled` weighs its labels."""
-        last = self._bound_state(logits, what)
+        """The mix bound to ``logits`` (:meth:`state_for`), as :meth:`labelled` weighs its labels."""
+        last = self._seen.state_for(logits, what, type(self).__name__, self._model is not None)
         if last is None or type(self).labelled is LossAndTargets.labelled:
             return last
+        return self._labelled(last, logits, target, what)
+
+    def _labelled(self, last: MixState, logits, target: torch.Tensor, what: str) -> MixState:
+        """``last`` as :meth:`labelled` weighs its labels, given the ``logits`` (refused without them)."""
         if logits is None:
             raise ValueError(
                 f"{what}(): {type(self).__name__} weighs the labels by the prediction: pass the logits "
@@ -238,6 +275,13 @@ class LossAndTargets:
             return self._policies.mixed_loss(criterion, logits, target, partner, last, own_terms)
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, self._partners_of(last, target, "loss"))
+        if (
+            last._weight is not None
+            and last.weights is None
+            and last.partner_lam is None
+            and target.ndim <= 1 + target.is_floating_point()
+        ):
+            return torch.lerp(loss_b, loss_a, last._weight)  # one lam as a float, no dense target: the usual
         if last.partner_lam is not None:  # weights that need not sum to one (SnapMix)
             if loss_a.ndim == 0 or loss_a.shape[0] != last.partner_lam.shape[0]:
                 raise ValueError(
@@ -247,8 +291,6 @@ class LossAndTargets:
                 )
             lam, partner = (per_sample(w, loss_a) for w in (last.lam, last.partner_lam))
             return lam * loss_a + partner * loss_b
-        if last._weight is not None and last.weights is None and positions(target) <= 0:
-            return torch.lerp(loss_b, loss_a, last._weight)  # one lam as a float: the common case
         lam = self._target_weights(last, target, "loss")
         if lam is None:
             lam = to_device(last.lam, loss_a.device, loss_a.dtype)
@@ -305,50 +347,10 @@ class LossAndTargets:
         method's own-content mask resized to the label map (:func:`dense_weights`), so a pasted box
         pastes its labels too. After a clean+mixed forward (``clean=True``): ``2B`` rows, the clean
         targets then the mixed ones, as the logits' rows are."""
-        if num_classes is not None and (
-            isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
-        ):
-            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if not dtype.is_floating_point:
-            raise ValueError(f"targets(dtype=...) must be a floating dtype, got {dtype}")
-        if not isinstance(target, torch.Tensor) or target.ndim == 0 or target.dtype == torch.bool:
-            what = (
-                f"{target.dtype} {tuple(target.shape)}" if isinstance(target, torch.Tensor) else type(target)
-            )
-            raise ValueError(
-                f"targets() needs a batch of integer class indices or floating targets, got {what}"
-            )
-        if target.dtype.is_floating_point:
-            if smoothing:
-                raise ValueError(
-                    "targets(smoothing=...) applies to class indices; smooth floating (soft, multi-hot) "
-                    "targets yourself before mixing them"
-                )
-            if num_classes is not None and (target.ndim < 2 or target.shape[1] != num_classes):
-                raise ValueError(
-                    f"targets(): floating targets of shape {tuple(target.shape)} do not have "
-                    f"num_classes={num_classes} classes along dimension 1"
-                )
-            last = self._labelled_state(logits, target, "targets")
-            labels = None if last is None else self._partners_of(last, target, "targets")
-            own = target.to(dtype)
-            partner = None if last is None else labels.to(dtype)
-        else:
-            if num_classes is None:
-                raise ValueError("targets(): class indices need num_classes")
-            check_classes(target, num_classes)
-
-            def one_hot(t):
-                soft = smooth_one_hot(t.reshape(-1), num_classes, smoothing, dtype)
-                return soft.view(*t.shape, num_classes).movedim(-1, 1) if t.ndim > 1 else soft
-
-            last = self._labelled_state(logits, target, "targets")
-            labels = None if last is None else self._partners_of(last, target, "targets")
-            own = one_hot(target)
-            partner = None if last is None else one_hot(labels)
+        soft = soft_targets(target, num_classes, smoothing, dtype)
+        last = self._labelled_state(logits, target, "targets")
+        labels = None if last is None else self._partners_of(last, target, "targets")
+        own = soft(target)
         if last is None:
             return own
         if last.clean:
@@ -357,29 +359,32 @@ class LossAndTargets:
                 raise ValueError(f"targets(): {type(self).__name__} {why}; train with its loss()")
             if logits is not None:
                 halves(last, logits, "targets")
-        if self._policies is not None and self._policies.on_loss:
-            if self._policies.changes_loss:
-                names = ", ".join(type(p).__name__ for p in self._policies.all if p.changes_loss)
+        mixed = self._mixed_targets(last, target, labels, own, soft(labels), num_classes)
+        return torch.cat([own, mixed]) if last.clean else mixed
+
+    def _mixed_targets(self, last: MixState, target, labels, own, partner, num_classes: int | None):
+        """The soft targets ``own`` of the samples and ``partner`` of their partners mixed as ``last``
+        weighs them (``labels``: the partners' labels, for a target policy)."""
+        policies = self._policies
+        if policies is not None and policies.on_loss:
+            if policies.changes_loss:
+                names = ", ".join(type(p).__name__ for p in policies.all if p.changes_loss)
                 raise ValueError(
                     f"targets(): {type(self).__name__} uses {names}, which weights or adds to the loss "
                     "beyond mixed targets; train with loss()"
                 )
-            lam = self._policies.target_lam(last, target, labels, "targets", num_classes)
-            mixed = torch.lerp(
+            lam = policies.target_lam(last, target, labels, "targets", num_classes)
+            return torch.lerp(
                 partner, own, to_device(lam, own.device, own.dtype).view(-1, *[1] * (own.ndim - 1))
             )
-            return torch.cat([own, mixed]) if last.clean else mixed
         weights = self._target_weights(last, target, "targets")
         if last.partner_lam is not None:  # weights that need not sum to one (SnapMix)
             lam, partner_lam = (per_sample(w, own) for w in (last.lam, last.partner_lam))
-            mixed = lam * own + partner_lam * partner
-            return torch.cat([own, mixed]) if last.clean else mixed
+            return lam * own + partner_lam * partner
         if weights is None:
             lam = last._weight if last._weight is not None else per_sample(last.lam, own)
-            mixed = torch.lerp(partner, own, lam)
-        else:
-            mixed = torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
-        return torch.cat([own, mixed]) if last.clean else mixed
+            return torch.lerp(partner, own, lam)
+        return torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
 
     def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
         """Per-position own weights ``(B, H, W)`` for a dense ``target`` under a region mix, else ``None``
@@ -404,4 +409,6 @@ class LossAndTargets:
             target = partners.gather_labels(target)
         elif where == "batch":  # a partner batch (mixhook.policies.PartnerBatch): its own labels
             target = partner_targets(last, target, what, type(self).__name__)
-        return target.index_select(0, to_device(index, target.device))
+        return target.index_select(
+            0, index if index.device == target.device else to_device(index, target.device)
+        )

@@ -134,7 +134,9 @@ class ManifoldMixup(Mixer):
     def draw_index(self, n: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "pair":  # timm's _mix_pair: j = B - i - 1
             return torch.arange(n - 1, -1, -1, device=generator.device)
-        return super().draw_index(n, generator)
+        return torch.randperm(
+            n, generator=generator, device=generator.device
+        )  # (the base's, Mixer.draw_index)
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "batch" and not self.dominant:  # (the usual draw, first)
@@ -173,16 +175,14 @@ class ManifoldMixup(Mixer):
         return {leaf.path: along(leaf.dim, mixed, leaf.tensor) for leaf in leaves}
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
-        index, weight = draw.index, draw.weight
-        lam = self._target_lam(draw)
+        lam = None if self.mode == "batch" else self._target_lam(draw)
         if self.partners == "global":
             return self._mix_global(leaves, draw, draw.lam if lam is None else lam)
-        permutation = draw.permutation
-
-        def mixed(h: torch.Tensor) -> torch.Tensor:
-            return blend(h, weight, index, permutation=permutation)
-
-        return Mixed({leaf.path: along(leaf.dim, mixed, leaf.tensor) for leaf in leaves}, lam=lam)
+        weight, index, permutation = draw.weight, draw.index, draw.permutation
+        tensors = {}
+        for leaf in leaves:  # lam * h + (1 - lam) * h[index], each along its batch dimension
+            tensors[leaf.path] = blend(leaf.tensor, weight, index, permutation=permutation, dim=leaf.dim)
+        return Mixed(tensors, lam=lam)
 
     def _mix_global(self, leaves: list[Leaf], draw: Draw, lam: torch.Tensor) -> Mixed:
         """Partners from every rank's batch: rank 0's permutation of the global batch (or the pinned

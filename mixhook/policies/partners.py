@@ -20,7 +20,7 @@ from ..engine.checks import check_positive
 from ..engine.contract import Draw, MixState
 from ..engine.mixer import Mixer
 from ..engine.policies import Policy, refuse_global_partners
-from ..functional import sample_beta
+from ..functional import sample_beta, weight_of
 from ..sites import INPUT, Leaf, describe
 
 _PER_ROW = ("pair_weights", "warp")  # what the lam and weights policies record per row
@@ -230,7 +230,7 @@ class PartnerBatch(Policy):
             )
         index = pins.index
         if index is not None and index.shape[0] == n:  # a repeat (pin_last, a recomputation): as drawn
-            return Draw(spec, lam, index, generator, pins.given, pins.permutation)
+            return Draw(spec, lam, index, generator, pins.given, pins.permutation, weight_of(lam))
         if index is None:
             chosen = (
                 torch.arange(own, device=generator.device)
@@ -250,7 +250,7 @@ class PartnerBatch(Policy):
         full[:own] = own + chosen
         if distinct:  # each chosen partner row takes its sample's place: a permutation of the n rows
             full[own + chosen] = torch.arange(own, device=chosen.device)
-        return Draw(spec, lam, full, generator, pins.given, distinct)
+        return Draw(spec, lam, full, generator, pins.given, distinct, weight_of(lam))
 
     def adjust(self, draw: Draw, leaves: list, own: int):
         return None, {"partners": "batch", "partner_rows": draw.pinned.get("partner_rows", 0),
@@ -442,4 +442,4 @@ class SaliencyPairing(Policy):
             lam = torch.as_tensor(mixer.sample_lam(n, generator), dtype=torch.float64)
         elif lam.ndim == 1 and lam.shape[0] != n:
             raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
-        return Draw(spec, lam, index, generator, pins.given, True)
+        return Draw(spec, lam, index, generator, pins.given, True, weight_of(lam))

@@ -276,3 +276,110 @@ def test_an_index_changed_in_place_or_another_index_is_copied_anew():
     with torch.inference_mode():
         frozen = torch.tensor([1, 0])
     assert to_device(frozen, torch.device("meta")).device.type == "meta"  # (no version counter: copied)
+
+
+def _entries(fn) -> list[tuple[str, str]]:
+    """The mixhook functions ``fn()`` enters, in order: ``sys.setprofile`` "call" events whose code lives
+    under ``mixhook/`` (comprehensions included), as ``(file, function)``."""
+    import os
+    import sys
+
+    import mixhook
+
+    root = os.path.dirname(mixhook.__file__)
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            calls.append((os.path.relpath(frame.f_code.co_filename, root), frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_one_plain_forward_and_its_loss_enter_at_most_20_mixhook_functions_in_5_files():
+    """Issue 57: the path a reader follows. A plain Manifold Mixup forward (the model's pre-hook decides,
+    the layer's hook draws, blends and records, the output is marked) and its loss() enter at most 20
+    mixhook functions in at most 5 files once its site is planned: the count cannot creep back. What is
+    per site or per model (names, messages, the layout read, the packing probe, the rank's seed) is not
+    redone per forward."""
+    torch.manual_seed(0)
+    widths = [8, 16, 16, 16, 16, 4]
+    layers = []
+    for a, b in zip(widths, widths[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1]).train()  # 5 linear layers
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    mix = ManifoldMixup("2", generator=torch.Generator().manual_seed(0))
+    with mix.attach(model):
+        for _ in range(3):
+            mix.loss(F.cross_entropy, model(x), y).backward()
+        out = {}
+        forward = _entries(lambda: out.setdefault("logits", model(x)))
+        loss = _entries(lambda: out.setdefault("loss", mix.loss(F.cross_entropy, out["logits"], y)))
+        assert mix.state_for(out["logits"]) is mix.last  # (the loss found this forward's mix)
+    calls = forward + loss
+    files = {file for file, _ in calls}
+    listing = ", ".join(f"{file}:{name}" for file, name in calls)
+    assert len(calls) <= 20 and len(files) <= 5, f"{len(calls)} entries in {len(files)} files: {listing}"
+    names = {name for _, name in calls}
+    assert not names & {"refuse", "packing", "packed", "format_path", "seed_for_rank", "_note", "size_along"}
+
+
+def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
+    """What the short path keeps (a site's plan, the model's packing probe, which hops the method needs)
+    holds until what it depends on changes: a layer that returns another kind of output is read again, a
+    model changed and attached again is worked out again, a method's own check runs on every forward of
+    the short path, and a model that can be given packed batches is probed at every forward."""
+    from mixhook.packing import PackedBatchError
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=torch.float64)
+
+    class Picky(ManifoldMixup):  # its own check, on the short path too
+        calls = 0
+
+        def check_leaves(self, spec, leaves):
+            Picky.calls += 1
+            if Picky.calls == 3:
+                raise TypeError("Picky refuses the third forward")
+
+    model = nn.Sequential(nn.Linear(4, 5), nn.Identity(), nn.Linear(5, 3)).double().train()
+    mix = Picky("1")
+    with mix.attach(model):
+        model(x), model(x)
+        with pytest.raises(TypeError, match="Picky refuses the third forward"):
+            model(x)
+
+    class Pair(nn.Module):  # returns a (tensor, tensor) pair: no plain tensor, no plan
+        def forward(self, h):
+            return h, 2 * h
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.out = nn.Sequential(nn.Linear(4, 5), nn.Identity()), nn.Linear(5, 3)
+
+        def forward(self, h, **kwargs):  # takes any keyword: packed batches can reach it
+            h = self.body(h)
+            return self.out(h[0] if isinstance(h, tuple) else h)
+
+    net = Head().double().train()
+    mix = ManifoldMixup("body.1", generator=torch.Generator().manual_seed(0))
+    with mix.attach(net):
+        net(x)
+        assert mix.last.elements == ("[]",)
+        restarting = torch.tensor([[0, 1, 2, 0, 1, 2]] * 6)
+        with pytest.raises(PackedBatchError, match="position_ids restart inside a row"):
+            net(x, position_ids=restarting)
+    net.body[1] = Pair()  # the model changed: attached again, its site is read again
+    with mix.attach(net):
+        out = net(x)
+        assert mix.last.elements == ("[0]", "[1]")
+        h = net.body[0](x)
+        lam, index = float(mix.last.lam), mix.last.index
+        torch.testing.assert_close(out, net.out(lam * h + (1 - lam) * h[index]), rtol=1e-12, atol=1e-14)

@@ -93,3 +93,29 @@ def test_no_core_module_reads_another_modules_private_members():
             ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+def test_the_engines_modules_import_one_another_one_way_only():
+    """Issue 57: no import circle in mixhook/engine (type-only imports under TYPE_CHECKING included): each
+    module can be read, and changed, knowing what it stands on."""
+    engine = ROOT / "mixhook" / "engine"
+    names = {path.stem for path in engine.glob("*.py")}
+    imports: dict[str, set] = {}
+    for path in engine.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+        imports[path.stem] = found & names
+    done: set = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError(" -> ".join([*path[path.index(module) :], module]))
+        if module not in done:
+            for other in sorted(imports[module]):
+                visit(other, [*path, module])
+            done.add(module)
+
+    for module in sorted(imports):
+        visit(module, [])

@@ -26,6 +26,9 @@ GOALS = {
     "extra_ops_vs_hand": 0,  # aten ops of a training step with the mix - with the hand-written hook
     "copies_to_device_per_mix": 1,
     "host_reads_per_step": 0,
+    # issue 57: the mixhook functions one plain Manifold Mixup forward + loss() enters, and their files
+    "entries_per_forward_and_loss": 20,
+    "files_per_forward_and_loss": 5,
     "neftune_vs_hf_neftune": 1.02,  # a Llama step with mixhook's NEFTune (per sequence) / HuggingFace's
     "llm_mixup_vs_hand": 1.02,  # ... with Manifold Mixup at a decoder layer / a hand-written blend hook
 }
@@ -55,107 +58,122 @@ def gpu_model(name: str) -> str:
 
 
 def goals(results: dict, device) -> list[dict]:
-    rows = []
-    eager = results.get("training_step", [])
-    compiled = results.get("training_step_compiled", [])
+    """Each goal this run measured: ``{goal, measured, limit, where, met}`` (and ``why`` for a miss whose
+    cause the run shows)."""
+    rows: list[dict] = []
 
     def add(goal, measured, limit, where, lower_is_better=True, why=None):
         ok = measured <= limit if lower_is_better else measured >= limit
         row = {"goal": goal, "measured": measured, "limit": limit, "where": where, "met": ok}
         rows.append(row if why is None else {**row, "why": why})
 
-    for run in eager:
+    for key, measured in GOALS_OF:
+        if key in results:
+            measured(results[key], add, device)
+    return rows
+
+
+def _eager_goals(runs: list, add, device) -> None:
+    for run in runs:
         tag = f"{run['model']} b{run['batch']}{' channels-last' if run.get('channels_last') else ''} eager"
         add("mixup_vs_none", run["vs_none"]["mixup_random"]["median"], GOALS["mixup_vs_none"], tag)
         if "mixup_layer2_vs_hand_layer2" in run:
             add("mixup_vs_hand", run["mixup_layer2_vs_hand_layer2"]["median"], GOALS["mixup_vs_hand"], tag)
         if "gradscale_layer3" in run["vs_none"]:
-            add(
-                "gradscale_vs_none",
-                run["vs_none"]["gradscale_layer3"]["median"],
-                GOALS["gradscale_vs_none"],
-                tag,
-            )
-    for run in compiled:
+            ratio = run["vs_none"]["gradscale_layer3"]["median"]
+            add("gradscale_vs_none", ratio, GOALS["gradscale_vs_none"], tag)
+
+
+def _compiled_goals(runs: list, add, device) -> None:
+    for run in runs:
+        ratio = run["vs_none"]["mixup_random"]["median"]
         add(
             "compiled_mixup_vs_compiled",
-            run["vs_none"]["mixup_random"]["median"],
+            ratio,
             GOALS["compiled_mixup_vs_compiled"],
             f"{run['model']} compiled",
         )
-    if "dispatch" in results:
-        add(
-            "inactive_vs_unhooked",
-            results["dispatch"]["eval_forward_inactive_vs_unhooked"]["median"],
-            GOALS["inactive_vs_unhooked"],
-            "preact_resnet18 eval forward",
+
+
+def _dispatch_goals(d: dict, add, device) -> None:
+    ratio = d["eval_forward_inactive_vs_unhooked"]["median"]
+    add("inactive_vs_unhooked", ratio, GOALS["inactive_vs_unhooked"], "preact_resnet18 eval forward")
+
+
+def _recompile_goals(rc: dict, add, device) -> None:
+    add(
+        "recompiles_after_warmup",
+        rc["graphs_compiled_after_warmup"],
+        0,
+        f"{rc['model']}, {rc['steps']} steps",
+    )
+    if "graph_breaks" in rc:
+        add("graph_breaks", rc["graph_breaks"], 0, f"{rc['model']}, fullgraph=True")
+
+
+def _host_goals(h: dict, add, device) -> None:
+    for what in (w for w in ("forward", "forward_and_loss", "step") if w in h):
+        floor = h[what].get("floor_vs_hand")
+        why = (
+            None
+            if floor is None
+            else f"mixhook's structure alone (the floor row) is {floor['median']:.3f}: what is over the "
+            "goal is the per-forward bookkeeping, not the hooks"
         )
-    if "recompiles" in results:
-        rc = results["recompiles"]
-        add(
-            "recompiles_after_warmup",
-            rc["graphs_compiled_after_warmup"],
-            0,
-            f"{rc['model']}, {rc['steps']} steps",
-        )
-        if "graph_breaks" in rc:
-            add("graph_breaks", rc["graph_breaks"], 0, f"{rc['model']}, fullgraph=True")
-    if "host" in results:
-        h = results["host"]
-        for what in (w for w in ("forward", "forward_and_loss", "step") if w in h):
-            floor = h[what].get("floor_vs_hand")
-            why = (
-                None
-                if floor is None
-                else f"mixhook's structure alone (the floor row) is {floor['median']:.3f}: what is over the "
-                "goal is the per-forward bookkeeping, not the hooks"
-            )
-            add(
-                "host_vs_hand",
-                h[what]["mixhook_vs_hand"]["median"],
-                GOALS["host_vs_hand"][what],
-                what,
-                why=why,
-            )
-        add("extra_ops_vs_hand", h["extra_ops_vs_hand"], GOALS["extra_ops_vs_hand"], "training step")
-        census = h["census"]["mixhook"]
-        add("copies_to_device_per_mix", census["copies_to_device"], 1, "training step")
-        add("host_reads_per_step", census["host_reads"], 0, "training step")
-    if results.get("methods", {}).get("vs_manifold", {}).get("SaliencyMix"):
-        m = results["methods"]
-        add(
-            "activation_saliency_vs_manifold",
-            m["vs_manifold"]["SaliencyMix"]["median"],
-            GOALS["activation_saliency_vs_manifold"],
-            f"{m['model']} {m['layer']} eager",
-        )
-    if "recipe" in results:
-        r = results["recipe"]
-        where = f"Verma 2019 CIFAR-10 recipe, {r['images_per_epoch']} images, fused SGD"
-        add(
-            "recipe_mixup_vs_none",
-            r["mixup_fused_vs_none_fused"]["median"],
-            GOALS["recipe_mixup_vs_none"],
-            where,
-        )
-        if device.type == "cuda" and r["images_per_epoch"] == 50_000 and r["image_size"] == 32:
-            hours = r["projected_hours_1200_epochs"]["mixup_fused"]
-            add("recipe_1200_epochs_hours", hours, GOALS["recipe_1200_epochs_hours"], where)
-    if "seconds_per_step" in results.get("language_model", {}):
-        lm = results["language_model"]
+        add("host_vs_hand", h[what]["mixhook_vs_hand"]["median"], GOALS["host_vs_hand"][what], what, why=why)
+    add("extra_ops_vs_hand", h["extra_ops_vs_hand"], GOALS["extra_ops_vs_hand"], "training step")
+    census = h["census"]["mixhook"]
+    add("copies_to_device_per_mix", census["copies_to_device"], 1, "training step")
+    add("host_reads_per_step", census["host_reads"], 0, "training step")
+    if "entries" in h:
+        limit = GOALS["entries_per_forward_and_loss"]
+        add("entries_per_forward_and_loss", h["entries"]["count"], limit, "plain forward + loss()")
+        add("files_per_forward_and_loss", h["entries"]["files"], GOALS["files_per_forward_and_loss"], "ditto")
+
+
+def _method_goals(m: dict, add, device) -> None:
+    if m.get("vs_manifold", {}).get("SaliencyMix"):
+        ratio = m["vs_manifold"]["SaliencyMix"]["median"]
+        where = f"{m['model']} {m['layer']} eager"
+        add("activation_saliency_vs_manifold", ratio, GOALS["activation_saliency_vs_manifold"], where)
+
+
+def _recipe_goals(r: dict, add, device) -> None:
+    where = f"Verma 2019 CIFAR-10 recipe, {r['images_per_epoch']} images, fused SGD"
+    add(
+        "recipe_mixup_vs_none", r["mixup_fused_vs_none_fused"]["median"], GOALS["recipe_mixup_vs_none"], where
+    )
+    if device.type == "cuda" and r["images_per_epoch"] == 50_000 and r["image_size"] == 32:
+        hours = r["projected_hours_1200_epochs"]["mixup_fused"]
+        add("recipe_1200_epochs_hours", hours, GOALS["recipe_1200_epochs_hours"], where)
+
+
+def _language_model_goals(lm: dict, add, device) -> None:
+    if "seconds_per_step" in lm:
         where = f"{lm['model']}, batch {lm['batch']}, length {lm['length']}"
         neftune = lm["neftune_vs_hf"]["neftune_sequence"]["median"]
         add("neftune_vs_hf_neftune", neftune, GOALS["neftune_vs_hf_neftune"], where)
         add("llm_mixup_vs_hand", lm["manifold_vs_hand"]["median"], GOALS["llm_mixup_vs_hand"], where)
-    if device.type == "cuda" and "blend" in results:
-        add(
-            "blend_vs_copy_bandwidth",
-            results["blend"]["fraction_of_copy"]["mixhook_blend"],
-            GOALS["blend_vs_copy_bandwidth"],
-            "blend fwd+bwd",
-            lower_is_better=False,
-        )
-    return rows
+
+
+def _blend_goals(b: dict, add, device) -> None:
+    if device.type == "cuda":
+        fraction = b["fraction_of_copy"]["mixhook_blend"]
+        limit = GOALS["blend_vs_copy_bandwidth"]
+        add("blend_vs_copy_bandwidth", fraction, limit, "blend fwd+bwd", lower_is_better=False)
+
+
+GOALS_OF = (
+    ("training_step", _eager_goals),
+    ("training_step_compiled", _compiled_goals),
+    ("dispatch", _dispatch_goals),
+    ("recompiles", _recompile_goals),
+    ("host", _host_goals),
+    ("methods", _method_goals),
+    ("recipe", _recipe_goals),
+    ("language_model", _language_model_goals),
+    ("blend", _blend_goals),
+)  # (in the order the goals table lists them)
 
 
 def markdown(results: dict) -> str:
@@ -182,173 +200,223 @@ def markdown(results: dict) -> str:
             f"| {g['goal']} | {measured} | {g['limit']} | {g['where']} | {'yes' if g['met'] else 'NO'} |"
         )
     lines += _training_steps(results)
-    if "peers" in results:
-        p = results["peers"]
-        lines += [
-            "",
-            f"## Peers: input mixup step, {p['model']}, batch {p['batch']}",
-            "",
-            "| variant | s/step | vs mixhook |",
-        ]
-        lines += ["| --- | --- | --- |"]
-        for name, sec in p["seconds_per_step"].items():
-            rel = fmt(p["vs_mixhook_input"][name]) if name in p["vs_mixhook_input"] else "1"
-            lines.append(f"| {name} | {sec:.4f} | {rel} |")
-        for name, note in p["notes"].items():
-            lines.append(f"| {name} | {note} | |")
-    if "methods" in results:
-        m = results["methods"]
-        lines += [
-            "",
-            f"## Methods: training step, {m['model']} at {m['layer']}, batch {m['batch']}, "
-            f"{m['image_size']}x{m['image_size']}",
-            "",
-            "| method | s/step | vs none | vs ManifoldMixup |",
-            "| --- | --- | --- | --- |",
-        ]
-        for name, sec in m["seconds_per_step"].items():
-            rel = fmt(m["vs_none"][name]) if name in m["vs_none"] else "1"
-            man = (
-                fmt(m["vs_manifold"][name])
-                if name in m["vs_manifold"]
-                else ("1" if name == "ManifoldMixup" else "")
-            )
-            lines.append(f"| {name} | {sec:.4f} | {rel} | {man} |")
-    if "dispatch" in results:
-        d = results["dispatch"]
-        lines += ["", "## Dispatch", "", "| module call | µs |", "| --- | --- |"]
-        lines += [f"| {k} | {v:.2f} |" for k, v in d["microseconds_per_call"].items()]
-        lines += [
-            "",
-            f"Eval forward with inactive hooks / unhooked: {fmt(d['eval_forward_inactive_vs_unhooked'])}",
-        ]
-    if "host" in results:
-        h = results["host"]
-        lines += [
-            "",
-            f"## Host cost of an active mix, against a hand-written hook (batch {h['batch']}, width "
-            f"{h['width']})",
-            "",
-            "| call | plain (µs) | hand-written hook adds (µs) | mixhook adds (µs) | mixhook / hand | "
-            "mixhook's structure alone adds (µs) | structure / hand |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for what in (w for w in ("forward", "forward_and_loss", "step") if w in h):
-            row = h[what]
-            floor = (
-                f" {row['added_us']['floor']:.1f} | {fmt(row['floor_vs_hand'])} |"
-                if "floor_vs_hand" in row
-                else " | |"
-            )
-            lines.append(
-                f"| {what.replace('_', ' ')} | {row['plain_us']:.1f} | {row['added_us']['hand']:.1f} | "
-                f"{row['added_us']['mixhook']:.1f} | {fmt(row['mixhook_vs_hand'])} |{floor}"
-            )
-        lines += [
-            "",
-            "| one training step | aten ops | copies to the device | host reads |",
-            "| --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {name} | {c['aten_ops']} | {c['copies_to_device']} | {c['host_reads']} |"
-            for name, c in h["census"].items()
-        ]
-    if "baseline" in results:
-        base = results["baseline"]
-        lines += ["", f"## This checkout against {base['baseline']} (side by side, one process)", ""]
-        lines += ["| call | this (µs) | baseline (µs) | this / baseline |", "| --- | --- | --- | --- |"]
-        lines += [
-            f"| {name} | {row['this_us']:.1f} | {row['baseline_us']:.1f} | {fmt(row['this_vs_baseline'])} |"
-            for name, row in base["rows"].items()
-        ]
-    if "blend" in results:
-        b = results["blend"]
-        lines += ["", f"## Blend forward + backward, {b['shape']} float32 ({b['megabytes']:.0f} MB)", ""]
-        lines += ["| variant | GB/s | of copy |", "| --- | --- | --- |"]
-        lines += [f"| {k} | {v:.1f} | {b['fraction_of_copy'][k]:.2f} |" for k, v in b["GBps"].items()]
-        lines += [f"| copy (limit) | {b['copy_GBps']:.1f} | 1 |"]
-    if "recompiles" in results:
-        rc = results["recompiles"]
-        lines += [
-            "",
-            "## Recompiles",
-            "",
-            f"{rc['model']}, {rc['steps']} compiled training steps, ManifoldMixup over "
-            f"{rc['layers']} ({rc['distinct_layers_mixed']} layers and {rc['distinct_lams']} lams drawn): "
-            f"{rc['graphs_compiled_total']} graphs compiled, {rc['graphs_compiled_after_warmup']} after the "
-            f"{rc['warmup_steps']} warm-up steps"
-            + (
-                f"; compiled with fullgraph=True, {rc['graph_breaks']} graph breaks."
-                if "graph_breaks" in rc
-                else "."
-            ),
-        ]
-    if "data" in results:
-        d = results["data"]
-        lines += [
-            "",
-            f"## CIFAR data pipelines: one epoch of {d['images']} images, batch {d['batch']}",
-            "",
-            "| pipeline | images/s |",
-            "| --- | --- |",
-        ]
-        lines += [f"| {k} | {v:.0f} |" for k, v in d["images_per_second"].items()]
-        lines += ["", f"device / workers ({d['workers']} workers), time: {fmt(d['device_vs_workers'])}"]
-        if "imagefolder" in d:
-            f = d["imagefolder"]
-            lines += [
-                "",
-                f"## ImageNet pipeline (data=imagefolder): {f['images']} images, {f['image_size']}, to "
-                f"{'x'.join(map(str, f['output']))}",
-                "",
-                "| what | images/s |",
-                "| --- | --- |",
-            ]
-            names = {
-                "decode": "Pillow decode only, one process",
-                "pipeline_one_worker": "decode, RandomResizedCrop, flip, normalise: one process (a worker)",
-                "pipeline_workers": f"the same through {f['workers']} DataLoader workers",
-                "uint8_one_worker": "decode, RandomResizedCrop, flip, uint8 out (data.normalize=device): one "
-                "process (a worker)",
-            }
-            lines += [f"| {names[k]} | {v:.0f} |" for k, v in f["images_per_second"].items()]
-            lines += [
-                "",
-                "Workers (cores) to feed a GPU step of 1,000 images/s: "
-                f"{f['workers_per_1000_images_per_second']:.1f}"
-                + (
-                    f"; with data.normalize=device {f['workers_per_1000_images_per_second_uint8']:.1f}, "
-                    f"copying {f['bytes_per_image']['uint8']:,} bytes per image to the device instead of "
-                    f"{f['bytes_per_image']['float32']:,}"
-                    if "uint8_one_worker" in f["images_per_second"]
-                    else ""
-                ),
-            ]
-    if "recipe" in results:
-        r = results["recipe"]
-        lines += [
-            "",
-            f"## Verma et al. 2019 CIFAR-10 recipe through the app's loop: epochs of {r['images_per_epoch']} "
-            f"images, batch {r['batch']}, {r['image_size']}x{r['image_size']}",
-            "",
-            "| variant | images/s | 1,200 epochs (h, projected) |",
-            "| --- | --- | --- |",
-        ]
-        for k, v in r["images_per_second"].items():
-            hours = r["projected_hours_1200_epochs"].get(k)
-            lines.append(f"| {k} | {v:.0f} | {'' if hours is None else f'{hours:.2f}'} |")
-        lines += [
-            "",
-            f"mixup / none: {fmt(r['mixup_vs_none'])}; fused: {fmt(r['mixup_fused_vs_none_fused'])}; "
-            f"mixup fused (the check on the device) / mixup default: {fmt(r['fused_lazy_vs_default'])}",
-        ]
-    if "memory" in results:
-        lines += ["", "## Memory", "", json.dumps(results["memory"])]
-    if "language_model" in results:
-        lines += _language_model(results["language_model"])
+    for key, section in SECTIONS:
+        if key in results:
+            lines += section(results[key])
     if results.get("misses"):
         lines += ["", "## Goals missed: by how much and why", ""] + [f"- {m}" for m in results["misses"]]
     return "\n".join(lines) + "\n"
+
+
+def _peers(p: dict) -> list[str]:
+    """The peers section: input mixup against timm's Mixup and torchvision's v2 MixUp."""
+    lines: list[str] = []
+    lines += [
+        "",
+        f"## Peers: input mixup step, {p['model']}, batch {p['batch']}",
+        "",
+        "| variant | s/step | vs mixhook |",
+    ]
+    lines += ["| --- | --- | --- |"]
+    for name, sec in p["seconds_per_step"].items():
+        rel = fmt(p["vs_mixhook_input"][name]) if name in p["vs_mixhook_input"] else "1"
+        lines.append(f"| {name} | {sec:.4f} | {rel} |")
+    for name, note in p["notes"].items():
+        lines.append(f"| {name} | {note} | |")
+    return lines
+
+
+def _methods(m: dict) -> list[str]:
+    """The methods section: every method's training step against none and Manifold Mixup."""
+    lines: list[str] = []
+    lines += [
+        "",
+        f"## Methods: training step, {m['model']} at {m['layer']}, batch {m['batch']}, "
+        f"{m['image_size']}x{m['image_size']}",
+        "",
+        "| method | s/step | vs none | vs ManifoldMixup |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, sec in m["seconds_per_step"].items():
+        rel = fmt(m["vs_none"][name]) if name in m["vs_none"] else "1"
+        man = (
+            fmt(m["vs_manifold"][name])
+            if name in m["vs_manifold"]
+            else ("1" if name == "ManifoldMixup" else "")
+        )
+        lines.append(f"| {name} | {sec:.4f} | {rel} | {man} |")
+    return lines
+
+
+def _dispatch(d: dict) -> list[str]:
+    """The dispatch section: a module call's cost without, with an inactive and with an active hook."""
+    lines: list[str] = []
+    lines += ["", "## Dispatch", "", "| module call | µs |", "| --- | --- |"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in d["microseconds_per_call"].items()]
+    lines += [
+        "",
+        f"Eval forward with inactive hooks / unhooked: {fmt(d['eval_forward_inactive_vs_unhooked'])}",
+    ]
+    return lines
+
+
+def _host(h: dict) -> list[str]:
+    """The host section: an active mix's host cost against a hand-written hook, its aten ops and the
+    path it takes."""
+    lines: list[str] = []
+    lines += [
+        "",
+        f"## Host cost of an active mix, against a hand-written hook (batch {h['batch']}, width "
+        f"{h['width']})",
+        "",
+        "| call | plain (µs) | hand-written hook adds (µs) | mixhook adds (µs) | mixhook / hand | "
+        "mixhook's structure alone adds (µs) | structure / hand |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for what in (w for w in ("forward", "forward_and_loss", "step") if w in h):
+        row = h[what]
+        floor = (
+            f" {row['added_us']['floor']:.1f} | {fmt(row['floor_vs_hand'])} |"
+            if "floor_vs_hand" in row
+            else " | |"
+        )
+        lines.append(
+            f"| {what.replace('_', ' ')} | {row['plain_us']:.1f} | {row['added_us']['hand']:.1f} | "
+            f"{row['added_us']['mixhook']:.1f} | {fmt(row['mixhook_vs_hand'])} |{floor}"
+        )
+    lines += [
+        "",
+        "| one training step | aten ops | copies to the device | host reads |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {name} | {c['aten_ops']} | {c['copies_to_device']} | {c['host_reads']} |"
+        for name, c in h["census"].items()
+    ]
+    if "entries" in h:
+        e = h["entries"]
+        lines += [
+            "",
+            f"One training forward and its loss() enter {e['count']} mixhook functions in {e['files']} "
+            "files: " + ", ".join(f"`{f}`" for f in e["functions"]),
+        ]
+    return lines
+
+
+def _baseline(base: dict) -> list[str]:
+    """The baseline section: this checkout against a baseline commit."""
+    lines: list[str] = []
+    lines += ["", f"## This checkout against {base['baseline']} (side by side, one process)", ""]
+    lines += ["| call | this (µs) | baseline (µs) | this / baseline |", "| --- | --- | --- | --- |"]
+    lines += [
+        f"| {name} | {row['this_us']:.1f} | {row['baseline_us']:.1f} | {fmt(row['this_vs_baseline'])} |"
+        for name, row in base["rows"].items()
+    ]
+    return lines
+
+
+def _blend(b: dict) -> list[str]:
+    """The blend section: the blend's forward + backward against the copy bandwidth."""
+    lines: list[str] = []
+    lines += ["", f"## Blend forward + backward, {b['shape']} float32 ({b['megabytes']:.0f} MB)", ""]
+    lines += ["| variant | GB/s | of copy |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {v:.1f} | {b['fraction_of_copy'][k]:.2f} |" for k, v in b["GBps"].items()]
+    lines += [f"| copy (limit) | {b['copy_GBps']:.1f} | 1 |"]
+    return lines
+
+
+def _recompiles(rc: dict) -> list[str]:
+    """The recompiles section: recompiles of a compiled model over many steps."""
+    lines: list[str] = []
+    lines += [
+        "",
+        "## Recompiles",
+        "",
+        f"{rc['model']}, {rc['steps']} compiled training steps, ManifoldMixup over "
+        f"{rc['layers']} ({rc['distinct_layers_mixed']} layers and {rc['distinct_lams']} lams drawn): "
+        f"{rc['graphs_compiled_total']} graphs compiled, {rc['graphs_compiled_after_warmup']} after the "
+        f"{rc['warmup_steps']} warm-up steps"
+        + (
+            f"; compiled with fullgraph=True, {rc['graph_breaks']} graph breaks."
+            if "graph_breaks" in rc
+            else "."
+        ),
+    ]
+    return lines
+
+
+def _data(d: dict) -> list[str]:
+    """The data section: the CIFAR and ImageNet data pipelines."""
+    lines: list[str] = []
+    lines += [
+        "",
+        f"## CIFAR data pipelines: one epoch of {d['images']} images, batch {d['batch']}",
+        "",
+        "| pipeline | images/s |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {k} | {v:.0f} |" for k, v in d["images_per_second"].items()]
+    lines += ["", f"device / workers ({d['workers']} workers), time: {fmt(d['device_vs_workers'])}"]
+    if "imagefolder" in d:
+        f = d["imagefolder"]
+        lines += [
+            "",
+            f"## ImageNet pipeline (data=imagefolder): {f['images']} images, {f['image_size']}, to "
+            f"{'x'.join(map(str, f['output']))}",
+            "",
+            "| what | images/s |",
+            "| --- | --- |",
+        ]
+        names = {
+            "decode": "Pillow decode only, one process",
+            "pipeline_one_worker": "decode, RandomResizedCrop, flip, normalise: one process (a worker)",
+            "pipeline_workers": f"the same through {f['workers']} DataLoader workers",
+            "uint8_one_worker": "decode, RandomResizedCrop, flip, uint8 out (data.normalize=device): one "
+            "process (a worker)",
+        }
+        lines += [f"| {names[k]} | {v:.0f} |" for k, v in f["images_per_second"].items()]
+        lines += [
+            "",
+            "Workers (cores) to feed a GPU step of 1,000 images/s: "
+            f"{f['workers_per_1000_images_per_second']:.1f}"
+            + (
+                f"; with data.normalize=device {f['workers_per_1000_images_per_second_uint8']:.1f}, "
+                f"copying {f['bytes_per_image']['uint8']:,} bytes per image to the device instead of "
+                f"{f['bytes_per_image']['float32']:,}"
+                if "uint8_one_worker" in f["images_per_second"]
+                else ""
+            ),
+        ]
+    return lines
+
+
+def _recipe(r: dict) -> list[str]:
+    """The recipe section: Verma et al. 2019's CIFAR-10 recipe through the app's loop."""
+    lines: list[str] = []
+    lines += [
+        "",
+        f"## Verma et al. 2019 CIFAR-10 recipe through the app's loop: epochs of {r['images_per_epoch']} "
+        f"images, batch {r['batch']}, {r['image_size']}x{r['image_size']}",
+        "",
+        "| variant | images/s | 1,200 epochs (h, projected) |",
+        "| --- | --- | --- |",
+    ]
+    for k, v in r["images_per_second"].items():
+        hours = r["projected_hours_1200_epochs"].get(k)
+        lines.append(f"| {k} | {v:.0f} | {'' if hours is None else f'{hours:.2f}'} |")
+    lines += [
+        "",
+        f"mixup / none: {fmt(r['mixup_vs_none'])}; fused: {fmt(r['mixup_fused_vs_none_fused'])}; "
+        f"mixup fused (the check on the device) / mixup default: {fmt(r['fused_lazy_vs_default'])}",
+    ]
+    return lines
+
+
+def _memory(case: dict) -> list[str]:
+    """The memory section: peak memory."""
+    lines: list[str] = []
+    lines += ["", "## Memory", "", json.dumps(case)]
+    return lines
 
 
 def _language_model(lm: dict) -> list[str]:
@@ -411,3 +479,18 @@ def _step_table(run: dict) -> list[str]:
             f"| {name} | {sec:.4f} | {fmt(run['vs_none'][name]) if name in run['vs_none'] else '1'} |"
         )
     return rows
+
+
+SECTIONS = (
+    ("peers", _peers),
+    ("methods", _methods),
+    ("dispatch", _dispatch),
+    ("host", _host),
+    ("baseline", _baseline),
+    ("blend", _blend),
+    ("recompiles", _recompiles),
+    ("data", _data),
+    ("recipe", _recipe),
+    ("memory", _memory),
+    ("language_model", _language_model),
+)  # (after the training steps, in this order)

@@ -35,6 +35,8 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -113,90 +115,13 @@ def main(argv=None) -> dict:
 
     # what torch and Python warn about while the cases run (dynamo, "No CUDA runtime is found") goes to
     # <stem>.log beside the results, and the terminal gets a count
+    run = Case(device, timer, reps, inner, args.quick, cuda, log, parser, args.baseline)
     with torch_messages_to_log(out / f"{stem}.log", say=log):
         _training_steps(results, cases, plans, device, timer, reps, inner, log, checkpoint)
-        if "peers" in cases:
-            log("peers ...")
-            results["peers"] = peers(
-                device, timer, reps, 1, *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32)))
-            )
-            checkpoint()
-        if "methods" in cases:
-            log("methods ...")
-            quick_methods = ["ManifoldMixup", "CutMix", "SaliencyMix", "SaliencyMix_gradient"]
-            results["methods"] = methods(
-                device,
-                timer,
-                reps,
-                inner,
-                *((8, 32) if args.quick else ((128, 32) if cuda else (16, 32))),
-                wanted=quick_methods if args.quick else None,
-            )
-            checkpoint()
-        if "dispatch" in cases:
-            log("dispatch ...")
-            results["dispatch"] = dispatch(
-                device,
-                timer,
-                reps,
-                200 if args.quick else 2000,
-                *((8, 16) if args.quick else ((256, 32) if cuda else (32, 32))),
-            )
-            checkpoint()
-        if "host" in cases:
-            log("host cost against a hand-written hook ...")
-            results["host"] = host(device, timer, 5 if args.quick else 21, 50 if args.quick else 400)
-            checkpoint()
-        if "baseline" in cases:
-            log(f"this checkout against {args.baseline} ...")
-            try:
-                results["baseline"] = baseline(
-                    device, timer, reps, args.baseline, 200 if args.quick else 2000,
-                    *((8, 16) if args.quick else ((128, 32) if cuda else (16, 32))),
-                )  # fmt: skip
-            except ValueError as err:
-                parser.error(str(err))
-            checkpoint()
-        if "blend" in cases:
-            log("blend ...")
-            shape = (16, 32, 16, 16) if args.quick else ((128, 256, 32, 32) if cuda else (64, 64, 32, 32))
-            results["blend"] = blend_bandwidth(device, timer, reps, shape)
-            checkpoint()
-        if "recompiles" in cases:
-            log("recompiles ...")
-            results["recompiles"] = recompiles(
-                device,
-                30 if args.quick else 100,
-                10,
-                8 if args.quick else 16,
-                8 if args.quick else 32,
-                small=args.quick,
-            )
-            checkpoint()
-        if "memory" in cases:
-            results["memory"] = memory(device, 128, 32)
-            checkpoint()
-        if "data" in cases:
-            log("data pipelines ...")
-            images, workers = (500, 0) if args.quick else ((50_000, None) if cuda else (10_000, 2))
-            results["data"] = data_pipelines(device, timer, reps, images, workers=workers)
-            checkpoint()
-            log("ImageNet-format folder pipeline ...")
-            images, workers = (32, 0) if args.quick else (512, min(8, os.cpu_count() or 1))
-            results["data"]["imagefolder"] = folder_pipeline(timer, reps, images, workers)
-            checkpoint()
-        if "recipe" in cases:
-            log("Verma et al. 2019 recipe ...")
-            if args.quick:
-                results["recipe"] = recipe(device, timer, reps, steps=2, batch=8, size=16)
-            else:  # a CPU takes seconds per step: a few steps per epoch, projected
-                results["recipe"] = recipe(device, timer, min(reps, 5), steps=None if cuda else 3)
-            checkpoint()
-        if "llm" in cases:
-            log("language model: NEFTune and Manifold Mixup on a Llama ...")
-            sizes = (4, 32, 64) if args.quick else ((16, 512, 512) if cuda else (8, 128, 128))
-            results["language_model"] = language_model(device, timer, reps, inner, *sizes)
-            checkpoint()
+        for case, (key, runner) in RUNNERS.items():
+            if case in cases:
+                results[key] = runner(run)
+                checkpoint()
     results["goals"] = goals(results, device)
     results["misses"] = [
         f"{g['goal']} ({g['where']}): {g['measured']:.3f} against {g['limit']}"
@@ -211,6 +136,114 @@ def main(argv=None) -> dict:
     print(markdown(results))
     print(f"wrote {out / stem}.json and .md")
     return results
+
+
+@dataclass
+class Case:
+    """What each case's runner is given: the device and timer, the repetitions, the steps per repetition,
+    whether the run is quick and on CUDA, where to log, the parser (for a one-line error) and the
+    baseline revision."""
+
+    device: torch.device
+    timer: Timer
+    reps: int
+    inner: int
+    quick: bool
+    cuda: bool
+    log: Callable
+    parser: argparse.ArgumentParser
+    baseline: str | None
+
+    def size(self, quick: tuple, cuda: tuple, cpu: tuple) -> tuple:
+        """A case's sizes: the quick run's, a GPU's, a CPU's."""
+        return quick if self.quick else cuda if self.cuda else cpu
+
+
+def _peers(c: Case) -> dict:
+    c.log("peers ...")
+    return peers(c.device, c.timer, c.reps, 1, *c.size((8, 16), (128, 32), (16, 32)))
+
+
+def _methods(c: Case) -> dict:
+    c.log("methods ...")
+    wanted = ["ManifoldMixup", "CutMix", "SaliencyMix", "SaliencyMix_gradient"] if c.quick else None
+    return methods(c.device, c.timer, c.reps, c.inner, *c.size((8, 32), (128, 32), (16, 32)), wanted=wanted)
+
+
+def _dispatch(c: Case) -> dict:
+    c.log("dispatch ...")
+    calls = 200 if c.quick else 2000
+    return dispatch(c.device, c.timer, c.reps, calls, *c.size((8, 16), (256, 32), (32, 32)))
+
+
+def _host(c: Case) -> dict:
+    c.log("host cost against a hand-written hook ...")
+    return host(c.device, c.timer, 5 if c.quick else 21, 50 if c.quick else 400)
+
+
+def _baseline(c: Case) -> dict:
+    c.log(f"this checkout against {c.baseline} ...")
+    calls = 200 if c.quick else 2000
+    try:
+        return baseline(c.device, c.timer, c.reps, c.baseline, calls, *c.size((8, 16), (128, 32), (16, 32)))
+    except ValueError as err:
+        c.parser.error(str(err))
+
+
+def _blend(c: Case) -> dict:
+    c.log("blend ...")
+    shape = c.size((16, 32, 16, 16), (128, 256, 32, 32), (64, 64, 32, 32))
+    return blend_bandwidth(c.device, c.timer, c.reps, shape)
+
+
+def _recompiles(c: Case) -> dict:
+    c.log("recompiles ...")
+    steps, layers_batch = (30, (8, 8)) if c.quick else (100, (16, 32))
+    return recompiles(c.device, steps, 10, *layers_batch, small=c.quick)
+
+
+def _memory(c: Case) -> dict:
+    return memory(c.device, 128, 32)
+
+
+def _data(c: Case) -> dict:
+    c.log("data pipelines ...")
+    images, workers = c.size((500, 0), (50_000, None), (10_000, 2))
+    found = data_pipelines(c.device, c.timer, c.reps, images, workers=workers)
+    c.log("ImageNet-format folder pipeline ...")
+    images, workers = (32, 0) if c.quick else (512, min(8, os.cpu_count() or 1))
+    found["imagefolder"] = folder_pipeline(c.timer, c.reps, images, workers)
+    return found
+
+
+def _recipe(c: Case) -> dict:
+    c.log("Verma et al. 2019 recipe ...")
+    if c.quick:
+        return recipe(c.device, c.timer, c.reps, steps=2, batch=8, size=16)
+    return recipe(c.device, c.timer, min(c.reps, 5), steps=None if c.cuda else 3)  # (a CPU: a few steps)
+
+
+def _llm(c: Case) -> dict:
+    c.log("language model: NEFTune and Manifold Mixup on a Llama ...")
+    return language_model(
+        c.device, c.timer, c.reps, c.inner, *c.size((4, 32, 64), (16, 512, 512), (8, 128, 128))
+    )
+
+
+# each case after the training steps: its key in the results and its runner, in the order they run
+RUNNERS = {
+    "peers": ("peers", _peers),
+    "methods": ("methods", _methods),
+    "dispatch": ("dispatch", _dispatch),
+    "host": ("host", _host),
+    "baseline": ("baseline", _baseline),
+    "blend": ("blend", _blend),
+    "recompiles": ("recompiles", _recompiles),
+    "memory": ("memory", _memory),
+    "data": ("data", _data),
+    "recipe": ("recipe", _recipe),
+    "llm": ("language_model", _llm),
+}
 
 
 def _training_steps(results, cases, plans, device, timer, reps, inner, log, checkpoint) -> None:

@@ -524,14 +524,7 @@ def _direct(module: nn.Module, strong: bool = False, ndim: int = 4) -> str | Non
                 return found
         if isinstance(module, _FIRST_ND[ndim]):
             return CHANNELS_FIRST[ndim]
-        last = isinstance(module, _LAST_DIM) or name in _LAST_DIM_NAMES
-        norm = isinstance(module, _LAST_DIM_NORMS) and type(module).forward in (
-            nn.LayerNorm.forward,
-            nn.RMSNorm.forward,
-        )
-        if last or (norm and len(module.normalized_shape) == 1):
-            return CHANNELS_LAST[ndim]
-        return None
+        return CHANNELS_LAST[ndim] if _over_last_dim(module, name) else None
     if name in _KNOWN:
         return _KNOWN[name]
     if name == "torchvision.ops.misc.Permute":
@@ -550,14 +543,19 @@ def _direct(module: nn.Module, strong: bool = False, ndim: int = 4) -> str | Non
         return NCHW
     if strong:
         return None
+    return NHWC if _over_last_dim(module, name) else None
+
+
+def _over_last_dim(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` (its class's full ``name``) acts on its input's last dimension: a Linear, or a
+    norm over one dimension (torch's ``LayerNorm``/``RMSNorm``, timm's last-dimension norms)."""
     if isinstance(module, _LAST_DIM) or name in _LAST_DIM_NAMES:
-        return NHWC
-    if isinstance(module, _LAST_DIM_NORMS) and type(module).forward in (
-        nn.LayerNorm.forward,
-        nn.RMSNorm.forward,
-    ):
-        return NHWC if len(module.normalized_shape) == 1 else None
-    return None
+        return True
+    return (
+        isinstance(module, _LAST_DIM_NORMS)
+        and type(module).forward in (nn.LayerNorm.forward, nn.RMSNorm.forward)
+        and len(module.normalized_shape) == 1
+    )
 
 
 def _by_last_dim(module: nn.Module) -> bool:
@@ -612,37 +610,10 @@ def site_layout(
             f"declare {choices} for it (a dict gives each layer its own)",
         )
     if site.layer == INPUT:
-        if declared is not None or ndim == 4:
-            if declared is not None:
-                return SiteLayout(declared, "declared")
-            return SiteLayout(NCHW, "the model's input (images)", basis="input")
-        video = facts._model_level(model)  # a torchvision video model takes (B, C, T, H, W) clips
-        if video is not None:
-            how = f"the model {type(model).__name__}'s input (clips)"
-            return SiteLayout(CHANNELS_FIRST[ndim], how, basis="input")
-        return SiteLayout(
-            None,
-            "unknown",
-            f"the model's input is a {ndim}-D map whose layout nothing states; declare {choices}",
-        )
+        return _input_layout(model, facts, declared, ndim, choices)
     windows = facts.windows(site.layer) if ndim in (3, 4) else None
     if windows is not None and (windows[1] or ndim == 4):
-        block, own = windows
-        where = f"{type(model.get_submodule(block)).__name__} {block!r}"
-        if own:
-            return SiteLayout(
-                None,
-                "windows",
-                f"{'at' if block == site.layer else 'inside'} {where} the tensors are windows or blocks of "
-                "positions ((B * windows, positions, C), (B, blocks, positions, C)), not maps: mix a module "
-                "around it whose output is the map",
-            )
-        return SiteLayout(
-            None,
-            "windows",
-            f"inside {where} the 4-D tensors are windows (B, windows, positions in a window, C), not "
-            f"maps: mix {block!r} itself, whose output is one",
-        )
+        return _windows(model, site, *windows)
     stated, source, basis = facts.stated(site.layer)
     if declared is not None:
         if stated is not None and stated != declared:
@@ -684,6 +655,44 @@ def site_layout(
 
 
 _TOKENS = "; for (B, T, D) tokens declare their patch grid: tokens=(rows, columns) or 'auto'"
+
+
+def _input_layout(
+    model: nn.Module, facts: _Model, declared: str | None, ndim: int, choices: str
+) -> SiteLayout:
+    """The layout of the model's input: declared, images (4-D: NCHW), a torchvision video model's clips,
+    or unknown."""
+    if declared is not None:
+        return SiteLayout(declared, "declared")
+    if ndim == 4:
+        return SiteLayout(NCHW, "the model's input (images)", basis="input")
+    video = facts._model_level(model)  # a torchvision video model takes (B, C, T, H, W) clips
+    if video is not None:
+        how = f"the model {type(model).__name__}'s input (clips)"
+        return SiteLayout(CHANNELS_FIRST[ndim], how, basis="input")
+    return SiteLayout(
+        None, "unknown", f"the model's input is a {ndim}-D map whose layout nothing states; declare {choices}"
+    )
+
+
+def _windows(model: nn.Module, site: Site, block: str, own: bool) -> SiteLayout:
+    """A site at or inside ``block``, whose tensors are windows or blocks of positions, not maps
+    (``own``: of ``B * windows`` rows, or ``(B, blocks, positions, C)``): refused, naming what to mix."""
+    where = f"{type(model.get_submodule(block)).__name__} {block!r}"
+    if own:
+        return SiteLayout(
+            None,
+            "windows",
+            f"{'at' if block == site.layer else 'inside'} {where} the tensors are windows or blocks of "
+            "positions ((B * windows, positions, C), (B, blocks, positions, C)), not maps: mix a module "
+            "around it whose output is the map",
+        )
+    return SiteLayout(
+        None,
+        "windows",
+        f"inside {where} the 4-D tensors are windows (B, windows, positions in a window, C), not "
+        f"maps: mix {block!r} itself, whose output is one",
+    )
 
 
 def channels_first(t, layout: str):

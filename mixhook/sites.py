@@ -475,36 +475,20 @@ def batch_leaves(
     batch = None
     for path, t in tensors:
         dim, how = dims.dim(path, t, inputs)
-        first = batch is None
         if dims.unbatched(t, inputs):
             raise TypeError(
                 f"{where}: {type(dims.module).__name__} was called without a batch "
                 f"(element {format_path(path)} has shape {tuple(t.shape)}); nothing to act on"
             )
-        if first:
+        if batch is None:
             if t.ndim <= dim:
                 raise TypeError(
                     f"{where}: {what}{_elem(path)} is {describe(t)}, which has no batch dimension {dim}; "
                     "mixing needs a tensor that carries the batch"
                 )
             batch = t.shape[dim]
-        elif how == "convention":
-            sized = [d for d in range(t.ndim) if t.shape[d] == batch]
-            if not sized:
-                continue  # no dimension of the batch's size: it does not carry the batch
-            if t.shape[0] != batch:  # (where dim 0 has the batch's size, the convention says it is the batch)
-                raise AmbiguousBatchError(
-                    f"{where}: cannot tell the batch dimension of element {format_path(path)} of shape "
-                    f"{tuple(t.shape)} (the batch is {batch}, set by {out[0].name}); select the elements "
-                    f"to act on, e.g. '{site.layer}{out[0].name}', or pass batch_dim"
-                )
-        elif t.ndim <= dim or t.shape[dim] != batch:
-            if site.paths is None and batch not in t.shape:
-                continue
-            raise AmbiguousBatchError(
-                f"{where}: element {format_path(path)} of shape {tuple(t.shape)} does not have the batch "
-                f"size {batch} at its batch dimension {dim}; select the elements to act on, or pass batch_dim"
-            )
+        elif not _carries(t, dim, how, batch, path, out[0].name, site, where):
+            continue  # no dimension of the batch's size: it does not carry the batch
         if floating and not blendable(t):
             raise TypeError(
                 f"{where}: element {format_path(path)} is a {str(t.dtype).removeprefix('torch.')} tensor "
@@ -512,6 +496,29 @@ def batch_leaves(
             )
         out.append(Leaf(path, t, dim))
     return out, batch
+
+
+def _carries(t: torch.Tensor, dim: int, how: str, batch: int, path: Path, first: str, site: Site, where: str):
+    """Whether ``t``, a tensor after the first (``first``, which set the ``batch``) at ``site``, carries the
+    batch along ``dim`` (known ``how``): ``False`` for one with no dimension of the batch's size, an
+    :class:`AmbiguousBatchError` (one line) where it cannot be told."""
+    if how == "convention":
+        if batch not in t.shape:
+            return False
+        if t.shape[0] != batch:  # (where dim 0 has the batch's size, the convention says it is the batch)
+            raise AmbiguousBatchError(
+                f"{where}: cannot tell the batch dimension of element {format_path(path)} of shape "
+                f"{tuple(t.shape)} (the batch is {batch}, set by {first}); select the elements "
+                f"to act on, e.g. '{site.layer}{first}', or pass batch_dim"
+            )
+    elif t.ndim <= dim or t.shape[dim] != batch:
+        if site.paths is None and batch not in t.shape:
+            return False
+        raise AmbiguousBatchError(
+            f"{where}: element {format_path(path)} of shape {tuple(t.shape)} does not have the batch "
+            f"size {batch} at its batch dimension {dim}; select the elements to act on, or pass batch_dim"
+        )
+    return True
 
 
 def _elem(path: Path) -> str:

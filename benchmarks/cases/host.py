@@ -120,53 +120,48 @@ def ratio_of_medians(a: list[float], b: list[float]) -> dict:
     }
 
 
+def _variant(name: str, device, width: int) -> tuple[nn.Module, object]:
+    """The small model with variant ``name``'s hook (none, the hand-written one, ManifoldMixup, the floor)
+    and the loss it trains with."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.Identity(), nn.Linear(width, 4)).to(device).train()
+    if name == "hand":
+        hand = HandMix(device)
+        model[1].register_forward_hook(hand)
+        return model, hand.loss
+    if name == "mixhook":
+        mix = ManifoldMixup("1")
+        mix.attach(model)
+        return model, lambda logits, t: mix.loss(F.cross_entropy, logits, t)
+    if name == "floor":
+        return model, Floor(model, model[1]).loss
+    return model, F.cross_entropy
+
+
+def _timed(what: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, calls: int):
+    """``calls`` of ``what`` (``forward``, ``forward_and_loss`` or ``step``) as one timed call."""
+
+    def call():
+        for _ in range(calls):
+            out = model(x)
+            if what != "forward":
+                value = loss(out, y)
+                if what == "step":
+                    value.backward()
+
+    return call
+
+
 def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) -> dict:
     x = torch.randn(batch, width, device=device)
     y = torch.randint(0, 4, (batch,), device=device)
-    models, losses = {}, {}
-    for name in ("none", "hand", "mixhook", "floor"):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(width, width), nn.Identity(), nn.Linear(width, 4)).to(device).train()
-        if name == "hand":
-            hand = HandMix(device)
-            model[1].register_forward_hook(hand)
-            losses[name] = hand.loss
-        elif name == "mixhook":
-            mix = ManifoldMixup("1")
-            mix.attach(model)
-            losses[name] = lambda logits, t, mix=mix: mix.loss(F.cross_entropy, logits, t)
-        elif name == "floor":
-            losses[name] = Floor(model, model[1]).loss
-        else:
-            losses[name] = F.cross_entropy
-        models[name] = model
-
-    def forward_only(name):
-        def call():
-            for _ in range(calls):
-                models[name](x)
-
-        return call
-
-    def forward(name):
-        def call():
-            for _ in range(calls):
-                losses[name](models[name](x), y)
-
-        return call
-
-    def step(name):
-        def call():
-            for _ in range(calls):
-                losses[name](models[name](x), y).backward()
-
-        return call
-
+    variants = {name: _variant(name, device, width) for name in ("none", "hand", "mixhook", "floor")}
     out = {"batch": batch, "width": width, "calls": calls}
-    for what, make in (("forward", forward_only), ("forward_and_loss", forward), ("step", step)):
-        times = timer.side_by_side({n: make(n) for n in models}, reps=reps, inner=1, warmup=1)
+    for what in ("forward", "forward_and_loss", "step"):
+        calls_of = {n: _timed(what, model, loss, x, y, calls) for n, (model, loss) in variants.items()}
+        times = timer.side_by_side(calls_of, reps=reps, inner=1, warmup=1)
         added = {
-            n: [(t - b) / calls * 1e6 for t, b in zip(times[n], times["none"], strict=True)] for n in models
+            n: [(t - b) / calls * 1e6 for t, b in zip(times[n], times["none"], strict=True)] for n in variants
         }
         out[what] = {
             "added_us": {n: statistics.median(added[n]) for n in ("hand", "mixhook", "floor")},
@@ -175,10 +170,10 @@ def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) 
             "floor_vs_hand": ratio_of_medians(added["floor"], added["hand"]),
         }
     census = {}
-    for name, model in models.items():
-        losses[name](model(x), y).backward()  # warm
+    for name, (model, loss) in variants.items():
+        loss(model(x), y).backward()  # warm
         with Census() as seen:
-            losses[name](model(x), y).backward()
+            loss(model(x), y).backward()
         census[name] = {
             "aten_ops": sum(seen.ops.values()),
             "copies_to_device": seen.copies,
@@ -186,4 +181,30 @@ def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) 
         }
     out["census"] = census
     out["extra_ops_vs_hand"] = census["mixhook"]["aten_ops"] - census["hand"]["aten_ops"]
+    model, loss = variants["mixhook"]
+    out["entries"] = entries(model, loss, x, y)
     return out
+
+
+def entries(model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The mixhook functions one training forward and its ``loss()`` enter (``sys.setprofile`` "call"
+    events whose code lives under ``mixhook/``), and the files they are in: the path a reader follows."""
+    import os
+    import sys
+
+    import mixhook
+
+    root = os.path.dirname(mixhook.__file__)
+    seen: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.append(f"{os.path.relpath(frame.f_code.co_filename, root)}:{frame.f_code.co_name}")
+
+    loss(model(x), y).backward()  # (planned)
+    sys.setprofile(profile)
+    try:
+        loss(model(x), y)
+    finally:
+        sys.setprofile(None)
+    return {"count": len(seen), "files": len({s.split(":")[0] for s in seen}), "functions": seen}

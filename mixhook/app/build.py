@@ -51,6 +51,62 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     hooks = build_hooks(cfg, dist.seed(cfg.seed))
     if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
         hooks = [(key, hook) for key, hook in hooks if not key.startswith("probes")]
+    mixup = _the_mixer(cfg, hooks, data, dist)
+    _feed_policies(cfg, mixup, data)
+    _check_soft_targets(cfg, mixup)
+    handles = attach_and_check(model, hooks, data)
+    try:  # (a refusal from here on leaves the model without the hooks)
+        optimizer, scheduler, check_finite_every = _optimization(cfg, model, units, device, dist)
+        schedule = _schedule(cfg, mixup)
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    trainer = cfg.trainer
+    settings = Settings(
+        epochs=trainer.epochs,
+        loss=trainer.loss,
+        precision=trainer.precision,
+        compile=trainer.compile,
+        channels_last=trainer.channels_last,
+        progress_bar=trainer.progress_bar,
+        checkpoint_every=trainer.checkpoint_every,
+        mixed_loss_weight=trainer.mixed_loss_weight,
+        check_finite_every=check_finite_every,
+        warmup_epochs=trainer.warmup_epochs,
+        warmup_start_factor=trainer.warmup_start_factor,
+    )
+    summary = {
+        "mixup": OmegaConf.to_container(cfg.mixup, resolve=True),
+        "schedule": repr(schedule) if schedule is not None else None,
+        "hooks": {key: repr(hook) for key, hook in hooks if hook is not mixup},
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "data": cfg.data.name,
+        "task": data.task,
+        "data_split": data.split_hash,
+        "seed": cfg.seed,
+        "device": str(device),
+        "torch": torch.__version__,
+        "environment": environment(device),
+        "loss": trainer.loss,
+        "warmup": _warmup(trainer),
+        "mixed_loss_weight": trainer.mixed_loss_weight,
+        "precision": trainer.precision,
+        "check_finite_every": check_finite_every,
+        "processes": dist.world,
+        "strategy": trainer.strategy if dist.enabled else None,  # (trainer.strategy: ddp or fsdp)
+        "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
+    }
+    return Run(
+        model, data, optimizer, scheduler, device, settings,
+        mixup=mixup, hooks=[hook for _, hook in hooks], handles=handles, summary=summary, schedule=schedule,
+    )  # fmt: skip
+
+
+def _the_mixer(cfg: DictConfig, hooks: list, data, dist: Dist):
+    """The one mixing regularizer among ``hooks`` (``None``: none), refused in one line where the run
+    cannot train with it (partners from every rank in one process, two mixers, its settings against the
+    task)."""
     mixers = mixers_of([hook for _, hook in hooks])
     if crosses_ranks(*mixers) and not dist.enabled:
         raise ConfigError(
@@ -83,76 +139,29 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         raise ConfigError(
             f"probes.feature_maps=true draws image feature maps, and data={data.name} has none; turn it off"
         )
-    _feed_policies(cfg, mixup, data)
-    _check_soft_targets(cfg, mixup)
-    handles = attach_and_check(model, hooks, data)
+    return mixup
+
+
+def _optimization(cfg: DictConfig, model: nn.Module, units, device: torch.device, dist: Dist) -> tuple:
+    """The model sharded where asked (after its hooks, before the optimizer), its optimizer, scheduler and
+    how often the loss is checked for a non-finite value; a combination torch gets wrong refused."""
+    _shard(model, units, device, dist)
+    optimizer = _optimizer(cfg.optim, model, allowed_targets(cfg))
+    scheduler = _scheduler(cfg.scheduler, optimizer, allowed_targets(cfg))
+    if (
+        cfg.trainer.precision == "fp16"
+        and isinstance(optimizer, torch.optim.SGD)
+        and optimizer.defaults.get("fused")
+    ):  # tests/e2e/test_precision.py shows it on this torch
+        raise ConfigError(
+            "optim.fused=true with trainer.precision=fp16: torch's fused SGD fills its momentum with "
+            "uninitialised memory when the grad scaler skips a first step (LibreYOLO/libreyolo#771); "
+            "use optim.fused=false or trainer.precision=bf16"
+        )
     try:
-        _shard(model, units, device, dist)  # after the hooks, before the optimizer
-        optimizer = _optimizer(cfg.optim, model, allowed_targets(cfg))
-        scheduler = _scheduler(cfg.scheduler, optimizer, allowed_targets(cfg))
-        if (
-            cfg.trainer.precision == "fp16"
-            and isinstance(optimizer, torch.optim.SGD)
-            and optimizer.defaults.get("fused")
-        ):  # tests/e2e/test_precision.py shows it on this torch
-            raise ConfigError(
-                "optim.fused=true with trainer.precision=fp16: torch's fused SGD fills its momentum with "
-                "uninitialised memory when the grad scaler skips a first step (LibreYOLO/libreyolo#771); "
-                "use optim.fused=false or trainer.precision=bf16"
-            )
-        try:
-            check_finite_every = check_every(cfg.trainer.check_finite_every, optimizer, device)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-    except BaseException:
-        for handle in handles:
-            handle.remove()
-        raise
-    trainer = cfg.trainer
-    settings = Settings(
-        epochs=trainer.epochs,
-        loss=trainer.loss,
-        precision=trainer.precision,
-        compile=trainer.compile,
-        channels_last=trainer.channels_last,
-        progress_bar=trainer.progress_bar,
-        checkpoint_every=trainer.checkpoint_every,
-        mixed_loss_weight=trainer.mixed_loss_weight,
-        check_finite_every=check_finite_every,
-        warmup_epochs=trainer.warmup_epochs,
-        warmup_start_factor=trainer.warmup_start_factor,
-    )
-    try:
-        schedule = _schedule(cfg, mixup)
-    except BaseException:
-        for handle in handles:
-            handle.remove()
-        raise
-    summary = {
-        "mixup": OmegaConf.to_container(cfg.mixup, resolve=True),
-        "schedule": repr(schedule) if schedule is not None else None,
-        "hooks": {key: repr(hook) for key, hook in hooks if hook is not mixup},
-        "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "data": cfg.data.name,
-        "task": data.task,
-        "data_split": data.split_hash,
-        "seed": cfg.seed,
-        "device": str(device),
-        "torch": torch.__version__,
-        "environment": environment(device),
-        "loss": trainer.loss,
-        "warmup": _warmup(trainer),
-        "mixed_loss_weight": trainer.mixed_loss_weight,
-        "precision": trainer.precision,
-        "check_finite_every": check_finite_every,
-        "processes": dist.world,
-        "strategy": trainer.strategy if dist.enabled else None,  # (trainer.strategy: ddp or fsdp)
-        "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
-    }
-    return Run(
-        model, data, optimizer, scheduler, device, settings,
-        mixup=mixup, hooks=[hook for _, hook in hooks], handles=handles, summary=summary, schedule=schedule,
-    )  # fmt: skip
+        return optimizer, scheduler, check_every(cfg.trainer.check_finite_every, optimizer, device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _shard(model: nn.Module, units: list[str] | None, device: torch.device, dist: Dist) -> None:

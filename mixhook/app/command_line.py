@@ -57,24 +57,9 @@ def _check_keys(argv: list[str], conf_dir: str, multirun: bool = False) -> str |
         overrides = OverridesParser.create().parse_overrides([arg for arg in argv if not arg.startswith("-")])
     except Exception:  # noqa: BLE001  (a line Hydra cannot parse: Hydra says so itself)
         return None
-    groups, keys = {}, []
-    for override in overrides:
-        key = override.key_or_group
-        if override.type != OverrideType.CHANGE or key.startswith("hydra") or override.package:
-            continue
-        if override.is_sweep_override() and not multirun:  # Hydra: 6 lines "Ambiguous value"
-            arg = override.input_line
-            if os.path.isdir(os.path.join(conf_dir, key)):
-                return f"{arg} sweeps over {key}: add -m (python train.py -m {arg} ...)"
-            listed = f"{key}=[{arg.partition('=')[2]}]"
-            return f"{arg}: a list needs brackets ({listed}); to sweep over the values, add -m"
-        if os.path.isdir(os.path.join(conf_dir, key)):
-            if key != "hparams_search":  # a sweeper's config needs its plugin: Hydra's business
-                values = _values(override) if override.is_sweep_override() else [override.value()]
-                if values:
-                    groups[key] = [_text(v) for v in values]
-        else:
-            keys.append(override)
+    groups, keys, problem = _split(overrides, conf_dir, multirun, OverrideType.CHANGE)
+    if problem:
+        return problem
     first = {key: values[0] for key, values in groups.items()}
     if not keys and len(first) < 2:  # nothing that could fail to compose
         return None
@@ -86,19 +71,51 @@ def _check_keys(argv: list[str], conf_dir: str, multirun: bool = False) -> str |
         problem = _check_composed(keys, choice, conf_dir, cfg if choice is first else None)
         if problem:
             return problem
+    return _check_swept_defaults(keys, groups, conf_dir) if multirun else None
+
+
+def _split(overrides: list, conf_dir: str, multirun: bool, change) -> tuple[dict, list, str | None]:
+    """The command line's group choices (each group's options, in order) and its plain keys' overrides,
+    or why a value needs brackets or ``-m`` (one line). ``change``: Hydra's ``OverrideType.CHANGE``;
+    additions (``+``), deletions and Hydra's own keys are left to Hydra."""
+    groups, keys = {}, []
+    for override in overrides:
+        key = override.key_or_group
+        if override.type != change or key.startswith("hydra") or override.package:
+            continue
+        group = os.path.isdir(os.path.join(conf_dir, key))
+        if override.is_sweep_override() and not multirun:  # Hydra: 6 lines "Ambiguous value"
+            arg = override.input_line
+            if group:
+                return groups, keys, f"{arg} sweeps over {key}: add -m (python train.py -m {arg} ...)"
+            listed = f"{key}=[{arg.partition('=')[2]}]"
+            return groups, keys, f"{arg}: a list needs brackets ({listed}); to sweep over the values, add -m"
+        if not group:
+            keys.append(override)
+        elif key != "hparams_search":  # a sweeper's config needs its plugin: Hydra's business
+            values = _values(override) if override.is_sweep_override() else [override.value()]
+            if values:
+                groups[key] = [_text(v) for v in values]
+    return groups, keys, None
+
+
+def _check_swept_defaults(keys: list, groups: dict, conf_dir: str) -> str | None:
+    """In a sweep, Hydra first composes each swept group at its default option, so a key set plainly under
+    a swept group must exist there too: why not, in one line, or ``None``."""
     swept = {key for key, values in groups.items() if len(values) > 1}
     under = [k for k in keys if k.key_or_group.split(".")[0] in swept]
-    if multirun and under:  # what Hydra composes before it launches a job: the swept groups' defaults
-        fixed = {key: values[0] for key, values in groups.items() if key not in swept}
-        problem = _check_composed(under, fixed, conf_dir)
-        if problem:
-            arg = problem.split(":", 1)[0]
-            group = arg.split(".")[0]
-            return (
-                f"{problem}; in a sweep over {group}=..., Hydra first composes the default {group}, so set "
-                f"a key that only some options have with ++{arg}"
-            )
-    return None
+    if not under:
+        return None
+    fixed = {key: values[0] for key, values in groups.items() if key not in swept}
+    problem = _check_composed(under, fixed, conf_dir)
+    if not problem:
+        return None
+    arg = problem.split(":", 1)[0]
+    group = arg.split(".")[0]
+    return (
+        f"{problem}; in a sweep over {group}=..., Hydra first composes the default {group}, so set "
+        f"a key that only some options have with ++{arg}"
+    )
 
 
 def _compose(groups: dict[str, str], conf_dir: str):

@@ -66,6 +66,21 @@ class Data:
             self.partners = self.make_partners()
 
 
+def _check_choices(
+    name: str, builders: dict, batch_size, eval_batch_size, pipeline: str, sampler: str
+) -> None:
+    """Refuse, in one line, a data set, batch size, pipeline or sampler that does not exist."""
+    if name not in builders:
+        raise ValueError(f"data.name={name!r} is not a data set; valid: {', '.join(builders)}")
+    for key, value in (("trainer.batch_size", batch_size), ("trainer.eval_batch_size", eval_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if pipeline not in PIPELINES:
+        raise ValueError(f"data.pipeline={pipeline!r} is not a pipeline; valid: {', '.join(PIPELINES)}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"data.sampler={sampler!r} is not a sampler; valid: {', '.join(SAMPLERS)}")
+
+
 def build_data(
     name: str,
     batch_size: int,
@@ -99,15 +114,7 @@ def build_data(
         "digits": _digits, "cifar10": _cifar, "cifar100": _cifar, "svhn": _svhn, "imagefolder": _imagefolder,
         "diabetes": _diabetes,
     }  # fmt: skip
-    if name not in builders:
-        raise ValueError(f"data.name={name!r} is not a data set; valid: {', '.join(builders)}")
-    for key, value in (("trainer.batch_size", batch_size), ("trainer.eval_batch_size", eval_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    if pipeline not in PIPELINES:
-        raise ValueError(f"data.pipeline={pipeline!r} is not a pipeline; valid: {', '.join(PIPELINES)}")
-    if sampler not in SAMPLERS:
-        raise ValueError(f"data.sampler={sampler!r} is not a sampler; valid: {', '.join(SAMPLERS)}")
+    _check_choices(name, builders, batch_size, eval_batch_size, pipeline, sampler)
     train_set, test_set, info = builders[name](name=name, **options)
     labels = info.pop("train_labels", None)
     if labels is not None:
@@ -634,6 +641,30 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # image files Pil
 TINY_ANNOTATIONS = "val_annotations.txt"  # Tiny-ImageNet's val/: images/ and this file, not class folders
 
 
+def _check_folder_pipeline(
+    size, resize, color_jitter: float, lighting: float, normalize: str, crop: str, padding
+) -> None:
+    """Refuse, in one line, an image-folder pipeline that cannot be built (:func:`_imagefolder`'s
+    arguments)."""
+    if normalize not in NORMALIZE:
+        raise ValueError(f"data.normalize={normalize!r} is not a choice; valid: {', '.join(NORMALIZE)}")
+    if normalize == "device" and (color_jitter or lighting):
+        raise ValueError(
+            "data.normalize=device converts whole uint8 batches on the device, and data.color_jitter and "
+            "data.lighting transform each image's floats in the workers: use data.normalize=workers with them"
+        )
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or resize < size:
+        raise ValueError(
+            f"data.size and data.resize must be ints with 1 <= size <= resize, got {size}, {resize}"
+        )
+    if crop not in CROPS:
+        raise ValueError(f"data.crop={crop!r} is not a crop; valid: {', '.join(CROPS)}")
+    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+        raise ValueError(f"data.padding must be an integer >= 0, got {padding!r}")
+    if color_jitter < 0 or lighting < 0:
+        raise ValueError(f"data.color_jitter and data.lighting must be >= 0, got {color_jitter}, {lighting}")
+
+
 def _imagefolder(
     name: str,
     root: str = "data/imagenet",
@@ -670,24 +701,8 @@ def _imagefolder(
     ImageNet's. ``imbalance_ratio``: the training images cut to a long tail (:func:`long_tail_subset`, by
     the sorted classes' order, drawn with ``subset_seed``). Bad layouts are refused before training, in one
     line each."""
-    if normalize not in NORMALIZE:
-        raise ValueError(f"data.normalize={normalize!r} is not a choice; valid: {', '.join(NORMALIZE)}")
-    if normalize == "device" and (color_jitter or lighting):
-        raise ValueError(
-            "data.normalize=device converts whole uint8 batches on the device, and data.color_jitter and "
-            "data.lighting transform each image's floats in the workers: use data.normalize=workers with them"
-        )
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or resize < size:
-        raise ValueError(
-            f"data.size and data.resize must be ints with 1 <= size <= resize, got {size}, {resize}"
-        )
-    if crop not in CROPS:
-        raise ValueError(f"data.crop={crop!r} is not a crop; valid: {', '.join(CROPS)}")
-    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-        raise ValueError(f"data.padding must be an integer >= 0, got {padding!r}")
+    _check_folder_pipeline(size, resize, color_jitter, lighting, normalize, crop, padding)
     norm = normalization(IMAGENET_MEAN, IMAGENET_STD, mean, std)
-    if color_jitter < 0 or lighting < 0:
-        raise ValueError(f"data.color_jitter and data.lighting must be >= 0, got {color_jitter}, {lighting}")
     train_dir, val_dir = os.path.join(root, train), os.path.join(root, val)
     for split, folder in (("data.train", train_dir), ("data.val", val_dir)):
         if not os.path.isdir(folder):

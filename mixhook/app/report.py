@@ -278,6 +278,27 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
     return "\n".join(lines) + "\n"
 
 
+def _draw_group(err_ax, ece_ax, yi: int, g: dict) -> None:
+    """One group's row of :func:`_plot`: its runs' errors, their mean ± std and best-epoch mean, the
+    paper's figure and the ECE; a group with no finished run says so."""
+    if not g["n"]:
+        err_ax.text(0.02, yi, "no finished run", va="center", color="#C44E52", fontsize=8,
+                    transform=err_ax.get_yaxis_transform())  # fmt: skip
+        return
+    err_ax.scatter(g["errors"], [yi] * g["n"], s=12, color="#999999", zorder=2)
+    std = 0.0 if math.isnan(g["test_error_std"]) else g["test_error_std"]
+    err_ax.errorbar(g["test_error_mean"], yi, xerr=std, fmt="o", color="#4C72B0", capsize=4, zorder=3)
+    err_ax.annotate(f"{g['test_error_mean']:.2f}", (g["test_error_mean"], yi), xytext=(0, 7),
+                    textcoords="offset points", ha="center", fontsize=7)  # fmt: skip
+    if not math.isnan(g["best_error_mean"]):
+        err_ax.plot(g["best_error_mean"], yi, marker="o", mfc="none", color="#55A868", zorder=3)
+    if g["paper"] and isinstance(g["paper"].get("value"), (int, float)):
+        err_ax.plot(g["paper"]["value"], yi, marker="D", color="#C44E52", zorder=3)
+    if not math.isnan(g["test_ece_mean"]):
+        ece_std = 0.0 if math.isnan(g["test_ece_std"]) else g["test_ece_std"]
+        ece_ax.errorbar(g["test_ece_mean"], yi, xerr=ece_std, fmt="s", color="#8172B2", capsize=4)
+
+
 def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], rows: list[dict]) -> None:
     """Two panels, one row per group (best first): test error (each run a dot, the mean ± std of the
     last epoch, the mean of the best epoch, the paper's figure) and test ECE; the axes span the values,
@@ -299,22 +320,7 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], r
             extra = "".join(f", {g[k]} {k}" for k in ("failed", "incomplete") if g[k])
             labels.append(f"{_short(g['group'])}  (n={g['n']}{extra})")
         for yi, g in enumerate(grouped):
-            if not g["n"]:
-                err_ax.text(0.02, yi, "no finished run", va="center", color="#C44E52", fontsize=8,
-                            transform=err_ax.get_yaxis_transform())  # fmt: skip
-                continue
-            err_ax.scatter(g["errors"], [yi] * g["n"], s=12, color="#999999", zorder=2)
-            std = 0.0 if math.isnan(g["test_error_std"]) else g["test_error_std"]
-            err_ax.errorbar(g["test_error_mean"], yi, xerr=std, fmt="o", color="#4C72B0", capsize=4, zorder=3)
-            err_ax.annotate(f"{g['test_error_mean']:.2f}", (g["test_error_mean"], yi), xytext=(0, 7),
-                            textcoords="offset points", ha="center", fontsize=7)  # fmt: skip
-            if not math.isnan(g["best_error_mean"]):
-                err_ax.plot(g["best_error_mean"], yi, marker="o", mfc="none", color="#55A868", zorder=3)
-            if g["paper"] and isinstance(g["paper"].get("value"), (int, float)):
-                err_ax.plot(g["paper"]["value"], yi, marker="D", color="#C44E52", zorder=3)
-            if not math.isnan(g["test_ece_mean"]):
-                ece_std = 0.0 if math.isnan(g["test_ece_std"]) else g["test_ece_std"]
-                ece_ax.errorbar(g["test_ece_mean"], yi, xerr=ece_std, fmt="s", color="#8172B2", capsize=4)
+            _draw_group(err_ax, ece_ax, yi, g)
         err_ax.set_yticks(y, labels)
         err_ax.set_ylim(len(grouped) - 0.5, -0.6)  # best first, at the top
         handles = [

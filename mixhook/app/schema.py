@@ -231,16 +231,7 @@ def check(cfg: DictConfig) -> None:
 def _check_node(node: DictConfig, prefix: str) -> None:
     schema = OmegaConf.get_type(node)
     if not (isinstance(schema, type) and is_dataclass(schema)):
-        if "_target_" in node:
-            _check_target(node, prefix)
-        for key in node:  # a plain node (Config.data etc. are Any) may hold a structured one
-            child = node._get_node(key)
-            if isinstance(child, ListConfig) and not child._is_missing() and not child._is_none():
-                for i, item in enumerate(child):  # OneOf's mixers, the hooks list
-                    if isinstance(item, DictConfig):
-                        _check_node(item, f"{prefix}{key}[{i}].")
-            elif isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
-                _check_node(child, f"{prefix}{key}.")
+        _check_plain_node(node, prefix)
         return
     for spec in fields(schema):
         value = OmegaConf.select(node, spec.name, throw_on_missing=False)
@@ -257,6 +248,21 @@ def _check_node(node: DictConfig, prefix: str) -> None:
             _check_value(key, value, spec.metadata)
     if "_target_" in node:  # input_scale, grad_scale, grad_clip: their constructor's types too
         _check_target(node, prefix)
+
+
+def _check_plain_node(node: DictConfig, prefix: str) -> None:
+    """A node without a schema (``Config.data`` and the like are ``Any``): its ``_target_``'s values, and
+    the structured nodes it may hold (OneOf's mixers, the hooks list)."""
+    if "_target_" in node:
+        _check_target(node, prefix)
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, ListConfig) and not child._is_missing() and not child._is_none():
+            for i, item in enumerate(child):
+                if isinstance(item, DictConfig):
+                    _check_node(item, f"{prefix}{key}[{i}].")
+        elif isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _check_node(child, f"{prefix}{key}.")
 
 
 def _check_target(node: DictConfig, prefix: str) -> None:

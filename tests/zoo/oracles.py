@@ -307,6 +307,24 @@ def _paste(box_of: Callable) -> Callable:
     return edit
 
 
+def _map_axes(run: ZooRun, layer: str, t: torch.Tensor) -> tuple[int, ...] | str:
+    """The position axes of the map ``t`` at ``layer`` (an audio model's ``(B, C, L)`` or ``(B, L, C)``: the
+    frames outnumber the channels; a 4-D or 5-D map's: its sides read from the input's), or what the case
+    says where they cannot be told (or where mixhook must refuse the tensor, checked)."""
+    if t.ndim == 3 and run.entry.kind == "audio":
+        a, b = t.shape[1], t.shape[2]
+        axes = (2,) if b >= 4 * a else (1,) if a >= 4 * b else None
+        return axes or f"skipped: the positions of {tuple(t.shape)} cannot be told from its sides"
+    if t.ndim not in (4, 5):
+        return _expect_refusal(run, layer, f"a {t.ndim}-D tensor")
+    axes = spatial_axes(t.shape, run.entry.size, t.ndim - 2)
+    if axes is None:  # mixhook must refuse it, or the case cannot be judged
+        got = run.mixhook(CutMix(layer), index=PERM)
+        shape = tuple(got.state.weights.shape[1:])
+        return f"skipped: the sides of {tuple(t.shape)} cannot be told from the input's (cut as {shape})"
+    return axes
+
+
 def cutmix(run: ZooRun, layer: str) -> str:
     """CutMix with a pinned box, against the box pasted by hand over the map's own height and width (read
     from the input's); the whole map against ``f(x)[index]`` where the layer dominates. A ViT's tokens with
@@ -316,19 +334,9 @@ def cutmix(run: ZooRun, layer: str) -> str:
         return "skipped: no floating tensor with the batch first"
     if t.ndim == 3 and run.entry.grid is not None:
         return _token_cutmix(run, layer, t)
-    if t.ndim == 3 and run.entry.kind == "audio":  # (B, C, L) or (B, L, C): the frames outnumber channels
-        a, b = t.shape[1], t.shape[2]
-        axes = (2,) if b >= 4 * a else (1,) if a >= 4 * b else None
-        if axes is None:
-            return f"skipped: the positions of {tuple(t.shape)} cannot be told from its sides"
-    elif t.ndim in (4, 5):
-        axes = spatial_axes(t.shape, run.entry.size, t.ndim - 2)
-        if axes is None:  # mixhook must refuse it, or the case cannot be judged
-            got = run.mixhook(CutMix(layer), index=PERM)
-            shape = tuple(got.state.weights.shape[1:])
-            return f"skipped: the sides of {tuple(t.shape)} cannot be told from the input's (cut as {shape})"
-    else:
-        return _expect_refusal(run, layer, f"a {t.ndim}-D tensor")
+    axes = _map_axes(run, layer, t)
+    if isinstance(axes, str):  # (what the case says instead: skipped, or the refusal it checked)
+        return axes
     sides = [t.shape[a] for a in axes]
     if min(sides) < 2:
         return _expect_refusal(run, layer, f"a map of sides {sides}")

@@ -440,21 +440,14 @@ def train(
     units), ``test_mse`` (standardised), ``best_test_rmse``, ``best_epoch`` (the lowest RMSE) and the
     rest, without calibration.
     """
-    model, data, optimizer, scheduler, device = run.model, run.data, run.optimizer, run.scheduler, run.device
-    mixup, hooks, opts = run.mixup, run.hooks, run.settings
-    epochs, precision, channels_last = opts.epochs, opts.precision, opts.channels_last
-    task = getattr(data, "task", "classification")
-    regression = task == "regression"
+    data, optimizer, opts = run.data, run.optimizer, run.settings
+    regression = getattr(data, "task", "classification") == "regression"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / ckpt.FILE
     dist = dist or Dist()
-    net = _network(model, device, opts, dist)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    warmup = Warmup(opts.warmup_epochs, opts.warmup_start_factor)  # (0 epochs: a factor of 1 throughout)
-    sampler = data.train.sampler
-    partners = getattr(data, "partners", None)  # (Data.partner_batches: a partner batch per step)
-    finite = FiniteCheck(check_every(opts.check_finite_every, optimizer, device), optimizer, dist)
+    net = _network(run.model, run.device, opts, dist)
+    scaler = torch.amp.GradScaler(run.device.type) if opts.precision == "fp16" else None
+    finite = FiniteCheck(check_every(opts.check_finite_every, optimizer, run.device), optimizer, dist)
     if finite.lazy:
         log.info(
             "the loss is checked on the device, read every %d steps (trainer.check_finite_every)",
@@ -464,105 +457,163 @@ def train(
     if resume is not None:
         state = RunState.restore(resume, run, scaler, dist)
         log.info("resuming after epoch %d, step %d of the next", state.epoch, state.step)
-    probes = [h for h in hooks if hasattr(h, "paused")]
-    for probe in probes:  # probe steps are the run's training steps
-        probe.step = state.global_step
-    start = time.perf_counter() - state.seconds
-
-    def checkpoint(epoch_done: int, step: int, totals: Totals | None) -> None:
-        state.epoch, state.step = epoch_done, step
-        state.totals = None if totals is None else totals.saved()
-        state.seconds = time.perf_counter() - start
-        state.save(path, run, scaler, dist)
-        if logger is not None and dist.main:
-            logger.probe_rows(epoch_done + (1 if step else 0))
-
+    saves = Checkpoints(run, state, out_dir / ckpt.FILE, scaler, dist, logger)
     training = Training(
-        net, optimizer, device, mixup, loss=opts.loss, task=task, mixed_loss_weight=opts.mixed_loss_weight,
-        precision=precision, scaler=scaler, channels_last=channels_last, dist=dist, finite=finite,
-        progress_bar=opts.progress_bar,
+        net, optimizer, run.device, run.mixup, loss=opts.loss, task=getattr(data, "task", "classification"),
+        mixed_loss_weight=opts.mixed_loss_weight, precision=opts.precision, scaler=scaler,
+        channels_last=opts.channels_last, dist=dist, finite=finite, progress_bar=opts.progress_bar,
     )  # fmt: skip
     calibration = None
     metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
     with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
-        writer = csv.DictWriter(f, fieldnames=metric_columns(task, data.num_classes), extrasaction="ignore")
+        writer = csv.DictWriter(
+            f, fieldnames=metric_columns(training.task, data.num_classes), extrasaction="ignore"
+        )
         writer.writeheader()
         writer.writerows(state.rows)  # the epochs before the checkpoint (none when starting)
         f.flush()
-        for epoch in range(state.epoch + 1, epochs + 1):
+        epoch_steps = EpochSteps(run, state, finite, saves, dist, stop)
+        for epoch in range(state.epoch + 1, opts.epochs + 1):
             t0 = time.perf_counter()
-            lr = optimizer.param_groups[0]["lr"]
-            skip = state.step if epoch == state.epoch + 1 else 0
-            totals = Totals.restored(state.totals) if skip else Totals()
-            sampler.set_epoch(epoch)
-            steps = len(data.train)  # the whole epoch's steps (a resumed epoch's loader has fewer left)
-            sampler.set_epoch(epoch, start=skip * data.train.batch_size)
-            if partners is not None:  # (the same steps of its own class-balanced order)
-                partners.sampler.set_epoch(epoch, start=skip * data.train.batch_size)
-            lr *= warmup.factor(state.global_step - skip, steps)  # the rate of the epoch's first step
-
-            def before_step(done, epoch=epoch, steps=steps):
-                if run.schedule is not None:
-                    run.schedule.set(epoch, done / steps)
-                warmup.apply(optimizer, state.global_step, steps)
-
-            def after_step(totals, epoch=epoch):
-                warmup.restore(optimizer)  # (before a checkpoint: it holds the scheduled rate)
-                state.global_step += 1
-                # a signal on any rank stops all of them after this step (asked where the host reads
-                # anyway: the question is a collective, a host sync, under DDP)
-                if (not dist.enabled or finite.due(totals.steps)) and dist.any(bool(stop[0])):
-                    finite.read()  # no checkpoint holds a non-finite step
-                    checkpoint(epoch - 1, totals.steps, totals)
-                    raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, totals.steps)
-                if opts.checkpoint_every and state.global_step % opts.checkpoint_every == 0:
-                    finite.read()
-                    checkpoint(epoch - 1, totals.steps, totals)
-
-            try:
-                train_loss = train_one_epoch(
-                    training, data.train, totals, f"epoch {epoch}/{epochs}",
-                    before_step=before_step,
-                    after_step=after_step,
-                    partners=partners,
-                )  # fmt: skip
-                correct, rows = float(totals.correct), totals.rows
-                if dist.enabled:  # the epoch's means over every rank's samples
-                    loss_sum, count, correct, rows = dist.sum(
-                        [float(totals.loss), float(totals.samples), correct, rows]
-                    )
-                    train_loss = loss_sum / max(count, 1)
-                train_acc = correct / max(rows, 1)
-            except NonFiniteLoss as err:
-                note = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint yet"
-                raise NonFiniteLoss(f"epoch {epoch}, step {err.step}: {err}; {note}", err.step) from None
-            if scheduler is not None:
-                scheduler.step()
+            lr = epoch_steps.start(epoch)  # (the rate of its first step)
+            train_loss, train_acc = epoch_steps.train(training, epoch)
             row = {"epoch": epoch, "train_loss": train_loss, "lr": lr}
+            if run.scheduler is not None:
+                run.scheduler.step()
             score, calibration = _tested(
-                row, net, data, device, opts, dist, None if regression else train_acc
+                row, net, data, run.device, opts, dist, None if regression else train_acc
             )
             row["seconds"] = time.perf_counter() - t0
             writer.writerow(row)
             f.flush()
-            state.rows.append(row)
-            if logger is not None:
-                logger.epoch(row)
-            if run.feature_maps is not None and dist.main:
-                folder = out_dir / "feature_maps"
-                folder.mkdir(exist_ok=True)
-                layers, batch, labels = run.feature_maps
-                save_feature_maps(
-                    model, mixup, layers, batch.to(device), folder / f"epoch{epoch:03d}", pause=probes,
-                    targets=labels.to(device),
-                )  # fmt: skip
-            if score > state.best[0] or state.best[1] == 0:
-                state.best = (score, epoch)
-            _log_epoch(row, epochs)
-            checkpoint(epoch, 0, None)
-            if dist.any(bool(stop[0])) and epoch < epochs:
-                raise Interrupted(stop[0] or signal.SIGTERM, path, epoch, 0)
-    return _summary(run, state, out_dir, net, calibration, start, dist, regression)
+            _kept(run, state, row, score, out_dir, logger, dist, saves.probes)
+            saves.save(epoch, 0, None)
+            if dist.any(bool(stop[0])) and epoch < opts.epochs:
+                raise Interrupted(stop[0] or signal.SIGTERM, saves.path, epoch, 0)
+    return _summary(run, state, out_dir, net, calibration, saves.start, dist, regression)
+
+
+class Checkpoints:
+    """Where :func:`train` keeps ``last.pt``: :meth:`save` writes the run's state (its model, optimizer,
+    random streams, metrics rows and, mid-epoch, the epoch's running sums) after ``epoch_done`` whole
+    epochs and ``step`` steps of the next. ``start``: when the run began (``perf_counter``), less the time
+    of the part before a resume."""
+
+    def __init__(self, run: Run, state: RunState, path: Path, scaler, dist: Dist, logger):
+        self.run, self.state, self.path, self.scaler, self.dist, self.logger = (
+            run,
+            state,
+            path,
+            scaler,
+            dist,
+            logger,
+        )
+        self.start = time.perf_counter() - state.seconds
+        self.probes = [h for h in run.hooks if hasattr(h, "paused")]
+        for probe in self.probes:  # probe steps are the run's training steps
+            probe.step = state.global_step
+
+    def save(self, epoch_done: int, step: int, totals: Totals | None) -> None:
+        state = self.state
+        state.epoch, state.step = epoch_done, step
+        state.totals = None if totals is None else totals.saved()
+        state.seconds = time.perf_counter() - self.start
+        state.save(self.path, self.run, self.scaler, self.dist)
+        if self.logger is not None and self.dist.main:
+            self.logger.probe_rows(epoch_done + (1 if step else 0))
+
+
+class EpochSteps:
+    """The training steps of one epoch of :func:`train`, and what runs around each: the mix schedule and
+    the warm-up before it; after it, the step counted, a stop asked for by a signal (on any rank: a
+    checkpoint, then :class:`Interrupted`) and the ``checkpoint_every`` checkpoints."""
+
+    def __init__(
+        self, run: Run, state: RunState, finite: FiniteCheck, saves: Checkpoints, dist: Dist, stop: list
+    ):
+        self.run, self.state, self.finite, self.saves, self.dist = run, state, finite, saves, dist
+        self.stop = stop  # (stop_signals(): the signal asked for, if any)
+        opts = run.settings
+        self.warmup = Warmup(opts.warmup_epochs, opts.warmup_start_factor)  # (0 epochs: a factor of 1)
+        self.partners = getattr(
+            run.data, "partners", None
+        )  # (Data.partner_batches: a partner batch per step)
+        self.epoch, self.skip, self.steps = 0, 0, 0
+
+    def start(self, epoch: int) -> float:
+        """Set the samplers to ``epoch`` (a resumed epoch from the step it stopped after); the learning
+        rate of its first step."""
+        state, loader = self.state, self.run.data.train
+        self.epoch, self.skip = epoch, state.step if epoch == state.epoch + 1 else 0
+        loader.sampler.set_epoch(epoch)
+        self.steps = len(loader)  # the whole epoch's steps (a resumed epoch's loader has fewer left)
+        loader.sampler.set_epoch(epoch, start=self.skip * loader.batch_size)
+        if self.partners is not None:  # (the same steps of its own class-balanced order)
+            self.partners.sampler.set_epoch(epoch, start=self.skip * loader.batch_size)
+        lr = self.run.optimizer.param_groups[0]["lr"]
+        return lr * self.warmup.factor(state.global_step - self.skip, self.steps)
+
+    def train(self, training: Training, epoch: int) -> tuple[float, float]:
+        """The epoch's training steps: its mean loss and its lam-weighted accuracy, over every rank's
+        samples."""
+        totals = Totals.restored(self.state.totals) if self.skip else Totals()
+        try:
+            train_loss = train_one_epoch(
+                training, self.run.data.train, totals, f"epoch {epoch}/{self.run.settings.epochs}",
+                before_step=self.before, after_step=self.after, partners=self.partners,
+            )  # fmt: skip
+        except NonFiniteLoss as err:
+            path = self.saves.path
+            note = f"the last good checkpoint is {path}" if path.exists() else "no checkpoint yet"
+            raise NonFiniteLoss(f"epoch {epoch}, step {err.step}: {err}; {note}", err.step) from None
+        correct, rows = float(totals.correct), totals.rows
+        if self.dist.enabled:  # the epoch's means over every rank's samples
+            loss_sum, count, correct, rows = self.dist.sum(
+                [float(totals.loss), float(totals.samples), correct, rows]
+            )
+            train_loss = loss_sum / max(count, 1)
+        return train_loss, correct / max(rows, 1)
+
+    def before(self, done: int) -> None:
+        if self.run.schedule is not None:
+            self.run.schedule.set(self.epoch, done / self.steps)
+        self.warmup.apply(self.run.optimizer, self.state.global_step, self.steps)
+
+    def after(self, totals: Totals) -> None:
+        self.warmup.restore(self.run.optimizer)  # (before a checkpoint: it holds the scheduled rate)
+        state, finite, stop = self.state, self.finite, self.stop
+        state.global_step += 1
+        # a signal on any rank stops all of them after this step (asked where the host reads anyway: the
+        # question is a collective, a host sync, under DDP)
+        if (not self.dist.enabled or finite.due(totals.steps)) and self.dist.any(bool(stop[0])):
+            finite.read()  # no checkpoint holds a non-finite step
+            self.saves.save(self.epoch - 1, totals.steps, totals)
+            raise Interrupted(stop[0] or signal.SIGTERM, self.saves.path, self.epoch, totals.steps)
+        every = self.run.settings.checkpoint_every
+        if every and state.global_step % every == 0:
+            finite.read()
+            self.saves.save(self.epoch - 1, totals.steps, totals)
+
+
+def _kept(
+    run: Run, state: RunState, row: dict, score: float, out_dir: Path, logger, dist: Dist, probes
+) -> None:
+    """An epoch's ``metrics.csv`` row kept: in the run's state, TensorBoard and the log; its feature maps
+    drawn (the ``probes`` paused); the best epoch so far."""
+    state.rows.append(row)
+    if logger is not None:
+        logger.epoch(row)
+    if run.feature_maps is not None and dist.main:
+        folder = out_dir / "feature_maps"
+        folder.mkdir(exist_ok=True)
+        layers, batch, labels = run.feature_maps
+        save_feature_maps(
+            run.model, run.mixup, layers, batch.to(run.device), folder / f"epoch{row['epoch']:03d}",
+            pause=probes, targets=labels.to(run.device),
+        )  # fmt: skip
+    if score > state.best[0] or state.best[1] == 0:
+        state.best = (score, row["epoch"])
+    _log_epoch(row, run.settings.epochs)
 
 
 def metric_columns(task: str, num_classes: int) -> list[str]:

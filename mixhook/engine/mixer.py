@@ -143,7 +143,8 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         subclass that changes ``mix`` without it, e.g. to add noise, is not traced until it defines its
         own: the inherited one would leave its change out), and it takes no per-forward pass (gradient
         saliency); a model whose modules take padding masks (``padding="union"``) is not traced either.
-        Otherwise the hooks run between graphs."""
+        Otherwise the hooks run between graphs: each as one eager call torch.compile leaves out of its
+        graphs (:mod:`.path`)."""
         cls = type(self)
         traced_by = {next(k for k in cls.__mro__ if name in vars(k)) for name in _TRACED}
         mixed_by = next(k for k in cls.__mro__ if "mix" in vars(k))

@@ -47,6 +47,17 @@ _distributed = torch.distributed.is_initialized if torch.distributed.is_availabl
 _PLAIN = ("[]",)  # the elements of a plain tensor (MixState.elements)
 
 
+def _between_graphs(hook):
+    """``hook`` as torch.compile leaves it: called as it is, between graphs. For a mixer that is not traced
+    (:attr:`~.mixer.Mixer.traced`), whose hooks dynamo would otherwise trace op by op, each of their draws a
+    graph break to resume after. Made when first compiled (so that importing or attaching mixhook does not
+    import torch._dynamo) and kept on the hook's function, which it lives as long as."""
+    wrapped = getattr(hook, "between_graphs", None)
+    if wrapped is None:
+        wrapped = hook.between_graphs = torch.compiler.disable(hook)
+    return wrapped
+
+
 class MixerHooks(LayerHook):
     """The hooks of a :class:`~mixhook.engine.mixer.Mixer` and the path of one training forward through
     them (see the module's docstring). The extension points it calls (``mix``, ``sample_lam``,
@@ -80,9 +91,7 @@ class MixerHooks(LayerHook):
         self._global = False  # whether the partners come from every rank (the ranks agree per forward)
         self._checks_leaves = False  # whether the method checks its leaves (check_leaves overridden)
         self._before = False  # whether the method computes something before the forward (before_forward)
-        self._begins = (
-            False  # whether a forward's start needs _begin (the method's, its policies', the input's)
-        )
+        self._begins = False  # whether a forward's start needs _begin (before_forward, policies, input)
 
     # ------------------------------------------------------------------------ attaching, once
 
@@ -135,8 +144,10 @@ class MixerHooks(LayerHook):
             return self._replay_input(model, args, kwargs)
         if self._gradients.running:  # gradient_at()'s own pass
             return self._gradients.input(model, args, kwargs)
-        if self._traced and _compiling():
-            return self._compiled.begin(model, args, kwargs)
+        if _compiling():  # the one-graph path, or this hook as it runs eagerly, between graphs
+            if self._traced:
+                return self._compiled.begin(model, args, kwargs)
+            return _between_graphs(MixerHooks._on_model_input)(self, model, args, kwargs)
         if not model.training:
             self._current = None
             self._given = {}
@@ -237,8 +248,10 @@ class MixerHooks(LayerHook):
                 return self._replay_layer(spec, output)
             if self._gradients.running:  # gradient_at()'s own pass
                 return self._gradients.layer(spec, output)
-            if self._traced and _compiling():
-                return self._compiled.mix(spec, output) if module.training else None
+            if _compiling():  # the one-graph path, or this hook as it runs eagerly, between graphs
+                if self._traced:
+                    return self._compiled.mix(spec, output) if module.training else None
+                return _between_graphs(hook)(module, args, output)
             forward = self._current
             if forward is None or forward.mixed is not None or forward.layer != spec:  # it mixes elsewhere
                 if self._model.training and (not torch.is_grad_enabled() or _saved_hooks(False) is not None):
@@ -333,9 +346,11 @@ class MixerHooks(LayerHook):
             return
         if self._gradients.running:  # gradient_at()'s own pass
             return
-        if self._traced and _compiling():
-            self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
-            return
+        if _compiling():  # the one-graph path, or this hook as it runs eagerly, between graphs
+            if self._traced:
+                self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
+                return
+            return _between_graphs(MixerHooks._on_model_output)(self, model, args, output)
         forward, self._current = self._current, None
         if forward is None:
             state = None

@@ -5,7 +5,6 @@ import csv
 import json
 import re
 
-import matplotlib.image
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -14,6 +13,9 @@ from mixhook import ManifoldMixup
 from mixhook.app import run as app
 from tests.app_helpers import config, run_cli
 from tests.conftest import ROOT, write_cifar
+from tests.helpers import Lazy
+
+images = Lazy("matplotlib.image")  # imported by the test that uses it, not at collection
 
 
 def test_default_config_is_the_papers_manifold_mixup_on_digits():
@@ -209,7 +211,7 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     assert n == 360  # the digits test split, every sample in one bin
     correct = sum(c * a for c, a in zip(calibration["count"], calibration["accuracy"], strict=True) if c)
     assert round(correct) / n == pytest.approx(summary["test_acc"])
-    image = matplotlib.image.imread(out / "reliability.png")
+    image = images.imread(out / "reliability.png")
     assert image.shape[0] > 500 and image.std() > 0.05
     log = result.stdout + result.stderr
     assert log.count("epoch 1/15  train_loss") == 1 and "epoch 15/15  train_loss" in log
@@ -315,6 +317,7 @@ def test_cli_default_experiment_reaches_95_percent(default_run):
 FAST = ["trainer.epochs=1", "data.train_size=100", "trainer.progress_bar=false", "+model.width=0.25"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "kinds"),
     [

@@ -340,6 +340,7 @@ def test_what_hydra_would_reject_gets_one_line_too(tmp_path, monkeypatch, overri
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # the checks created nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -380,6 +381,7 @@ def test_a_text_file_as_the_checkpoint_to_resume_is_refused_and_kept(tmp_path, c
     assert not (out / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_a_last_batch_of_one_sample_trains(tmp_path):
     out = tmp_path / "run"  # 129 = 2 * 64 + 1 and 8x8 digits: layer4's BatchNorm sees 1 value per channel
     cfg = config("data.train_size=129", "trainer.epochs=1", "trainer.progress_bar=false")
@@ -387,6 +389,7 @@ def test_a_last_batch_of_one_sample_trains(tmp_path):
     assert json.loads((out / "summary.json").read_text())["epochs"] == 1
 
 
+@pytest.mark.slow
 def test_batch_size_1_while_mixing_trains_where_the_model_can(tmp_path):
     write_cifar(tmp_path / "cifar", "cifar10", per_file=3)
     out = tmp_path / "run"
@@ -408,6 +411,7 @@ def test_a_search_is_accepted_in_either_multirun_form():
     )
 
 
+@pytest.mark.slow
 def test_a_misspelled_key_is_named_with_the_closest_valid_one():
     def check(*argv):
         return check_command_line(list(argv), str(CONF_DIR))
@@ -473,6 +477,7 @@ def _check_run_directory(path, times, barrier):
         make_writable_dir(path)
 
 
+@pytest.mark.slow
 def test_the_processes_of_a_job_check_one_run_directory_at_once(tmp_path):
     """torchrun's processes check the run directory together: each writes and removes a file of its own
     (with one name for all, a process removed the file another was about to, and a rank of a healthy job

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-import torchvision
 from torch import nn
 
 from mixhook.app import run as app
@@ -14,7 +13,10 @@ from mixhook.app.browse import browse, format_table
 from mixhook.app.models import PreActResNet18
 from tests.app_helpers import config
 from tests.conftest import ROOT
+from tests.helpers import Lazy
 from tests.toy_models import TupleBlockNet
+
+torchvision = Lazy("torchvision")  # imported by the first test that uses it, not at collection
 
 
 def rows_of(model, x):

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from sklearn.metrics import balanced_accuracy_score, recall_score
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -17,6 +16,9 @@ from mixhook.app.data import build_data
 from mixhook.app.training.loop import evaluate
 from mixhook.policies import BalancedMixup, Remix
 from tests.app_helpers import config, run_cli
+from tests.helpers import Lazy
+
+metrics = Lazy("sklearn.metrics")  # imported by the test that uses it, not at collection
 
 POLICY_CONFIGS = ["remix", "balanced", "decouplemix", "skmixup", "localmixup", "guided_pairing"]
 
@@ -29,9 +31,9 @@ def test_evaluate_gives_each_class_its_accuracy_and_their_mean_as_scikit_learn_d
     y = torch.cat([torch.randint(0, 4, (96,)), torch.tensor([0])])  # class 4 is not in the test set
     found = evaluate(model, DataLoader(TensorDataset(x, y), batch_size=10), torch.device("cpu"))
     predicted = model(x).argmax(1)  # (it may predict class 4, which scikit-learn warns of)
-    recall = recall_score(y, predicted, labels=[0, 1, 2, 3], average=None, zero_division=0)
+    recall = metrics.recall_score(y, predicted, labels=[0, 1, 2, 3], average=None, zero_division=0)
     assert found.per_class[:4] == pytest.approx(recall.tolist()) and math.isnan(found.per_class[4])
-    assert found.balanced_acc == pytest.approx(balanced_accuracy_score(y, predicted))
+    assert found.balanced_acc == pytest.approx(metrics.balanced_accuracy_score(y, predicted))
 
 
 def test_remix_gets_the_long_tails_class_counts_and_balanced_mixup_a_partner_batch_per_step(tmp_path):

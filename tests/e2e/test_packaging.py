@@ -124,6 +124,7 @@ def readme_block(heading: str) -> str:
     return section[section.index("```python\n") + len("```python\n") :].split("\n```", 1)[0]
 
 
+@pytest.mark.slow
 def test_the_readmes_first_library_example_runs_with_torch_alone():
     code = readme_block("**Manifold Mixup in your own loop.**")
     assert "import torch" in code and "mix.attach(model)" in code
@@ -133,6 +134,7 @@ def test_the_readmes_first_library_example_runs_with_torch_alone():
     assert layer in ("input", "layer1", "layer2") and 0 < float(lam) < 1 and len(eval(index)) == 8
 
 
+@pytest.mark.slow
 def test_importing_the_core_prints_nothing_and_numpy_comes_with_it():
     # torch warns "Failed to initialize NumPy" when numpy is missing: the core's install brings it
     from importlib.metadata import requires
@@ -144,6 +146,7 @@ def test_importing_the_core_prints_nothing_and_numpy_comes_with_it():
     assert result.returncode == 0 and result.stdout == result.stderr == "", result.stderr
 
 
+@pytest.mark.slow
 def test_the_sweep_report_without_the_app_says_what_to_install(tmp_path):
     code = (
         BLOCKER

@@ -66,6 +66,7 @@ def test_probes_and_tensorboard_from_the_command_line(tmp_path):
     assert strip == plain_rows
 
 
+@pytest.mark.slow
 def test_feature_maps_show_the_mix_and_leave_training_untouched(tmp_path):
     torch.manual_seed(0)
     model = PreActResNet18(in_channels=1, num_classes=10).eval()

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from sklearn.datasets import load_diabetes
-from sklearn.model_selection import train_test_split
 
 from mixhook.app import run as app
 from mixhook.app.models import MLP
 from mixhook.app.report import write_report
 from tests.app_helpers import config
+from tests.helpers import Lazy
+
+sklearn_data = Lazy("sklearn.datasets")  # imported by the test that uses it, not at collection
+sklearn_split = Lazy("sklearn.model_selection")
 
 COMMON = ("data=diabetes", "model=mlp", "trainer.progress_bar=false")
 
@@ -32,8 +34,8 @@ def test_a_cmixup_run_reports_the_rmse_of_its_model_in_the_targets_units(tmp_pat
     assert "test_acc" not in summary and not (tmp_path / "reliability.png").exists()
     assert summary["mixup"]["_target_"] == "mixhook.CMixup"
     # the RMSE of the saved model, by hand from scikit-learn's data and the same split
-    x, y = load_diabetes(return_X_y=True, scaled=False)
-    x_train, x_test, y_train, y_test = train_test_split(
+    x, y = sklearn_data.load_diabetes(return_X_y=True, scaled=False)
+    x_train, x_test, y_train, y_test = sklearn_split.train_test_split(
         x.astype(np.float32), y.astype(np.float32), test_size=0.2, random_state=0
     )
     model = MLP(10, 1)

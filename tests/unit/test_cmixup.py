@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from sklearn.neighbors import KernelDensity
 from torch import nn
 
 from mixhook import CMixup
 from mixhook.functional import sample_lam
 from mixhook.mixers.cmixup import draw_partners, partner_rates
-from tests.helpers import grads
+from tests.helpers import Lazy, grads
+
+neighbors = Lazy("sklearn.neighbors")  # imported by the test that uses it, not at collection
 
 
 def exact(actual, expected):
@@ -25,7 +26,7 @@ def authors_rates(y_list, bandwidth):
     for i in range(len(data_list)):
         data_i = data_list[i]
         data_i = data_i.reshape(-1, data_i.shape[0])
-        kd = KernelDensity(kernel="gaussian", bandwidth=bandwidth).fit(data_i)
+        kd = neighbors.KernelDensity(kernel="gaussian", bandwidth=bandwidth).fit(data_i)
         each_rate = np.exp(kd.score_samples(data_list))
         each_rate /= np.sum(each_rate)
         mix_idx.append(each_rate)

@@ -105,7 +105,18 @@ def _every_hook():
     }
 
 
-@pytest.mark.parametrize("kind", list(_every_hook()))
+def _compiled_cases() -> list:
+    """Every hook of :func:`_every_hook`; those whose hooks run between graphs (their lam or mix follows
+    the network's values: saliency, a host solver, a clean batch) are in the slow tier: dynamo traces each
+    of their graph breaks' resumptions, seconds each."""
+    cases = []
+    for kind, make in _every_hook().items():
+        between = not getattr(make(), "traceable", True)
+        cases.append(pytest.param(kind, marks=pytest.mark.slow) if between else kind)
+    return cases
+
+
+@pytest.mark.parametrize("kind", _compiled_cases())
 def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
     """Attach, then compile: three training steps give the eager run's losses, gradients and records."""
     results = []

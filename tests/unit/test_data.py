@@ -353,6 +353,7 @@ def test_the_splits_are_scikit_learns_without_importing_it(seed):
         splits.stratified_split(subset, *splits.sizes(1437, train_size=1436), seed)
 
 
+@pytest.mark.slow
 def test_building_the_digits_imports_no_scikit_learn():
     code = (
         "import sys; from mixhook.app.data import build_data; build_data('digits', batch_size=8); "

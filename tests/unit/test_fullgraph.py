@@ -123,6 +123,7 @@ def test_fullgraph_training_equals_eager_with_the_same_draws_and_no_recompile(ki
     _same(eager, _train(TRACED[kind], compiled=True))
 
 
+@pytest.mark.slow
 def test_one_of_traced_mixers_chooses_in_the_graph():
     """timm's switch between mixup and CutMix: OneOf's choice runs in mixhook::begin before its mixers'."""
 

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from mixhook import ManifoldMixup, MixSchedule, UnknownLayerError
 from mixhook.integrations.draws import reseed
-from mixhook.integrations.transformers import MixupCallback
 from tests.helpers import Lazy
+
+adapter = Lazy("mixhook.integrations.transformers")  # imports transformers: when a test first uses it
 
 transformers = Lazy("transformers")  # imported when a test first uses it, not at collection
 
@@ -124,7 +125,7 @@ def test_train_equals_the_hand_loop_under_gradient_accumulation(kind, tmp_path):
     layers = BERT_LAYERS if kind == "bert" else GPT2_LAYERS
     data = rows(kind)
     mixer = ManifoldMixup(layers, alpha=1.0)
-    callback = MixupCallback(mixer, schedule=MixSchedule(mixer, off_epoch=1))
+    callback = adapter.MixupCallback(mixer, schedule=MixSchedule(mixer, off_epoch=1))
     hf_trainer(model, arguments(tmp_path, num_train_epochs=3), data, callback).train()
     mixer2 = ManifoldMixup(layers, alpha=1.0)
     hand_loop(twin, mixer2, data, kind, epochs=3, schedule=MixSchedule(mixer2, off_epoch=1))
@@ -153,7 +154,7 @@ def test_without_a_mix_the_loss_is_the_models_own_in_the_trainer(kind, tmp_path)
     layers = BERT_LAYERS if kind == "bert" else GPT2_LAYERS
     data = rows(kind)
     args = arguments(tmp_path, gradient_accumulation_steps=1)
-    hf_trainer(model, args, data, MixupCallback(ManifoldMixup(layers, alpha=1.0, prob=0.0))).train()
+    hf_trainer(model, args, data, adapter.MixupCallback(ManifoldMixup(layers, alpha=1.0, prob=0.0))).train()
     transformers.Trainer(model=twin, args=args, train_dataset=data).train()
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
@@ -163,7 +164,7 @@ def test_evaluate_is_unmixed_and_its_loss_the_models_own(tmp_path):
     model = bert()
     data = rows("bert")
     trainer = hf_trainer(
-        model, arguments(tmp_path), data, MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))
+        model, arguments(tmp_path), data, adapter.MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))
     )
     trainer.train()
     mixed = trainer.evaluate()["eval_loss"]
@@ -173,25 +174,29 @@ def test_evaluate_is_unmixed_and_its_loss_the_models_own(tmp_path):
     assert mixed == pytest.approx(plain["eval_loss"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_a_resumed_train_draws_and_trains_what_the_uninterrupted_one_does(tmp_path):
     """Checkpoints every 2 steps; resumed from checkpoint-2 (by path, with a callback built with another
     seed: the checkpoint's comes back from trainer_state.json) it ends where the straight run ends."""
     data = rows("bert")
     straight = bert()
     hf_trainer(
-        straight, arguments(tmp_path / "a"), data, MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))
+        straight,
+        arguments(tmp_path / "a"),
+        data,
+        adapter.MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0)),
     ).train()
     saving = arguments(tmp_path / "b", save_strategy="steps", save_steps=2)
-    hf_trainer(bert(), saving, data, MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))).train()
+    hf_trainer(bert(), saving, data, adapter.MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))).train()
     resumed = bert()
-    callback = MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0), seed=123)
+    callback = adapter.MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0), seed=123)
     hf_trainer(resumed, saving, data, callback).train(
         resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2")
     )
     assert callback.seed == 7
     for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
-    other = MixupCallback(ManifoldMixup("bert.encoder.layer.1", alpha=1.0))
+    other = adapter.MixupCallback(ManifoldMixup("bert.encoder.layer.1", alpha=1.0))
     with pytest.raises(ValueError, match="resume with the same layers"):
         hf_trainer(bert(), saving, data, other).train(
             resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2")
@@ -208,7 +213,7 @@ def test_without_compute_loss_func_the_step_is_refused_before_the_update(tmp_pat
     """The model's own loss on a mixed forward (labels not mixed) is refused before the optimizer step."""
     model = bert()
     before = copy.deepcopy(model)
-    callback = MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))
+    callback = adapter.MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))
     trainer = transformers.Trainer(
         model=model, args=arguments(tmp_path), train_dataset=rows("bert"), callbacks=[callback]
     )
@@ -222,23 +227,25 @@ def test_without_compute_loss_func_the_step_is_refused_before_the_update(tmp_pat
 def test_bad_input_is_one_line(tmp_path):
     data = rows("bert")
     with pytest.raises(UnknownLayerError, match="nosuch"):
-        hf_trainer(bert(), arguments(tmp_path), data, MixupCallback(ManifoldMixup("bert.nosuch", alpha=1.0)))
+        hf_trainer(
+            bert(), arguments(tmp_path), data, adapter.MixupCallback(ManifoldMixup("bert.nosuch", alpha=1.0))
+        )
     model, mixer = bert(), ManifoldMixup(BERT_LAYERS, alpha=1.0)
     with mixer.attach(model):
         with pytest.raises(RuntimeError, match="already attached") as error:
-            hf_trainer(model, arguments(tmp_path), data, MixupCallback(mixer))
+            hf_trainer(model, arguments(tmp_path), data, adapter.MixupCallback(mixer))
         one_line(error)
     with pytest.raises(ValueError, match="restore_callback_states_from_checkpoint=True") as error:
         hf_trainer(
             bert(), arguments(tmp_path, restore_callback_states_from_checkpoint=True), data,
-            MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0)),
+            adapter.MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0)),
         )  # fmt: skip
     one_line(error)
-    callback = MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))
+    callback = adapter.MixupCallback(ManifoldMixup(BERT_LAYERS, alpha=1.0))
     with pytest.raises(RuntimeError, match="not set up"):
         callback.compute_loss({"logits": torch.zeros(2, 3)}, torch.zeros(2, dtype=torch.long))
     hf_trainer(bert(), arguments(tmp_path), data, callback)
     with pytest.raises(ValueError, match="no 'labels'"):
         callback.compute_loss({"logits": torch.zeros(2, 3)}, None)
     with pytest.raises(TypeError, match="mixhook regularizer"):
-        MixupCallback(torch.nn.Linear(2, 2))
+        adapter.MixupCallback(torch.nn.Linear(2, 2))

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from mixhook import ManifoldMixup, NEFTune
 from mixhook.integrations.draws import reseed
-from mixhook.integrations.transformers import HookCallback, MixupCallback
 from mixhook.packing import PackedBatchError
 from tests.helpers import Lazy
+
+adapter = Lazy("mixhook.integrations.transformers")  # imports transformers: when a test first uses it
 
 transformers = Lazy("transformers")
 trl = Lazy("trl")
@@ -85,7 +86,7 @@ def hand_loop(model, batches, items, mixer, neftune, accumulate=2, seed=7):
         model.train()
         for step, first in enumerate(range(0, len(batches), accumulate)):
             reseed(mixer, seed, 0, step)
-            reseed(neftune, seed, 0, step, HookCallback._FIRST_PART)
+            reseed(neftune, seed, 0, step, adapter.HookCallback._FIRST_PART)
             for batch, n in zip(
                 batches[first : first + accumulate], items[first : first + accumulate], strict=True
             ):
@@ -102,8 +103,8 @@ def test_sft_with_manifold_mixup_and_neftune_equals_the_hand_loop(tmp_path):
     accumulation the next micro-batch draws what the hand loop's does); the completion-only mask's -100
     labels leave the prompts out of both partners' losses."""
     model, hand = llama(), llama()
-    mixup = MixupCallback(ManifoldMixup("model.layers.0"))
-    noise = HookCallback(NEFTune("model.embed_tokens", alpha=5.0))
+    mixup = adapter.MixupCallback(ManifoldMixup("model.layers.0"))
+    noise = adapter.HookCallback(NEFTune("model.embed_tokens", alpha=5.0))
     items = []
 
     def loss(outputs, labels, num_items_in_batch=None):
@@ -132,7 +133,7 @@ def test_neftune_alone_under_trls_own_loss_adds_the_hand_loops_noise(tmp_path):
         return model.model.embed_tokens.register_forward_hook(record)  # after NEFTune's: the noised output
 
     model, hand, noises, hand_noises = llama(), llama(), [], []
-    trainer = sft(model, tmp_path, [HookCallback(NEFTune("model.embed_tokens", alpha=5.0))])
+    trainer = sft(model, tmp_path, [adapter.HookCallback(NEFTune("model.embed_tokens", alpha=5.0))])
     batches = list(trainer.get_train_dataloader())
     recording(model, noises)
     trainer.train()
@@ -141,7 +142,7 @@ def test_neftune_alone_under_trls_own_loss_adds_the_hand_loops_noise(tmp_path):
         recording(hand, hand_noises)
         hand.train()
         for step, batch in enumerate(batches):
-            reseed(neftune, 7, 0, step, HookCallback._FIRST_PART)
+            reseed(neftune, 7, 0, step, adapter.HookCallback._FIRST_PART)
             out = hand(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             (summed(out.logits, batch["labels"]) / (batch["labels"][:, 1:] != -100).sum()).backward()
             opt.step()
@@ -163,7 +164,7 @@ def test_a_subclass_taking_the_mixed_loss_trains_what_compute_loss_func_trains(t
     models = []
     for subclass in (False, True):
         model = llama()
-        mixup = MixupCallback(ManifoldMixup("model.layers.0"))
+        mixup = adapter.MixupCallback(ManifoldMixup("model.layers.0"))
         if subclass:
             trainer = sft(model, tmp_path, [mixup], gradient_accumulation_steps=2, cls=MixupSFTTrainer)
             trainer.compute_loss_func = mixup.compute_loss
@@ -175,12 +176,13 @@ def test_a_subclass_taking_the_mixed_loss_trains_what_compute_loss_func_trains(t
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_a_resumed_sft_run_draws_what_the_uninterrupted_one_drew(tmp_path):
     def run(out, resume=None, steps=3):
         model = llama()
         callbacks = [
-            MixupCallback(ManifoldMixup("model.layers.0")),
-            HookCallback(NEFTune("model.embed_tokens")),
+            adapter.MixupCallback(ManifoldMixup("model.layers.0")),
+            adapter.HookCallback(NEFTune("model.embed_tokens")),
         ]
         trainer = sft(
             model,
@@ -202,15 +204,15 @@ def test_a_resumed_sft_run_draws_what_the_uninterrupted_one_drew(tmp_path):
 
 
 def test_packing_neftune_twice_and_restored_callback_states_are_refused(tmp_path):
-    mixup = MixupCallback(ManifoldMixup("model.layers.0"))
+    mixup = adapter.MixupCallback(ManifoldMixup("model.layers.0"))
     trainer = sft(llama(), tmp_path, [mixup], mixup.compute_loss, packing=True, max_length=16)
     with pytest.raises(PackedBatchError, match="several sequences share a row") as err:
         trainer.train()
     assert "packing=False" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="the noise would be added twice"):
-        sft(llama(), tmp_path, [HookCallback(NEFTune("model.embed_tokens"))], neftune_noise_alpha=5.0)
+        sft(llama(), tmp_path, [adapter.HookCallback(NEFTune("model.embed_tokens"))], neftune_noise_alpha=5.0)
     with pytest.raises(ValueError, match="HookCallback on resume by a new one without its hooks"):
         sft(
-            llama(), tmp_path, [HookCallback(NEFTune("model.embed_tokens"))],
+            llama(), tmp_path, [adapter.HookCallback(NEFTune("model.embed_tokens"))],
             restore_callback_states_from_checkpoint=True,
         )  # fmt: skip

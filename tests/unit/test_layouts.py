@@ -433,6 +433,7 @@ def test_a_map_read_by_convention_whose_sides_are_not_the_inputs_is_refused():
         model(x)
 
 
+@pytest.mark.slow
 def test_a_video_resnet_block_is_cut_over_its_frames_height_and_width():
     """torchvision's video ResNets take (B, C, T, H, W) clips and keep them so: their blocks (whose
     Conv3d outputs were accepted, the blocks themselves refused for want of a layout) are cut as NCDHW."""

@@ -107,6 +107,7 @@ def step(model, hooks, x, y, optimizer):
     optimizer.step()
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_an_exception_anywhere_leaves_no_hook_registered(case):

@@ -7,11 +7,13 @@ import math
 
 import numpy as np
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 
 from mixhook import MixPro
+from tests.helpers import Lazy
+
+timm = Lazy("timm")  # imported when a test first uses it, not at collection
 
 
 # The reference: fistyee/MixPro (53a229e), utils.py one_hot, mixup_target and MaskMix (without .cuda(), in the

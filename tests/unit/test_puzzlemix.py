@@ -263,6 +263,7 @@ def test_the_mixed_batch_and_its_label_weights_equal_the_authors_on_the_same_dra
         assert mix.last.info["grid"] == grid and mix.last.info["clipped"] == 0
 
 
+@pytest.mark.slow
 def test_the_labelling_energy_is_the_exact_optimum_over_many_problems():
     """On the grids small enough to enumerate (2x2 with 2 or 3 labels, 4x4 with 2), the terms PuzzleMix
     builds from random images and saliency: the solver's labelling has the least energy of all."""

@@ -142,6 +142,7 @@ def _draw_on_rank(rank: int, world: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_under_torch_distributed_a_default_generator_draws_per_rank():
     import socket
 

@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from fsdp_worker import end_without_finalizing  # (this script's folder is on sys.path under torchrun)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -101,8 +102,9 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers_seen)}, f)
-    dist.barrier()  # (as fsdp_worker.py: neither rank tears gloo down while the other may still be in it)
+    dist.barrier()  # (neither rank tears gloo down while the other may still be in its last collective)
     dist.destroy_process_group()
+    end_without_finalizing()  # (fsdp_worker.py says why: gloo's threads can outlive Python's shutdown)
 
 
 if __name__ == "__main__":

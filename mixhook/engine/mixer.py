@@ -32,15 +32,12 @@ from .checks import check_fraction, check_layer_weights, check_positive
 from .contract import Draw, Mixed, MixingHook, MixState
 from .forward import NO_PINS, SKIP, Forward, Pins, given_index
 from .leaves import SiteLeaves
-from .path import MixerHooks
+from .path import SKIPPABLE, MixerHooks
 from .policies import Policies, Policy
 from .targets import LossAndTargets
 from .tokens import TokenGrid
 
 _TRACED = ("traced_params", "draw_traced", "mix_traced")  # what a method defines beside mix() to be traced
-# the extension points whose default does nothing, so that a forward skips them where a method keeps it
-# (Mixer._overrides: those its class overrides, read once per class)
-_EXTENSIONS = ("check_leaves", "before_forward", "before_mix")
 
 
 class Mixer(MixerHooks, LossAndTargets, MixingHook):
@@ -125,14 +122,14 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         self._clean = type(self).keeps_clean
         self._policies: Policies | None = None  # use(): the partners, lam and target policies
 
-    # Which of _EXTENSIONS the class overrides (set for each subclass as it is defined): the hooks call
-    # only those.
+    # Which of the extension points a forward skips where a method keeps their default (path.SKIPPABLE)
+    # the class overrides: set for each subclass as it is defined.
     _overrides: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         cls._overrides = frozenset(
-            name for name in _EXTENSIONS if getattr(cls, name) is not getattr(Mixer, name)
+            name for name in SKIPPABLE if getattr(cls, name) is not getattr(Mixer, name)
         )
 
     @property

@@ -45,6 +45,9 @@ _graph_task = torch._C._current_graph_task_id  # -1 outside a backward: see reco
 _saved_hooks = recompute.saved_tensor_hooks
 _distributed = torch.distributed.is_initialized if torch.distributed.is_available() else bool
 _PLAIN = ("[]",)  # the elements of a plain tensor (MixState.elements)
+# the extension points whose default does nothing, which a forward skips where a method keeps the default
+# (the class's Mixer._overrides, or the mixer's own attribute, read when it is attached)
+SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix"))
 
 
 def _between_graphs(hook):
@@ -67,7 +70,7 @@ class MixerHooks(LayerHook):
     _TRANSIENT = (
         "_current", "_targets", "_seen", "_site_leaves", "_traced", "_modules", "_masks", "_gradients",
         "_compiled", "_plain", "_given", "_inputs", "_packable", "_global", "_checks_leaves", "_before",
-        "_begins",
+        "_begins", "_extended",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -89,6 +92,7 @@ class MixerHooks(LayerHook):
         self._plain = False  # whether a planned plain tensor takes the short path (_mix_plain)
         self._packable = False  # whether the model can be called with a packed batch (checked per forward)
         self._global = False  # whether the partners come from every rank (the ranks agree per forward)
+        self._extended: frozenset[str] = frozenset()  # the SKIPPABLE extension points it overrides
         self._checks_leaves = False  # whether the method checks its leaves (check_leaves overridden)
         self._before = False  # whether the method computes something before the forward (before_forward)
         self._begins = False  # whether a forward's start needs _begin (before_forward, policies, input)
@@ -108,8 +112,9 @@ class MixerHooks(LayerHook):
         self._inputs = tuple(spec for spec, site in self.sites.items() if site.layer == INPUT)
         self._packable = packing.may_pack(model)
         self._global = crosses_ranks(self)
-        self._checks_leaves = "check_leaves" in self._overrides
-        self._before = "before_forward" in self._overrides
+        self._extended = self._overrides | (SKIPPABLE & vars(self).keys())  # (a class's, or this one's)
+        self._checks_leaves = "check_leaves" in self._extended
+        self._before = "before_forward" in self._extended
         self._begins = self._before or self._policies is not None or bool(self._inputs)
         handles.append(
             model.register_forward_pre_hook(recompute.own_code(self._on_model_input), with_kwargs=True)
@@ -123,7 +128,7 @@ class MixerHooks(LayerHook):
         self._traced = self.traceable and not takes_masks
         self._plain = (
             not self.draws_in_mix
-            and "before_mix" not in self._overrides
+            and "before_mix" not in self._extended
             and not self._clean
             and not self._masks.active
             and self.token_grid is None
@@ -296,7 +301,7 @@ class MixerHooks(LayerHook):
         from a copy in the repeated mix's state); what repeats it is noted for a recomputation and kept for
         ``pin_last``."""
         generator = self._replaying(forward.pins.state)
-        leaves, before = None, "before_mix" in self._overrides
+        leaves, before = None, "before_mix" in self._extended
         policies = self._policies
         if before or not self.draws_in_mix or policies is not None:
             reading = self._site_leaves

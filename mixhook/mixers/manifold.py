@@ -134,9 +134,8 @@ class ManifoldMixup(Mixer):
     def draw_index(self, n: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "pair":  # timm's _mix_pair: j = B - i - 1
             return torch.arange(n - 1, -1, -1, device=generator.device)
-        return torch.randperm(
-            n, generator=generator, device=generator.device
-        )  # (the base's, Mixer.draw_index)
+        # (Mixer.draw_index's own line: a permutation of the batch)
+        return torch.randperm(n, generator=generator, device=generator.device)
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         if self.mode == "batch" and not self.dominant:  # (the usual draw, first)

@@ -355,6 +355,14 @@ def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
         with pytest.raises(TypeError, match="Picky refuses the third forward"):
             model(x)
 
+    def refuse(spec, leaves):  # a check set on one mixer, not its class: heard as well
+        raise TypeError(f"this mixer refuses {spec!r}")
+
+    mix = ManifoldMixup("1")
+    mix.check_leaves = refuse
+    with mix.attach(model), pytest.raises(TypeError, match="this mixer refuses '1'"):
+        model(x)
+
     class Pair(nn.Module):  # returns a (tensor, tensor) pair: no plain tensor, no plan
         def forward(self, h):
             return h, 2 * h

@@ -149,10 +149,11 @@ class MixerHooks(LayerHook):
             return self._replay_input(model, args, kwargs)
         if self._gradients.running:  # gradient_at()'s own pass
             return self._gradients.input(model, args, kwargs)
-        if _compiling():  # the one-graph path, or this hook as it runs eagerly, between graphs
+        if _compiling():  # the one-graph path, or a training forward's hook run eagerly, between graphs
             if self._traced:
                 return self._compiled.begin(model, args, kwargs)
-            return _between_graphs(MixerHooks._on_model_input)(self, model, args, kwargs)
+            if model.training:
+                return _between_graphs(MixerHooks._on_model_input)(self, model, args, kwargs)
         if not model.training:
             self._current = None
             self._given = {}
@@ -253,10 +254,11 @@ class MixerHooks(LayerHook):
                 return self._replay_layer(spec, output)
             if self._gradients.running:  # gradient_at()'s own pass
                 return self._gradients.layer(spec, output)
-            if _compiling():  # the one-graph path, or this hook as it runs eagerly, between graphs
+            if _compiling():  # the one-graph path, or a training forward's hook run eagerly, between graphs
                 if self._traced:
                     return self._compiled.mix(spec, output) if module.training else None
-                return _between_graphs(hook)(module, args, output)
+                if self._model.training:
+                    return _between_graphs(hook)(module, args, output)
             forward = self._current
             if forward is None or forward.mixed is not None or forward.layer != spec:  # it mixes elsewhere
                 if self._model.training and (not torch.is_grad_enabled() or _saved_hooks(False) is not None):
@@ -351,11 +353,12 @@ class MixerHooks(LayerHook):
             return
         if self._gradients.running:  # gradient_at()'s own pass
             return
-        if _compiling():  # the one-graph path, or this hook as it runs eagerly, between graphs
+        if _compiling():  # the one-graph path, or a training forward's hook run eagerly, between graphs
             if self._traced:
                 self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
                 return
-            return _between_graphs(MixerHooks._on_model_output)(self, model, args, output)
+            if model.training:
+                return _between_graphs(MixerHooks._on_model_output)(self, model, args, output)
         forward, self._current = self._current, None
         if forward is None:
             state = None

@@ -283,7 +283,7 @@ class MixerHooks(LayerHook):
         leaves = [Leaf((), h, dim)]
         if self._checks_leaves:
             self.check_leaves(spec, leaves)
-        pins = forward.pins
+        pins = forward.pins  # (the generator as _replaying gives it, inline: one call fewer per forward)
         generator = (
             self.generator if pins.state is None else recompute.replay_generator(self.generator, pins.state)
         )
@@ -455,9 +455,7 @@ class MixerHooks(LayerHook):
         self._check_apply(spec, found, n)
         draw, mixed = self._drawing(spec, n, pins, generator, self.mix, given, drawn)
         tensors = self._check_mixed(spec, given, mixed)
-        names = tuple([leaf.name for leaf in found])
-        dims, shapes = tuple([leaf.dim for leaf in found]), tuple([leaf.tensor.shape for leaf in found])
-        state = self._state(spec, names, dims, shapes, draw, mixed, self._clean)
+        state = self._state_of(spec, found, draw, mixed, self._clean)
         if self.token_grid is not None:
             grid = self.token_grid
             tensors = {
@@ -554,6 +552,13 @@ class MixerHooks(LayerHook):
         if low < 0:  # counted from the end, as indexing counts them
             index = torch.where(index < 0, index + pool, index)
         return Draw(spec, lam, index, generator, pins.given, pool == n and pins.permutation, weight_of(lam))
+
+    @classmethod
+    def _state_of(cls, spec: str, found: list[Leaf], draw: Draw, mixed: Mixed, clean=False) -> MixState:
+        """:meth:`_state` of the leaves ``found`` (names, batch dimensions and shapes read off them)."""
+        names = tuple([leaf.name for leaf in found])
+        dims, shapes = tuple([leaf.dim for leaf in found]), tuple([leaf.tensor.shape for leaf in found])
+        return cls._state(spec, names, dims, shapes, draw, mixed, clean)
 
     @staticmethod
     def _state(spec: str, names: tuple, dims: tuple, shapes: tuple, draw: Draw, mixed: Mixed, clean=False):
@@ -652,9 +657,7 @@ class MixerHooks(LayerHook):
         generator = self._replaying(forward.pins.state)
         drawn = self._repeatable(spec, n, forward, generator)
         d, (values, mixed) = self._drawing(spec, n, forward.pins, generator, self.draw_traced, given, drawn)
-        names = tuple([leaf.name for leaf in found])
-        dims, shapes = tuple([leaf.dim for leaf in found]), tuple([leaf.tensor.shape for leaf in found])
-        self._done(forward, self._state(spec, names, dims, shapes, d, mixed))
+        self._done(forward, self._state_of(spec, found, d, mixed))
         return values, self.last
 
 

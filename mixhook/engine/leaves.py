@@ -46,10 +46,11 @@ class SiteLeaves:
         self.sites, self.model, self.dims = mixer.sites, model, dims
         self.layout_aware, self.token_grid = mixer.layout_aware, mixer.token_grid
         self.check_leaves = mixer.check_leaves
+        self.layout = mixer.layout
         self.layouts: dict[tuple[str, int], SiteLayout] = {}  # (site, ndim): its maps' layout
         self.reads_sides = False  # whether maps are checked against the input's sides
         if self.layout_aware:
-            declared = {spec: self._declared(mixer.layout, spec) for spec in self.sites}
+            declared = {spec: self._declared(self.layout, spec) for spec in self.sites}
             self.reads_sides = not any(
                 declared[spec] in CHANNELS_LAST.values() for spec, s in self.sites.items() if s.layer == INPUT
             )
@@ -135,6 +136,24 @@ class SiteLeaves:
             return False
         rule = self.layouts.get((spec, ndim))
         return rule is not None and rule.of(self.kind, spec) == CHANNELS_LAST[ndim]
+
+    def channels_first(self, spec: str, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a map as the method is given it at ``spec`` (a value there or its gradient, batch first),
+        as its channels-first view ``(B, C, ...)``, for what reduces it over its channels (a saliency). A
+        layout-aware method is given that view already; for another the site's layout is read as a region
+        method's would be (:func:`~mixhook.layouts.site_layout`, once per attach and number of dimensions;
+        a ``(B, L, C)`` sequence the model states is channels-last; a map whose layout cannot be told is
+        refused in one line). A ``(B, D)`` tensor is returned as it is."""
+        if t.ndim < 3 or t.ndim > 5 or self.layout_aware or self.token_grid is not None:
+            return t
+        rule = self.layouts.get((spec, t.ndim))
+        if rule is None:
+            rule = site_layout(self.model, self.sites[spec], self._declared(self.layout, spec), ndim=t.ndim)
+            if rule.how == "sequence":  # stated (B, L, C): channels last (only a cut needs it declared)
+                rule = SiteLayout(CHANNELS_LAST[3], "sequence", basis="module")
+            self.layouts[spec, t.ndim] = rule
+        layout = rule.of(self.kind, spec)
+        return channels_first(t, layout) if layout == CHANNELS_LAST[t.ndim] else t
 
     def as_given(self, spec: str, leaf: Leaf, model: nn.Module) -> torch.Tensor:
         """``leaf``'s tensor as the method is given it: a token grid's ``(B, D, gh, gw)`` map, a

@@ -426,6 +426,14 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         finally:
             reading.input_sides = saved
 
+    def channels_first(self, spec: str, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a map as this method is given it at ``spec`` (a value there, or its gradient from
+        :meth:`gradient_at`), as its channels-first view ``(B, C, ...)``: what reduces a map over its
+        channels (a pairing's saliency) reads it so on any layout. A layout-aware method is given that view
+        already; for another (ManifoldMixup) the site's layout is read as a region method's would be
+        (:mod:`mixhook.layouts`), once per attach; one line where it cannot be told. ``(B, D)``: as it is."""
+        return self._attached("channels_first").channels_first(spec, t)
+
     def _attached(self, what: str) -> SiteLeaves:
         """The leaves of this mixer's sites (:mod:`.leaves`), or a one-line error where it is not attached."""
         if self._site_leaves is None:

@@ -316,7 +316,7 @@ class MixerHooks(LayerHook):
             if extra:  # a recomputation and pin_last mix with the same values
                 forward.pins = forward.pins.joined(extra)
         if policies is not None:
-            extra = policies.before_mix(spec, leaves[2], forward.pins.given)
+            extra = policies.before_mix(self, spec, leaves[2], forward.pins.given)
             if extra:
                 forward.pins = forward.pins.joined(extra)
         drawn = self._repeatable(spec, None if leaves is None else leaves[3], forward, generator)

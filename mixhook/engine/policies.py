@@ -89,8 +89,9 @@ class Policy:
         """At the model's pre-hook of a forward that mixes at ``spec``: values to pin (a gradient pass)."""
         return {}
 
-    def before_mix(self, spec: str, leaves: list, pinned: Mapping) -> Mapping:
-        """At the mixed layer, before the mix: values to pin (activation saliency)."""
+    def before_mix(self, mixer: MixingHook, spec: str, leaves: list, pinned: Mapping) -> Mapping:
+        """At the mixed layer, before the mix: values to pin (activation saliency; ``leaves`` as the method
+        is given them: ``mixer.channels_first(spec, t)`` reads a map's channels on any layout)."""
         return {}
 
     def extend(self, kind: str, spec: str, leaves: tuple, pinned: Mapping) -> tuple | None:
@@ -220,10 +221,10 @@ class Policies:
             forward.pins = forward.pins.joined(extra)
         return changed
 
-    def before_mix(self, spec: str, leaves: list, pinned: Mapping) -> dict:
+    def before_mix(self, mixer: MixingHook, spec: str, leaves: list, pinned: Mapping) -> dict:
         extra = {}
         for policy in self.all:
-            extra.update(policy.before_mix(spec, leaves, pinned))
+            extra.update(policy.before_mix(mixer, spec, leaves, pinned))
         return extra
 
     def extend(self, spec: str, leaves: tuple, pinned: Mapping) -> tuple:

@@ -22,7 +22,8 @@ from ..engine.regions import RegionMixer
 from ..functional import sample_lam
 from ..geometry import rand_region, region_lam
 from ..layers import resolve_layers, trace_outputs
-from ..sites import Leaf, describe
+from ..layouts import NHWC, site_layout
+from ..sites import Leaf, describe, parse_site
 from ..transfer import to_device
 from .cutmix import draw_region, pinned_regions
 
@@ -93,7 +94,9 @@ class SnapMix(RegionMixer):
     Args:
         layer: where the boxes are cut: ``"input"`` (the paper) or a ``(B, C, H, W)`` layer.
         features: the module whose output is the last ``(B, D, h, w)`` feature map the classifier's
-            pooled features come from (``"layer4"`` in a torchvision or timm ResNet).
+            pooled features come from (``"layer4"`` in a torchvision or timm ResNet); a ``(B, h, w, D)``
+            map where the model states that layout (a Swin's last stage, ``"layers.3"`` in timm), read as
+            a region method reads a map's (:mod:`mixhook.layouts`).
         classifier: the ``nn.Linear`` over those ``D`` pooled features (``"fc"``).
         alpha: the Beta concentration of both boxes' sizes, > 0 (the authors' ``beta``: 5 in most of
             their experiments).
@@ -153,6 +156,7 @@ class SnapMix(RegionMixer):
             )
         super()._register(model, modules, handles)
         self._linear = linear
+        self._features_layout = site_layout(model, parse_site(self.features), None)
 
         def record(module: nn.Module, args: tuple, output) -> None:
             if self._recording is not None:
@@ -187,8 +191,7 @@ class SnapMix(RegionMixer):
             self._recording = None
         if not recorded:
             raise RuntimeError(f"SnapMix: features={self.features!r} did not run in the model's forward")
-        fms = recorded[-1]
-        self._check_features(fms)
+        fms = self._features_map(recorded[-1])
         linear = self._linear
         labels = to_device(targets, fms.device)
         if labels.dtype.is_floating_point or labels.shape != fms.shape[:1]:
@@ -202,15 +205,22 @@ class SnapMix(RegionMixer):
             cam = torch.einsum("bdhw,bd->bhw", F.relu(fms), weight) + bias
         return {"cam": cam, "labels": targets}
 
-    def _check_features(self, fms) -> None:
-        """A one-line ``TypeError`` unless ``fms`` is the ``(B, D, h, w)`` map the classifier's ``D``
-        pooled features come from."""
+    def _features_map(self, fms) -> torch.Tensor:
+        """``features``' output as the ``(B, D, h, w)`` map the classifier's ``D`` pooled features come
+        from: a channels-last ``(B, h, w, D)`` map (a Swin stage's) as its channels-first view, its layout
+        read as a region method reads a map's (:mod:`mixhook.layouts`: stated by the model, else PyTorch's
+        convention, refused where the model works on both); a one-line ``TypeError`` for anything else."""
         d = self._linear.in_features
-        if not isinstance(fms, torch.Tensor) or fms.ndim != 4 or fms.shape[1] != d:
-            raise TypeError(
-                f"SnapMix: features={self.features!r} outputs {describe(fms)}, but SnapMix needs the "
-                f"(B, D, h, w) map whose pooled D = {d} features classifier {self.classifier!r} takes"
-            )
+        if isinstance(fms, torch.Tensor) and fms.ndim == 4:
+            if self._features_layout.of("SnapMix's features", self.features) == NHWC:
+                fms = fms.permute(0, 3, 1, 2)
+            if fms.shape[1] == d:
+                return fms
+        raise TypeError(
+            f"SnapMix: features={self.features!r} outputs {describe(fms)}, but SnapMix needs the "
+            f"(B, D, h, w) map (or, where the model states it, (B, h, w, D)) whose pooled D = {d} "
+            f"features classifier {self.classifier!r} takes"
+        )
 
     def check_output(self, spec: str, value, batch: int | None = None, model_input=None) -> None:
         """:meth:`~mixhook.engine.mixer.Mixer.check_output`, and, given the model's input, that
@@ -220,7 +230,7 @@ class SnapMix(RegionMixer):
         if model_input is not None and self._model is not None:
             outputs = trace_outputs(self._model, [self.features], model_input)
             if self.features in outputs:
-                self._check_features(outputs[self.features])
+                self._features_map(outputs[self.features])
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path

@@ -412,12 +412,14 @@ class SaliencyPairing(Policy):
     def before_forward(self, mixer: Mixer, model, args, kwargs, spec: str, pinned, targets):
         if self.saliency != "gradient" or SALIENCY in pinned or "index" in pinned:
             return {}
-        return {SALIENCY: gradient_saliency(mixer.gradient_at(model, args, kwargs, spec, targets))}
+        grad = mixer.gradient_at(model, args, kwargs, spec, targets)
+        return {SALIENCY: gradient_saliency(mixer.channels_first(spec, grad))}
 
-    def before_mix(self, spec: str, leaves: list, pinned: Mapping) -> Mapping:
+    def before_mix(self, mixer: Mixer, spec: str, leaves: list, pinned: Mapping) -> Mapping:
         if self.saliency != "activation" or SALIENCY in pinned or "index" in pinned:
             return {}
-        return {SALIENCY: activation_saliency(leaves[0].tensor.movedim(leaves[0].dim, 0))}
+        h = leaves[0].tensor.movedim(leaves[0].dim, 0)
+        return {SALIENCY: activation_saliency(mixer.channels_first(spec, h))}
 
     def maps(self, saliency: torch.Tensor) -> torch.Tensor:
         """The saliency maps as they are compared: blurred (2-D maps), each normalised to sum 1, flattened."""

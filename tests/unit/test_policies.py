@@ -621,6 +621,35 @@ def test_saliency_pairing_mixes_the_pairs_it_chose_as_a_hand_edited_forward(sali
     assert_all_close(grads(model, loss), grads(model, theirs), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("saliency", ["activation", "gradient"])
+def test_saliency_pairing_reads_a_channels_last_map_over_its_channels(saliency):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "swin_tiny_patch4_window7_224", pretrained=False, num_classes=3, img_size=32, embed_dim=8,
+        depths=(1, 1), num_heads=(1, 1), window_size=4, drop_path_rate=0.0,
+    ).double()  # fmt: skip
+    x, y = torch.randn(8, 3, 32, 32, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    # what the policy reads, by hand (in eval mode, as its gradient pass): the first stage's map, or the
+    # gradient of the summed cross-entropy there
+    model.eval()
+    h = model.layers[0](model.patch_embed(x))
+    assert h.shape == (8, 8, 8, 8)  # (B, H, W, C) with H == C: the shapes cannot tell the axes apart
+    if saliency == "gradient":
+        logits = model.forward_head(model.norm(model.layers[1](h)))
+        (h,) = torch.autograd.grad(F.cross_entropy(logits, y, reduction="sum"), [h])
+    mix = ManifoldMixup("layers.0", alpha=1.0).use(SaliencyPairing(saliency))
+    with mix.attach(model.train()):
+        mix.use_targets(y)
+        model(x)
+    pairings = []
+    for reading in (h.permute(0, 3, 1, 2), h):  # over its channels; over its height (the wrong axis)
+        s = reading.abs().mean(1) if saliency == "activation" else gradient_saliency(reading)
+        flat = SaliencyPairing().maps(s.detach())
+        pairings.append(greedy_cycle(torch.cdist(flat, flat)).tolist())
+    assert mix.last.index.tolist() == pairings[0] != pairings[1]
+
+
 # ------------------------------------------------------------------------------------ every policy
 
 

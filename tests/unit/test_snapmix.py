@@ -316,3 +316,69 @@ def test_with_the_clean_batch_kept_the_targets_are_the_clean_ones_then_the_weigh
     torch.testing.assert_close(
         loss, torch.cat([ce(logits[:4], y), own * ce(mixed, y) + partner * ce(mixed, y[index])])
     )
+
+
+def swin_with_square_last_map():
+    """A timm Swin whose last stage gives (B, 8, 8, 8) maps: channels last, its height equal to its channels,
+    so a (B, D, h, w) reading passes every shape check and reads the wrong axis."""
+    timm = pytest.importorskip("timm")
+    return timm.create_model(
+        "swin_tiny_patch4_window7_224", pretrained=False, num_classes=5, img_size=64, embed_dim=4,
+        depths=(1, 1), num_heads=(1, 1), window_size=4, drop_path_rate=0.0,
+    ).double()  # fmt: skip
+
+
+def test_a_channels_last_last_map_is_read_by_its_layout_even_where_its_height_equals_its_channels():
+    torch.manual_seed(0)
+    model = swin_with_square_last_map().train()
+    x, y = torch.randn(6, 3, 64, 64, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 4, 0])
+    with torch.no_grad():
+        fms = model.eval().forward_features(x)  # (B, h, w, D): the map the head pools
+    model.train()
+    assert fms.shape == (6, 8, 8, 8)
+    w, b = model.head.fc.weight, model.head.fc.bias
+    mix = SnapMix("input", features="norm", classifier="head.fc")  # (the map the head pools)
+    with mix.attach(model):
+        mix.pin(lam=0.5, box=(8, 40, 16, 48), partner_box=(0, 32, 0, 32))
+        mix.use_targets(y)
+        model(x)
+    index = mix.last.index
+    for reading, expected in ((fms.permute(0, 3, 1, 2), True), (fms, False)):  # its layout; the wrong axis
+        cam = torch.einsum("bdhw,bd->bhw", F.relu(reading), w[y]) + b[y][:, None, None]
+        spm = semantic_percent_map(cam, 64, 64)
+        own, taken = snap_weights(spm, index, y, (8, 40, 16, 48), (0, 32, 0, 32))
+        same = torch.allclose(mix.last.lam, own, rtol=0, atol=1e-12) and torch.allclose(
+            mix.last.partner_lam, taken, rtol=0, atol=1e-12
+        )
+        assert same is expected
+
+
+class ConvNeXtBlock(nn.Module):
+    """A ConvNeXt block as its reference code writes it (a depthwise convolution, then a LayerNorm and a
+    Linear over the channels of the map permuted in forward code): its output's layout nothing states."""
+
+    def __init__(self):
+        super().__init__()
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.norm, self.pw = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.pw(self.norm(self.dw(x).permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+
+
+class ConvNeXtLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.stage, self.fc = ConvNeXtBlock(), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.stage(self.stem(x)).mean((2, 3)))
+
+
+def test_features_whose_layout_the_model_does_not_state_are_refused_where_it_works_on_both():
+    model = ConvNeXtLike().train()  # its stage's (B, 8, 8, 8) map could be (B, C, H, W) or (B, H, W, C)
+    mix = SnapMix("input", features="stage", classifier="fc")
+    with mix.attach(model), pytest.raises(TypeError, match="^SnapMix's features at 'stage': .*declare it"):
+        mix.use_targets(torch.tensor([0, 1]))
+        model(torch.randn(2, 3, 16, 16))

@@ -50,6 +50,8 @@ def attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Da
             try:
                 handles.append(hook.attach(model))
             except UnknownLayerError as err:
+                if layer_key(hook, err) == "attention" and not _has_attention(model):
+                    raise ConfigError(f"{key}.attention: {_needs_attention(hook, model, data)}") from err
                 raise ConfigError(
                     f"{key}.{layer_key(hook, err)}: {err}. `python -m mixhook.layers` with this run's model "
                     "and data overrides lists every layer with its output and whether it can be mixed"
@@ -65,6 +67,26 @@ def attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Da
     return [h for h in handles if callable(getattr(h, "remove", None))]
 
 
+def _has_attention(model: nn.Module) -> bool:
+    """Whether ``model`` holds an attention module (``nn.MultiheadAttention``, or a class named so: timm's
+    and HuggingFace's ``Attention``/``*SelfAttention``)."""
+    return any(
+        isinstance(m, nn.MultiheadAttention) or "Attention" in type(m).__name__ for m in model.modules()
+    )
+
+
+def _needs_attention(hook, model: nn.Module, data: Data) -> str:
+    """What a method that reads a ViT's attention (TransMix, MixPro) says on a model without any: the model
+    option that has one, sized for this data's images."""
+    side = data.image_size
+    patch = 2 if side <= 16 else 4  # digits' 8x8: a 4x4 grid of patches; CIFAR's 32x32: 8x8
+    return (
+        f"{type(hook).__name__} weighs its labels by a ViT's class-token attention ({hook.attention!r}), "
+        f"and {type(model).__name__} has no attention module; train a ViT: model=timm "
+        f"model.name=vit_tiny_patch16_224 +model.img_size={side} +model.patch_size={patch}"
+    )
+
+
 def check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: Data) -> None:
     x, y = (t[:2] for t in next(iter(data.test)))
     for key, hook in hooks:
@@ -72,7 +94,13 @@ def check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: 
             try:
                 hook.check_targets(y)
             except (TypeError, ValueError) as err:
-                raise ConfigError(f"{key}: {err}; data={data.name} has {y.dtype} labels") from err
+                # class labels refused: the method trains on other targets (the app's regression data)
+                fix = (
+                    "; train it on regression data: data=diabetes model=mlp"
+                    if data.task == "classification"
+                    else ""
+                )
+                raise ConfigError(f"{key}: {err}; data={data.name} has {y.dtype} labels{fix}") from err
     checks = [(key, hook) for key, hook in hooks if callable(getattr(hook, "check_output", None))]
     layers = list(dict.fromkeys(name for _, hook in checks for name in hook.layers))
     norms = _batchnorm_inputs(model) if one_sample_batches(data) else None

@@ -10,6 +10,7 @@ one is solved exactly by :mod:`mixhook.engine.graphcut` (one minimum cut, SciPy'
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -25,6 +26,8 @@ from ..sites import INPUT, Leaf
 from ..transfer import to_device
 
 GRIDS = (2, 4, 8, 16)  # the authors' 2 ** np.random.randint(1, 5)
+AUTO = "auto"
+log = logging.getLogger("mixhook")
 
 
 def priors(lam: float, n_labels: int, eps: float = 1e-8) -> list[float]:
@@ -184,7 +187,9 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
         layer: ``"input"`` (the paper) or a layer with a square ``(B, C, W, W)`` output; each grid side
             must divide ``W``.
         alpha: Beta concentration of lam, > 0 (the authors' CIFAR runs: 1.0).
-        grids: the grid sides drawn from, uniformly (the authors: 2, 4, 8, 16).
+        grids: the grid sides drawn from, uniformly (the authors: 2, 4, 8, 16), each dividing the map's side;
+            ``"auto"``: those of the authors' that fit the map (and ``t_size``), found per map side and
+            logged once (``mixhook`` logger): 2, 4, 8 on digits' 8x8 images, all four on CIFAR's 32x32.
         n_labels: 2 or 3 (the authors' CIFAR runs: 3).
         beta, gamma, eta: label smoothness, data smoothness, prior weight (theirs: 1.2, 0.5, 0.2).
         neigh_size: the cell size of the data smoothness (theirs: 4; at most the block size).
@@ -204,7 +209,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
         self,
         layer: str | Sequence[str],
         alpha: float = 1.0,
-        grids: Sequence[int] = GRIDS,
+        grids: Sequence[int] | str = GRIDS,
         n_labels: int = 3,
         beta: float = 1.2,
         gamma: float = 0.5,
@@ -224,15 +229,19 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
     ):
         super().__init__(layer, alpha, prob, generator, batch_dim, padding, layout)
         self.saliency = Saliency("PuzzleMix", saliency, None, self.layers)
-        grids = tuple(grids) if isinstance(grids, (list, tuple)) else (grids,)
-        if not grids or any(isinstance(g, bool) or not isinstance(g, int) or g < 2 for g in grids):
-            raise ValueError(f"grids must be grid sides >= 2 (the authors': 2, 4, 8, 16), got {grids!r}")
+        if grids != AUTO:
+            grids = tuple(grids) if isinstance(grids, (list, tuple)) else (grids,)
+            if not grids or any(isinstance(g, bool) or not isinstance(g, int) or g < 2 for g in grids):
+                raise ValueError(
+                    f"grids must be grid sides >= 2 (the authors': 2, 4, 8, 16) or 'auto', got {grids!r}"
+                )
         if n_labels not in (2, 3):
             raise ValueError(f"n_labels must be 2 or 3 (own/partner, or own/half/partner), got {n_labels!r}")
         for name, value in (("neigh_size", neigh_size), ("t_size", t_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.grids, self.n_labels = grids, n_labels
+        self._fitting: dict[int, tuple[int, ...]] = {}  # grids="auto": the map's side -> its grid sides
         self.beta, self.gamma = check_non_negative("beta", beta), check_non_negative("gamma", gamma)
         self.eta, self.t_eps = check_non_negative("eta", eta), check_non_negative("t_eps", t_eps)
         self.neigh_size, self.transport, self.t_size = neigh_size, bool(transport), t_size
@@ -259,33 +268,57 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
                 f"PuzzleMix at {spec!r}: its {height}x{width} map is not square (its grid is n x n blocks of "
                 "equal sides); choose a square layer"
             )
-        bad = [g for g in self.grids if g > width or width % g]
-        if bad:
-            fits = [g for g in range(2, width + 1) if width % g == 0]
-            raise ValueError(
-                f"PuzzleMix at {spec!r}: grid side {bad[0]} does not fit its {height}x{width} map (a grid "
-                f"side must divide {width}: {fits}); choose grids among those"
-            )
-        if self.transport and self.t_size is not None:
-            for g in self.grids:
-                block = width // g
-                if block % min(self.t_size, block):
+        self.grids_for(spec, width)
+
+    def grids_for(self, spec: str, width: int) -> tuple[int, ...]:
+        """The grid sides drawn from on a ``width x width`` map at ``spec``: ``grids``, checked to fit it
+        (one line where one does not), or with ``grids="auto"`` the authors' sides that fit (found once
+        per side, and logged)."""
+        if self.grids == AUTO:
+            found = self._fitting.get(width)
+            if found is None:
+                found = tuple(g for g in GRIDS if not self._misfit(g, width))
+                if not found:
                     raise ValueError(
-                        f"PuzzleMix at {spec!r}: t_size {self.t_size} does not divide the {block}-position "
-                        f"blocks of a {g}x{g} grid on its {height}x{width} map; choose a t_size that divides "
-                        "each block size (or None: the block size)"
+                        f"PuzzleMix at {spec!r}: none of the grid sides {GRIDS} fits its {width}x{width} map "
+                        f"(with t_size={self.t_size}); choose an earlier layer, or grids that divide {width}"
                     )
+                log.info("PuzzleMix at %r: grids auto -> %s on its %dx%d map", spec, found, width, width)
+                self._fitting[width] = found
+            return found
+        for g in self.grids:
+            why = self._misfit(g, width)
+            if why:
+                raise ValueError(f"PuzzleMix at {spec!r}: {why}")
+        return self.grids
+
+    def _misfit(self, g: int, width: int) -> str | None:
+        """Why grid side ``g`` cannot cut a ``width x width`` map (``None``: it can)."""
+        if g > width or width % g:
+            fits = [s for s in range(2, width + 1) if width % s == 0]
+            return (
+                f"grid side {g} does not fit its {width}x{width} map (a grid side must divide {width}: "
+                f"{fits}); choose grids among those, or grids='auto'"
+            )
+        block = width // g
+        if self.transport and self.t_size is not None and block % min(self.t_size, block):
+            return (
+                f"t_size {self.t_size} does not divide the {block}-position blocks of a {g}x{g} grid on its "
+                f"{width}x{width} map; choose a t_size that divides each block size (or None: the block size)"
+            )
+        return None
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path
         n, width = h.shape[0], h.shape[-1]
         if draw.lam.ndim:
             raise ValueError(f"PuzzleMix draws one lam per batch: pin one lam, not {draw.lam.shape[0]}")
+        grids = self.grids_for(draw.layer, width)
         grid = draw.pinned.get("grid")
         if grid is None:
-            grid = self.grids[int(torch.randint(len(self.grids), (), generator=draw.generator))]
-        elif grid not in self.grids:
-            raise ValueError(f"pinned grid {grid!r} is not one of grids={self.grids}")
+            grid = grids[int(torch.randint(len(grids), (), generator=draw.generator))]
+        elif grid not in grids:
+            raise ValueError(f"pinned grid {grid!r} is not one of grids={grids}")
         dtype = torch.promote_types(h.dtype, torch.float32)
         saliency = pinned_saliency("PuzzleMix", draw.pinned, n, width, width, h.device).to(dtype)
         index = to_device(draw.index, h.device)

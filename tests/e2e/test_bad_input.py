@@ -122,7 +122,7 @@ from tests.conftest import write_cifar
             ["mixup=cmixup"],
             "error: mixup: CMixup mixes regression targets: its labels must be floating values (B,) or "
             "(B, d), got torch.int64 (2,) (class indices: use ManifoldMixup); data=digits has torch.int64 "
-            "labels",
+            "labels; train it on regression data: data=diabetes model=mlp",
         ),
         (
             ["+model.shortcut=relu"],
@@ -211,7 +211,24 @@ from tests.conftest import write_cifar
         ),
         (
             ["mixup=transmix"],
-            "error: mixup.attention: unknown layer 'blocks.11.attn' in PreActResNet",
+            "error: mixup.attention: TransMix weighs its labels by a ViT's class-token attention "
+            "('blocks.11.attn'), and PreActResNet has no attention module; train a ViT: model=timm "
+            "model.name=vit_tiny_patch16_224 +model.img_size=8 +model.patch_size=2",
+        ),
+        (
+            ["mixup=mixpro"],
+            "error: mixup.attention: MixPro weighs its labels by a ViT's class-token attention",
+        ),
+        (
+            [
+                "mixup=transmix",
+                "model=timm",
+                "model.name=vit_tiny_patch16_224",
+                "+model.img_size=8",
+                "+model.patch_size=2",
+                "mixup.attention=blocks.12.attn",
+            ],
+            "error: mixup.attention: unknown layer 'blocks.12.attn' in VisionTransformer",
         ),
         (["data.imbalance_ratio=0.5"], "error: data.imbalance_ratio must be in [1, inf], got 0.5"),
         (
@@ -256,9 +273,9 @@ from tests.conftest import write_cifar
             "error: probes.feature_maps=true pins a mix of the batch with itself reversed, but the mixer",
         ),
         (
-            ["mixup=puzzlemix"],
+            ["mixup=puzzlemix", "mixup.grids=[2,4,8,16]"],
             "error: mixup.layer: PuzzleMix at 'input': grid side 16 does not fit its 8x8 map (a grid side "
-            "must divide 8: [2, 4, 8])",
+            "must divide 8: [2, 4, 8]); choose grids among those, or grids='auto'",
         ),
         (["mixup=puzzlemix", "mixup.n_labels=4"], "error: mixup: n_labels must be 2 or 3"),
         (
@@ -269,7 +286,8 @@ from tests.conftest import write_cifar
         (
             ["mixup=snapmix", "mixup.features=layer3"],
             "error: mixup.features: SnapMix: features='layer3' outputs a tensor of shape (2, 256, 2, 2), but "
-            "SnapMix needs the (B, D, h, w) map whose pooled D = 512 features",
+            "SnapMix needs the (B, D, h, w) map (or, where the model states it, (B, h, w, D)) whose pooled "
+            "D = 512 features",
         ),
         (
             ["mixup=specmix", "mixup.layer=linear"],

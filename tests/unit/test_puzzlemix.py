@@ -412,3 +412,23 @@ def test_bad_arguments_and_maps_are_refused_in_one_line():
         model(torch.randn(2, 3, 8, 8))
     with pytest.raises(ValueError, match="saliency='activation': the input is mixed before any layer"):
         PuzzleMix("input", saliency="activation")
+
+
+def test_grids_auto_draws_from_the_authors_sides_that_fit_each_map_and_says_so(caplog):
+    model = Square().train()
+    mix = PuzzleMix("conv1", grids="auto", saliency="activation", generator=torch.Generator().manual_seed(0))
+    drawn = {}
+    with mix.attach(model), caplog.at_level("INFO", logger="mixhook"):
+        for side in (8, 32, 12):
+            for _ in range(12):
+                model(torch.randn(2, 3, side, side))
+                drawn.setdefault(side, set()).add(mix.last.info["grid"])
+        with pytest.raises(ValueError, match="none of the grid sides .* fits its 5x5 map"):
+            model(torch.randn(2, 3, 5, 5))
+    assert mix.grids_for("conv1", 8) == (2, 4, 8) and drawn[8] <= {2, 4, 8} and len(drawn[8]) > 1
+    assert mix.grids_for("conv1", 32) == (2, 4, 8, 16) and drawn[32] <= {2, 4, 8, 16} and len(drawn[32]) > 1
+    assert mix.grids_for("conv1", 12) == (4,)  # 2: blocks of 6, which t_size 4 does not divide
+    assert "PuzzleMix at 'conv1': grids auto -> (2, 4, 8) on its 8x8 map" in caplog.text
+    assert caplog.text.count("on its 8x8 map") == 1  # once per side
+    with pytest.raises(ValueError, match="grids must be grid sides >= 2 .* or 'auto'"):
+        PuzzleMix("input", grids="all")

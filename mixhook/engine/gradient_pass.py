@@ -3,7 +3,7 @@ methods that place their regions by gradient saliency."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -47,6 +47,8 @@ class GradientPass:
             with torch.enable_grad():
                 out = model(*args, **kwargs)
                 logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+                if logits is None and isinstance(out, Mapping):  # a dict of outputs, as the Trainer takes
+                    logits = out.get("logits")
                 if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
                     raise TypeError(
                         f"{self._kind}'s gradient pass needs (B, classes) logits from the model, "

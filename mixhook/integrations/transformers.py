@@ -60,6 +60,24 @@ from .draws import StepGuard, check_arguments, check_unattached, reseed
 _WHERE = "MixupCallback"
 _FIX = "pass Trainer(..., compute_loss_func=callback.compute_loss) so the loss is taken under the mix"
 IGNORE = -100  # the label the Trainer and the models ignore
+LABELS = "mixhook_labels"  # the batch's labels under the key the Trainer leaves in (see _KeepLabels)
+
+
+class _KeepLabels:
+    """The training loader's collator, wrapped: each batch (a mapping with ``labels``) also holds its labels
+    under :data:`LABELS`, which the Trainer leaves in the inputs when it takes ``labels`` out for
+    ``compute_loss_func``; the callback's model pre-hook takes them out and gives them to the mixer. It
+    runs wherever the collator runs (the loader's workers too) and travels with the loader (a resumed
+    epoch's ``skip_first_batches`` copy)."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, features):
+        batch = self.collate(features)
+        if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):
+            batch[LABELS] = batch["labels"]
+        return batch
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
@@ -136,13 +154,16 @@ class MixupCallback(_StepSeeded):
         module: a submodule to attach to instead of the model (its layers then named from it).
         schedule: a :class:`~mixhook.MixSchedule` of ``mixer``, set before every optimizer step from the
             Trainer's fractional epoch.
-        criterion: ``criterion(logits, labels)`` summed over the labelled items (it is divided by
-            ``num_items_in_batch``); ``None``: the model's task (see the module).
+        criterion: ``criterion(logits, labels)``: each sample's loss summed over its labelled items (one
+            per sample; a 0-d sum over the batch serves the methods with one lam per batch), divided by
+            ``num_items_in_batch``; ``None``: the model's task (see the module).
         seed: the draws' seed; ``None``: ``TrainingArguments.seed``.
 
-    The methods that need the labels before the forward (gradient saliency) cannot be used here: the
-    Trainer takes the labels out of the batch before the model's forward when ``compute_loss_func`` is
-    set, and its callbacks do not see the batch; they refuse in one line at the first forward.
+    Every method trains here: the ones that need the labels before the forward (gradient saliency,
+    SnapMix, C-Mixup) get the batch's ``labels`` (the Trainer takes them out of the batch before the
+    forward; the callback's collator wrapper keeps them for it), and the ones that keep the clean batch
+    beside the mix (RegMixup, RankMixup, MixupE, ``clean=True``) have their loss taken over both halves
+    (not under TRL's SFTTrainer, whose token metrics read ``B`` rows of logits: refused in one line).
     """
 
     def __init__(
@@ -154,12 +175,6 @@ class MixupCallback(_StepSeeded):
         seed: int | None = None,
     ):
         check_arguments(mixer, module, schedule, seed)
-        if any(getattr(m, "clean", False) for m in members(mixer)):
-            raise ValueError(
-                f"MixupCallback: {type(mixer).__name__} keeps the clean batch beside its mix (clean=True), "
-                "which the Trainer's loss does not take yet (its logits and labels would have different "
-                "rows); use a mixer with clean=False, or train it in your own loop or Lightning"
-            )
         if criterion is not None and not callable(criterion):
             raise TypeError(f"MixupCallback(criterion=...) must be callable, got {criterion!r:.80}")
         self.mixer, self.module, self.schedule, self.criterion = mixer, module, schedule, criterion
@@ -168,6 +183,7 @@ class MixupCallback(_StepSeeded):
         self._model = None  # the model the mixer is attached to (or whose submodule)
         self._handle = None
         self._handle_no_grad = None
+        self._handle_labels = None
         self._guard: StepGuard | None = None
 
     def __repr__(self) -> str:
@@ -179,6 +195,21 @@ class MixupCallback(_StepSeeded):
 
     def _check_arguments(self, args) -> None:
         self.args = args
+        clean = next((m for m in members(self.mixer) if getattr(m, "clean", False)), None)
+        if clean is not None and type(args).__name__ == "SFTConfig":
+            raise ValueError(
+                f"MixupCallback: {type(clean).__name__} keeps the clean batch beside its mix (the logits have "
+                "twice the batch's rows), which TRL's SFTTrainer's token metrics cannot read; train it with "
+                "the Trainer, or a mixer with clean=False"
+            )
+
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, **kwargs)
+        loader = train_dataloader
+        while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps
+            if callable(getattr(loader, "collate_fn", None)) and not isinstance(loader.collate_fn, _KeepLabels):
+                loader.collate_fn = _KeepLabels(loader.collate_fn)
+            loader = loader.__dict__.get("base_dataloader")
 
     def _resumed(self, attributes: Mapping) -> None:
         layers = attributes.get("layers")
@@ -206,13 +237,28 @@ class MixupCallback(_StepSeeded):
             self._handle.remove()
             self._guard.remove()
             self._handle_no_grad.remove()
+            self._handle_labels.remove()
         else:
             check_unattached(self.mixer)
         self._handle = self.mixer.attach(target)
         self._guard = StepGuard(self.mixer, target, _WHERE, _FIX)
         self._handle_no_grad = target.register_forward_pre_hook(self._without_gradients, prepend=True)
-        own(self._handle_no_grad)  # a copy of the model (an EMA) drops it
+        self._handle_labels = model.register_forward_pre_hook(self._labels, prepend=True, with_kwargs=True)
+        own(self._handle_no_grad)  # a copy of the model (an EMA) drops them
+        own(self._handle_labels)
         self._model = model
+
+    def _labels(self, module, args, kwargs):
+        """The batch's labels, given to the mixer before the forward (the methods that need them then:
+        gradient saliency, SnapMix's activation maps, C-Mixup's partners): the Trainer takes ``labels`` out
+        of the batch before the forward, so the training loader's collator (:class:`_KeepLabels`) keeps a
+        second reference under another key, taken out here before the model sees it."""
+        labels = kwargs.pop(LABELS, None)
+        if labels is None:
+            return None
+        if module.training and torch.is_grad_enabled():
+            self.mixer.use_targets(labels)
+        return args, kwargs
 
     def _without_gradients(self, module, args) -> None:
         """A training forward without gradients cannot train (TRL's SFTTrainer runs one after each loss,
@@ -244,6 +290,8 @@ class MixupCallback(_StepSeeded):
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
         criterion = self.criterion or self._criterion
         total = self.mixer.loss(criterion, logits, labels)
+        if total.ndim:  # one loss per row: the B samples', or a clean batch's 2B rows, whose mean is taken
+            total = total.sum() / (total.shape[0] // labels.shape[0])
         if num_items_in_batch is None:
             if self._model.training and self.args is not None and self.args.gradient_accumulation_steps > 1:
                 raise ValueError(
@@ -278,28 +326,28 @@ class MixupCallback(_StepSeeded):
         return "multi_label_classification"
 
     def _criterion(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The model's task's loss, summed over the labelled items."""
+        """The model's task's loss of each sample, summed over its labelled items (one per sample, so that
+        a method weighing each sample's labels by a lam of its own can: PuzzleMix, SnapMix, TransMix)."""
         problem = self._problem(labels)
+        dtype = _upcast(logits).dtype
         if problem == "regression":
-            if getattr(self._model.config, "num_labels", 1) == 1:
-                return F.mse_loss(
-                    _upcast(logits.squeeze(-1)), labels.squeeze(-1).to(_upcast(logits).dtype), reduction="sum"
-                )
-            return F.mse_loss(_upcast(logits), labels.to(_upcast(logits).dtype), reduction="sum")
-        if problem == "multi_label_classification":
-            return F.binary_cross_entropy_with_logits(
-                _upcast(logits), labels.to(_upcast(logits).dtype), reduction="sum"
-            )
-        if _causal(self._model):
-            logits, labels = logits[..., :-1, :], labels[..., 1:]
-        smoothing = float(getattr(self.args, "label_smoothing_factor", 0.0) or 0.0)
-        return F.cross_entropy(
-            _upcast(logits.reshape(-1, logits.shape[-1])),
-            labels.reshape(-1),
-            ignore_index=IGNORE,
-            reduction="sum",
-            label_smoothing=smoothing,
-        )
+            if getattr(getattr(self._model, "config", None), "num_labels", 1) == 1:
+                return F.mse_loss(_upcast(logits.squeeze(-1)), labels.squeeze(-1).to(dtype), reduction="none")
+            losses = F.mse_loss(_upcast(logits), labels.to(dtype), reduction="none")
+        elif problem == "multi_label_classification":
+            losses = F.binary_cross_entropy_with_logits(_upcast(logits), labels.to(dtype), reduction="none")
+        else:
+            if _causal(self._model):
+                logits, labels = logits[..., :-1, :], labels[..., 1:]
+            smoothing = float(getattr(self.args, "label_smoothing_factor", 0.0) or 0.0)
+            losses = F.cross_entropy(
+                _upcast(logits.reshape(-1, logits.shape[-1])),
+                labels.reshape(-1),
+                ignore_index=IGNORE,
+                reduction="none",
+                label_smoothing=smoothing,
+            ).view(labels.shape)
+        return losses.flatten(1).sum(1) if losses.ndim > 1 else losses
 
 
 class HookCallback(_StepSeeded):

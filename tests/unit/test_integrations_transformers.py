@@ -249,3 +249,67 @@ def test_bad_input_is_one_line(tmp_path):
         callback.compute_loss({"logits": torch.zeros(2, 3)}, None)
     with pytest.raises(TypeError, match="mixhook regularizer"):
         adapter.MixupCallback(torch.nn.Linear(2, 2))
+
+
+class Pixels(torch.nn.Module):
+    """A small image classifier as the Trainer takes one (``pixel_values``, a dict of outputs), with a last
+    map pooled into a Linear (SnapMix's) and square maps (PuzzleMix's)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(4, 6, 3, padding=1)
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, pixel_values, labels=None):
+        h = F.relu(self.conv2(F.relu(self.conv(pixel_values))))
+        return {"logits": self.fc(h.mean((2, 3)))}
+
+
+def images(n=16):
+    g = torch.Generator().manual_seed(1)
+    return [
+        {"pixel_values": torch.randn(1, 8, 8, generator=g, dtype=torch.float64),
+         "labels": torch.randint(0, 3, (), generator=g)}
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def methods():
+    from mixhook import PuzzleMix, RegMixup, SaliencyMix, SnapMix
+
+    return {
+        "saliencymix-gradient": lambda: SaliencyMix("conv", saliency="gradient"),  # labels before the forward
+        "puzzlemix": lambda: PuzzleMix("conv", grids="auto"),  # and a lam per sample
+        "snapmix": lambda: SnapMix("input", features="conv2", classifier="fc"),  # its maps need the labels
+        "regmixup": lambda: RegMixup("conv", alpha=1.0),  # the clean batch beside the mix: 2B rows
+    }
+
+
+@pytest.mark.parametrize("method", ["saliencymix-gradient", "puzzlemix", "snapmix", "regmixup"])
+def test_methods_that_need_the_labels_before_the_forward_or_keep_the_clean_batch_train_as_the_hand_loop(
+    method, tmp_path
+):
+    """The Trainer takes the labels out of the batch before the forward; the callback's collator keeps them
+    for the methods that need them then, and the loss of a clean batch's 2B rows is their mean."""
+    make, data = methods()[method], images()
+    model = Pixels().double()
+    start = copy.deepcopy(model)
+    callback = adapter.MixupCallback(make())
+    args = arguments(tmp_path, gradient_accumulation_steps=1, num_train_epochs=1, max_steps=3)
+    hf_trainer(model, args, data, callback).train()
+    mixer, opt = make(), torch.optim.SGD(start.parameters(), lr=0.1)
+    with mixer.attach(start):
+        for step in range(3):
+            x = torch.stack([r["pixel_values"] for r in data[4 * step : 4 * step + 4]])
+            y = torch.stack([r["labels"] for r in data[4 * step : 4 * step + 4]])
+            reseed(mixer, 7, 0, step)
+            mixer.use_targets(y)
+            logits = start(x)["logits"]
+            mixer.loss(lambda z, t: F.cross_entropy(z, t, reduction="none"), logits, y).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert mixer.last is not None
+    for a, b in zip(model.parameters(), start.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)

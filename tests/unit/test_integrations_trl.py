@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixhook import ManifoldMixup, NEFTune
+from mixhook import ManifoldMixup, NEFTune, RegMixup
 from mixhook.integrations.draws import reseed
 from mixhook.packing import PackedBatchError
 from tests.helpers import Lazy
@@ -211,6 +211,10 @@ def test_packing_neftune_twice_and_restored_callback_states_are_refused(tmp_path
     assert "packing=False" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="the noise would be added twice"):
         sft(llama(), tmp_path, [adapter.HookCallback(NEFTune("model.embed_tokens"))], neftune_noise_alpha=5.0)
+    regmixup = adapter.MixupCallback(RegMixup("model.layers.0"))  # 2B rows of logits: TRL's metrics read B
+    with pytest.raises(ValueError, match="RegMixup keeps the clean batch .* TRL's SFTTrainer") as err:
+        sft(llama(), tmp_path, [regmixup], regmixup.compute_loss)
+    assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="HookCallback on resume by a new one without its hooks"):
         sft(
             llama(), tmp_path, [adapter.HookCallback(NEFTune("model.embed_tokens"))],

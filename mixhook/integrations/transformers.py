@@ -198,17 +198,18 @@ class MixupCallback(_StepSeeded):
         clean = next((m for m in members(self.mixer) if getattr(m, "clean", False)), None)
         if clean is not None and type(args).__name__ == "SFTConfig":
             raise ValueError(
-                f"MixupCallback: {type(clean).__name__} keeps the clean batch beside its mix (the logits have "
-                "twice the batch's rows), which TRL's SFTTrainer's token metrics cannot read; train it with "
-                "the Trainer, or a mixer with clean=False"
+                f"MixupCallback: {type(clean).__name__} keeps the clean batch beside its mix (the logits "
+                "have twice the batch's rows), which TRL's SFTTrainer's token metrics cannot read; train it "
+                "with the Trainer, or a mixer with clean=False"
             )
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
         loader = train_dataloader
         while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps
-            if callable(getattr(loader, "collate_fn", None)) and not isinstance(loader.collate_fn, _KeepLabels):
-                loader.collate_fn = _KeepLabels(loader.collate_fn)
+            collate = getattr(loader, "collate_fn", None)
+            if callable(collate) and not isinstance(collate, _KeepLabels):
+                loader.collate_fn = _KeepLabels(collate)
             loader = loader.__dict__.get("base_dataloader")
 
     def _resumed(self, attributes: Mapping) -> None:

@@ -69,6 +69,12 @@ def reseed(hook: MixingHook, seed: int, rank: int, step: int, first_part: int = 
         g.manual_seed(step_seed(seed, rank, step, part))
 
 
+def needs_partner_batch(hook: MixingHook) -> bool:
+    """Whether ``hook`` (or one of a :class:`~mixhook.OneOf`'s mixers) mixes with a second batch that
+    ``use_partners`` gives before each training forward (``PartnerBatch``, Balanced-MixUp)."""
+    return any(p.needs_partner_batch for h in members(hook) for p in getattr(h, "policies", ()))
+
+
 def _forwards(hook: MixingHook) -> list:
     """The records of recent forwards (:class:`~mixhook.engine.binding.Forwards`) of ``hook``'s mixers."""
     return [h.forwards for h in members(hook) if getattr(h, "forwards", None) is not None]

@@ -15,14 +15,20 @@ Everything else of timm's loop stays: the soft-target loss, ``mixup_fn.mixup_ena
 ``mixup_off_epoch``, label smoothing, ``switch_prob``. With ``layer="input"`` and the default
 ``pairing="flip"`` the batch is mixed as timm's ``Mixup`` mixes it (tested on the same lam and box).
 
-Nothing here imports timm: the class only speaks its ``mixup_fn`` protocol.
+:class:`MixupFn` takes any mixhook method instead (SnapMix, PuzzleMix, RegMixup, the policies, ...): its
+``mixup_fn`` hands the method the labels before the forward and its :meth:`MixupFn.loss` wraps timm's
+criterion, two lines of ``train.py``.
+
+Nothing here imports timm: the classes only speak its ``mixup_fn`` protocol.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..engine.traced import Shape
@@ -237,3 +243,97 @@ class LayerMixup:
                 "LayerMixup was called again before a training forward used its last mix: the soft targets "
                 "it returned belong to no forward (call it once per batch, right before model(x) in training)"
             )
+
+
+def _per_sample(criterion: Callable) -> Callable:
+    """``criterion`` returning one loss per sample, where it is one of the criteria timm's script builds
+    (their means over the batch): ``nn.CrossEntropyLoss`` (a copy with ``reduction="none"``), timm's
+    ``LabelSmoothingCrossEntropy`` (torch's cross-entropy with the same ``label_smoothing``: the same
+    formula) and ``SoftTargetCrossEntropy`` (its sum over classes, unmeaned); anything else as it is."""
+    if isinstance(criterion, nn.CrossEntropyLoss):
+        per_sample = copy.copy(criterion)
+        per_sample.reduction = "none"
+        return per_sample
+    name = type(criterion).__name__
+    if name == "LabelSmoothingCrossEntropy":
+        return nn.CrossEntropyLoss(reduction="none", label_smoothing=float(criterion.smoothing))
+    if name == "SoftTargetCrossEntropy":
+        return lambda x, target: torch.sum(-target * F.log_softmax(x, dim=-1), dim=-1)
+    return criterion
+
+
+class MixupFn:
+    """Any mixhook method in timm's training script: its ``mixup_fn`` gives the method the batch's labels
+    before the forward (gradient saliency, SnapMix's maps, C-Mixup's partners), and :meth:`loss` wraps its
+    criterion so the loss is taken under the forward's mix. Two lines of ``train.py`` change::
+
+        mixup_fn = MixupFn(model, SnapMix("input", features="layer4", classifier="fc"))
+        train_loss_fn = mixup_fn.loss(train_loss_fn)          # the criterion timm built, under the mix
+
+    ``input, target = mixup_fn(input, target)`` in ``train_one_epoch`` stays: the input and the labels come
+    back unchanged (the method mixes inside the model's forward, at its layers). The criterion timm's
+    script builds (cross-entropy, its label-smoothing one, the soft-target one) is taken per sample, so a
+    method with a lam per sample (PuzzleMix, SnapMix, TransMix) weighs it, and the mean over the batch
+    (over a clean+mixed method's ``2B`` rows: RegMixup) is returned, as your own loop would take it.
+    ``mixup_enabled = False`` (timm's ``mixup_off_epoch``) leaves the next forwards unmixed. Evaluation
+    (``validate_loss_fn``, a model in eval mode) is untouched.
+
+    The mixer draws from its own generator (by default seeded from ``torch.initial_seed()``, which timm's
+    ``random_seed(seed, rank)`` makes different per rank). Refused in one line: a method that mixes with a
+    second batch (``PartnerBatch``, Balanced-MixUp: timm's loop gives one batch a step); a call without a
+    training forward in between (the labels would belong to no forward).
+    """
+
+    def __init__(self, model: nn.Module, mixer):
+        from ..engine.contract import MixingHook
+        from .draws import needs_partner_batch
+
+        if not isinstance(mixer, MixingHook):
+            raise TypeError(f"MixupFn needs a mixhook mixer (ManifoldMixup, SnapMix, ...), got {mixer!r:.80}")
+        if needs_partner_batch(mixer):
+            raise ValueError(
+                f"MixupFn: {mixer!r:.80} mixes with a second batch (use_partners), which timm's training "
+                "loop does not give (one batch a step); train it in your own loop, Lightning or the app"
+            )
+        self.mixer, self.model = mixer, _unwrap(model)
+        self.mixup_enabled = True
+        self._handle = mixer.attach(self.model)
+        self._called = False  # a call not yet followed by a training forward
+
+    def __repr__(self) -> str:
+        return f"MixupFn({self.mixer!r})"
+
+    def remove(self) -> None:
+        """Take the mixer off the model."""
+        self._handle.remove()
+
+    @property
+    def last(self):
+        """The :class:`~mixhook.MixState` of the latest training forward (``None``: not mixed)."""
+        return self.mixer.last
+
+    def __call__(self, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._called:
+            raise RuntimeError(
+                "MixupFn was called again before a training forward: the labels it was given belong to no "
+                "forward (call it once per batch, right before model(x) in training)"
+            )
+        self.mixer.use_targets(target)
+        if not self.mixup_enabled:
+            self.mixer.skip_next()
+        self._called = True
+        return x, target
+
+    def loss(self, criterion: Callable) -> Callable:
+        """``criterion`` (timm's ``train_loss_fn``) under the mix of the forward whose output it is given."""
+
+        per_sample = _per_sample(criterion)
+
+        def mixed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            self._called = False
+            if not self.model.training:
+                return criterion(output, target)
+            loss = self.mixer.loss(per_sample, output, target)
+            return loss.mean() if loss.ndim else loss
+
+        return mixed

@@ -163,3 +163,55 @@ def test_what_is_refused_in_one_line():
         assert "\n" not in str(err.value)
     with pytest.raises(UnknownLayerError, match="nosuch"):
         LayerMixup(model, layer="nosuch", **ARGS)
+
+
+@pytest.mark.parametrize("method", ["snapmix", "puzzlemix", "regmixup", "saliencymix"])
+def test_any_method_in_timms_step_trains_as_the_hand_loop(method):
+    """MixupFn in timm's training step (ClassificationTask with the label-smoothing criterion timm's
+    script builds, wrapped by mixup_fn.loss): every gradient equals a hand loop's, which gives the mixer
+    the labels and takes the per-sample criterion's mean under the mix, on the same draws."""
+    from mixhook import PuzzleMix, RegMixup, SaliencyMix, SnapMix
+    from mixhook.integrations.timm import MixupFn
+
+    make = {
+        "snapmix": lambda: SnapMix("input", features="layer4", classifier="fc"),
+        "puzzlemix": lambda: PuzzleMix("layer1", grids="auto", saliency="activation"),
+        "regmixup": lambda: RegMixup("layer2", alpha=1.0),
+        "saliencymix": lambda: SaliencyMix("layer1", saliency="gradient"),
+    }[method]
+    model = tiny_resnet()
+    twin = copy.deepcopy(model)
+    mixer, hand = make(), make()
+    hand.generator.set_state(mixer.generator.get_state())
+    from timm.loss import LabelSmoothingCrossEntropy
+
+    smoothing = LabelSmoothingCrossEntropy(smoothing=0.1)
+    mixup_fn = MixupFn(model, mixer)
+    task = timm_task.ClassificationTask(model, criterion=mixup_fn.loss(smoothing), verbose=False)
+    x, y = torch.randn(6, 3, 32, 32, dtype=torch.double), torch.tensor([0, 1, 2, 3, 4, 0])
+    per_sample = torch.nn.CrossEntropyLoss(reduction="none", label_smoothing=0.1)
+    with hand.attach(twin):
+        for _ in range(2):
+            model.zero_grad(), twin.zero_grad()
+            input, target = mixup_fn(x, y)  # timm's train_one_epoch
+            assert input is x and target is y
+            task(input, target)["loss"].backward()
+            hand.use_targets(y)
+            hand.loss(per_sample, twin(x), y).mean().backward()
+            assert mixer.last is not None
+            for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+    model.eval()  # validation: the plain criterion, nothing mixed
+    torch.testing.assert_close(mixup_fn.loss(smoothing)(model(x), y), smoothing(model(x), y))
+    mixup_fn.mixup_enabled = False  # timm's mixup_off_epoch
+    model.train()
+    mixup_fn(x, y)
+    model(x)
+    assert mixer.last is None
+    with pytest.raises(RuntimeError, match="called again before a training forward"):
+        mixup_fn(x, y), mixup_fn(x, y)
+    from mixhook import ManifoldMixup as MM
+    from mixhook.policies import BalancedMixup
+
+    with pytest.raises(ValueError, match="mixes with a second batch"):
+        MixupFn(tiny_resnet(), MM("layer1").use(BalancedMixup()))

@@ -141,3 +141,65 @@ class StepGuard:
     def remove(self) -> None:
         if self._handle is not None:
             self._handle.remove()
+
+
+# ------------------------------------------------------------------ what the data gives the policies
+
+PARTNERS = 1 << 30  # the partner draws' part in step_seed: none shared with a mixer's generators
+
+
+def dataset_labels(dataset) -> torch.Tensor | None:
+    """The class index of every sample of a map-style ``dataset`` (``None`` where they are not class
+    indices): its ``targets``/``labels`` (torchvision's data sets), a ``TensorDataset``'s second tensor, or
+    each sample's ``[1]`` or ``["labels"]`` read once."""
+    for name in ("targets", "labels"):
+        found = getattr(dataset, name, None)
+        if isinstance(found, torch.Tensor | list) and len(found) == len(dataset):
+            labels = torch.as_tensor(found)
+            return labels if not labels.dtype.is_floating_point and labels.ndim == 1 else None
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(tensors, tuple) and len(tensors) >= 2:
+        labels = tensors[1]
+    elif "labels" in (getattr(dataset, "column_names", None) or ()):  # a HuggingFace datasets.Dataset
+        labels = torch.as_tensor(dataset["labels"])
+    else:
+        labels = []
+        for i in range(len(dataset)):
+            sample = dataset[i]
+            label = sample.get("labels") if isinstance(sample, dict) else sample[1]
+            labels.append(torch.as_tensor(label))
+        labels = torch.stack(labels) if labels else torch.zeros(0, dtype=torch.long)
+    return labels if not labels.dtype.is_floating_point and labels.ndim == 1 else None
+
+
+def count_classes(hook: MixingHook, labels: torch.Tensor | None, where: str) -> None:
+    """Give every Remix of ``hook`` without class counts those of the training ``labels`` (refused in one
+    line where the data set's labels are no class indices)."""
+    from ..policies.targets import Remix
+
+    for policy in (p for h in members(hook) for p in getattr(h, "policies", ())):
+        if isinstance(policy, Remix) and policy.counts is None:
+            if labels is None:
+                raise ValueError(
+                    f"{where}: Remix needs the training set's class counts, and its samples' labels are no "
+                    "class indices; give them: Remix(counts=[...])"
+                )
+            policy.count(labels, int(labels.max()) + 1 if labels.numel() else 0)
+
+
+class PartnerStream:
+    """Class-balanced partner batches for a mixer with a ``PartnerBatch`` (Balanced-MixUp's second loader):
+    the batch of step ``step`` of rank ``rank`` holds ``n`` samples drawn with replacement, each class
+    equally likely, from a generator seeded by ``(seed, rank, step)`` (:func:`step_seed`), so a resumed run
+    draws what the uninterrupted one drew, every rank its own. ``collate`` makes the batch from the samples
+    (the training loader's ``collate_fn``)."""
+
+    def __init__(self, dataset, labels: torch.Tensor, collate, seed: int):
+        counts = torch.bincount(labels).to(torch.float64)
+        self.weights = 1.0 / counts.clamp_min(1)[labels]
+        self.dataset, self.collate, self.seed = dataset, collate, seed
+
+    def batch(self, rank: int, step: int, n: int):
+        g = torch.Generator().manual_seed(step_seed(self.seed, rank, step, PARTNERS))
+        index = torch.multinomial(self.weights, n, replacement=True, generator=g)
+        return self.collate([self.dataset[int(i)] for i in index])

@@ -20,9 +20,13 @@ detached copy, which attaches in the worker) and removes it at ``teardown``; bef
 it sets the schedule (per step and per epoch, ``MixSchedule(off_epoch=...)`` for timm's
 ``mixup_off_epoch``), draws the step's mixes from ``(seed, rank, step)`` (every rank its own, a resumed
 run the same as the uninterrupted one: :mod:`mixhook.integrations.draws`) and hands the batch's labels to
-the methods that need them. Its seed and the regularizer's settings go into Lightning's checkpoint and
-come back on resume. Validation, test and predict loops run in eval mode: nothing is mixed, and
-:func:`mixed_loss` is then the plain criterion.
+the methods that need them. What the policies need from the training set comes from the training loader's
+data set when training starts: Remix's class counts (where not given) and, for a ``PartnerBatch``
+(Balanced-MixUp), a class-balanced partner batch per step drawn from ``(seed, rank, step)``
+(:class:`~mixhook.integrations.draws.PartnerStream`: your own loop draws the same with
+``PartnerStream(dataset, labels, collate, seed).batch(rank, step_key(epoch, i), n)``). Its seed and the
+regularizer's settings go into Lightning's checkpoint and come back on resume. Validation, test and
+predict loops run in eval mode: nothing is mixed, and :func:`mixed_loss` is then the plain criterion.
 
 Lightning's callbacks cannot change the loss ``training_step`` returns, so the loss is taken in
 ``training_step``, in one line: :func:`mixed_loss` (or the regularizer's own ``loss``/``targets``). A
@@ -49,7 +53,17 @@ from ..engine.contract import MixingHook
 from ..hooks import without_rank
 from ..layers import resolve_layers
 from ..schedule import MixSchedule
-from .draws import StepGuard, check_arguments, check_unattached, generators, reseed
+from .draws import (
+    PartnerStream,
+    StepGuard,
+    check_arguments,
+    check_unattached,
+    count_classes,
+    dataset_labels,
+    generators,
+    needs_partner_batch,
+    reseed,
+)
 
 _WHERE = "MixupCallback"
 _FIX = "in training_step take it with mixed_loss(self, criterion, logits, y) (or the mixer's loss or targets)"
@@ -105,6 +119,8 @@ class MixupCallback(Callback):
         self._guard: StepGuard | None = None
         self._before = None
         self._labels: torch.Tensor | None = None
+        self._stream: PartnerStream | None = None  # a PartnerBatch mixer's class-balanced batches
+        self._partners: tuple | None = None  # this step's partner batch and its labels
 
     def __repr__(self) -> str:
         return f"MixupCallback({self.mixer!r}, module={self.module!r}, seed={self.seed})"
@@ -132,6 +148,31 @@ class MixupCallback(Callback):
             self._handle.remove()
             self._handle = None
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        """What the mixer's policies need from the training set: Remix its class counts (where not given),
+        a ``PartnerBatch`` a class-balanced partner batch per step (:class:`~.draws.PartnerStream`, from the
+        training loader's data set and collator)."""
+        partners = needs_partner_batch(self.mixer)
+        if not partners and not any(p.needs_classes for p in getattr(self.mixer, "policies", ())):
+            return
+        loader = trainer.train_dataloader
+        dataset = getattr(loader, "dataset", None)
+        if dataset is None or not hasattr(dataset, "__getitem__"):
+            raise ValueError(
+                f"{_WHERE}: {self.mixer!r:.80} needs the training set (its class counts, or a class-balanced "
+                f"partner batch per step), but the training loader is a {type(loader).__name__} without a "
+                "map-style data set; train from one DataLoader over a Dataset"
+            )
+        labels = dataset_labels(dataset)
+        count_classes(self.mixer, labels, _WHERE)
+        if partners:
+            if labels is None:
+                raise ValueError(
+                    f"{_WHERE}: the mixer mixes with a class-balanced partner batch, and the training set's "
+                    "labels are no class indices"
+                )
+            self._stream = PartnerStream(dataset, labels, loader.collate_fn, self.seed)
+
     # ------------------------------------------------------------------------------ every batch
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
@@ -143,8 +184,22 @@ class MixupCallback(Callback):
         reseed(self.mixer, self.seed, trainer.global_rank, step_key(epoch, batch_idx))
         labels = self._labels_of(batch)
         self._labels = labels if isinstance(labels, torch.Tensor) else None
+        self._partners = None
+        if self._stream is not None:
+            self._partners = self._partner_batch(trainer.global_rank, step_key(epoch, batch_idx), batch)
         if self._guard is not None:
             self._guard.begin()
+
+    def _partner_batch(self, rank: int, step: int, batch) -> tuple:
+        """This step's class-balanced partner batch ``(x, y)``, as many as the batch, where its ``x`` is."""
+        if not (isinstance(batch, Sequence) and len(batch) >= 2 and isinstance(batch[0], torch.Tensor)):
+            raise TypeError(
+                f"{_WHERE}: a partner batch is appended to the model's input, which needs (x, y) batches; "
+                f"this batch is a {type(batch).__name__}"
+            )
+        x = batch[0]
+        partner = self._stream.batch(rank, step, x.shape[0])
+        return partner[0].to(x.device, x.dtype), partner[1].to(x.device)
 
     def _before_forward(self, module, args) -> None:
         """Before the hooked module's own hooks, at each of its calls in training: Lightning's DDP, FSDP and
@@ -161,6 +216,8 @@ class MixupCallback(Callback):
         self._guard.forwards += 1
         if self._labels is not None:
             self.mixer.use_targets(self._labels)
+        if self._partners is not None:
+            self.mixer.use_partners(*self._partners)
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         if self._guard is not None and trainer.training:

@@ -55,7 +55,15 @@ from ..copies import own
 from ..engine.contract import MixingHook, members
 from ..layers import resolve_layers
 from ..schedule import MixSchedule
-from .draws import StepGuard, check_arguments, check_unattached, reseed
+from .draws import (
+    StepGuard,
+    check_arguments,
+    check_unattached,
+    count_classes,
+    dataset_labels,
+    needs_partner_batch,
+    reseed,
+)
 
 _WHERE = "MixupCallback"
 _FIX = "pass Trainer(..., compute_loss_func=callback.compute_loss) so the loss is taken under the mix"
@@ -175,6 +183,12 @@ class MixupCallback(_StepSeeded):
         seed: int | None = None,
     ):
         check_arguments(mixer, module, schedule, seed)
+        if needs_partner_batch(mixer):
+            raise ValueError(
+                f"MixupCallback: {mixer!r:.80} appends a partner batch to the model's first positional "
+                "argument, and the Trainer calls the model with keyword arguments only; train Balanced-MixUp "
+                "with Lightning's MixupCallback, the app or your own loop (mixer.use_partners)"
+            )
         if criterion is not None and not callable(criterion):
             raise TypeError(f"MixupCallback(criterion=...) must be callable, got {criterion!r:.80}")
         self.mixer, self.module, self.schedule, self.criterion = mixer, module, schedule, criterion
@@ -205,6 +219,9 @@ class MixupCallback(_StepSeeded):
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
+        if any(p.needs_classes for p in getattr(self.mixer, "policies", ())) and train_dataloader is not None:
+            dataset = getattr(train_dataloader, "dataset", None)  # Remix's class counts, where not given
+            count_classes(self.mixer, None if dataset is None else dataset_labels(dataset), "MixupCallback")
         loader = train_dataloader
         while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps
             collate = getattr(loader, "collate_fn", None)

@@ -297,3 +297,57 @@ def test_under_ddps_forward_redirection_only_the_real_forward_mixes():
     hand_loop(twin, ManifoldMixup(["input", "2"], alpha=1.0), loader, 2, 4)
     for a, b in zip(lit.net.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def per_sample_ce(logits, y):
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+@pytest.mark.parametrize("policy", ["balanced", "remix"])
+def test_partner_batches_and_class_counts_come_from_the_training_set(policy):
+    """Balanced-MixUp's class-balanced partner batch (drawn per step from (seed, rank, step)) and Remix's
+    class counts come from the training loader's data set, with no call from the user: the weights equal
+    a hand loop's that draws the partner batches with PartnerStream and counts the classes itself."""
+    from mixhook.integrations.draws import PartnerStream, dataset_labels
+    from mixhook.policies import BalancedMixup, Remix
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 3, 6, 6, generator=g, dtype=torch.float64)
+    y = torch.cat([torch.zeros(28, dtype=torch.long), torch.ones(8, dtype=torch.long), torch.full((4,), 2)])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+    def make(prefix="net."):
+        mixer = ManifoldMixup(f"{prefix}2", alpha=1.0, generator=torch.Generator().manual_seed(4))
+        return mixer.use(BalancedMixup() if policy == "balanced" else Remix())
+
+    class PerSample(lit_class()):
+        def training_step(self, batch, batch_idx):
+            xb, yb = batch
+            return mixed_loss(self, per_sample_ce, self(xb), yb).mean()
+
+    lit = PerSample()
+    lit.net.double()
+    twin = copy.deepcopy(lit.net)
+    mixer = make()
+    trainer(max_epochs=1, callbacks=[MixupCallback(mixer)]).fit(lit, loader)
+    hand, opt = make(""), torch.optim.SGD(twin.parameters(), lr=0.1)
+    stream = PartnerStream(loader.dataset, dataset_labels(loader.dataset), loader.collate_fn, seed=4)
+    if policy == "remix":
+        hand.policies[0].count(y, 3)
+        assert mixer.policies[0].counts.tolist() == [28, 8, 4]
+    partners = []
+    with hand.attach(twin):
+        for i, (xb, yb) in enumerate(loader):
+            reseed(hand, 4, 0, integration.step_key(0, i))
+            if policy == "balanced":
+                xp, yp = stream.batch(0, integration.step_key(0, i), xb.shape[0])
+                hand.use_partners(xp, yp)
+                partners.append(yp)
+            hand.loss(per_sample_ce, twin(xb), yb).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(lit.net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    if policy == "balanced":  # the partners' classes come about equally often, the batches' do not
+        seen = torch.bincount(torch.cat(partners), minlength=3)
+        assert seen.min() >= 6 and torch.bincount(y)[0] > 3 * torch.bincount(y)[2]

@@ -249,6 +249,11 @@ def test_bad_input_is_one_line(tmp_path):
         callback.compute_loss({"logits": torch.zeros(2, 3)}, None)
     with pytest.raises(TypeError, match="mixhook regularizer"):
         adapter.MixupCallback(torch.nn.Linear(2, 2))
+    from mixhook.policies import BalancedMixup
+
+    with pytest.raises(ValueError, match="keyword arguments only; train Balanced-MixUp") as error:
+        adapter.MixupCallback(ManifoldMixup(BERT_LAYERS).use(BalancedMixup()))
+    one_line(error)
 
 
 class Pixels(torch.nn.Module):
@@ -278,8 +283,10 @@ def images(n=16):
 
 def methods():
     from mixhook import PuzzleMix, RegMixup, SaliencyMix, SnapMix
+    from mixhook.policies import Remix
 
     return {
+        "remix": lambda: ManifoldMixup("conv", alpha=1.0).use(Remix()),  # the counts from the training set
         "saliencymix-gradient": lambda: SaliencyMix("conv", saliency="gradient"),  # labels before the forward
         "puzzlemix": lambda: PuzzleMix("conv", grids="auto"),  # and a lam per sample
         "snapmix": lambda: SnapMix("input", features="conv2", classifier="fc"),  # its maps need the labels
@@ -287,7 +294,7 @@ def methods():
     }
 
 
-@pytest.mark.parametrize("method", ["saliencymix-gradient", "puzzlemix", "snapmix", "regmixup"])
+@pytest.mark.parametrize("method", ["saliencymix-gradient", "puzzlemix", "snapmix", "regmixup", "remix"])
 def test_methods_that_need_the_labels_before_the_forward_or_keep_the_clean_batch_train_as_the_hand_loop(
     method, tmp_path
 ):
@@ -300,6 +307,10 @@ def test_methods_that_need_the_labels_before_the_forward_or_keep_the_clean_batch
     args = arguments(tmp_path, gradient_accumulation_steps=1, num_train_epochs=1, max_steps=3)
     hf_trainer(model, args, data, callback).train()
     mixer, opt = make(), torch.optim.SGD(start.parameters(), lr=0.1)
+    if method == "remix":
+        labels = torch.stack([r["labels"] for r in data])
+        mixer.policies[0].count(labels, 3)
+        assert callback.mixer.policies[0].counts.tolist() == mixer.policies[0].counts.tolist()
     with mixer.attach(start):
         for step in range(3):
             x = torch.stack([r["pixel_values"] for r in data[4 * step : 4 * step + 4]])

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..functional import blend, lerp_rows
-from ..sites import Leaf
+from ..sites import INPUT, Leaf, parse_site
 
 PREFIX_RULES = ("blend", "keep")
 
@@ -54,13 +54,32 @@ _TIMM_VITS = ("VisionTransformer", "Eva")
 _HF_VITS = ("vit", "deit", "beit", "data2vec-vision", "dinov2", "vit_msn", "vit_mae")
 
 
-def model_grid(model: nn.Module | None) -> ModelGrid | None:
+def model_grid(model: nn.Module | None, within: str | None = None) -> ModelGrid | None:
     """The patch grid ``model`` states, where it is a plain ViT that states one at a fixed image size:
     timm's ``VisionTransformer`` and ``Eva`` (``patch_embed.grid_size``, ``num_prefix_tokens``),
     torchvision's ``VisionTransformer`` (``image_size // patch_size``, one class token), a HuggingFace
-    ViT-style model (``config.image_size // config.patch_size``); else ``None``."""
+    ViT-style model (``config.image_size // config.patch_size``); else ``None``. With ``within`` (a
+    module's name in ``model``, such as an attention layer), a model that states nothing is looked into:
+    the innermost module around ``within`` that states one (the ViT a LightningModule, a DDP or a wrapper
+    for the HuggingFace Trainer holds)."""
     if model is None:
         return None
+    found = _stated_grid(model)
+    if found is not None or not within:
+        return found
+    parts = within.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        try:
+            inner = model.get_submodule(".".join(parts[:end]))
+        except AttributeError:
+            continue
+        found = _stated_grid(inner)
+        if found is not None:
+            return found
+    return None
+
+
+def _stated_grid(model: nn.Module) -> ModelGrid | None:
     classes = {c.__name__ for c in type(model).__mro__}
     embed = getattr(model, "patch_embed", None)
     grid = getattr(embed, "grid_size", None)
@@ -115,8 +134,10 @@ class TokenGrid:
         return "'auto'" if self.grid is None else str(self.grid)
 
     def resolve(self, spec: str, model: nn.Module | None) -> tuple[tuple[int, int], ModelGrid | None]:
-        """The grid to use at ``spec``, checked against what ``model`` states about its own."""
-        stated = model_grid(model)
+        """The grid to use at ``spec``, checked against what ``model`` (or the ViT around ``spec`` in it)
+        states about its own."""
+        layer = parse_site(spec).layer
+        stated = model_grid(model, within=None if layer == INPUT else layer)
         if self.grid is None:
             if stated is None:
                 name = type(model).__name__ if model is not None else "the model"

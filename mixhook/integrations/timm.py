@@ -292,8 +292,9 @@ class MixupFn:
             raise TypeError(f"MixupFn needs a mixhook mixer (ManifoldMixup, SnapMix, ...), got {mixer!r:.80}")
         if needs_partner_batch(mixer):
             raise ValueError(
-                f"MixupFn: {mixer!r:.80} mixes with a second batch (use_partners), which timm's training "
-                "loop does not give (one batch a step); train it in your own loop, Lightning or the app"
+                f"MixupFn: {type(mixer).__name__} mixes with a second batch (PartnerBatch, BalancedMixup: "
+                "use_partners), which timm's training loop does not give (one batch a step); train it in "
+                "your own loop, Lightning or the app"
             )
         self.mixer, self.model = mixer, _unwrap(model)
         self.mixup_enabled = True

@@ -185,9 +185,10 @@ class MixupCallback(_StepSeeded):
         check_arguments(mixer, module, schedule, seed)
         if needs_partner_batch(mixer):
             raise ValueError(
-                f"MixupCallback: {mixer!r:.80} appends a partner batch to the model's first positional "
-                "argument, and the Trainer calls the model with keyword arguments only; train Balanced-MixUp "
-                "with Lightning's MixupCallback, the app or your own loop (mixer.use_partners)"
+                f"MixupCallback: {type(mixer).__name__}'s partner batch (PartnerBatch, BalancedMixup) is "
+                "appended to the model's first positional argument, and the Trainer calls the model with "
+                "keyword arguments only; train Balanced-MixUp with Lightning's MixupCallback, the app or "
+                "your own loop (mixer.use_partners)"
             )
         if criterion is not None and not callable(criterion):
             raise TypeError(f"MixupCallback(criterion=...) must be callable, got {criterion!r:.80}")

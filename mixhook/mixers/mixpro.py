@@ -146,7 +146,7 @@ class MixPro(ReadsAttention, RegionMixer):
             return self.cell
         if self.token_grid is not None and self.sites[spec].layer != INPUT:
             return 4  # (the block's tokens: one position per patch)
-        stated = model_grid(self._model)
+        stated = model_grid(self._model, within=self.attention)
         if stated is None:
             raise TypeError(
                 f"MixPro: {type(self._model).__name__} does not state its patch grid; give cell=... (a mask "

@@ -68,7 +68,7 @@ def attention_grid(mixer, model: nn.Module, count: int) -> tuple[int, int, int]:
     if mixer.token_grid is not None and mixer.token_grid.grid is not None:
         rows, cols = mixer.token_grid.grid
         return rows, cols, count - rows * cols
-    stated = model_grid(model)
+    stated = model_grid(model, within=mixer.attention)
     if stated is None:
         raise TypeError(
             f"{kind}: {type(model).__name__} does not state its patch grid; use a timm, torchvision or "

@@ -197,3 +197,35 @@ def test_with_the_clean_batch_kept_the_weights_read_the_mixed_rows_attention():
         plain(x)
     assert kept.last.lam.shape == (4,)
     torch.testing.assert_close(kept.last.lam, alone.last.lam, rtol=1e-10, atol=1e-12)
+
+
+class Holding(nn.Module):
+    """A module holding the ViT (a LightningModule's self.net, a wrapper for the HuggingFace Trainer): it
+    states no patch grid of its own."""
+
+    def __init__(self, vit):
+        super().__init__()
+        self.net = vit
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_vit_held_by_another_module_states_its_grid_to_the_attention_around_it():
+    from mixhook import MixPro
+
+    x = torch.randn(4, 3, 16, 16, dtype=torch.double)
+    for make in (
+        lambda p: TransMix("input", attention=f"{p}blocks.1.attn", generator=gen()),
+        lambda p: MixPro("input", attention=f"{p}blocks.1.attn", generator=gen()),
+    ):
+        bare, held = tiny_vit(), Holding(tiny_vit())
+        outs, states = [], []
+        for model, prefix in ((bare, ""), (held, "net.")):
+            mix = make(prefix)
+            with mix.attach(model):
+                outs.append(model(x))
+                states.append(mix.last)
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        torch.testing.assert_close(states[0].lam, states[1].lam, rtol=0, atol=0)
+        assert states[0].info.keys() == states[1].info.keys()

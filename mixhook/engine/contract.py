@@ -260,6 +260,11 @@ def members(hook: MixingHook) -> list:
 _MIXING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its mixing regularizer
 
 
+def mixing_of(model: nn.Module) -> MixingHook | None:
+    """The mixing regularizer attached to ``model`` (a :class:`~mixhook.OneOf` for its mixers), if any."""
+    return _MIXING.get(model)
+
+
 def claim(model: nn.Module, hook: MixingHook) -> None:
     """Make ``hook`` the mixing regularizer of ``model``; refuse a second one (two would each mix every
     batch), unless the one there owns ``hook`` (a :class:`~mixhook.OneOf` attaching its mixers)."""

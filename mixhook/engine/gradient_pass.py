@@ -12,6 +12,29 @@ from ..sites import INPUT, Inputs, Leaf, describe, rebuild_inputs, replace_leave
 from ..transfer import to_device
 
 
+def sharded(model: nn.Module) -> bool:
+    """Whether ``model`` or a module in it is sharded by FSDP2 (its forwards then gather parameters with
+    the other ranks: every rank must run as many)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def unshard_again(model: nn.Module) -> None:
+    """After a pass run inside ``model``'s forward (from its pre-hook): a model sharded by FSDP2
+    (``fully_shard``) had its parameters gathered by its own pre-hook for the forward that called the pass,
+    and the pass's forward (or its backward's final callback) ends by sharding them again; gather them
+    again, or the rest of that forward would compute with the shards."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return
+    if isinstance(model, FSDPModule):
+        model.unshard()
+
+
 class GradientPass:
     """The gradient pass of one mixer, a collaborator of its hooks: :meth:`gradient_at` runs it; while it
     runs (:attr:`running`), the mixer's hooks hand the model's input and the layers' outputs to
@@ -69,6 +92,7 @@ class GradientPass:
             self._capture, self.running = None, False
             for module, mode in modes:
                 module.training = mode
+            unshard_again(model)
         return self._as_given(spec, Leaf(leaf.path, grad, leaf.dim), model)
 
     def plain_forward(self, model: nn.Module, args: tuple, kwargs: dict):
@@ -94,6 +118,7 @@ class GradientPass:
                 m.training = mode
             for m, track in zip(norms, tracked, strict=True):
                 m.track_running_stats = track
+            unshard_again(model)
 
     def _captured(self, spec: str, value):
         """``value``'s site value with its first leaf replaced by a detached copy that requires grad (kept

@@ -29,7 +29,7 @@ from ..sites import Leaf
 from ..transfer import to_device
 from .binding import Forwards
 from .checks import check_fraction, check_layer_weights, check_positive
-from .contract import Draw, Mixed, MixingHook, MixState
+from .contract import Draw, Mixed, MixingHook, MixState, mixing_of
 from .forward import NO_PINS, SKIP, Forward, Pins, given_index
 from .leaves import SiteLeaves
 from .path import SKIPPABLE, MixerHooks
@@ -494,6 +494,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         only (``autograd.grad``, so no parameter's ``.grad`` changes). Other hooks active in training
         mode only do not act in it. For the methods that place their regions by gradient saliency
         (:mod:`.gradient_pass`), from :meth:`before_forward`."""
+        self._check_lockstep(model, "a gradient pass")
         return self._gradients.gradient_at(model, args, kwargs, spec, target)
 
     def unmixed_forward(self, model: nn.Module, args: tuple, kwargs: dict):
@@ -501,7 +502,20 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         reads what the network computes on the unmixed batch (SnapMix's class activation maps), from
         :meth:`before_forward`: in eval mode (no training hook acts, dropout off) but with batch norm on
         the batch's statistics, its running statistics untouched (:mod:`.gradient_pass`)."""
+        self._check_lockstep(model, "an unmixed forward")
         return self._gradients.plain_forward(model, args, kwargs)
+
+    def _check_lockstep(self, model: nn.Module, what: str) -> None:
+        """Refuse, in one line, one more forward that some ranks of an FSDP job would run and others not
+        (each rank draws whether it mixes): FSDP's all-gathers would wait for each other forever."""
+        if self._sharded and (self.prob < 1 or mixing_of(model) is not self):
+            why = f"prob={self.prob} < 1" if self.prob < 1 else "a OneOf's choice"
+            raise RuntimeError(
+                f"{type(self).__name__} runs {what} of the model before each forward it mixes, and the "
+                f"model is sharded by FSDP: with {why} each rank decides alone whether to mix, so ranks "
+                "would run different numbers of forwards and FSDP's all-gathers would wait for each other "
+                "forever; use prob=1 (and no OneOf around it), or DDP"
+            )
 
     def before_forward(
         self, model: nn.Module, args: tuple, kwargs: dict, spec: str, pinned: Mapping, targets

@@ -34,7 +34,7 @@ from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
 from .binding import Forwards
 from .contract import Draw, Mixed, MixState, claim, unclaim
 from .forward import NO_PINS, Forward, Pins
-from .gradient_pass import GradientPass
+from .gradient_pass import GradientPass, sharded
 from .leaves import SiteLeaves
 from .padding_masks import PaddingMasks
 from .partners import crosses_ranks
@@ -96,6 +96,7 @@ class MixerHooks(LayerHook):
         self._checks_leaves = False  # whether the method checks its leaves (check_leaves overridden)
         self._before = False  # whether the method computes something before the forward (before_forward)
         self._begins = False  # whether a forward's start needs _begin (before_forward, policies, input)
+        self._sharded = False  # whether the model is sharded by FSDP2 (a pass must run on every rank)
 
     # ------------------------------------------------------------------------ attaching, once
 
@@ -116,6 +117,7 @@ class MixerHooks(LayerHook):
         self._checks_leaves = "check_leaves" in self._extended
         self._before = "before_forward" in self._extended
         self._begins = self._before or self._policies is not None or bool(self._inputs)
+        self._sharded = sharded(model)
         handles.append(
             model.register_forward_pre_hook(recompute.own_code(self._on_model_input), with_kwargs=True)
         )

@@ -268,3 +268,36 @@ def test_refusals_are_one_line():
             ValueError, match=r"saliency of shape \(2, 4, 4\) does not fit the batch of 2 8x8"
         ):
             model(x)
+
+
+def test_under_fsdp_a_gradient_pass_keeps_the_forwards_gathers_and_refuses_a_rank_alone(tmp_path):
+    """FSDP2 (one process here, gloo): the gradient pass runs inside the model's forward, whose parameters
+    FSDP gathered; the pass ends by sharding them again, and they are gathered again for the rest of that
+    forward (else it would compute with the shards). With prob < 1 each rank decides alone whether to run
+    the pass, so the ranks' all-gathers would wait forever: refused in one line at the pass."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, plain = SmallCNN().double(), None
+        plain = copy.deepcopy(model)
+        fully_shard(model)
+        x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 3]) % 3
+        for mixer, net in ((SaliencyMix("input", saliency="gradient", generator=torch.Generator().manual_seed(1)), model),
+                           (SaliencyMix("input", saliency="gradient", generator=torch.Generator().manual_seed(1)), plain)):  # fmt: skip
+            with mixer.attach(net):
+                mixer.use_targets(y)
+                out = net(x)
+            if net is model:
+                sharded_out = out
+        torch.testing.assert_close(sharded_out, out, rtol=0, atol=1e-14)
+        lazy = SaliencyMix("input", saliency="gradient", prob=0.5, generator=torch.Generator().manual_seed(0))
+        with lazy.attach(model), pytest.raises(RuntimeError, match="prob=0.5 < 1 each rank decides alone") as e:
+            for _ in range(20):
+                lazy.use_targets(y)
+                model(x)
+        assert "\n" not in str(e.value)
+    finally:
+        dist.destroy_process_group()

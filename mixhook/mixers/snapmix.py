@@ -59,6 +59,13 @@ def snap_weights(
     return torch.nan_to_num(own, nan=area), torch.nan_to_num(taken, nan=1 - area)
 
 
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter whole: FSDP2 keeps a sharded module's parameters as shards (``DTensor``) outside its
+    forward; ``full_tensor()`` gathers them (every rank calls it, each mixing: SnapMix at prob < 1 under FSDP
+    is refused at its unmixed forward)."""
+    return t.full_tensor() if t is not None and hasattr(t, "full_tensor") else t
+
+
 class SnapMix(RegionMixer):
     """SnapMix (Huang et al. 2021) at the input (the paper) or at any layer whose output is a
     ``(B, C, H, W)`` map.
@@ -200,8 +207,9 @@ class SnapMix(RegionMixer):
                 f"{tuple(labels.shape)} for a batch of {fms.shape[0]}"
             )
         with torch.no_grad():
-            weight = linear.weight[labels]  # (B, D): each sample's own class
-            bias = 0 if linear.bias is None else linear.bias[labels][:, None, None]
+            weight, bias = _full(linear.weight), _full(linear.bias)  # (FSDP: gathered, as every rank does)
+            weight = weight[labels]  # (B, D): each sample's own class
+            bias = 0 if bias is None else bias[labels][:, None, None]
             cam = torch.einsum("bdhw,bd->bhw", F.relu(fms), weight) + bias
         return {"cam": cam, "labels": targets}
 

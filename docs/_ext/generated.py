@@ -8,8 +8,8 @@ the ``<stem>.md`` the benchmark wrote beside it), so they cannot be copied by ha
 - ``_generated/results/<stem>.md``: each results file's own Markdown, under its file name;
 - ``_generated/costs.md``: the catalogue's cost of every method (the latest ``*-methods`` run) and of the
   scaling hooks (the latest whole-suite CPU run);
-- ``_generated/gallery.md``: the catalogue's gallery, one picture per method, drawn by ``docs/gallery.py``.
-  A method without its picture, or a picture of no method, is a build error naming it.
+The catalogue's pictures (``docs/gallery/``, drawn by ``docs/gallery.py``) are checked here: a method without
+its picture or its section in ``catalogue.md``, or a picture of no method, is a build error naming it.
 """
 
 from __future__ import annotations
@@ -115,10 +115,11 @@ def costs_table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gallery_page(gallery: Path, methods: list[str], skipped: dict[str, str]) -> tuple[str, list[str]]:
-    """The gallery section (one picture per method) and the problems: a method without its picture, a
-    picture of no method."""
+def gallery_problems(gallery: Path, methods: list[str], skipped: dict[str, str]) -> list[str]:
+    """A method without its picture or without its section and picture in the catalogue, a picture of no
+    method."""
     pictures = {p.stem for p in gallery.glob("*.png")}
+    catalogue = (gallery.parent / "catalogue.md").read_text()
     problems = [
         f"{gallery}/{name}.png: no picture of {name}: run python docs/gallery.py"
         for name in methods
@@ -128,9 +129,13 @@ def gallery_page(gallery: Path, methods: list[str], skipped: dict[str, str]) -> 
         f"{gallery}/{stem}.png: a picture of no method (docs/gallery.py draws one per mixer)"
         for stem in sorted(pictures - set(methods))
     ]
-    sections = [f"### {name}\n\n![{name}](/gallery/{name}.png)\n" for name in methods if name not in skipped]
-    sections += [f"### {name}\n\nNo picture: {why}.\n" for name, why in skipped.items()]
-    return "\n".join(sections), problems
+    shown = [n for n in methods if n not in skipped]
+    problems += [
+        f"{gallery.parent / 'catalogue.md'}: no section '### {name}' showing ![{name}](/gallery/{name}.png)"
+        for name in shown
+        if f"### {name}\n" not in catalogue or f"![{name}](/gallery/{name}.png)" not in catalogue
+    ]
+    return problems
 
 
 def result_page(path: Path) -> str:
@@ -150,7 +155,7 @@ def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
     from mixhook.mixers import METHODS
 
     files = result_files()
-    gallery, problems = gallery_page(Path(out).parent / "gallery", sorted(METHODS), NOT_DRAWN)
+    problems = gallery_problems(Path(out).parent / "gallery", sorted(METHODS), NOT_DRAWN)
     problems += [
         f"{p}: has no {p.with_suffix('.md').name} beside it (the benchmark writes both)"
         for p in files
@@ -162,7 +167,6 @@ def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
         out / "goals.md": goals_table(results),
         out / "runs.md": runs_table(results),
         out / "costs.md": costs_table(results),
-        out / "gallery.md": gallery,
     }
     pages.update({out / "results" / f"{p.stem}.md": result_page(p) for p in files})
     toc = "\n".join(f"results/{p.stem}" for p in files)

@@ -274,6 +274,9 @@ def test_every_method_comes_with_its_module_test_config_and_catalogue_row():
         assert configs.get(f"mixhook.{name}"), (
             f"{name}: no config under conf/mixup/ with _target_ mixhook.{name}"
         )
-        assert re.search(rf"^\| `{name}\(", catalogue, re.M), f"{name}: no row in docs/catalogue.md"
+        assert re.search(rf"^\| \[`{name}`\]\(#{name.lower()}\) \|", catalogue, re.M), (
+            f"{name}: no row in docs/catalogue.md"
+        )
+        assert f"\n### {name}\n\n`{name}(" in catalogue, f"{name}: no section in docs/catalogue.md"
         assert cls.__doc__ and "mix" in cls.__doc__.lower()
     assert all(len(names) == 1 for names in modules.values()), f"one method per module: {modules}"

@@ -267,11 +267,19 @@ def test_a_model_with_padding_masks_downstream_is_refused():
         assert model(x).shape == (6, 5, 8)
 
 
-def test_the_trainer_adapter_that_computes_its_own_loss_refuses_the_mode():
+def test_the_trainer_adapter_takes_the_mode_and_trls_refuses_it():
+    """The HuggingFace callback averages a clean batch's 2B rows (trained against the hand loop in
+    tests/unit/test_integrations_transformers.py); under TRL's SFTTrainer, whose token metrics read B rows
+    of logits, it is refused in one line before training (tests/unit/test_integrations_trl.py)."""
     pytest.importorskip("transformers")
     from mixhook.integrations.transformers import MixupCallback
 
+    class SFTConfig:  # (TRL's arguments, as the callback recognises them)
+        pass
+
     for mixer in (RegMixup("input"), OneOf([ManifoldMixup("input"), MixupE("input")])):
-        with pytest.raises(ValueError, match="keeps the clean batch"):
-            MixupCallback(mixer)
+        callback = MixupCallback(mixer)
+        callback._check_arguments(object())  # the Trainer's own arguments: taken
+        with pytest.raises(ValueError, match="keeps the clean batch .* TRL's SFTTrainer"):
+            callback._check_arguments(SFTConfig())
     assert RankMixup("input").clean

@@ -1,0 +1,92 @@
+"""A sample of the matrix (``python -m tests.matrix`` runs it whole and writes docs/matrix.md): every
+method in the own loop; each workflow with the methods that need what it must give them (the labels
+before the forward, a clean batch beside the mix, a partner batch, class counts, a ViT's grid through a
+wrapper); the app's shipped configs that the default data could not take before; both distributed
+modes in one launch of two processes."""
+
+import pytest
+
+from tests.matrix.cells import run
+from tests.matrix.methods import BY_NAME, METHODS
+from tests.matrix.report import distributed
+
+
+@pytest.mark.parametrize("method", [m.name for m in METHODS])
+def test_every_method_trains_the_same_twice_in_the_hand_loop(method):
+    """The hand loop every other cell is compared with: deterministic on its draws, for every method."""
+    cell = run(BY_NAME[method], "own")
+    assert cell.outcome == "exact", cell.line()
+
+
+SAMPLE = [
+    ("Balanced-MixUp", "lightning", "exact"),  # a partner batch from the training set
+    ("Remix", "lightning", "exact"),  # class counts from the training set
+    ("SnapMix", "lightning", "exact"),  # the labels before the forward
+    ("TransMix", "lightning", "exact"),  # a ViT held by the LightningModule states its grid
+    ("PuzzleMix", "hf", "exact"),  # the labels the Trainer takes out, and a lam per sample
+    ("RegMixup", "hf", "exact"),  # the clean batch's 2B rows
+    ("CMixup", "hf", "exact"),  # regression targets, the partners drawn from them
+    ("Balanced-MixUp", "hf", "refused"),  # the Trainer calls the model with keywords only
+    ("SaliencyPairing", "timm", "exact"),  # a policy's gradient pass in timm's step
+    ("MixPro", "timm", "exact"),
+    ("ManifoldMixup", "trl", "exact"),
+    ("RegMixup", "trl", "refused"),  # TRL's token metrics read B rows
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "workflow", "expected"), SAMPLE, ids=[f"{m}-{w}" for m, w, _ in SAMPLE])
+def test_each_workflow_gives_the_methods_what_they_need(method, workflow, expected):
+    cell = run(BY_NAME[method], workflow)
+    assert cell.outcome == expected, cell.line()
+    if expected == "refused":
+        assert "\n" not in cell.detail and len(cell.detail) > 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["PuzzleMix", "TransMix", "CMixup"])
+def test_the_shipped_configs_the_default_data_could_not_take_train_or_name_the_command_that_does(method):
+    cell = run(BY_NAME[method], "app")
+    assert cell.outcome == "trains", cell.line()
+    if BY_NAME[
+        method
+    ].where:  # refused on digits' PreActResNet in one line naming the overrides, then run with them
+        assert " ".join(BY_NAME[method].where) in cell.detail.split("; ")[0], cell.detail
+
+
+@pytest.mark.slow
+def test_a_method_killed_and_resumed_in_the_app_ends_identical():
+    cell = run(BY_NAME["Balanced-MixUp"], "resume")  # its partner stream resumes too
+    assert cell.outcome == "exact", cell.line()
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_equal_one_process_replaying_each_ranks_batch():
+    names = ["SaliencyMix", "SnapMix", "Balanced-MixUp", "TransMix", "RegMixup"]
+    cells = distributed(names)
+    assert {(c.method, c.workflow): c.outcome for c in cells} == {
+        (n, m): "exact" for n in names for m in ("ddp", "fsdp")
+    }, [c.line() for c in cells if c.outcome != "exact"]
+
+
+def test_the_committed_table_has_every_method_and_no_failing_cell():
+    from tests.matrix.report import ROOT
+
+    table = (ROOT / "docs" / "matrix.md").read_text()
+    for method in METHODS:
+        assert f"| `{method.name}` |" in table, method.name
+    assert " fails" not in table.split("## Why")[0]
+
+
+def test_every_mixer_and_policy_has_a_row():
+    import mixhook.mixers
+    import mixhook.policies
+    from mixhook.engine.contract import members
+
+    made = [m.make("") for m in METHODS]
+    mixers = {type(h).__name__ for hook in made for h in members(hook)}
+    assert set(mixhook.mixers.METHODS) <= mixers, set(mixhook.mixers.METHODS) - mixers
+    policies = {type(p).__name__ for hook in made for h in members(hook) for p in getattr(h, "policies", ())}
+    shipped = {n for n in mixhook.policies.__all__ if isinstance(getattr(mixhook.policies, n), type)}
+    shipped -= {"Policy"}
+    assert shipped - {"PartnerBatch"} <= policies, shipped - policies  # (BalancedMixup is a PartnerBatch)

@@ -1,0 +1,365 @@
+"""One cell of the matrix: a method trained two steps in one workflow, judged against the hand loop on the
+same draws (:func:`run`).
+
+The hand loop (:func:`own_loop`) is what each workflow promises to be: per step the draws reseeded from
+``(seed, rank, step)`` (or, in timm's script, the mixer's own generator stream), the labels handed to the
+mixer before the forward, a class-balanced partner batch from :class:`~mixhook.integrations.draws.
+PartnerStream` where the method takes one, Remix's class counts from the training set, the per-sample
+criterion's mean under the mix, SGD at 0.1. A workflow's cell is ``exact`` when its weights equal the hand
+loop's (float64, to 1e-12), ``refused`` when it stops before its first step with a one-line error (its
+reason kept), ``fails`` otherwise (an error of several lines, weights that differ: there should be none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset, default_collate
+
+from mixhook.integrations.draws import PartnerStream, count_classes, reseed
+
+from .methods import Method, criterion, data, model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SEED, STEPS, BATCH, LR = 7, 2, 8, 0.1
+WORKFLOWS = ("own", "lightning", "hf", "trl", "timm", "app", "resume")
+TOLERANCE = 1e-12
+
+
+@dataclass
+class Cell:
+    method: str
+    workflow: str
+    outcome: str  # exact | refused | trains | n/a | fails
+    detail: str = ""
+
+    def line(self) -> str:
+        return f"{self.method:18} {self.workflow:10} {self.outcome:8} {self.detail}"
+
+
+def _labels(kind: str, y: torch.Tensor) -> torch.Tensor | None:
+    return None if kind == "mlp" else y
+
+
+def own_loop(method: Method, reseeded: bool = True, rank: int = 0, net=None) -> torch.nn.Module:
+    """The hand loop: ``STEPS`` steps of ``BATCH`` samples (see the module)."""
+    net = model(method.kind) if net is None else net
+    x, y = data(method.kind)
+    mixer, loss_of = method.make(""), criterion(method.kind)
+    count_classes(mixer, _labels(method.kind, y), "the own loop")
+    stream = PartnerStream(TensorDataset(x, y), y, default_collate, SEED) if method.needs_partners else None
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    with mixer.attach(net):
+        for step in range(STEPS):
+            xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
+            if reseeded:
+                reseed(mixer, SEED, rank, step)
+            mixer.use_targets(yb)
+            if stream is not None:
+                mixer.use_partners(*stream.batch(rank, step, BATCH))
+            mixer.loss(loss_of, net(xb), yb).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return net
+
+
+def _difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _loader(method: Method) -> DataLoader:
+    return DataLoader(TensorDataset(*data(method.kind)), batch_size=BATCH)
+
+
+# ------------------------------------------------------------------------------------------ workflows
+
+
+def lightning(method: Method) -> torch.nn.Module:
+    import lightning as L
+
+    from mixhook.integrations.lightning import MixupCallback, mixed_loss
+
+    loss_of = criterion(method.kind)
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model(method.kind)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return mixed_loss(self, loss_of, self(x), y).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    lit = Lit()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[MixupCallback(method.make("net."), seed=SEED)],
+    )  # fmt: skip
+    trainer.fit(lit, _loader(method))
+    return lit.net
+
+
+class _Outputs(torch.nn.Module):
+    """The model as the HuggingFace Trainer calls one: keyword inputs, a dict with its logits."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixel_values, labels=None):
+        return {"logits": self.net(pixel_values)}
+
+
+def hf(method: Method) -> torch.nn.Module:
+    import transformers
+
+    from mixhook.integrations.transformers import MixupCallback
+
+    x, y = data(method.kind)
+    rows = [{"pixel_values": a, "labels": b} for a, b in zip(x, y, strict=True)]
+    wrapped = _Outputs(model(method.kind))
+    loss_of = criterion(method.kind)
+    callback = MixupCallback(method.make("net."), criterion=loss_of if method.kind == "mlp" else None)
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, optim="sgd",
+            learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0, weight_decay=0.0,
+            train_sampling_strategy="sequential", report_to=[], save_strategy="no", use_cpu=True, seed=SEED,
+            logging_strategy="no", disable_tqdm=True,
+        )  # fmt: skip
+        transformers.Trainer(
+            model=wrapped, args=args, train_dataset=rows, callbacks=[callback],
+            compute_loss_func=callback.compute_loss,
+        ).train()  # fmt: skip
+    return wrapped.net
+
+
+def timm_script(method: Method) -> torch.nn.Module:
+    """timm's training step (``ClassificationTask``) with :class:`~mixhook.integrations.timm.MixupFn`, its
+    criterion wrapped by ``mixup_fn.loss``."""
+    from timm.task import ClassificationTask
+
+    from mixhook.integrations.timm import MixupFn
+
+    net, (x, y) = model(method.kind), data(method.kind)
+    mixer = method.make("")
+    count_classes(mixer, _labels(method.kind, y), "timm's script")  # (its script gives no counts)
+    mixup_fn = MixupFn(net, mixer)
+    base = torch.nn.CrossEntropyLoss() if method.kind != "mlp" else criterion("mlp")
+    task = ClassificationTask(net, criterion=mixup_fn.loss(base), verbose=False)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for step in range(STEPS):
+        xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
+        xb, yb = mixup_fn(xb, yb)  # train_one_epoch
+        task(xb, yb)["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    mixup_fn.remove()
+    return net
+
+
+LM_LAYERS = {
+    "ManifoldMixup": "model.layers.0",
+    "NoisyFeatureMixup": "model.layers.0",
+    "RegMixup": "model.layers.0",
+}
+
+
+def trl(method: Method) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """TRL's SFTTrainer on a tiny Llama (the method at a decoder layer), and the hand loop on the batches
+    it drew; ``None`` for the methods shown on images here."""
+    import torch.nn.functional as F
+
+    from mixhook.integrations.transformers import MixupCallback
+    from tests.unit.test_integrations_trl import llama, sft
+
+    layer = LM_LAYERS.get(method.name)
+    if layer is None:
+        return None
+    make = type(method.make(""))
+    callback = MixupCallback(make(layer))
+    items = []
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        items.append(num_items_in_batch)
+        return callback.compute_loss(outputs, labels, num_items_in_batch)
+
+    net, hand = llama(), llama()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = sft(net, out, [callback], loss, max_steps=STEPS)
+        batches = list(trainer.get_train_dataloader())[:STEPS]
+        trainer.train()
+
+    def summed(logits, labels):
+        return (
+            F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="none"
+            )
+            .view(labels.shape[0], -1)
+            .sum(1)
+        )
+
+    mixer, opt = make(layer), torch.optim.SGD(hand.parameters(), lr=LR)
+    with mixer.attach(hand):
+        for step, (batch, n) in enumerate(zip(batches, items, strict=True)):
+            reseed(mixer, SEED, 0, step)
+            out = hand(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            (mixer.loss(summed, out.logits, batch["labels"]).sum() / n).backward()
+            opt.step()
+            opt.zero_grad()
+    return net, hand
+
+
+APP = ["trainer.epochs=2", "data.train_size=96", "trainer.batch_size=16", "trainer.progress_bar=false"]
+NARROW = "+model.width=0.25"  # the default PreActResNet-18 a quarter wide: its checkpoints 16 times smaller
+
+
+def _app(*overrides, out: str) -> None:
+    from mixhook.app import run as app_run
+    from tests.app_helpers import config
+
+    app_run.main(config(*APP, *_narrow(overrides)), out_dir=out)
+
+
+def _narrow(overrides) -> list[str]:
+    """The default model narrowed, where the overrides keep it."""
+    return [*overrides] if any(o.startswith("model=") for o in overrides) else [*overrides, NARROW]
+
+
+def _results(run_dir: Path):
+    """metrics.csv rows and summary.json without the wall-clock fields (the only ones that differ)."""
+    rows = [
+        {k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(open(run_dir / "metrics.csv"))
+    ]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.pop("seconds")
+    return rows, summary
+
+
+def app(method: Method) -> Cell:
+    """The app with the method's shipped ``mixup=`` config on the default data (digits, PreActResNet-18):
+    ``trains`` (two short epochs, its summary written), or its one-line refusal, then the run with the
+    overrides that refusal names."""
+    refusal = ""
+    if method.where:
+        err = io.StringIO()
+        with tempfile.TemporaryDirectory() as out, contextlib.redirect_stderr(err):
+            try:
+                _app(f"mixup={method.app}", out=out)
+                return Cell(method.name, "app", "fails", "the default data took it: drop where=")
+            except SystemExit:
+                refusal = err.getvalue().strip().splitlines()[-1] + "; "
+    with tempfile.TemporaryDirectory() as out:
+        _app(f"mixup={method.app}", *method.where, out=out)
+        trained = json.loads((Path(out) / "summary.json").read_text())
+    where = " ".join((f"mixup={method.app}", *method.where))
+    return Cell(method.name, "app", "trains", f"{refusal}{where}: {len(trained) and 'summary written'}")
+
+
+def resume(method: Method) -> Cell:
+    """``train.py`` with the method killed (SIGKILL) at a random point after its first checkpoint, then
+    ``trainer.resume=auto``: the metrics and summary equal an uninterrupted run's."""
+    settings = [f"mixup={method.app}", *method.where, "trainer.checkpoint_every=1", "seed=3"]
+    with tempfile.TemporaryDirectory() as tmp:
+        reference, killed = Path(tmp) / "reference", Path(tmp) / "killed"
+        started = time.time()
+        _app(*settings, out=str(reference))
+        seconds = time.time() - started
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *APP, *_narrow(settings), f"hydra.run.dir={killed}"],
+            cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.time() + 300
+        while not (killed / "last.pt").exists():
+            if proc.poll() is not None or time.time() > deadline:
+                return Cell(method.name, "resume", "fails", f"no checkpoint: {proc.communicate()[1][-200:]}")
+            time.sleep(0.02)
+        time.sleep(random.Random(method.name).uniform(0, seconds / 3))
+        proc.kill()
+        proc.wait()
+        if (killed / "summary.json").exists():
+            return Cell(method.name, "resume", "fails", "the run ended before it could be killed")
+        state = torch.load(killed / "last.pt", weights_only=True)
+        _app(*settings, "trainer.resume=auto", out=str(killed))
+        same = _results(killed) == _results(reference)
+    at = f"killed after epoch {state['epoch']}, step {state['step']}"
+    return Cell(method.name, "resume", "exact" if same else "fails", at if same else f"{at}: metrics differ")
+
+
+# ------------------------------------------------------------------------------------------ a cell
+
+
+def _one_line(error: BaseException) -> str | None:
+    text = str(error)
+    return text if text and "\n" not in text.strip() else None
+
+
+def run(method: Method, workflow: str) -> Cell:
+    """Run ``method`` in ``workflow`` and judge it (see the module)."""
+    err = io.StringIO()
+    try:
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            logging.disable(logging.WARNING)
+            return _judged(method, workflow)
+    except SystemExit as exit_:  # the app's refusal: its one line went to stderr
+        lines = err.getvalue().strip().splitlines()
+        return Cell(method.name, workflow, "refused", lines[-1] if lines else f"exit {exit_.code}")
+    except Exception as error:  # noqa: BLE001 - a cell records what any failure was
+        line = _one_line(error)
+        if line is not None and isinstance(error, ValueError | TypeError | RuntimeError):
+            return Cell(method.name, workflow, "refused", f"{type(error).__name__}: {line}")
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return Cell(method.name, workflow, "fails", f"{type(error).__name__}: {first}")
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _judged(method: Method, workflow: str) -> Cell:
+    if workflow in ("app", "resume"):
+        if method.app is None:
+            return Cell(method.name, workflow, "n/a", "no shipped config")
+        return app(method) if workflow == "app" else resume(method)
+    if workflow == "trl":
+        found = trl(method)
+        if found is None:
+            return Cell(method.name, workflow, "n/a", "shown on images here (TRL trains language models)")
+        got, expected = found
+    elif workflow == "own":
+        got, expected = own_loop(method), None
+        twice = own_loop(method)  # the hand loop is deterministic: the reference of every other cell
+        return Cell(method.name, workflow, "exact" if _difference(got, twice) == 0 else "fails", "")
+    else:
+        runner = {"lightning": lightning, "hf": hf, "timm": timm_script}[workflow]
+        got = runner(method)
+        expected = own_loop(method, reseeded=workflow != "timm")
+    diff = _difference(got, expected)
+    changed = _difference(got, model(method.kind)) if workflow != "trl" else 1.0
+    if diff <= TOLERANCE and changed > 0:
+        return Cell(method.name, workflow, "exact", f"{diff:.1e}")
+    return Cell(method.name, workflow, "fails", f"differs from the hand loop by {diff:.2e}")

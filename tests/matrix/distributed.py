@@ -1,0 +1,131 @@
+"""The matrix's own-loop cells under DDP and FSDP2: run by torchrun (two processes, gloo, CPU) as
+``python -m torch.distributed.run --nproc_per_node 2 tests/matrix/distributed.py OUT.json METHOD...``.
+
+For each method and each of DDP (``DistributedDataParallel``) and FSDP2 (``fully_shard`` on each child of
+the model with parameters, then on the model):
+each rank trains ``STEPS`` steps on its own half of each step's batch, its draws reseeded from ``(seed,
+rank, step)`` (its partner batch, for Balanced-MixUp, from ``PartnerStream`` with the rank), the per-sample
+criterion's mean under the mix, SGD; rank 0 then replays both ranks' batches in one process (the gradients
+averaged, as both reduce them) and compares the weights: ``exact`` within 1e-12, ``refused`` (one line
+before the first step), ``fails`` otherwise. Rank 0 writes every cell to OUT.json.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import TensorDataset, default_collate
+
+from mixhook.integrations.draws import PartnerStream, count_classes, reseed
+from tests.matrix.cells import BATCH, LR, SEED, STEPS, TOLERANCE
+from tests.matrix.methods import BY_NAME, Method, criterion, data, model
+
+WORLD = 2
+
+
+def shard(step: int, rank: int, x: torch.Tensor, y: torch.Tensor):
+    start = step * BATCH * WORLD + rank * BATCH
+    return x[start : start + BATCH], y[start : start + BATCH]
+
+
+def _setup(method: Method):
+    x, y = data(method.kind, n=STEPS * BATCH * WORLD)
+    mixer = method.make("")
+    count_classes(mixer, None if method.kind == "mlp" else y, "the matrix")
+    stream = PartnerStream(TensorDataset(x, y), y, default_collate, SEED) if method.needs_partners else None
+    return x, y, mixer, stream
+
+
+def _step(mixer, stream, net, forward, rank, step, x, y, loss_of):
+    xb, yb = shard(step, rank, x, y)
+    reseed(mixer, SEED, rank, step)
+    mixer.use_targets(yb)
+    if stream is not None:
+        mixer.use_partners(*stream.batch(rank, step, BATCH))
+    mixer.loss(loss_of, forward(xb), yb).mean().backward()
+
+
+def trained(method: Method, mode: str, rank: int) -> list[torch.Tensor]:
+    """This rank's run under ``mode``: the full weights after ``STEPS`` steps."""
+    net = model(method.kind)
+    x, y, mixer, stream = _setup(method)
+    loss_of = criterion(method.kind)
+    if mode == "ddp":
+        wrapped = DistributedDataParallel(net)
+    else:  # as users shard: each child with parameters of its own, then the root
+        for child in net.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child)
+        fully_shard(net)
+        wrapped = net
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    with mixer.attach(net):
+        for step in range(STEPS):
+            _step(mixer, stream, net, wrapped, rank, step, x, y, loss_of)
+            opt.step()
+            opt.zero_grad()
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in net.parameters()]
+
+
+def replayed(method: Method) -> list[torch.Tensor]:
+    """Both ranks' batches in one process, the gradients averaged."""
+    net = model(method.kind)
+    x, y, mixer, stream = _setup(method)
+    loss_of = criterion(method.kind)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    with mixer.attach(net):
+        for step in range(STEPS):
+            grads = []
+            for rank in range(WORLD):
+                _step(mixer, stream, net, net, rank, step, x, y, loss_of)
+                grads.append([p.grad.clone() for p in net.parameters()])
+                net.zero_grad()
+            for p, *gs in zip(net.parameters(), *grads, strict=True):
+                p.grad = sum(gs) / WORLD
+            opt.step()
+            opt.zero_grad()
+    return [p.detach() for p in net.parameters()]
+
+
+def cell(method: Method, mode: str, rank: int) -> tuple[str, str]:
+    try:
+        weights = trained(method, mode, rank)
+    except (TypeError, ValueError, RuntimeError) as error:
+        text = str(error)
+        if text and "\n" not in text.strip():
+            return "refused", f"{type(error).__name__}: {text}"
+        return "fails", f"{type(error).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
+    if rank != 0:
+        return "", ""
+    expected = replayed(method)
+    diff = max(float((a - b).detach().abs().max()) for a, b in zip(weights, expected, strict=True))
+    if diff <= TOLERANCE:
+        return "exact", f"{diff:.1e}"
+    return "fails", f"differs from the replay by {diff:.2e}"
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out, names = sys.argv[1], sys.argv[2:]
+    cells = {}
+    for name in names:
+        for mode in ("ddp", "fsdp"):
+            outcome = cell(BY_NAME[name], mode, rank)
+            cells.setdefault(name, {})[mode] = outcome
+            dist.barrier()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(cells, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    from tests.e2e.fsdp_worker import end_without_finalizing
+
+    end_without_finalizing()
+
+
+if __name__ == "__main__":
+    main()

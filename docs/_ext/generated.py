@@ -119,7 +119,8 @@ def gallery_problems(gallery: Path, methods: list[str], skipped: dict[str, str])
     """A method without its picture or without its section and picture in the catalogue, a picture of no
     method."""
     pictures = {p.stem for p in gallery.glob("*.png")}
-    catalogue = (gallery.parent / "catalogue.md").read_text()
+    page = gallery.parent / "catalogue.md"
+    catalogue = page.read_text() if page.exists() else None  # (a docs tree without a catalogue)
     problems = [
         f"{gallery}/{name}.png: no picture of {name}: run python docs/gallery.py"
         for name in methods
@@ -129,9 +130,9 @@ def gallery_problems(gallery: Path, methods: list[str], skipped: dict[str, str])
         f"{gallery}/{stem}.png: a picture of no method (docs/gallery.py draws one per mixer)"
         for stem in sorted(pictures - set(methods))
     ]
-    shown = [n for n in methods if n not in skipped]
+    shown = [n for n in methods if n not in skipped and catalogue is not None]
     problems += [
-        f"{gallery.parent / 'catalogue.md'}: no section '### {name}' showing ![{name}](/gallery/{name}.png)"
+        f"{page}: no section '### {name}' showing ![{name}](/gallery/{name}.png)"
         for name in shown
         if f"### {name}\n" not in catalogue or f"![{name}](/gallery/{name}.png)" not in catalogue
     ]

@@ -164,9 +164,11 @@ def dataset_labels(dataset) -> torch.Tensor | None:
         labels = torch.as_tensor(dataset["labels"])
     else:
         labels = []
-        for i in range(len(dataset)):
+        for i in range(len(dataset)):  # (every sample read once: a data set that states them is faster)
             sample = dataset[i]
             label = sample.get("labels") if isinstance(sample, dict) else sample[1]
+            if label is None:
+                return None
             labels.append(torch.as_tensor(label))
         labels = torch.stack(labels) if labels else torch.zeros(0, dtype=torch.long)
     return labels if not labels.dtype.is_floating_point and labels.ndim == 1 else None

@@ -72,6 +72,7 @@ def test_bad_docs_input_fails_the_build_in_one_line_each(tmp_path):
     shutil.copytree(DOCS / "_ext", source / "_ext")
     shutil.copytree(DOCS / "gallery", source / "gallery")
     (source / "gallery" / "CutMix.png").unlink()  # a method without its picture
+    (source / "catalogue.md").write_text("# Catalogue\n\n### FMix\n\n![FMix](/gallery/FMix.png)\n")  # one section
     shutil.copy(DOCS / "gallery" / "FMix.png", source / "gallery" / "ChannelSwap.png")  # a picture of nothing
     results = tmp_path / "benchmarks" / "results"  # where the copied conf looks: beside its docs folder
     results.mkdir(parents=True)
@@ -94,6 +95,7 @@ def test_bad_docs_input_fails_the_build_in_one_line_each(tmp_path):
     one(r"autoclass.*Nosuch|Nosuch.*autoclass|import.*Nosuch")
     one(r"gallery/CutMix\.png: no picture of CutMix: run python docs/gallery.py")
     one(r"gallery/ChannelSwap\.png: a picture of no method")
+    one(r"catalogue\.md: no section '### GridMix' showing !\[GridMix\]\(/gallery/GridMix\.png\)")
     one(r"cpu-2099-01-01\.json: has no cpu-2099-01-01\.md beside it")
 
 

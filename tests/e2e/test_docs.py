@@ -72,7 +72,8 @@ def test_bad_docs_input_fails_the_build_in_one_line_each(tmp_path):
     shutil.copytree(DOCS / "_ext", source / "_ext")
     shutil.copytree(DOCS / "gallery", source / "gallery")
     (source / "gallery" / "CutMix.png").unlink()  # a method without its picture
-    (source / "catalogue.md").write_text("# Catalogue\n\n### FMix\n\n![FMix](/gallery/FMix.png)\n")  # one section
+    one_section = "# Catalogue\n\n### FMix\n\n![FMix](/gallery/FMix.png)\n"  # the others missing
+    (source / "catalogue.md").write_text(one_section)
     shutil.copy(DOCS / "gallery" / "FMix.png", source / "gallery" / "ChannelSwap.png")  # a picture of nothing
     results = tmp_path / "benchmarks" / "results"  # where the copied conf looks: beside its docs folder
     results.mkdir(parents=True)

@@ -73,6 +73,7 @@ def test_the_core_imports_and_trains_with_torch_alone():
     assert int(count) >= 10 and leaked == "[]", result.stdout
 
 
+@pytest.mark.slow
 def test_the_layer_browser_without_the_app_says_what_to_install():
     code = BLOCKER + "import runpy; runpy.run_module('mixhook.layers', run_name='__main__')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -155,6 +155,7 @@ def test_the_reference_spectrum_is_point_symmetric_and_the_complex_one_is_not():
     assert set(mask.unique().tolist()) == {0.0, 1.0} and float(mask.mean()) in (102 / 256, 103 / 256)
 
 
+@pytest.mark.slow
 def test_fmix_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3).double().train()

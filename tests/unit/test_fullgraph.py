@@ -153,6 +153,7 @@ def test_every_traced_method_is_traceable_and_no_other_is():
     assert not Doubled("conv1").traceable
 
 
+@pytest.mark.slow
 def test_no_graph_break_and_the_hooks_inline_into_a_compiled_caller():
     torch.manual_seed(0)
     model = SmallCNN().train()
@@ -183,6 +184,7 @@ def _compiled_model(make, backend="aot_eager"):
     return model, mix, torch.compile(model, backend=backend, fullgraph=True)
 
 
+@pytest.mark.slow
 def test_an_eval_forward_and_two_forwards_before_their_losses_get_their_own_mix():
     model, mix, net = _compiled_model(TRACED["manifold"])
     x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
@@ -385,6 +387,7 @@ def test_an_eager_forward_after_a_compiled_one_does_not_take_its_record():
     assert mix.state_for(eager_logits) is eager_state
 
 
+@pytest.mark.slow
 def test_a_copy_of_a_hooked_model_compiles_whole_and_mixes_nothing():
     """An EMA or deepcopy of the hooked model holds inert hooks: compiled with fullgraph=True it runs as
     the plain model, its logits are refused by the original's mixer, whose draws it does not touch."""

@@ -39,6 +39,7 @@ def _hand_hook(last):
     return hook
 
 
+@pytest.mark.slow
 def test_timms_training_step_mixes_at_the_layers_with_its_soft_targets_exactly():
     """Each step of timm's ClassificationTask (soft-target cross-entropy) with LayerMixup at layer1/layer2
     equals a hand-hooked twin trained on timm's own mixup_target of the same lam and pairing: the

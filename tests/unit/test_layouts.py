@@ -469,6 +469,7 @@ def test_a_video_resnet_block_is_cut_over_its_frames_height_and_width():
         model(x)
 
 
+@pytest.mark.slow
 def test_wav2vec2_convolutional_features_are_cut_along_their_positions():
     """HuggingFace's wav2vec2 feature encoder gives (B, C, L) maps (a conv layer holds a LayerNorm that it
     transposes around, in code): read from the class, cut along L; its positional convolution gives a

@@ -201,7 +201,9 @@ class PartnerStream:
         self.weights = 1.0 / counts.clamp_min(1)[labels]
         self.dataset, self.collate, self.seed = dataset, collate, seed
 
-    def batch(self, rank: int, step: int, n: int):
-        g = torch.Generator().manual_seed(step_seed(self.seed, rank, step, PARTNERS))
+    def batch(self, rank: int, step: int, n: int, micro: int = 0):
+        """The partner batch of ``n`` samples of step ``step`` of rank ``rank`` (``micro``: its micro-batch,
+        under gradient accumulation where the step counts optimizer steps)."""
+        g = torch.Generator().manual_seed(step_seed(self.seed, rank, step, PARTNERS + micro))
         index = torch.multinomial(self.weights, n, replacement=True, generator=g)
         return self.collate([self.dataset[int(i)] for i in index])

@@ -54,8 +54,10 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
 from ..copies import own
 from ..engine.contract import MixingHook, members
 from ..layers import resolve_layers
+from ..policies.partners import input_key
 from ..schedule import MixSchedule
 from .draws import (
+    PartnerStream,
     StepGuard,
     check_arguments,
     check_unattached,
@@ -169,7 +171,10 @@ class MixupCallback(_StepSeeded):
 
     Every method trains here: the ones that need the labels before the forward (gradient saliency,
     SnapMix, C-Mixup) get the batch's ``labels`` (the Trainer takes them out of the batch before the
-    forward; the callback's collator wrapper keeps them for it), and the ones that keep the clean batch
+    forward; the callback's collator wrapper keeps them for it), Remix the training set's class counts, a
+    ``PartnerBatch`` (Balanced-MixUp) a class-balanced partner batch per micro-batch from the training set
+    (:class:`~mixhook.integrations.draws.PartnerStream`, appended to the model's keyword input), and the
+    ones that keep the clean batch
     beside the mix (RegMixup, RankMixup, MixupE, ``clean=True``) have their loss taken over both halves
     (not under TRL's SFTTrainer, whose token metrics read ``B`` rows of logits: refused in one line).
     """
@@ -183,13 +188,6 @@ class MixupCallback(_StepSeeded):
         seed: int | None = None,
     ):
         check_arguments(mixer, module, schedule, seed)
-        if needs_partner_batch(mixer):
-            raise ValueError(
-                f"MixupCallback: {type(mixer).__name__}'s partner batch (PartnerBatch, BalancedMixup) is "
-                "appended to the model's first positional argument, and the Trainer calls the model with "
-                "keyword arguments only; train Balanced-MixUp with Lightning's MixupCallback, the app or "
-                "your own loop (mixer.use_partners)"
-            )
         if criterion is not None and not callable(criterion):
             raise TypeError(f"MixupCallback(criterion=...) must be callable, got {criterion!r:.80}")
         self.mixer, self.module, self.schedule, self.criterion = mixer, module, schedule, criterion
@@ -200,6 +198,8 @@ class MixupCallback(_StepSeeded):
         self._handle_no_grad = None
         self._handle_labels = None
         self._guard: StepGuard | None = None
+        self._stream: PartnerStream | None = None  # a PartnerBatch mixer's class-balanced batches
+        self._at = (0, 0, 0)  # (rank, optimizer step, micro-batch) of the next training forward
 
     def __repr__(self) -> str:
         return f"MixupCallback({self.mixer!r}, module={self.module!r}, seed={self.seed})"
@@ -220,9 +220,19 @@ class MixupCallback(_StepSeeded):
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
-        if any(p.needs_classes for p in getattr(self.mixer, "policies", ())) and train_dataloader is not None:
+        partners = needs_partner_batch(self.mixer)
+        classes = any(p.needs_classes for p in getattr(self.mixer, "policies", ()))
+        if (partners or classes) and train_dataloader is not None:
             dataset = getattr(train_dataloader, "dataset", None)  # Remix's class counts, where not given
-            count_classes(self.mixer, None if dataset is None else dataset_labels(dataset), "MixupCallback")
+            labels = None if dataset is None else dataset_labels(dataset)
+            count_classes(self.mixer, labels, "MixupCallback")
+            if partners:  # Balanced-MixUp's class-balanced partner batch, drawn per step from the data set
+                if labels is None:
+                    raise ValueError(
+                        "MixupCallback: the mixer mixes with a class-balanced partner batch, and the "
+                        "training set's labels are no class indices"
+                    )
+                self._stream = PartnerStream(dataset, labels, train_dataloader.collate_fn, self.seed)
         loader = train_dataloader
         while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps
             collate = getattr(loader, "collate_fn", None)
@@ -243,6 +253,7 @@ class MixupCallback(_StepSeeded):
             epoch = float(state.epoch or 0.0)
             self.schedule.set(int(epoch) + 1, epoch - int(epoch))
         reseed(self.mixer, self.seed, args.process_index, state.global_step)
+        self._at = (args.process_index, state.global_step, 0)
         if self._guard is not None:
             self._guard.begin()
 
@@ -277,7 +288,20 @@ class MixupCallback(_StepSeeded):
             return None
         if module.training and torch.is_grad_enabled():
             self.mixer.use_targets(labels)
+            if self._stream is not None:
+                self._use_partners(args, kwargs)
         return args, kwargs
+
+    def _use_partners(self, args: tuple, kwargs: dict) -> None:
+        """This micro-batch's class-balanced partner batch, as many as the batch, where its input is."""
+        key = input_key(args, kwargs)
+        x = args[0] if key is None else kwargs[key]
+        rank, step, micro = self._at
+        partner = self._stream.batch(rank, step, x.shape[0], micro)
+        self._at = (rank, step, micro + 1)
+        xp = partner[key] if isinstance(partner, Mapping) else partner[0]
+        yp = partner["labels"] if isinstance(partner, Mapping) else partner[1]
+        self.mixer.use_partners(xp.to(x.device, x.dtype), yp.to(x.device))
 
     def _without_gradients(self, module, args) -> None:
         """A training forward without gradients cannot train (TRL's SFTTrainer runs one after each loss,

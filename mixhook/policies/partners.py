@@ -113,22 +113,14 @@ class PartnerBatch(Policy):
             )
         targets = pinned.get("partner_targets")
         if self.at == "layer":  # (appended at the mixed layer: extend)
-            if inputs.ndim == 0:
-                raise ValueError(
-                    f"{name}(at='layer'): the partner rows must have a batch dimension, got a number"
-                )
-            if targets is not None and (targets.ndim == 0 or targets.shape[0] != inputs.shape[0]):
-                raise ValueError(
-                    f"{name}: the partner rows are {inputs.shape[0]} but {tuple(targets.shape)} labels; give "
-                    "one per row"
-                )
-            values = {"partner_rows": inputs.shape[0], "partner_targets": targets, BANK: inputs.detach()}
-            return args, kwargs, values
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if first is None:
+            return args, kwargs, self._rows(inputs, targets)
+        key = input_key(args, kwargs)
+        first = args[0] if key is None else kwargs.get(key)
+        if not isinstance(first, torch.Tensor):
             raise TypeError(
-                f"{name} appends the partner batch to the model's first positional argument, a tensor; this "
-                f"forward got {describe(args[0]) if args else 'no positional argument'}"
+                f"{name} appends the partner batch to the model's input (its first positional argument, or "
+                "its first keyword argument when it takes none: the HuggingFace Trainer's pixel_values=), a "
+                f"tensor; this forward got {describe(first) if args or kwargs else 'no argument'}"
             )
         batch, rows = first.shape[dim], inputs.shape[dim] if inputs.ndim > dim else -1
         if inputs.ndim != first.ndim or inputs.shape[:dim] + inputs.shape[dim + 1 :] != (
@@ -155,10 +147,10 @@ class PartnerBatch(Policy):
                 f"only {rows}"
             )
         others = [*(f"argument {i}" for i, v in enumerate(args[1:], 1) if _carries(v, batch, dim)),
-                  *(repr(k) for k, v in kwargs.items() if _carries(v, batch, dim))]  # fmt: skip
+                  *(repr(k) for k, v in kwargs.items() if k != key and _carries(v, batch, dim))]  # fmt: skip
         if others:
             raise ValueError(
-                f"{name} appends the partner batch to the model's first argument only, but this forward also "
+                f"{name} appends the partner batch to the model's input only, but this forward also "
                 f"passes {', '.join(others)} with a row per sample (a padding mask?), which the partner rows "
                 "would lack"
             )
@@ -168,7 +160,23 @@ class PartnerBatch(Policy):
                 "one per row"
             )
         values = {"partner_rows": rows, "partner_targets": targets}
+        if key is not None:
+            return args, {**kwargs, key: torch.cat([first, inputs], dim)}, values
         return (torch.cat([first, inputs], dim), *args[1:]), kwargs, values
+
+    def _rows(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> dict:
+        """``at="layer"``: the partner rows and their labels, checked, as the values to pin."""
+        name = type(self).__name__
+        if inputs.ndim == 0:
+            raise ValueError(
+                f"{name}(at='layer'): the partner rows must have a batch dimension, got a number"
+            )
+        if targets is not None and (targets.ndim == 0 or targets.shape[0] != inputs.shape[0]):
+            raise ValueError(
+                f"{name}: the partner rows are {inputs.shape[0]} but {tuple(targets.shape)} labels; give "
+                "one per row"
+            )
+        return {"partner_rows": inputs.shape[0], "partner_targets": targets, BANK: inputs.detach()}
 
     def extend(self, kind: str, spec: str, leaves: tuple, pinned: Mapping) -> tuple | None:
         """``at="layer"``: the partner rows appended to the layer's one tensor along its batch dimension."""
@@ -273,6 +281,13 @@ class PartnerBatch(Policy):
         return tensors, replace(
             state, lam=lam, index=state.index[:own] - own, info=info, weights=weights, shapes=shapes
         )
+
+
+def input_key(args: tuple, kwargs: dict) -> str | None:
+    """Where a forward's input is, for a partner batch appended to it: ``None`` for its first positional
+    argument; the name of its first keyword argument when it has no positional one (the HuggingFace
+    Trainer calls ``model(**batch)``: ``pixel_values=``, ``input_features=``)."""
+    return None if args else next(iter(kwargs), None)
 
 
 def _carries(value, batch: int, dim: int) -> bool:

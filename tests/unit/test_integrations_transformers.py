@@ -251,8 +251,11 @@ def test_bad_input_is_one_line(tmp_path):
         adapter.MixupCallback(torch.nn.Linear(2, 2))
     from mixhook.policies import BalancedMixup
 
-    with pytest.raises(ValueError, match="keyword arguments only; train Balanced-MixUp") as error:
-        adapter.MixupCallback(ManifoldMixup(BERT_LAYERS).use(BalancedMixup()))
+    text = [{"input_ids": torch.ones(4, dtype=torch.long), "labels": torch.tensor(0.5)} for _ in range(8)]
+    balanced = adapter.MixupCallback(ManifoldMixup(BERT_LAYERS).use(BalancedMixup()))
+    trainer = hf_trainer(bert(), arguments(tmp_path), text, balanced)  # float labels: no classes to balance
+    with pytest.raises(ValueError, match="class-balanced partner batch, and the training set") as error:
+        trainer.train()
     one_line(error)
 
 

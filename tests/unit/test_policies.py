@@ -650,6 +650,42 @@ def test_saliency_pairing_reads_a_channels_last_map_over_its_channels(saliency):
     assert mix.last.index.tolist() == pairings[0] != pairings[1]
 
 
+def test_a_partner_batch_goes_to_a_keyword_input_as_to_a_positional_one():
+    """The HuggingFace Trainer calls ``model(pixel_values=x)``: the partner batch is appended to the first
+    keyword argument of a forward without positional ones, the same mix as ``model(x)``; another keyword
+    argument with a row per sample (a mask the partners would lack) is refused in one line."""
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+
+        def forward(self, pixel_values=None, mask=None):
+            return self.net(pixel_values)
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    xp = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    y, yp = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([2, 2, 1, 1, 0, 0])
+    outs = []
+    for call in (lambda m: m(x), lambda m: m(pixel_values=x)):
+        model = Keyword()
+        mix = ManifoldMixup("net.1", alpha=1.0, generator=torch.Generator().manual_seed(1))
+        mix.use(BalancedMixup())
+        with mix.attach(model):
+            mix.use_partners(xp, yp)
+            logits = call(model)
+            outs.append((logits, mix.loss(per_sample_ce, logits, y), mix.last.lam))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
+    model, mix = Keyword(), ManifoldMixup("net.1", alpha=1.0).use(BalancedMixup())
+    with mix.attach(model), pytest.raises(ValueError, match="also passes 'mask' with a row per sample") as e:
+        mix.use_partners(xp, yp)
+        model(pixel_values=x, mask=torch.ones(6, 5))
+    assert "\n" not in str(e.value)
+
+
 # ------------------------------------------------------------------------------------ every policy
 
 

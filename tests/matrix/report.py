@@ -105,7 +105,10 @@ def markdown(cells: list[Cell], seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.matrix", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.matrix",
+        description="Run every method in every workflow, judge each cell, write the table (docs/matrix.md).",
+    )
     parser.add_argument("--methods", nargs="*", default=None, help="method names (default: all)")
     parser.add_argument("--workflows", nargs="*", default=[*WORKFLOWS, "distributed"], help="workflows")
     parser.add_argument("--out", default=str(ROOT / "docs" / "matrix.md"), help="the table's path")

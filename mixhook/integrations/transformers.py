@@ -174,9 +174,9 @@ class MixupCallback(_StepSeeded):
     forward; the callback's collator wrapper keeps them for it), Remix the training set's class counts, a
     ``PartnerBatch`` (Balanced-MixUp) a class-balanced partner batch per micro-batch from the training set
     (:class:`~mixhook.integrations.draws.PartnerStream`, appended to the model's keyword input), and the
-    ones that keep the clean batch
-    beside the mix (RegMixup, RankMixup, MixupE, ``clean=True``) have their loss taken over both halves
-    (not under TRL's SFTTrainer, whose token metrics read ``B`` rows of logits: refused in one line).
+    ones that keep the clean batch beside the mix (RegMixup, RankMixup, MixupE, ``clean=True``) have their
+    loss taken over both halves (not under TRL's SFTTrainer, whose token metrics read ``B`` rows of logits:
+    refused in one line).
     """
 
     def __init__(

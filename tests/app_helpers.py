@@ -1,5 +1,7 @@
 """Shared pieces for the app's tests: a composed config, and `train.py` run the way a user runs it."""
 
+import csv
+import json
 import os
 import subprocess
 import sys
@@ -34,3 +36,13 @@ def run_cli(*overrides, cwd, env: dict | None = None):
         timeout=600,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+def results(run_dir):
+    """metrics.csv rows and summary.json without the wall-clock fields (the only ones that differ)."""
+    rows = [
+        {k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(open(run_dir / "metrics.csv"))
+    ]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.pop("seconds")
+    return rows, summary

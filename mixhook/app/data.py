@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
+from mixhook.policies.partners import class_balanced_weights
+
 from . import splits
 from .provenance import digest
 
@@ -169,13 +171,6 @@ def build_data(
     if norm is not None:
         test = DeviceNormalized(test, device, *norm)
     return Data(name=name, train=train, test=test, **info)
-
-
-def class_balanced_weights(labels: torch.Tensor) -> torch.Tensor:
-    """Each sample's weight in a class-balanced draw: one over its class's size (float64), so that every
-    class present is drawn equally often."""
-    counts = torch.bincount(labels).to(torch.float64)
-    return 1.0 / counts[labels]
 
 
 def long_tail_subset(labels: torch.Tensor, ratio: float, seed: int, num_classes: int) -> torch.Tensor:

@@ -20,12 +20,15 @@ which the hooked module never ran (the mixer was attached to a module the step d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 from ..copies import own
 from ..engine.contract import MixingHook, members
 from ..hooks import LayerHook
+from ..policies.partners import class_balanced_weights
 from ..schedule import MixSchedule
 
 _MASK = 2**64 - 1
@@ -197,8 +200,7 @@ class PartnerStream:
     (the training loader's ``collate_fn``)."""
 
     def __init__(self, dataset, labels: torch.Tensor, collate, seed: int):
-        counts = torch.bincount(labels).to(torch.float64)
-        self.weights = 1.0 / counts.clamp_min(1)[labels]
+        self.weights = class_balanced_weights(labels)
         self.dataset, self.collate, self.seed = dataset, collate, seed
 
     def batch(self, rank: int, step: int, n: int, micro: int = 0):
@@ -207,3 +209,14 @@ class PartnerStream:
         g = torch.Generator().manual_seed(step_seed(self.seed, rank, step, PARTNERS + micro))
         index = torch.multinomial(self.weights, n, replacement=True, generator=g)
         return self.collate([self.dataset[int(i)] for i in index])
+
+    def like(self, x: torch.Tensor, rank: int, step: int, micro: int = 0, key: str | None = None) -> tuple:
+        """The partner inputs and labels ``(xp, yp)`` for a batch whose input is ``x`` (as many samples, on
+        its device, in its dtype), for ``use_partners``: from a collated ``(x, y)`` pair or, by ``key``
+        (the model's keyword input), from a mapping with ``labels``."""
+        partner = self.batch(rank, step, x.shape[0], micro)
+        if isinstance(partner, Mapping):
+            xp, yp = partner[key], partner["labels"]
+        else:
+            xp, yp = partner[0], partner[1]
+        return xp.to(x.device, x.dtype), yp.to(x.device)

@@ -197,9 +197,7 @@ class MixupCallback(Callback):
                 f"{_WHERE}: a partner batch is appended to the model's input, which needs (x, y) batches; "
                 f"this batch is a {type(batch).__name__}"
             )
-        x = batch[0]
-        partner = self._stream.batch(rank, step, x.shape[0])
-        return partner[0].to(x.device, x.dtype), partner[1].to(x.device)
+        return self._stream.like(batch[0], rank, step)
 
     def _before_forward(self, module, args) -> None:
         """Before the hooked module's own hooks, at each of its calls in training: Lightning's DDP, FSDP and

@@ -297,11 +297,8 @@ class MixupCallback(_StepSeeded):
         key = input_key(args, kwargs)
         x = args[0] if key is None else kwargs[key]
         rank, step, micro = self._at
-        partner = self._stream.batch(rank, step, x.shape[0], micro)
         self._at = (rank, step, micro + 1)
-        xp = partner[key] if isinstance(partner, Mapping) else partner[0]
-        yp = partner["labels"] if isinstance(partner, Mapping) else partner[1]
-        self.mixer.use_partners(xp.to(x.device, x.dtype), yp.to(x.device))
+        self.mixer.use_partners(*self._stream.like(x, rank, step, micro, key))
 
     def _without_gradients(self, module, args) -> None:
         """A training forward without gradients cannot train (TRL's SFTTrainer runs one after each loss,

@@ -283,6 +283,14 @@ class PartnerBatch(Policy):
         )
 
 
+def class_balanced_weights(labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's weight in a class-balanced draw (the partner batch Balanced-MixUp takes; the app's
+    ``data.sampler=balanced``): one over its class's size (float64), so that every class present is drawn
+    equally often."""
+    counts = torch.bincount(labels).to(torch.float64)
+    return 1.0 / counts[labels]
+
+
 def input_key(args: tuple, kwargs: dict) -> str | None:
     """Where a forward's input is, for a partner batch appended to it: ``None`` for its first positional
     argument; the name of its first keyword argument when it has no positional one (the HuggingFace

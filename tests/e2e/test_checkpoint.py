@@ -2,7 +2,6 @@
 
 The runs are real `train.py` processes on a small digits problem, killed with real signals."""
 
-import csv
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ import torch
 
 from mixhook.app import run as app
 from mixhook.app.training import checkpoint as ckpt
-from tests.app_helpers import config, run_cli
+from tests.app_helpers import config, results, run_cli
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # each trains through the app, most of them in train.py
@@ -32,16 +31,6 @@ SMALL = [*COSINE, "scheduler=multistep", "scheduler.milestones=[3]"]  # a schedu
 
 
 TRAINING = {}  # the uninterrupted run's training seconds: the window in which the tests interrupt theirs
-
-
-def results(run_dir):
-    """metrics.csv rows and summary.json without the wall-clock fields (the only ones that differ)."""
-    rows = [
-        {k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(open(run_dir / "metrics.csv"))
-    ]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary.pop("seconds")
-    return rows, summary
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ reason kept), ``fails`` otherwise (an error of several lines, weights that diffe
 from __future__ import annotations
 
 import contextlib
-import csv
 import io
 import json
 import logging
@@ -30,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from mixhook.integrations.draws import PartnerStream, count_classes, reseed
+from tests.app_helpers import results
 
 from .methods import Method, criterion, data, model
 
@@ -247,16 +247,6 @@ def _narrow(overrides) -> list[str]:
     return [*overrides] if any(o.startswith("model=") for o in overrides) else [*overrides, NARROW]
 
 
-def _results(run_dir: Path):
-    """metrics.csv rows and summary.json without the wall-clock fields (the only ones that differ)."""
-    rows = [
-        {k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(open(run_dir / "metrics.csv"))
-    ]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary.pop("seconds")
-    return rows, summary
-
-
 def app(method: Method) -> Cell:
     """The app with the method's shipped ``mixup=`` config on the default data (digits, PreActResNet-18):
     ``trains`` (two short epochs, its summary written), or its one-line refusal, then the run with the
@@ -302,7 +292,7 @@ def resume(method: Method) -> Cell:
             return Cell(method.name, "resume", "fails", "the run ended before it could be killed")
         state = torch.load(killed / "last.pt", weights_only=True)
         _app(*settings, "trainer.resume=auto", out=str(killed))
-        same = _results(killed) == _results(reference)
+        same = results(killed) == results(reference)
     at = f"killed after epoch {state['epoch']}, step {state['step']}"
     return Cell(method.name, "resume", "exact" if same else "fails", at if same else f"{at}: metrics differ")
 

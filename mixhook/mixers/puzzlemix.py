@@ -241,7 +241,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.grids, self.n_labels = grids, n_labels
-        self._fitting: dict[int, tuple[int, ...]] = {}  # grids="auto": the map's side -> its grid sides
+        self._fitting: dict[tuple, tuple[int, ...]] = {}  # (map side, settings) -> the grid sides that fit
         self.beta, self.gamma = check_non_negative("beta", beta), check_non_negative("gamma", gamma)
         self.eta, self.t_eps = check_non_negative("eta", eta), check_non_negative("t_eps", t_eps)
         self.neigh_size, self.transport, self.t_size = neigh_size, bool(transport), t_size
@@ -272,25 +272,28 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
 
     def grids_for(self, spec: str, width: int) -> tuple[int, ...]:
         """The grid sides drawn from on a ``width x width`` map at ``spec``: ``grids``, checked to fit it
-        (one line where one does not), or with ``grids="auto"`` the authors' sides that fit (found once
-        per side, and logged)."""
-        if self.grids == AUTO:
-            found = self._fitting.get(width)
-            if found is None:
-                found = tuple(g for g in GRIDS if not self._misfit(g, width))
-                if not found:
-                    raise ValueError(
-                        f"PuzzleMix at {spec!r}: none of the grid sides {GRIDS} fits its {width}x{width} map "
-                        f"(with t_size={self.t_size}); choose an earlier layer, or grids that divide {width}"
-                    )
-                log.info("PuzzleMix at %r: grids auto -> %s on its %dx%d map", spec, found, width, width)
-                self._fitting[width] = found
+        (one line where one does not), or with ``grids="auto"`` the authors' sides that fit (logged); worked
+        out once per map side and settings (``check_leaves`` and ``mix`` both ask)."""
+        key = (width, self.grids, self.transport, self.t_size)  # (settings changed after a forward: anew)
+        found = self._fitting.get(key)
+        if found is not None:
             return found
-        for g in self.grids:
-            why = self._misfit(g, width)
-            if why:
-                raise ValueError(f"PuzzleMix at {spec!r}: {why}")
-        return self.grids
+        if self.grids == AUTO:
+            found = tuple(g for g in GRIDS if not self._misfit(g, width))
+            if not found:
+                raise ValueError(
+                    f"PuzzleMix at {spec!r}: none of the grid sides {GRIDS} fits its {width}x{width} map "
+                    f"(with t_size={self.t_size}); choose an earlier layer, or grids that divide {width}"
+                )
+            log.info("PuzzleMix at %r: grids auto -> %s on its %dx%d map", spec, found, width, width)
+        else:
+            for g in self.grids:
+                why = self._misfit(g, width)
+                if why:
+                    raise ValueError(f"PuzzleMix at {spec!r}: {why}")
+            found = self.grids
+        self._fitting[key] = found
+        return found
 
     def _misfit(self, g: int, width: int) -> str | None:
         """Why grid side ``g`` cannot cut a ``width x width`` map (``None``: it can)."""

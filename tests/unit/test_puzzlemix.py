@@ -407,6 +407,12 @@ def test_bad_arguments_and_maps_are_refused_in_one_line():
     mix = PuzzleMix("conv1", grids=(2,), saliency="activation")
     with mix.attach(model), pytest.raises(ValueError, match="8x6 map is not square"):
         model(torch.randn(2, 3, 8, 6))
+    mix = PuzzleMix("conv1", grids=(2, 4), saliency="activation")
+    with mix.attach(model):
+        model(torch.randn(2, 3, 8, 8))
+        mix.grids = (2, 16)  # changed after a forward on the same map: checked again, not kept
+        with pytest.raises(ValueError, match="grid side 16 does not fit its 8x8 map"):
+            model(torch.randn(2, 3, 8, 8))
     mix = PuzzleMix("conv1", grids=(2,), t_size=3, saliency="activation")
     with mix.attach(model), pytest.raises(ValueError, match="t_size 3 does not divide the 4-position blocks"):
         model(torch.randn(2, 3, 8, 8))

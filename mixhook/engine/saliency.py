@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
 from ..layers import resolve_layers
-from ..layouts import NHWC, site_layout
+from ..layouts import channels_first, site_layout
 from ..sites import INPUT, Leaf, describe, parse_site
 from ..transfer import to_device
 
@@ -87,8 +87,7 @@ class Saliency:
                     f"{self.kind}: saliency_layer {self.layer!r} must output a (B, C, H, W) map, "
                     f"got {describe(output)}"
                 )
-            if layout.of(f"{self.kind}'s saliency_layer", self.layer) == NHWC:
-                output = output.permute(0, 3, 1, 2)
+            output = channels_first(output, layout.of(f"{self.kind}'s saliency_layer", self.layer))
             self._recorded = activation_saliency(output)
 
         handles.append(module.register_forward_hook(recompute.hook(record)))  # (not in a recomputation)

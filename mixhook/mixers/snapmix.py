@@ -22,7 +22,7 @@ from ..engine.regions import RegionMixer
 from ..functional import sample_lam
 from ..geometry import rand_region, region_lam
 from ..layers import resolve_layers, trace_outputs
-from ..layouts import NHWC, site_layout
+from ..layouts import channels_first, site_layout
 from ..sites import Leaf, describe, parse_site
 from ..transfer import to_device
 from .cutmix import draw_region, pinned_regions
@@ -220,8 +220,7 @@ class SnapMix(RegionMixer):
         convention, refused where the model works on both); a one-line ``TypeError`` for anything else."""
         d = self._linear.in_features
         if isinstance(fms, torch.Tensor) and fms.ndim == 4:
-            if self._features_layout.of("SnapMix's features", self.features) == NHWC:
-                fms = fms.permute(0, 3, 1, 2)
+            fms = channels_first(fms, self._features_layout.of("SnapMix's features", self.features))
             if fms.shape[1] == d:
                 return fms
         raise TypeError(

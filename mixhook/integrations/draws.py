@@ -192,6 +192,34 @@ def count_classes(hook: MixingHook, labels: torch.Tensor | None, where: str) -> 
             policy.count(labels, int(labels.max()) + 1 if labels.numel() else 0)
 
 
+def from_training_set(hook: MixingHook, loader, seed: int, where: str) -> PartnerStream | None:
+    """What ``hook``'s policies need from the training set, read from the training ``loader`` when training
+    starts: Remix's class counts (where not given, :func:`count_classes`) and, for a ``PartnerBatch``
+    (Balanced-MixUp), the :class:`PartnerStream` of its class-balanced partner batches, drawn from the
+    loader's data set with its collator (``None`` where the mixer takes none). Refused in one line: a
+    loader without a map-style data set, labels that are no class indices."""
+    partners = needs_partner_batch(hook)
+    if not partners and not any(p.needs_classes for h in members(hook) for p in getattr(h, "policies", ())):
+        return None
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or not hasattr(dataset, "__getitem__"):
+        raise ValueError(
+            f"{where}: {type(hook).__name__} needs the training set (its class counts, or a class-balanced "
+            f"partner batch per step), but the training loader is a {type(loader).__name__} without a "
+            "map-style data set; train from one DataLoader over a Dataset"
+        )
+    labels = dataset_labels(dataset)
+    count_classes(hook, labels, where)
+    if not partners:
+        return None
+    if labels is None:
+        raise ValueError(
+            f"{where}: the mixer mixes with a class-balanced partner batch, and the training set's labels "
+            "are no class indices"
+        )
+    return PartnerStream(dataset, labels, loader.collate_fn, seed)
+
+
 class PartnerStream:
     """Class-balanced partner batches for a mixer with a ``PartnerBatch`` (Balanced-MixUp's second loader):
     the batch of step ``step`` of rank ``rank`` holds ``n`` samples drawn with replacement, each class

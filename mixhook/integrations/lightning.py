@@ -58,10 +58,8 @@ from .draws import (
     StepGuard,
     check_arguments,
     check_unattached,
-    count_classes,
-    dataset_labels,
+    from_training_set,
     generators,
-    needs_partner_batch,
     reseed,
 )
 
@@ -152,26 +150,7 @@ class MixupCallback(Callback):
         """What the mixer's policies need from the training set: Remix its class counts (where not given),
         a ``PartnerBatch`` a class-balanced partner batch per step (:class:`~.draws.PartnerStream`, from the
         training loader's data set and collator)."""
-        partners = needs_partner_batch(self.mixer)
-        if not partners and not any(p.needs_classes for p in getattr(self.mixer, "policies", ())):
-            return
-        loader = trainer.train_dataloader
-        dataset = getattr(loader, "dataset", None)
-        if dataset is None or not hasattr(dataset, "__getitem__"):
-            raise ValueError(
-                f"{_WHERE}: {self.mixer!r:.80} needs the training set (its class counts, or a class-balanced "
-                f"partner batch per step), but the training loader is a {type(loader).__name__} without a "
-                "map-style data set; train from one DataLoader over a Dataset"
-            )
-        labels = dataset_labels(dataset)
-        count_classes(self.mixer, labels, _WHERE)
-        if partners:
-            if labels is None:
-                raise ValueError(
-                    f"{_WHERE}: the mixer mixes with a class-balanced partner batch, and the training set's "
-                    "labels are no class indices"
-                )
-            self._stream = PartnerStream(dataset, labels, loader.collate_fn, self.seed)
+        self._stream = from_training_set(self.mixer, trainer.train_dataloader, self.seed, _WHERE)
 
     # ------------------------------------------------------------------------------ every batch
 

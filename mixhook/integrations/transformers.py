@@ -61,9 +61,7 @@ from .draws import (
     StepGuard,
     check_arguments,
     check_unattached,
-    count_classes,
-    dataset_labels,
-    needs_partner_batch,
+    from_training_set,
     reseed,
 )
 
@@ -220,19 +218,7 @@ class MixupCallback(_StepSeeded):
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
-        partners = needs_partner_batch(self.mixer)
-        classes = any(p.needs_classes for p in getattr(self.mixer, "policies", ()))
-        if (partners or classes) and train_dataloader is not None:
-            dataset = getattr(train_dataloader, "dataset", None)  # Remix's class counts, where not given
-            labels = None if dataset is None else dataset_labels(dataset)
-            count_classes(self.mixer, labels, "MixupCallback")
-            if partners:  # Balanced-MixUp's class-balanced partner batch, drawn per step from the data set
-                if labels is None:
-                    raise ValueError(
-                        "MixupCallback: the mixer mixes with a class-balanced partner batch, and the "
-                        "training set's labels are no class indices"
-                    )
-                self._stream = PartnerStream(dataset, labels, train_dataloader.collate_fn, self.seed)
+        self._stream = from_training_set(self.mixer, train_dataloader, self.seed, _WHERE)
         loader = train_dataloader
         while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps
             collate = getattr(loader, "collate_fn", None)

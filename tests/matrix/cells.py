@@ -55,23 +55,36 @@ def _labels(kind: str, y: torch.Tensor) -> torch.Tensor | None:
     return None if kind == "mlp" else y
 
 
-def own_loop(method: Method, reseeded: bool = True, rank: int = 0, net=None) -> torch.nn.Module:
-    """The hand loop: ``STEPS`` steps of ``BATCH`` samples (see the module)."""
-    net = model(method.kind) if net is None else net
-    x, y = data(method.kind)
-    mixer, loss_of = method.make(""), criterion(method.kind)
-    count_classes(mixer, _labels(method.kind, y), "the own loop")
+def hand_setup(method: Method, n: int = STEPS * BATCH) -> tuple:
+    """The hand loop's data (``n`` samples), its mixer (Remix's counts from the labels) and, for a partner
+    batch, its :class:`~mixhook.integrations.draws.PartnerStream`."""
+    x, y = data(method.kind, n=n)
+    mixer = method.make("")
+    count_classes(mixer, _labels(method.kind, y), "the hand loop")
     stream = PartnerStream(TensorDataset(x, y), y, default_collate, SEED) if method.needs_partners else None
+    return x, y, mixer, stream
+
+
+def hand_step(mixer, stream, forward, xb, yb, loss_of, rank: int, step: int, reseeded: bool = True) -> None:
+    """One step's forward and backward of the hand loop (the optimizer's step is the caller's)."""
+    if reseeded:
+        reseed(mixer, SEED, rank, step)
+    mixer.use_targets(yb)
+    if stream is not None:
+        mixer.use_partners(*stream.batch(rank, step, xb.shape[0]))
+    mixer.loss(loss_of, forward(xb), yb).mean().backward()
+
+
+def own_loop(method: Method, reseeded: bool = True) -> torch.nn.Module:
+    """The hand loop: ``STEPS`` steps of ``BATCH`` samples (see the module)."""
+    net = model(method.kind)
+    x, y, mixer, stream = hand_setup(method)
+    loss_of = criterion(method.kind)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     with mixer.attach(net):
         for step in range(STEPS):
             xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
-            if reseeded:
-                reseed(mixer, SEED, rank, step)
-            mixer.use_targets(yb)
-            if stream is not None:
-                mixer.use_partners(*stream.batch(rank, step, BATCH))
-            mixer.loss(loss_of, net(xb), yb).mean().backward()
+            hand_step(mixer, stream, net, xb, yb, loss_of, 0, step, reseeded)
             opt.step()
             opt.zero_grad()
     return net

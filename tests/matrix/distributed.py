@@ -17,11 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import TensorDataset, default_collate
 
-from mixhook.integrations.draws import PartnerStream, count_classes, reseed
-from tests.matrix.cells import BATCH, LR, SEED, STEPS, TOLERANCE
-from tests.matrix.methods import BY_NAME, Method, criterion, data, model
+from tests.matrix.cells import BATCH, LR, STEPS, TOLERANCE, hand_setup, hand_step
+from tests.matrix.methods import BY_NAME, Method, criterion, model
 
 WORLD = 2
 
@@ -31,27 +29,10 @@ def shard(step: int, rank: int, x: torch.Tensor, y: torch.Tensor):
     return x[start : start + BATCH], y[start : start + BATCH]
 
 
-def _setup(method: Method):
-    x, y = data(method.kind, n=STEPS * BATCH * WORLD)
-    mixer = method.make("")
-    count_classes(mixer, None if method.kind == "mlp" else y, "the matrix")
-    stream = PartnerStream(TensorDataset(x, y), y, default_collate, SEED) if method.needs_partners else None
-    return x, y, mixer, stream
-
-
-def _step(mixer, stream, net, forward, rank, step, x, y, loss_of):
-    xb, yb = shard(step, rank, x, y)
-    reseed(mixer, SEED, rank, step)
-    mixer.use_targets(yb)
-    if stream is not None:
-        mixer.use_partners(*stream.batch(rank, step, BATCH))
-    mixer.loss(loss_of, forward(xb), yb).mean().backward()
-
-
 def trained(method: Method, mode: str, rank: int) -> list[torch.Tensor]:
     """This rank's run under ``mode``: the full weights after ``STEPS`` steps."""
     net = model(method.kind)
-    x, y, mixer, stream = _setup(method)
+    x, y, mixer, stream = hand_setup(method, n=STEPS * BATCH * WORLD)
     loss_of = criterion(method.kind)
     if mode == "ddp":
         wrapped = DistributedDataParallel(net)
@@ -64,7 +45,7 @@ def trained(method: Method, mode: str, rank: int) -> list[torch.Tensor]:
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     with mixer.attach(net):
         for step in range(STEPS):
-            _step(mixer, stream, net, wrapped, rank, step, x, y, loss_of)
+            hand_step(mixer, stream, wrapped, *shard(step, rank, x, y), loss_of, rank, step)
             opt.step()
             opt.zero_grad()
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in net.parameters()]
@@ -73,14 +54,14 @@ def trained(method: Method, mode: str, rank: int) -> list[torch.Tensor]:
 def replayed(method: Method) -> list[torch.Tensor]:
     """Both ranks' batches in one process, the gradients averaged."""
     net = model(method.kind)
-    x, y, mixer, stream = _setup(method)
+    x, y, mixer, stream = hand_setup(method, n=STEPS * BATCH * WORLD)
     loss_of = criterion(method.kind)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     with mixer.attach(net):
         for step in range(STEPS):
             grads = []
             for rank in range(WORLD):
-                _step(mixer, stream, net, net, rank, step, x, y, loss_of)
+                hand_step(mixer, stream, net, *shard(step, rank, x, y), loss_of, rank, step)
                 grads.append([p.grad.clone() for p in net.parameters()])
                 net.zero_grad()
             for p, *gs in zip(net.parameters(), *grads, strict=True):

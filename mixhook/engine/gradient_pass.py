@@ -12,14 +12,20 @@ from ..sites import INPUT, Inputs, Leaf, describe, rebuild_inputs, replace_leave
 from ..transfer import to_device
 
 
-def sharded(model: nn.Module) -> bool:
-    """Whether ``model`` or a module in it is sharded by FSDP2 (its forwards then gather parameters with
-    the other ranks: every rank must run as many)."""
+def _fsdp_module() -> type | None:
+    """FSDP2's module class (``None`` in a torch without it)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - a torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+        return None
+    return FSDPModule
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether ``model`` or a module in it is sharded by FSDP2 (its forwards then gather parameters with
+    the other ranks: every rank must run as many)."""
+    fsdp = _fsdp_module()
+    return fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
 
 
 def unshard_again(model: nn.Module) -> None:
@@ -27,11 +33,8 @@ def unshard_again(model: nn.Module) -> None:
     (``fully_shard``) had its parameters gathered by its own pre-hook for the forward that called the pass,
     and the pass's forward (or its backward's final callback) ends by sharding them again; gather them
     again, or the rest of that forward would compute with the shards."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - a torch without FSDP2
-        return
-    if isinstance(model, FSDPModule):
+    fsdp = _fsdp_module()
+    if fsdp is not None and isinstance(model, fsdp):
         model.unshard()
 
 

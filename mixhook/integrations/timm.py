@@ -316,8 +316,9 @@ class MixupFn:
     def __call__(self, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._called:
             raise RuntimeError(
-                "MixupFn was called again before a training forward: the labels it was given belong to no "
-                "forward (call it once per batch, right before model(x) in training)"
+                "MixupFn was called again before a training forward's loss was taken through "
+                "mixup_fn.loss(criterion): the labels it was given belong to no loss (call it once per "
+                "batch, right before model(x) in training, and take the loss with the wrapped criterion)"
             )
         self.mixer.use_targets(target)
         if not self.mixup_enabled:

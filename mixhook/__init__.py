@@ -12,7 +12,17 @@ from . import mixers, policies
 from .compose import attach
 from .gradients import GradClip, GradScale
 from .hooks import HookHandle, LayerHook
-from .layers import INPUT, UnknownLayerError, fastai_layers, layer_names, resolve_layers
+from .layers import (
+    INPUT,
+    UnknownLayerError,
+    describe,
+    fastai_layers,
+    layer_names,
+    portable_names,
+    register_layers,
+    resolve_layer,
+    resolve_layers,
+)
 from .mixers import *  # noqa: F403  (every mixer, found in mixhook/mixers/, and the contract)
 from .noise import NEFTune
 from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
@@ -35,10 +45,14 @@ __all__ = [
     "ShapeTrace",
     "UnknownLayerError",
     "attach",
+    "describe",
     "fastai_layers",
     "layer_names",
     "mixers",
     "policies",
+    "portable_names",
+    "register_layers",
+    "resolve_layer",
     "resolve_layers",
 ]
 __all__ += mixers.__all__

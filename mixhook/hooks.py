@@ -19,7 +19,8 @@ from torch.utils.hooks import RemovableHandle
 
 from . import recompute
 from .copies import own
-from .layers import normalize_layers, resolve_layers
+from .layers import ResolvedLayers, normalize_layers, resolve_layers
+from .layers.specs import written_site
 from .sites import BatchDims, Site, check_per_layer, parse_site
 
 
@@ -70,7 +71,7 @@ def check_state(hook, state, keys: tuple[str, ...] = ()) -> None:
         )
     if state.get("type") != kind:
         raise StateError(f"{kind}.load_state_dict(): the state is a {state.get('type')!r}'s, not a {kind}'s")
-    layers = list(getattr(hook, "layers", ()))
+    layers = list(getattr(hook, "specs", ()))
     if "layers" in state and list(state["layers"]) != layers:
         raise StateError(
             f"{kind}.load_state_dict(): the state is for layers {list(state['layers'])}, this {kind} has "
@@ -146,7 +147,10 @@ class LayerHook:
 
     Args:
         layer: a module name as ``model.named_modules()`` spells it, ``"input"`` for the model's input,
-            or a list of such names; each may carry a selector (``"lstm[0]"``, see :mod:`mixhook.sites`).
+            a portable spec (``"stage:2"``, ``"block:-1"``, ``"depth:0.5"``) or a pattern (``"blocks[2:6]"``,
+            ``"layers.*.mlp"``), or a list of these (see :mod:`mixhook.layers`); each may carry a selector
+            (``"lstm[0]"``, see :mod:`mixhook.sites`). Resolved at each :meth:`attach`: :attr:`specs` keeps
+            them as written, :attr:`layers` is the real site specs while attached (the specs otherwise).
         batch_dim: the batch dimension of the tensors acted on, where mixhook cannot find it itself
             (see :class:`~mixhook.sites.BatchDims`): an int for every layer, or a dict from layer spec to
             int. ``None`` (default): found from the modules' ``batch_first`` or PyTorch's convention.
@@ -154,15 +158,16 @@ class LayerHook:
 
     # Attributes that belong to one attachment (or one forward), not to the hook's configuration or
     # random state: a copy (deepcopy, pickle) leaves them out and starts detached (:meth:`_fresh`).
-    _TRANSIENT: ClassVar[tuple[str, ...]] = ("_model", "_handle", "_dims", "_tracker")
+    _TRANSIENT: ClassVar[tuple[str, ...]] = (
+        "_model", "_handle", "_dims", "_tracker", "layers", "sites", "_written"
+    )  # fmt: skip
     # Whether the hook registers a hook of its own on the model itself (activation-checkpoint replay then
     # needs no extra one: mixhook.recompute.Tracker).
     _hooks_model: ClassVar[bool] = False
 
     def __init__(self, layer: str | Sequence[str], batch_dim: int | dict | None = None):
-        self.layers: tuple[str, ...] = normalize_layers(layer)
-        self.sites: dict[str, Site] = {spec: parse_site(spec) for spec in self.layers}
-        self.batch_dim = _check_batch_dim(batch_dim, self.layers)
+        self.specs: tuple[str, ...] = normalize_layers(layer)
+        self.batch_dim = _check_batch_dim(batch_dim, self.specs)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -171,6 +176,39 @@ class LayerHook:
         self._handle: HookHandle | None = None
         self._dims: dict[str, BatchDims] = {}
         self._tracker: recompute.Tracker | None = None
+        self._bind(None)
+
+    def _bind(self, resolved: ResolvedLayers | None) -> None:
+        """Act on the layers ``resolved`` on the model being attached to, or (``None``) on the specs as
+        written: :attr:`layers` and :attr:`sites` follow, and ``_written`` maps a resolved site back to
+        its spec (per-layer arguments are given by spec: :meth:`_per_layer`)."""
+        if resolved is None:
+            self.layers: tuple[str, ...] = self.specs
+            self.sites: dict[str, Site] = {spec: written_site(spec) for spec in self.specs}
+            self._written: dict[str, str] = {}
+        else:
+            self.layers = tuple(resolved)
+            self.sites = {name: parse_site(name) for name in self.layers}
+            self._written = dict(resolved.written)
+
+    @property
+    def resolved(self) -> dict[str, tuple[str, ...]]:
+        """Each spec as written mapped to the real site specs it resolved to on the model this is attached
+        to (``{"stage:2": ("layer2",), "blocks[0:2]": ("blocks.0", "blocks.1")}``); empty when detached."""
+        if self._model is None:
+            return {}
+        out: dict[str, tuple[str, ...]] = {spec: () for spec in self.specs}
+        for name in self.layers:
+            spec = self._written.get(name, name)
+            out[spec] = (*out[spec], name)
+        return out
+
+    def _per_layer(self, value, spec: str):
+        """A per-layer argument's value (``batch_dim``, ``layout``: one for all, or a dict by written spec)
+        at the resolved site ``spec``."""
+        if isinstance(value, dict):
+            return value.get(self._written.get(spec, spec))
+        return value
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickle, a spawned worker) of a hook is detached: it keeps the
@@ -215,7 +253,7 @@ class LayerHook:
         not yet used by a forward is not part of it. Under ``torch.distributed`` it records the rank, and
         another rank's state is refused on loading (in one line; a checkpoint that keeps one copy of what
         every rank saves under one key would otherwise hand one rank's stream to all)."""
-        state = {"type": type(self).__name__, "layers": list(self.layers)}
+        state = {"type": type(self).__name__, "layers": list(self.specs)}
         if "generator" in self.__dict__:
             state.update(generator=self.generator.get_state(), per_rank=self._per_rank)
             rank = _rank()
@@ -235,7 +273,7 @@ class LayerHook:
     @property
     def _layer_spec(self) -> str | list[str]:
         """The layer spec as the user wrote it: one name, or a list (for ``__repr__``)."""
-        return self.layers[0] if len(self.layers) == 1 else list(self.layers)
+        return self.specs[0] if len(self.specs) == 1 else list(self.specs)
 
     @property
     def model(self) -> nn.Module | None:
@@ -255,10 +293,11 @@ class LayerHook:
                 f"{type(self).__name__} is already attached to a {type(self._model).__name__}; "
                 "remove that handle first, or create a second instance"
             )
-        modules = resolve_layers(model, self.layers)
+        modules = resolve_layers(model, self.specs)
         self._check_attach(model)
         handles: list[RemovableHandle] = []
         tracker = recompute.acquire(model, self._hooks_model)
+        self._bind(modules)  # (each attach resolves the specs again: they follow the model)
         try:
             self._dims = {
                 spec: BatchDims(model, self.sites[spec], self._explicit(spec)) for spec in self.layers
@@ -271,6 +310,7 @@ class LayerHook:
                 handle.remove()
             recompute.release(model, tracker)
             self._reset()  # nothing of a failed attach stays (a mixer's claim on the model included)
+            self._bind(None)
             raise
         self._model, self._tracker = model, tracker
         self._handle = HookHandle(handles, on_remove=self._detach)
@@ -288,14 +328,13 @@ class LayerHook:
         self._handle = None
         self._tracker = None
         self._reset()
+        self._bind(None)
 
     def _check_attach(self, model: nn.Module) -> None:
         """Refuse to attach to ``model`` (before anything is registered); nothing by default."""
 
     def _explicit(self, spec: str) -> int | None:
-        if isinstance(self.batch_dim, dict):
-            return self.batch_dim.get(spec)
-        return self.batch_dim
+        return self._per_layer(self.batch_dim, spec)
 
     def _note(self, spec: str, payload: object = None) -> None:
         """Inside a recomputable region of a training forward, remember what a recomputation must redo:

@@ -101,7 +101,7 @@ class MixSchedule:
         if layer_weights is not None:
             if len(self.members) != 1 or self.members[0] is not mixer:
                 raise ValueError("MixSchedule(layer_weights=...) weights one mixer's layers; not a OneOf")
-            self.layer_weights = check_layer_weights(mixer.layers, layer_weights)
+            self.layer_weights = check_layer_weights(mixer.specs, layer_weights)
         self._base = [m.prob for m in self.members]
 
     def __repr__(self) -> str:

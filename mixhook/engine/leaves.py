@@ -47,10 +47,11 @@ class SiteLeaves:
         self.layout_aware, self.token_grid = mixer.layout_aware, mixer.token_grid
         self.check_leaves = mixer.check_leaves
         self.layout = mixer.layout
+        self._per_layer = mixer._per_layer  # (a layout given by spec, read at the site it resolved to)
         self.layouts: dict[tuple[str, int], SiteLayout] = {}  # (site, ndim): its maps' layout
         self.reads_sides = False  # whether maps are checked against the input's sides
         if self.layout_aware:
-            declared = {spec: self._declared(self.layout, spec) for spec in self.sites}
+            declared = {spec: self._per_layer(self.layout, spec) for spec in self.sites}
             self.reads_sides = not any(
                 declared[spec] in CHANNELS_LAST.values() for spec, s in self.sites.items() if s.layer == INPUT
             )
@@ -62,10 +63,6 @@ class SiteLeaves:
         self.input_dim: int | None = None if first is None else input_dim(model, first.seq_first)
         self.plans: dict[str, tuple] = {}  # a site that returns a plain tensor: (ndim, dtype, batch dim)
         self.input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
-
-    @staticmethod
-    def _declared(layout, spec: str) -> str | None:
-        return layout.get(spec) if isinstance(layout, dict) else layout
 
     def value(self, spec: str, value):
         """What ``spec`` acts on in a layer's output or, for ``"input"``, the model's :class:`Inputs`: with a
@@ -148,7 +145,7 @@ class SiteLeaves:
             return t
         rule = self.layouts.get((spec, t.ndim))
         if rule is None:
-            rule = site_layout(self.model, self.sites[spec], self._declared(self.layout, spec), ndim=t.ndim)
+            rule = site_layout(self.model, self.sites[spec], self._per_layer(self.layout, spec), ndim=t.ndim)
             if rule.how == "sequence":  # stated (B, L, C): channels last (only a cut needs it declared)
                 rule = SiteLayout(CHANNELS_LAST[3], "sequence", basis="module")
             self.layouts[spec, t.ndim] = rule

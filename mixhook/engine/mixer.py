@@ -107,7 +107,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         layout: str | dict | None = None,
     ):
         super().__init__(layer, batch_dim)
-        self.layout = check_layout(layout, self.layers)
+        self.layout = check_layout(layout, self.specs)
         self.alpha = check_positive("alpha", alpha)
         self.prob = check_fraction("prob", prob)
         self._draw_from(generator)
@@ -119,6 +119,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         self._last_forward: Forward | None = None  # the last forward that mixed (what pin_last() repeats)
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
         self._layer_weights: tuple[float, ...] | None = None
+        self._site_weights: tuple[float, ...] | None = None  # the same, per site resolved (_bind)
         self._clean = type(self).keeps_clean
         self._policies: Policies | None = None  # use(): the partners, lam and target policies
 
@@ -190,13 +191,43 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
 
     @property
     def layer_weights(self) -> tuple[float, ...] | None:
-        """Draw weights of :attr:`layers` (one >= 0 each, not all 0): layer ``k`` is mixed with
-        probability ``w[k] / sum(w)``. ``None`` (default): uniform, as each paper draws."""
+        """Draw weights of :attr:`specs` (one >= 0 each, not all 0): spec ``k`` is mixed with probability
+        ``w[k] / sum(w)``, and of the layers a pattern names, each alike (``["input", "blocks[2:6]"]``
+        with ``[1, 1]``: the input half the time, each of the four blocks an eighth). ``None``
+        (default): uniform over the layers, as each paper draws."""
         return self._layer_weights
 
     @layer_weights.setter
     def layer_weights(self, weights) -> None:
-        self._layer_weights = None if weights is None else check_layer_weights(self.layers, weights)
+        self._layer_weights = None if weights is None else check_layer_weights(self.specs, weights)
+        self._site_weights = self._weights_of_sites()
+
+    def _weights_of_sites(self) -> tuple[float, ...] | None:
+        """:attr:`layer_weights` spread over the sites the specs resolved to (each spec's weight shared
+        equally by its sites); the same weights before it is attached."""
+        weights = self._layer_weights
+        if weights is None or not self._written:
+            return weights
+        share = {spec: weights[i] for i, spec in enumerate(self.specs)}
+        count = {spec: list(self._written.values()).count(spec) for spec in self.specs}
+        return tuple(share[self._written[n]] / count[self._written[n]] for n in self.layers)
+
+    def _bind(self, resolved) -> None:
+        super()._bind(resolved)
+        if "_layer_weights" in self.__dict__:
+            self._site_weights = self._weights_of_sites()
+
+    def _site(self, layer: str, what: str) -> str:
+        """The site a user's ``layer`` names: one of :attr:`layers`, or a spec that resolved to one site."""
+        if layer in self.layers:
+            return layer
+        named = [n for n, spec in self._written.items() if spec == layer]
+        if len(named) == 1:
+            return named[0]
+        why = f" (it names {len(named)} layers: name one)" if named else ""
+        raise ValueError(
+            f"{what}(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}{why}"
+        )
 
     def __repr__(self) -> str:
         tokens = (
@@ -233,10 +264,8 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         if unknown:
             valid = ", ".join(("layer", "lam", "index", *self.pin_keys))
             raise TypeError(f"{type(self).__name__}.pin() got unknown values {unknown}; valid: {valid}")
-        if layer is not None and layer not in self.layers:
-            raise ValueError(
-                f"pin(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}"
-            )
+        if layer is not None and (self._model is not None or layer not in self.specs):
+            layer = self._site(layer, "pin")  # (before attach, a spec: its site is found at the forward)
         if lam is not None:
             lam = torch.as_tensor(lam, dtype=torch.float64).detach().cpu()
             if lam.ndim > 1 or not bool(((lam >= 0) & (lam <= 1)).all()):
@@ -295,10 +324,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
                 f"{type(self).__name__}.draw_for(): this method draws its mix from the layer's values, so it "
                 "cannot be drawn before the forward"
             )
-        if layer not in self.layers:
-            raise ValueError(
-                f"draw_for(layer={layer!r}): not one of this regularizer's layers {list(self.layers)}"
-            )
+        layer = self._site(layer, "draw_for")
         pins = NO_PINS if index is None else Pins(**given_index(index, "draw_for"))
         return self._drawing(layer, batch, pins, generator or self.generator, self.draw_traced, leaves or [])
 

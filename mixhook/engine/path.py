@@ -194,10 +194,12 @@ class MixerHooks(LayerHook):
                 pins = NO_PINS
             if pins is not None and not pins.skip:
                 layer = pins.layer
+                if layer is not None and layer not in self.sites:  # pinned by its spec before attach
+                    layer = self._site(layer, "pin")
                 if layer is None:
                     k = 0
-                    if self._layer_weights is not None:
-                        weights = torch.tensor(self._layer_weights, dtype=torch.float64, device=g.device)
+                    if self._site_weights is not None:
+                        weights = torch.tensor(self._site_weights, dtype=torch.float64, device=g.device)
                         k = int(torch.multinomial(weights, 1, generator=g))
                     elif len(self.layers) > 1:
                         k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
-from ..layers import resolve_layers
+from ..layers import resolve_layer
 from ..layouts import channels_first, site_layout
 from ..sites import INPUT, Leaf, describe, parse_site
 from ..transfer import to_device
@@ -75,8 +75,8 @@ class Saliency:
         that is about to mix."""
         if self.layer is None:
             return
-        module = resolve_layers(model, [self.layer])[self.layer]
-        layout = site_layout(model, parse_site(self.layer), None)
+        name, module = resolve_layer(model, self.layer, "saliency_layer")
+        layout = site_layout(model, parse_site(name), None)
 
         def record(module: nn.Module, args: tuple, output) -> None:
             forward = mixer.current

@@ -51,7 +51,7 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
 from ..copies import own
 from ..engine.contract import MixingHook
 from ..hooks import without_rank
-from ..layers import resolve_layers
+from ..layers import resolve_layer
 from ..schedule import MixSchedule
 from .draws import (
     PartnerStream,
@@ -128,7 +128,7 @@ class MixupCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        target = pl_module if self.module is None else resolve_layers(pl_module, [self.module])[self.module]
+        target = pl_module if self.module is None else resolve_layer(pl_module, self.module, "module")[1]
         check_unattached(self.mixer)
         self._handle = self.mixer.attach(target)
         self._guard = StepGuard(self.mixer, target, _WHERE, _FIX, count=False)

@@ -53,7 +53,7 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
 
 from ..copies import own
 from ..engine.contract import MixingHook, members
-from ..layers import resolve_layers
+from ..layers import resolve_layer
 from ..policies.partners import input_key
 from ..schedule import MixSchedule
 from .draws import (
@@ -228,10 +228,10 @@ class MixupCallback(_StepSeeded):
 
     def _resumed(self, attributes: Mapping) -> None:
         layers = attributes.get("layers")
-        if layers is not None and list(layers) != list(self.mixer.layers):
+        if layers is not None and list(layers) != list(self.mixer.specs):
             raise ValueError(
                 f"MixupCallback: the checkpoint was trained mixing at {layers}, this mixer mixes at "
-                f"{list(self.mixer.layers)}; resume with the same layers"
+                f"{list(self.mixer.specs)}; resume with the same layers"
             )
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -248,7 +248,7 @@ class MixupCallback(_StepSeeded):
             self._guard.check()
 
     def _attach(self, model) -> None:
-        target = model if self.module is None else resolve_layers(model, [self.module])[self.module]
+        target = model if self.module is None else resolve_layer(model, self.module, "module")[1]
         if self._handle is not None:  # (model_init: off the previous trial's model)
             self._handle.remove()
             self._guard.remove()
@@ -295,7 +295,7 @@ class MixupCallback(_StepSeeded):
     def state(self) -> dict:
         """What ``trainer_state.json`` keeps (the Trainer saves it with each checkpoint): the draws' seed
         and the layers, read back when training resumes."""
-        return {"args": {}, "attributes": {"seed": self.seed, "layers": list(self.mixer.layers)}}
+        return {"args": {}, "attributes": {"seed": self.seed, "layers": list(self.mixer.specs)}}
 
     # ------------------------------------------------------------------------------ the loss
 

@@ -1,35 +1,63 @@
 """Layer specs: turn the names a user writes into the modules of a model.
 
-A layer is named exactly as ``model.named_modules()`` spells it (``"layer2"``, ``"layer3.1.conv2"``),
-or by the special name ``"input"``, which stands for the model's own input; either may carry a selector
-(``"lstm[1.0]"``, ``"input[x,meta]"``, see :mod:`mixhook.sites`). Unknown names raise
-:class:`UnknownLayerError` with the closest names and the valid ones.
+A layer is named as ``model.named_modules()`` spells it (``"layer2"``, ``"layer3.1.conv2"``), or by the
+special name ``"input"``, which stands for the model's own input; either may carry a selector
+(``"lstm[1.0]"``, ``"input[x,meta]"``, see :mod:`mixhook.sites`). Beside real names:
+
+- **portable specs**, read from what the model states about itself (:mod:`.structure`): ``stage:k`` (the
+  output of the k-th stage of its feature pyramid), ``block:k`` (the k-th block of its main sequence of
+  repeated blocks), ``depth:f`` (the block at fraction ``f`` of that sequence); ``k`` negative from the
+  end; scoped to a submodule (``encoder.block:3``) and with a selector (``block:3[0]``);
+- **patterns** on real names: globs (``"layers.*.mlp"``: ``*`` within one dotted part, ``**`` any number
+  of parts) and an index or slice of a module list (``"blocks[2:6]"``, ``"stages.1.blocks[-1]"``,
+  ``"stages.*.blocks[-1]"``): as Python indexes ``model.blocks[2:6]``.
+
+A hook resolves its specs each time it is attached (:func:`resolve_layers`), so a spec follows the model
+it is attached to. Unknown names raise :class:`UnknownLayerError` with the closest names.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 
 from torch import nn
 
 from ..sites import INPUT, Inputs, parse_site
+from .resolve import (
+    ResolvedLayers,
+    UnknownLayerError,
+    depth_index,
+    expand,
+    portable_names,
+    resolve_layer,
+    resolve_layers,
+)
+from .specs import parse_spec
+from .structure import Stage, Structure, describe, register_layers
 
-_LISTED_DEPTH = 2  # names with at most this many dotted parts are listed in full in errors
-
-
-class UnknownLayerError(KeyError, ValueError):
-    """A layer name that the model does not have.
-
-    A ``KeyError`` (a failed look-up) and a ``ValueError`` (a bad argument), so either ``except`` works.
-    """
-
-    def __str__(self) -> str:  # KeyError would wrap the message in quotes
-        return str(self.args[0])
+__all__ = [
+    "INPUT",
+    "ResolvedLayers",
+    "Stage",
+    "Structure",
+    "UnknownLayerError",
+    "depth_index",
+    "describe",
+    "expand",
+    "fastai_layers",
+    "layer_names",
+    "normalize_layers",
+    "parse_spec",
+    "portable_names",
+    "register_layers",
+    "resolve_layer",
+    "resolve_layers",
+    "trace_outputs",
+]
 
 
 def normalize_layers(layer: str | Sequence[str]) -> tuple[str, ...]:
-    """Validate a layer spec (one name or a list of names) and return it as a tuple of names."""
+    """Validate a layer spec (one spec or a list of specs) and return it as a tuple of specs."""
     names = (layer,) if isinstance(layer, str) else layer
     try:
         names = tuple(names)
@@ -42,7 +70,7 @@ def normalize_layers(layer: str | Sequence[str]) -> tuple[str, ...]:
     for name in names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"layer names must be non-empty strings, got {name!r} in {list(names)!r}")
-        parse_site(name)  # a malformed selector is refused here, before any model is seen
+        parse_spec(name)  # a malformed spec or selector is refused here, before any model is seen
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"layer lists {duplicates} more than once; name each layer once")
@@ -99,44 +127,11 @@ def fastai_layers(model: nn.Module, input: bool = True) -> list[str]:  # noqa: A
     )
 
 
-def resolve_layers(model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
-    """Map each name (a site spec: a layer name with an optional selector) to its module (``"input"``
-    maps to ``model`` itself), in the order given.
-
-    Raises :class:`UnknownLayerError` naming the first unknown name, the closest valid names and the
-    valid names (all names with up to two dotted parts, and how many deeper ones exist).
-    """
-    modules = dict(model.named_modules())
-    resolved: dict[str, nn.Module] = {}
-    for spec in names:
-        name = parse_site(spec).layer if spec else spec
-        if name == INPUT:
-            resolved[spec] = model
-        elif name and name in modules:
-            resolved[spec] = modules[name]
-        else:
-            raise UnknownLayerError(_unknown_layer_message(model, name))
-    return resolved
-
-
-def _unknown_layer_message(model: nn.Module, name: str) -> str:
-    valid = layer_names(model)
-    wrapped = sorted((n for n in valid if n.endswith(f".{name}")), key=len)  # PEFT: base_model.model.
-    if wrapped:
-        hint = f"; did you mean {wrapped[0]!r} (the model wraps its layers: name them as it does)?"
-    else:
-        close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "."
-    listed = [n for n in valid if n.count(".") < _LISTED_DEPTH]
-    deeper = [n for n in valid if n.count(".") >= _LISTED_DEPTH]
-    more = f" (and {len(deeper)} deeper modules such as {deeper[0]!r})" if deeper else ""
-    return f"unknown layer {name!r} in {type(model).__name__}{hint} Valid layers: {', '.join(listed)}{more}"
-
-
 def trace_outputs(model: nn.Module, names: Sequence[str], *args, **kwargs) -> dict[str, object]:
     """Run ``model(*args, **kwargs)`` once in eval mode without gradients and return what each named
     layer returned (``"input"``: the model's :class:`~mixhook.sites.Inputs`). Layers that did not run are
-    absent. Keys are the names (site specs) given; a selector is not applied here.
+    absent. Keys are the real site specs the names resolve to (a real name: itself); a selector is not
+    applied here.
 
     Used to check, before training starts, that the chosen layers can be mixed. The model's
     training flag is restored afterwards and no hook is left behind.

@@ -23,7 +23,7 @@ from ..engine.contract import Draw, Mixed, MixState
 from ..engine.regions import RegionMixer
 from ..engine.tokens import model_grid
 from ..functional import sample_lam, smooth_one_hot
-from ..layers import resolve_layers
+from ..layers import resolve_layer
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
 from .transmix import ReadsAttention, attention_grid, check_attention
@@ -114,7 +114,7 @@ class MixPro(ReadsAttention, RegionMixer):
         )
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        module = resolve_layers(model, [self.attention])[self.attention]
+        _, module = resolve_layer(model, self.attention, "attention")
         check_attention("MixPro", self.attention, module)
         super()._register(model, modules, handles)
         read = self._attention_reader(model, "attention_lam", self._attended)

@@ -60,7 +60,7 @@ class OneOf(LayerHook, MixingHook):
                 "OneOf draws its choice on each rank, but a mixer with partners='global' must mix on every "
                 "rank at once; use partners='local' inside OneOf"
             )
-        layers = list(dict.fromkeys(name for m in mixers for name in m.layers))
+        layers = list(dict.fromkeys(name for m in mixers for name in m.specs))
         super().__init__(layers)
         p = [1.0 / len(mixers)] * len(mixers) if p is None else [float(v) for v in p]
         if (
@@ -88,7 +88,7 @@ class OneOf(LayerHook, MixingHook):
         """The next training forward uses ``mixers[choice]``, pinned with ``values`` (see its ``pin``).
         Without ``choice``, ``values["layer"]`` must name a layer of exactly one of the mixers."""
         if choice is None:
-            owners = [i for i, m in enumerate(self.mixers) if values.get("layer") in m.layers]
+            owners = [i for i, m in enumerate(self.mixers) if values.get("layer") in (*m.layers, *m.specs)]
             if len(owners) != 1:
                 why = f" (layer {values['layer']!r} is in {len(owners)} of them)" if "layer" in values else ""
                 raise ValueError(f"OneOf.pin(): say which mixer with choice=0..{len(self.mixers) - 1}{why}")

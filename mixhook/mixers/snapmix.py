@@ -21,7 +21,7 @@ from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
 from ..functional import sample_lam
 from ..geometry import rand_region, region_lam
-from ..layers import resolve_layers, trace_outputs
+from ..layers import resolve_layer, trace_outputs
 from ..layouts import channels_first, site_layout
 from ..sites import Leaf, describe, parse_site
 from ..transfer import to_device
@@ -153,8 +153,8 @@ class SnapMix(RegionMixer):
         return super().use()
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        found = resolve_layers(model, [self.features, self.classifier])
-        linear = found[self.classifier]
+        features, feature_module = resolve_layer(model, self.features, "features")
+        _, linear = resolve_layer(model, self.classifier, "classifier")
         if not isinstance(linear, nn.Linear):
             raise TypeError(
                 f"SnapMix: classifier={self.classifier!r} is a {type(linear).__name__}; SnapMix needs the "
@@ -163,13 +163,14 @@ class SnapMix(RegionMixer):
             )
         super()._register(model, modules, handles)
         self._linear = linear
-        self._features_layout = site_layout(model, parse_site(self.features), None)
+        self._features_layout = site_layout(model, parse_site(features), None)
+        self._features_site = features  # (the real name features= resolved to)
 
         def record(module: nn.Module, args: tuple, output) -> None:
             if self._recording is not None:
                 self._recording.append(output)
 
-        handles.append(found[self.features].register_forward_hook(recompute.hook(record)))
+        handles.append(feature_module.register_forward_hook(recompute.hook(record)))
 
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         return sample_lam(self.alpha, generator)
@@ -235,9 +236,9 @@ class SnapMix(RegionMixer):
         check before training)."""
         super().check_output(spec, value, batch, model_input)
         if model_input is not None and self._model is not None:
-            outputs = trace_outputs(self._model, [self.features], model_input)
-            if self.features in outputs:
-                self._features_map(outputs[self.features])
+            outputs = trace_outputs(self._model, [self._features_site], model_input)
+            if self._features_site in outputs:
+                self._features_map(outputs[self._features_site])
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path

@@ -19,7 +19,7 @@ from .. import recompute
 from ..engine.checks import check_fraction
 from ..engine.tokens import model_grid
 from ..geometry import boxes_mask
-from ..layers import resolve_layers
+from ..layers import resolve_layer
 from ..sites import Inputs
 from .cutmix import CutMix
 
@@ -196,7 +196,7 @@ class TransMix(ReadsAttention, CutMix):
         return f"{super().__repr__()[:-1]}, attention={self.attention!r}, ratio={self.ratio})"
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
-        module = resolve_layers(model, [self.attention])[self.attention]
+        _, module = resolve_layer(model, self.attention, "attention")
         check_attention("TransMix", self.attention, module)
         super()._register(model, modules, handles)
         handles.append(

@@ -1,0 +1,261 @@
+"""Layer specs to the real module names and modules of one model (:func:`resolve_layers`).
+
+A real name resolves to itself; a pattern to the names it matches, in ``named_modules()`` order; a
+portable spec to the stage or block the model states (:mod:`.structure`). Each keeps its selector. Every
+failure is one line (:class:`UnknownLayerError`) naming the spec and what would be valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..sites import INPUT, parse_site
+from .specs import Spec, glob_regex, parse_spec
+from .structure import Stage, Structure, _Registration, describe
+
+_LISTED_DEPTH = 2  # names with at most this many dotted parts are listed in full in errors
+_LISTS = (nn.Sequential, nn.ModuleList)
+
+
+class UnknownLayerError(KeyError, ValueError):
+    """A layer spec that names nothing in the model (or nothing it can be sure of).
+
+    A ``KeyError`` (a failed look-up) and a ``ValueError`` (a bad argument), so either ``except`` works.
+    """
+
+    def __str__(self) -> str:  # KeyError would wrap the message in quotes
+        return str(self.args[0])
+
+
+class ResolvedLayers(dict):
+    """What :func:`resolve_layers` returns: each real site spec (a module name with its selector, or
+    ``"input"``) mapped to its module, in the order the specs were given (a pattern's matches in
+    ``named_modules()`` order); :attr:`written` maps each back to the spec that named it."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: dict[str, str] = {}
+
+
+def resolve_layers(model: nn.Module, specs: Sequence[str]) -> ResolvedLayers:
+    """Map each spec's real site specs to their modules (``"input"`` maps to ``model`` itself).
+
+    Raises :class:`UnknownLayerError` for the first spec that names nothing, and for two specs that name
+    the same layer (``"layer2"`` and ``"stage:2"`` on a ResNet).
+    """
+    modules = dict(model.named_modules())
+    out = ResolvedLayers()
+    structure: list = []  # described once, on the first portable spec
+    for text in specs:
+        for name in expand(model, text, modules, structure):
+            if name in out:
+                first = out.written[name]
+                also = "" if first == text else f" ({text!r} is {name!r}, as {first!r} is)"
+                raise UnknownLayerError(f"layer {name!r} is named more than once{also}; name each layer once")
+            site = parse_site(name)
+            out[name] = model if site.layer == INPUT else modules[site.layer]
+            out.written[name] = text
+    return out
+
+
+def resolve_layer(model: nn.Module, spec: str, what: str = "layer") -> tuple[str, nn.Module]:
+    """The one module ``spec`` names (its real name and the module); a spec that names several (a glob)
+    is refused in one line, ``what`` naming the argument."""
+    found = resolve_layers(model, [spec])
+    if len(found) != 1:
+        names = list(found)
+        more = ", ..." if len(names) > 3 else ""
+        raise UnknownLayerError(
+            f"{what}={spec!r} names {len(names)} layers ({', '.join(names[:3])}{more}); name one"
+        )
+    return next(iter(found.items()))
+
+
+def expand(model: nn.Module, text: str | Spec, modules: dict | None = None, structure: list | None = None):
+    """The real site specs ``text`` names on ``model`` (one, or a pattern's several)."""
+    if not text:  # (the root's own empty name is not a layer)
+        raise UnknownLayerError(_unknown_layer_message(model, ""))
+    spec = text if isinstance(text, Spec) else parse_spec(text)
+    modules = dict(model.named_modules()) if modules is None else modules
+    if spec.kind == "name":
+        return (_literal(model, spec, modules),)
+    if spec.kind == "pattern":
+        return _pattern(model, spec, modules)
+    return (_portable(model, spec, modules, structure),)
+
+
+def _literal(model: nn.Module, spec: Spec, modules: dict) -> str:
+    site = spec.site
+    if site.layer == INPUT:
+        return spec.text
+    if site.layer not in modules or not site.layer:
+        raise UnknownLayerError(_unknown_layer_message(model, site.layer))
+    module = modules[site.layer]
+    paths = site.paths or ()
+    if isinstance(module, _LISTS) and len(paths) == 1 and len(paths[0]) == 1 and isinstance(paths[0][0], int):
+        return _members(spec, site.layer, module, paths[0][0])[0]  # "blocks[-1]": a member, as in Python
+    return spec.text
+
+
+def _members(spec: Spec, name: str, module: nn.Module, members) -> list[str]:
+    if not isinstance(module, _LISTS):
+        raise UnknownLayerError(
+            f"layer {spec.text!r}: {name!r} is a {type(module).__name__}, not a module list; an index or a "
+            "slice takes members of an nn.Sequential or nn.ModuleList"
+        )
+    children = [n for n, _ in module.named_children()]
+    if isinstance(members, int):
+        if not -len(children) <= members < len(children):
+            raise UnknownLayerError(
+                f"layer {spec.text!r}: {name!r} has {len(children)} members; index 0..{len(children) - 1} "
+                f"(or -{len(children)}..-1)"
+            )
+        return [f"{name}.{children[members]}"]
+    chosen = children[members]
+    if not chosen:
+        raise UnknownLayerError(
+            f"layer {spec.text!r}: the slice takes none of {name!r}'s {len(children)} members"
+        )
+    return [f"{name}.{c}" for c in chosen]
+
+
+def _pattern(model: nn.Module, spec: Spec, modules: dict) -> tuple[str, ...]:
+    if "*" in spec.layer or "?" in spec.layer:
+        regex = glob_regex(spec.layer)
+        names = [n for n in modules if n and regex.match(n)]
+        if not names:
+            raise UnknownLayerError(
+                f"layer {spec.text!r}: the glob matches no module of {type(model).__name__}"
+                + _closest(spec.layer, list(modules), model)
+            )
+    elif spec.layer in modules and spec.layer:
+        names = [spec.layer]
+    else:
+        raise UnknownLayerError(_unknown_layer_message(model, spec.layer))
+    if spec.members is not None:
+        names = [m for n in names for m in _members(spec, n, modules[n], spec.members)]
+    return tuple(n + spec.select for n in names)
+
+
+def _portable(model: nn.Module, spec: Spec, modules: dict, cache: list | None) -> str:
+    kind = type(model).__name__
+    target, prefix = model, ""
+    if spec.scope:
+        if spec.scope not in modules:
+            raise UnknownLayerError(
+                f"layer {spec.text!r}: {kind} has no module {spec.scope!r} to look in"
+                + _closest(spec.scope, list(modules), model)
+            )
+        target, prefix = modules[spec.scope], f"{spec.scope}."
+    if cache is not None and not spec.scope and cache:
+        found = cache[0]
+    else:
+        found = describe(target)
+        if cache is not None and not spec.scope:
+            cache.append(found)
+    where = f"{kind}'s {spec.scope!r}" if spec.scope else kind
+    if found is None:
+        cls = type(target).__name__
+        raise UnknownLayerError(
+            f"layer {spec.text!r}: {where} ({cls}) states no stages or blocks (no registration; not a "
+            f"timm, HuggingFace or torchvision model mixhook reads); state them with "
+            f"mixhook.register_layers({cls}, stages=[...], blocks=[...]) or name a real layer"
+        )
+    if spec.kind == "stage":
+        if not found.stages:
+            raise UnknownLayerError(f"layer {spec.text!r}: {found.no_stages or f'{where} states no stages'}")
+        names = [s.name for s in found.stages]
+        return prefix + _pick(spec, names, "stage", where) + spec.select
+    if not found.blocks:
+        raise UnknownLayerError(f"layer {spec.text!r}: {found.no_blocks or f'{where} states no blocks'}")
+    blocks = list(found.blocks)
+    if spec.kind == "depth":
+        return prefix + blocks[depth_index(spec.fraction, len(blocks))] + spec.select
+    return prefix + _pick(spec, blocks, "block", where) + spec.select
+
+
+def depth_index(fraction: float, count: int) -> int:
+    """The block at ``fraction`` of ``count`` blocks: 0 the first, 1 the last, halves rounded up."""
+    return int(math.floor(fraction * (count - 1) + 0.5))
+
+
+def _pick(spec: Spec, names: list[str], kind: str, where: str) -> str:
+    n = len(names)
+    if not -n <= spec.index < n:
+        shown = ", ".join(names) if n <= 6 else f"{', '.join(names[:3])}, ..., {names[-1]}"
+        raise UnknownLayerError(
+            f"layer {spec.text!r}: {where} has {n} {kind}s, {kind}:0..{n - 1} (or {kind}:-{n}..-1): {shown}"
+        )
+    return names[spec.index]
+
+
+def portable_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each real layer name that a portable spec reaches on ``model``, with those specs
+    (``{"layer2": ["stage:2"], "layer2.0": ["block:2"], ...}``); empty for a model that states nothing."""
+    found = describe(model)
+    out: dict[str, list[str]] = {}
+    if found is None:
+        return out
+    for k, stage in enumerate(found.stages):
+        out.setdefault(stage.name, []).append(f"stage:{k}")
+    for k, block in enumerate(found.blocks):
+        out.setdefault(block, []).append(f"block:{k}")
+    return out
+
+
+def expand_registered(model: nn.Module, registration: _Registration) -> Structure:
+    """A registration's stages and blocks, expanded on ``model``."""
+    modules = dict(model.named_modules())
+
+    def names(value, what: str) -> list:
+        if value is None:
+            return []
+        listed = value(model) if callable(value) else value
+        out = []
+        for item in listed:
+            if isinstance(item, Stage):
+                out.append(item)
+                continue
+            spec = parse_spec(item)
+            if spec.portable:
+                raise ValueError(
+                    f"register_layers({type(model).__name__}, {what}=...): {item!r} is portable; state real "
+                    "names, globs or slices"
+                )
+            try:
+                out.extend(expand(model, spec, modules))
+            except UnknownLayerError as err:
+                raise UnknownLayerError(f"{registration.source}: {what}: {err}") from None
+        return out
+
+    stages = [s if isinstance(s, Stage) else Stage(s) for s in names(registration.stages, "stages")]
+    blocks = [b.name if isinstance(b, Stage) else b for b in names(registration.blocks, "blocks")]
+    cls = type(model).__name__
+    return Structure(
+        registration.source, tuple(stages), tuple(blocks),
+        no_stages="" if stages else f"{cls}'s registration states no stages",
+        no_blocks="" if blocks else f"{cls}'s registration states no blocks",
+    )  # fmt: skip
+
+
+def _closest(name: str, valid: list[str], model: nn.Module) -> str:
+    close = difflib.get_close_matches(name, [v for v in valid if v], n=3, cutoff=0.5)
+    return f"; closest: {', '.join(repr(c) for c in close)}" if close else "; see python -m mixhook.layers"
+
+
+def _unknown_layer_message(model: nn.Module, name: str) -> str:
+    valid = [INPUT] + [n for n, _ in model.named_modules() if n]
+    wrapped = sorted((n for n in valid if n.endswith(f".{name}")), key=len)  # PEFT: base_model.model.
+    if wrapped:
+        hint = f"; did you mean {wrapped[0]!r} (the model wraps its layers: name them as it does)?"
+    else:
+        close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "."
+    listed = [n for n in valid if n.count(".") < _LISTED_DEPTH]
+    deeper = [n for n in valid if n.count(".") >= _LISTED_DEPTH]
+    more = f" (and {len(deeper)} deeper modules such as {deeper[0]!r})" if deeper else ""
+    return f"unknown layer {name!r} in {type(model).__name__}{hint} Valid layers: {', '.join(listed)}{more}"

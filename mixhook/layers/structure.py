@@ -1,0 +1,143 @@
+"""What a model states about its own layers: its stages (the feature pyramid's levels) and its main
+sequence of repeated blocks, as real module names in forward order. Read, in this order, from:
+
+1. a registration for the model's class (:func:`register_layers`, one call for a user's own model);
+2. timm's ``feature_info`` (the stages ``features_only``/``forward_intermediates`` use) and the block lists
+   inside those stages (:mod:`.timm_models`);
+3. a HuggingFace model's config (``num_hidden_layers``, an encoder's and a decoder's layer counts,
+   ``depths``) and the module lists of that length (:mod:`.huggingface_models`, through PEFT wrappers);
+4. torchvision's families (ResNet and ResNeXt/Wide ResNet, ConvNeXt, EfficientNet, MobileNet V2/V3,
+   RegNet, ViT, Swin, MaxViT: :mod:`.torchvision_models`).
+
+A model none of them describes states nothing: a portable spec on it is refused, never guessed from
+module names. A model that wraps a described one (a user's ``nn.Module`` around a timm backbone, PEFT's
+``PeftModel``) is described by it, its names prefixed (:func:`describe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: the module whose output is the stage's, and (where the model states them) the stage's
+    reduction of the input's side and its channels."""
+
+    name: str
+    reduction: int | None = None
+    channels: int | None = None
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A model's stages and blocks (real names, forward order), what stated them (``source``), and for
+    what it does not state, why (one phrase each)."""
+
+    source: str
+    stages: tuple[Stage, ...] = ()
+    blocks: tuple[str, ...] = ()
+    no_stages: str = ""
+    no_blocks: str = ""
+
+    def prefixed(self, prefix: str) -> Structure:
+        """The same structure seen from a model that holds this one at ``prefix`` (``"backbone."``)."""
+        stages = tuple(Stage(prefix + s.name, s.reduction, s.channels) for s in self.stages)
+        return Structure(
+            self.source, stages, tuple(prefix + b for b in self.blocks), self.no_stages, self.no_blocks
+        )
+
+
+Names = Sequence[str] | Callable[[nn.Module], Sequence]
+
+
+@dataclass(frozen=True)
+class _Registration:
+    stages: Names | None = None
+    blocks: Names | None = None
+    source: str = field(default="")
+
+
+_REGISTERED: dict[type, _Registration] = {}
+
+
+def register_layers(
+    cls: type[nn.Module], *, stages: Names | None = None, blocks: Names | None = None
+) -> None:
+    """State the stages and blocks of ``cls``'s models, so portable specs (``stage:k``, ``block:k``,
+    ``depth:f``) reach them. Each is a list of layer specs on real names, globs and slices included
+    (``blocks=["layer*.*"]``, ``stages=["conv1", "layer1", "layer2", "layer3"]``), expanded on each model
+    in the order given, or a function from the model to such a list (or to :class:`Stage` objects, which
+    also state reductions and channels). Subclasses inherit it; registering a class again replaces it.
+
+    Example::
+
+        mixhook.register_layers(MyNet, stages=["stem", "down1", "down2"], blocks=["body.*"])
+        ManifoldMixup(["input", "stage:1", "depth:0.5"]).attach(MyNet())
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"register_layers() takes an nn.Module class, got {cls!r}")
+    if stages is None and blocks is None:
+        raise ValueError(f"register_layers({cls.__name__}): state its stages, its blocks or both")
+    for what, value in (("stages", stages), ("blocks", blocks)):
+        if value is not None and not callable(value):
+            if isinstance(value, str) or not all(isinstance(v, (str, Stage)) for v in value):
+                raise TypeError(
+                    f"register_layers({cls.__name__}, {what}=...): a list of layer specs or a function of "
+                    f"the model, got {value!r}"
+                )
+    _REGISTERED[cls] = _Registration(stages, blocks, f"registered for {cls.__name__}")
+
+
+def registered(model: nn.Module) -> _Registration | None:
+    for cls in type(model).__mro__:
+        if cls in _REGISTERED:
+            return _REGISTERED[cls]
+    return None
+
+
+def own_structure(model: nn.Module) -> Structure | None:
+    """What ``model`` itself states (its registration or its library), or ``None``."""
+    from . import huggingface_models, timm_models, torchvision_models
+    from .resolve import expand_registered
+
+    registration = registered(model)
+    if registration is not None:
+        return expand_registered(model, registration)
+    for source in (timm_models, huggingface_models, torchvision_models):
+        found = source.describe(model)
+        if found is not None:
+            return found
+    return None
+
+
+def describe(model: nn.Module, _prefix: str = "") -> Structure | None:
+    """What ``model`` states about its stages and blocks: its own statement, else that of the one
+    outermost submodule that states something (names prefixed); ``None`` when nothing does. Where
+    several submodules state their own (a user's model holding two timm backbones) the structure says
+    which to name, in ``no_stages``/``no_blocks``."""
+    own = own_structure(model)
+    if own is not None:
+        return own.prefixed(_prefix)
+    found = []
+    pending = list(model.named_children())
+    while pending:
+        name, child = pending.pop(0)
+        inner = own_structure(child)
+        if inner is not None:
+            found.append((name, inner))
+        else:
+            pending.extend((f"{name}.{n}", c) for n, c in child.named_children())
+    if not found:
+        return None
+    if len(found) == 1:
+        name, inner = found[0]
+        return inner.prefixed(f"{_prefix}{name}.")
+    scopes = [name for name, _ in found]
+    why = f"it holds {len(found)} models that state their own ({', '.join(scopes)}); name one: " + ", ".join(
+        f"{s}.block:k" for s in scopes[:3]
+    )
+    return Structure("several models inside", no_stages=why, no_blocks=why)

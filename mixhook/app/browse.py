@@ -54,6 +54,7 @@ class LayerInfo:
     calls: int = 1  # how often it ran in one forward (a mixer mixes at the first)
     on_skip: bool = False  # the layer lies on the skip path of residual_in, not in its residual branch
     why_not: str = ""  # why it cannot be mixed
+    portable: str = ""  # the portable specs that reach it (stage:2 block:5), as the model states them
 
 
 def browse(model: nn.Module, x: torch.Tensor) -> list[LayerInfo]:
@@ -113,6 +114,9 @@ def browse(model: nn.Module, x: torch.Tensor) -> list[LayerInfo]:
                 break
         kind = type(model.get_submodule(name)).__name__
         rows.append(LayerInfo(name, kind, structure, mixable, residual, counts[name], on_skip, why_not))
+    portable = layers.portable_names(model)
+    for row in rows:
+        row.portable = " ".join(portable.get(row.name, ()))
     return rows
 
 
@@ -186,10 +190,11 @@ def _reaches(start, target, blocked: set) -> bool:
 
 def format_table(rows: list[LayerInfo]) -> str:
     """The browser's table: one line per layer."""
-    head = ("layer", "type", "output", "mixable", "note")
+    head = ("layer", "portable", "type", "output", "mixable", "note")
     body = [
         (
             r.name,
+            r.portable,
             r.kind,
             r.output.removeprefix("a tensor of shape "),
             "yes" if r.mixable else "no",
@@ -197,9 +202,9 @@ def format_table(rows: list[LayerInfo]) -> str:
         )
         for r in rows
     ]
-    widths = [max(len(line[i]) for line in (head, *body)) for i in range(4)]
+    widths = [max(len(line[i]) for line in (head, *body)) for i in range(5)]
     lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip((*line[:4], line[4]), (*widths, 0), strict=True))
+        "  ".join(cell.ljust(w) for cell, w in zip((*line[:5], line[5]), (*widths, 0), strict=True))
         for line in (head, *body)
     ]
     return "\n".join(line.rstrip() for line in lines)
@@ -218,6 +223,20 @@ def _note(row: LayerInfo) -> str:
     if row.calls > 1:
         notes.append(f"runs {row.calls} times per forward: a mixer mixes its first output")
     return "; ".join(notes)
+
+
+def _statement(model: nn.Module) -> str:
+    """Where the portable column comes from, or why it is empty."""
+    found = layers.describe(model)
+    if found is None:
+        kind = type(model).__name__
+        return (
+            f"portable specs: {kind} states no stages or blocks (mixhook.register_layers({kind}, ...) "
+            "states them); name real layers"
+        )
+    parts = [f"portable specs ({found.source}): {len(found.stages)} stages, {len(found.blocks)} blocks"]
+    parts += [why for why in (found.no_stages, found.no_blocks) if why]
+    return "; ".join(parts)
 
 
 def main(argv: list[str]) -> int:
@@ -247,5 +266,6 @@ def main(argv: list[str]) -> int:
         return 2
     x = next(iter(data.test))[0][:2]
     print(f"{type(model).__name__} on a {data.name} batch of shape {tuple(x.shape)}:")
+    print(_statement(model))
     print(format_table(browse(model, x)))
     return 0

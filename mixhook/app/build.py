@@ -96,6 +96,12 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         "processes": dist.world,
         "strategy": trainer.strategy if dist.enabled else None,  # (trainer.strategy: ddp or fsdp)
         "paper": OmegaConf.to_container(cfg.paper, resolve=True) if cfg.get("paper") else None,
+        # each hook's layer specs as written and the real layers they named on this model (stage:2 -> layer2)
+        "layers": {
+            key: {spec: list(names) for spec, names in hook.resolved.items()}
+            for key, hook in hooks
+            if getattr(hook, "resolved", None)
+        },
     }
     return Run(
         model, data, optimizer, scheduler, device, settings,

@@ -119,7 +119,10 @@ def check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: 
     for key, hook in checks:
         for name in hook.layers:
             if name not in outputs:
-                raise ConfigError(f"{key}.layer: {name!r} does not run in {type(model).__name__}.forward()")
+                resolved = getattr(hook, "resolved", {})
+                spec = next((s for s, names in resolved.items() if name in names and s != name), None)
+                named = f"{name!r} ({spec})" if spec else repr(name)
+                raise ConfigError(f"{key}.layer: {named} does not run in {type(model).__name__}.forward()")
             try:
                 hook.check_output(name, outputs[name], x.shape[0], model_input=x)
             except (TypeError, ValueError) as err:

@@ -28,6 +28,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -82,6 +83,8 @@ def read_run(run_dir: Path) -> dict:
                 row[key] = summary[key]
         if "best_test_acc" in summary:
             row["best_test_error"] = 100.0 * (1.0 - summary["best_test_acc"])
+        for key, named in (summary.get("layers") or {}).items():  # each spec and the layers it named
+            row[f"{key}.resolved"] = " ".join(f"{spec}={','.join(names)}" for spec, names in named.items())
         paper = summary.get("paper") or {}
         for key in ("metric", "value", "std", "source"):
             if key in paper:
@@ -95,12 +98,13 @@ def read_run(run_dir: Path) -> dict:
 
 
 def _parse_overrides(overrides: list[str]) -> dict[str, str]:
-    """``["+a.b=1", "seed=0"]`` -> ``{"a.b": "1", "seed": "0"}`` (Hydra's ``+``/``~`` prefixes dropped)."""
+    """``["+a.b=1", "seed=0"]`` -> ``{"a.b": "1", "seed": "0"}`` (Hydra's ``+``/``~`` prefixes dropped, and
+    the escapes it writes into a sweep's values: ``stage\\:1`` is ``stage:1``)."""
     parsed = {}
     for item in overrides:
         key, _, value = item.partition("=")
         if item:
-            parsed[key.lstrip("+~")] = value
+            parsed[key.lstrip("+~")] = re.sub(r"\\(.)", r"\1", value)
     return parsed
 
 
@@ -119,6 +123,47 @@ def _varying_keys(rows: list[dict]) -> set[str]:
 
 def _group_key(row: dict, varying: set[str]) -> str:
     return " ".join(f"{k}={v}" for k, v in _override_items(row) if k in varying) or "(all runs)"
+
+
+def _spec_by_model(rows: list[dict], varying: set[str], regression: bool) -> list[str]:
+    """Where a sweep crossed layer specs with models (``model=a,b mixup.layer=stage:1,stage:2``): a table,
+    one row per spec and one column per model, each cell the mean ± std test error (or RMSE) of its runs
+    and the real layer the spec named on that model (from each run's ``summary.json``)."""
+    layer_keys = sorted(k for k in varying if k == "layer" or k.endswith(".layer"))
+    model_keys = sorted(k for k in varying if k == "model" or k.startswith("model."))
+    if len(layer_keys) != 1 or not model_keys:
+        return []
+    (layer_key,) = layer_keys
+    hook = layer_key.rpartition(".")[0] or "mixup"
+
+    def model_of(row):
+        items = dict(_override_items(row))
+        return " ".join(f"{k}={items[k]}" for k in model_keys if k in items) or "(default)"
+
+    def spec_of(row):
+        return dict(_override_items(row)).get(layer_key, "")
+
+    specs = list(dict.fromkeys(spec_of(r) for r in rows))
+    models = list(dict.fromkeys(model_of(r) for r in rows))
+    lines = [
+        "", f"## {layer_key} by model", "",
+        f"Mean ± std {'test RMSE' if regression else 'test error %'} (last epoch) of each spec on each "
+        "model, with the real layer it named there.", "",
+        "| " + " | ".join([layer_key, *models]) + " |", "| " + " | ".join(["---"] * (len(models) + 1)) + " |",
+    ]  # fmt: skip
+    for spec in specs:
+        cells = [spec]
+        for model in models:
+            runs = [r for r in rows if r["status"] == "ok" and (model_of(r), spec_of(r)) == (model, spec)]
+            if not runs:
+                cells.append("")
+                continue
+            mean, std = _mean_std([_score(r) for r in runs])
+            named = {r.get(f"{hook}.resolved", "") for r in runs}
+            where = ", ".join(sorted(n.partition("=")[2] or n for n in named if n))
+            cells.append(f"{_pm(mean, std, 2)} (n={len(runs)}){f' `{where}`' if where else ''}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -270,6 +315,7 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
             + (f"{_pm(g['balanced_acc_mean'], g['balanced_acc_std'], 2)} | " if balanced else "")
             + f"{paper} |"
         )
+    lines += _spec_by_model(rows, varying, regression)
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", "## Runs without a result", "", "| job | overrides | status | error |"]

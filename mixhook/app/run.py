@@ -134,6 +134,10 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist, records: RunRecords) -> floa
         records.accepted()
         log.info("%s on %s, %s, hooks %s -> %s", cfg.model.get("name", cfg.model._target_.rsplit(".", 1)[-1]),
                  cfg.data.name, run.device, run.hooks or "none", out_dir)  # fmt: skip
+        for key, named in run.summary["layers"].items():  # what a portable spec or pattern named here
+            shown = [f"{s} -> {', '.join(names)}" for s, names in named.items() if list(names) != [s]]
+            if shown:
+                log.info("%s layers on this model: %s", key, "; ".join(shown))
         if cfg.probes.feature_maps and probe_layers(cfg):
             x, y = next(iter(run.data.test))
             run.feature_maps = (probe_layers(cfg), x[:4], y[:4])

@@ -28,7 +28,7 @@ def layer_key(hook, err: Exception) -> str:
     """The config key an error about a layer is about: ``layer``, or a method's other layer argument the
     error names (TransMix's and MixPro's ``attention``, SnapMix's ``features`` and ``classifier``, the
     saliency methods' ``saliency_layer``)."""
-    named = re.search(r"unknown layer '([^']+)'", str(err))
+    named = re.search(r"^(?:unknown )?layer '([^']+)'", str(err))  # (a real name's, or a spec's refusal)
     for argument in ARGUMENTS:
         value = getattr(hook, argument, None)
         if isinstance(value, str) and (

@@ -26,7 +26,7 @@ SMALL = [
 def test_probes_and_tensorboard_from_the_command_line(tmp_path):
     out = tmp_path / "run"
     result = run_cli(
-        *SMALL, "probes.layers=[layer1,layer2]", "probes.every=3", "trainer.logger=tensorboard",
+        *SMALL, "probes.layers=[layer1,stage:2]", "probes.every=3", "trainer.logger=tensorboard",
         "probes.feature_maps=true", f"hydra.run.dir={out}", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -48,9 +48,11 @@ def test_probes_and_tensorboard_from_the_command_line(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert abs(events.Scalars("epoch/test_acc")[0].value - summary["test_acc"]) < 1e-6
     assert summary["hooks"] == {
-        "probes": "ActivationStats(layer=['layer1', 'layer2'], every=3)",
-        "probes.grad": "GradStats(layer=['layer1', 'layer2'], every=3)",
+        "probes": "ActivationStats(layer=['layer1', 'stage:2'], every=3)",
+        "probes.grad": "GradStats(layer=['layer1', 'stage:2'], every=3)",
     }
+    # a portable spec is recorded, logged and drawn under the layer it named (stage:2: layer2)
+    assert summary["layers"]["probes"] == {"layer1": ["layer1"], "stage:2": ["layer2"]}
 
     for layer in ("layer1", "layer2"):
         image = matplotlib.image.imread(out / "feature_maps" / f"epoch001_{layer}.png")

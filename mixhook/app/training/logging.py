@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from mixhook.layers import resolve_layers
 from mixhook.probes import ActivationStats, GradStats
 
 LOGGERS = ("csv", "tensorboard")
@@ -146,7 +147,8 @@ def save_feature_maps(
 
     hooks = [mixer] if mixer is not None else []
     streams, buffers = random_states(hooks), {k: v.clone() for k, v in model.named_buffers()}
-    own = list(getattr(mixer, "layers", ())) if mixer is not None else []
+    own = list(getattr(mixer, "layers", ())) if mixer is not None else []  # (real names: it is attached)
+    layers = list(resolve_layers(model, layers))  # a portable spec or pattern: the layers it names here
     reverse = torch.arange(x.shape[0] - 1, -1, -1)
     was_training = model.training
 

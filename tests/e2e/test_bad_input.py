@@ -64,6 +64,11 @@ from tests.conftest import write_cifar
         (["trainer.logger=wandb"], "error: trainer.logger='wandb' is not a logger; valid: csv, tensorboard"),
         (["trainer.precision=8"], "error: trainer.precision='8' is not a precision; valid: 32, bf16, fp16"),
         (["probes.layers=[layr1]"], "error: probes.layer: unknown layer 'layr1'"),
+        (
+            ["mixup.layer=stage:9"],
+            "error: mixup.layer: layer 'stage:9': PreActResNet has 5 stages, stage:0..4 (or stage:-5..-1): "
+            "conv1, layer1, layer2, layer3, layer4. `python -m mixhook.layers`",
+        ),
         (["trainer.resume=3"], "error: trainer.resume: no checkpoint at 3"),
         (["trainer.resume=''"], "error: trainer.resume must be null, auto or a checkpoint path, got ''"),
         (["optim.momentum=-1"], "error: optim: Invalid momentum value: -1"),

@@ -90,7 +90,7 @@ def test_structures_show_their_elements_and_batch_dimensions_and_nothing_is_left
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     table = format_table(browse(model, torch.randn(2, 1, 8, 8)))
-    assert table.splitlines()[0].split() == ["layer", "type", "output", "mixable", "note"]
+    assert table.splitlines()[0].split() == ["layer", "portable", "type", "output", "mixable", "note"]
 
 
 @pytest.mark.slow
@@ -100,8 +100,13 @@ def test_the_command_lists_layers_as_the_issue_asks(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    lines = {line.split()[0]: line for line in result.stdout.splitlines()[2:]}
-    assert lines["layer2"].split()[1:] == ["Sequential", "(2,", "128,", "1,", "1)", "yes"]
+    head, statement, *rows = result.stdout.splitlines()
+    assert statement == "portable specs (torchvision ResNet): 5 stages, 8 blocks"
+    lines = {line.split()[0]: line for line in rows[1:]}
+    assert lines["layer2"].split()[1:] == ["stage:2", "Sequential", "(2,", "128,", "1,", "1)", "yes"]
+    assert (
+        lines["layer2.1"].split()[1:3] == ["block:3", "BasicBlock"] and lines["relu"].split()[1] == "stage:0"
+    )
     assert "inside residual block layer2.0: the skip path stays unmixed" in lines["layer2.0.bn1"]
     assert "on the skip path of residual block layer2.0" in lines["layer2.0.downsample"]
 

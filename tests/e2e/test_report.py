@@ -116,6 +116,31 @@ def test_a_real_2x2_sweep_reports_itself_and_on_demand(tmp_path):
 
 
 @pytest.mark.slow
+def test_one_sweep_of_portable_specs_crosses_three_architectures_and_reports_spec_by_model(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = multirun(
+        "model=preact_resnet18,resnet32,timm", "mixup.layer=stage:1,depth:0.5", "trainer.epochs=1",
+        "data.train_size=64", "trainer.progress_bar=false", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mixup layers on this model: depth:0.5 -> layer2.2" in result.stdout  # ResNet-32: 15 blocks
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert [s["layers"]["mixup"] for s in summaries] == [
+        {"stage:1": ["layer1"]}, {"depth:0.5": ["layer3.0"]}, {"stage:1": ["layer1"]},
+        {"depth:0.5": ["layer2.2"]}, {"stage:1": ["layer1"]}, {"depth:0.5": ["layer3.0"]},
+    ]  # fmt: skip
+    md = (sweep / "summary.md").read_text()
+    table = md.split("## mixup.layer by model")[1].split("\n\n")[2].splitlines()
+    assert table[0] == "| mixup.layer | model=preact_resnet18 | model=resnet32 | model=timm |"
+    assert table[2].startswith("| stage:1 |") and table[2].count("(n=1) `layer1`") == 3
+    assert (
+        table[3].startswith("| depth:0.5 |")
+        and "`layer2.2`" in table[3]
+        and table[3].count("`layer3.0`") == 2
+    )
+
+
+@pytest.mark.slow
 def test_a_sweep_with_a_failing_run_still_reports_the_others(tmp_path):
     sweep = tmp_path / "sweep"
     result = multirun("mixup.alpha=1,-1", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)

@@ -55,3 +55,25 @@ def test_the_zoo_command_refuses_a_pattern_that_matches_no_model(capsys):
 
     assert main(["--models", "nosuch/*"]) == 2
     assert "no model matches ['nosuch/*']" in capsys.readouterr().err
+
+
+PORTABLE_QUICK = ["torchvision/resnet18", "huggingface/t5"]
+PORTABLE_SAMPLE = [
+    "timm/resnet18", "timm/efficientnet_b0", "timm/convnext_atto", "timm/vit_tiny_patch16_224",
+    "timm/hiera_tiny_224", "timm/swin_tiny_patch4_window7_224", "timm/twins_svt_small",
+    "torchvision/mobilenet_v3_small", "torchvision/swin", "torchvision/maxvit", "torchvision/densenet121",
+    "huggingface/llama", "huggingface/bart", "huggingface/convnext", "huggingface/albert",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", [*PORTABLE_QUICK, *(pytest.param(n, marks=pytest.mark.slow) for n in PORTABLE_SAMPLE)]
+)
+def test_portable_specs_resolve_to_what_the_model_states_or_are_refused(name):
+    """stage:k at the stated reduction and channels on a real forward, block:k in forward order (a timm
+    ViT's against forward_intermediates), Manifold Mixup at depth:0.5 as the hand edit at its real name;
+    ``python -m tests.zoo --portable`` runs every model (docs/zoo-portable.md)."""
+    from tests.zoo.portable import check
+
+    what, problems = check(next(m for m in ZOO if m.name == name))
+    assert not problems, f"{name} ({what}): " + "; ".join(problems)

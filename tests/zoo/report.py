@@ -130,11 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=9, help="layers sampled per model (default 9)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "zoo.md"), help="the Markdown report")
     parser.add_argument("--json", default=None, help="also write every case as JSON here")
+    parser.add_argument(
+        "--portable", action="store_true",
+        help="check stage:k, block:k and depth:f on each model instead (report: docs/zoo-portable.md)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     entries = [m for m in ZOO if any(fnmatch.fnmatch(m.name, p) for p in args.models)]
     if not entries:
         print(f"no model matches {args.models}; the zoo: {', '.join(m.name for m in ZOO)}", file=sys.stderr)
         return 2
+    if args.portable:
+        default = str(ROOT / "docs" / "zoo.md")
+        return _portable(
+            entries, args.models, str(ROOT / "docs" / "zoo-portable.md") if args.out == default else args.out
+        )
     start, cases = time.time(), []
     for i, entry in enumerate(entries, 1):
         began = time.time()
@@ -150,4 +159,32 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps([asdict(c) for c in cases], indent=1))
     bad = sum(c.outcome in ("wrong", "error") for c in cases)
     print(f"{len(cases)} cases, {bad} wrong or errors -> {args.out}")
+    return 1 if bad else 0
+
+
+def _portable(entries, patterns: list[str], out: str) -> int:
+    from .portable import check
+
+    start, rows, bad = time.time(), [], 0
+    for i, entry in enumerate(entries, 1):
+        what, problems = check(entry)
+        bad += bool(problems)
+        rows.append([esc(entry.name), esc(what), esc("; ".join(problems)) if problems else "ok"])
+        print(f"[{i}/{len(entries)}] {entry.name}: {what}: {'; '.join(problems) or 'ok'}", flush=True)
+    command = "python -m tests.zoo --portable"
+    command += f" --models {' '.join(patterns)}" if patterns != ["*"] else ""
+    lines = [
+        "# Portable layer specs over the zoo",
+        "",
+        f"`{command}` ({len(entries)} models, {time.time() - start:.0f} s; {versions()}). For each model: "
+        "what it states (its source, stages and blocks), and whether every `stage:k` resolved to the module "
+        "whose output has the stage's stated reduction and channels on a real forward, every `block:k` to a "
+        "block that runs in the order listed (a timm plain transformer's block tokens against "
+        "`forward_intermediates`), `depth:0`/`depth:1` to the first and last block, and Manifold Mixup at "
+        "`depth:0.5` to the hand edit at the real name. A model that states nothing is refused in one line.",
+        "",
+    ]
+    lines += _table(["model", "states", "result"], rows)
+    Path(out).write_text("\n".join(lines) + "\n")
+    print(f"{len(entries)} models, {bad} with problems -> {out}")
     return 1 if bad else 0

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from mixhook.app.records import ERROR_FILE
-from mixhook.app.report import write_report
+from mixhook.app.report import read_resolved, write_report
 
 DOCS = Path(__file__).resolve().parent
 SUMMARY_KEYS = (  # what summary.json holds that the report reads
@@ -57,6 +57,11 @@ def rebuild(report: Path, scratch: Path) -> Path:
                 if key in paper:
                     paper[key] = _number(paper[key])
             summary["paper"] = paper or None
+            summary["layers"] = {  # each hook's specs and the layers they named: "stage:1=layer1 ..."
+                key.removesuffix(".resolved"): read_resolved(value)
+                for key, value in row.items()
+                if key.endswith(".resolved") and value
+            }
             (run / "summary.json").write_text(json.dumps(summary))
         elif row["status"] == "failed":
             (run / ERROR_FILE).write_text(f"{row['error']}\n")

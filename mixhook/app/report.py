@@ -84,7 +84,7 @@ def read_run(run_dir: Path) -> dict:
         if "best_test_acc" in summary:
             row["best_test_error"] = 100.0 * (1.0 - summary["best_test_acc"])
         for key, named in (summary.get("layers") or {}).items():  # each spec and the layers it named
-            row[f"{key}.resolved"] = " ".join(f"{spec}={','.join(names)}" for spec, names in named.items())
+            row[f"{key}.resolved"] = " ".join(f"{spec}={'|'.join(names)}" for spec, names in named.items())
         paper = summary.get("paper") or {}
         for key in ("metric", "value", "std", "source"):
             if key in paper:
@@ -125,6 +125,16 @@ def _group_key(row: dict, varying: set[str]) -> str:
     return " ".join(f"{k}={v}" for k, v in _override_items(row) if k in varying) or "(all runs)"
 
 
+def read_resolved(value: str) -> dict[str, list[str]]:
+    """A ``<hook>.resolved`` cell of summary.csv (``"input=input stage:1=layer1"``, several names of one
+    pattern joined by ``|``) as each spec's real layers."""
+    out = {}
+    for item in value.split():
+        spec, _, names = item.partition("=")
+        out[spec] = names.split("|")
+    return out
+
+
 def _spec_by_model(rows: list[dict], varying: set[str], regression: bool) -> list[str]:
     """Where a sweep crossed layer specs with models (``model=a,b mixup.layer=stage:1,stage:2``): a table,
     one row per spec and one column per model, each cell the mean ± std test error (or RMSE) of its runs
@@ -159,8 +169,8 @@ def _spec_by_model(rows: list[dict], varying: set[str], regression: bool) -> lis
                 cells.append("")
                 continue
             mean, std = _mean_std([_score(r) for r in runs])
-            named = {r.get(f"{hook}.resolved", "") for r in runs}
-            where = ", ".join(sorted(n.partition("=")[2] or n for n in named if n))
+            named = [read_resolved(r.get(f"{hook}.resolved", "")) for r in runs]
+            where = ", ".join(sorted({n for found in named for names in found.values() for n in names}))
             cells.append(f"{_pm(mean, std, 2)} (n={len(runs)}){f' `{where}`' if where else ''}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -58,7 +58,11 @@ def check(entry: ZooModel) -> tuple[str, list[str]]:
         inner = describe(run.work.get_submodule(scope))
         problems += _blocks(run, inner.prefixed(f"{scope}."), f"{scope}.")
     what = f"{structure.source}: {len(structure.stages)} stages, {len(structure.blocks)} blocks"
-    return what + (f" ({', '.join(f'{s}.block:k' for s in scopes)})" if scopes else ""), problems
+    if scopes:
+        what += f" ({', '.join(f'{s}.block:k' for s in scopes)})"
+    elif not structure.blocks:
+        what += f" (refused: {structure.no_blocks})"
+    return what, problems
 
 
 def _refused(run: ZooRun) -> list[str]:

@@ -79,14 +79,10 @@ def _hierarchical(kind: str, lists, depths: list[int]) -> Structure:
         else:
             blocks = tuple(
                 f"{h}.{n}" for h, stage in zip(held, stages, strict=True)
-                for n, _ in _child(stage, h.rpartition(".")[2]).named_children()
+                for n, _ in stage.get_submodule(h.rpartition(".")[2]).named_children()
             )  # fmt: skip
             return Structure(
                 "HuggingFace config", tuple(Stage(f"{name}.{i}") for i in range(len(depths))), blocks
             )
     why = f"{kind}'s config states depths {depths}, but no module list holds stages of those depths"
     return Structure("HuggingFace config", no_stages=why, no_blocks=why)
-
-
-def _child(module: nn.Module, name: str) -> nn.Module:
-    return module.get_submodule(name)

@@ -46,12 +46,6 @@ class Spec:
     def portable(self) -> bool:
         return self.kind in KINDS
 
-    @property
-    def literal(self) -> bool:
-        """Whether the spec is a real name, resolved without reading what the model states (an index in
-        brackets on a module list is told from a selector only on the model: :mod:`.resolve`)."""
-        return self.kind == "name"
-
 
 def parse_spec(text: str) -> Spec:
     """Read ``text``; a malformed spec raises ``ValueError`` naming it and the valid forms."""

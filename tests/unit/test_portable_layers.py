@@ -304,9 +304,30 @@ def test_huggingface_block_specs_are_the_real_names_hook(wrapped):
          "transformer.h.1"),
         ("T5Config", "T5ForConditionalGeneration",
          dict(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
-              decoder_start_token_id=0), "decoder.block:1", "decoder.block.1"),
+              decoder_start_token_id=0, dropout_rate=0.0), "decoder.block:1", "decoder.block.1"),
     ],
 )  # fmt: skip
-def test_bert_gpt2_and_t5_block_specs_name_their_layers(config_cls, model_cls, options, spec, real):
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(vocab_size=64, **options))
+def test_bert_gpt2_and_t5_block_specs_are_the_real_names_hook(config_cls, model_cls, options, spec, real):
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(vocab_size=64, attn_implementation="eager", **options)
+    model = getattr(transformers, model_cls)(config).double().train()
+    for module in model.modules():  # (dropout off: two forwards may differ by the mix alone; T5's
+        # attention drops with its config's dropout_rate)
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
     assert names(model, spec) == [real]
+    ids = torch.randint(3, 64, (4, 7), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, **({"decoder_input_ids": ids[:, :5]} if "T5" in config_cls else {})}
+    results = []
+    for layer in (spec, real):
+        model.zero_grad()
+        mix = ManifoldMixup(layer)
+        with mix.attach(model):
+            mix.pin(lam=LAM, index=INDEX)
+            logits = model(**inputs).logits
+            loss = mix.loss(lambda z, y: z.pow(2).mean() + 0 * y.sum(), logits, ids)
+            loss.backward()
+        results.append((logits.detach(), loss.detach(), grads(model)))
+    (got_logits, got_loss, got_grads), (logits, loss, want) = results
+    assert torch.equal(got_logits, logits) and torch.equal(got_loss, loss)
+    assert got_grads.keys() == want.keys() and all(torch.equal(got_grads[n], want[n]) for n in want)

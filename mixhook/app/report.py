@@ -146,15 +146,15 @@ def _spec_by_model(rows: list[dict], varying: set[str], regression: bool) -> lis
     (layer_key,) = layer_keys
     hook = layer_key.rpartition(".")[0] or "mixup"
 
-    def model_of(row):
+    def cell_of(row) -> tuple[str, str]:  # (its model, its spec)
         items = dict(_override_items(row))
-        return " ".join(f"{k}={items[k]}" for k in model_keys if k in items) or "(default)"
+        model = " ".join(f"{k}={items[k]}" for k in model_keys if k in items) or "(default)"
+        return model, items.get(layer_key, "")
 
-    def spec_of(row):
-        return dict(_override_items(row)).get(layer_key, "")
-
-    specs = list(dict.fromkeys(spec_of(r) for r in rows))
-    models = list(dict.fromkeys(model_of(r) for r in rows))
+    cells_of = [cell_of(r) for r in rows]
+    models = list(dict.fromkeys(model for model, _ in cells_of))
+    specs = list(dict.fromkeys(spec for _, spec in cells_of))
+    finished = [(r, at) for r, at in zip(rows, cells_of, strict=True) if r["status"] == "ok"]
     lines = [
         "", f"## {layer_key} by model", "",
         f"Mean ± std {'test RMSE' if regression else 'test error %'} (last epoch) of each spec on each "
@@ -164,7 +164,7 @@ def _spec_by_model(rows: list[dict], varying: set[str], regression: bool) -> lis
     for spec in specs:
         cells = [spec]
         for model in models:
-            runs = [r for r in rows if r["status"] == "ok" and (model_of(r), spec_of(r)) == (model, spec)]
+            runs = [r for r, at in finished if at == (model, spec)]
             if not runs:
                 cells.append("")
                 continue

@@ -49,9 +49,9 @@ def resolve_layers(model: nn.Module, specs: Sequence[str]) -> ResolvedLayers:
     """
     modules = dict(model.named_modules())
     out = ResolvedLayers()
-    structure: list = []  # described once, on the first portable spec
+    described: dict = {}  # what the model (or a scope in it) states, read at its first portable spec
     for text in specs:
-        for name in expand(model, text, modules, structure):
+        for name in expand(model, text, modules, described):
             if name in out:
                 first = out.written[name]
                 also = "" if first == text else f" ({text!r} is {name!r}, as {first!r} is)"
@@ -75,8 +75,9 @@ def resolve_layer(model: nn.Module, spec: str, what: str = "layer") -> tuple[str
     return next(iter(found.items()))
 
 
-def expand(model: nn.Module, text: str | Spec, modules: dict | None = None, structure: list | None = None):
-    """The real site specs ``text`` names on ``model`` (one, or a pattern's several)."""
+def expand(model: nn.Module, text: str | Spec, modules: dict | None = None, described: dict | None = None):
+    """The real site specs ``text`` names on ``model`` (one, or a pattern's several); ``described`` keeps
+    what :func:`describe` read, by scope, for the specs that follow."""
     if not text:  # (the root's own empty name is not a layer)
         raise UnknownLayerError(_unknown_layer_message(model, ""))
     spec = text if isinstance(text, Spec) else parse_spec(text)
@@ -85,14 +86,14 @@ def expand(model: nn.Module, text: str | Spec, modules: dict | None = None, stru
         return (_literal(model, spec, modules),)
     if spec.kind == "pattern":
         return _pattern(model, spec, modules)
-    return (_portable(model, spec, modules, structure),)
+    return (_portable(model, spec, modules, {} if described is None else described),)
 
 
 def _literal(model: nn.Module, spec: Spec, modules: dict) -> str:
     site = spec.site
     if site.layer == INPUT:
         return spec.text
-    if site.layer not in modules or not site.layer:
+    if site.layer not in modules:
         raise UnknownLayerError(_unknown_layer_message(model, site.layer))
     module = modules[site.layer]
     paths = site.paths or ()
@@ -130,9 +131,9 @@ def _pattern(model: nn.Module, spec: Spec, modules: dict) -> tuple[str, ...]:
         if not names:
             raise UnknownLayerError(
                 f"layer {spec.text!r}: the glob matches no module of {type(model).__name__}"
-                + _closest(spec.layer, list(modules), model)
+                + _closest(spec.layer, list(modules))
             )
-    elif spec.layer in modules and spec.layer:
+    elif spec.layer in modules:
         names = [spec.layer]
     else:
         raise UnknownLayerError(_unknown_layer_message(model, spec.layer))
@@ -141,22 +142,19 @@ def _pattern(model: nn.Module, spec: Spec, modules: dict) -> tuple[str, ...]:
     return tuple(n + spec.select for n in names)
 
 
-def _portable(model: nn.Module, spec: Spec, modules: dict, cache: list | None) -> str:
+def _portable(model: nn.Module, spec: Spec, modules: dict, described: dict) -> str:
     kind = type(model).__name__
     target, prefix = model, ""
     if spec.scope:
         if spec.scope not in modules:
             raise UnknownLayerError(
                 f"layer {spec.text!r}: {kind} has no module {spec.scope!r} to look in"
-                + _closest(spec.scope, list(modules), model)
+                + _closest(spec.scope, list(modules))
             )
         target, prefix = modules[spec.scope], f"{spec.scope}."
-    if cache is not None and not spec.scope and cache:
-        found = cache[0]
-    else:
-        found = describe(target)
-        if cache is not None and not spec.scope:
-            cache.append(found)
+    if spec.scope not in described:
+        described[spec.scope] = describe(target)
+    found = described[spec.scope]
     where = f"{kind}'s {spec.scope!r}" if spec.scope else kind
     if found is None:
         cls = type(target).__name__
@@ -242,7 +240,7 @@ def expand_registered(model: nn.Module, registration: _Registration) -> Structur
     )  # fmt: skip
 
 
-def _closest(name: str, valid: list[str], model: nn.Module) -> str:
+def _closest(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, [v for v in valid if v], n=3, cutoff=0.5)
     return f"; closest: {', '.join(repr(c) for c in close)}" if close else "; see python -m mixhook.layers"
 

@@ -114,14 +114,14 @@ def own_structure(model: nn.Module) -> Structure | None:
     return None
 
 
-def describe(model: nn.Module, _prefix: str = "") -> Structure | None:
+def describe(model: nn.Module) -> Structure | None:
     """What ``model`` states about its stages and blocks: its own statement, else that of the one
     outermost submodule that states something (names prefixed); ``None`` when nothing does. Where
     several submodules state their own (a user's model holding two timm backbones) the structure says
     which to name, in ``no_stages``/``no_blocks``."""
     own = own_structure(model)
     if own is not None:
-        return own.prefixed(_prefix)
+        return own
     found = []
     pending = list(model.named_children())
     while pending:
@@ -135,7 +135,7 @@ def describe(model: nn.Module, _prefix: str = "") -> Structure | None:
         return None
     if len(found) == 1:
         name, inner = found[0]
-        return inner.prefixed(f"{_prefix}{name}.")
+        return inner.prefixed(f"{name}.")
     scopes = [name for name, _ in found]
     why = f"it holds {len(found)} models that state their own ({', '.join(scopes)}); name one: " + ", ".join(
         f"{s}.block:k" for s in scopes[:3]

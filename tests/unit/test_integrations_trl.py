@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mixhook import ManifoldMixup, NEFTune, RegMixup
 from mixhook.integrations.draws import reseed
 from mixhook.packing import PackedBatchError
-from tests.helpers import Lazy
+from tests.helpers import Lazy, tiny_llama
 
 adapter = Lazy("mixhook.integrations.transformers")  # imports transformers: when a test first uses it
 
@@ -35,12 +35,7 @@ def tokenizer():
 
 
 def llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).double()
+    return tiny_llama(vocab_size=VOCAB, max_position_embeddings=64)
 
 
 def dataset(n=12):

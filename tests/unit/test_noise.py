@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mixhook import NEFTune
 from mixhook.packing import PackedBatchError
-from tests.helpers import Lazy
+from tests.helpers import Lazy, tiny_llama
 
 transformers = Lazy("transformers")
 
@@ -25,12 +25,7 @@ LENGTHS = MASK.sum(1)  # 5, 9, 2, 7
 
 
 def llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=D, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).double().train()
+    return tiny_llama(vocab_size=VOCAB, hidden_size=D, max_position_embeddings=64)
 
 
 def embeddings_of(model, call):

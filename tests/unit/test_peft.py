@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from mixhook import ManifoldMixup, NEFTune, UnknownLayerError
-from tests.helpers import Lazy, hook_count
+from tests.helpers import Lazy, hook_count, tiny_llama
 
-transformers = Lazy("transformers")
 peft = Lazy("peft")
 
 LAM, INDEX = 0.3, torch.tensor([2, 3, 0, 1])
@@ -21,12 +20,7 @@ LORA = "base_model.model.model.layers.1.self_attn.q_proj"
 
 
 def lora_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, pad_token_id=0,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).double()
+    model = tiny_llama()
     lora = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False
     )

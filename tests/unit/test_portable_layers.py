@@ -13,7 +13,7 @@ from torch import nn
 import mixhook
 from mixhook import CutMix, ManifoldMixup, UnknownLayerError, register_layers, resolve_layer, resolve_layers
 from mixhook.layers import describe, parse_spec, portable_names
-from tests.helpers import Lazy, grads
+from tests.helpers import Lazy, grads, tiny_llama
 
 transformers = Lazy("transformers")
 peft = Lazy("peft")
@@ -265,13 +265,7 @@ def test_a_pattern_shares_its_layer_weight_among_the_layers_it_names():
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["llama", "llama-under-peft"])
 def test_huggingface_block_specs_are_the_real_names_hook(wrapped):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, pad_token_id=0,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).double()
-    prefix = ""
+    model, prefix = tiny_llama(num_hidden_layers=3), ""
     if wrapped:
         lora = peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0, init_lora_weights=False)
         model, prefix = peft.get_peft_model(model, lora), "base_model.model."

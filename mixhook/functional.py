@@ -64,6 +64,55 @@ def sample_lam(alpha: float, generator: torch.Generator) -> torch.Tensor:
     return sample_beta(alpha, alpha, generator)
 
 
+def generator_on(device: torch.device, generator: torch.Generator) -> torch.Generator:
+    """A generator on ``device`` seeded by one draw of ``generator`` (a 62-bit integer): a CPU
+    ``generator`` then decides the draws made on any device, with no host sync and nothing copied."""
+    seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class DeviceNoise:
+    """Elementwise noise for one mix, drawn where the tensor lives (NFM's noise; any method that draws a
+    tensor of a map's size): a map-sized draw on the host and its copy to a GPU would cost far more than
+    the mix.
+
+    Made from the mix's generator (``draw.generator``): a generator on another device than the one asked
+    for (the default CPU generator, for a CUDA map) seeds one there from one draw of its own, on the CPU
+    too, so every device runs this one path; a generator already on that device (a user's CUDA generator)
+    draws itself. Each device's generator is made once per mix and its draws follow in the order they are
+    asked for. Since the seed is drawn from the mix's generator, a recomputation under activation
+    checkpointing and ``pin_last`` (which replay that generator) draw the same noise, and a seed gives one
+    run's noise on each device. The numbers on a CUDA device differ from the CPU's (Philox, not Mersenne
+    Twister); lam, the partners and everything else drawn from the mix's generator do not.
+    """
+
+    __slots__ = ("_source", "_made")
+
+    def __init__(self, generator: torch.Generator):
+        self._source, self._made = generator, {}
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator this mix draws its noise on ``device`` from (``None`` on the meta device, which
+        has values to draw for none)."""
+        device = torch.device(device)
+        if device.type == "meta":
+            return None
+        found = self._made.get(device)
+        if found is None:
+            source = self._source
+            same = source.device == device and device.type != "cpu"
+            found = self._made[device] = source if same else generator_on(device, source)
+        return found
+
+    def uniform_(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` filled with ``U(0, 1)`` in place (``torch.rand``'s numbers), on its device."""
+        return out.uniform_(generator=self.generator(out.device))
+
+    def normal_(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` filled with ``N(0, 1)`` in place (``torch.randn``'s numbers), on its device."""
+        return out.normal_(generator=self.generator(out.device))
+
+
 def weight_of(lam: torch.Tensor) -> float | torch.Tensor:
     """What the blends and the loss weigh with: one lam on the CPU as a Python float (it then enters
     each op as a scalar: no cast, no copy to the device, no host sync), anything else as it is."""

@@ -502,8 +502,10 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
 
     def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
         """On the host, when the graph runs: the values the traced mix needs (CPU tensors, as
-        :meth:`traced_params` describes them) and the :class:`Mixed` (no tensors) that records the mix,
-        drawn from ``draw`` exactly as :meth:`mix` would."""
+        :meth:`traced_params` describes them, or for noise of a map's size a function that fills its place
+        on the device in place: :class:`~mixhook.functional.DeviceNoise`'s ``uniform_``/``normal_``) and
+        the :class:`Mixed` (no tensors) that records the mix, drawn from ``draw`` exactly as :meth:`mix`
+        would."""
         raise NotImplementedError
 
     def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -138,15 +139,31 @@ def _offsets(specs: list[Spec]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def pack(values: list[torch.Tensor], specs: list[Spec], device: torch.device) -> torch.Tensor:
-    """``values`` (CPU tensors of ``specs``' shapes, cast to their dtypes) in one ``uint8`` tensor on
-    ``device``: one copy (from pinned memory to a CUDA device, queued)."""
+def pack(values: list, specs: list[Spec], device: torch.device) -> torch.Tensor:
+    """``values`` in one ``uint8`` tensor on ``device``: each a CPU tensor of its spec's shape (cast to its
+    dtype), packed on the host and copied in one copy (from pinned memory to a CUDA device, queued), or a
+    function that fills its place on ``device`` in place, called in order after the copy (noise drawn
+    there, :class:`~mixhook.functional.DeviceNoise`: the host packs and copies the bytes before the last
+    tensor's end only)."""
     offsets, total = _offsets(specs)
-    buffer = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    fills, end = [], 0
+    for value, (shape, dtype), start in zip(values, specs, offsets, strict=True):
+        if callable(value):
+            fills.append((value, shape, dtype, start))
+        else:
+            end = start + math.prod(value.shape) * dtype.itemsize
+    host = torch.zeros(total if not fills else end, dtype=torch.uint8, pin_memory=device.type == "cuda")
     for value, (_, dtype), start in zip(values, specs, offsets, strict=True):
-        flat = value.detach().to(dtype).reshape(-1)
-        buffer[start : start + flat.numel() * dtype.itemsize].view(dtype).copy_(flat)
-    return buffer if device.type == "cpu" else buffer.to(device, non_blocking=True)
+        if not callable(value):
+            flat = value.detach().to(dtype).reshape(-1)
+            host[start : start + flat.numel() * dtype.itemsize].view(dtype).copy_(flat)
+    if not fills:
+        return host if device.type == "cpu" else host.to(device, non_blocking=True)
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    buffer[:end].copy_(host, non_blocking=True)
+    for fill, shape, dtype, start in fills:
+        fill(buffer[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+    return buffer
 
 
 def unpack(buffer: torch.Tensor, specs: list[Spec]) -> list[torch.Tensor]:

@@ -11,9 +11,8 @@ import torch
 
 from ..engine.checks import check_non_negative
 from ..engine.contract import Draw, Mixed
-from ..functional import sample_beta
+from ..functional import DeviceNoise, sample_beta
 from ..sites import Leaf
-from ..transfer import to_device
 from .manifold import ManifoldMixup
 
 
@@ -25,10 +24,11 @@ class NoisyFeatureMixup(ManifoldMixup):
     elementwise, where ``b1, b2 ~ Beta(2, 5)`` are drawn once per batch. With ``add_noise=0`` and
     ``mult_noise=0`` nothing more is drawn or computed: it equals :class:`ManifoldMixup` exactly.
 
-    The noise is drawn on the generator's device, as lam and the partners are (so a seed gives the same
-    mix on every device): with the default CPU generator, two tensors of the map's size are drawn on the
-    host and copied at every mix, which on a GPU costs far more than the mix (22.5x a Manifold Mixup step
-    of PreActResNet-18 at batch 128 on an H200).
+    The noise is drawn where the map lives (:class:`~mixhook.functional.DeviceNoise`): a generator on the
+    map's device, seeded by one draw of the mixer's generator, so nothing of the map's size is drawn on the
+    host or copied; lam, the partners and the levels come from the mixer's generator as every mixer's do
+    (the same on every device), the noise is the same for a seed on one device (CUDA's numbers differ from
+    the CPU's), and a recomputation under activation checkpointing or ``pin_last`` adds the same noise.
 
     ``.last.info`` holds the batch's noise levels ``"mult_level"`` (``mult_noise * b2``) and
     ``"add_level"`` (``add_noise * b1``) where they were drawn.
@@ -61,57 +61,73 @@ class NoisyFeatureMixup(ManifoldMixup):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, add_noise={self.add_noise}, mult_noise={self.mult_noise})"
 
-    def _noise(self, leaves: list[Leaf], draw: Draw) -> tuple[dict, dict, dict]:
-        """The noise of one mix, drawn as the paper's code draws it (the levels once per batch, the noise
-        per element; all multiplicative noise first): per leaf path, the float64 factor and the float64
-        term on the generator's device, and the levels for ``info``."""
-        g, factors, terms, info = draw.generator, {}, {}, {}
+    def _levels(self, draw: Draw) -> dict:
+        """The batch's noise levels (the multiplicative one first, as the paper's code draws them), each a
+        0-d float64 CPU tensor, by name; none for a noise that is off."""
+        g, levels = draw.generator, {}
         if self.mult_noise > 0:
-            level = self.mult_noise * sample_beta(2.0, 5.0, g)
-            info["mult_level"] = level
-            for leaf in leaves:
-                uniform = torch.rand(leaf.tensor.shape, generator=g, device=g.device, dtype=torch.float64)
-                factors[leaf.path] = 1 + level * (2 * uniform - 1)
+            levels["mult_level"] = self.mult_noise * sample_beta(2.0, 5.0, g)
         if self.add_noise > 0:
-            level = self.add_noise * sample_beta(2.0, 5.0, g)
-            info["add_level"] = level
-            for leaf in leaves:
-                normal = torch.randn(leaf.tensor.shape, generator=g, device=g.device, dtype=torch.float64)
-                terms[leaf.path] = level * normal
-        return factors, terms, info
+            levels["add_level"] = self.add_noise * sample_beta(2.0, 5.0, g)
+        return levels
 
     @staticmethod
-    def _noisy(m: torch.Tensor, factor: torch.Tensor | None, term: torch.Tensor | None) -> torch.Tensor:
-        if factor is not None:
-            m = m * to_device(factor, m.device, m.dtype)
-        return m if term is None else m + to_device(term, m.device, m.dtype)
+    def _noisy(m: torch.Tensor, levels: dict, uniform: torch.Tensor | None, normal: torch.Tensor | None):
+        """``mult * m + add`` with ``mult = 1 + mult_level * (2u - 1)``, ``add = add_level * z`` (float64,
+        cast to ``m``'s dtype) from the leaf's raw noise ``u ~ U(0, 1)`` and ``z ~ N(0, 1)``."""
+        if uniform is not None:
+            m = m * (1 + levels["mult_level"] * (2 * uniform - 1)).to(m.dtype)
+        return m if normal is None else m + (levels["add_level"] * normal).to(m.dtype)
+
+    def _noise_values(
+        self, leaves: list, levels: dict, noise: DeviceNoise, traced: bool
+    ) -> tuple[list, list]:
+        """Each leaf's raw noise, all uniforms first (float64, on the leaf's device): as tensors in an eager
+        mix, as in-place fills of the packed buffer in a traced one."""
+        out = []
+        for name, fill in (("mult_level", noise.uniform_), ("add_level", noise.normal_)):
+            if name not in levels:
+                out.append([None] * len(leaves))
+            elif traced:
+                out.append([fill] * len(leaves))
+            else:
+                shapes = [(leaf.tensor.shape, leaf.tensor.device) for leaf in leaves]
+                out.append([fill(torch.empty(s, dtype=torch.float64, device=d)) for s, d in shapes])
+        return out[0], out[1]
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         mixed = super().mix(leaves, draw)
-        factors, terms, info = self._noise(leaves, draw)
-        tensors = {p: self._noisy(m, factors.get(p), terms.get(p)) for p, m in mixed.tensors.items()}
-        return Mixed(tensors, lam=mixed.lam, info=info)
+        levels = self._levels(draw)
+        uniforms, normals = self._noise_values(leaves, levels, DeviceNoise(draw.generator), traced=False)
+        tensors = {
+            leaf.path: self._noisy(mixed.tensors[leaf.path], levels, u, z)
+            for leaf, u, z in zip(leaves, uniforms, normals, strict=True)
+        }
+        return Mixed(tensors, lam=mixed.lam, info=levels)
 
     def traced_params(self, n: int, leaves: list[Leaf]) -> list:
+        levels = [((), torch.float64)] * ((self.mult_noise > 0) + (self.add_noise > 0))
         noise = [(tuple(leaf.tensor.shape), torch.float64) for leaf in leaves]
-        return [*super().traced_params(n, leaves), *(noise if self.mult_noise > 0 else []),
+        return [*super().traced_params(n, leaves), *levels, *(noise if self.mult_noise > 0 else []),
                 *(noise if self.add_noise > 0 else [])]  # fmt: skip
 
-    def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list[torch.Tensor], Mixed]:
+    def draw_traced(self, leaves: list[Leaf], draw: Draw) -> tuple[list, Mixed]:
         values, mixed = super().draw_traced(leaves, draw)
-        factors, terms, info = self._noise(leaves, draw)
-        noise = [factors[leaf.path] for leaf in leaves if factors] + [
-            terms[leaf.path] for leaf in leaves if terms
-        ]
-        return [*values, *noise], Mixed({}, mixed.lam, info)
+        levels = self._levels(draw)
+        uniforms, normals = self._noise_values(leaves, levels, DeviceNoise(draw.generator), traced=True)
+        fills = [f for f in (*uniforms, *normals) if f is not None]
+        return [*values, *levels.values(), *fills], Mixed({}, mixed.lam, levels)
 
     def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
         tensors = super().mix_traced(leaves, values[:2])
-        noise, k = values[2:], len(leaves)
-        factors = (
-            dict(zip((leaf.path for leaf in leaves), noise[:k], strict=True)) if self.mult_noise > 0 else {}
-        )
-        terms = (
-            dict(zip((leaf.path for leaf in leaves), noise[-k:], strict=True)) if self.add_noise > 0 else {}
-        )
-        return {p: self._noisy(m, factors.get(p), terms.get(p)) for p, m in tensors.items()}
+        names = [
+            name for name, on in (("mult_level", self.mult_noise), ("add_level", self.add_noise)) if on > 0
+        ]
+        levels = dict(zip(names, values[2 : 2 + len(names)], strict=True))
+        noise, k = values[2 + len(names) :], len(leaves)
+        uniforms = noise[:k] if "mult_level" in levels else [None] * k
+        normals = noise[-k:] if "add_level" in levels else [None] * k
+        return {
+            leaf.path: self._noisy(tensors[leaf.path], levels, u, z)
+            for leaf, u, z in zip(leaves, uniforms, normals, strict=True)
+        }

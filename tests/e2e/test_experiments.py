@@ -472,12 +472,15 @@ def test_the_nfm_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path):
         mix.pin(layer="layer2", lam=lam, index=index)
         value, updates = app_step(run, x, y)
 
-        replay = torch.Generator().set_state(seen["state"])  # nfm.py's order: mult level and noise, add's
+        # nfm.py's order: the mult level, the add level, then the noise from a generator seeded by one
+        # draw (DeviceNoise): the uniforms, the normals
+        replay = torch.Generator().set_state(seen["state"])
         shape = (5, 128, 16, 16)
         b2 = float(sample_beta(2.0, 5.0, replay))
-        uniform = torch.rand(shape, generator=replay, dtype=torch.float64)
         b1 = float(sample_beta(2.0, 5.0, replay))
-        normal = torch.randn(shape, generator=replay, dtype=torch.float64)
+        noise = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (), generator=replay)))
+        uniform = torch.rand(shape, generator=noise, dtype=torch.float64)
+        normal = torch.randn(shape, generator=noise, dtype=torch.float64)
         assert float(mix.last.info["mult_level"]) == pytest.approx(0.2 * b2)
         assert float(mix.last.info["add_level"]) == pytest.approx(0.4 * b1)
 

@@ -81,6 +81,25 @@ def test_the_plan_equals_the_authors_sinkhorn_and_is_a_transport_plan():
     torch.testing.assert_close(small.sum(2), uniform, **near)
 
 
+@pytest.mark.parametrize("read_every", [3, 10, 100])
+def test_reading_the_stopping_test_rarely_gives_the_same_plan_bit_for_bit(read_every):
+    """A GPU reads the stopping test every 10 iterations; the iterations after the stop leave the plan as
+    it was: the plan of a read at every iteration (the authors' loop), whichever iteration stops (here the
+    4th, the 24th and the 35th)."""
+    torch.manual_seed(1)
+    stops = []
+    for scale in (0.3, 0.7, 1.0):
+        x, y = (
+            torch.randn(4, 9, 5, dtype=torch.double) * scale,
+            torch.randn(4, 9, 5, dtype=torch.double) * scale,
+        )
+        every = sinkhorn_plan(x, y, read_every=1)
+        exact(every, authors_sinkhorn(x, y))
+        assert torch.equal(sinkhorn_plan(x, y, read_every=read_every), every)
+        stops.append(next(k for k in range(1, 101) if torch.equal(sinkhorn_plan(x, y, max_iter=k), every)))
+    assert stops == [4, 24, 35] and any(k % read_every for k in stops)  # (stops between two reads too)
+
+
 @pytest.mark.parametrize("direction", [0, 1])
 def test_alignmix_equals_the_authors_mix_logits_and_gradients(direction):
     torch.manual_seed(0)

@@ -58,13 +58,34 @@ def gpu_model(name: str) -> str:
 
 
 def goals(results: dict, device) -> list[dict]:
-    """Each goal this run measured: ``{goal, measured, limit, where, met}`` (and ``why`` for a miss whose
-    cause the run shows)."""
+    """Each goal this run measured: ``{goal, measured, limit, where, met, verdict}`` (and ``why`` for a
+    miss whose cause the run shows). A ratio measured over repetitions is judged on the 95% interval of
+    its median where the run recorded one: met (``yes``) only where the whole interval is within the
+    limit, missed (``NO``) where all of it is beyond, and ``not resolved`` (not met) where the interval
+    holds the limit: the run cannot tell."""
     rows: list[dict] = []
 
     def add(goal, measured, limit, where, lower_is_better=True, why=None):
+        interval = None
+        if isinstance(measured, dict):
+            interval = (measured["low"], measured["high"]) if "low" in measured else None
+            measured = measured["median"]
         ok = measured <= limit if lower_is_better else measured >= limit
-        row = {"goal": goal, "measured": measured, "limit": limit, "where": where, "met": ok}
+        verdict = "yes" if ok else "NO"
+        if interval is not None:
+            inside = interval[1] <= limit if lower_is_better else interval[0] >= limit
+            beyond = interval[0] > limit if lower_is_better else interval[1] < limit
+            ok, verdict = inside, "yes" if inside else "NO" if beyond else "not resolved"
+        row = {
+            "goal": goal,
+            "measured": measured,
+            "limit": limit,
+            "where": where,
+            "met": ok,
+            "verdict": verdict,
+        }
+        if interval is not None:
+            row["interval"] = list(interval)
         rows.append(row if why is None else {**row, "why": why})
 
     for key, measured in GOALS_OF:
@@ -73,26 +94,26 @@ def goals(results: dict, device) -> list[dict]:
     return rows
 
 
-def _eager_goals(runs: list, add, device) -> None:
+def _step_goals(runs: list, add, device) -> None:
+    """A training-step case's goals (eager, compiled, bf16), on host time and, where the run measured it,
+    on device time."""
     for run in runs:
-        tag = f"{run['model']} b{run['batch']}{' channels-last' if run.get('channels_last') else ''} eager"
-        add("mixup_vs_none", run["vs_none"]["mixup_random"]["median"], GOALS["mixup_vs_none"], tag)
-        if "mixup_layer2_vs_hand_layer2" in run:
-            add("mixup_vs_hand", run["mixup_layer2_vs_hand_layer2"]["median"], GOALS["mixup_vs_hand"], tag)
-        if "gradscale_layer3" in run["vs_none"]:
-            ratio = run["vs_none"]["gradscale_layer3"]["median"]
-            add("gradscale_vs_none", ratio, GOALS["gradscale_vs_none"], tag)
-
-
-def _compiled_goals(runs: list, add, device) -> None:
-    for run in runs:
-        ratio = run["vs_none"]["mixup_random"]["median"]
-        add(
-            "compiled_mixup_vs_compiled",
-            ratio,
-            GOALS["compiled_mixup_vs_compiled"],
-            f"{run['model']} compiled",
-        )
+        mode = "compiled" if run.get("compiled") else "bf16" if run.get("autocast_bf16") else "eager"
+        layout = " channels-last" if run.get("channels_last") else ""
+        for clock, prefix in (("host", ""), ("device", "device_")):
+            if f"{prefix}vs_none" not in run and not (clock == "host" and "vs_none" in run):
+                continue
+            tag = f"{run['model']} b{run['batch']}{layout} {mode}" + (
+                ", device time" if clock == "device" else ""
+            )
+            vs_none = run[f"{prefix}vs_none"]
+            if "mixup_random" in vs_none:
+                goal = "compiled_mixup_vs_compiled" if mode == "compiled" else "mixup_vs_none"
+                add(goal, vs_none["mixup_random"], GOALS[goal], tag)
+            if f"{prefix}mixup_layer2_vs_hand_layer2" in run:
+                add("mixup_vs_hand", run[f"{prefix}mixup_layer2_vs_hand_layer2"], GOALS["mixup_vs_hand"], tag)
+            if "gradscale_layer3" in vs_none:
+                add("gradscale_vs_none", vs_none["gradscale_layer3"], GOALS["gradscale_vs_none"], tag)
 
 
 def _dispatch_goals(d: dict, add, device) -> None:
@@ -164,8 +185,9 @@ def _blend_goals(b: dict, add, device) -> None:
 
 
 GOALS_OF = (
-    ("training_step", _eager_goals),
-    ("training_step_compiled", _compiled_goals),
+    ("training_step", _step_goals),
+    ("training_step_compiled", _step_goals),
+    ("training_step_bf16", _step_goals),
     ("dispatch", _dispatch_goals),
     ("recompiles", _recompile_goals),
     ("host", _host_goals),
@@ -184,10 +206,14 @@ def markdown(results: dict) -> str:
         f"{meta['date']}, torch {meta['torch']}, torchvision {meta['torchvision']}, Python {meta['python']}, "
         f"`{meta['command']}`{' (quick: PreActResNet-18 a quarter wide)' if meta['quick'] else ''}.",
         "",
-        "Ratios: median (min..max) over alternating repetitions in this run; below 1 is faster.",
+        "Ratios: median (min..max) [the median's 95% interval] over alternating repetitions in this run; "
+        "below 1 is faster. A goal is met only where its whole interval is.",
         "",
     ]
     lines += [f"- {note}" for note in meta.get("notes", [])] + ([""] if meta.get("notes") else [])
+    if meta.get("skipped_over_budget"):
+        skipped = ", ".join(meta["skipped_over_budget"])
+        lines += [f"Not run (the run's --budget was spent before they started): {skipped}.", ""]
     lines += [
         "## Goals",
         "",
@@ -196,9 +222,10 @@ def markdown(results: dict) -> str:
     ]
     for g in results["goals"]:
         measured = g["measured"] if isinstance(g["measured"], int) else f"{g['measured']:.3f}"
-        lines.append(
-            f"| {g['goal']} | {measured} | {g['limit']} | {g['where']} | {'yes' if g['met'] else 'NO'} |"
-        )
+        if "interval" in g:
+            measured += f" [{g['interval'][0]:.3f}, {g['interval'][1]:.3f}]"
+        verdict = g.get("verdict", "yes" if g["met"] else "NO")
+        lines.append(f"| {g['goal']} | {measured} | {g['limit']} | {g['where']} | {verdict} |")
     lines += _training_steps(results)
     for key, section in SECTIONS:
         if key in results:
@@ -472,12 +499,32 @@ def _training_steps(results: dict) -> list[str]:
 
 
 def _step_table(run: dict) -> list[str]:
-    """A case's seconds per training step of each variant and its ratio to ``none``, as a table."""
-    rows = ["| variant | s/step | vs none |", "| --- | --- | --- |"]
+    """A case's seconds per training step of each variant and its ratio to ``none``, as a table (with the
+    device time, its ratio and the kernels per step where the run measured them)."""
+    device = "device_seconds_per_step" in run
+    head = "| variant | s/step | vs none |" + (
+        " device s/step | device vs none | kernels/step |" if device else ""
+    )
+    rows = [head, "|" + " --- |" * (head.count("|") - 1)]
     for name, sec in run["seconds_per_step"].items():
-        rows.append(
-            f"| {name} | {sec:.4f} | {fmt(run['vs_none'][name]) if name in run['vs_none'] else '1'} |"
-        )
+        row = f"| {name} | {sec:.4f} | {fmt(run['vs_none'][name]) if name in run['vs_none'] else '1'} |"
+        if device:
+            dev = run["device_vs_none"].get(name) if "device_vs_none" in run else None
+            row += (
+                f" {run['device_seconds_per_step'][name]:.5f} | {fmt(dev) if dev else '1'} |"
+                f" {run['kernels_per_step'][name]:.0f} |"
+            )
+        rows.append(row)
+    if device and "device_mixup_layer2_vs_hand_layer2" in run:
+        extra = ", ".join(f"{k} x{v:g}" for k, v in run["kernels_mixup_layer2_not_hand"].items()) or "none"
+        fewer = ", ".join(f"{k} x{v:g}" for k, v in run["kernels_hand_not_mixup_layer2"].items()) or "none"
+        rows += [
+            "",
+            f"mixup_layer2 / hand_layer2, device time: {fmt(run['device_mixup_layer2_vs_hand_layer2'])}",
+            "",
+            f"kernels per step that mixup_layer2 runs and hand_layer2 does not: {extra}; the reverse: "
+            f"{fewer}",
+        ]
     return rows
 
 

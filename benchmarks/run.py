@@ -34,7 +34,9 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +85,7 @@ def main(argv=None) -> dict:
     case_modules.PREACT_WIDTH = 0.25 if args.quick else 1.0
 
     plans = _plans(args.quick, cuda)
+    device_time = cuda or args.device_time
 
     results: dict = {
         "meta": {
@@ -96,6 +99,13 @@ def main(argv=None) -> dict:
             "preact_width": case_modules.PREACT_WIDTH,
             "reps": reps,
             "steps_per_rep": inner,
+            "device_time": (
+                "the sum of the GPU's kernel durations (torch.profiler, CUPTI)"
+                if cuda
+                else "the CPU twin: the self time of the aten ops (torch.profiler)"
+            )
+            if device_time
+            else None,
             "command": " ".join(["python benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
         }
     }
@@ -105,7 +115,7 @@ def main(argv=None) -> dict:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    subset = "" if set(cases) == set(CASES) else "-" + "_".join(cases)
+    subset = f"-{args.suffix}" if args.suffix else "" if set(cases) == set(CASES) else "-" + "_".join(cases)
     stem = f"{device_slug(device)}-{results['meta']['date']}{'-quick' if args.quick else ''}{subset}"
     results["meta"]["cases"] = cases
 
@@ -116,15 +126,33 @@ def main(argv=None) -> dict:
     # what torch and Python warn about while the cases run (dynamo, "No CUDA runtime is found") goes to
     # <stem>.log beside the results, and the terminal gets a count
     run = Case(device, timer, reps, inner, args.quick, cuda, log, parser, args.baseline)
+    started = time.monotonic()
+
+    def in_budget(what: str) -> bool:
+        """Whether ``what`` may start: always, unless --budget's seconds are spent (then it is named)."""
+        if args.budget is None or time.monotonic() - started < args.budget:
+            return True
+        results["meta"].setdefault("skipped_over_budget", []).append(what)
+        log(f"skipped (over --budget {args.budget:g} s): {what}")
+        return False
+
     with torch_messages_to_log(out / f"{stem}.log", say=log):
-        _training_steps(results, cases, plans, device, timer, reps, inner, log, checkpoint)
+        _training_steps(
+            results, cases, plans, device, timer, reps, inner, log, checkpoint, device_time, in_budget
+        )
         for case, (key, runner) in RUNNERS.items():
-            if case in cases:
+            if case in cases and in_budget(case):
                 results[key] = runner(run)
                 checkpoint()
     results["goals"] = goals(results, device)
     results["misses"] = [
         f"{g['goal']} ({g['where']}): {g['measured']:.3f} against {g['limit']}"
+        + (
+            ", not resolved: the median's 95% interval "
+            f"[{g['interval'][0]:.3f}, {g['interval'][1]:.3f}] holds the limit"
+            if g.get("verdict") == "not resolved"
+            else ""
+        )
         + (f"; {g['why']}" if g.get("why") else "")
         for g in results["goals"]
         if not g["met"]
@@ -246,31 +274,57 @@ RUNNERS = {
 }
 
 
-def _training_steps(results, cases, plans, device, timer, reps, inner, log, checkpoint) -> None:
-    """The training-step cases (eager, compiled, bf16) of ``plans`` into ``results``."""
+def _training_steps(
+    results, cases, plans, device, timer, reps, inner, log, checkpoint, device_time, in_budget
+) -> None:
+    """The training-step cases (eager, compiled, bf16) of ``plans`` into ``results`` (each with its device
+    time where ``device_time``; each started only ``in_budget``)."""
     plan, compiled_plan, bf16_plan = plans
     if "eager" in cases:
         results["training_step"] = []
         for model_name, batch, size, variants, *layout in plan:
+            if not in_budget(f"eager {model_name} b{batch}{' channels-last' if layout else ''}"):
+                continue
             log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
             step = training_steps(
-                model_name, batch, size, device, timer, reps, inner, variants, channels_last=bool(layout)
+                model_name,
+                batch,
+                size,
+                device,
+                timer,
+                reps,
+                inner,
+                variants,
+                channels_last=bool(layout),
+                device_time=device_time,
             )
             results["training_step"].append(step)
             checkpoint()
     if compiled_plan and "compiled" in cases:
         results["training_step_compiled"] = []
         for model_name, batch, size, variants in compiled_plan:
+            if not in_budget(f"compiled {model_name} b{batch}"):
+                continue
             log(f"training step: {model_name} batch {batch} compiled (inductor; compiling takes a while)")
             step = training_steps(
-                model_name, batch, size, device, timer, reps, inner, variants, compile_=True
+                model_name,
+                batch,
+                size,
+                device,
+                timer,
+                reps,
+                inner,
+                variants,
+                compile_=True,
+                device_time=device_time,
             )
             results["training_step_compiled"].append(step)
             checkpoint()
-    if bf16_plan and "bf16" in cases:
+    if bf16_plan and "bf16" in cases and in_budget("bf16"):
         log("training step: bf16 autocast ...")
         results["training_step_bf16"] = [
-            training_steps(m, b, s, device, timer, reps, inner, v, autocast=True) for m, b, s, v in bf16_plan
+            training_steps(m, b, s, device, timer, reps, inner, v, autocast=True, device_time=device_time)
+            for m, b, s, v in bf16_plan
         ]
         checkpoint()
 
@@ -291,6 +345,19 @@ def _arguments(argv) -> tuple:
         "the file name gains the subset",
     )
     parser.add_argument(
+        "--device-time",
+        action="store_true",
+        help="also the training steps' device time from torch.profiler (always on CUDA; on the CPU its "
+        "twin: the aten ops' self time, kernel lists and counts)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds: no case starts after them (those left are named in the results); for a leased GPU",
+    )
+    parser.add_argument("--suffix", default=None, help="the results' name ends with it instead of the cases'")
+    parser.add_argument(
         "--baseline",
         default=None,
         help="a git revision: the baseline case times this checkout's hot path against that revision's",
@@ -300,6 +367,10 @@ def _arguments(argv) -> tuple:
     unknown = [c for c in cases if c not in CASES + OPT_IN]
     if unknown or not cases:
         parser.error(f"--cases {args.cases!r}: unknown {unknown}; valid: {','.join(CASES + OPT_IN)}")
+    if args.suffix is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.suffix):
+        parser.error(f"--suffix {args.suffix!r}: letters, digits, '.', '_' and '-' only")
+    if args.budget is not None and not args.budget > 0:
+        parser.error(f"--budget must be a number of seconds > 0, got {args.budget:g}")
     if ("baseline" in cases) != (args.baseline is not None):
         parser.error("--cases baseline and --baseline REV go together (the revision to compare with)")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,12 +1,28 @@
 """Timing side by side: the variants of a case alternate, repetition after repetition, after a warm-up;
-a ratio is the median (and spread) of the per-repetition ratios, so drift hits every variant alike."""
+a ratio is the median (and spread) of the per-repetition ratios, so drift hits every variant alike, with
+a distribution-free 95% interval of that median (:func:`median_interval`): a goal is met only where the
+whole interval is.
+
+Two clocks: **host time** (wall clock around the calls, the device synchronised) and **device time**
+(:meth:`Timer.device_side_by_side`): the sum of the kernels' durations that ``torch.profiler`` records
+while the calls run, the host's noise left out. On CUDA these are the GPU's kernels, copies and memsets
+(CUPTI's records); on the CPU, its twin, the self time of every aten op (the host's compute, without the
+Python around it), which makes the same kernel list and op count of a step testable without a GPU.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import statistics
+import sys
 import time
+from collections import Counter
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 
 class Timer:
@@ -35,12 +51,95 @@ class Timer:
                 times[name].append((time.perf_counter() - start) / inner)
         return times
 
+    def kernels(self, fn, calls: int = 1) -> tuple[float, Counter]:
+        """Device seconds per call of ``fn`` (the sum of its kernels' durations) and its kernels per call:
+        a ``Counter`` of kernel names (CUDA: the GPU's kernels, copies and memsets; CPU: the aten ops,
+        each counted once however deep it was called, timed by its self time)."""
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        self.sync()
+        with _kineto_quiet(), profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn()
+            self.sync()
+        names: Counter = Counter()
+        micros = 0.0
+        for event in prof.events():
+            if cuda:
+                if event.device_type != DeviceType.CUDA:
+                    continue
+                micros += event.time_range.elapsed_us()
+            else:
+                if not event.name.startswith("aten::"):
+                    continue
+                micros += event.self_cpu_time_total
+            names[event.name] += 1
+        per_call = Counter({name: count / calls for name, count in names.items()})
+        return micros * 1e-6 / calls, per_call
+
+    def device_side_by_side(
+        self, variants: dict, reps: int, inner: int
+    ) -> tuple[dict[str, list[float]], dict[str, Counter]]:
+        """Device seconds per call of each variant, per repetition (alternating as :meth:`side_by_side`;
+        the variants are warm), and each variant's kernels per call in the last repetition."""
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        kernels: dict[str, Counter] = {}
+        items = list(variants.items())
+        for rep in range(reps):
+            for name, fn in items if rep % 2 == 0 else reversed(items):
+                seconds, kernels[name] = self.kernels(fn, inner)
+                times[name].append(seconds)
+        return times, kernels
+
+
+@contextlib.contextmanager
+def _kineto_quiet():
+    """The profiler's library (kineto) writes two lines per profile to the process's stderr (``USDT: ...
+    profiler_start``), whatever its log level: that file descriptor goes to /dev/null meanwhile (Python's
+    own warnings go where the runner sends them, not through it)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``values``: the order statistics ``(x_(k), x_(n-k+1))``
+    with the largest ``k`` whose binomial coverage ``1 - 2 P(Bin(n, 1/2) < k)`` is at least
+    ``confidence`` (n >= 6 for 95%; fewer values give their whole range)."""
+    ordered, n = sorted(values), len(values)
+    k, below = 0, 0.0  # below: P(Bin(n, 1/2) <= k - 1), the mass outside on one side
+    while k < n // 2:
+        mass = below + math.comb(n, k) / 2**n
+        if 1 - 2 * mass < confidence:
+            break
+        below, k = mass, k + 1
+    if k == 0:
+        return ordered[0], ordered[-1]
+    return ordered[k - 1], ordered[n - k]
+
 
 def ratio(times: dict[str, list[float]], a: str, b: str) -> dict:
-    """Median and spread of ``a / b`` over repetitions (each pair timed in the same repetition)."""
+    """Median and spread of ``a / b`` over repetitions (each pair timed in the same repetition), and the
+    95% interval of the median (``low``, ``high``: :func:`median_interval`)."""
     per_rep = [x / y for x, y in zip(times[a], times[b], strict=True)]
-    return {"median": statistics.median(per_rep), "min": min(per_rep), "max": max(per_rep), "n": len(per_rep)}
+    low, high = median_interval(per_rep)
+    return {
+        "median": statistics.median(per_rep),
+        "min": min(per_rep),
+        "max": max(per_rep),
+        "low": low,
+        "high": high,
+        "n": len(per_rep),
+    }
 
 
 def fmt(r: dict) -> str:
-    return f"{r['median']:.3f} ({r['min']:.3f}..{r['max']:.3f})"
+    """``median (min..max)``, and the median's 95% interval where recorded: ``[low, high]``."""
+    interval = f" [{r['low']:.3f}, {r['high']:.3f}]" if "low" in r else ""
+    return f"{r['median']:.3f} ({r['min']:.3f}..{r['max']:.3f}){interval}"

@@ -71,6 +71,7 @@ def training_steps(
     compile_: bool = False,
     autocast: bool = False,
     channels_last: bool = False,
+    device_time: bool = False,
 ) -> dict:
     # Dynamo does not guard on module hooks by default, so two compiled instances of one class, one hooked
     # and one not, would share compiled code: guard on them here, for every variant alike.
@@ -87,11 +88,23 @@ def training_steps(
             compile_,
             autocast,
             channels_last,
+            device_time,
         )
 
 
 def _training_steps(
-    model_name, batch, size, device, timer, reps, inner, variants_wanted, compile_, autocast, channels_last
+    model_name,
+    batch,
+    size,
+    device,
+    timer,
+    reps,
+    inner,
+    variants_wanted,
+    compile_,
+    autocast,
+    channels_last,
+    device_time,
 ):
     torch.manual_seed(0)
     if model_name == "preact_resnet18":
@@ -170,4 +183,26 @@ def _training_steps(
     }
     if "hand_layer2" in times and "mixup_layer2" in times:
         result["mixup_layer2_vs_hand_layer2"] = ratio(times, "mixup_layer2", "hand_layer2")
+    if device_time:
+        result.update(device_figures(timer, steps, reps, inner))
     return result
+
+
+def device_figures(timer, steps: dict, reps: int, inner: int) -> dict:
+    """The device's side of a case's steps (:meth:`~benchmarks.timing.Timer.device_side_by_side`): device
+    seconds per step and their ratios (to ``none``; Manifold Mixup's to the hand-edited forward), the
+    kernels per step, and the kernels one variant runs that the other does not (mixhook's mix at
+    ``layer2`` against the hand-edited forward's; a compiled graph's extra kernels are named there)."""
+    times, kernels = timer.device_side_by_side(steps, reps, inner)
+    out = {
+        "device_seconds_per_step": {k: statistics.median(v) for k, v in times.items()},
+        "kernels_per_step": {k: sum(c.values()) for k, c in kernels.items()},
+    }
+    if "none" in times:
+        out["device_vs_none"] = {k: ratio(times, k, "none") for k in times if k != "none"}
+    if "hand_layer2" in times and "mixup_layer2" in times:
+        out["device_mixup_layer2_vs_hand_layer2"] = ratio(times, "mixup_layer2", "hand_layer2")
+        mine, hand = kernels["mixup_layer2"], kernels["hand_layer2"]
+        out["kernels_mixup_layer2_not_hand"] = {k: v for k, v in (mine - hand).items() if v}
+        out["kernels_hand_not_mixup_layer2"] = {k: v for k, v in (hand - mine).items() if v}
+    return out

@@ -41,7 +41,9 @@ def _link(stem: str) -> str:
 def _measured(goal: dict) -> str:
     value = goal["measured"]
     text = str(value) if isinstance(value, int) else f"{value:.3f}"
-    return text if goal["met"] else f"**{text} (missed)**"
+    if goal["met"]:
+        return text
+    return f"**{text} (not resolved)**" if goal.get("verdict") == "not resolved" else f"**{text} (missed)**"
 
 
 def goals_table(results: dict[str, dict]) -> str:

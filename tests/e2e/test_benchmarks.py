@@ -30,7 +30,7 @@ def ratios_in(node):
 
 @pytest.mark.slow
 def test_quick_benchmark_writes_json_and_markdown(tmp_path):
-    result = run_bench("--quick", "--device", "cpu", "--out", str(tmp_path))
+    result = run_bench("--quick", "--device", "cpu", "--device-time", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     (json_file,) = tmp_path.glob("cpu-*-quick.json")
     data = json.loads(json_file.read_text())
@@ -41,6 +41,20 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
         assert r["n"] >= 5 and 0 < r["min"] <= r["median"] <= r["max"] and math.isfinite(r["max"])
     step = data["training_step"][0]
     assert {"none", "mixup_random", "hand_layer2"} <= set(step["seconds_per_step"])
+    # the device time's CPU twin: the aten ops' self time, kernels per step, the kernels mixhook's step
+    # runs that the hand-edited forward's does not (its draws: randperm is the hand's too)
+    assert set(step["device_seconds_per_step"]) == set(step["seconds_per_step"])
+    assert all(0 < step["device_seconds_per_step"][k] for k in step["seconds_per_step"])
+    assert step["kernels_per_step"]["mixup_layer2"] > step["kernels_per_step"]["none"] > 100
+    assert "aten::convolution_backward" not in step["kernels_mixup_layer2_not_hand"]
+    assert (
+        step["device_mixup_layer2_vs_hand_layer2"]["low"]
+        <= step["device_mixup_layer2_vs_hand_layer2"]["high"]
+    )
+    verdicts = {g["verdict"] for g in data["goals"]}
+    assert verdicts <= {"yes", "NO", "not resolved"} and any(
+        "device time" in g["where"] for g in data["goals"]
+    )
     rc = data["recompiles"]
     assert rc["distinct_layers_mixed"] == 3 and rc["distinct_lams"] == rc["steps"]
     assert rc["graphs_compiled_after_warmup"] == 0 and rc["graphs_compiled_total"] > 0
@@ -86,6 +100,34 @@ def test_a_subset_of_cases_writes_only_those_under_its_own_name(tmp_path):
     assert "## Dispatch" in json_file.with_suffix(".md").read_text()
 
 
+def test_a_spent_budget_starts_no_more_cases_and_names_them(tmp_path):
+    """A leased GPU's run (benchmarks/gpu.sh): after --budget seconds no case starts; those left are named
+    in the results, which carry --suffix's name."""
+    cases = "blend,dispatch,host"
+    bench.main(
+        [
+            "--quick",
+            "--device",
+            "cpu",
+            "--cases",
+            cases,
+            "--budget",
+            "1e-9",
+            "--suffix",
+            "lease",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    (json_file,) = tmp_path.glob("*.json")
+    assert json_file.name.endswith("-quick-lease.json")
+    data = json.loads(json_file.read_text())
+    assert data["meta"]["skipped_over_budget"] == ["dispatch", "host", "blend"] and "blend" not in data
+    assert "Not run (the run's --budget was spent before they started): dispatch, host, blend." in (
+        json_file.with_suffix(".md").read_text()
+    )
+
+
 def test_the_baseline_case_times_this_checkout_against_a_git_revision(tmp_path):
     """Against HEAD (the same core when nothing is changed): both columns are timed, side by side."""
     bench.main(["--quick", "--cases", "baseline", "--baseline", "HEAD", "--out", str(tmp_path)])
@@ -104,6 +146,8 @@ def test_bad_arguments_are_refused(capsys):  # the runner's own parser, in this 
         (["--quick", "--reps", "3"], "--reps must be at least 5, got 3"),
         (["--quick", "--cases", "blend,eagre"], "unknown ['eagre']; valid: eager,compiled,"),
         (["--quick", "--cases", "baseline"], "--cases baseline and --baseline REV go together"),
+        (["--quick", "--suffix", "a/b"], "--suffix 'a/b': letters, digits, '.', '_' and '-' only"),
+        (["--quick", "--budget", "0"], "--budget must be a number of seconds > 0, got 0"),
         (
             ["--quick", "--cases", "baseline", "--baseline", "nosuch"],
             "--baseline 'nosuch': git archive failed",

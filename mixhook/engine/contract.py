@@ -242,6 +242,12 @@ class MixingHook(abc.ABC):
         of them): C-Mixup refuses class indices. Accepts anything by default."""
         del target
 
+    def parameters(self):
+        """The regularizer's own trainable parameters (AutoMix's Mix Block), which the optimizer that steps
+        the model must hold: ``SGD([*model.parameters(), *mix.parameters()], ...)``; none by default (the
+        app and the trainer adapters add them for every mixer)."""
+        return iter(())
+
     def use_targets(self, target: torch.Tensor) -> None:
         """The labels of the next training forward, for a method that needs them to mix (gradient
         saliency); the others ignore them. Call it before every forward, as the app's loop does: labels

@@ -184,6 +184,11 @@ class OneOf(LayerHook, MixingHook):
         for mixer in self.mixers:
             mixer.check_targets(target)
 
+    def parameters(self):
+        """Every regularizer's own trainable parameters (each AutoMix's Mix Block)."""
+        for mixer in self.mixers:
+            yield from mixer.parameters()
+
     def use_targets(self, target: torch.Tensor) -> None:
         """Every regularizer gets the labels (whichever is chosen uses them)."""
         for mixer in self.mixers:

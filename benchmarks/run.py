@@ -406,7 +406,7 @@ def _plans(quick: bool, cuda: bool) -> tuple[list, list, list]:
         bf16_plan = [("preact_resnet18", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"])]
     else:
         plan = [("preact_resnet18", 16, 32, everything), ("resnet50", 16, 32, everything)]
-        compiled_plan = [("preact_resnet18", 16, 32, ["none", "mixup_random", "hand_layer2"])]
+        compiled_plan = [("preact_resnet18", 16, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"])]
         bf16_plan = []
 
     return plan, compiled_plan, bf16_plan

@@ -102,6 +102,8 @@ def method(name: str, layer: str, hidden: bool):
         kwargs.update(generator=torch.Generator().manual_seed(PUZZLEMIX_SEED))
     if name == "SnapMix":
         kwargs.update(features="features", classifier="head.3")
+    if name in ("AutoMix", "SAMix"):  # the Mix Block reads the feature map (as built: not trained)
+        kwargs.update(features="features")
     return cls(layer, **kwargs)
 
 
@@ -144,6 +146,8 @@ def draw(name: str) -> dict:
     out["images"] = x
     if name in SMALL_INPUT:
         out["note"] = f" ({SMALL}x{SMALL} images)"
+    if name in ("AutoMix", "SAMix"):  # OpenMixup's N(0, 0.01) start: every mask about 0.5 until it learns
+        out["note"] = "\n(the Mix Block as initialised)"
     if name == "CatchUpMix":  # (the gallery's image is a layer: the channel rule; its "input" is CutMix)
         out["note"] = "\n(its channel rule on the RGB layer)"
     return out

@@ -1,0 +1,64 @@
+"""SAMix: AutoMix with the scenario-agnostic Mix Block and mask loss.
+
+Paper: Li, Liu, Wang, Tan, Liu, Wu, Li. "Boosting Discriminative Visual Representation Learning with
+Scenario-Agnostic Mixup." 2021. https://arxiv.org/abs/2111.15454. The code: Westlake-AI/openmixup
+(``configs/classification/cifar100/samix/basic/r18_l2_a2_bili_val_dp0_mul_x_cat_L1_var_01_mlr5e_2.py`` on
+``openmixup/models/classifiers/automix.py`` and ``heads/pmix_block.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .automix import AutoMix
+
+
+class SAMix(AutoMix):
+    """SAMix (Li et al. 2021): AutoMix with SAMix's Mix Block and mask loss (OpenMixup's CIFAR-100 config):
+    lam encoded by scaling the features (``lam_mul=1``, ``lam_residual``, ``lam_mul_k=0.25``), a two-layer
+    value network (1x1 convolutions to ``channels // 2`` with batch norm and ELU, then to 1), query and key
+    of both samples' concatenated features, bilinear upsampling, and the ``"L1+Variance"`` mask loss. Its
+    Mix Block's loss in that config is the soft cross-entropy of the mixed one-hot labels with
+    ``neg_weight=0.5``, which weighs the classes a label gives 0 and so changes nothing: the mixed
+    criterion, as AutoMix's. Arguments as :class:`AutoMix`."""
+
+    def __init__(
+        self,
+        layer: str | Sequence[str] = "input",
+        features: str = "layer3",
+        channels: int | None = None,
+        alpha: float = 2.0,
+        momentum: float = 0.999,
+        end_momentum: float = 0.999999,
+        momentum_scope: tuple[float, float] = (0.1, 1.0),
+        total_steps: int | None = None,
+        mask_loss: float = 0.1,
+        mask_loss_mode: str = "L1+Variance",
+        mask_margin: float = 0.1,
+        lam_margin: float = 0.08,
+        mask_adjust: float = 0.0,
+        clean_weight: float = 1.0,
+        block_weight: float = 1.0,
+        reduction: int = 2,
+        upsampling: str | Sequence[str] = "bilinear",
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+        padding: str = "union",
+        layout: str | dict | None = None,
+    ):
+        super().__init__(
+            layer, features, channels, alpha, momentum, end_momentum, momentum_scope, total_steps, mask_loss,
+            mask_loss_mode, mask_margin, lam_margin, mask_adjust, clean_weight, block_weight, reduction,
+            upsampling, generator, batch_dim, padding, layout,
+        )  # fmt: skip
+
+    def _scenario(self) -> dict:
+        return {
+            "lam_mul": 1.0,
+            "lam_residual": True,
+            "lam_mul_k": 0.25,
+            "x_qk_concat": True,
+            "value_hidden": "half",
+        }

@@ -16,10 +16,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from .. import recompute
 from ..engine.checks import check_fraction, check_non_negative, check_one_map
 from ..engine.contract import Draw, Mixed, MixState
+from ..engine.gradient_pass import sharded
 from ..engine.mixer import Mixer
 from ..functional import sample_lam
 from ..layers import resolve_layer
@@ -99,7 +102,10 @@ class AutoMix(Mixer):
     """
 
     pin_keys = ("lam_mb", "index_mb")
-    _TRANSIENT = ("_features_name", "_features_layout", "_versions", "_block_versions")
+    _TRANSIENT = (
+        "_features_name", "_features_layout", "_versions", "_block_versions", "_averaging", "_k_handles",
+        "_k_mixing", "_k_replay", "_k_pending",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -164,6 +170,10 @@ class AutoMix(Mixer):
         self.mix_block: MixBlock | None = None if channels is None else self._make_block(channels)
         self.momentum_model: nn.Module | None = None  # made at attach
         self.updates = 0  # momentum updates made so far (the schedule's step)
+        # Under torch.distributed, whether each backward averages the Mix Block's gradients over the ranks
+        # (every rank must then run it, as under DDP); False: they are left to you (a replay on one rank,
+        # a Mix Block you put inside your own DDP module).
+        self.average_over_ranks = True
         self._pending: Mapping | None = None  # a state loaded before attach
 
     def _scenario(self) -> dict:
@@ -171,10 +181,15 @@ class AutoMix(Mixer):
         return {}
 
     def _make_block(self, channels: int) -> MixBlock:
+        """The Mix Block for ``channels``, initialised from the mixer's seed (a generator of its own,
+        seeded with the mixer's generator's initial seed: the same Mix Block in every workflow that
+        builds the mixer alike, whatever else drew from torch's global generator before)."""
         options = dict(self._block_options)
         if options.get("value_hidden") == "half":  # (SAMix: its value network's width, from the channels)
             options["value_hidden"] = max(channels // 2, 1)
-        return MixBlock(channels, **options)
+        block = MixBlock(channels, **options)
+        block.reset_parameters(torch.Generator().manual_seed(self.generator.initial_seed()))
+        return block
 
     def __repr__(self) -> str:
         return (
@@ -188,8 +203,20 @@ class AutoMix(Mixer):
         super()._fresh()
         self._features_name: str | None = None
         self._features_layout = None  # its maps' layout (mixhook.layouts), read at attach
+        self._averaging = False  # whether the Mix Block's gradients are averaged over the ranks (a copy's
+        # parameters carry no hooks: it registers its own)
+        self._k_handles: list = []  # the momentum copy's hooks at the mixed layers (while attached)
+        self._k_mixing: tuple | None = None  # (spec, mix) during the copy's mixed forward
+        self._k_replay: tuple | None = None  # the same, kept for a recomputation in backward
+        self._k_pending = False  # a mix inside checkpointing whose recomputation has not run yet
         self._versions: tuple | None = None  # the model's parameters' versions at the last update
         self._block_versions: tuple | None = None
+
+    def _reset(self) -> None:
+        super()._reset()
+        for handle in self._k_handles:
+            handle.remove()
+        self._k_handles, self._k_mixing, self._k_replay, self._k_pending = [], None, None, False
 
     # ------------------------------------------------------------------------------------- the parts
 
@@ -230,6 +257,11 @@ class AutoMix(Mixer):
         """As every mixer's, and then: the momentum copy of ``model`` is made (kept from an earlier attach
         to a model of the same parameters' names and shapes, so a detach and attach continue it), and the
         Mix Block is built where ``channels`` was not given."""
+        if sharded(model):
+            raise RuntimeError(
+                f"{type(self).__name__}: the model is sharded by FSDP, and its momentum copy (a deep copy of "
+                "the model) cannot be made of a sharded model; train it with DDP, or in one process"
+            )
         handle = super().attach(model)
         try:
             self._features_name, found = resolve_layer(model, self.features, "features")
@@ -251,10 +283,36 @@ class AutoMix(Mixer):
             if self._pending is not None:
                 self._load_parts(self._pending)
                 self._pending = None
+            self._average_over_ranks()
+            for spec, site in self.sites.items():
+                if site.layer != INPUT:
+                    layer = self.momentum_model.get_submodule(site.layer)
+                    self._k_handles.append(layer.register_forward_hook(self._k_hook(spec)))
         except BaseException:
             handle.remove()
             raise
         return handle
+
+    def _average_over_ranks(self) -> None:
+        """Under ``torch.distributed`` (several ranks): the Mix Block's gradients averaged over the ranks as
+        each backward accumulates them, as DDP averages the model's (OpenMixup's Mix Block is inside its
+        DDP model), while :attr:`average_over_ranks`; a rank's momentum copy follows its own model, the same
+        on every rank under DDP."""
+        if (
+            self._averaging
+            or not (dist.is_available() and dist.is_initialized())
+            or dist.get_world_size() < 2
+        ):
+            return
+
+        def average(p: torch.Tensor) -> None:
+            if self.average_over_ranks:
+                dist.all_reduce(p.grad)
+                p.grad.div_(dist.get_world_size())
+
+        for p in self.mix_block.parameters():
+            p.register_post_accumulate_grad_hook(average)
+        self._averaging = True
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         check_one_map(type(self).__name__, spec, leaves, "mixes one map")
@@ -354,22 +412,65 @@ class AutoMix(Mixer):
         site = self.sites[spec]
         if site.layer == INPUT:
             args, kwargs = _with_first_tensor(args, kwargs, mixed)
-            handle = None
-        else:
-            handle = k.get_submodule(site.layer).register_forward_hook(lambda mod, a, out: mixed(out))
+        elif self._k_pending:
+            raise RuntimeError(
+                f"{type(self).__name__}: the momentum copy's last mix at {spec!r} was inside activation "
+                "checkpointing and its backward has not run: two training forwards before their backward "
+                "cannot both be recomputed there; take each forward's loss and backward in turn"
+            )
+        self._k_mixing = (spec, mixed)
         try:
             with torch.enable_grad():
                 out = k(*args, **kwargs)
         finally:
-            if handle is not None:
-                handle.remove()
+            self._k_mixing = None
         logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+        if logits is None and isinstance(out, Mapping):  # (a dict: the HuggingFace Trainer's models)
+            logits = out.get("logits")
         if not isinstance(logits, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__}: the model returned {type(out).__name__}; the Mix Block's loss needs "
                 "its logits (a tensor, or an output with .logits)"
             )
         return logits, made[0]
+
+    def _k_hook(self, spec: str):
+        """The momentum copy's hook at ``spec``: its Mix Block mix during the copy's own mixed forward (and
+        nothing in its features pass); where that layer is inside activation checkpointing, the same mix
+        again when backward recomputes it (the copy's hooks live as long as the attachment)."""
+
+        def hook(module, args, output):
+            if self._k_mixing is not None and self._k_mixing[0] == spec:
+                mixed = self._k_mixing[1]
+                if recompute.may_be_recomputed():
+                    self._k_replay, self._k_pending = (spec, mixed), True
+                return mixed(output)
+            if recompute.in_backward() and self._k_replay is not None and self._k_replay[0] == spec:
+                self._k_pending = False
+                return self._k_replay[1](output)
+            return None
+
+        return hook
+
+    @torch.no_grad()
+    def masks(
+        self, inputs: torch.Tensor, lam: float, index, size: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """The partner's share ``(B, 1, H, W)`` the Mix Block gives the batch ``inputs`` (the model's input)
+        for ``lam`` and the partners ``index``, from the momentum copy's features, as a training forward
+        would make it (without gradients; the first upsampling mode listed, batch norm in eval mode):
+        for pictures of what it has learned. ``size``: the map's, by default the input's sides."""
+        if self.momentum_model is None:
+            raise RuntimeError(f"{type(self).__name__}.masks(): attach it to the model first")
+        k, block = self.momentum_model, self.mix_block
+        modes = k.training, block.training
+        k.eval(), block.eval()
+        try:
+            features = self._features(k, (inputs,), {})
+            index = torch.as_tensor(index, device=features.device)
+            return block(features, float(lam), index, size or inputs.shape[-2:], None, block.lam_mul_k[0])
+        finally:
+            k.train(modes[0]), block.train(modes[1])
 
     # ------------------------------------------------------------------------------ the model's mix
 

@@ -125,11 +125,13 @@ class MixBlock(nn.Module):
         self.query = nn.Conv2d(qk_in, self.inter, 1)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """OpenMixup's initialisation (``init_weights(init_linear='normal')``)."""
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """OpenMixup's initialisation (``init_weights(init_linear='normal')``), its normal draws from
+        ``generator`` (a CPU one; ``None``: torch's global generator)."""
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Conv2d)):
-                nn.init.normal_(m.weight, 0.0, 0.01)
+                with torch.no_grad():
+                    m.weight.copy_(torch.randn(m.weight.shape, generator=generator) * 0.01)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.BatchNorm2d):

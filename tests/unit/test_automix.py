@@ -374,3 +374,65 @@ def test_bad_input_is_refused_in_one_line():
             model(x)
     with AutoMix("fc", "layer3").attach(model), pytest.raises(TypeError, match=r"needs a \(B, C, H, W\) map"):
         model(x)
+
+
+def test_masks_gives_the_mask_a_training_forward_mixes_with():
+    torch.manual_seed(5)
+    model = Net().double()
+    mix = AutoMix("input", "layer3")
+    img, y = batch()
+    index = torch.tensor([1, 2, 3, 4, 5, 0])
+    with mix.attach(model):
+        for p in mix.mix_block.parameters():
+            p.data.normal_(0, 0.2)
+        mix.pin(lam=0.4, index=index)
+        model(img)
+        pictured = mix.masks(img, 0.4, index)
+        assert model.training and mix.momentum_model.training  # (modes restored)
+    torch.testing.assert_close(pictured, mix.last.info["mask"], rtol=0, atol=0)
+    assert pictured.shape == (6, 1, 16, 16) and float(pictured.std()) > 0.01
+    with pytest.raises(RuntimeError, match="attach it to the model first"):
+        AutoMix("input", "layer3").masks(img, 0.4, index)
+
+
+def test_a_mix_inside_activation_checkpointing_has_the_unchecked_gradients():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checked(Net):
+        def features(self, x):
+            h = self.layer1(self.stem(x))
+            return self.layer3(checkpoint(self.layer2, h, use_reentrant=False))
+
+    grads = []
+    for cls in (Net, Checked):
+        torch.manual_seed(6)
+        model = cls().double()
+        mix = SAMix("layer2", "layer1", generator=torch.Generator().manual_seed(2))
+        img, y = batch()
+        with mix.attach(model):
+            mix.mix_block.double()
+            mix.momentum_model.double()
+            mix.loss(F.cross_entropy, model(img), y).backward()
+        grads.append([p.grad for p in [*model.parameters(), *mix.parameters()]])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_two_forwards_before_their_backward_with_the_copy_checkpointed_are_refused_in_one_line():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checked(Net):
+        def features(self, x):
+            return self.layer3(checkpoint(self.layer2, self.layer1(self.stem(x)), use_reentrant=False))
+
+    model, (img, y) = Checked().double(), batch()
+    mix = AutoMix("layer2", "layer1")
+    with mix.attach(model):
+        mix.mix_block.double()
+        mix.momentum_model.double()
+        first = mix.loss(F.cross_entropy, model(img), y)
+        with pytest.raises(RuntimeError, match="two training forwards before their backward") as err:
+            model(img)
+        assert "\n" not in str(err.value)
+        first.backward()  # (the first one's recomputation still finds its mix)
+        mix.loss(F.cross_entropy, model(img), y).backward()

@@ -72,6 +72,42 @@ def reseed(hook: MixingHook, seed: int, rank: int, step: int, first_part: int = 
         g.manual_seed(step_seed(seed, rank, step, part))
 
 
+def join_optimizer(hook: MixingHook, optimizer, schedulers=()) -> bool:
+    """Add the regularizer's own trainable parameters (AutoMix's Mix Block: ``hook.parameters()``) to
+    ``optimizer`` as one more parameter group, with the options of its first group (learning rate,
+    momentum, weight decay), unless it holds them already; each of ``schedulers`` (a torch ``LRScheduler``
+    of that optimizer) schedules the group as the first one. An optimizer wrapped by accelerate or
+    Lightning is reached through its ``.optimizer``. Returns whether a group was added (none for the
+    methods without parameters)."""
+    params = [p for p in hook.parameters() if p.requires_grad]
+    inner = optimizer
+    while hasattr(inner, "optimizer") and not isinstance(inner, torch.optim.Optimizer):
+        inner = inner.optimizer
+    held = {id(p) for group in inner.param_groups for p in group["params"]}
+    new = [p for p in params if id(p) not in held]
+    if not new:
+        return False
+    groups = len(inner.param_groups)
+    first = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+    inner.add_param_group({**first, "params": new})
+    for scheduler in schedulers:
+        _schedule_like_the_first(getattr(scheduler, "scheduler", scheduler), inner, groups)
+    return True
+
+
+def _schedule_like_the_first(scheduler, optimizer, groups: int) -> None:
+    """A scheduler of ``optimizer`` made when it had ``groups`` groups: each of its per-group lists
+    (``base_lrs``, ``_last_lr``, LambdaLR's ``lr_lambdas``, ...) gets the first group's entry for the
+    group added; a scheduler of schedulers (``SequentialLR``, ``ChainedScheduler``) each of its own."""
+    for inner in getattr(scheduler, "_schedulers", ()):
+        _schedule_like_the_first(inner, optimizer, groups)
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        return
+    for value in vars(scheduler).values():
+        if isinstance(value, list) and len(value) == groups and groups:
+            value.append(value[0])
+
+
 def needs_partner_batch(hook: MixingHook) -> bool:
     """Whether ``hook`` (or one of a :class:`~mixhook.OneOf`'s mixers) mixes with a second batch that
     ``use_partners`` gives before each training forward (``PartnerBatch``, Balanced-MixUp)."""

@@ -60,6 +60,7 @@ from .draws import (
     check_unattached,
     from_training_set,
     generators,
+    join_optimizer,
     reseed,
 )
 
@@ -145,6 +146,14 @@ class MixupCallback(Callback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """The mixer's own parameters (AutoMix's Mix Block) join each optimizer ``configure_optimizers``
+        made, as a group with its first group's options (before a checkpoint's optimizer state is
+        restored)."""
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for optimizer in trainer.optimizers:
+            join_optimizer(self.mixer, optimizer, schedulers)
 
     def on_train_start(self, trainer, pl_module) -> None:
         """What the mixer's policies need from the training set: Remix its class counts (where not given),

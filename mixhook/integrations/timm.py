@@ -276,7 +276,10 @@ class MixupFn:
     method with a lam per sample (PuzzleMix, SnapMix, TransMix) weighs it, and the mean over the batch
     (over a clean+mixed method's ``2B`` rows: RegMixup) is returned, as your own loop would take it.
     ``mixup_enabled = False`` (timm's ``mixup_off_epoch``) leaves the next forwards unmixed. Evaluation
-    (``validate_loss_fn``, a model in eval mode) is untouched.
+    (``validate_loss_fn``, a model in eval mode) is untouched. A method with parameters of its own
+    (AutoMix's Mix Block) needs the optimizer: ``MixupFn(model, mixer, optimizer)`` adds them to it as one
+    more group (timm's ``train.py`` builds the optimizer before the mixup and the scheduler after, which then
+    schedules the group too).
 
     The mixer draws from its own generator (by default seeded from ``torch.initial_seed()``, which timm's
     ``random_seed(seed, rank)`` makes different per rank). Refused in one line: a method that mixes with a
@@ -284,9 +287,9 @@ class MixupFn:
     training forward in between (the labels would belong to no forward).
     """
 
-    def __init__(self, model: nn.Module, mixer):
+    def __init__(self, model: nn.Module, mixer, optimizer: torch.optim.Optimizer | None = None):
         from ..engine.contract import MixingHook
-        from .draws import needs_partner_batch
+        from .draws import join_optimizer, needs_partner_batch
 
         if not isinstance(mixer, MixingHook):
             raise TypeError(f"MixupFn needs a mixhook mixer (ManifoldMixup, SnapMix, ...), got {mixer!r:.80}")
@@ -300,6 +303,8 @@ class MixupFn:
         self.mixup_enabled = True
         self._handle = mixer.attach(self.model)
         self._called = False  # a call not yet followed by a training forward
+        if optimizer is not None:  # (timm's train.py makes it before the mixup, its scheduler after)
+            join_optimizer(mixer, optimizer)
 
     def __repr__(self) -> str:
         return f"MixupFn({self.mixer!r})"

@@ -62,6 +62,7 @@ from .draws import (
     check_arguments,
     check_unattached,
     from_training_set,
+    join_optimizer,
     reseed,
 )
 
@@ -218,6 +219,9 @@ class MixupCallback(_StepSeeded):
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
+        optimizer, scheduler = kwargs.get("optimizer"), kwargs.get("lr_scheduler")
+        if optimizer is not None:  # the mixer's own parameters (AutoMix's Mix Block) join the Trainer's
+            join_optimizer(self.mixer, optimizer, [scheduler] if scheduler is not None else [])
         self._stream = from_training_set(self.mixer, train_dataloader, self.seed, _WHERE)
         loader = train_dataloader
         while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...hooks import without_rank
 from . import checkpoint as ckpt
 from .distributed import Dist, full_state, load_full_state, sharded
 
@@ -59,6 +60,8 @@ class RunState:
         randoms, every_totals = zip(*dist.gather((ckpt.random_states(run.hooks), totals)), strict=True)
         # a sharded model's whole state is gathered from every rank's shards
         whole = full_state(run.model, run.optimizer) if sharded(run.model) else None
+        mixer = run.mixup
+        learned = mixer.state_dict() if mixer is not None and any(True for _ in mixer.parameters()) else None
         if not dist.main:
             return
         model, optimizer = whole or (run.model.state_dict(), run.optimizer.state_dict())
@@ -71,6 +74,7 @@ class RunState:
             "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
             "random": list(randoms),
+            "learned": learned,  # a learned mixer's own state (AutoMix's Mix Block and momentum copy)
             "config": run.config,
             "data_split": getattr(run.data, "split_hash", None),
         })  # fmt: skip
@@ -95,6 +99,8 @@ class RunState:
             raise ckpt.CheckpointError("the checkpoint's LR schedule does not match this run's")
         if run.scheduler is not None:
             run.scheduler.load_state_dict(saved["scheduler"])
+        if saved.get("learned") is not None:  # (rank 0's: the same Mix Block and copy on every rank)
+            run.mixup.load_state_dict(without_rank(saved["learned"]))
         if scaler is not None and saved.get("scaler"):
             scaler.load_state_dict(saved["scaler"])
         split, ours = saved.get("data_split"), getattr(run.data, "split_hash", None)

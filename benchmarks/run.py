@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
 
     # what torch and Python warn about while the cases run (dynamo, "No CUDA runtime is found") goes to
     # <stem>.log beside the results, and the terminal gets a count
-    run = Case(device, timer, reps, inner, args.quick, cuda, log, parser, args.baseline)
+    run = Case(device, timer, reps, inner, args.quick, cuda, log, parser, args.baseline, args.methods)
     started = time.monotonic()
 
     def in_budget(what: str) -> bool:
@@ -181,6 +181,7 @@ class Case:
     log: Callable
     parser: argparse.ArgumentParser
     baseline: str | None
+    methods: list[str] | None = None  # --methods: the methods case's subset (with ManifoldMixup)
 
     def size(self, quick: tuple, cuda: tuple, cpu: tuple) -> tuple:
         """A case's sizes: the quick run's, a GPU's, a CPU's."""
@@ -195,6 +196,8 @@ def _peers(c: Case) -> dict:
 def _methods(c: Case) -> dict:
     c.log("methods ...")
     wanted = ["ManifoldMixup", "CutMix", "SaliencyMix", "SaliencyMix_gradient"] if c.quick else None
+    if c.methods:
+        wanted = ["ManifoldMixup", *c.methods]
     return methods(c.device, c.timer, c.reps, c.inner, *c.size((8, 32), (128, 32), (16, 32)), wanted=wanted)
 
 
@@ -356,6 +359,11 @@ def _arguments(argv) -> tuple:
         default=None,
         help="seconds: no case starts after them (those left are named in the results); for a leased GPU",
     )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated: the methods case measures these (beside ManifoldMixup) instead of all",
+    )
     parser.add_argument("--suffix", default=None, help="the results' name ends with it instead of the cases'")
     parser.add_argument(
         "--baseline",
@@ -367,6 +375,14 @@ def _arguments(argv) -> tuple:
     unknown = [c for c in cases if c not in CASES + OPT_IN]
     if unknown or not cases:
         parser.error(f"--cases {args.cases!r}: unknown {unknown}; valid: {','.join(CASES + OPT_IN)}")
+    if args.methods is not None:
+        from benchmarks.cases.methods import method_variants
+
+        known = method_variants()
+        args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in args.methods if m not in known]
+        if unknown or not args.methods:
+            parser.error(f"--methods: unknown {unknown}; valid: {','.join(known)}")
     if args.suffix is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.suffix):
         parser.error(f"--suffix {args.suffix!r}: letters, digits, '.', '_' and '-' only")
     if args.budget is not None and not args.budget > 0:

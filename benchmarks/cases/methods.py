@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from benchmarks import cases
 from benchmarks.timing import ratio
-from mixhook import AttentiveCutMix, CMixup, ManifoldMixup, PuzzleMix, SaliencyMix, SnapMix
+from mixhook import AttentiveCutMix, AutoMix, CMixup, ManifoldMixup, PuzzleMix, SaliencyMix, SAMix, SnapMix
 from mixhook.mixers import METHODS
 from mixhook.policies import (
     BalancedMixup,
@@ -51,6 +51,8 @@ def method_variants() -> dict:
     makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")
     makers["PuzzleMix_input"] = lambda: PuzzleMix("input")  # the paper's place (the authors: 1.47x a step)
     makers["SnapMix"] = lambda: SnapMix(LAYER, features="layer4", classifier="linear")  # the CNN's own
+    makers["AutoMix_input"] = lambda: AutoMix("input")  # OpenMixup's place (features: layer3)
+    makers["SAMix_input"] = lambda: SAMix("input")
     policies = {
         "Remix": lambda: Remix([500, 300, 200, 120, 70, 40, 25, 15, 9, 5]),
         "KernelWarping": KernelWarping,
@@ -83,7 +85,8 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
         mixer = None if name == "none" else makers[name]()
         if mixer is not None:
             mixer.attach(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        own = list(mixer.parameters()) if mixer is not None else []  # (AutoMix's Mix Block)
+        opt = torch.optim.SGD([*model.parameters(), *own], lr=1e-3, momentum=0.9)
 
         def step(model=model, opt=opt, mixer=mixer):
             if mixer is not None:  # C-Mixup pairs by regression labels: the class numbers serve as such

@@ -97,15 +97,20 @@ def join_optimizer(hook: MixingHook, optimizer, schedulers=()) -> bool:
 
 def _schedule_like_the_first(scheduler, optimizer, groups: int) -> None:
     """A scheduler of ``optimizer`` made when it had ``groups`` groups: each of its per-group lists
-    (``base_lrs``, ``_last_lr``, LambdaLR's ``lr_lambdas``, ...) gets the first group's entry for the
-    group added; a scheduler of schedulers (``SequentialLR``, ``ChainedScheduler``) each of its own."""
+    (:data:`_PER_GROUP`) gets the first group's entry for the group added; a scheduler of schedulers
+    (``SequentialLR``, ``ChainedScheduler``) each of its own."""
     for inner in getattr(scheduler, "_schedulers", ()):
         _schedule_like_the_first(inner, optimizer, groups)
     if getattr(scheduler, "optimizer", None) is not optimizer:
         return
-    for value in vars(scheduler).values():
+    for name in _PER_GROUP:
+        value = getattr(scheduler, name, None)
         if isinstance(value, list) and len(value) == groups and groups:
             value.append(value[0])
+
+
+# torch's schedulers' lists with one entry per parameter group (OneCycleLR keeps its own in the groups)
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
 
 
 def needs_partner_batch(hook: MixingHook) -> bool:

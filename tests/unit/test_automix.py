@@ -436,3 +436,37 @@ def test_two_forwards_before_their_backward_with_the_copy_checkpointed_are_refus
         assert "\n" not in str(err.value)
         first.backward()  # (the first one's recomputation still finds its mix)
         mix.loss(F.cross_entropy, model(img), y).backward()
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "lambda", "sequential"])
+def test_the_mix_block_joins_a_trainers_optimizer_and_follows_its_schedule(schedule):
+    """What the trainer adapters do (integrations/draws.py: join_optimizer): the Mix Block as one more
+    group with the first group's options, scheduled as the first group at every step; a second join, or a
+    mixer without parameters, adds nothing."""
+    from torch.optim import lr_scheduler
+
+    from mixhook import ManifoldMixup
+    from mixhook.integrations.draws import join_optimizer
+
+    model = Net()
+    mix = AutoMix("input", "layer3")
+    with mix.attach(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.4, momentum=0.9, weight_decay=1e-4)
+        made = {
+            "cosine": lambda: lr_scheduler.CosineAnnealingLR(opt, T_max=5),
+            "lambda": lambda: lr_scheduler.LambdaLR(opt, lambda step: 0.5**step),
+            "sequential": lambda: lr_scheduler.SequentialLR(
+                opt,
+                [lr_scheduler.ConstantLR(opt, 0.5, total_iters=2), lr_scheduler.ExponentialLR(opt, 0.7)],
+                [2],
+            ),
+        }[schedule]()
+        assert join_optimizer(mix, opt, [made]) and not join_optimizer(mix, opt, [made])
+        assert not join_optimizer(ManifoldMixup("input"), opt)
+        group = opt.param_groups[1]
+        assert {id(p) for p in group["params"]} == {id(p) for p in mix.parameters()}
+        assert group["momentum"] == 0.9 and group["weight_decay"] == 1e-4
+        for _ in range(6):
+            opt.step()
+            made.step()
+            assert opt.param_groups[1]["lr"] == opt.param_groups[0]["lr"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -78,6 +79,11 @@ class AutoMix(Mixer):
     - the mask is upsampled to ``layer``'s map size (OpenMixup: a factor ``2**mask_layer``, the same size
       on its ResNets), so any layer and any feature size work.
 
+    Workflows: exact in your own loop, Lightning, the HuggingFace Trainer, timm's script (``MixupFn(model,
+    mixer, optimizer)``), the app (resumed bit for bit) and DDP (the Mix Block's gradients averaged over
+    the ranks); refused under FSDP. Under ``torch.compile`` its hooks run between graphs (the copy's
+    forwards eager; ``fullgraph=True`` cannot hold them), with the eager run's losses.
+
     Args:
         layer: where the model and ``k`` are mixed: ``"input"`` (OpenMixup's) or a layer whose output is one
             ``(B, C, H, W)`` map (a list: one drawn per batch).
@@ -104,7 +110,7 @@ class AutoMix(Mixer):
     pin_keys = ("lam_mb", "index_mb")
     _TRANSIENT = (
         "_features_name", "_features_layout", "_versions", "_block_versions", "_averaging", "_k_handles",
-        "_k_mixing", "_k_replay", "_k_pending",
+        "_k_mixing", "_k_replay", "_k_pending", "_copied_from",
     )  # fmt: skip
 
     def __init__(
@@ -209,6 +215,7 @@ class AutoMix(Mixer):
         self._k_mixing: tuple | None = None  # (spec, mix) during the copy's mixed forward
         self._k_replay: tuple | None = None  # the same, kept for a recomputation in backward
         self._k_pending = False  # a mix inside checkpointing whose recomputation has not run yet
+        self._copied_from = None  # a weak reference to the model the momentum copy was made of
         self._versions: tuple | None = None  # the model's parameters' versions at the last update
         self._block_versions: tuple | None = None
 
@@ -254,9 +261,10 @@ class AutoMix(Mixer):
     # ---------------------------------------------------------------------------------- attaching
 
     def attach(self, model: nn.Module):
-        """As every mixer's, and then: the momentum copy of ``model`` is made (kept from an earlier attach
-        to a model of the same parameters' names and shapes, so a detach and attach continue it), and the
-        Mix Block is built where ``channels`` was not given."""
+        """As every mixer's, and then: the momentum copy of ``model`` is made (kept where this mixer was
+        attached to this same model before, or carries one it was copied or unpickled with, of the same
+        parameters' names and shapes: a detach and attach continue it), and the Mix Block is built where
+        ``channels`` was not given and put on the model's device and dtype."""
         if sharded(model):
             raise RuntimeError(
                 f"{type(self).__name__}: the model is sharded by FSDP, and its momentum copy (a deep copy of "
@@ -265,9 +273,12 @@ class AutoMix(Mixer):
         handle = super().attach(model)
         try:
             self._features_name, found = resolve_layer(model, self.features, "features")
-            if self.momentum_model is None or not _same_shapes(self.momentum_model, model):
+            before = self._copied_from() if self._copied_from is not None else None
+            kept = (self._copied_from is None or before is model) and self.momentum_model is not None
+            if not (kept and _same_shapes(self.momentum_model, model)):
                 self.momentum_model = copy.deepcopy(model)  # (after attach: mixhook's hooks do not travel)
                 self.updates = 0
+            self._copied_from = weakref.ref(model)
             for p in self.momentum_model.parameters():
                 p.requires_grad_(False)
             if self.mix_block is None:
@@ -277,8 +288,10 @@ class AutoMix(Mixer):
                         f"{type(self).__name__}: the channels of features={self.features!r} "
                         f"({type(found).__name__}) cannot be read from its modules; pass channels="
                     )
-                like = next((p for p in model.parameters() if p.is_floating_point()), torch.empty(0))
-                self.mix_block = self._make_block(channels).to(device=like.device, dtype=like.dtype)
+                self.mix_block = self._make_block(channels)
+            like = next((p for p in model.parameters() if p.is_floating_point()), None)
+            if like is not None:  # (the model's device and dtype; its parameters stay the same objects)
+                self.mix_block.to(device=like.device, dtype=like.dtype)
             self._features_layout = site_layout(model, parse_site(self._features_name), None)
             if self._pending is not None:
                 self._load_parts(self._pending)

@@ -470,3 +470,40 @@ def test_the_mix_block_joins_a_trainers_optimizer_and_follows_its_schedule(sched
             opt.step()
             made.step()
             assert opt.param_groups[1]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_a_compiled_model_trains_as_the_eager_one():
+    """Under torch.compile the mixer's hooks run between graphs (its momentum copy's forwards are eager):
+    the same losses, step after step."""
+    losses = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model, (img, y) = Net().double(), batch()
+        mix = AutoMix("input", "layer3", generator=torch.Generator().manual_seed(1))
+        with mix.attach(model):
+            forward = torch.compile(model, backend="aot_eager") if compiled else model
+            opt = torch.optim.SGD([*model.parameters(), *mix.parameters()], lr=0.1)
+            for _ in range(3):
+                loss = mix.loss(F.cross_entropy, forward(img), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss.detach()))
+    assert losses[:3] == losses[3:]
+
+
+def test_the_momentum_copy_follows_its_own_model_across_attachments():
+    first, other = Net(), Net()
+    mix = AutoMix("input", "layer3")
+    with mix.attach(first):
+        copied = mix.momentum_model
+        with torch.no_grad():
+            next(copied.parameters()).add_(1.0)  # (an EMA that has moved)
+    with mix.attach(first):  # detached and attached again: the same copy continues
+        assert mix.momentum_model is copied
+    with mix.attach(other):  # another model: a copy of it
+        assert mix.momentum_model is not copied
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(mix.momentum_model.parameters(), other.parameters(), strict=True)
+        )

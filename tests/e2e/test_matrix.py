@@ -26,6 +26,7 @@ SAMPLE = [
     ("PuzzleMix", "hf", "exact"),  # the labels the Trainer takes out, and a lam per sample
     ("RegMixup", "hf", "exact"),  # the clean batch's 2B rows
     ("CMixup", "hf", "exact"),  # regression targets, the partners drawn from them
+    ("AutoMix", "hf", "exact"),  # its Mix Block joins the Trainer's optimizer and schedule
     ("Balanced-MixUp", "hf", "exact"),  # a partner batch appended to the keyword input (pixel_values=)
     ("SaliencyPairing", "timm", "exact"),  # a policy's gradient pass in timm's step
     ("MixPro", "timm", "exact"),

@@ -80,8 +80,9 @@ def own_loop(method: Method, reseeded: bool = True) -> torch.nn.Module:
     net = model(method.kind)
     x, y, mixer, stream = hand_setup(method)
     loss_of = criterion(method.kind)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
     with mixer.attach(net):
+        # the model's and a learned mixer's own parameters (AutoMix's Mix Block, made at attach)
+        opt = torch.optim.SGD([*net.parameters(), *mixer.parameters()], lr=LR)
         for step in range(STEPS):
             xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
             hand_step(mixer, stream, net, xb, yb, loss_of, 0, step, reseeded)
@@ -178,10 +179,10 @@ def timm_script(method: Method) -> torch.nn.Module:
     net, (x, y) = model(method.kind), data(method.kind)
     mixer = method.make("")
     count_classes(mixer, _labels(method.kind, y), "timm's script")  # (its script gives no counts)
-    mixup_fn = MixupFn(net, mixer)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)  # (timm's train.py: the optimizer, then the mixup)
+    mixup_fn = MixupFn(net, mixer, opt)
     base = torch.nn.CrossEntropyLoss() if method.kind != "mlp" else criterion("mlp")
     task = ClassificationTask(net, criterion=mixup_fn.loss(base), verbose=False)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
     for step in range(STEPS):
         xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
         xb, yb = mixup_fn(xb, yb)  # train_one_epoch

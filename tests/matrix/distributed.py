@@ -42,13 +42,14 @@ def trained(method: Method, mode: str, rank: int) -> list[torch.Tensor]:
                 fully_shard(child)
         fully_shard(net)
         wrapped = net
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
     with mixer.attach(net):
+        opt = torch.optim.SGD([*net.parameters(), *mixer.parameters()], lr=LR)
         for step in range(STEPS):
             hand_step(mixer, stream, wrapped, *shard(step, rank, x, y), loss_of, rank, step)
             opt.step()
             opt.zero_grad()
-    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in net.parameters()]
+    weights = [*net.parameters(), *mixer.parameters()]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in weights]
 
 
 def replayed(method: Method) -> list[torch.Tensor]:
@@ -56,19 +57,21 @@ def replayed(method: Method) -> list[torch.Tensor]:
     net = model(method.kind)
     x, y, mixer, stream = hand_setup(method, n=STEPS * BATCH * WORLD)
     loss_of = criterion(method.kind)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    mixer.average_over_ranks = False  # (rank 0 replays alone: its Mix Block's gradients averaged below)
     with mixer.attach(net):
+        params = [*net.parameters(), *mixer.parameters()]  # (the Mix Block's averaged too, as DDP's)
+        opt = torch.optim.SGD(params, lr=LR)
         for step in range(STEPS):
             grads = []
             for rank in range(WORLD):
                 hand_step(mixer, stream, net, *shard(step, rank, x, y), loss_of, rank, step)
-                grads.append([p.grad.clone() for p in net.parameters()])
-                net.zero_grad()
-            for p, *gs in zip(net.parameters(), *grads, strict=True):
+                grads.append([p.grad.clone() for p in params])
+                opt.zero_grad()
+            for p, *gs in zip(params, *grads, strict=True):
                 p.grad = sum(gs) / WORLD
             opt.step()
             opt.zero_grad()
-    return [p.detach() for p in net.parameters()]
+    return [p.detach() for p in params]
 
 
 def cell(method: Method, mode: str, rank: int) -> tuple[str, str]:

@@ -157,6 +157,8 @@ METHODS: list[Method] = [
     Method("CMixup", _m(mixhook.CMixup, "input", alpha=1.0), kind="mlp", app="cmixup", where=REGRESSION),
     Method("TransMix", _m(mixhook.TransMix, "input", attention="blocks.1.attn"), "vit", "transmix", VIT),
     Method("MixPro", _m(mixhook.MixPro, "input", attention="blocks.1.attn"), "vit", "mixpro", VIT),
+    Method("AutoMix", _m(mixhook.AutoMix, "input", features="conv1"), app="automix"),
+    Method("SAMix", _m(mixhook.SAMix, "input", features="conv1"), app="samix"),
     Method("Balanced-MixUp", _with(policies.BalancedMixup), app="balanced"),
     Method("Remix", _with(policies.Remix), app="remix"),
     Method("DecoupledLoss", _with(policies.DecoupledLoss), app="decouplemix"),

@@ -86,17 +86,25 @@ def _fmt(ratio: dict) -> str:
 
 
 def costs_table(results: dict[str, dict]) -> str:
-    """Each method's training step over a plain one and over Manifold Mixup's (the latest methods run), and
-    the scaling hooks' over a plain step (the latest whole-suite CPU run)."""
+    """Each method's training step over a plain one and over Manifold Mixup's (the latest methods run, and
+    the methods only a subset run measured), and the scaling hooks' over a plain step (the latest
+    whole-suite CPU run)."""
     methods = [s for s in results if s.endswith("-methods") and s.startswith("cpu-")]
     suites = [s for s in results if WHOLE_SUITE.match(s) and s.startswith("cpu-")]
     lines = [
         "| hook | step / plain step | step / Manifold Mixup step | results |",
         "| --- | --- | --- | --- |",
     ]
-    if methods:
-        run, link = results[methods[-1]]["methods"], _link(methods[-1])
+    # the latest whole methods run, then the methods a later subset run measured (--methods ... --suffix
+    # methods-<what>) that it does not list
+    extra = [s for s in results if "-methods-" in s and s.startswith("cpu-") and "methods" in results[s]]
+    listed: set = set()
+    for stem in [*methods[-1:], *extra]:
+        run, link = results[stem]["methods"], _link(stem)
         for name, ratio in run["vs_none"].items():
+            if name in listed:
+                continue
+            listed.add(name)
             versus = run.get("vs_manifold", {}).get(name)
             label = name.replace("_gradient", " (gradient saliency)").replace(
                 "_layer1_activation", " (saliency of layer1)"

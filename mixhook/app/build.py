@@ -165,7 +165,8 @@ def _optimization(
     checked for a non-finite value; a combination torch gets wrong refused."""
     _shard(model, units, device, dist)
     own = list(mixup.parameters()) if mixup is not None else []
-    optimizer = _optimizer(cfg.optim, model, allowed_targets(cfg), own)
+    options = mixup.parameter_options() if own else {}
+    optimizer = _optimizer(cfg.optim, model, allowed_targets(cfg), own, options)
     scheduler = _scheduler(cfg.scheduler, optimizer, allowed_targets(cfg))
     if (
         cfg.trainer.precision == "fp16"
@@ -451,13 +452,21 @@ def _feed_policies(cfg: DictConfig, mixup, data: Data) -> None:
 
 
 def _optimizer(
-    node: DictConfig, model: nn.Module, patterns: tuple[str, ...] = hydra_compat.TRUSTED, extra=()
+    node: DictConfig,
+    model: nn.Module,
+    patterns: tuple[str, ...] = hydra_compat.TRUSTED,
+    extra=(),
+    options: dict | None = None,
 ) -> torch.optim.Optimizer:
-    """The ``optim`` node's ``torch.optim`` optimizer over the model's parameters and ``extra`` (its
-    constructor checks the values: ``optim: Invalid learning rate: -1``)."""
+    """The ``optim`` node's ``torch.optim`` optimizer over the model's parameters and ``extra`` (a mixer's
+    own: one more group with its ``options`` where it has some; its constructor checks the values:
+    ``optim: Invalid learning rate: -1``)."""
     if not node.get("_target_"):
         raise ConfigError("optim needs a _target_ (an optimizer class such as torch.optim.SGD)")
-    optimizer = instantiate(node, "optim", patterns, params=[*model.parameters(), *extra])
+    params = [*model.parameters(), *extra]
+    if extra and options:
+        params = [{"params": list(model.parameters())}, {"params": list(extra), **options}]
+    optimizer = instantiate(node, "optim", patterns, params=params)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
             f"optim: {node._target_} built a {type(optimizer).__name__}, not a torch.optim optimizer"

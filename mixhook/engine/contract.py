@@ -248,6 +248,11 @@ class MixingHook(abc.ABC):
         app and the trainer adapters add them for every mixer)."""
         return iter(())
 
+    def parameter_options(self) -> dict:
+        """The optimizer options :meth:`parameters` take beside the model's (AutoMix's ``block_lr``): one
+        more parameter group, the model's options where these say nothing; none by default."""
+        return {}
+
     def use_targets(self, target: torch.Tensor) -> None:
         """The labels of the next training forward, for a method that needs them to mix (gradient
         saliency); the others ignore them. Call it before every forward, as the app's loop does: labels

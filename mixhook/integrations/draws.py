@@ -88,25 +88,30 @@ def join_optimizer(hook: MixingHook, optimizer, schedulers=()) -> bool:
     if not new:
         return False
     groups = len(inner.param_groups)
-    first = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
-    inner.add_param_group({**first, "params": new})
+    options = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+    own = hook.parameter_options()  # (AutoMix's block_lr: the group's own learning rate)
+    options.update(own)
+    if "lr" in own and "initial_lr" in options:
+        options["initial_lr"] = own["lr"]
+    inner.add_param_group({**options, "params": new})
     for scheduler in schedulers:
-        _schedule_like_the_first(getattr(scheduler, "scheduler", scheduler), inner, groups)
+        _schedule_like_the_first(getattr(scheduler, "scheduler", scheduler), inner, groups, own.get("lr"))
     return True
 
 
-def _schedule_like_the_first(scheduler, optimizer, groups: int) -> None:
+def _schedule_like_the_first(scheduler, optimizer, groups: int, lr: float | None = None) -> None:
     """A scheduler of ``optimizer`` made when it had ``groups`` groups: each of its per-group lists
-    (:data:`_PER_GROUP`) gets the first group's entry for the group added; a scheduler of schedulers
-    (``SequentialLR``, ``ChainedScheduler``) each of its own."""
+    (:data:`_PER_GROUP`) gets the first group's entry for the group added (its learning rates ``lr``
+    where the group has its own); a scheduler of schedulers (``SequentialLR``, ``ChainedScheduler``) each
+    of its own."""
     for inner in getattr(scheduler, "_schedulers", ()):
-        _schedule_like_the_first(inner, optimizer, groups)
+        _schedule_like_the_first(inner, optimizer, groups, lr)
     if getattr(scheduler, "optimizer", None) is not optimizer:
         return
     for name in _PER_GROUP:
         value = getattr(scheduler, name, None)
         if isinstance(value, list) and len(value) == groups and groups:
-            value.append(value[0])
+            value.append(lr if lr is not None and name in ("base_lrs", "_last_lr") else value[0])
 
 
 # torch's schedulers' lists with one entry per parameter group (OneCycleLR keeps its own in the groups)

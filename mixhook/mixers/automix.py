@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import recompute
-from ..engine.checks import check_fraction, check_non_negative, check_one_map
+from ..engine.checks import check_fraction, check_non_negative, check_one_map, check_positive
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.gradient_pass import sharded
 from ..engine.mixer import Mixer
@@ -103,6 +103,9 @@ class AutoMix(Mixer):
         clean_weight: the clean batch's loss weight (1); 0: no clean rows.
         block_weight: the Mix Block's mixed loss weight (1).
         reduction, upsampling: the Mix Block's (2, ``"nearest"``).
+        block_lr, block_momentum: the Mix Block's own learning rate and momentum in the optimizer
+            (:meth:`parameter_options`: the app and the trainer adapters give it a group of its own with
+            them); ``None``: the model's (OpenMixup's CIFAR ResNet configs).
         generator, batch_dim, padding, layout: as :class:`~mixhook.CutMix` (lam, the partners and the
             Mix Block's choices are drawn from ``generator``).
     """
@@ -132,6 +135,8 @@ class AutoMix(Mixer):
         block_weight: float = 1.0,
         reduction: int = 2,
         upsampling: str | Sequence[str] = "nearest",
+        block_lr: float | None = None,
+        block_momentum: float | None = None,
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
@@ -170,6 +175,10 @@ class AutoMix(Mixer):
         self.mask_adjust = check_fraction("mask_adjust", mask_adjust)
         self.clean_weight = check_non_negative("clean_weight", clean_weight)
         self.block_weight = check_non_negative("block_weight", block_weight)
+        self.block_lr = None if block_lr is None else check_positive("block_lr", block_lr)
+        self.block_momentum = (
+            None if block_momentum is None else check_fraction("block_momentum", block_momentum)
+        )
         self._clean = self.clean_weight > 0
         self._block_options = {"reduction": reduction, "upsampling": upsampling, **self._scenario()}
         self._make_block(2)  # (refuses bad options now, in one line)
@@ -202,7 +211,9 @@ class AutoMix(Mixer):
             f"{type(self).__name__}(layer={self._layer_spec!r}, features={self.features!r}, "
             f"alpha={self.alpha}, "
             f"momentum={self.momentum}, mask_loss={self.mask_loss}, lam_margin={self.lam_margin}, "
-            f"clean_weight={self.clean_weight})"
+            f"clean_weight={self.clean_weight}"
+            + "".join(f", block_{k}={v}" for k, v in self.parameter_options().items())
+            + ")"
         )
 
     def _fresh(self) -> None:
@@ -236,6 +247,12 @@ class AutoMix(Mixer):
                 f"features={self.features!r}); attach first, or pass channels="
             )
         return self.mix_block.parameters(recurse)
+
+    def parameter_options(self) -> dict:
+        """The Mix Block's own learning rate and momentum where given (``block_lr``, ``block_momentum``;
+        OpenMixup's WRN-28-8 CIFAR-100 config: 0.03 and 0), for its parameter group."""
+        options = {"lr": self.block_lr, "momentum": self.block_momentum}
+        return {k: v for k, v in options.items() if v is not None}
 
     def named_parameters(self, prefix: str = "mix_block", recurse: bool = True):
         self.parameters()

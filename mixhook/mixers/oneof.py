@@ -189,6 +189,16 @@ class OneOf(LayerHook, MixingHook):
         for mixer in self.mixers:
             yield from mixer.parameters()
 
+    def parameter_options(self) -> dict:
+        """Its regularizers' options for their parameters, where they agree (one group holds them all)."""
+        found = [m.parameter_options() for m in self.mixers if any(True for _ in m.parameters())]
+        if any(options != found[0] for options in found):
+            raise ValueError(
+                f"OneOf: its mixers want different optimizer options for their parameters ({found}); "
+                "give them the same block_lr and block_momentum"
+            )
+        return found[0] if found else {}
+
     def use_targets(self, target: torch.Tensor) -> None:
         """Every regularizer gets the labels (whichever is chosen uses them)."""
         for mixer in self.mixers:

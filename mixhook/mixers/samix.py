@@ -43,6 +43,8 @@ class SAMix(AutoMix):
         block_weight: float = 1.0,
         reduction: int = 2,
         upsampling: str | Sequence[str] = "bilinear",
+        block_lr: float | None = None,
+        block_momentum: float | None = None,
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
         padding: str = "union",
@@ -51,7 +53,7 @@ class SAMix(AutoMix):
         super().__init__(
             layer, features, channels, alpha, momentum, end_momentum, momentum_scope, total_steps, mask_loss,
             mask_loss_mode, mask_margin, lam_margin, mask_adjust, clean_weight, block_weight, reduction,
-            upsampling, generator, batch_dim, padding, layout,
+            upsampling, block_lr, block_momentum, generator, batch_dim, padding, layout,
         )  # fmt: skip
 
     def _scenario(self) -> dict:

@@ -507,3 +507,39 @@ def test_the_momentum_copy_follows_its_own_model_across_attachments():
             torch.equal(a, b)
             for a, b in zip(mix.momentum_model.parameters(), other.parameters(), strict=True)
         )
+
+
+def test_the_mix_block_may_have_its_own_learning_rate_in_any_optimizer():
+    """block_lr and block_momentum (OpenMixup's WRN config: 0.03 and 0): the adapters' group and the app's
+    optimizer take them; a cosine schedule scales both groups alike."""
+    from torch.optim import lr_scheduler
+
+    from mixhook.integrations.draws import join_optimizer
+    from tests.app_helpers import config
+
+    model = Net()
+    mix = AutoMix("input", "layer3", block_lr=0.03, block_momentum=0.0)
+    assert mix.parameter_options() == {"lr": 0.03, "momentum": 0.0}
+    with mix.attach(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        cosine = lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+        join_optimizer(mix, opt, [cosine])
+        assert opt.param_groups[1]["lr"] == 0.03 and opt.param_groups[1]["momentum"] == 0.0
+        for _ in range(4):
+            opt.step()
+            cosine.step()
+            assert opt.param_groups[1]["lr"] / opt.param_groups[0]["lr"] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="block_lr must be"):
+        AutoMix("input", "layer3", block_lr=0)
+    from mixhook.app.build import build
+
+    run = build(config("mixup=automix", "mixup.block_lr=0.005", "model=resnet32"))
+    try:
+        groups = run.optimizer.param_groups
+        assert (
+            len(groups) == 2 and groups[1]["lr"] == 0.005 and groups[0]["lr"] == run.optimizer.defaults["lr"]
+        )
+        assert {id(p) for p in groups[1]["params"]} == {id(p) for p in run.mixup.parameters()}
+    finally:
+        for handle in run.handles:
+            handle.remove()

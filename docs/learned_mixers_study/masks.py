@@ -2,6 +2,8 @@
 after the first epoch and at the end of a run, drawn from the mixer itself (``AutoMix.masks``).
 
     python docs/learned_mixers_study/masks.py          # about 2 minutes on 2 CPU cores -> masks.png here
+    python docs/learned_mixers_study/masks.py --block-lr 0.005   # the Mix Block's own lr (momentum 0)
+                                                                 # -> masks_block_lr.png
 
 Each mixer trains the study's model (``model=resnet32`` on 300 of scikit-learn's digits, 8x8 images) through
 the app's own build and training loop, with its shipped config (``mixup=automix``, ``mixup=samix``) but for
@@ -25,13 +27,15 @@ EPOCHS = 20
 PAIRS = ((0, 1), (2, 3), (4, 5), (6, 7))  # positions in the test batch, by class (0 with 1, 2 with 3, ...)
 
 
-def config(mixer: str):
+def config(mixer: str, block_lr: float | None = None):
     from hydra import compose, initialize_config_module
 
+    own = [] if block_lr is None else [f"mixup.block_lr={block_lr}", "mixup.block_momentum=0"]
     with initialize_config_module("mixhook.app.conf", version_base=None):
         return compose(
             "config",
             overrides=[
+                *own,
                 f"mixup={mixer}", "mixup.features=layer2", f"trainer.epochs={EPOCHS}", "model=resnet32",
                 "data.train_size=300", "trainer.progress_bar=false", "seed=0",
             ],
@@ -45,12 +49,12 @@ def test_pairs(data) -> torch.Tensor:
     return x[picked]
 
 
-def train(mixer: str) -> dict[str, torch.Tensor]:
+def train(mixer: str, block_lr: float | None = None) -> dict[str, torch.Tensor]:
     """The masks and mixed images of ``PAIRS`` after epoch 1 and after the last."""
     from mixhook.app.build import build
     from mixhook.app.training.loop import Training, train_one_epoch
 
-    run = build(config(mixer))
+    run = build(config(mixer, block_lr))
     mix, x = run.mixup, test_pairs(run.data)
     index = torch.arange(len(x))
     for a, b in PAIRS:
@@ -70,7 +74,7 @@ def train(mixer: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def figure(results: dict[str, dict]):
+def figure(results: dict[str, dict], note: str = ""):
     from matplotlib.figure import Figure
 
     names = list(results)
@@ -98,17 +102,24 @@ def figure(results: dict[str, dict]):
             if row == 0:
                 ax.set_title(columns[col], fontsize=8)
     fig.suptitle(
-        f"The Mix Blocks' partner share m (lam 0.5; 0 = a, 1 = b) on digits, after epoch 1 and {EPOCHS}",
+        f"The Mix Blocks' partner share m (lam 0.5; 0 = a, 1 = b) on digits, after epoch 1 and {EPOCHS}"
+        + note,
         fontsize=10,
     )
     fig.tight_layout()
     return fig
 
 
-def main() -> None:
-    results = {name: train(name) for name in ("automix", "samix")}
-    path = HERE / "masks.png"
-    figure({"AutoMix": results["automix"], "SAMix": results["samix"]}).savefig(path, dpi=90)
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-lr", type=float, default=None, help="the Mix Block's own learning rate")
+    block_lr = parser.parse_args(argv).block_lr
+    results = {name: train(name, block_lr) for name in ("automix", "samix")}
+    path = HERE / ("masks.png" if block_lr is None else "masks_block_lr.png")
+    note = "" if block_lr is None else f" (block_lr {block_lr:g}, momentum 0)"
+    figure({"AutoMix": results["automix"], "SAMix": results["samix"]}, note).savefig(path, dpi=90)
     for name, r in results.items():
         for epoch in (1, EPOCHS):
             m = r[f"mask{epoch}"]

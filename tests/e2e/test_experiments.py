@@ -10,7 +10,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mixhook import CutMix, ManifoldMixup, MixupE, NoisyFeatureMixup, OneOf, RankMixup, RegMixup
+from mixhook import (
+    AutoMix,
+    CutMix,
+    ManifoldMixup,
+    MixupE,
+    NoisyFeatureMixup,
+    OneOf,
+    RankMixup,
+    RegMixup,
+    SAMix,
+)
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
 from tests.app_helpers import config, run_cli
@@ -103,6 +113,16 @@ CAO = {  # the LDAM-DRW code's long-tailed CIFAR recipe (kaidic/LDAM-DRW), its C
     "trainer": {"epochs": 200, "batch_size": 128, "loss": "ce", "warmup_epochs": 5,
                 "warmup_start_factor": 0.2},
 }  # fmt: skip
+OPENMIXUP = {  # OpenMixup's CIFAR-100 AutoMix and SAMix configs (Westlake-AI/openmixup, r18_*_mlr5e_2.py)
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
+              "nesterov": False},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "eta_min": 0.05},
+    "trainer": {"epochs": 400, "batch_size": 100, "loss": "ce"},
+}  # fmt: skip
+AUTOMIX = {"_target_": "mixhook.AutoMix", "layer": "input", "features": "layer3", "alpha": 2.0,
+           "momentum": 0.999, "end_momentum": 0.999999, "mask_loss": 0.1, "mask_loss_mode": "L1",
+           "mask_margin": 0.1, "lam_margin": 0.08, "mask_adjust": 0.0, "upsampling": "nearest"}  # fmt: skip
+SAMIX = {**AUTOMIX, "_target_": "mixhook.SAMix", "mask_loss_mode": "L1+Variance", "upsampling": "bilinear"}
 REMIX = {"_target_": "mixhook.ManifoldMixup", "layer": "input", "alpha": 1.0,
          "policies": {"target": {"_target_": "mixhook.policies.Remix", "kappa": 3.0,
                                  "tau": 0.5}}}  # fmt: skip
@@ -174,6 +194,8 @@ EXPECTED = {
     "cao2019_cifar100_lt_erm": (CAO, "cifar100", {}, None, None, RESNET32),
     "chou2020_cifar10_lt_remix": (CAO, "cifar10", REMIX, None, None, RESNET32),
     "chou2020_cifar100_lt_remix": (CAO, "cifar100", REMIX, None, None, RESNET32),
+    "liu2022_cifar100_automix": (OPENMIXUP, "cifar100", AUTOMIX, None, None),
+    "li2021_cifar100_samix": (OPENMIXUP, "cifar100", SAMIX, None, None),
 }  # fmt: skip
 REPOSITORIES = {
     "verma2019": "vikasverma1077/manifold_mixup at 870ef77",  # (SVHN; the CIFAR rows carry figures)
@@ -214,6 +236,8 @@ def test_experiment_sets_the_papers_hyperparameters_and_figure(name):
         "Zou et al. 2023",
         "Cao et al. 2019",
         "Chou et al. 2020",
+        "Liu et al. 2022",
+        "Li et al. 2021",
     )
     assert cfg["paper"]["source"].startswith(papers)
 
@@ -262,10 +286,14 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
         assert run.settings.mixed_loss_weight == recipe["trainer"].get("mixed_loss_weight", 1.0)
         assert run.optimizer.param_groups[0]["nesterov"] == recipe["optim"]["nesterov"]
         assert run.data.train.padding == (2 if name.startswith("verma2019") else 4)  # (the authors' code)
-        assert run.scheduler.milestones == dict.fromkeys(recipe["scheduler"]["milestones"], 1)
+        if "milestones" in recipe["scheduler"]:
+            assert run.scheduler.milestones == dict.fromkeys(recipe["scheduler"]["milestones"], 1)
+        else:  # (OpenMixup's cosine to min_lr over the run)
+            assert run.scheduler.T_max == recipe["trainer"]["epochs"] and run.scheduler.eta_min == 0.05
         kind = {"mixhook.ManifoldMixup": ManifoldMixup, "mixhook.CutMix": CutMix, "mixhook.OneOf": OneOf,
                 "mixhook.NoisyFeatureMixup": NoisyFeatureMixup, "mixhook.RegMixup": RegMixup,
-                "mixhook.RankMixup": RankMixup, "mixhook.MixupE": MixupE}  # fmt: skip
+                "mixhook.RankMixup": RankMixup, "mixhook.MixupE": MixupE, "mixhook.AutoMix": AutoMix,
+                "mixhook.SAMix": SAMix}  # fmt: skip
         expected = kind.get(mixup.get("_target_"))
         assert (run.mixup is None) if expected is None else isinstance(run.mixup, expected)
         assert run.summary["paper"] == OmegaConf.to_container(config(f"experiment={name}").paper)

@@ -96,8 +96,10 @@ def _every_hook():
         **{  # every method of the package at its defaults, so a new one is checked compiled too
             f"method-{name}": (lambda cls=cls: cls("conv1", generator=g()))
             for name, cls in METHODS.items()
-            if name not in ("OneOf", "TransMix", "MixPro", "SnapMix", "PuzzleMix")  # (TransMix: below)
-        },
+            if name not in ("OneOf", "TransMix", "MixPro", "SnapMix", "PuzzleMix", "AutoMix", "SAMix")
+        },  # (TransMix: below)
+        "method-AutoMix": lambda: METHODS["AutoMix"]("conv1", features="conv2", generator=g()),
+        "method-SAMix": lambda: METHODS["SAMix"]("conv1", features="conv2", generator=g()),
         "method-PuzzleMix": lambda: PuzzleMix("conv1", grids=(2, 4), saliency="activation", generator=g()),
         "method-SnapMix": lambda: SnapMix("conv1", features="conv2", classifier="head", generator=g()),
         "cutmix-elem": lambda: CutMix("conv1", mode="elem", generator=g()),

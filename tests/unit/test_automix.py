@@ -543,3 +543,61 @@ def test_the_mix_block_may_have_its_own_learning_rate_in_any_optimizer():
     finally:
         for handle in run.handles:
             handle.remove()
+
+
+def _resnet_tv():
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=3)
+
+
+@pytest.mark.parametrize(
+    ("build", "layer", "features", "channels"),
+    [
+        (_resnet_tv, "layer2", "layer3", None),  # torchvision's ResNet: NCHW stages
+        ("convnext_timm", "stages.1", "stages.2", None),  # timm's ConvNeXt: NCHW stages (NHWC inside)
+        ("swin_timm", "layers.1", "layers.0", 8),  # timm's Swin: (B, H, W, C) stages, no conv to read
+    ],
+    ids=["torchvision-resnet18", "timm-convnext", "timm-swin"],
+)
+def test_on_real_architectures_the_mix_at_its_layer_is_the_hand_edited_one(build, layer, features, channels):
+    """The zoo's oracle at the mask's layer: the logits of a mixed forward equal the model's with its
+    layer's output replaced by hand, ``h (1 - m) + h[index] m`` with the mask the mix recorded (in the
+    map's own layout), in float64; the mask varies over the map."""
+    from tests.unit import test_layouts
+
+    make = getattr(test_layouts, build) if isinstance(build, str) else build
+    torch.manual_seed(0)
+    model = make().double().train()
+    for m in model.modules():  # (stochastic layers off: the two forwards must see the same network)
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    index = torch.tensor([2, 3, 1, 0])
+    nhwc = channels is not None  # (the Swin case: its channels stated, its maps channels-last)
+    mix = AutoMix(
+        layer,
+        features,
+        channels,
+        clean_weight=0.0,
+        lam_margin=0.0,
+        generator=torch.Generator().manual_seed(3),
+    )
+    with mix.attach(model):
+        for p in mix.mix_block.parameters():
+            p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(4))
+        mix.pin(lam=0.4, index=index)
+        got = model(x)
+        m = mix.last.info["mask"]  # (B, 1, H, W): the partner's share, channels first
+    assert float(m.std()) > 1e-3
+
+    def hand(module, args, h):
+        share = m.permute(0, 2, 3, 1) if nhwc else m
+        return h * (1 - share) + h[index] * share
+
+    handle = model.get_submodule(layer).register_forward_hook(hand)
+    try:
+        expected = model(x)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import packing, recompute
+from .functional import generator_on
 from .hooks import LayerHook, guard_unwrapped
 from .sites import Inputs, batch_leaves, describe, replace_leaves
 
@@ -241,8 +242,7 @@ def _uniform(h: torch.Tensor, generator: torch.Generator, bound: float) -> torch
     """``Uniform(-bound, bound)`` noise shaped and typed as ``h``, on its device: from ``generator`` itself
     where it is there, else from a generator there seeded by a draw of ``generator``."""
     if generator.device != h.device:
-        seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
-        generator = torch.Generator(device=h.device).manual_seed(seed)
+        generator = generator_on(h.device, generator)
     return torch.empty_like(h).uniform_(-bound, bound, generator=generator)
 
 

@@ -100,12 +100,10 @@ def _step_goals(runs: list, add, device) -> None:
     for run in runs:
         mode = "compiled" if run.get("compiled") else "bf16" if run.get("autocast_bf16") else "eager"
         layout = " channels-last" if run.get("channels_last") else ""
-        for clock, prefix in (("host", ""), ("device", "device_")):
-            if f"{prefix}vs_none" not in run and not (clock == "host" and "vs_none" in run):
+        for prefix, clock in (("", ""), ("device_", ", device time")):
+            if f"{prefix}vs_none" not in run:
                 continue
-            tag = f"{run['model']} b{run['batch']}{layout} {mode}" + (
-                ", device time" if clock == "device" else ""
-            )
+            tag = f"{run['model']} b{run['batch']}{layout} {mode}{clock}"
             vs_none = run[f"{prefix}vs_none"]
             if "mixup_random" in vs_none:
                 goal = "compiled_mixup_vs_compiled" if mode == "compiled" else "mixup_vs_none"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -283,25 +284,18 @@ def _training_steps(
     """The training-step cases (eager, compiled, bf16) of ``plans`` into ``results`` (each with its device
     time where ``device_time``; each started only ``in_budget``)."""
     plan, compiled_plan, bf16_plan = plans
+    measure = functools.partial(
+        training_steps, device=device, timer=timer, reps=reps, inner=inner, device_time=device_time
+    )
     if "eager" in cases:
         results["training_step"] = []
         for model_name, batch, size, variants, *layout in plan:
             if not in_budget(f"eager {model_name} b{batch}{' channels-last' if layout else ''}"):
                 continue
             log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
-            step = training_steps(
-                model_name,
-                batch,
-                size,
-                device,
-                timer,
-                reps,
-                inner,
-                variants,
-                channels_last=bool(layout),
-                device_time=device_time,
+            results["training_step"].append(
+                measure(model_name, batch, size, variants_wanted=variants, channels_last=bool(layout))
             )
-            results["training_step"].append(step)
             checkpoint()
     if compiled_plan and "compiled" in cases:
         results["training_step_compiled"] = []
@@ -309,25 +303,14 @@ def _training_steps(
             if not in_budget(f"compiled {model_name} b{batch}"):
                 continue
             log(f"training step: {model_name} batch {batch} compiled (inductor; compiling takes a while)")
-            step = training_steps(
-                model_name,
-                batch,
-                size,
-                device,
-                timer,
-                reps,
-                inner,
-                variants,
-                compile_=True,
-                device_time=device_time,
+            results["training_step_compiled"].append(
+                measure(model_name, batch, size, variants_wanted=variants, compile_=True)
             )
-            results["training_step_compiled"].append(step)
             checkpoint()
     if bf16_plan and "bf16" in cases and in_budget("bf16"):
         log("training step: bf16 autocast ...")
         results["training_step_bf16"] = [
-            training_steps(m, b, s, device, timer, reps, inner, v, autocast=True, device_time=device_time)
-            for m, b, s, v in bf16_plan
+            measure(m, b, s, variants_wanted=v, autocast=True) for m, b, s, v in bf16_plan
         ]
         checkpoint()
 

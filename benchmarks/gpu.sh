@@ -39,9 +39,10 @@ fi
 
 # 1. The CUDA tests (they skip without a GPU) and the device-noise tests, in one process (no xdist).
 say "tests"
-timeout 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -x \
-    --junitxml="$OUT/cuda-tests.xml" tests/e2e/test_cuda.py tests/unit/test_nfm.py 2>&1 | tail -n 40 \
-    | tee "$OUT/cuda-tests.log"
+# No -x: one call must show every failure; the whole log comes back, its end is printed.
+timeout 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfEs \
+    --junitxml="$OUT/cuda-tests.xml" tests/e2e/test_cuda.py tests/unit/test_nfm.py 2>&1 \
+    | tee "$OUT/cuda-tests.log" | tail -n 40
 
 # 2. The benchmark cases that need a GPU, device time included (always on CUDA): eager (channels-last, b100,
 # ResNet-50), compiled and bf16 against the hand-edited forward; the peers (timm's Mixup, torchvision's);

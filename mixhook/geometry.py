@@ -309,12 +309,16 @@ def fmix_mask(
     shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """One FMix mask (float64 ``(height, width)``, on the CPU): Gaussian spectrum draws and the rounding
-    coin from ``generator``, then :func:`low_freq_image` and :func:`binarise`. With ``shape`` (1 or 3
-    sizes; ``height`` and ``width`` ignored) a mask of that shape from :func:`low_freq_volume` (the
-    ``"complex"`` spectrum only)."""
+    coin from ``generator`` (on its device: a CUDA generator's are read to the host), then
+    :func:`low_freq_image` and :func:`binarise`. With ``shape`` (1 or 3 sizes; ``height`` and ``width``
+    ignored) a mask of that shape from :func:`low_freq_volume` (the ``"complex"`` spectrum only)."""
     shape = (height, width) if shape is None else tuple(shape)
-    param = torch.randn(*fmix_frequencies(*shape).shape, 2, dtype=torch.float64, generator=generator)
-    round_up = bool(torch.rand((), dtype=torch.float64, generator=generator) > 0.5)
+    device = generator.device
+    param = torch.randn(
+        *fmix_frequencies(*shape).shape, 2, dtype=torch.float64, generator=generator, device=device
+    )
+    round_up = bool(torch.rand((), dtype=torch.float64, generator=generator, device=device) > 0.5)
+    param = param.cpu()
     if len(shape) == 2:
         image = low_freq_image(param, decay_power, *shape, spectrum)
     else:

@@ -175,17 +175,25 @@ class LayerMixup:
         self._check_used()
         n, g = x.shape[0], self.generator
         mixer = None
-        if self.mixup_enabled and float(torch.rand((), dtype=torch.float64, generator=g)) < self.mix_prob:
+        if (
+            self.mixup_enabled
+            and float(torch.rand((), dtype=torch.float64, generator=g, device=g.device)) < self.mix_prob
+        ):
             mixer = self._mixers[0]
             if (
                 len(self._mixers) > 1
-                and float(torch.rand((), dtype=torch.float64, generator=g)) < self.switch_prob
+                and float(torch.rand((), dtype=torch.float64, generator=g, device=g.device))
+                < self.switch_prob
             ):
                 mixer = self.cutmix
         if mixer is None:
             return x, self._soft(target, 1.0, None)
         layers = mixer.layers
-        spec = layers[int(torch.randint(len(layers), (), generator=g))] if len(layers) > 1 else layers[0]
+        spec = (
+            layers[int(torch.randint(len(layers), (), generator=g, device=g.device))]
+            if len(layers) > 1
+            else layers[0]
+        )
         flip = torch.arange(n - 1, -1, -1) if self.pairing == "flip" else None
         leaves = self._map(mixer, spec, x) if mixer is self.cutmix else None
         draw, (_, mixed) = mixer.draw_for(spec, n, g, index=flip, leaves=leaves)

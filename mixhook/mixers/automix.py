@@ -420,8 +420,12 @@ class AutoMix(Mixer):
         """A call's upsampling mode and lam rescaling ``k`` (drawn where the Mix Block lists several)."""
         block = self.mix_block
         modes, ks = block.upsampling, block.lam_mul_k
-        mode = modes[int(torch.randint(len(modes), (), generator=g))] if len(modes) > 1 else modes[0]
-        lam_k = ks[int(torch.randint(len(ks), (), generator=g))] if len(ks) > 1 else ks[0]
+        mode = (
+            modes[int(torch.randint(len(modes), (), generator=g, device=g.device))]
+            if len(modes) > 1
+            else modes[0]
+        )
+        lam_k = ks[int(torch.randint(len(ks), (), generator=g, device=g.device))] if len(ks) > 1 else ks[0]
         return mode, lam_k
 
     def _block_forward(self, k, args, kwargs, spec, features, lam, index, choices):
@@ -515,7 +519,7 @@ class AutoMix(Mixer):
             m = self.mix_block(features, lam, index, h.shape[-2:], *self._choices(draw.generator))
         own, partner = 1 - m, m
         if self.mask_adjust > 0 and self.mask_adjust > float(
-            torch.rand((), dtype=torch.float64, generator=draw.generator)
+            torch.rand((), dtype=torch.float64, generator=draw.generator, device=draw.generator.device)
         ):
             own, partner = _adjusted(m, pinned["lam_mb"])  # (OpenMixup: toward lam[0], the Mix Block's lam)
         if self.lam_margin >= lam or self.lam_margin >= 1 - lam:  # plain mixup for the model

@@ -127,11 +127,12 @@ class MixBlock(nn.Module):
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """OpenMixup's initialisation (``init_weights(init_linear='normal')``), its normal draws from
-        ``generator`` (a CPU one; ``None``: torch's global generator)."""
+        ``generator`` (on its device; ``None``: torch's global CPU generator)."""
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Conv2d)):
                 with torch.no_grad():
-                    m.weight.copy_(torch.randn(m.weight.shape, generator=generator) * 0.01)
+                    device = None if generator is None else generator.device
+                    m.weight.copy_(torch.randn(m.weight.shape, generator=generator, device=device) * 0.01)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.BatchNorm2d):

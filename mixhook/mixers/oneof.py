@@ -266,7 +266,7 @@ class OneOf(LayerHook, MixingHook):
             return -1
         if choice is None:
             self._seed_for_rank()
-            probs = torch.tensor(self.p, dtype=torch.float64)
+            probs = torch.tensor(self.p, dtype=torch.float64, device=self.generator.device)
             choice = int(torch.multinomial(probs, 1, generator=self.generator))
         self.chosen = self.mixers[choice]
         for mixer in self.mixers:

@@ -319,7 +319,9 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
         grids = self.grids_for(draw.layer, width)
         grid = draw.pinned.get("grid")
         if grid is None:
-            grid = grids[int(torch.randint(len(grids), (), generator=draw.generator))]
+            grid = grids[
+                int(torch.randint(len(grids), (), generator=draw.generator, device=draw.generator.device))
+            ]
         elif grid not in grids:
             raise ValueError(f"pinned grid {grid!r} is not one of grids={grids}")
         dtype = torch.promote_types(h.dtype, torch.float32)

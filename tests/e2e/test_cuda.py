@@ -100,15 +100,15 @@ def test_a_hooked_training_step_never_waits_for_the_gpu(make):
     assert torch.isfinite(loss.detach().cpu())
 
 
-def test_nfm_compiled_on_cuda_equals_eager_and_moves_no_noise():
+def test_nfm_compiled_on_cuda_equals_eager():
     """The compiled path fills NFM's noise in the packed buffer on the device from the same seed as the
-    eager mix: equal outputs on the same draws, and no map-sized host-to-device copy (the profiler's
-    Memcpy HtoD bytes stay far below one map)."""
+    eager mix: equal outputs on the same draws (tests/unit/test_fullgraph.py checks this on the CPU; the
+    meta-device test of tests/unit/test_nfm.py, that nothing map-sized is made on the host)."""
     from tests.helpers import SmallCNN
 
-    torch.manual_seed(0)
     outs = []
     for compiled in (False, True):
+        torch.manual_seed(0)  # (the same weights for both models)
         model = SmallCNN().cuda().train()
         mix = NoisyFeatureMixup("conv1", generator=torch.Generator().manual_seed(3))
         with mix.attach(model):
@@ -119,33 +119,9 @@ def test_nfm_compiled_on_cuda_equals_eager_and_moves_no_noise():
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
 
-def steps_with_own_generators(device: str) -> list[str]:
-    """Every method of the matrix trains a step on ``device`` with generators there (lam, partners, boxes,
-    masks and noise drawn from them), as the matrix's hand loop steps: the failures, one line each."""
-    from tests.matrix.cells import hand_setup, hand_step
-    from tests.matrix.methods import METHODS, criterion, model
-
-    failures = []
-    for method in METHODS:
-        net = model(method.kind).to(device)
-        x, y, hook, stream = hand_setup(method, n=8)
-        for h in (hook, *getattr(hook, "mixers", ())):
-            if "generator" in vars(h):
-                h.generator = torch.Generator(device).manual_seed(5)
-        try:
-            with hook.attach(net):
-                hand_step(hook, stream, net, x.to(device), y.to(device), criterion(method.kind), 0, 0, False)
-            grads = [p.grad for p in net.parameters()]
-            assert all(g is not None and torch.isfinite(g).all() for g in grads), (
-                "a gradient is missing or not finite"
-            )
-            assert hook.last is not None, "no mix"
-        except Exception as e:  # noqa: BLE001  (every method's failure named, not the first only)
-            failures.append(f"{method.name}: {type(e).__name__}: {e}")
-    return failures
-
-
 def test_a_cuda_generator_works_for_every_mixer():
+    from tests.matrix.cells import steps_with_own_generators
+
     failures = steps_with_own_generators("cuda")
     assert not failures, "\n".join(failures)
 

@@ -71,8 +71,33 @@ def hand_step(mixer, stream, forward, xb, yb, loss_of, rank: int, step: int, res
         reseed(mixer, SEED, rank, step)
     mixer.use_targets(yb)
     if stream is not None:
-        mixer.use_partners(*stream.batch(rank, step, xb.shape[0]))
+        mixer.use_partners(*stream.like(xb, rank, step))  # (on the batch's device, as the adapters')
     mixer.loss(loss_of, forward(xb), yb).mean().backward()
+
+
+def steps_with_own_generators(device: str) -> list[str]:
+    """Every method of the matrix trains a step on ``device`` with generators there (lam, partners, boxes,
+    masks and noise drawn from them), as the matrix's hand loop steps: the failures, one line each."""
+    from .methods import METHODS
+
+    failures = []
+    for method in METHODS:
+        net = model(method.kind).to(device)
+        x, y, hook, stream = hand_setup(method, n=8)
+        for h in (hook, *getattr(hook, "mixers", ())):
+            if "generator" in vars(h):
+                h.generator = torch.Generator(device).manual_seed(5)
+        try:
+            with hook.attach(net):
+                hand_step(hook, stream, net, x.to(device), y.to(device), criterion(method.kind), 0, 0, False)
+            grads = [p.grad for p in net.parameters()]
+            assert all(g is not None and torch.isfinite(g).all() for g in grads), (
+                "a gradient is missing or not finite"
+            )
+            assert hook.last is not None, "no mix"
+        except Exception as e:  # noqa: BLE001  (every method's failure named, not the first only)
+            failures.append(f"{method.name}: {type(e).__name__}: {e}")
+    return failures
 
 
 def own_loop(method: Method, reseeded: bool = True) -> torch.nn.Module:

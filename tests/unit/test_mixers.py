@@ -280,3 +280,11 @@ def test_every_method_comes_with_its_module_test_config_and_catalogue_row():
         assert f"\n### {name}\n\n`{name}(" in catalogue, f"{name}: no section in docs/catalogue.md"
         assert cls.__doc__ and "mix" in cls.__doc__.lower()
     assert all(len(names) == 1 for names in modules.values()), f"one method per module: {modules}"
+
+
+def test_every_matrix_method_trains_a_step_with_its_generators_on_the_batchs_device():
+    """The CPU twin of tests/e2e/test_cuda.py's CUDA-generator test: every method of the matrix trains a
+    step with generators of its own on the batch's device (here the CPU), its partners moved there."""
+    from tests.matrix.cells import steps_with_own_generators
+
+    assert steps_with_own_generators("cpu") == []

@@ -119,3 +119,24 @@ def test_the_engines_modules_import_one_another_one_way_only():
 
     for module in sorted(imports):
         visit(module, [])
+
+
+_DRAWS = {"rand", "randn", "randint", "randperm"}
+
+
+def test_a_draw_from_a_given_generator_is_made_on_its_device():
+    """A tensor drawn from a generator the user may have put on a GPU names that generator's device:
+    torch refuses a CUDA generator for a CPU draw ("Expected a 'cpu' device type for generator"), which
+    FMix, PuzzleMix, OneOf and timm's adapter did on the first GPU run, where no CPU test could see it.
+    The app's data samplers draw from CPU generators they make themselves, so the app is left out."""
+    found = []
+    for path in (ROOT / "mixhook").rglob("*.py"):
+        if "app" in path.relative_to(ROOT / "mixhook").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            names = {k.arg for k in node.keywords}
+            if node.func.attr in _DRAWS and "generator" in names and "device" not in names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

@@ -85,43 +85,60 @@ def _fmt(ratio: dict) -> str:
     return f"{ratio['median']:.2f} ({ratio['min']:.2f}..{ratio['max']:.2f})"
 
 
+def gpu_costs(results: dict[str, dict]) -> dict[str, tuple[dict, str]]:
+    """Each method's step over Manifold Mixup's on a GPU, from the latest GPU run (by its date) that
+    measured it, with that run's stem."""
+    runs = [s for s in results if s.startswith("cuda-") and "methods" in results[s]]
+    found: dict[str, tuple[dict, str]] = {}
+    for stem in sorted(runs, key=lambda s: re.search(r"\d{4}-\d{2}-\d{2}", s).group()):
+        for name, ratio in results[stem]["methods"].get("vs_manifold", {}).items():
+            found[name] = (ratio, stem)
+    return found
+
+
 def costs_table(results: dict[str, dict]) -> str:
     """Each method's training step over a plain one and over Manifold Mixup's (the latest methods run, and
-    the methods only a subset run measured), and the scaling hooks' over a plain step (the latest
-    whole-suite CPU run)."""
+    the methods only a subset run measured), the latter on a GPU too (the latest GPU run that measured
+    it), and the scaling hooks' over a plain step (the latest whole-suite CPU run)."""
     methods = [s for s in results if s.endswith("-methods") and s.startswith("cpu-")]
     suites = [s for s in results if WHOLE_SUITE.match(s) and s.startswith("cpu-")]
+    gpu = gpu_costs(results)
     lines = [
-        "| hook | step / plain step | step / Manifold Mixup step | results |",
-        "| --- | --- | --- | --- |",
+        "| hook | step / plain step | step / Manifold Mixup step | on a GPU: / Manifold Mixup | results |",
+        "| --- | --- | --- | --- | --- |",
     ]
     # the latest whole methods run, then the methods a later subset run measured (--methods ... --suffix
     # methods-<what>) that it does not list
     extra = [s for s in results if "-methods-" in s and s.startswith("cpu-") and "methods" in results[s]]
-    listed: set = set()
+    rows: dict[str, str] = {}  # method -> the run its row reads (a CPU run's, else a GPU run's alone)
     for stem in [*methods[-1:], *extra]:
-        run, link = results[stem]["methods"], _link(stem)
-        for name, ratio in run["vs_none"].items():
-            if name in listed:
-                continue
-            listed.add(name)
-            versus = run.get("vs_manifold", {}).get(name)
-            label = name.replace("_gradient", " (gradient saliency)").replace(
-                "_layer1_activation", " (saliency of layer1)"
-            )
-            layer = run["layer"]
-            if name.endswith("_input"):  # a variant measured at the model's input (PuzzleMix_input)
-                label, layer = f"{name.removesuffix('_input')} (at the input)", "input"
-            where = f"{run['model']} at `{layer}`, batch {run['batch']}"
-            lines.append(
-                f"| `{label}` | {_fmt(ratio)} | {_fmt(versus) if versus else ''} | {link}: {where} |"
-            )
+        for name in results[stem]["methods"]["vs_none"]:
+            rows.setdefault(name, stem)
+    for name, (_, stem) in gpu.items():
+        rows.setdefault(name, stem)
+    for name, stem in rows.items():
+        run, link, on_cpu = results[stem]["methods"], _link(stem), stem.startswith("cpu-")
+        label = name.replace("_gradient", " (gradient saliency)").replace(
+            "_layer1_activation", " (saliency of layer1)"
+        )
+        layer = run["layer"]
+        if name.endswith("_input"):  # a variant measured at the model's input (PuzzleMix_input)
+            label, layer = f"{name.removesuffix('_input')} (at the input)", "input"
+        where = f"{run['model']} at `{layer}`, batch {run['batch']}"
+        on_gpu = ""
+        if name in gpu:
+            device = results[gpu[name][1]].get("meta", {}).get("device", "GPU").removeprefix("NVIDIA ")
+            on_gpu = f"{_fmt(gpu[name][0])}, [{device}](/_generated/results/{gpu[name][1]}.md)"
+        ratio = _fmt(run["vs_none"][name]) if on_cpu else ""
+        versus = run.get("vs_manifold", {}).get(name) if on_cpu else None
+        versus = _fmt(versus) if versus else ""
+        lines.append(f"| `{label}` | {ratio} | {versus} | {on_gpu} | {link}: {where} |")
     if suites:
         steps, link = results[suites[-1]]["training_step"][0], _link(suites[-1])
         for name, key in (("InputScale", "inputscale_layer2"), ("GradScale", "gradscale_layer3")):
             if key in steps["vs_none"]:
                 where = f"{steps['model']} at `{key.rsplit('_', 1)[1]}`, batch {steps['batch']}"
-                lines.append(f"| `{name}` | {_fmt(steps['vs_none'][key])} | | {link}: {where} |")
+                lines.append(f"| `{name}` | {_fmt(steps['vs_none'][key])} | | | {link}: {where} |")
     return "\n".join(lines) + "\n"
 
 

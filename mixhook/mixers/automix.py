@@ -84,6 +84,9 @@ class AutoMix(Mixer):
     the ranks); refused under FSDP. Under ``torch.compile`` its hooks run between graphs (the copy's
     forwards eager; ``fullgraph=True`` cannot hold them), with the eager run's losses.
 
+    Cost: a step 2.3x (mixed at the input) to 2.45x (at ``layer2``) a Manifold Mixup step on an H200
+    (PreActResNet-18, batch 128), 2.7x on 2 CPU cores; OpenMixup reports 2.1-2.9x on ViTs.
+
     Args:
         layer: where the model and ``k`` are mixed: ``"input"`` (OpenMixup's) or a layer whose output is one
             ``(B, C, H, W)`` map (a list: one drawn per batch).

@@ -19,6 +19,7 @@ Lightning's ``ddp_spawn``) by its state: torch's own reduction of a generator fa
 
 from __future__ import annotations
 
+import copy
 import functools
 from multiprocessing.reduction import ForkingPickler
 
@@ -80,6 +81,58 @@ def own(handle) -> None:
     hooks = handle.hooks_dict_ref()
     if hooks is not None and handle.id in hooks and not isinstance(hooks[handle.id], OwnedHook):
         hooks[handle.id] = OwnedHook(hooks[handle.id])
+
+
+def whole_copy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``; of a model sharded by FSDP2 (``fully_shard``, whose modules refuse a deep
+    copy), a copy of plain modules: each sharded module of its own class without FSDP's, without FSDP's
+    state and hooks (its other hooks copied as a deep copy copies them), each parameter whole and its own
+    (gathered from the shards: every rank must call this at once). The copy's forwards need no other rank.
+    """
+    from .engine.gradient_pass import fsdp_modules
+
+    sharded = fsdp_modules(model)
+    if not sharded:
+        return copy.deepcopy(model)
+    from torch.distributed.fsdp import FSDPModule
+
+    memo: dict = {}
+    for p in model.parameters():
+        if hasattr(p, "full_tensor"):
+            memo[id(p)] = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+    # each sharded module made anew, of its own class, from its state less FSDP's: children before their
+    # parents, each in the memo before its state is copied, so the deep copy finds them all made
+    for module in reversed(sharded):
+        plain = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+        made = memo[id(module)] = plain.__new__(plain)
+        made.__setstate__(copy.deepcopy(_without_fsdp(module.__getstate__()), memo))
+    return copy.deepcopy(model, memo)
+
+
+def _without_fsdp(state: dict) -> dict:
+    """A sharded module's ``__dict__`` less FSDP's: its state (the composable API's keys, which hold the
+    process group) and its hooks (its state's forward hooks, its parameters' load hooks)."""
+    fsdp_ids = {
+        key
+        for name in ("_forward_pre_hooks", "_forward_hooks")
+        for key, hook in state.get(name, {}).items()
+        if _is_fsdps(hook)
+    }
+    out = {}
+    for name, value in state.items():
+        if name.startswith("__composable_api_state_key"):  # (torch.distributed._composable.contract)
+            continue
+        if name.endswith("hooks") or name in _HOOK_DICTS:
+            value = type(value)((k, v) for k, v in value.items() if k not in fsdp_ids and not _is_fsdps(v))
+        out[name] = value
+    return out
+
+
+def _is_fsdps(hook) -> bool:
+    """Whether a hook is FSDP's own (its state's forward hooks, its parameters' load hooks)."""
+    return "FSDP" in getattr(hook, "__qualname__", "") or type(
+        getattr(hook, "__self__", None)
+    ).__name__.startswith("FSDP")
 
 
 def _rebuild_generator(device: torch.device, state: bytes) -> torch.Generator:

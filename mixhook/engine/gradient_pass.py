@@ -21,11 +21,16 @@ def _fsdp_module() -> type | None:
     return FSDPModule
 
 
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """``model``'s modules sharded by FSDP2 (``fully_shard``), itself included."""
+    fsdp = _fsdp_module()
+    return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
+
+
 def sharded(model: nn.Module) -> bool:
     """Whether ``model`` or a module in it is sharded by FSDP2 (its forwards then gather parameters with
     the other ranks: every rank must run as many)."""
-    fsdp = _fsdp_module()
-    return fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
+    return bool(fsdp_modules(model))
 
 
 def unshard_again(model: nn.Module) -> None:

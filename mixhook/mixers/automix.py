@@ -11,7 +11,6 @@ CIFAR-100 configs ``configs/classification/cifar100/automix/basic/r18_l2_a2_near
 
 from __future__ import annotations
 
-import copy
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -19,8 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import recompute
+from ..copies import whole_copy
 from ..engine.checks import check_fraction, check_non_negative, check_one_map, check_positive
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.gradient_pass import sharded
@@ -80,9 +81,11 @@ class AutoMix(Mixer):
       on its ResNets), so any layer and any feature size work.
 
     Workflows: exact in your own loop, Lightning, the HuggingFace Trainer, timm's script (``MixupFn(model,
-    mixer, optimizer)``), the app (resumed bit for bit) and DDP (the Mix Block's gradients averaged over
-    the ranks); refused under FSDP. Under ``torch.compile`` its hooks run between graphs (the copy's
-    forwards eager; ``fullgraph=True`` cannot hold them), with the eager run's losses.
+    mixer, optimizer)``), the app (resumed bit for bit), DDP (the Mix Block's gradients averaged over the
+    ranks) and FSDP2 (attached before or after ``fully_shard``: the momentum copy is whole on every rank,
+    made and updated from the gathered shards once per step, so it costs the unsharded model's memory).
+    Under ``torch.compile`` its hooks run between graphs (the copy's forwards eager; ``fullgraph=True``
+    cannot hold them), with the eager run's losses.
 
     Cost: a step 2.3x (mixed at the input) to 2.45x (at ``layer2``) a Manifold Mixup step on an H200
     (PreActResNet-18, batch 128), 2.7x on 2 CPU cores; OpenMixup reports 2.1-2.9x on ViTs.
@@ -116,7 +119,7 @@ class AutoMix(Mixer):
     pin_keys = ("lam_mb", "index_mb")
     _TRANSIENT = (
         "_features_name", "_features_layout", "_versions", "_block_versions", "_averaging", "_k_handles",
-        "_k_mixing", "_k_replay", "_k_pending", "_copied_from",
+        "_k_mixing", "_k_replay", "_k_pending", "_copied_from", "_shards", "_first_step",
     )  # fmt: skip
 
     def __init__(
@@ -232,9 +235,15 @@ class AutoMix(Mixer):
         self._copied_from = None  # a weak reference to the model the momentum copy was made of
         self._versions: tuple | None = None  # the model's parameters' versions at the last update
         self._block_versions: tuple | None = None
+        self._shards: list | None = None  # under FSDP2: the model's sharded parameters, as the optimizer
+        # steps them (inside a forward FSDP registers the gathered ones in their place)
+        self._first_step = None  # sharded after attach: the hook that reads them at the first step
 
     def _reset(self) -> None:
         super()._reset()
+        if self._first_step is not None:
+            self._first_step.remove()
+            self._first_step = None
         for handle in self._k_handles:
             handle.remove()
         self._k_handles, self._k_mixing, self._k_replay, self._k_pending = [], None, None, False
@@ -285,20 +294,17 @@ class AutoMix(Mixer):
         attached to this same model before, or carries one it was copied or unpickled with, of the same
         parameters' names and shapes: a detach and attach continue it), and the Mix Block is built where
         ``channels`` was not given and put on the model's device and dtype."""
-        if sharded(model):
-            raise RuntimeError(
-                f"{type(self).__name__}: the model is sharded by FSDP, and its momentum copy (a deep copy of "
-                "the model) cannot be made of a sharded model; train it with DDP, or in one process"
-            )
         handle = super().attach(model)
         try:
             self._features_name, found = resolve_layer(model, self.features, "features")
             before = self._copied_from() if self._copied_from is not None else None
             kept = (self._copied_from is None or before is model) and self.momentum_model is not None
             if not (kept and _same_shapes(self.momentum_model, model)):
-                self.momentum_model = copy.deepcopy(model)  # (after attach: mixhook's hooks do not travel)
+                # (after attach: mixhook's hooks do not travel; under FSDP2 a whole copy on each rank)
+                self.momentum_model = whole_copy(model)
                 self.updates = 0
             self._copied_from = weakref.ref(model)
+            self._shards = list(model.parameters()) if sharded(model) else None
             for p in self.momentum_model.parameters():
                 p.requires_grad_(False)
             if self.mix_block is None:
@@ -562,7 +568,11 @@ class AutoMix(Mixer):
     def _step_if_stepped(self, model: nn.Module) -> None:
         """The momentum update, once per optimizer step: at the first training forward after the model's
         parameters changed; refused in one line when the Mix Block had gradients but did not change."""
-        versions = tuple(p._version for p in model.parameters())
+        if self._versions is None and self._shards is None and self._first_step is None and sharded(model):
+            self._await_first_step(model)  # (sharded after attach)
+        if self._first_step is not None:
+            return  # (nothing to update before it)
+        versions = tuple(p._version for p in self._stepped(model))
         block = tuple(p._version for p in self.mix_block.parameters())
         if self._versions is not None and versions != self._versions:
             stale = self._block_versions == block and any(
@@ -577,10 +587,34 @@ class AutoMix(Mixer):
             self._update(model)
         self._versions, self._block_versions = versions, block
 
+    def _await_first_step(self, model: nn.Module) -> None:
+        """A model sharded by FSDP2 after attach: its forward (where this runs) holds the root's gathered
+        parameters in place of the shards its optimizer steps, so the shards are read after the first
+        optimizer step that holds them (a hook on every optimizer's step, removed then), and the next
+        training forward makes that step's update."""
+
+        def after_step(optimizer, args, kwargs) -> None:
+            shards = list(model.parameters())
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not any(id(p) in held for p in shards):
+                return  # (another model's optimizer)
+            self._shards, self._versions, self._block_versions = shards, (-1,) * len(shards), None
+            self._first_step.remove()
+            self._first_step = None
+
+        self._first_step = register_optimizer_step_post_hook(after_step)
+
+    def _stepped(self, model: nn.Module) -> list:
+        """The model's parameters as its optimizer steps them (under FSDP2 the shards seen at attach)."""
+        return self._shards if self._shards is not None else list(model.parameters())
+
     @torch.no_grad()
     def _update(self, model: nn.Module) -> None:
         m = self.momentum_at(self.updates)
-        qs, ks = list(model.parameters()), list(self.momentum_model.parameters())
+        if self._shards is not None:  # (FSDP2's shards gathered: every rank must update at once)
+            self._check_lockstep(model, "a gather of the parameters (its momentum copy's update)")
+        qs = [_whole(q) for q in self._stepped(model)]
+        ks = list(self.momentum_model.parameters())
         torch._foreach_copy_(
             ks, torch._foreach_add(torch._foreach_mul(ks, m), torch._foreach_mul(qs, 1.0 - m))
         )
@@ -623,6 +657,11 @@ class AutoMix(Mixer):
             self.momentum_model.load_state_dict(state["momentum_model"])
         self.updates = int(state.get("updates", 0))
         self._versions = self._block_versions = None
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole (an FSDP2 shard, a ``DTensor``, gathered)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def _blend(h: torch.Tensor, own: torch.Tensor, partner: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

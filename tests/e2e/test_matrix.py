@@ -62,11 +62,20 @@ def test_a_method_killed_and_resumed_in_the_app_ends_identical():
 
 @pytest.mark.slow
 def test_ddp_and_fsdp_equal_one_process_replaying_each_ranks_batch():
-    names = ["SaliencyMix", "SnapMix", "Balanced-MixUp", "TransMix", "RegMixup"]
+    names = ["SaliencyMix", "SnapMix", "Balanced-MixUp", "TransMix", "RegMixup", "AutoMix"]
     cells = distributed(names)
     assert {(c.method, c.workflow): c.outcome for c in cells} == {
         (n, m): "exact" for n in names for m in ("ddp", "fsdp")
     }, [c.line() for c in cells if c.outcome != "exact"]
+
+
+@pytest.mark.slow
+def test_a_momentum_copy_attached_before_fsdp_follows_the_shards():
+    """AutoMix attached before ``fully_shard`` of the root alone (the app's and Lightning's order): its
+    copy, made whole at attach, follows the shards the optimizer steps, which the root's forward replaces
+    by the gathered parameters while it runs; equal to one process replaying each rank's batch."""
+    cells = distributed(["AutoMix"], modes=("fsdp_late",))
+    assert [c.outcome for c in cells] == ["exact"], [c.line() for c in cells]
 
 
 def test_the_committed_table_has_every_method_and_no_failing_cell():

@@ -1,13 +1,16 @@
 """The matrix's own-loop cells under DDP and FSDP2: run by torchrun (two processes, gloo, CPU) as
-``python -m torch.distributed.run --nproc_per_node 2 tests/matrix/distributed.py OUT.json METHOD...``.
+``python -m torch.distributed.run --nproc_per_node 2 tests/matrix/distributed.py OUT.json [--modes=M,...]
+METHOD...`` (the modes: ``ddp`` and ``fsdp`` by default; ``fsdp_late``, the mixer attached before
+``fully_shard`` of the root alone, whose forward then replaces the root's parameters by the gathered ones).
 
 For each method and each of DDP (``DistributedDataParallel``) and FSDP2 (``fully_shard`` on each child of
 the model with parameters, then on the model):
 each rank trains ``STEPS`` steps on its own half of each step's batch, its draws reseeded from ``(seed,
 rank, step)`` (its partner batch, for Balanced-MixUp, from ``PartnerStream`` with the rank), the per-sample
 criterion's mean under the mix, SGD; rank 0 then replays both ranks' batches in one process (the gradients
-averaged, as both reduce them) and compares the weights: ``exact`` within 1e-12, ``refused`` (one line
-before the first step), ``fails`` otherwise. Rank 0 writes every cell to OUT.json.
+averaged, as both reduce them) and compares the weights (a learned mixer's Mix Block and momentum copy
+too): ``exact`` within 1e-12, ``refused`` (one line before the first step), ``fails`` otherwise. Rank 0
+writes every cell to OUT.json.
 """
 
 import json
@@ -36,20 +39,31 @@ def trained(method: Method, mode: str, rank: int) -> list[torch.Tensor]:
     loss_of = criterion(method.kind)
     if mode == "ddp":
         wrapped = DistributedDataParallel(net)
-    else:  # as users shard: each child with parameters of its own, then the root
+    elif mode == "fsdp":  # as users shard: each child with parameters of its own, then the root
         for child in net.children():
             if any(True for _ in child.parameters()):
                 fully_shard(child)
         fully_shard(net)
         wrapped = net
+    else:  # "fsdp_late": attached first (as the app and Lightning do), then one unit, the root
+        wrapped = net
     with mixer.attach(net):
+        if mode == "fsdp_late":
+            fully_shard(net)
         opt = torch.optim.SGD([*net.parameters(), *mixer.parameters()], lr=LR)
         for step in range(STEPS):
             hand_step(mixer, stream, wrapped, *shard(step, rank, x, y), loss_of, rank, step)
             opt.step()
             opt.zero_grad()
-    weights = [*net.parameters(), *mixer.parameters()]
+    weights = [*net.parameters(), *mixer.parameters(), *_copy_of(mixer)]
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in weights]
+
+
+def _copy_of(mixer) -> list[torch.Tensor]:
+    """A learned mixer's momentum copy's parameters (AutoMix's: an EMA of the model's, whole on each rank
+    under FSDP), compared too."""
+    copied = getattr(mixer, "momentum_model", None)
+    return [] if copied is None else list(copied.parameters())
 
 
 def replayed(method: Method) -> list[torch.Tensor]:
@@ -71,7 +85,7 @@ def replayed(method: Method) -> list[torch.Tensor]:
                 p.grad = sum(gs) / WORLD
             opt.step()
             opt.zero_grad()
-    return [p.detach() for p in params]
+    return [p.detach() for p in [*params, *_copy_of(mixer)]]
 
 
 def cell(method: Method, mode: str, rank: int) -> tuple[str, str]:
@@ -95,9 +109,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out, names = sys.argv[1], sys.argv[2:]
+    modes = ("ddp", "fsdp")
+    if names and names[0].startswith("--modes="):
+        modes, names = tuple(names[0].removeprefix("--modes=").split(",")), names[1:]
     cells = {}
     for name in names:
-        for mode in ("ddp", "fsdp"):
+        for mode in modes:
             outcome = cell(BY_NAME[name], mode, rank)
             cells.setdefault(name, {})[mode] = outcome
             dist.barrier()

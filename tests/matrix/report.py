@@ -32,22 +32,24 @@ COLUMNS = {
 }  # fmt: skip
 
 
-def distributed(names: list[str]) -> list[Cell]:
-    """The DDP and FSDP2 cells of ``names``, from one torchrun launch of two processes."""
+def distributed(names: list[str], modes: tuple[str, ...] = MODES) -> list[Cell]:
+    """The DDP and FSDP2 cells of ``names`` (or those of ``modes``: tests/matrix/distributed.py), from one
+    torchrun launch of two processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cells.json"
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             str(ROOT / "tests" / "matrix" / "distributed.py"), str(out), *names],
+             str(ROOT / "tests" / "matrix" / "distributed.py"), str(out), "--modes=" + ",".join(modes),
+             *names],
             cwd=ROOT, capture_output=True, text=True, timeout=1800,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         )  # fmt: skip
         if result.returncode != 0 or not out.exists():
             tail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
             why = f"torchrun exited {result.returncode}: {tail}"
-            return [Cell(n, m, "fails", why) for n in names for m in MODES]
+            return [Cell(n, m, "fails", why) for n in names for m in modes]
         found = json.loads(out.read_text())
-    return [Cell(n, m, *found[n][m]) for n in names for m in MODES]
+    return [Cell(n, m, *found[n][m]) for n in names for m in modes]
 
 
 def _mark(cell: Cell, notes: dict[str, int]) -> str:

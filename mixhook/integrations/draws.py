@@ -80,9 +80,7 @@ def join_optimizer(hook: MixingHook, optimizer, schedulers=()) -> bool:
     Lightning is reached through its ``.optimizer``. Returns whether a group was added (none for the
     methods without parameters)."""
     params = [p for p in hook.parameters() if p.requires_grad]
-    inner = optimizer
-    while hasattr(inner, "optimizer") and not isinstance(inner, torch.optim.Optimizer):
-        inner = inner.optimizer
+    inner = unwrapped(optimizer)
     held = {id(p) for group in inner.param_groups for p in group["params"]}
     new = [p for p in params if id(p) not in held]
     if not new:
@@ -97,6 +95,13 @@ def join_optimizer(hook: MixingHook, optimizer, schedulers=()) -> bool:
     for scheduler in schedulers:
         _schedule_like_the_first(getattr(scheduler, "scheduler", scheduler), inner, groups, own.get("lr"))
     return True
+
+
+def unwrapped(optimizer):
+    """The torch optimizer inside one wrapped by accelerate or Lightning (through their ``.optimizer``)."""
+    while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _schedule_like_the_first(scheduler, optimizer, groups: int, lr: float | None = None) -> None:

@@ -38,6 +38,7 @@ whose mixed forward's loss was not taken by it (``compute_loss_func`` not passed
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 
 import torch
@@ -45,7 +46,9 @@ import torch.nn.functional as F
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer import OPTIMIZER_NAME
     from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as error:  # pragma: no cover - the integrations extra installs it
     raise ImportError(
         "mixhook.integrations.transformers needs transformers: pip install 'mixhook[integrations]'"
@@ -64,6 +67,7 @@ from .draws import (
     from_training_set,
     join_optimizer,
     reseed,
+    unwrapped,
 )
 
 _WHERE = "MixupCallback"
@@ -199,6 +203,7 @@ class MixupCallback(_StepSeeded):
         self._guard: StepGuard | None = None
         self._stream: PartnerStream | None = None  # a PartnerBatch mixer's class-balanced batches
         self._at = (0, 0, 0)  # (rank, optimizer step, micro-batch) of the next training forward
+        self._group: int | None = None  # the optimizer group of the mixer's own parameters (AutoMix's)
 
     def __repr__(self) -> str:
         return f"MixupCallback({self.mixer!r}, module={self.module!r}, seed={self.seed})"
@@ -221,7 +226,12 @@ class MixupCallback(_StepSeeded):
         super().on_train_begin(args, state, control, model=model, **kwargs)
         optimizer, scheduler = kwargs.get("optimizer"), kwargs.get("lr_scheduler")
         if optimizer is not None:  # the mixer's own parameters (AutoMix's Mix Block) join the Trainer's
-            join_optimizer(self.mixer, optimizer, [scheduler] if scheduler is not None else [])
+            inner = unwrapped(optimizer)
+            groups = len(inner.param_groups)
+            if join_optimizer(self.mixer, optimizer, [scheduler] if scheduler is not None else []):
+                self._group = groups
+                if state.global_step > 0:  # resumed: the Mix Block, its copy and its group's state
+                    self._load_own(args, state, inner)
         self._stream = from_training_set(self.mixer, train_dataloader, self.seed, _WHERE)
         loader = train_dataloader
         while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps
@@ -229,6 +239,50 @@ class MixupCallback(_StepSeeded):
             if callable(collate) and not isinstance(collate, _KeepLabels):
                 loader.collate_fn = _KeepLabels(collate)
             loader = loader.__dict__.get("base_dataloader")
+
+    # A mixer with parameters of its own (AutoMix's Mix Block and momentum copy) is not in the Trainer's
+    # checkpoint, and the optimizer's saved group for it would not load into the Trainer's new optimizer
+    # (loaded before any callback can add the group): each checkpoint's optimizer.pt is saved without that
+    # group, which goes to mixhook.pt beside it with the mixer's state, and comes back at on_train_begin.
+    _OWN = "mixhook.pt"
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._group is None or not args.should_save:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        path = os.path.join(folder, OPTIMIZER_NAME)
+        if not os.path.exists(path):  # (DeepSpeed and FSDP save their own formats)
+            raise ValueError(
+                f"MixupCallback: {type(self.mixer).__name__}'s own parameters cannot be saved beside this "
+                f"checkpoint ({path} is not the Trainer's plain optimizer state); train it with DDP or in "
+                "one process to resume it"
+            )
+        saved = torch.load(path, weights_only=False)
+        group = saved["param_groups"][self._group]
+        own_state = {i: saved["state"].pop(i) for i in group["params"] if i in saved["state"]}
+        del saved["param_groups"][self._group :]
+        torch.save(saved, path)
+        own = {"mixer": self.mixer.state_dict(), "group": group, "state": own_state}
+        torch.save(own, os.path.join(folder, self._OWN))
+
+    def _load_own(self, args, state, optimizer) -> None:
+        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", self._OWN)
+        if not os.path.exists(path):
+            raise ValueError(
+                f"MixupCallback: resuming {type(self.mixer).__name__} needs its own parameters' state, "
+                f"saved beside each checkpoint as {self._OWN}; there is none at {path} (resume from a "
+                "checkpoint of this output_dir that this callback saved)"
+            )
+        own = torch.load(path, weights_only=False)
+        self.mixer.load_state_dict(own["mixer"])
+        group = optimizer.param_groups[self._group]
+        group.update({k: v for k, v in own["group"].items() if k != "params"})
+        for p, i in zip(group["params"], own["group"]["params"], strict=True):
+            if i in own["state"]:
+                optimizer.state[p] = {
+                    k: v.to(p.device) if isinstance(v, torch.Tensor) and v.ndim else v
+                    for k, v in own["state"][i].items()
+                }
 
     def _resumed(self, attributes: Mapping) -> None:
         layers = attributes.get("layers")
@@ -250,6 +304,13 @@ class MixupCallback(_StepSeeded):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._guard is not None:
             self._guard.check()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # the Trainer zeroes the model's gradients after each step (model.zero_grad()), not the optimizer's:
+        # the mixer's own parameters' (AutoMix's Mix Block) would add up over the steps
+        if self._group is not None:
+            for p in self.mixer.parameters():
+                p.grad = None
 
     def _attach(self, model) -> None:
         target = model if self.module is None else resolve_layer(model, self.module, "module")[1]

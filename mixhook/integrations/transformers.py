@@ -230,6 +230,12 @@ class MixupCallback(_StepSeeded):
             groups = len(inner.param_groups)
             if join_optimizer(self.mixer, optimizer, [scheduler] if scheduler is not None else []):
                 self._group = groups
+                if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+                    raise ValueError(
+                        f"MixupCallback: {type(self.mixer).__name__}'s own parameters are trained and "
+                        "saved beside the Trainer's plain optimizer, not under its DeepSpeed or FSDP "
+                        "plugins; train it with DDP or in one process (or under FSDP2 in your own loop)"
+                    )
                 if state.global_step > 0:  # resumed: the Mix Block, its copy and its group's state
                     self._load_own(args, state, inner)
         self._stream = from_training_set(self.mixer, train_dataloader, self.seed, _WHERE)
@@ -251,12 +257,8 @@ class MixupCallback(_StepSeeded):
             return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         path = os.path.join(folder, OPTIMIZER_NAME)
-        if not os.path.exists(path):  # (DeepSpeed and FSDP save their own formats)
-            raise ValueError(
-                f"MixupCallback: {type(self.mixer).__name__}'s own parameters cannot be saved beside this "
-                f"checkpoint ({path} is not the Trainer's plain optimizer state); train it with DDP or in "
-                "one process to resume it"
-            )
+        if not os.path.exists(path):  # (DeepSpeed and FSDP, refused at on_train_begin, save other formats)
+            raise ValueError(f"MixupCallback: no optimizer state at {path} to save the Mix Block's beside")
         saved = torch.load(path, weights_only=False)
         group = saved["param_groups"][self._group]
         own_state = {i: saved["state"].pop(i) for i in group["params"] if i in saved["state"]}

@@ -677,8 +677,9 @@ def _adjusted(m: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     mean = own.mean(dim=[1, 2])
     larger, smaller = mean > lam + eps, mean < lam - eps
     new_own = torch.where(larger.view(-1, 1, 1), own * (lam / mean.view(-1, 1, 1)), 1 - m[:, 0])
+    kept = torch.where(larger.view(-1, 1, 1), 1 - new_own, m[:, 0])  # (a row at lam keeps its mask)
     new_partner = torch.where(
-        smaller.view(-1, 1, 1), (1 - own) * ((1 - lam) / (1 - mean.view(-1, 1, 1))), 1 - new_own
+        smaller.view(-1, 1, 1), (1 - own) * ((1 - lam) / (1 - mean.view(-1, 1, 1))), kept
     )
     new_own = torch.where(smaller.view(-1, 1, 1), 1 - new_partner, new_own)
     return new_own[:, None], new_partner[:, None]

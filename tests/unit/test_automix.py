@@ -180,6 +180,29 @@ def openmixup_step(q, k, block, img, gt_label, lam, index_mb, index_bb, lam_marg
     return loss, mask_mb, results["img_mix_bb"]
 
 
+def openmixup_mask_adjust(mask_bb, lam):
+    """forward_train's ``if self.mask_adjust > np.random.rand()`` branch (``lam[0]``: the Mix Block's lam),
+    on a copy of ``mask_bb`` ``(N, 2, H, W)``."""
+    mask_bb = mask_bb.clone()
+    epsilon = 1e-8
+    _mask = mask_bb[:, 0, :, :].squeeze()  # [N, H, W], _mask for lam
+    _mask = _mask.clamp(min=epsilon, max=1 - epsilon)
+    _mean = _mask.mean(dim=[1, 2]).squeeze()  # [N, 1, 1] -> [N]
+    idx_larg = _mean[:] > lam[0] + epsilon  # index of mean > lam_bb
+    idx_less = _mean[:] < lam[0] - epsilon  # index of mean < lam_bb
+    # if mean > lam_bb
+    mask_bb[idx_larg == True, 0, :, :] = _mask[idx_larg == True, :, :] * (  # noqa: E712
+        lam[0] / _mean[idx_larg == True].view(-1, 1, 1)  # noqa: E712
+    )
+    mask_bb[idx_larg == True, 1, :, :] = 1 - mask_bb[idx_larg == True, 0, :, :]  # noqa: E712
+    # elif mean < lam_bb
+    mask_bb[idx_less == True, 1, :, :] = (1 - _mask[idx_less == True, :, :]) * (  # noqa: E712
+        (1 - lam[0]) / (1 - _mean[idx_less == True].view(-1, 1, 1))  # noqa: E712
+    )
+    mask_bb[idx_less == True, 0, :, :] = 1 - mask_bb[idx_less == True, 1, :, :]  # noqa: E712
+    return mask_bb
+
+
 @torch.no_grad()
 def momentum_update(q, k, momentum):
     for param_q, param_k in zip(q.parameters(), k.parameters(), strict=True):
@@ -601,3 +624,21 @@ def test_on_real_architectures_the_mix_at_its_layer_is_the_hand_edited_one(build
     finally:
         handle.remove()
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_mask_adjust_equals_openmixups_bit_for_bit():
+    """``mask_adjust``'s rescaling of the model's mask toward the Mix Block's lam: rows whose own share is
+    above it, below it, and at it (left as they are), equal to OpenMixup's lines to the last bit."""
+    from mixhook.mixers.automix import _adjusted
+
+    g = torch.Generator().manual_seed(3)
+    m = torch.rand(5, 1, 4, 4, generator=g, dtype=torch.float64)
+    m[0] *= 0.1  # (own share high: above lam)
+    m[1] = 0.3 + 0.7 * m[1]  # (own share low: below lam)
+    wiggle = 0.1 * torch.rand(4, 4, generator=g, dtype=torch.float64)
+    m[2, 0] = 0.2 + wiggle - wiggle.mean()  # (own share at lam on average: kept as it is)
+    assert not torch.equal(1 - (1 - m[2]), m[2])  # (a row whose mask 1 - (1 - m) would not give back)
+    own, partner = _adjusted(m, 0.8)
+    expected = openmixup_mask_adjust(torch.cat([1 - m, m], dim=1), [0.8, 0.3])
+    assert torch.equal(own[:, 0], expected[:, 0]) and torch.equal(partner[:, 0], expected[:, 1])
+    assert not torch.equal(own[:, 0], 1 - m[:, 0])  # (it rescaled some rows)

@@ -26,6 +26,7 @@ from ..engine.checks import check_fraction, check_non_negative, check_one_map, c
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.gradient_pass import sharded
 from ..engine.mixer import Mixer
+from ..engine.tokens import token_grid
 from ..functional import sample_lam
 from ..layers import resolve_layer
 from ..layouts import NCHW, channels_first, channels_last, site_layout
@@ -112,6 +113,10 @@ class AutoMix(Mixer):
         block_lr, block_momentum: the Mix Block's own learning rate and momentum in the optimizer
             (:meth:`parameter_options`: the app and the trainer adapters give it a group of its own with
             them); ``None``: the model's (OpenMixup's CIFAR ResNet configs).
+        tokens: ``features`` outputs ``(B, T, D)`` tokens (a ViT's block, as OpenMixup's DeiT configs
+            read one): the ``(B, D, gh, gw)`` map of its patch tokens, the leading ones (class token,
+            registers) left out, is what the Mix Block reads; ``(gh, gw)`` or ``"auto"`` (read from the
+            model), as the region methods' ``tokens``. The mask's layer must still give a map (the input).
         generator, batch_dim, padding, layout: as :class:`~mixhook.CutMix` (lam, the partners and the
             Mix Block's choices are drawn from ``generator``).
     """
@@ -147,9 +152,12 @@ class AutoMix(Mixer):
         batch_dim: int | dict | None = None,
         padding: str = "union",
         layout: str | dict | None = None,
+        tokens: tuple[int, int] | str | None = None,
     ):
         super().__init__(layer, alpha, 1.0, generator, batch_dim, padding, layout)
         kind = type(self).__name__
+        self.tokens = tokens
+        self._feature_tokens = token_grid(tokens, "keep", kind)  # (refuses a bad grid now, in one line)
         if not isinstance(features, str) or not features:
             raise ValueError(f"{kind}: features must name a layer of the model, got {features!r}")
         if not 0 <= momentum <= end_momentum <= 1:
@@ -308,17 +316,19 @@ class AutoMix(Mixer):
             for p in self.momentum_model.parameters():
                 p.requires_grad_(False)
             if self.mix_block is None:
-                channels = _channels_of(found)
+                channels = _channels_of(found, tokens=self._feature_tokens is not None)
                 if channels is None:
                     raise ValueError(
                         f"{type(self).__name__}: the channels of features={self.features!r} "
-                        f"({type(found).__name__}) cannot be read from its modules; pass channels="
+                        f"({type(found).__name__}) cannot be read from its modules; pass channels= (a ViT "
+                        "block's (B, T, D) tokens: tokens=(rows, columns) or tokens='auto')"
                     )
                 self.mix_block = self._make_block(channels)
             like = next((p for p in model.parameters() if p.is_floating_point()), None)
             if like is not None:  # (the model's device and dtype; its parameters stay the same objects)
                 self.mix_block.to(device=like.device, dtype=like.dtype)
-            self._features_layout = site_layout(model, parse_site(self._features_name), None)
+            if self._feature_tokens is None:
+                self._features_layout = site_layout(model, parse_site(self._features_name), None)
             if self._pending is not None:
                 self._load_parts(self._pending)
                 self._pending = None
@@ -412,12 +422,21 @@ class AutoMix(Mixer):
         if not taken:
             raise RuntimeError(f"{kind}: features={self.features!r} did not run in the model's forward")
         f = taken[0]
+        if self._feature_tokens is not None and isinstance(f, torch.Tensor):
+            maps = self._feature_tokens.to_maps(self._features_name, [Leaf("", f, 0)], k)
+            return self._checked(maps[0].tensor)
         if not isinstance(f, torch.Tensor) or f.ndim != 4:
             shape = tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
+            hint = "; a ViT's tokens: pass tokens=(rows, columns) or tokens='auto'" if len(shape) == 3 else ""
             raise TypeError(
-                f"{kind}: features={self.features!r} must output one (B, C, h, w) map, got {shape}"
+                f"{kind}: features={self.features!r} must output one (B, C, h, w) map, got {shape}{hint}"
             )
-        f = channels_first(f, self._features_layout.of(f"{kind}'s features", self.features))
+        return self._checked(channels_first(f, self._features_layout.of(f"{kind}'s features", self.features)))
+
+    def _checked(self, f: torch.Tensor) -> torch.Tensor:
+        """The features' ``(B, C, h, w)`` map, refused in one line where the Mix Block was built for other
+        channels."""
+        kind = type(self).__name__
         if f.shape[1] != self.mix_block.channels:
             raise ValueError(
                 f"{kind}: features={self.features!r} has {f.shape[1]} channels but the Mix Block was built "
@@ -696,13 +715,18 @@ def _with_first_tensor(args: tuple, kwargs: dict, fn: Callable) -> tuple[tuple, 
     raise TypeError("AutoMix at 'input': the model was called with no tensor to mix")
 
 
-def _channels_of(module: nn.Module) -> int | None:
-    """The channels ``module`` outputs as its last convolution or batch norm states them."""
+def _channels_of(module: nn.Module, tokens: bool = False) -> int | None:
+    """The channels ``module`` outputs as its last convolution or batch norm states them (its tokens' width
+    as its last linear layer or layer norm states it)."""
     found = None
     for m in module.modules():
-        if isinstance(m, nn.modules.conv._ConvNd):
+        if tokens and isinstance(m, nn.Linear):
+            found = m.out_features
+        elif tokens and isinstance(m, nn.LayerNorm):
+            found = m.normalized_shape[-1]
+        elif not tokens and isinstance(m, nn.modules.conv._ConvNd):
             found = m.out_channels
-        elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+        elif not tokens and isinstance(m, nn.modules.batchnorm._BatchNorm):
             found = m.num_features
     return found
 

@@ -642,3 +642,40 @@ def test_mask_adjust_equals_openmixups_bit_for_bit():
     expected = openmixup_mask_adjust(torch.cat([1 - m, m], dim=1), [0.8, 0.3])
     assert torch.equal(own[:, 0], expected[:, 0]) and torch.equal(partner[:, 0], expected[:, 1])
     assert not torch.equal(own[:, 0], 1 - m[:, 0])  # (it rescaled some rows)
+
+
+@pytest.mark.parametrize("tokens", ["auto", (4, 4)])
+def test_a_vits_tokens_are_read_as_the_map_of_their_patch_tokens(tokens):
+    """``features`` at a ViT block (timm's, a class token and a 4x4 grid): the Mix Block reads the
+    ``(B, D, 4, 4)`` map of the copy's patch tokens at that block, its width read from the block; the
+    mask it made from that map by hand is the one the model's input was mixed with, and the logits are
+    the hand-mixed input's. Without ``tokens`` the tokens are refused in one line naming it."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=3, depth=2
+    ).double()
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    index = torch.tensor([2, 3, 1, 0])
+    mix = AutoMix("input", "blocks.0", tokens=tokens, clean_weight=0.0, lam_margin=0.0)
+    with mix.attach(model):
+        for p in mix.mix_block.parameters():
+            p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(4))
+        mix.pin(lam=0.4, index=index)
+        got = model(x)
+        m = mix.last.info["mask"]
+        seen = []
+        handle = mix.momentum_model.blocks[0].register_forward_hook(lambda mod, a, out: seen.append(out))
+        with torch.no_grad():
+            mix.momentum_model.eval()(x)
+        handle.remove()
+        grid = seen[0][:, 1:].transpose(1, 2).reshape(4, 192, 4, 4)  # (the class token left out)
+        with torch.no_grad():
+            expected_m = mix.mix_block(grid, 0.4, index, (32, 32), "nearest", -1)
+    assert mix.mix_block.channels == 192 and float(m.std()) > 1e-3
+    torch.testing.assert_close(m, expected_m, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got, model(x * (1 - m) + x[index] * m), rtol=1e-10, atol=1e-12)
+    with pytest.raises(TypeError) as error, AutoMix("input", "blocks.0", channels=192).attach(model):
+        model(x)
+    assert "tokens=" in str(error.value) and "\n" not in str(error.value)

@@ -351,3 +351,46 @@ def test_partner_batches_and_class_counts_come_from_the_training_set(policy):
     if policy == "balanced":  # the partners' classes come about equally often, the batches' do not
         seen = torch.bincount(torch.cat(partners), minlength=3)
         assert seen.min() >= 6 and torch.bincount(y)[0] > 3 * torch.bincount(y)[2]
+
+
+def test_a_resumed_automix_fit_continues_its_mix_block_and_copy(tmp_path):
+    """AutoMix's Mix Block (in the optimizer, with its momentum buffers) and momentum copy travel in
+    Lightning's checkpoint: one epoch, a checkpoint, then another from it, equal two epochs straight bit
+    for bit (the model, the Mix Block and the copy)."""
+    from mixhook import AutoMix
+    from tests.matrix.methods import data, model
+
+    x, y = data("cnn")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model("cnn")
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return mixed_loss(self, F.cross_entropy, self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def fit(epochs, ckpt=None, root=None):
+        lit = Lit()
+        mix = AutoMix("input", features="net.conv1", momentum=0.5, end_momentum=0.5)
+        every = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True) if root else None
+        callbacks = [MixupCallback(mix, seed=3)] + ([every] if every else [])
+        trainer(root, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=root is not None).fit(
+            lit, loader, ckpt_path=ckpt
+        )
+        return [*lit.parameters(), *mix.parameters(), *mix.momentum_model.parameters()]
+
+    straight = fit(2)
+    fit(1, root=tmp_path)
+    resumed = fit(2, ckpt=str(tmp_path / "last.ckpt"))
+    assert len(straight) == len(resumed) > len(list(model("cnn").parameters())) * 2
+    for a, b in zip(straight, resumed, strict=True):
+        assert torch.equal(a, b)

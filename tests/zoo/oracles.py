@@ -19,6 +19,8 @@ sample is its own partner) and is judged against something mixhook does not comp
 - **the unmixed sequence**: in an encoder-decoder, a mix at lam = 1 with only the *other* sequence padded
   per sample is ``f(x)`` (that sequence's masks, own or cross, stay each sample's own).
 - **eval**: a model with every sampled layer hooked is bit-identical to the unhooked model in eval mode.
+- **AutoMix** (``--methods automix``): the mask its Mix Block made, laid by hand over the map's own height
+  and width as ``h (1 - m) + h[index] m`` (:func:`automix`).
 
 Outcomes: ``exact``; ``refused`` (a one-line exception raised by mixhook itself); ``wrong`` (a silent
 wrong result: the worst outcome); ``error`` (any other exception: a traceback a user would get); ``skipped``
@@ -435,7 +437,39 @@ def _same_tensor(run: ZooRun, layer: str) -> str | None:
     return None
 
 
-ORACLES = {"manifold": manifold, "cutmix": cutmix, "padding": padding}
+def automix(run: ZooRun, layer: str) -> str:
+    """AutoMix with its mask's layer and its features both at ``layer`` (the channels stated from the map,
+    the Mix Block's weights drawn large enough that the mask varies over the map), against the hand edit
+    ``h (1 - m) + h[index] m`` with the mask it recorded, laid over the map's own height and width (read
+    from the input's): a mask laid over the wrong axes is a wrong result. Only the mixed loss (no clean
+    rows, no Mix Block losses), whose weights are lam's."""
+    from mixhook import AutoMix
+
+    t = run.first_map(layer)
+    if t is None:
+        return "skipped: no floating tensor with the batch first"
+    if t.ndim == 3 and run.entry.grid is not None:
+        return "skipped: tokens (AutoMix mixes a ViT's input; tokens= reads its features)"
+    options = {"clean_weight": 0.0, "block_weight": 0.0, "mask_loss": 0.0, "lam_margin": 0.0}
+    if t.ndim != 4:
+        run.mixhook(AutoMix(layer, layer, channels=t.shape[1], **options), lam=LAM, index=PERM)
+        raise Wrong(f"AutoMix mixed a {t.ndim}-D tensor without refusing")
+    axes = _map_axes(run, layer, t)
+    if isinstance(axes, str):
+        return axes
+    channels = t.shape[({1, 2, 3} - set(axes)).pop()]
+    mix = AutoMix(layer, layer, channels=channels, generator=torch.Generator().manual_seed(0), **options)
+    for p in mix.mix_block.parameters():
+        p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    got = run.mixhook(mix, lam=LAM, index=PERM)
+    m = mix.last.info["mask"].detach()  # (B, 1, H, W): the partner's share, channels first
+    share = m.permute(0, 2, 3, 1) if axes == (1, 2) else m
+    hand = run.hand(layer, lambda h: h * (1 - share) + h[PERM] * share, _mixed_loss(LAM, run.batch.labels))
+    _compare(got, hand, f"the recorded mask over axes {axes}")
+    return "" if float(m.std()) > 1e-6 else "a constant mask (a 1x1 map)"
+
+
+ORACLES = {"manifold": manifold, "cutmix": cutmix, "padding": padding, "automix": automix}
 
 
 def judge(run: ZooRun, layer: str, method: str) -> Case:

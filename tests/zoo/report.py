@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "zoo.md"), help="the Markdown report")
     parser.add_argument("--json", default=None, help="also write every case as JSON here")
     parser.add_argument(
+        "--methods", nargs="*", default=None,
+        help="the oracles to run (manifold, cutmix, padding, automix; default: those of each model's kind)",
+    )  # fmt: skip
+    parser.add_argument(
         "--portable", action="store_true",
         help="check stage:k, block:k and depth:f on each model instead (report: docs/zoo-portable.md)",
     )  # fmt: skip
@@ -147,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     start, cases = time.time(), []
     for i, entry in enumerate(entries, 1):
         began = time.time()
-        found = run_model(entry, args.layers)
+        found = run_model(entry, args.layers, methods=args.methods)
         cases += found
         counts = Counter(c.outcome for c in found)
         summary = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
         print(f"[{i}/{len(entries)}] {entry.name}: {summary} ({time.time() - began:.0f} s)", flush=True)
     command = "python -m tests.zoo" + (f" --models {' '.join(args.models)}" if args.models != ["*"] else "")
     command += f" --layers {args.layers}" if args.layers != 9 else ""
+    command += f" --methods {' '.join(args.methods)}" if args.methods else ""
     Path(args.out).write_text(markdown(cases, time.time() - start, command))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(c) for c in cases], indent=1))

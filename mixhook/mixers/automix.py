@@ -624,7 +624,8 @@ class AutoMix(Mixer):
         self._first_step = register_optimizer_step_post_hook(after_step)
 
     def _stepped(self, model: nn.Module) -> list:
-        """The model's parameters as its optimizer steps them (under FSDP2 the shards seen at attach)."""
+        """The model's parameters as its optimizer steps them (under FSDP2 the shards, read at attach or,
+        sharded after it, at the first optimizer step)."""
         return self._shards if self._shards is not None else list(model.parameters())
 
     @torch.no_grad()

@@ -454,9 +454,9 @@ def automix(run: ZooRun, layer: str) -> str:
     if t.ndim != 4:
         run.mixhook(AutoMix(layer, layer, channels=t.shape[1], **options), lam=LAM, index=PERM)
         raise Wrong(f"AutoMix mixed a {t.ndim}-D tensor without refusing")
-    axes = _map_axes(run, layer, t)
-    if isinstance(axes, str):
-        return axes
+    axes = spatial_axes(t.shape, run.entry.size, 2)
+    if axes is None:  # (a 1x1 map, sides the input's do not tell: the oracle cannot lay the mask)
+        return f"skipped: the sides of {tuple(t.shape)} cannot be told from the input's"
     channels = t.shape[({1, 2, 3} - set(axes)).pop()]
     mix = AutoMix(layer, layer, channels=channels, generator=torch.Generator().manual_seed(0), **options)
     for p in mix.mix_block.parameters():

@@ -60,8 +60,8 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
-def markdown(cases: list[Case], seconds: float, command: str) -> str:
-    """The report of ``cases`` as a Markdown page."""
+def markdown(cases: list[Case], seconds: float, command: str, methods: list[str] | None = None) -> str:
+    """The report of ``cases`` as a Markdown page (of the oracles ``methods`` where given)."""
     models = sorted({c.model for c in cases})
     by_family: dict[str, Counter] = defaultdict(Counter)
     by_model: dict[str, Counter] = defaultdict(Counter)
@@ -72,7 +72,7 @@ def markdown(cases: list[Case], seconds: float, command: str) -> str:
     families = sorted(by_family)
     counts = ", ".join(f"{sum(1 for m in models if m.startswith(f))} {f}" for f in families)
     lines = [
-        "# The model zoo",
+        "# The model zoo" + (f": {', '.join(methods)}" if methods else ""),
         "",
         f"mixhook at sampled layers of {len(models)} models ({counts}),"
         " built small from their configs in float64, each case judged by an oracle mixhook does not compute "
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m tests.zoo" + (f" --models {' '.join(args.models)}" if args.models != ["*"] else "")
     command += f" --layers {args.layers}" if args.layers != 9 else ""
     command += f" --methods {' '.join(args.methods)}" if args.methods else ""
-    Path(args.out).write_text(markdown(cases, time.time() - start, command))
+    Path(args.out).write_text(markdown(cases, time.time() - start, command, args.methods))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(c) for c in cases], indent=1))
     bad = sum(c.outcome in ("wrong", "error") for c in cases)

@@ -77,3 +77,18 @@ def test_portable_specs_resolve_to_what_the_model_states_or_are_refused(name):
 
     what, problems = check(next(m for m in ZOO if m.name == name))
     assert not problems, f"{name} ({what}): " + "; ".join(problems)
+
+
+AUTOMIX_SAMPLE = ["torchvision/resnet18", "timm/swin_tiny_patch4_window7_224"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", AUTOMIX_SAMPLE)
+def test_automix_at_sampled_layers_is_the_hand_edit_with_its_mask_or_refused(name):
+    """The zoo's AutoMix oracle (``python -m tests.zoo --methods automix`` runs every model,
+    docs/zoo-automix.md) on NCHW stages and on a Swin's (B, H, W, C) stages."""
+    entry = next(m for m in ZOO if m.name == name)
+    cases = run_model(entry, 2, methods=("automix",), seed=2)
+    bad = [f"{c.layer}: {c.outcome}: {c.detail}" for c in cases if c.outcome in ("wrong", "error")]
+    assert not bad, f"{name}: " + "; ".join(bad)
+    assert any(c.outcome == "exact" and c.method == "automix" for c in cases), cases

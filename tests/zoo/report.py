@@ -60,6 +60,15 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
+ORACLE_WORDS = {
+    None: "the hand edit, lam 0 and 1 against the unhooked model, padding on the unmixed sequence",
+    "manifold": "Manifold Mixup's hand edit, lam 0 and 1 against the unhooked model",
+    "cutmix": "CutMix's box pasted by hand",
+    "padding": "padding on the unmixed sequence",
+    "automix": "AutoMix's hand edit with the mask its Mix Block made",
+}
+
+
 def markdown(cases: list[Case], seconds: float, command: str, methods: list[str] | None = None) -> str:
     """The report of ``cases`` as a Markdown page (of the oracles ``methods`` where given)."""
     models = sorted({c.model for c in cases})
@@ -76,7 +85,7 @@ def markdown(cases: list[Case], seconds: float, command: str, methods: list[str]
         "",
         f"mixhook at sampled layers of {len(models)} models ({counts}),"
         " built small from their configs in float64, each case judged by an oracle mixhook does not compute "
-        "(the hand edit, lam 0 and 1 against the unhooked model, padding on the unmixed sequence, eval mode):"
+        f"({', '.join(ORACLE_WORDS[m] for m in methods) if methods else ORACLE_WORDS[None]}, eval mode):"
         " see `tests/zoo/oracles.py`. **wrong** is a silent wrong result and **error** an exception that is "
         "not mixhook's one-line refusal: there must be none.",
         "",

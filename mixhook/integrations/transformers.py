@@ -204,6 +204,7 @@ class MixupCallback(_StepSeeded):
         self._stream: PartnerStream | None = None  # a PartnerBatch mixer's class-balanced batches
         self._at = (0, 0, 0)  # (rank, optimizer step, micro-batch) of the next training forward
         self._group: int | None = None  # the optimizer group of the mixer's own parameters (AutoMix's)
+        self._owns = False  # whether the mixer has parameters of its own (AutoMix's Mix Block)
 
     def __repr__(self) -> str:
         return f"MixupCallback({self.mixer!r}, module={self.module!r}, seed={self.seed})"
@@ -225,19 +226,20 @@ class MixupCallback(_StepSeeded):
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         super().on_train_begin(args, state, control, model=model, **kwargs)
         optimizer, scheduler = kwargs.get("optimizer"), kwargs.get("lr_scheduler")
-        if optimizer is not None:  # the mixer's own parameters (AutoMix's Mix Block) join the Trainer's
+        self._owns = any(True for _ in self.mixer.parameters())
+        if optimizer is not None and self._owns:  # the mixer's own parameters join the Trainer's optimizer
+            if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+                raise ValueError(
+                    f"MixupCallback: {type(self.mixer).__name__}'s own parameters are trained and saved "
+                    "beside the Trainer's plain optimizer, not under its DeepSpeed or FSDP plugins; train it "
+                    "with DDP or in one process (or under FSDP2 in your own loop)"
+                )
             inner = unwrapped(optimizer)
             groups = len(inner.param_groups)
             if join_optimizer(self.mixer, optimizer, [scheduler] if scheduler is not None else []):
-                self._group = groups
-                if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-                    raise ValueError(
-                        f"MixupCallback: {type(self.mixer).__name__}'s own parameters are trained and "
-                        "saved beside the Trainer's plain optimizer, not under its DeepSpeed or FSDP "
-                        "plugins; train it with DDP or in one process (or under FSDP2 in your own loop)"
-                    )
-                if state.global_step > 0:  # resumed: the Mix Block, its copy and its group's state
-                    self._load_own(args, state, inner)
+                self._group = groups  # (else the optimizer given to the Trainer held them already)
+            if state.global_step > 0:  # resumed: the Mix Block, its copy (and its group's state)
+                self._load_own(args, state, inner)
         self._stream = from_training_set(self.mixer, train_dataloader, self.seed, _WHERE)
         loader = train_dataloader
         while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps
@@ -253,18 +255,17 @@ class MixupCallback(_StepSeeded):
     _OWN = "mixhook.pt"
 
     def on_save(self, args, state, control, **kwargs):
-        if self._group is None or not args.should_save:
+        if not self._owns or not args.should_save:
             return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        path = os.path.join(folder, OPTIMIZER_NAME)
-        if not os.path.exists(path):  # (DeepSpeed and FSDP, refused at on_train_begin, save other formats)
-            raise ValueError(f"MixupCallback: no optimizer state at {path} to save the Mix Block's beside")
-        saved = torch.load(path, weights_only=False)
-        group = saved["param_groups"][self._group]
-        own_state = {i: saved["state"].pop(i) for i in group["params"] if i in saved["state"]}
-        del saved["param_groups"][self._group :]
-        torch.save(saved, path)
-        own = {"mixer": self.mixer.state_dict(), "group": group, "state": own_state}
+        own = {"mixer": self.mixer.state_dict()}
+        if self._group is not None:  # (the group this callback added: out of optimizer.pt, into mixhook.pt)
+            path = os.path.join(folder, OPTIMIZER_NAME)
+            saved = torch.load(path, weights_only=False)
+            own["group"] = group = saved["param_groups"][self._group]
+            own["state"] = {i: saved["state"].pop(i) for i in group["params"] if i in saved["state"]}
+            del saved["param_groups"][self._group :]
+            torch.save(saved, path)
         torch.save(own, os.path.join(folder, self._OWN))
 
     def _load_own(self, args, state, optimizer) -> None:
@@ -277,6 +278,8 @@ class MixupCallback(_StepSeeded):
             )
         own = torch.load(path, weights_only=False)
         self.mixer.load_state_dict(own["mixer"])
+        if self._group is None or "group" not in own:
+            return  # (the optimizer given to the Trainer holds the Mix Block: its checkpoint has its state)
         group = optimizer.param_groups[self._group]
         group.update({k: v for k, v in own["group"].items() if k != "params"})
         for p, i in zip(group["params"], own["group"]["params"], strict=True):
@@ -310,7 +313,7 @@ class MixupCallback(_StepSeeded):
     def on_optimizer_step(self, args, state, control, **kwargs):
         # the Trainer zeroes the model's gradients after each step (model.zero_grad()), not the optimizer's:
         # the mixer's own parameters' (AutoMix's Mix Block) would add up over the steps
-        if self._group is not None:
+        if self._owns:
             for p in self.mixer.parameters():
                 p.grad = None
 

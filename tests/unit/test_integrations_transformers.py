@@ -330,11 +330,14 @@ def test_methods_that_need_the_labels_before_the_forward_or_keep_the_clean_batch
 
 
 @pytest.mark.slow
-def test_a_resumed_automix_run_continues_its_mix_block_copy_and_their_optimizer_state(tmp_path):
-    """AutoMix's Mix Block and momentum copy are not the Trainer's: each checkpoint keeps them (and the
-    Mix Block's AdamW state, left out of optimizer.pt so that the Trainer's new optimizer loads it) in
-    mixhook.pt; resumed from checkpoint-2, the model, the Mix Block and the copy end where the straight
-    run ends. A checkpoint without mixhook.pt is refused in one line."""
+@pytest.mark.parametrize("given", [False, True], ids=["trainers-optimizer", "optimizer-given"])
+def test_a_resumed_automix_run_continues_its_mix_block_copy_and_their_optimizer_state(tmp_path, given):
+    """AutoMix's Mix Block and momentum copy are not the Trainer's: each checkpoint keeps them (and, where
+    the callback added the Mix Block's group to the Trainer's optimizer, its AdamW state, left out of
+    optimizer.pt so that the Trainer's new optimizer loads it) in mixhook.pt; resumed from checkpoint-2,
+    the model, the Mix Block and the copy end where the straight run ends, also with an optimizer given
+    to the Trainer that holds the Mix Block (its gradients cleared after each step all the same). A
+    checkpoint without mixhook.pt is refused in one line."""
     from mixhook import AutoMix
     from tests.matrix.cells import _Outputs
     from tests.matrix.methods import data, model
@@ -344,15 +347,17 @@ def test_a_resumed_automix_run_continues_its_mix_block_copy_and_their_optimizer_
 
     def train(out, resume=None, **saving):
         net = _Outputs(model("cnn"))
-        mix = AutoMix("input", features="net.conv1", momentum=0.5, end_momentum=0.5)
+        mix = AutoMix("input", features="net.conv1", channels=4, momentum=0.5, end_momentum=0.5)
         callback = adapter.MixupCallback(mix)
         args = arguments(
             out, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=4,
             optim="adamw_torch", learning_rate=0.01, **saving,
         )  # fmt: skip
-        trainer = hf_trainer(net, args, rows, callback)
+        own = torch.optim.AdamW([*net.parameters(), *mix.parameters()], lr=0.01, weight_decay=0.0)
+        trainer = hf_trainer(net, args, rows, callback, optimizers=(own, None) if given else (None, None))
         trainer.train(resume_from_checkpoint=resume)
-        assert len(trainer.optimizer.param_groups) == callback._group + 1  # (the Mix Block's: the last)
+        if not given:
+            assert len(trainer.optimizer.param_groups) == callback._group + 1  # (the Mix Block's: the last)
         mix.catch_up()  # (the copy's update for the last step, which a checkpoint makes at saving)
         return [*net.parameters(), *mix.parameters(), *mix.momentum_model.parameters()]
 
@@ -360,7 +365,10 @@ def test_a_resumed_automix_run_continues_its_mix_block_copy_and_their_optimizer_
     train(tmp_path / "b", save_strategy="steps", save_steps=2)
     saved = torch.load(tmp_path / "b" / "checkpoint-2" / "optimizer.pt", weights_only=False)
     own = torch.load(tmp_path / "b" / "checkpoint-2" / "mixhook.pt", weights_only=False)
-    assert len(saved["param_groups"]) == 2 and len(own["state"]) == len(own["group"]["params"]) > 0
+    if given:  # (the optimizer given holds the Mix Block: its checkpoint has its state)
+        assert len(saved["param_groups"]) == 1 and "group" not in own and "mix_block" in own["mixer"]
+    else:
+        assert len(saved["param_groups"]) == 2 and len(own["state"]) == len(own["group"]["params"]) > 0
     resumed = train(tmp_path / "b", str(tmp_path / "b" / "checkpoint-2"), save_strategy="steps", save_steps=2)
     for a, b in zip(straight, resumed, strict=True):
         assert torch.equal(a, b)

@@ -113,10 +113,11 @@ class AutoMix(Mixer):
         block_lr, block_momentum: the Mix Block's own learning rate and momentum in the optimizer
             (:meth:`parameter_options`: the app and the trainer adapters give it a group of its own with
             them); ``None``: the model's (OpenMixup's CIFAR ResNet configs).
-        tokens: ``features`` outputs ``(B, T, D)`` tokens (a ViT's block, as OpenMixup's DeiT configs
-            read one): the ``(B, D, gh, gw)`` map of its patch tokens, the leading ones (class token,
-            registers) left out, is what the Mix Block reads; ``(gh, gw)`` or ``"auto"`` (read from the
-            model), as the region methods' ``tokens``. The mask's layer must still give a map (the input).
+        feature_tokens: ``features`` outputs ``(B, T, D)`` tokens (a ViT's block, as OpenMixup's DeiT
+            configs read one): the ``(B, D, gh, gw)`` map of its patch tokens, the leading ones (class
+            token, registers) left out, is what the Mix Block reads; ``(gh, gw)`` or ``"auto"`` (read from
+            the model), as the region methods' ``tokens`` (which are the mixed layer's: here the mask's
+            layer must still give a map, the input).
         generator, batch_dim, padding, layout: as :class:`~mixhook.CutMix` (lam, the partners and the
             Mix Block's choices are drawn from ``generator``).
     """
@@ -152,12 +153,14 @@ class AutoMix(Mixer):
         batch_dim: int | dict | None = None,
         padding: str = "union",
         layout: str | dict | None = None,
-        tokens: tuple[int, int] | str | None = None,
+        feature_tokens: tuple[int, int] | str | None = None,
     ):
         super().__init__(layer, alpha, 1.0, generator, batch_dim, padding, layout)
         kind = type(self).__name__
-        self.tokens = tokens
-        self._feature_tokens = token_grid(tokens, "keep", kind)  # (refuses a bad grid now, in one line)
+        self.feature_tokens = feature_tokens
+        self._feature_tokens = token_grid(
+            feature_tokens, "keep", kind
+        )  # (refuses a bad grid now, in one line)
         if not isinstance(features, str) or not features:
             raise ValueError(f"{kind}: features must name a layer of the model, got {features!r}")
         if not 0 <= momentum <= end_momentum <= 1:
@@ -321,7 +324,7 @@ class AutoMix(Mixer):
                     raise ValueError(
                         f"{type(self).__name__}: the channels of features={self.features!r} "
                         f"({type(found).__name__}) cannot be read from its modules; pass channels= (a ViT "
-                        "block's (B, T, D) tokens: tokens=(rows, columns) or tokens='auto')"
+                        "block's (B, T, D) tokens: feature_tokens=(rows, columns) or 'auto')"
                     )
                 self.mix_block = self._make_block(channels)
             like = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -427,7 +430,9 @@ class AutoMix(Mixer):
             return self._checked(maps[0].tensor)
         if not isinstance(f, torch.Tensor) or f.ndim != 4:
             shape = tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
-            hint = "; a ViT's tokens: pass tokens=(rows, columns) or tokens='auto'" if len(shape) == 3 else ""
+            hint = (
+                "; a ViT's tokens: pass feature_tokens=(rows, columns) or 'auto'" if len(shape) == 3 else ""
+            )
             raise TypeError(
                 f"{kind}: features={self.features!r} must output one (B, C, h, w) map, got {shape}{hint}"
             )

@@ -50,12 +50,12 @@ class SAMix(AutoMix):
         batch_dim: int | dict | None = None,
         padding: str = "union",
         layout: str | dict | None = None,
-        tokens: tuple[int, int] | str | None = None,
+        feature_tokens: tuple[int, int] | str | None = None,
     ):
         super().__init__(
             layer, features, channels, alpha, momentum, end_momentum, momentum_scope, total_steps, mask_loss,
             mask_loss_mode, mask_margin, lam_margin, mask_adjust, clean_weight, block_weight, reduction,
-            upsampling, block_lr, block_momentum, generator, batch_dim, padding, layout, tokens,
+            upsampling, block_lr, block_momentum, generator, batch_dim, padding, layout, feature_tokens,
         )  # fmt: skip
 
     def _scenario(self) -> dict:

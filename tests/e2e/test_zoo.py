@@ -88,7 +88,7 @@ def test_automix_at_sampled_layers_is_the_hand_edit_with_its_mask_or_refused(nam
     """The zoo's AutoMix oracle (``python -m tests.zoo --methods automix`` runs every model,
     docs/zoo-automix.md) on NCHW stages and on a Swin's (B, H, W, C) stages."""
     entry = next(m for m in ZOO if m.name == name)
-    cases = run_model(entry, 2, methods=("automix",), seed=2)
+    cases = run_model(entry, 2, methods=("automix",), seed=1)  # (Swin: a (B, H, W, C) stage, an MLP)
     bad = [f"{c.layer}: {c.outcome}: {c.detail}" for c in cases if c.outcome in ("wrong", "error")]
     assert not bad, f"{name}: " + "; ".join(bad)
     assert any(c.outcome == "exact" and c.method == "automix" for c in cases), cases

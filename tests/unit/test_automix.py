@@ -649,7 +649,7 @@ def test_a_vits_tokens_are_read_as_the_map_of_their_patch_tokens(tokens):
     """``features`` at a ViT block (timm's, a class token and a 4x4 grid): the Mix Block reads the
     ``(B, D, 4, 4)`` map of the copy's patch tokens at that block, its width read from the block; the
     mask it made from that map by hand is the one the model's input was mixed with, and the logits are
-    the hand-mixed input's. Without ``tokens`` the tokens are refused in one line naming it."""
+    the hand-mixed input's. Without ``feature_tokens`` the tokens are refused in one line naming it."""
     import timm
 
     torch.manual_seed(0)
@@ -658,7 +658,7 @@ def test_a_vits_tokens_are_read_as_the_map_of_their_patch_tokens(tokens):
     ).double()
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
     index = torch.tensor([2, 3, 1, 0])
-    mix = AutoMix("input", "blocks.0", tokens=tokens, clean_weight=0.0, lam_margin=0.0)
+    mix = AutoMix("input", "blocks.0", feature_tokens=tokens, clean_weight=0.0, lam_margin=0.0)
     with mix.attach(model):
         for p in mix.mix_block.parameters():
             p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(4))
@@ -678,4 +678,4 @@ def test_a_vits_tokens_are_read_as_the_map_of_their_patch_tokens(tokens):
     torch.testing.assert_close(got, model(x * (1 - m) + x[index] * m), rtol=1e-10, atol=1e-12)
     with pytest.raises(TypeError) as error, AutoMix("input", "blocks.0", channels=192).attach(model):
         model(x)
-    assert "tokens=" in str(error.value) and "\n" not in str(error.value)
+    assert "feature_tokens=" in str(error.value) and "\n" not in str(error.value)

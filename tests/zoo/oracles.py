@@ -449,7 +449,7 @@ def automix(run: ZooRun, layer: str) -> str:
     if t is None:
         return "skipped: no floating tensor with the batch first"
     if t.ndim == 3 and run.entry.grid is not None:
-        return "skipped: tokens (AutoMix mixes a ViT's input; tokens= reads its features)"
+        return "skipped: tokens (AutoMix mixes a ViT's input; feature_tokens= reads its features)"
     options = {"clean_weight": 0.0, "block_weight": 0.0, "mask_loss": 0.0, "lam_margin": 0.0}
     if t.ndim != 4:
         run.mixhook(AutoMix(layer, layer, channels=t.shape[1], **options), lam=LAM, index=PERM)

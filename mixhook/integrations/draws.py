@@ -72,19 +72,19 @@ def reseed(hook: MixingHook, seed: int, rank: int, step: int, first_part: int = 
         g.manual_seed(step_seed(seed, rank, step, part))
 
 
-def join_optimizer(hook: MixingHook, optimizer, schedulers=()) -> bool:
+def join_optimizer(hook: MixingHook, optimizer, schedulers=()) -> int | None:
     """Add the regularizer's own trainable parameters (AutoMix's Mix Block: ``hook.parameters()``) to
     ``optimizer`` as one more parameter group, with the options of its first group (learning rate,
     momentum, weight decay), unless it holds them already; each of ``schedulers`` (a torch ``LRScheduler``
     of that optimizer) schedules the group as the first one. An optimizer wrapped by accelerate or
-    Lightning is reached through its ``.optimizer``. Returns whether a group was added (none for the
-    methods without parameters)."""
+    Lightning is reached through its ``.optimizer``. Returns the index of the group added (``None`` where
+    none was: the methods without parameters, an optimizer that holds them already)."""
     params = [p for p in hook.parameters() if p.requires_grad]
     inner = unwrapped(optimizer)
     held = {id(p) for group in inner.param_groups for p in group["params"]}
     new = [p for p in params if id(p) not in held]
     if not new:
-        return False
+        return None
     groups = len(inner.param_groups)
     options = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
     own = hook.parameter_options()  # (AutoMix's block_lr: the group's own learning rate)
@@ -94,7 +94,7 @@ def join_optimizer(hook: MixingHook, optimizer, schedulers=()) -> bool:
     inner.add_param_group({**options, "params": new})
     for scheduler in schedulers:
         _schedule_like_the_first(getattr(scheduler, "scheduler", scheduler), inner, groups, own.get("lr"))
-    return True
+    return groups
 
 
 def unwrapped(optimizer):

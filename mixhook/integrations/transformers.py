@@ -234,12 +234,10 @@ class MixupCallback(_StepSeeded):
                     "beside the Trainer's plain optimizer, not under its DeepSpeed or FSDP plugins; train it "
                     "with DDP or in one process (or under FSDP2 in your own loop)"
                 )
-            inner = unwrapped(optimizer)
-            groups = len(inner.param_groups)
-            if join_optimizer(self.mixer, optimizer, [scheduler] if scheduler is not None else []):
-                self._group = groups  # (else the optimizer given to the Trainer held them already)
+            # (None: the optimizer given to the Trainer held them already)
+            self._group = join_optimizer(self.mixer, optimizer, [scheduler] if scheduler is not None else [])
             if state.global_step > 0:  # resumed: the Mix Block, its copy (and its group's state)
-                self._load_own(args, state, inner)
+                self._load_own(args, state, unwrapped(optimizer))
         self._stream = from_training_set(self.mixer, train_dataloader, self.seed, _WHERE)
         loader = train_dataloader
         while loader is not None:  # accelerate's DataLoaderShard iterates the loader it wraps

@@ -394,13 +394,18 @@ class AutoMix(Mixer):
         return {"lam_mb": lam_mb, "index_mb": index_mb, "features": features, "mb": (logits, mask, choices)}
 
     def _momentum_for(self, model: nn.Module) -> nn.Module:
-        """The momentum copy, on the model's device and in its mode."""
+        """The momentum copy, on the model's device, in its dtype (as one made now would be: a model cast
+        after attach, ``model.float()``) and in its mode."""
         k, block = self.momentum_model, self.mix_block
         here = next(model.parameters(), None)
         there = next(k.parameters(), None)
-        if here is not None and there is not None and there.device != here.device:
-            k.to(here.device)
-            block.to(here.device)
+        if (
+            here is not None
+            and there is not None
+            and (there.device, there.dtype) != (here.device, here.dtype)
+        ):
+            k.to(here.device, here.dtype if here.is_floating_point() else None)
+            block.to(here.device, here.dtype if here.is_floating_point() else None)
         k.train(model.training)
         block.train(model.training)
         return k

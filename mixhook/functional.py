@@ -229,8 +229,8 @@ def lerp_rows(h: torch.Tensor, lam: torch.Tensor, index: torch.Tensor, one: bool
 def mask_blend(h: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``mask * h + (1 - mask) * h[index]`` for ``h`` (B, C, H, W) and one ``(H, W)`` mask of weights (1:
     the sample's own), in ``h``'s dtype on ``h``'s device; gradients flow to both terms."""
-    m = to_device(mask, h.device, h.dtype)
-    return m * h + (1 - m) * h[to_device(index, h.device)]
+    m = mask if mask.device == h.device and mask.dtype == h.dtype else to_device(mask, h.device, h.dtype)
+    return m * h + (1 - m) * h[index if index.device == h.device else to_device(index, h.device)]
 
 
 def positions(target: torch.Tensor) -> int:

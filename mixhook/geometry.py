@@ -61,13 +61,13 @@ def rand_region(
     map the cube root), each side ``int(size * ratio)`` around a centre drawn uniformly along each
     dimension in order, rounded as ``rounding`` says. Returns ``(a1, b1, a2, b2, ...)``: positions
     ``a_k:b_k`` along dimension ``k`` (for a 2-D map ``(y1, y2, x1, x2)``)."""
-    ratio = side_ratio(1.0 - lam, len(shape))
+    ratio = math.sqrt(1.0 - lam) if len(shape) == 2 else side_ratio(1.0 - lam, len(shape))
+    timm = rounding == "timm"  # (_sides, inline)
     box = []
     for size in shape:
         cut = int(size * ratio)
         centre = int(torch.randint(size, (), generator=generator, device=generator.device))
-        before, after = _sides(cut, rounding)
-        box += [max(centre - before, 0), min(centre + after, size)]
+        box += [max(centre - cut // 2, 0), min(centre + ((cut + 1) // 2 if timm else cut // 2), size)]
     return tuple(box)
 
 
@@ -153,9 +153,19 @@ def boxes_mask(boxes: torch.Tensor, height: int, width: int, device=None) -> tor
     return regions_mask(boxes, (height, width), device)
 
 
+def box_slices(box: Sequence[int]) -> tuple[slice, ...]:
+    """The positions of ``box`` (``(a1, b1, a2, b2, ...)``) as one slice per dimension: ``a_k:b_k``."""
+    slices = []
+    for k in range(0, len(box), 2):
+        slices.append(slice(box[k], box[k + 1]))
+    return tuple(slices)
+
+
 def region_weights(box: tuple[int, ...], shape: Sequence[int]) -> torch.Tensor:
     """``(1, *shape)`` bool: the sample's own content, False inside the pasted ``box``."""
-    return ~regions_mask(torch.tensor([box]), shape)[:, 0]
+    weights = torch.ones((1, *shape), dtype=torch.bool)
+    weights[(0, *box_slices(box))] = False
+    return weights
 
 
 def regions_lam(boxes: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -166,7 +176,10 @@ def regions_lam(boxes: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 def region_lam(box: tuple[int, ...], shape: Sequence[int]) -> float:
     """The lam a pasted ``box`` leaves in a map of positions ``shape``: ``1 - box volume / map volume``."""
-    return 1.0 - math.prod(b - a for a, b in zip(box[0::2], box[1::2], strict=True)) / math.prod(shape)
+    volume = 1
+    for k in range(0, len(box), 2):
+        volume *= box[k + 1] - box[k]
+    return 1.0 - volume / math.prod(shape)
 
 
 def box_lam(box: tuple[int, int, int, int], height: int, width: int) -> float:

@@ -57,6 +57,33 @@ def seed_for_rank(generator: torch.Generator) -> bool:
     return True
 
 
+class Planned:
+    """A hook's setting that what it works out when attached depends on (which hops a forward takes, the
+    sites' layouts, the padding-mask hooks): read as a plain attribute (no function call per read), set
+    freely while the hook is detached; set to another value while it is attached, refused in one line,
+    since the plans made from the old value would otherwise go on silently."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __set__(self, hook, value) -> None:
+        state = hook.__dict__
+        if state.get("_model") is not None and self.name in state and _differs(state[self.name], value):
+            raise RuntimeError(
+                f"{type(hook).__name__}.{self.name} was planned on when it was attached: set it before "
+                f"attach() (remove the handle, set {self.name}, attach again)"
+            )
+        state[self.name] = value
+
+
+def _differs(old, new) -> bool:
+    """Whether a setting's new value is another than its old one (values that cannot be compared differ)."""
+    try:
+        return bool(old != new)
+    except Exception:  # noqa: BLE001  (a tensor of several values, say)
+        return old is not new
+
+
 class StateError(ValueError):
     """A state dict that does not belong to this hook (another class, other layers, other parts)."""
 

@@ -24,7 +24,8 @@ def check_one_map(kind: str, spec: str, leaves: list[Leaf], does: str = "cuts on
 def check_spatial(kind: str, spec: str, leaves: list[Leaf]) -> torch.Tensor:
     """The one ``(B, C, H, W)`` map (batch at dim 0) that the mixers cutting regions act on, or a one-line
     ``TypeError`` naming the elements to choose from."""
-    check_one_map(kind, spec, leaves)
+    if len(leaves) != 1:
+        check_one_map(kind, spec, leaves)
     h = leaves[0].tensor
     if h.ndim != 4 or leaves[0].dim != 0:
         element = f" element {leaves[0].name}" if leaves[0].path else ""
@@ -50,7 +51,8 @@ def check_region(kind: str, spec: str, leaves: list[Leaf], dims: tuple[int, ...]
     one-line ``TypeError`` naming what it needs."""
     if dims == (2,):
         return check_spatial(kind, spec, leaves)
-    check_one_map(kind, spec, leaves)
+    if len(leaves) != 1:
+        check_one_map(kind, spec, leaves)
     h = leaves[0].tensor
     if h.ndim - 2 not in dims or leaves[0].dim != 0:
         element = f" element {leaves[0].name}" if leaves[0].path else ""

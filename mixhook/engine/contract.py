@@ -75,6 +75,10 @@ class MixState:
             weights, from class activation maps, need not sum to one): one per sample, float64; ``loss``
             is then ``lam * criterion(y) + partner_lam * criterion(y[index])`` and ``targets`` alike.
             ``None``: ``1 - lam``.
+        lam_float: where ``lam`` is one value on the CPU, ``(lam, float(lam))`` read when the state was
+            made (what ``loss`` weighs by, with no read per call); a copy with another lam
+            (``dataclasses.replace(state, lam=...)``) keeps the pair, whose tensor is then not its ``lam``:
+            a reader takes the float only where ``lam_float[0] is lam``.
     """
 
     layer: str
@@ -87,7 +91,7 @@ class MixState:
     shapes: tuple[tuple[int, ...], ...] = ()
     clean: bool = False
     partner_lam: torch.Tensor | None = None
-    _weight: float | None = field(default=None, repr=False, compare=False)  # lam as a float, when one
+    lam_float: tuple[torch.Tensor, float] | None = field(default=None, repr=False, compare=False)
 
 
 class cached:

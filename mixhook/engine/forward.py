@@ -99,6 +99,8 @@ class Forward:
             ``mix()``, for a method that draws nothing else).
         state: the generator's state before ``mix()`` drew (a method that draws in ``mix()``).
         mixed: once the layer ran: the :class:`~mixhook.engine.contract.MixState` of what it mixed.
+        replay: a recomputation's (activation checkpointing): the forward's mix made again from ``pins``
+            (:meth:`repeat`), nothing drawn anew, computed before it or recorded.
     """
 
     layer: str
@@ -107,6 +109,7 @@ class Forward:
     drawn: Draw | None = None
     state: torch.Tensor | None = None
     mixed: MixState | None = None
+    replay: bool = False
 
     @property
     def done(self) -> bool:

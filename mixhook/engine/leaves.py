@@ -4,13 +4,17 @@ tokens as the map of their patch grid), and the checks that depend on the site a
 
 A collaborator of a :class:`~mixhook.engine.mixer.Mixer`'s hooks, made when the mixer is attached
 (:class:`SiteLeaves`): what depends only on the model and the site (each map's layout, the model input's
-batch dimension, whether a map's sides are checked against the input's) is read then; what depends on the
-value's signature (a site that returned a plain tensor: its batch dimension, for its number of dimensions
-and dtype) is planned at the first forward and kept (:attr:`SiteLeaves.plans`), so the next tensor of the
-same kind skips the structure walk (the short path reads the plan itself).
+batch dimension and first parameter, whether a map's sides are checked against the input's) is read then;
+what depends on the value is planned at the first forward that returns a plain tensor there and kept with
+the signature it was derived from (:class:`Plan`: the tensor's shape, strides, dtype and device, and the
+input's sides its map was checked against). The mixer's one path (:meth:`~.path.MixerHooks._mix`) compares
+that signature at its top, a tuple compare, and takes the plan only where it is equal; anything else is
+read again here, checked as a fresh mixer checks it, and planned anew.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -26,9 +30,21 @@ from ..sites import (
     blendable,
     describe,
     embedding_layers,
+    first_parameter,
     input_dim,
     size_along,
 )
+
+
+class Plan(NamedTuple):
+    """What a site that returned a plain tensor is to a method, kept with the signature of that tensor: the
+    next forward whose tensor has an equal signature is given its leaf without the structure walk, the
+    layout's reading and the checks that depend on nothing else (the method's own ``check_leaves`` runs on
+    every forward)."""
+
+    signature: tuple  # (shape, strides, dtype, device, the input's sides the map was checked against)
+    dim: int  # the batch dimension
+    view: bool  # a channels-last map, given to the method as its channels-first view
 
 
 class SiteLeaves:
@@ -61,7 +77,10 @@ class SiteLeaves:
                     self.layouts[spec, ndim] = site_layout(model, site, declared[spec], facts, ndim)
         first = next(iter(dims.values()), None)  # (the model's layout is fixed once it is built)
         self.input_dim: int | None = None if first is None else input_dim(model, first.seq_first)
-        self.plans: dict[str, tuple] = {}  # a site that returns a plain tensor: (ndim, dtype, batch dim)
+        # the model's input by its signature: a keyword call's batch is read from it, not from the first
+        # keyword given (an unbatched shift or position_ids passed first)
+        self.input_name, self._order = first_parameter(model)
+        self.plans: dict[str, Plan] = {}  # each site that returned a plain tensor: its plan
         self.input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
 
     def value(self, spec: str, value):
@@ -80,21 +99,11 @@ class SiteLeaves:
         """The leaves that carry the batch in ``value`` (what :meth:`value` gives at ``spec``), what the
         method is given for them (the same, or with a token grid their ``(B, D, gh, gw)`` patch maps, or a
         channels-last map's channels-first view), and the batch size (checked against ``expected``, the
-        model input's, where known).
+        model input's, where known); the method's ``check_leaves`` is run on them.
 
-        A site that returned a plain tensor once is planned: the next tensor of the same number of
-        dimensions and dtype skips the structure walk and the checks that depend on nothing else; the
-        method's own ``check_leaves`` runs every time. Traced code (``plan=False``) neither reads nor
-        writes plans (a traced read of the dict would be a guard)."""
-        planned = self.plans.get(spec) if plan else None
-        if planned is not None and type(value) is torch.Tensor and (value.ndim, value.dtype) == planned[:2]:
-            batch = value.shape[planned[2]]
-            if expected is not None and batch != expected:
-                del self.plans[spec]  # the full path says what is wrong
-                return self.leaves(spec, value, expected)
-            found = [Leaf((), value, planned[2])]
-            self.check_leaves(spec, found)
-            return found, found, batch
+        A plain tensor read here is planned (``plan``): its :class:`Plan`, with the signature it was read
+        for, is kept in :attr:`plans` for the mixer's path to take while the signature holds. Traced code
+        (``plan=False``) writes no plan (a traced write of the dict would be a guard)."""
         site = self.sites[spec]
         if site.layer == INPUT:
             self.check_token_ids(spec, value)
@@ -119,9 +128,10 @@ class SiteLeaves:
                      if self.channels_last(spec, f) else f for f in found]  # fmt: skip
         else:
             given = found
-            if plan and type(value) is torch.Tensor and found[0].path == ():
-                self.plans[spec] = (value.ndim, value.dtype, found[0].dim)
         self.check_leaves(spec, given)
+        if plan and type(value) is torch.Tensor and found[0].path == () and self.token_grid is None:
+            signature = (value.shape, value.stride(), value.dtype, value.device, self.input_sides)
+            self.plans[spec] = Plan(signature, found[0].dim, given is not found)
         return found, given, batch
 
     def channels_last(self, spec: str, leaf: Leaf) -> bool:
@@ -169,14 +179,22 @@ class SiteLeaves:
             return self.token_grid.from_map_traced(leaf, t, weight, index)
         return channels_last(t) if self.channels_last(spec, leaf) else t
 
+    def model_input(self, args: tuple, kwargs: dict):
+        """The model's input in a call: its first parameter by signature, wherever and in whatever order it
+        is passed (positionally, or by keyword after an unbatched one); where that is no tensor (or not
+        given), the first tensor argument, positional ones first, keywords in the signature's order."""
+        first = args[0] if args else kwargs.get(self.input_name)
+        if isinstance(first, (torch.Tensor, PackedSequence)):
+            return first
+        order = self._order
+        keywords = sorted(kwargs, key=lambda k: order.get(k, len(order)))
+        candidates = (*args, *(kwargs[k] for k in keywords))
+        return next((v for v in candidates if isinstance(v, (torch.Tensor, PackedSequence))), None)
+
     def reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
-        """The batch size of the model's input, to check each mixed layer against: the first tensor
-        argument's batch dimension, where the model's layout tells it (``None`` where it does not)."""
-        first = args[0] if args and type(args[0]) is torch.Tensor else None  # (the usual call)
-        if first is None:
-            first = next(
-                (v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PackedSequence))), None
-            )
+        """The batch size of the model's input (:meth:`model_input`), to check each mixed layer against: its
+        batch dimension, where the model's layout tells it (``None`` where it does not)."""
+        first = self.model_input(args, kwargs)
         if isinstance(first, PackedSequence):  # its .data rows are time steps of every sample
             return int(first.batch_sizes[0])
         return size_along(first, self.input_dim)
@@ -187,7 +205,7 @@ class SiteLeaves:
         sides are checked against it (:meth:`check_sides`)."""
         if not self.reads_sides:
             return None
-        first = args[0] if args else next(iter(kwargs.values()), None)
+        first = args[0] if args else self.model_input(args, kwargs)
         if type(first) is not torch.Tensor or first.ndim not in (4, 5):
             return None
         return first.ndim, int(first.shape[-2]), int(first.shape[-1])

@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import padding as masks
 from ..functional import sample_lam
+from ..hooks import Planned
 from ..layouts import check_layout
 from ..sites import Leaf
 from ..transfer import to_device
@@ -89,6 +90,11 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
     # None: dense targets (segmentation maps) are mixed like the map (a region method sets Mixed.weights);
     # else why not, refused in one line by loss() and targets()
     dense_targets: ClassVar[str | None] = None
+    # Whether check_leaves depends on nothing but the leaves' signature (shapes, dtype, device, layout) and
+    # settings fixed while attached (mixhook.hooks.Planned): then it runs when a site's value is read and
+    # planned, and not again for each forward whose value has the plan's signature. False (default): it
+    # runs before every mix.
+    checks_by_signature: ClassVar[bool] = False
     # Whether the method's loss needs the clean batch beside its mix (RegMixup, RankMixup, MixupE): then
     # `clean` is True from the start and cannot be turned off.
     keeps_clean: ClassVar[bool] = False
@@ -122,6 +128,12 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         self._site_weights: tuple[float, ...] | None = None  # the same, per site resolved (_bind)
         self._clean = type(self).keeps_clean
         self._policies: Policies | None = None  # use(): the partners, lam and target policies
+
+    # The settings what is worked out at attach depends on (the sites' layouts, the padding-mask hooks):
+    # set before attach(), refused in one line while attached (mixhook.hooks.Planned).
+    layout = Planned()
+    padding = Planned()
+    token_grid = Planned()
 
     # Which of the extension points a forward skips where a method keeps their default (path.SKIPPABLE)
     # the class overrides: set for each subclass as it is defined.

@@ -1,24 +1,26 @@
 """One training forward of a mixer, hop by hop: the hooks a :class:`~mixhook.engine.mixer.Mixer` registers
-and the path a forward takes through them.
+and the one path every method's forward takes through them.
 
 1. **The model's pre-hook** (:meth:`MixerHooks._on_model_input`) decides whether this forward mixes, and
    at which layer: one :class:`~.forward.Forward` (its layer and pins; lam, the partners and the
-   generator's state for a repeat once drawn), the only object a forward carries.
-2. **The mixed layer's hook** (:meth:`MixerHooks._layer_hook`) draws lam and the partners (or reads the
-   pins), hands the layer's output to the method's ``mix()`` and records the
-   :class:`~.contract.MixState`. A layer that returned a plain tensor as before takes the short path
-   (:meth:`MixerHooks._mix_plain`); structured outputs, layouts, token grids, clean rows, policies and
-   methods that draw in ``mix()`` take the general one (:meth:`MixerHooks._mix_now`, :meth:`_apply`).
+   generator's state for a repeat once drawn), the only object a forward carries. A mix at the model's
+   input is made here.
+2. **The mixed layer's hook** (:meth:`MixerHooks._layer_hook`) hands the layer's output to
+   :meth:`MixerHooks._mix`, the one path of a mix for every method and site: its leaves (the cheap case,
+   a plain tensor with the signature its site was planned for, is chosen at its top), what the method
+   computes first, lam and the partners drawn (or pinned), the method's ``mix()``, the
+   :class:`~.contract.MixState` recorded, the tensors put back.
 3. **The model's output hook** (:meth:`MixerHooks._on_model_output`) marks the output with what was mixed
    (:mod:`.binding`), which ``loss()`` reads (:mod:`.targets`).
 
-What depends only on the model and its sites is worked out once, when the mixer is attached
-(:meth:`MixerHooks._register`: the sites' leaves and layouts, :mod:`.leaves`; whether the model can be
-given a packed batch; which hops a forward of this method can skip); what depends on a layer's output
-signature is planned at its first forward (:attr:`~.leaves.SiteLeaves.plans`). A recomputation under
-activation checkpointing reaches the same hooks during backward and replays what the forward noted
-(:mod:`mixhook.recompute`); under ``torch.compile`` a traced mixer's hooks take the one-graph path
-(:mod:`.traced`); a gradient-saliency method's own pass goes to :mod:`.gradient_pass`.
+What depends only on the model, its sites and the method is worked out once, when the mixer is attached
+(:meth:`MixerHooks._register`: the sites' layouts and the model's input, :mod:`.leaves`; whether the model
+can be given a packed batch; which hops a forward of this method can skip: the settings they depend on are
+fixed while it is attached); what depends on a layer's output is planned at its first forward with the
+signature it was derived from (:class:`~.leaves.Plan`), compared on every forward. A recomputation under
+activation checkpointing reaches the same hooks during backward and walks the same path again with what
+the forward noted (:mod:`mixhook.recompute`); under ``torch.compile`` a traced mixer's hooks take the
+one-graph path (:mod:`.traced`); a gradient-saliency method's own pass goes to :mod:`.gradient_pass`.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import packing, recompute
-from ..functional import weight_of
+from ..functional import sample_lam, weight_of
 from ..hooks import LayerHook, guard_unwrapped
+from ..layouts import CHANNELS_LAST, channels_first, channels_last
 from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
 from .binding import Forwards
 from .contract import Draw, Mixed, MixState, claim, unclaim
@@ -45,9 +48,10 @@ _graph_task = torch._C._current_graph_task_id  # -1 outside a backward: see reco
 _saved_hooks = recompute.saved_tensor_hooks
 _distributed = torch.distributed.is_initialized if torch.distributed.is_available() else bool
 _PLAIN = ("[]",)  # the elements of a plain tensor (MixState.elements)
-# the extension points whose default does nothing, which a forward skips where a method keeps the default
-# (the class's Mixer._overrides, or the mixer's own attribute, read when it is attached)
-SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix"))
+# the extension points a forward skips (their default does nothing) or makes inline (draw_index, sample_lam:
+# a random permutation, one Beta(alpha, alpha) draw) where a method keeps the default (the class's
+# Mixer._overrides, or the mixer's own attribute, read when it is attached)
+SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix", "draw_index", "sample_lam"))
 
 
 def _between_graphs(hook):
@@ -69,8 +73,8 @@ class MixerHooks(LayerHook):
     _hooks_model = True  # its own hooks on the model (see LayerHook)
     _TRANSIENT = (
         "_current", "_targets", "_seen", "_site_leaves", "_traced", "_modules", "_masks", "_gradients",
-        "_compiled", "_plain", "_given", "_inputs", "_packable", "_global", "_checks_leaves", "_before",
-        "_begins", "_extended",
+        "_compiled", "_positional", "_given", "_inputs", "_packable", "_global", "_checks_leaves", "_before",
+        "_begins", "_extended", "_before_mix", "_draws_later", "_own_index", "_own_lam",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -89,13 +93,17 @@ class MixerHooks(LayerHook):
         self._modules: dict[str, nn.Module] = {}  # the modules attached to, by spec
         self._inputs: tuple[str, ...] = ()  # the specs of the model's input
         self._traced = False  # whether torch.compile traces the one-graph path
-        self._plain = False  # whether a planned plain tensor takes the short path (_mix_plain)
+        self._positional: dict[str, bool] = {}  # per input spec: it mixes the model's first argument whole
         self._packable = False  # whether the model can be called with a packed batch (checked per forward)
         self._global = False  # whether the partners come from every rank (the ranks agree per forward)
         self._extended: frozenset[str] = frozenset()  # the SKIPPABLE extension points it overrides
-        self._checks_leaves = False  # whether the method checks its leaves (check_leaves overridden)
+        self._checks_leaves = False  # whether each forward runs the method's check_leaves (see _register)
         self._before = False  # whether the method computes something before the forward (before_forward)
-        self._begins = False  # whether a forward's start needs _begin (before_forward, policies, input)
+        self._begins = False  # whether a forward's start needs _begin (before_forward, policies)
+        self._before_mix = False  # whether the method computes something before its mix (before_mix)
+        self._draws_later = True  # whether mix() draws from the generator itself (draws_in_mix)
+        self._own_index = True  # whether the method draws its partners itself (draw_index overridden)
+        self._own_lam = True  # whether the method draws lam itself (sample_lam overridden)
         self._sharded = False  # whether the model is sharded by FSDP2 (a pass must run on every rank)
 
     # ------------------------------------------------------------------------ attaching, once
@@ -109,14 +117,23 @@ class MixerHooks(LayerHook):
         """Register the model hooks that start and end each forward, the layer hooks and the padding-mask
         hooks, and work out what depends only on the model, its sites and the method."""
         self._site_leaves = SiteLeaves(self, model, self._dims)
+        # (made again now that the specs are resolved: a portable spec's real name is what the pass meets)
+        self._gradients = GradientPass(type(self).__name__, self.sites, self._captured_leaves, self._as_given)
         self._modules = modules
         self._inputs = tuple(spec for spec, site in self.sites.items() if site.layer == INPUT)
+        self._positional = {spec: self.sites[spec].paths is None for spec in self._inputs}
         self._packable = packing.may_pack(model)
         self._global = crosses_ranks(self)
         self._extended = self._overrides | (SKIPPABLE & vars(self).keys())  # (a class's, or this one's)
-        self._checks_leaves = "check_leaves" in self._extended
+        self._checks_leaves = "check_leaves" in self._extended and not (
+            self.checks_by_signature and "check_leaves" not in vars(self)
+        )  # (whether the cheap case runs it: a check that depends on the signature ran when it was planned)
         self._before = "before_forward" in self._extended
-        self._begins = self._before or self._policies is not None or bool(self._inputs)
+        self._begins = self._before or self._policies is not None
+        self._before_mix = "before_mix" in self._extended
+        self._own_index = "draw_index" in self._extended
+        self._own_lam = "sample_lam" in self._extended
+        self._draws_later = self.draws_in_mix  # (a setting it depends on is fixed while attached)
         self._sharded = sharded(model)
         handles.append(
             model.register_forward_pre_hook(recompute.own_code(self._on_model_input), with_kwargs=True)
@@ -128,15 +145,6 @@ class MixerHooks(LayerHook):
         takes_masks = self.padding == "union" and self._masks.register(model, handles)
         handles.append(model.register_forward_hook(recompute.own_code(self._on_model_output)))
         self._traced = self.traceable and not takes_masks
-        self._plain = (
-            not self.draws_in_mix
-            and "before_mix" not in self._extended
-            and not self._clean
-            and not self._masks.active
-            and self.token_grid is None
-            and self._policies is None
-            and not self._global
-        )
 
     def _reset(self) -> None:
         self._current = None
@@ -146,7 +154,8 @@ class MixerHooks(LayerHook):
     # ------------------------------------------------------------- 1. the model's pre-hook: decide
 
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
-        """A forward of the model begins: in training, decide whether it mixes and where, and start it."""
+        """A forward of the model begins: in training, decide whether it mixes and where, and start it (a
+        mix at the model's input is made here, on the one path: :meth:`_mix`)."""
         if not _compiling() and _graph_task() != -1:  # a recomputation (recompute.in_backward)
             return self._replay_input(model, args, kwargs)
         if self._gradients.running:  # gradient_at()'s own pass
@@ -163,19 +172,26 @@ class MixerHooks(LayerHook):
         if self._packable:
             packing.refuse(type(self).__name__, model, args, kwargs)
         reading = self._site_leaves
-        if reading.reads_sides:
-            reading.input_sides = reading.input_grid(args, kwargs)
+        first = args[0] if args else None  # (the usual call: the model's input first, positionally)
+        if reading.reads_sides:  # (inline for the usual call: reading.input_grid)
+            reading.input_sides = (
+                (first.ndim, first.shape[-2], first.shape[-1])
+                if type(first) is torch.Tensor and 3 < first.ndim < 6
+                else reading.input_grid(args, kwargs)
+            )
         targets = self._targets  # (this forward's: the forward started forgets them)
         forward = self._decide()
         if forward is not None:  # the model input's batch size, which the mixed layer's must be
-            first, dim = args[0] if args else None, reading.input_dim
-            if type(first) is torch.Tensor and dim is not None and first.ndim > dim:  # (the usual call)
-                forward.batch = first.shape[dim]
-            else:
-                forward.batch = reading.reference_batch(model, args, kwargs)
-        if self._begins:
-            return self._begin(model, args, kwargs, forward, targets)
-        return None
+            dim = reading.input_dim  # (a keyword call: the model's first parameter, by signature)
+            usual = type(first) is torch.Tensor and dim is not None and first.ndim > dim
+            forward.batch = first.shape[dim] if usual else reading.reference_batch(model, args, kwargs)
+        changed = None
+        if self._begins:  # the method or its policies compute something first
+            changed = self._begin(model, args, kwargs, forward, targets)
+            args, kwargs = (args, kwargs) if changed is None else changed
+        if forward is None or forward.layer not in self._inputs:
+            return changed
+        return self._mix_input(model, args, kwargs, forward)
 
     def _decide(self, training: bool = True) -> Forward | None:
         """A forward begins (eager, or in a compiled graph; ``training``: one that may mix): whether it
@@ -218,27 +234,35 @@ class MixerHooks(LayerHook):
         return forward
 
     def _begin(self, model: nn.Module, args: tuple, kwargs: dict, forward: Forward | None, targets):
-        """The rest of a training forward's start, where the method or its policies need it: what they
-        compute first (a gradient pass, a partner batch appended to the model's input), and the input mixed
-        now if it is the layer."""
+        """What the method or its policies compute at a training forward's start, before any mix (a
+        gradient pass, a partner batch appended to the model's input): the model's changed arguments, or
+        ``None``."""
         if forward is not None and self._before:
             extra = self.before_forward(model, args, kwargs, forward.layer, forward.pins.given, targets)
             if extra:
                 forward.pins = forward.pins.joined(extra)
-        changed = None
-        if self._policies is not None:
-            given, self._given = self._given, {}
-            dim = self._site_leaves.input_dim or 0
-            changed = self._policies.begin(self, model, args, kwargs, forward, targets, given, dim)
-            if changed is not None:  # (a partner batch appended to the model's input)
-                args, kwargs = changed
-                forward.batch = self._site_leaves.reference_batch(model, args, kwargs)
-        if forward is None or forward.layer not in self._inputs:
-            return changed
+        if self._policies is None:
+            return None
+        given, self._given = self._given, {}
+        dim = self._site_leaves.input_dim or 0
+        changed = self._policies.begin(self, model, args, kwargs, forward, targets, given, dim)
+        if changed is not None:  # (a partner batch appended to the model's input)
+            forward.batch = self._site_leaves.reference_batch(model, *changed)
+        return changed
+
+    def _mix_input(self, model: nn.Module, args: tuple, kwargs: dict, forward: Forward):
+        """A mix at the model's input, on the one path (:meth:`_mix`): the model's arguments with it made
+        (and their padding masks unioned, where the model takes them)."""
+        spec = forward.layer
+        if self._positional[spec] and args and type(args[0]) is torch.Tensor:  # (the usual call)
+            args = (self._mix(spec, args[0], forward)[0], *args[1:])
+            if self.padding == "union" and (kwargs or len(args) > 1):  # (a lone input takes no mask)
+                return self._input_masks(model, args, kwargs, spec, self.last)
+            return args, kwargs
         inputs = Inputs(model, args, kwargs)
-        value, _ = self._mix_now(forward.layer, inputs, forward)  # (self.last set)
-        args, kwargs = rebuild_inputs(inputs, self.sites[forward.layer], value)
-        return self._input_masks(model, args, kwargs, forward.layer, self.last)
+        value, state = self._mix(spec, inputs, forward)
+        args, kwargs = rebuild_inputs(inputs, self.sites[spec], value)
+        return self._input_masks(model, args, kwargs, spec, state)
 
     def _input_masks(self, model, args: tuple, kwargs: dict, spec: str, state: MixState, again=False):
         """The model's arguments after a mix at its input, with their padding masks unioned
@@ -268,66 +292,130 @@ class MixerHooks(LayerHook):
                 if self._model.training and (not torch.is_grad_enabled() or _saved_hooks(False) is not None):
                     self._note(spec)  # (what a recomputation of this layer must know: it mixed nothing)
                 return None
-            planned = self._site_leaves.plans.get(spec) if self._plain else None
-            if planned is not None and type(output) is torch.Tensor and output.ndim == planned[0]:
-                batch, dim = forward.batch, planned[2]
-                if output.dtype == planned[1] and (batch is None or output.shape[dim] == batch):
-                    return self._mix_plain(spec, output, dim, forward)
-            return self._mix_now(spec, output, forward)[0]  # (self.last set)
+            return self._mix(spec, output, forward)[0]  # (self.last set)
 
         return recompute.own_code(hook, f"{type(self).__name__}_layer_hook")
 
-    def _mix_plain(self, spec: str, h: torch.Tensor, dim: int, forward: Forward) -> torch.Tensor:
-        """The short path of :meth:`_mix_now`: ``spec`` returned a plain tensor as it did before (planned:
-        its batch dimension ``dim`` known, the checks that depend on nothing else passed), and the method
-        draws nothing in :meth:`mix` and needs nothing before it (ManifoldMixup): lam and the partners
-        drawn (or pinned), the method's mix, the record."""
-        if h.is_cuda:
-            refuse_capture(type(self).__name__, spec, h.device)
-        leaves = [Leaf((), h, dim)]
-        if self._checks_leaves:
-            self.check_leaves(spec, leaves)
-        pins = forward.pins  # (the generator as _replaying gives it, inline: one call fewer per forward)
-        generator = (
-            self.generator if pins.state is None else recompute.replay_generator(self.generator, pins.state)
-        )
-        draw = forward.drawn = self._draws(spec, h.shape[dim], pins, generator)
-        if not torch.is_grad_enabled() or _saved_hooks(False) is not None:  # (recompute.may_be_recomputed)
-            self._note(spec, forward.repeat)
-        mixed = self.mix(leaves, draw)
-        t = mixed.tensors.get(()) if type(mixed) is Mixed and len(mixed.tensors) == 1 else None
-        if t is None or t.shape != h.shape:  # (what _check_mixed refuses, said by it)
-            t = self._check_mixed(spec, leaves, mixed)[()]
-        self._done(forward, self._state(spec, _PLAIN, (dim,), (h.shape,), draw, mixed))
-        return t
+    def _mix(self, spec: str, value, forward: Forward):
+        """The one path of a mix, for every method and site: what ``spec`` returned (for the model's input,
+        its first argument, or its :class:`Inputs`) mixed as ``forward`` decided, and the
+        :class:`MixState`, in the order the method meets it:
 
-    def _mix_now(self, spec: str, value, forward: Forward):
-        """The forward's mix at ``spec`` (any site: structures, layouts, token grids, clean rows, policies;
-        methods that draw in ``mix()`` or before it): drawn from the mixer's generator (or, for ``pin_last``,
-        from a copy in the repeated mix's state); what repeats it is noted for a recomputation and kept for
-        ``pin_last``."""
-        generator = self._replaying(forward.pins.state)
-        leaves, before = None, "before_mix" in self._extended
+        1. its leaves: a plain tensor with the signature of the site's :class:`~.leaves.Plan` is taken as
+           planned (the cheap case, chosen here at the top); anything else is read, checked and planned
+           again (:meth:`_read`), as a fresh mixer reads it;
+        2. what the method and its policies compute before the mix (:meth:`_before_mixing`);
+        3. lam and the partners drawn (or pinned), and what a repeat needs kept (``pin_last``, a
+           recomputation under activation checkpointing, which walks this path again with
+           ``forward.replay``: nothing drawn anew, computed first or recorded);
+        4. the method's :meth:`mix`, checked;
+        5. the record (:class:`MixState`), and the mixed tensors put back where the site had them
+           (:meth:`_put_back`)."""
+        reading = self._site_leaves
+        plan = reading.plans.get(spec)
+        batch = forward.batch
+        if (  # 1. the cheap case: one tensor, as planned
+            plan is not None
+            and type(value) is torch.Tensor
+            and plan.signature
+            == (value.shape, value.stride(), value.dtype, value.device, reading.input_sides)
+            and (batch is None or value.shape[plan.dim] == batch)
+        ):
+            site_value, n = value, value.shape[plan.dim]
+            found = [Leaf((), value, plan.dim)]
+            given = [Leaf((), channels_first(value, CHANNELS_LAST[value.ndim]), 0)] if plan.view else found
+            if self._checks_leaves:
+                self.check_leaves(spec, given)
+        else:
+            plan = None
+            site_value, found, given, n = self._read(spec, value, forward)
+        if self._policies is not None or (self._before_mix and not forward.replay):  # 2.
+            site_value, found, given, n = self._before_mixing(spec, (site_value, found, given, n), forward)
+            plan = None if given[0].tensor is not value else plan  # (rows appended: put back in general)
+        pins = forward.pins
+        generator = self.generator if pins.state is None else self._replaying(pins.state)
+        drawn = None
+        if not forward.replay:
+            if self._draws_later:  # 3. the method draws in mix(): a repeat replays the generator from here
+                forward.state = generator.get_state()  # (recompute.generator_state)
+            else:  # lam and the index are all it draws: drawn now, repeated as pinned values
+                drawn = forward.drawn = self._draws(spec, n, pins, generator)
+            if not torch.is_grad_enabled() or _saved_hooks(False) is not None:  # (may_be_recomputed)
+                self._note(spec, forward.repeat)
+        if self._clean or self._masks.active or found[0].tensor.is_cuda:
+            self._check_apply(spec, found, n)
+        if generator is self.generator and self._policies is None:  # 4. (the usual mix: as it is)
+            draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
+            mixed = self.mix(given, draw)
+        else:
+            draw, mixed = self._drawing(spec, n, pins, generator, self.mix, given, drawn)
+        if plan is None:  # 5.
+            tensors, state = self._put_back(spec, found, given, draw, mixed)
+        else:
+            t = mixed.tensors.get(()) if type(mixed) is Mixed and len(mixed.tensors) == 1 else None
+            if t is None or t.shape != given[0].tensor.shape:  # (what _check_mixed refuses, said by it)
+                t = self._check_mixed(spec, given, mixed)[()]
+            state = self._state(spec, _PLAIN, (plan.dim,), (value.shape,), draw, mixed, self._clean)
+            tensors = {(): channels_last(t) if plan.view else t}
+        if self._clean or self._policies is not None:
+            tensors, state = self._finish(found, tensors, state)
+        self._done(forward, state)
+        return (
+            tensors[()] if type(site_value) is torch.Tensor else replace_leaves(site_value, tensors)
+        ), state
+
+    def _read(self, spec: str, value, forward: Forward) -> tuple:
+        """:meth:`_mix`'s step 1 where its plan does not hold: the site's value in ``value``, its leaves
+        found and as the method is given them, and the batch size, read, checked and planned again
+        (:meth:`SiteLeaves.leaves`)."""
+        reading = self._site_leaves
+        site_value = reading.value(spec, value) if type(value) is Inputs else value  # (the model's input)
+        return (site_value, *reading.leaves(spec, site_value, forward.batch))
+
+    def _before_mixing(self, spec: str, leaves: tuple, forward: Forward) -> tuple:
+        """:meth:`_mix`'s step 2: the site's ``(value, found, given, n)`` with a policy's rows appended (a
+        memory bank's partners), and what the method (``before_mix``) and its policies compute before the
+        mix joined to the forward's pins (so that a recomputation and ``pin_last`` reuse it: a replay
+        computes nothing again)."""
         policies = self._policies
-        if before or not self.draws_in_mix or policies is not None:
-            reading = self._site_leaves
-            site_value = reading.value(spec, value)
-            leaves = (site_value, *reading.leaves(spec, site_value, forward.batch))
-            if policies is not None:  # (a memory bank's partner rows appended)
-                leaves = policies.extend(spec, leaves, forward.pins.given)
-        if before:
+        if policies is not None:
+            leaves = policies.extend(spec, leaves, forward.pins.given)
+        if forward.replay:
+            return leaves
+        if self._before_mix:
             extra = self.before_mix(spec, leaves[2], forward.pins.given)
-            if extra:  # a recomputation and pin_last mix with the same values
+            if extra:
                 forward.pins = forward.pins.joined(extra)
         if policies is not None:
             extra = policies.before_mix(self, spec, leaves[2], forward.pins.given)
             if extra:
                 forward.pins = forward.pins.joined(extra)
-        drawn = self._repeatable(spec, None if leaves is None else leaves[3], forward, generator)
-        self._note(spec, forward.repeat)  # (computed only where the forward may be recomputed)
-        mixed, last = self._apply(spec, value, forward.pins, generator, forward.batch, leaves, drawn)
-        self._done(forward, last)
-        return mixed, last
+        return leaves
+
+    def _finish(self, found: list[Leaf], tensors: dict, state: MixState) -> tuple[dict, MixState]:
+        """The mixed tensors with the clean rows before them (``clean``: along each tensor's batch
+        dimension), and a partner batch's rows dropped (a policy's)."""
+        if self._clean:
+            tensors = {leaf.path: torch.cat([leaf.tensor, tensors[leaf.path]], leaf.dim) for leaf in found}
+        if self._policies is not None:
+            tensors, state = self._policies.finish(found, tensors, state)
+        return tensors, state
+
+    def _put_back(self, spec: str, found: list[Leaf], given: list[Leaf], draw: Draw, mixed: Mixed):
+        """:meth:`_mix`'s step 5 where no plan held: the mixed tensors, checked, as the site had them (a
+        token grid's maps into their tokens, channels-first views into their channels-last maps), and the
+        :class:`MixState`."""
+        tensors = self._check_mixed(spec, given, mixed)
+        state = self._state_of(spec, found, draw, mixed, self._clean)
+        if self.token_grid is not None:
+            grid, index, permutation = self.token_grid, draw.index, draw.permutation
+            return {
+                f.path: grid.from_map(f, tensors[f.path], state.lam, index, permutation) for f in found
+            }, state
+        if given is not found:  # channels-last maps were given as their channels-first views
+            restore = self._site_leaves.restore
+            return {f.path: restore(spec, f, tensors[f.path], None, None) for f in found}, state
+        return tensors, state
 
     def _repeatable(self, spec: str, n: int | None, forward: Forward, generator: torch.Generator):
         """Make ``forward``'s mix at ``spec`` repeatable (``pin_last``, a recomputation): for a method that
@@ -343,6 +431,8 @@ class MixerHooks(LayerHook):
     def _done(self, forward: Forward, last: MixState) -> None:
         """``forward`` mixed ``last``: kept for ``pin_last``, and recorded for ``loss()`` (eager here, or
         in ``mixhook::draw`` for a forward a compiled graph began)."""
+        if forward.replay:  # (a recomputation's mix was recorded by its forward)
+            return
         self._last_forward = forward
         forward.mixed = last
         self.last = last
@@ -404,24 +494,24 @@ class MixerHooks(LayerHook):
     # --------------------------------------------- a recomputation by activation checkpointing: replay
 
     def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
-        """In a recomputation of the whole model: its input's mix again."""
+        """In a recomputation of the whole model: its input's mix again, on the one path (:meth:`_mix`)."""
         if self._gradients.running:
             return None
         for spec in self._inputs:
             pins = self._replayed(spec)
             if pins is not None:
                 inputs = Inputs(model, args, kwargs)
-                value, state = self._apply(spec, inputs, pins, self._replaying(pins.state))
+                value, state = self._mix(spec, inputs, Forward(spec, pins, replay=True))
                 args, kwargs = rebuild_inputs(inputs, self.sites[spec], value)
                 return self._input_masks(model, args, kwargs, spec, state, again=True)
         return None
 
     def _replay_layer(self, spec: str, output):
-        """In a recomputation: the forward's mix at ``spec`` again."""
+        """In a recomputation: the forward's mix at ``spec`` again, on the one path (:meth:`_mix`)."""
         pins = None if self._gradients.running else self._replayed(spec)
         if pins is None:
             return None
-        return self._apply(spec, output, pins, self._replaying(pins.state))[0]
+        return self._mix(spec, output, Forward(spec, pins, replay=True))[0]
 
     def _replaying(self, state: torch.Tensor | None) -> torch.Generator:
         """The generator a mix draws from: the mixer's own, or for a repeat (``pin_last``, a
@@ -429,55 +519,10 @@ class MixerHooks(LayerHook):
         and the index, which are repeated as pinned values)."""
         return self.generator if state is None else recompute.replay_generator(self.generator, state)
 
-    # ------------------------------------------------------------------ the general mix of any site
-
-    def _apply(
-        self,
-        spec: str,
-        value,
-        pins: Pins,
-        generator: torch.Generator,
-        batch: int | None = None,
-        leaves: tuple | None = None,
-        drawn: Draw | None = None,
-    ):
-        """Mix what ``spec`` returned (or the model's inputs); draws come from ``generator``. Returns the
-        mixed value (same structure; for ``"input"`` the changed arguments) and the :class:`MixState`.
-        ``leaves``: the site's value and what :meth:`SiteLeaves.leaves` gave for it, where the caller has
-        them; ``drawn``: the :class:`Draw`, where the caller drew it (not read back from ``pins`` and
-        checked again)."""
-        reading = self._site_leaves
-        if leaves is None:
-            site_value = reading.value(spec, value)
-            found, given, n = reading.leaves(spec, site_value, batch)
-            if self._policies is not None:  # (a recomputation: the bank's rows appended again)
-                site_value, found, given, n = self._policies.extend(
-                    spec, (site_value, found, given, n), pins.given
-                )
-        else:
-            site_value, found, given, n = leaves
-        self._check_apply(spec, found, n)
-        draw, mixed = self._drawing(spec, n, pins, generator, self.mix, given, drawn)
-        tensors = self._check_mixed(spec, given, mixed)
-        state = self._state_of(spec, found, draw, mixed, self._clean)
-        if self.token_grid is not None:
-            grid = self.token_grid
-            tensors = {
-                leaf.path: grid.from_map(leaf, tensors[leaf.path], state.lam, draw.index, draw.permutation)
-                for leaf in found
-            }
-        elif self.layout_aware:  # channels-last maps were given as their channels-first views
-            tensors = {
-                leaf.path: reading.restore(spec, leaf, tensors[leaf.path], None, None) for leaf in found
-            }
-        if self._clean:  # the clean rows, then their mixes, along each tensor's batch dimension
-            tensors = {leaf.path: torch.cat([leaf.tensor, tensors[leaf.path]], leaf.dim) for leaf in found}
-        if self._policies is not None:  # (a partner batch's rows dropped)
-            tensors, state = self._policies.finish(found, tensors, state)
-        return replace_leaves(site_value, tensors), state
+    # ------------------------------------------------------------------ the checks and draws of a mix
 
     def _check_apply(self, spec: str, found: list[Leaf], n: int) -> None:
-        """Refuse, in one line, a mix :meth:`_apply` cannot make exact: clean rows of a batch of one, a CUDA
+        """Refuse, in one line, a mix :meth:`_mix` cannot make exact: clean rows of a batch of one, a CUDA
         graph being captured, a ``(B, L, C)`` sequence cut by position where the model takes padding masks."""
         if self._clean and n < 2:
             raise ValueError(
@@ -535,16 +580,21 @@ class MixerHooks(LayerHook):
                 return drawn
         lam = pins.lam
         if lam is None:
-            lam = self.sample_lam(n, generator)
+            lam = self.sample_lam(n, generator) if self._own_lam else sample_lam(self.alpha, generator)
             if type(lam) is not torch.Tensor or lam.dtype != torch.float64:
                 lam = torch.as_tensor(lam, dtype=torch.float64)
         elif lam.ndim == 1 and lam.shape[0] != n:
             raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
         index = pins.index
         if index is None:
-            index = self.draw_index(n, generator)
+            index = (
+                self.draw_index(n, generator)
+                if self._own_index
+                else torch.randperm(n, generator=generator, device=generator.device)  # (the default's line)
+            )
             permutation = self.index_is_permutation and (not self._global or self.partner_pool(n) == n)
-            return Draw(spec, lam, index, generator, pins.given, permutation, weight_of(lam))
+            weight = lam.item() if lam.ndim == 0 and lam.is_cpu and not _compiling() else lam  # (weight_of)
+            return Draw(spec, lam, index, generator, pins.given, permutation, weight)
         pool = self.partner_pool(n) if self._global else n
         low, high = pins.span
         if index.shape[0] != n or (n and (low < -pool or high >= pool)):
@@ -569,9 +619,13 @@ class MixerHooks(LayerHook):
         """The :class:`MixState` of a mix at ``spec`` of the elements ``names`` (their batch dimensions
         ``dims`` and shapes), drawn ``draw``, as ``mixed`` says (``clean``: the clean rows kept before it)."""
         own = mixed.lam is None
+        lam = draw.lam if own else torch.as_tensor(mixed.lam, dtype=torch.float64)
+        weight = draw.weight if own else None  # (one lam on the CPU as a float: what loss() weighs by)
+        if type(weight) is not float and lam.ndim == 0 and lam.is_cpu and not _compiling():
+            weight = lam.item()
         return MixState(
             spec,
-            draw.lam if own else torch.as_tensor(mixed.lam, dtype=torch.float64),
+            lam,
             draw.index if mixed.index is None else mixed.index,
             dict(mixed.info) if mixed.info else {},
             names,
@@ -580,7 +634,7 @@ class MixerHooks(LayerHook):
             shapes,
             clean,
             mixed.partner_lam,
-            draw.weight if own and type(draw.weight) is float else None,
+            (lam, weight) if type(weight) is float else None,
         )
 
     def _check_mixed(self, spec: str, leaves: list[Leaf], mixed: Mixed) -> dict:
@@ -646,7 +700,7 @@ class MixerHooks(LayerHook):
 
     def _host_draw(self, spec: str, n: int, found: list, given: list, device: torch.device):
         """``mixhook::draw`` at ``spec`` (:mod:`.traced`): ``None`` unless this forward mixes there; then
-        the values :meth:`draw_traced` draws and the :class:`MixState`, drawn and kept as :meth:`_mix_now`
+        the values :meth:`draw_traced` draws and the :class:`MixState`, drawn and kept as :meth:`_mix`
         draws and keeps an eager mix."""
         forward = self._current
         if forward is None or forward.done or forward.layer != spec:

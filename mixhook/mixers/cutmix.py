@@ -15,6 +15,7 @@ from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
 from ..functional import sample_beta, sample_lam
 from ..geometry import (
+    box_slices,
     rand_region,
     rand_regions,
     region_lam,
@@ -63,9 +64,9 @@ def paste_box(h: torch.Tensor, index: torch.Tensor, box: tuple[int, ...]) -> tor
     after the channels) comes from ``h[index]``; ``h`` is not modified.
 
     Gradients flow to ``h`` outside the box and to ``h[index]`` inside it."""
-    region = (slice(None), slice(None), *(slice(a, b) for a, b in zip(box[0::2], box[1::2], strict=True)))
+    region = (slice(None), slice(None), *box_slices(box))
     out = h.clone()
-    out[region] = h[region][to_device(index, h.device)]
+    out[region] = h[region][index if index.device == h.device else to_device(index, h.device)]
     return out
 
 
@@ -113,6 +114,7 @@ class CutMix(RegionMixer):
 
     pin_keys = ("box",)
     region_dims = (1, 2, 3)
+    checks_by_signature = True  # (the map's kind and sides)
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from ..engine.checks import check_non_negative, check_pinned_mask, check_positiv
 from ..engine.contract import Draw
 from ..engine.regions import MaskMixer
 from ..geometry import fmix_mask
+from ..hooks import Planned
 from ..sites import Leaf
 
 SPECTRA = ("reference", "authors", "complex")
@@ -59,6 +60,8 @@ class FMix(MaskMixer):
     """
 
     pin_keys = ("mask",)
+    checks_by_signature = True  # (the map's kind and sides, and the spectrum)
+    spectrum = Planned()
     region_dims = (1, 2, 3)
 
     def __init__(

@@ -16,6 +16,7 @@ from ..engine.checks import check_grid, check_region, map_size
 from ..engine.contract import Draw
 from ..engine.regions import MaskMixer
 from ..geometry import grid_volume
+from ..hooks import Planned
 from ..sites import Leaf
 
 
@@ -53,6 +54,8 @@ class GridMix(MaskMixer):
     """
 
     pin_keys = ("cells",)
+    checks_by_signature = True  # (the map's kind and sides, and the grid)
+    grid = Planned()
     region_dims = (1, 2, 3)
 
     def __init__(

@@ -20,6 +20,7 @@ from ..engine.forward import Forward
 from ..engine.mixer import Mixer
 from ..engine.partners import check_partners, world
 from ..functional import along, blend, lerp_rows, per_sample, sample_beta, sample_lam
+from ..hooks import Planned
 from ..sites import Leaf
 from ..transfer import to_device
 
@@ -76,6 +77,7 @@ class ManifoldMixup(Mixer):
     """
 
     layout_aware = False  # the blend treats every element alike: any layout
+    partners = Planned()  # (whether mix() draws and the ranks agree are worked out at attach)
 
     @property
     def draws_in_mix(self) -> bool:

@@ -55,6 +55,7 @@ class SmoothMix(MaskMixer):
     """
 
     pin_keys = ("mask",)
+    checks_by_signature = True  # (the map's kind and sides)
     region_dims = (1, 2, 3)
 
     def __init__(

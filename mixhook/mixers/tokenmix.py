@@ -16,6 +16,7 @@ from ..engine.checks import check_grid, check_spatial
 from ..engine.contract import Draw
 from ..engine.regions import MaskMixer
 from ..geometry import block_token_mask, grid_mask, random_token_mask
+from ..hooks import Planned
 from ..sites import Leaf
 from .gridmix import check_pinned_cells
 
@@ -59,6 +60,8 @@ class TokenMix(MaskMixer):
     """
 
     pin_keys = ("cells",)
+    checks_by_signature = True  # (the map's sides, and the grid)
+    grid = Planned()
 
     def __init__(
         self,

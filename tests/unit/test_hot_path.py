@@ -81,10 +81,10 @@ def test_a_pinned_index_with_repeats_keeps_the_summed_gradient():
 
 @pytest.mark.parametrize("mode", ["batch", "elem", "pair"])
 def test_every_forward_of_a_planned_site_is_the_hand_edited_blend(mode):
-    """A site that returned a plain tensor once is planned, and the method that draws nothing in mix() then
-    takes the short path (Mixer._mix_plain): each of several forwards, the first (full path) and those
-    after it, equals the hand-edited forward with the same lam and index, logits and gradients in float64;
-    the dtype changing in between goes the full path again and stays exact."""
+    """A site that returned a plain tensor once is planned, and the next forwards with its signature take
+    the cheap case at the top of the one path (MixerHooks._mix): each of several forwards, the first (read
+    and planned) and those after it, equals the hand-edited forward with the same lam and index, logits
+    and gradients in float64; the dtype changing in between is read and planned again and stays exact."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Identity(), nn.Linear(5, 3)).double().train()
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
@@ -331,16 +331,16 @@ def test_one_plain_forward_and_its_loss_enter_at_most_20_mixhook_functions_in_5_
 
 
 def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
-    """What the short path keeps (a site's plan, the model's packing probe, which hops the method needs)
+    """What the cheap case keeps (a site's plan, the model's packing probe, which hops the method needs)
     holds until what it depends on changes: a layer that returns another kind of output is read again, a
     model changed and attached again is worked out again, a method's own check runs on every forward of
-    the short path, and a model that can be given packed batches is probed at every forward."""
+    the cheap case, and a model that can be given packed batches is probed at every forward."""
     from mixhook.packing import PackedBatchError
 
     torch.manual_seed(0)
     x = torch.randn(6, 4, dtype=torch.float64)
 
-    class Picky(ManifoldMixup):  # its own check, on the short path too
+    class Picky(ManifoldMixup):  # its own check, in the cheap case too
         calls = 0
 
         def check_leaves(self, spec, leaves):
@@ -391,3 +391,65 @@ def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
         h = net.body[0](x)
         lam, index = float(mix.last.lam), mix.last.index
         torch.testing.assert_close(out, net.out(lam * h + (1 - lam) * h[index]), rtol=1e-12, atol=1e-14)
+
+
+# Each catalogue case's entries and files at most (tests/entries.py; docs/performance.md's table): a change
+# that lowers a count lowers its pin, and one that raises it must say why here.
+PINNED = {
+    "ManifoldMixup": (22, 7), "NoisyFeatureMixup": (41, 8), "CutMix": (26, 6), "OneOf": (43, 10),
+    "FMix": (25, 7), "GridMix": (25, 8), "SmoothMix": (26, 7), "ResizeMix": (28, 8), "TokenMix": (57, 9),
+    "PatchUp": (27, 8), "SaliencyMix": (104, 17), "AttentiveCutMix": (55, 12), "PuzzleMix": (138, 16),
+    "SnapMix": (69, 15), "SpecMix": (36, 8), "AlignMix": (34, 8), "CatchUpMix": (25, 9), "RegMixup": (26, 6),
+    "RankMixup": (28, 8), "MixupE": (27, 7), "CMixup": (28, 8), "TransMix": (58, 11), "MixPro": (58, 11),
+    "AutoMix": (72, 12), "SAMix": (78, 12), "Balanced-MixUp": (59, 12), "Remix": (50, 8),
+    "DecoupledLoss": (50, 8), "KernelWarping": (55, 8), "LocalWeights": (51, 8), "SaliencyPairing": (97, 16),
+    "ManifoldMixup (input)": (19, 5), "ManifoldMixup (conv1)": (19, 5), "CutMix (conv1)": (26, 6),
+    "FMix (conv1)": (25, 7), "GridMix (conv1)": (25, 8), "SmoothMix (conv1)": (26, 7),
+    "ResizeMix (conv1)": (28, 8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", ["ManifoldMixup (input)", "ManifoldMixup (conv1)", "CutMix", "CutMix (conv1)", "FMix (conv1)"]
+)
+def test_input_mixup_and_the_mask_methods_walk_the_one_short_path(name):
+    """Issue 68: Manifold Mixup at a hidden layer and at the input enter at most 20 mixhook functions in 5
+    files, CutMix and FMix at the input or a layer at most 28 (in 6 files for CutMix; the mask methods' base
+    adds a seventh, docs/performance.md says why), with what a model does not need decided once: no padding
+    masks asked for, no structure walked, no gradient pass."""
+    from tests.entries import CASES, GOALS, count
+
+    (method,) = [m for m in CASES if m.name == name]
+    forward, loss = count(method)
+    calls = forward + loss
+    files = {file for file, _ in calls}
+    listing = ", ".join(f"{file}:{fn}" for file, fn in calls)
+    most, in_files = GOALS[name]
+    in_files = in_files + (name.startswith("FMix"))
+    assert len(calls) <= most and len(files) <= in_files, f"{len(calls)} in {len(files)} files: {listing}"
+    names = {fn for _, fn in calls}
+    assert not names & {
+        "batch_leaves",
+        "at_input",
+        "Inputs",
+        "__init__",
+        "input_grid",
+        "gradient_at",
+        "leaves",
+    }
+
+
+@pytest.mark.slow
+def test_no_catalogue_method_enters_more_functions_than_pinned_and_the_docs_say_so():
+    """Every method of the catalogue (the matrix's, and the region methods at a hidden layer): its forward
+    and loss() enter no more mixhook functions, in no more files, than pinned; docs/performance.md's table
+    is what this checkout measures (python -m tests.entries --write)."""
+    from tests.entries import documented, measure, table
+
+    found = measure()
+    over = {name: (got, PINNED.get(name)) for name, got in found.items() if
+            PINNED.get(name) is None or got[0] > PINNED[name][0] or got[1] > PINNED[name][1]}  # fmt: skip
+    assert not over, f"(entries, files) over the pin: {over}"
+    assert documented() == table(found), (
+        "docs/performance.md's table is stale: python -m tests.entries --write"
+    )

@@ -152,7 +152,8 @@ class Mixed:
     Attributes:
         tensors: the mixed tensor for every leaf it was given, by ``leaf.path``, each of the leaf's shape.
         lam: the target weight ``loss``/``targets`` use, where it differs from the drawn ``draw.lam``
-            (CutMix's area-corrected lam); ``None``: ``draw.lam``.
+            (CutMix's area-corrected lam): float64 values, or one Python float (kept as the float the loss
+            weighs by, with no read of a tensor); ``None``: ``draw.lam``.
         info: what to record in :attr:`MixState.info`.
         index: the partners actually used, where the method chose them itself (partners from the global
             batch: indices into it); ``None``: ``draw.index``.
@@ -163,7 +164,7 @@ class Mixed:
     """
 
     tensors: dict
-    lam: torch.Tensor | None = None
+    lam: torch.Tensor | float | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
     index: torch.Tensor | None = None
     weights: torch.Tensor | None = None

@@ -47,6 +47,9 @@ _compiling = torch.compiler.is_compiling
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward: see recompute.in_backward
 _saved_hooks = recompute.saved_tensor_hooks
 _distributed = torch.distributed.is_initialized if torch.distributed.is_available() else bool
+# the make_fx tracer's mode, where one is active (torch.compiler.precompile, a non-strict export): a C call
+_proxy_mode = getattr(torch._C, "_get_dispatch_mode", lambda key: None)
+_PROXY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
 _PLAIN = ("[]",)  # the elements of a plain tensor (MixState.elements)
 # the extension points a forward skips (their default does nothing) or makes inline (draw_index, sample_lam:
 # a random permutation, one Beta(alpha, alpha) draw) where a method keeps the default (the class's
@@ -169,8 +172,8 @@ class MixerHooks(LayerHook):
             self._current = None
             self._given = {}
             return None
-        if self._packable:
-            packing.refuse(type(self).__name__, model, args, kwargs)
+        if self._packable or _proxy_mode(_PROXY) is not None:
+            self._refuse_call(model, args, kwargs)
         reading = self._site_leaves
         first = args[0] if args else None  # (the usual call: the model's input first, positionally)
         if reading.reads_sides:  # (inline for the usual call: reading.input_grid)
@@ -192,6 +195,19 @@ class MixerHooks(LayerHook):
         if forward is None or forward.layer not in self._inputs:
             return changed
         return self._mix_input(model, args, kwargs, forward)
+
+    def _refuse_call(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Refuse, in one line, a training call that no mix could be exact for: a packed batch
+        (:func:`mixhook.packing.refuse`), or a trace by make_fx (``torch.compiler.precompile``, a
+        non-strict export), whose artifact would replay this one forward's draws at every call."""
+        if _proxy_mode(_PROXY) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the model is being traced by make_fx (torch.compiler.precompile, or "
+                "a non-strict torch.export) in training mode: each training forward draws its own mix, "
+                "which the traced artifact would replay as this one draw at every call; compile with "
+                "torch.compile(model) (or model.compile()), or trace the model in eval mode"
+            )
+        packing.refuse(type(self).__name__, model, args, kwargs)
 
     def _decide(self, training: bool = True) -> Forward | None:
         """A forward begins (eager, or in a compiled graph; ``training``: one that may mix): whether it
@@ -618,9 +634,9 @@ class MixerHooks(LayerHook):
     def _state(spec: str, names: tuple, dims: tuple, shapes: tuple, draw: Draw, mixed: Mixed, clean=False):
         """The :class:`MixState` of a mix at ``spec`` of the elements ``names`` (their batch dimensions
         ``dims`` and shapes), drawn ``draw``, as ``mixed`` says (``clean``: the clean rows kept before it)."""
-        own = mixed.lam is None
-        lam = draw.lam if own else torch.as_tensor(mixed.lam, dtype=torch.float64)
-        weight = draw.weight if own else None  # (one lam on the CPU as a float: what loss() weighs by)
+        own, given = mixed.lam is None, mixed.lam
+        lam = draw.lam if own else torch.as_tensor(given, dtype=torch.float64)
+        weight = draw.weight if own else given  # (one lam on the CPU as a float: what loss() weighs by)
         if type(weight) is not float and lam.ndim == 0 and lam.is_cpu and not _compiling():
             weight = lam.item()
         return MixState(

@@ -43,7 +43,8 @@ def draw_region(draw: Draw, shape: Sequence[int], rounding: str = "paper") -> tu
     ``draw.generator``."""
     box = draw.pinned.get("box")
     if box is None:
-        return rand_region(shape, float(draw.lam), draw.generator, rounding)
+        lam = draw.weight if type(draw.weight) is float else float(draw.lam)
+        return rand_region(shape, lam, draw.generator, rounding)
     box = tuple(int(v) for v in box)
     if len(box) != 2 * len(shape) or not _fits(box, shape):
         raise ValueError(
@@ -208,7 +209,7 @@ def pasted(h: torch.Tensor, path, index: torch.Tensor, box: tuple[int, ...]) -> 
     """One ``box`` of ``h[index]`` pasted into ``h`` (:func:`paste_box`): the :class:`Mixed` with the
     volume it leaves as lam, ``info["box"]`` and the box's own-content weights."""
     shape = h.shape[2:]
-    lam = torch.tensor(region_lam(box, shape), dtype=torch.float64)
+    lam = region_lam(box, shape)  # (a float: the record's lam, and what the loss weighs by)
     return Mixed(
         {path: paste_box(h, index, box)}, lam=lam, info={"box": box}, weights=region_weights(box, shape)
     )

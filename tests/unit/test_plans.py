@@ -321,3 +321,71 @@ def test_every_method_at_a_portable_spec_trains_as_at_its_real_name(cls, layer, 
         runs.append([p.detach().clone() for p in (*net.parameters(), *mixer.parameters())])
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------ compile routes (item 7)
+
+
+def test_a_make_fx_trace_of_a_training_forward_is_refused_in_one_line():
+    """torch.compiler.precompile (make_fx) would bake one forward's draws into an artifact that replays them
+    at every call: refused in one line in training; an eval forward traces as the model does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).train()
+    x = torch.randn(6, 4)
+    mix = mixhook.ManifoldMixup("1")
+    with mix.attach(net):
+        for trace in (lambda: make_fx(net)(x), lambda: torch.compiler.precompile(net, x, backend="eager")):
+            with pytest.raises(RuntimeError, match="traced by make_fx") as refused:
+                trace()
+            assert "\n" not in str(refused.value)
+        net.eval()
+        graph = make_fx(net)(x)
+        torch.testing.assert_close(graph(x), net(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["PuzzleMix", "SnapMix"])
+def test_model_compile_with_a_mixer_that_runs_between_graphs_mixes_as_eager(method):
+    """``model.compile()`` (the module method) with a mixer whose hooks run between graphs
+    (``torch.compiler.disable``: pytorch/pytorch#142358 let such a hook make the module skip compiling):
+    the forward mixes, and its logits, loss and gradients equal the eager forward's on the same draws."""
+    from tests.matrix.methods import BY_NAME, data
+
+    x, y = data("cnn", n=8)
+    runs = []
+    for compiled in (False, True):
+        net = model("cnn")
+        mixer = BY_NAME[method].make("")
+        with mixer.attach(net):
+            if compiled:
+                net.compile(backend="eager")
+            runs.append(_step(mixer, None, net, x, y, criterion("cnn")))
+            assert mixer.last is not None
+    _same(runs[1], runs[0], 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("make", "setting", "value"),
+    [
+        (lambda: mixhook.ManifoldMixup("0"), "partners", "global"),
+        (lambda: mixhook.ManifoldMixup("0"), "padding", "keep"),
+        (lambda: mixhook.CutMix("0"), "layout", "NHWC"),
+        (lambda: mixhook.FMix("0"), "spectrum", "authors"),
+        (lambda: mixhook.GridMix("0"), "grid", 3),
+    ],
+)
+def test_a_setting_the_plans_depend_on_is_refused_while_attached_and_taken_before(make, setting, value):
+    """What is worked out at attach (which hops a forward takes, the layouts, the checks made once per
+    signature) reads these settings: set while attached, refused in one line (the plans would go on with
+    the old value, silently); the same value again is no change; detached, the setting is taken."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 64, 3))
+    mixer = make()
+    before = getattr(mixer, setting)
+    with mixer.attach(net):
+        setattr(mixer, setting, before)
+        with pytest.raises(RuntimeError, match=f"{setting} was planned on when it was attached") as refused:
+            setattr(mixer, setting, value)
+        assert "\n" not in str(refused.value) and getattr(mixer, setting) == before
+    setattr(mixer, setting, value)
+    assert getattr(mixer, setting) == value

@@ -3,15 +3,16 @@
 Read one training forward as data travels, one module per hop:
 
 - :mod:`.path`: the hooks a mixer registers (:class:`~.path.MixerHooks`): the model's pre-hook decides, the
-  mixed layer's hook draws, mixes and records (a layer that returned a plain tensor as before takes the
-  short path, ``MixerHooks._mix_plain``, for a method that draws nothing in ``mix()``), the model's output
-  hook marks the output;
+  mixed layer's hook hands its output to the one path every method's mix walks (``MixerHooks._mix``: its
+  leaves, the draws, the method's ``mix``, the record; a plain tensor with its site's planned signature is
+  the cheap case, chosen at its top), the model's output hook marks the output;
 - :mod:`.mixer`: :class:`~.mixer.Mixer`, the base a method subclasses: what it implements (``mix``,
   ``sample_lam``, ``draw_index``, ``check_leaves``, ...) and what a user calls (``pin``, ``use``, ...);
 - :mod:`.forward`: that forward as one object (:class:`~.forward.Forward`: layer, pins, lam and the index
   as drawn, what it mixed) and what a user pinned for it (:class:`~.forward.Pins`);
 - :mod:`.leaves`: a site's leaves as the method is given them (:class:`~.leaves.SiteLeaves`: batch
-  dimensions, layouts, token grids; a plain output planned at its first forward);
+  dimensions, layouts, token grids; a plain output planned at its first forward, with the signature it was
+  derived from: :class:`~.leaves.Plan`);
 - :mod:`.contract`: what a method is given and returns (:class:`~.contract.Draw`,
   :class:`~.contract.Mixed`), what a mix did (:class:`~.contract.MixState`), and the contract a training
   loop relies on (:class:`~.contract.MixingHook`);

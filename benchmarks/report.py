@@ -130,7 +130,9 @@ def _recompile_goals(rc: dict, add, device) -> None:
         add("graph_breaks", rc["graph_breaks"], 0, f"{rc['model']}, fullgraph=True")
 
 
-def _host_goals(h: dict, add, device) -> None:
+def _host_goals(h: dict, add, device, scenario: str = "") -> None:
+    for name, inner in h.get("scenarios", {}).items():
+        _host_goals(inner, add, device, f" ({'input mixup' if name == 'input' else 'CutMix at a map'})")
     for what in (w for w in ("forward", "forward_and_loss", "step") if w in h):
         floor = h[what].get("floor_vs_hand")
         why = (
@@ -139,12 +141,13 @@ def _host_goals(h: dict, add, device) -> None:
             else f"mixhook's structure alone (the floor row) is {floor['median']:.3f}: what is over the "
             "goal is the per-forward bookkeeping, not the hooks"
         )
-        add("host_vs_hand", h[what]["mixhook_vs_hand"]["median"], GOALS["host_vs_hand"][what], what, why=why)
-    add("extra_ops_vs_hand", h["extra_ops_vs_hand"], GOALS["extra_ops_vs_hand"], "training step")
+        limit = GOALS["host_vs_hand"][what]
+        add("host_vs_hand", h[what]["mixhook_vs_hand"]["median"], limit, what + scenario, why=why)
+    add("extra_ops_vs_hand", h["extra_ops_vs_hand"], GOALS["extra_ops_vs_hand"], "training step" + scenario)
     census = h["census"]["mixhook"]
-    add("copies_to_device_per_mix", census["copies_to_device"], 1, "training step")
-    add("host_reads_per_step", census["host_reads"], 0, "training step")
-    if "entries" in h:
+    add("copies_to_device_per_mix", census["copies_to_device"], 1, "training step" + scenario)
+    add("host_reads_per_step", census["host_reads"], 0, "training step" + scenario)
+    if "entries" in h and not scenario:
         limit = GOALS["entries_per_forward_and_loss"]
         add("entries_per_forward_and_loss", h["entries"]["count"], limit, "plain forward + loss()")
         add("files_per_forward_and_loss", h["entries"]["files"], GOALS["files_per_forward_and_loss"], "ditto")
@@ -285,13 +288,21 @@ def _dispatch(d: dict) -> list[str]:
     return lines
 
 
+_SCENARIOS = {
+    "layer": "Manifold Mixup at a hidden layer",
+    "input": "input mixup",
+    "cutmix": "CutMix at a map",
+}
+
+
 def _host(h: dict) -> list[str]:
     """The host section: an active mix's host cost against a hand-written hook, its aten ops and the
-    path it takes."""
+    path it takes; then the same for each further scenario (input mixup, CutMix)."""
     lines: list[str] = []
+    what_of = _SCENARIOS[h.get("scenario", "layer")]
     lines += [
         "",
-        f"## Host cost of an active mix, against a hand-written hook (batch {h['batch']}, width "
+        f"## Host cost of an active mix, against a hand-written hook: {what_of} (batch {h['batch']}, width "
         f"{h['width']})",
         "",
         "| call | plain (µs) | hand-written hook adds (µs) | mixhook adds (µs) | mixhook / hand | "
@@ -325,6 +336,8 @@ def _host(h: dict) -> list[str]:
             f"One training forward and its loss() enter {e['count']} mixhook functions in {e['files']} "
             "files: " + ", ".join(f"`{f}`" for f in e["functions"]),
         ]
+    for inner in h.get("scenarios", {}).values():
+        lines += _host(inner)
     return lines
 
 

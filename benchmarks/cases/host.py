@@ -1,7 +1,7 @@
 """Case: host: what an active mix costs the host, against a minimal hand-written hook with its own generators.
 
 Four copies of a small model (Linear, Identity, Linear), with no hook, with the hand-written Manifold
-Mixup hook below on the Identity (NumPy's Beta for lam, torch's randperm for the partners, the blend and the
+Mixup hook below on the Identity (lam and the partners from its own torch generator, the blend and the
 loss as the papers write them), with ``ManifoldMixup`` there, and with :class:`Floor`: mixhook's structure
 (a model pre-hook that starts the forward, the layer hook that draws from a torch generator and blends, a
 model hook that marks the output, a loss that finds its forward from the logits) and none of its checks
@@ -9,7 +9,9 @@ or records, what that structure costs by itself. The tensors are tiny, so the ti
 launch-bound GPU step pays. Timed side by side: the forward alone (the hooks' calls: a "bare" active hook
 call, at the model's level), the forward with its loss, and the whole step (with backward); the figure is
 the mix's time over the plain model's, divided by the hand-written hook's: the ratio of the two median
-added times (:func:`ratio_of_medians`; a ratio per repetition would divide by a noise-sized time).
+added times (:func:`ratio_of_medians`; a ratio per repetition would divide by a noise-sized time). The same
+for input mixup (a hand-written pre-hook on the model against ``ManifoldMixup("input")``) and for CutMix at
+a convolution's map (a hand-written box paste against ``CutMix``): ``scenarios``.
 Counted in the same step under a dispatch mode: aten ops, copies from the CPU to another device (one per
 mix at most: the partner index), and reads of a device tensor's value on the host (each a sync: none)."""
 
@@ -18,13 +20,12 @@ from __future__ import annotations
 import collections
 import statistics
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixhook import ManifoldMixup
+from mixhook import CutMix, ManifoldMixup
 from mixhook.functional import beta_value
 
 HOST_READS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.equal.default"}
@@ -32,20 +33,54 @@ COPIES = {"aten._to_copy.default", "aten.copy_.default"}
 
 
 class HandMix:
-    """Manifold Mixup written by hand as a forward hook, with its own generators."""
+    """Manifold Mixup written by hand as a forward hook, drawing from its own ``torch.Generator`` as a careful
+    user would (lam from two Gamma draws, as ``torch.distributions.Beta`` draws it, and the partners with
+    ``randperm``), the blend and the loss as the papers write them."""
 
     def __init__(self, device, alpha: float = 2.0):
-        self.rng = np.random.default_rng(0)
         self.generator = torch.Generator().manual_seed(0)
-        self.alpha, self.device = alpha, device
+        self.concentration = torch.tensor([alpha, alpha], dtype=torch.float64)
+        self.device = device
+
+    def draw(self, n: int) -> None:
+        g0, g1 = torch._standard_gamma(self.concentration, generator=self.generator).tolist()
+        self.lam = g0 / (g0 + g1)
+        self.index = torch.randperm(n, generator=self.generator).to(self.device)
 
     def __call__(self, module, args, out):
-        self.lam = float(self.rng.beta(self.alpha, self.alpha))
-        self.index = torch.randperm(out.shape[0], generator=self.generator).to(self.device)
+        self.draw(out.shape[0])
         return self.lam * out + (1 - self.lam) * out[self.index]
 
     def loss(self, logits, y):
         return self.lam * F.cross_entropy(logits, y) + (1 - self.lam) * F.cross_entropy(logits, y[self.index])
+
+
+class HandInputMix(HandMix):
+    """Input mixup written by hand as the model's forward pre-hook."""
+
+    def __call__(self, module, args):
+        x = args[0]
+        self.draw(x.shape[0])
+        return (self.lam * x + (1 - self.lam) * x[self.index], *args[1:])
+
+
+class HandCutMix(HandMix):
+    """CutMix written by hand as a forward hook on a map (the authors' box: side ratio ``sqrt(1 - lam)``, a
+    uniform centre, clipped; lam corrected to the area kept)."""
+
+    def __call__(self, module, args, out):
+        self.draw(out.shape[0])
+        height, width = out.shape[2:]
+        ratio = (1.0 - self.lam) ** 0.5
+        cut_h, cut_w = int(height * ratio), int(width * ratio)
+        cy = int(torch.randint(height, (), generator=self.generator))
+        cx = int(torch.randint(width, (), generator=self.generator))
+        y1, y2 = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, height)
+        x1, x2 = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, width)
+        mixed = out.clone()
+        mixed[:, :, y1:y2, x1:x2] = out[self.index, :, y1:y2, x1:x2]
+        self.lam = 1.0 - (y2 - y1) * (x2 - x1) / (height * width)
+        return mixed
 
 
 class Floor:
@@ -120,17 +155,30 @@ def ratio_of_medians(a: list[float], b: list[float]) -> dict:
     }
 
 
-def _variant(name: str, device, width: int) -> tuple[nn.Module, object]:
-    """The small model with variant ``name``'s hook (none, the hand-written one, ManifoldMixup, the floor)
-    and the loss it trains with."""
+SCENARIOS = ("layer", "input", "cutmix")  # Manifold Mixup at a hidden layer, input mixup, CutMix at a map
+
+
+def _variant(name: str, device, width: int, scenario: str = "layer") -> tuple[nn.Module, object]:
+    """The small model of ``scenario`` with variant ``name``'s hook (none, the hand-written one, mixhook's,
+    the floor: for the hidden layer only) and the loss it trains with. ``layer`` and ``input``: Linear,
+    Identity, Linear on ``(B, width)``; ``cutmix``: a 3x3 convolution to 4 channels of a ``(B, 3, 8, 8)``
+    image, Identity, a Linear head (the map is cut at the Identity)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, width), nn.Identity(), nn.Linear(width, 4)).to(device).train()
+    if scenario == "cutmix":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Identity(), nn.Flatten(), nn.Linear(256, 4))
+    else:
+        model = nn.Sequential(nn.Linear(width, width), nn.Identity(), nn.Linear(width, 4))
+    model = model.to(device).train()
     if name == "hand":
-        hand = HandMix(device)
-        model[1].register_forward_hook(hand)
+        if scenario == "input":
+            hand = HandInputMix(device)
+            model.register_forward_pre_hook(hand)
+        else:
+            hand = (HandCutMix if scenario == "cutmix" else HandMix)(device)
+            model[1].register_forward_hook(hand)
         return model, hand.loss
     if name == "mixhook":
-        mix = ManifoldMixup("1")
+        mix = CutMix("1") if scenario == "cutmix" else ManifoldMixup("input" if scenario == "input" else "1")
         mix.attach(model)
         return model, lambda logits, t: mix.loss(F.cross_entropy, logits, t)
     if name == "floor":
@@ -153,10 +201,22 @@ def _timed(what: str, model: nn.Module, loss, x: torch.Tensor, y: torch.Tensor, 
 
 
 def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) -> dict:
-    x = torch.randn(batch, width, device=device)
+    """Manifold Mixup at a hidden layer (the top level, with the floor), and in ``scenarios`` input mixup
+    and CutMix at a map, each against its hand-written hook."""
+    out = scenario("layer", device, timer, reps, calls, batch, width)
+    others = [name for name in SCENARIOS if name != "layer"]
+    out["scenarios"] = {name: scenario(name, device, timer, reps, calls, batch, width) for name in others}
+    return out
+
+
+def scenario(kind: str, device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) -> dict:
+    """One scenario (:data:`SCENARIOS`): the added times, the census and the path of mixhook's forward."""
+    shape = (batch, 3, 8, 8) if kind == "cutmix" else (batch, width)
+    x = torch.randn(*shape, device=device)
     y = torch.randint(0, 4, (batch,), device=device)
-    variants = {name: _variant(name, device, width) for name in ("none", "hand", "mixhook", "floor")}
-    out = {"batch": batch, "width": width, "calls": calls}
+    names = ("none", "hand", "mixhook", "floor") if kind == "layer" else ("none", "hand", "mixhook")
+    variants = {name: _variant(name, device, width, kind) for name in names}
+    out = {"batch": batch, "width": width, "calls": calls, "scenario": kind}
     for what in ("forward", "forward_and_loss", "step"):
         calls_of = {n: _timed(what, model, loss, x, y, calls) for n, (model, loss) in variants.items()}
         times = timer.side_by_side(calls_of, reps=reps, inner=1, warmup=1)
@@ -164,11 +224,12 @@ def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) 
             n: [(t - b) / calls * 1e6 for t, b in zip(times[n], times["none"], strict=True)] for n in variants
         }
         out[what] = {
-            "added_us": {n: statistics.median(added[n]) for n in ("hand", "mixhook", "floor")},
+            "added_us": {n: statistics.median(added[n]) for n in names[1:]},
             "plain_us": 1e6 * statistics.median(times["none"]) / calls,
             "mixhook_vs_hand": ratio_of_medians(added["mixhook"], added["hand"]),
-            "floor_vs_hand": ratio_of_medians(added["floor"], added["hand"]),
         }
+        if "floor" in variants:
+            out[what]["floor_vs_hand"] = ratio_of_medians(added["floor"], added["hand"])
     census = {}
     for name, (model, loss) in variants.items():
         loss(model(x), y).backward()  # warm

@@ -1,12 +1,13 @@
 """Plans that cannot go stale (issue 68): a mixer warmed up on one kind of forward and then given another
 computes what a fresh mixer computes on that forward, or refuses it exactly as a fresh mixer refuses it.
 
-Every method of the matrix (:mod:`tests.matrix.methods`) is warmed up for three training steps, then one
-thing changes at a time (the batch size, down to 1; the input's sides; the dtype; the memory format; eval and
-``no_grad`` forwards in between; a keyword call; the model copied and attached again; a submodule replaced
-and attached again). The warmed mixer's forward is compared with a fresh mixer's on the same draws (its
-state loaded from the warmed one's just before): the logits, ``loss()`` and every gradient, in float64, or
-the same one-line refusal. Beside them, the three defects the issue found, each against a hand-edited
+Every method of the matrix (:mod:`tests.matrix.methods`) is warmed up for three training steps (with an
+eval and a ``no_grad`` forward between them), then one thing changes at a time (the batch size, down to 1;
+the input's sides; the dtype; bf16 autocast; the memory format; a keyword call; activation checkpointing
+around the whole forward; the model copied and attached again; a submodule replaced and attached again).
+The warmed mixer's forward is compared with a fresh mixer's on the same draws (its state loaded from the
+warmed one's just before): the logits, ``loss()`` and every gradient, in float64, or the same one-line
+refusal. Beside them, the three defects the issue found, each against a hand-edited
 forward or a fresh mixer's refusal, and every method at a portable spec (``stage:k``) against its real name.
 """
 
@@ -85,7 +86,22 @@ def _changes(kind: str):
         changes += [("channels-last input", channels_last), ("a permuted view as input", permuted)]
     if kind == "cnn":
         changes.append(("12x12 input", larger))
-    changes.append(("a keyword call", lambda net, x, y: (net, x, y, lambda v: net(x=v))))
+
+    def autocast(net, x, y):
+        def call(v):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return net(v)
+
+        return net.float(), x.float(), (y.float() if y.is_floating_point() else y), call
+
+    def checkpointed(net, x, y):  # the whole forward recomputed in backward: every hook replays
+        return net, x, y, lambda v: torch.utils.checkpoint.checkpoint(net, v, use_reentrant=False)
+
+    changes += [
+        ("a keyword call", lambda net, x, y: (net, x, y, lambda v: net(x=v))),
+        ("bf16 autocast", autocast),
+        ("activation checkpointing", checkpointed),
+    ]
     return changes
 
 
@@ -128,7 +144,7 @@ def test_a_warmed_mixer_computes_what_a_fresh_one_does_after_each_change(method)
         with fresh_mixer.attach(net):
             fresh_mixer.load_state_dict(state)
             fresh = _step(fresh_mixer, stream, net, xc, yc, loss_of, call)
-        tolerance = 1e-5 if xc.dtype == torch.float32 else 1e-12
+        tolerance = 1e-5 if xc.dtype == torch.float32 else 1e-12  # (the same ops on the same draws)
         try:
             _same(warm, fresh, tolerance)
         except AssertionError as e:

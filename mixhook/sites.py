@@ -262,12 +262,12 @@ class Inputs(Mapping):
         return args, kwargs
 
 
-def first_parameter(module: nn.Module) -> tuple[str | None, dict[str, int]]:
+def first_parameter(module: nn.Module) -> str | None:
     """The name of ``module.forward``'s first positional parameter (``None`` where it takes ``*args``
-    only, or has no usable signature), and every parameter's position: what a keyword call's batch is
-    read from (the model's input, by signature, wherever and in whatever order it is passed)."""
-    positional, order = _signature(getattr(module.forward, "__func__", module.forward))
-    return (positional[0] if positional else None), order
+    only, or has no usable signature): what a keyword call's batch is read from (the model's input, by
+    signature, wherever and in whatever order it is passed)."""
+    positional, _ = _signature(getattr(module.forward, "__func__", module.forward))
+    return positional[0] if positional else None
 
 
 _SIGNATURES: dict = {}  # a plain dict, not functools.lru_cache, which torch.compile warns of and bypasses

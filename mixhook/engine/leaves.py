@@ -40,7 +40,7 @@ class Plan(NamedTuple):
     """What a site that returned a plain tensor is to a method, kept with the signature of that tensor: the
     next forward whose tensor has an equal signature is given its leaf without the structure walk, the
     layout's reading and the checks that depend on nothing else (the method's own ``check_leaves`` runs on
-    every forward)."""
+    every forward, unless it says ``checks_by_signature``)."""
 
     signature: tuple  # (shape, strides, dtype, device, the input's sides the map was checked against)
     dim: int  # the batch dimension
@@ -79,7 +79,7 @@ class SiteLeaves:
         self.input_dim: int | None = None if first is None else input_dim(model, first.seq_first)
         # the model's input by its signature: a keyword call's batch is read from it, not from the first
         # keyword given (an unbatched shift or position_ids passed first)
-        self.input_name, self._order = first_parameter(model)
+        self.input_name = first_parameter(model)
         self.plans: dict[str, Plan] = {}  # each site that returned a plain tensor: its plan
         self.input_sides: tuple[int, int, int] | None = None  # a training input's (ndim, H, W)
 
@@ -181,15 +181,15 @@ class SiteLeaves:
 
     def model_input(self, args: tuple, kwargs: dict):
         """The model's input in a call: its first parameter by signature, wherever and in whatever order it
-        is passed (positionally, or by keyword after an unbatched one); where that is no tensor (or not
-        given), the first tensor argument, positional ones first, keywords in the signature's order."""
+        is passed (positionally, or by keyword after an unbatched one); where that is no tensor (not given:
+        ``inputs_embeds=`` in place of ``input_ids=``), the first floating tensor given (not an integer
+        ``position_ids`` of batch 1, a mask), else the first tensor given."""
         first = args[0] if args else kwargs.get(self.input_name)
         if isinstance(first, (torch.Tensor, PackedSequence)):
             return first
-        order = self._order
-        keywords = sorted(kwargs, key=lambda k: order.get(k, len(order)))
-        candidates = (*args, *(kwargs[k] for k in keywords))
-        return next((v for v in candidates if isinstance(v, (torch.Tensor, PackedSequence))), None)
+        given = [v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, PackedSequence))]
+        floating = [v for v in given if isinstance(v, PackedSequence) or v.is_floating_point()]
+        return (floating or given or [None])[0]
 
     def reference_batch(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
         """The batch size of the model's input (:meth:`model_input`), to check each mixed layer against: its

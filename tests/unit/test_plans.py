@@ -271,6 +271,36 @@ def test_a_keyword_call_whose_first_keyword_is_unbatched_mixes_the_models_input(
             torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-12)
 
 
+class _Embedded(nn.Module):
+    """A language model's signature: ``forward(input_ids=None, position_ids=None, inputs_embeds=None)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, input_ids=None, position_ids=None, inputs_embeds=None):
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        h = h + 0.1 * position_ids.unsqueeze(-1).to(h.dtype)
+        return self.head(torch.tanh(self.block(h))).mean(1)
+
+
+def test_a_call_without_the_first_parameter_reads_its_batch_from_the_embeddings_not_the_positions():
+    """``net(position_ids=p, inputs_embeds=e)``, ``p`` of batch 1 (shared by every row) passed first: the
+    batch is the embeddings' (4), not the positions' (1); mixed as the hand-edited forward on the same
+    draw."""
+    torch.manual_seed(0)
+    net = _Embedded().double().train()
+    e, p = torch.randn(4, 5, 6, dtype=torch.float64), torch.arange(5)[None]
+    mixer = mixhook.ManifoldMixup("block", generator=torch.Generator().manual_seed(1))
+    with mixer.attach(net):
+        logits = net(position_ids=p, inputs_embeds=e)
+        lam, index = float(mixer.last.lam), mixer.last.index
+    h = net.block(e + 0.1 * p.unsqueeze(-1).double())
+    hand = net.head(torch.tanh(lam * h + (1 - lam) * h[index])).mean(1)
+    torch.testing.assert_close(logits, hand, rtol=1e-12, atol=1e-12)
+    assert index.shape == (4,)
+
+
 class _Staged(Cnn):
     """The matrix's CNN, with its stages registered (``stage:0`` is ``conv1``, ``stage:1`` is ``conv2``)."""
 

@@ -176,7 +176,7 @@ class MixerHooks(LayerHook):
             self._refuse_call(model, args, kwargs)
         reading = self._site_leaves
         first = args[0] if args else None  # (the usual call: the model's input first, positionally)
-        if reading.reads_sides:  # (inline for the usual call: reading.input_grid)
+        if reading.reads_sides:  # (SiteLeaves.input_grid, inline for the usual call)
             reading.input_sides = (
                 (first.ndim, first.shape[-2], first.shape[-1])
                 if type(first) is torch.Tensor and 3 < first.ndim < 6
@@ -351,11 +351,8 @@ class MixerHooks(LayerHook):
         pins = forward.pins
         generator = self.generator if pins.state is None else self._replaying(pins.state)
         drawn = None
-        if not forward.replay:
-            if self._draws_later:  # 3. the method draws in mix(): a repeat replays the generator from here
-                forward.state = generator.get_state()  # (recompute.generator_state)
-            else:  # lam and the index are all it draws: drawn now, repeated as pinned values
-                drawn = forward.drawn = self._draws(spec, n, pins, generator)
+        if not forward.replay:  # 3.
+            drawn = self._repeatable(spec, n, forward, generator)
             if not torch.is_grad_enabled() or _saved_hooks(False) is not None:  # (may_be_recomputed)
                 self._note(spec, forward.repeat)
         if self._clean or self._masks.active or found[0].tensor.is_cuda:
@@ -438,8 +435,8 @@ class MixerHooks(LayerHook):
         draws in :meth:`mix`, keep the generator's state before it (and return ``None``: nothing drawn
         yet); else draw lam and the index of the ``n`` samples now (the :class:`Draw`), keep and return
         it."""
-        if self.draws_in_mix:
-            forward.state = recompute.generator_state(generator)
+        if self._draws_later:  # (draws_in_mix, read when attached)
+            forward.state = generator.get_state()
             return None
         forward.drawn = self._draws(spec, n, forward.pins, generator)
         return forward.drawn
@@ -601,6 +598,7 @@ class MixerHooks(LayerHook):
                 lam = torch.as_tensor(lam, dtype=torch.float64)
         elif lam.ndim == 1 and lam.shape[0] != n:
             raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
+        weight = lam.item() if lam.ndim == 0 and lam.is_cpu and not _compiling() else lam  # (weight_of)
         index = pins.index
         if index is None:
             index = (
@@ -609,7 +607,6 @@ class MixerHooks(LayerHook):
                 else torch.randperm(n, generator=generator, device=generator.device)  # (the default's line)
             )
             permutation = self.index_is_permutation and (not self._global or self.partner_pool(n) == n)
-            weight = lam.item() if lam.ndim == 0 and lam.is_cpu and not _compiling() else lam  # (weight_of)
             return Draw(spec, lam, index, generator, pins.given, permutation, weight)
         pool = self.partner_pool(n) if self._global else n
         low, high = pins.span
@@ -621,7 +618,7 @@ class MixerHooks(LayerHook):
             )
         if low < 0:  # counted from the end, as indexing counts them
             index = torch.where(index < 0, index + pool, index)
-        return Draw(spec, lam, index, generator, pins.given, pool == n and pins.permutation, weight_of(lam))
+        return Draw(spec, lam, index, generator, pins.given, pool == n and pins.permutation, weight)
 
     @classmethod
     def _state_of(cls, spec: str, found: list[Leaf], draw: Draw, mixed: Mixed, clean=False) -> MixState:
@@ -637,8 +634,8 @@ class MixerHooks(LayerHook):
         own, given = mixed.lam is None, mixed.lam
         lam = draw.lam if own else torch.as_tensor(given, dtype=torch.float64)
         weight = draw.weight if own else given  # (one lam on the CPU as a float: what loss() weighs by)
-        if type(weight) is not float and lam.ndim == 0 and lam.is_cpu and not _compiling():
-            weight = lam.item()
+        if type(weight) is not float:
+            weight = weight_of(lam)
         return MixState(
             spec,
             lam,

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from benchmarks.timing import fmt
+from benchmarks.timing import fmt, fmt_added
 
 GOALS = {
     "mixup_vs_none": 1.02,  # active Manifold Mixup eager step / no-mixup step
@@ -312,13 +312,13 @@ def _host(h: dict) -> list[str]:
     for what in (w for w in ("forward", "forward_and_loss", "step") if w in h):
         row = h[what]
         floor = (
-            f" {row['added_us']['floor']:.1f} | {fmt(row['floor_vs_hand'])} |"
+            f" {row['added_us']['floor']:.1f} | {fmt_added(row['floor_vs_hand'])} |"
             if "floor_vs_hand" in row
             else " | |"
         )
         lines.append(
             f"| {what.replace('_', ' ')} | {row['plain_us']:.1f} | {row['added_us']['hand']:.1f} | "
-            f"{row['added_us']['mixhook']:.1f} | {fmt(row['mixhook_vs_hand'])} |{floor}"
+            f"{row['added_us']['mixhook']:.1f} | {fmt_added(row['mixhook_vs_hand'])} |{floor}"
         )
     lines += [
         "",

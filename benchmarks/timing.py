@@ -139,6 +139,13 @@ def ratio(times: dict[str, list[float]], a: str, b: str) -> dict:
     }
 
 
+def fmt_added(r: dict) -> str:
+    """A ratio of two added times (benchmarks/cases/host.py's ``ratio_of_medians``): ``ratio (difference
+    +d µs [low, high])``, the difference per call and its median's 95% interval standing for the spread."""
+    d = r["difference_us"]
+    return f"{r['median']:.3f} ({d['median']:+.1f} µs [{d['low']:+.1f}, {d['high']:+.1f}])"
+
+
 def fmt(r: dict) -> str:
     """``median (min..max)``, and the median's 95% interval where recorded: ``[low, high]``."""
     interval = f" [{r['low']:.3f}, {r['high']:.3f}]" if "low" in r else ""

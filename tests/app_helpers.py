@@ -1,10 +1,17 @@
-"""Shared pieces for the app's tests: a composed config, and `train.py` run the way a user runs it."""
+"""Shared pieces for the app's tests: a composed config, and `train.py` run the way a user runs it: in a
+process of its own (:func:`run_cli`, where the process is what is tested: exit statuses seen by a shell,
+signals, launchers) or in the test's process (:func:`run_app`: everything else)."""
 
+import contextlib
 import csv
+import importlib.util
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 
 from hydra import compose, initialize_config_dir
 
@@ -36,6 +43,74 @@ def run_cli(*overrides, cwd, env: dict | None = None):
         timeout=600,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+def _train_module():
+    """``train.py`` as the module ``train`` (loaded once: it is a script, not a package module; Hydra names
+    the job, and so its log file ``train.log``, after the task function's module)."""
+    module = sys.modules.get("train")
+    if module is None or getattr(module, "__file__", None) != str(ROOT / "train.py"):
+        spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["train"] = module
+    return module
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """Around an in-process run: what a run of ``train.py`` may change in its process (the working
+    directory, the environment, ``sys.argv``, the logging configuration Hydra sets up for its job, the
+    warning filters, torch's thread count and random state, Hydra's global state) is put back as it was, so
+    that the next test of this worker starts as it would have."""
+    import torch
+    from hydra.core.global_hydra import GlobalHydra
+
+    cwd, environ, argv = os.getcwd(), dict(os.environ), list(sys.argv)
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]  # fmt: skip
+    kept = [(lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+            for handler in getattr(lg, "handlers", []):
+                if handler not in {h for k in kept if k[0] is lg for h in k[1]}:
+                    handler.close()  # (the run's train.log)
+        for lg, handlers, level, propagate, disabled in kept:
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+        GlobalHydra.instance().clear()
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.argv[:] = argv
+
+
+def run_app(*overrides, cwd, env: dict | None = None):
+    """``python train.py *overrides`` run in this process as ``train.py`` runs it (its command-line check,
+    then Hydra's main: the same composition, run or sweep directories, callbacks and exit statuses), with
+    ``cwd`` as the working directory and ``env`` set beside this process's environment: a
+    :class:`subprocess.CompletedProcess` of what a process would have given (``returncode``, ``stdout``,
+    ``stderr``). For the tests that inspect what a run computes or writes; :func:`run_cli` where the process
+    itself is the property."""
+    argv, out, err, code = [str(ROOT / "train.py"), *map(str, overrides)], io.StringIO(), io.StringIO(), 0
+    with _process_state_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        os.chdir(cwd)
+        os.environ.update(env or {})
+        sys.argv[:] = argv
+        try:
+            _train_module().cli()
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+            if isinstance(exit.code, str):
+                print(exit.code, file=sys.stderr)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def results(run_dir):

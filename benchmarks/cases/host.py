@@ -18,6 +18,7 @@ mix at most: the partner index), and reads of a device tensor's value on the hos
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.timing import median_interval
 from mixhook import CutMix, ManifoldMixup
 from mixhook.functional import beta_value
 
@@ -141,17 +143,22 @@ class Census(TorchDispatchMode):
 
 
 def ratio_of_medians(a: list[float], b: list[float]) -> dict:
-    """``median(a) / median(b)`` of two samples of *added* times, with the interquartile range of the ratio
-    as its spread (``q1(a) / q3(b)`` .. ``q3(a) / q1(b)``). A ratio per repetition, as the other cases take,
-    divides by an added time that is itself noise-sized here (a difference of two timed runs, which can
-    come out negative): such ratios ran from -1.9 to 2.6 in one run."""
-    qa, qb = statistics.quantiles(a, n=4), statistics.quantiles(b, n=4)
+    """``median(a) / median(b)`` of two samples of *added* times (``nan`` where ``b``'s median is not above
+    zero: no ratio), and as its spread, in place of a spread of the ratio, the paired difference ``a - b``
+    per repetition in µs with the 95% interval of its median (``difference_us``). A ratio per repetition,
+    or one of quantiles, divides by an added time that is itself noise-sized here (a difference of two
+    timed runs, which can come out negative): such ratios ran from -1.9 to 2.6 in one run, and a spread of
+    quartile ratios reached -9.2 on a loaded machine. The difference's denominator is not noise: it has
+    none (``none``'s time cancels in it: it is ``mixhook``'s time minus ``hand``'s, each timed in the same
+    repetition)."""
+    median_b = statistics.median(b)
+    difference = [x - y for x, y in zip(a, b, strict=True)]
+    low, high = median_interval(difference)
     return {
-        "median": statistics.median(a) / statistics.median(b),
-        "min": qa[0] / qb[2],
-        "max": qa[2] / qb[0],
+        "median": statistics.median(a) / median_b if median_b > 0 else math.nan,
+        "difference_us": {"median": statistics.median(difference), "low": low, "high": high},
         "n": len(a),
-        "how": "ratio of medians; spread: interquartile",
+        "how": "ratio of medians; spread: the paired difference's median and its 95% interval, in us",
     }
 
 

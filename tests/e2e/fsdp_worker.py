@@ -426,8 +426,9 @@ def run_dcp(rank: int, world: int, x, y, folder: str) -> dict:
     return {"exact": [int(e) for e in exact], "refused": [int(r) for r in refusals]}
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+def scenarios(folder: str) -> dict:
+    """Every scenario of this file, in the process group already joined (``folder``: where the sharded
+    checkpoint goes): what each found."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=g, dtype=torch.double), torch.randint(0, 3, (8,), generator=g)
@@ -439,10 +440,16 @@ def main(out_path: str) -> None:
     found["scales"] = run_scales(rank, world, x, y)
     found["clip"] = run_clip(rank, world, x, y)
     found["nfm"] = run_nfm(rank, world, x, y)
+    found["dcp"] = run_dcp(rank, world, x, y, folder)
+    return found
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
     folder = [os.path.dirname(os.path.abspath(out_path))]
     dist.broadcast_object_list(folder)
-    found["dcp"] = run_dcp(rank, world, x, y, folder[0])
-    if rank == 0:
+    found = scenarios(folder[0])
+    if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(found, f)
     dist.barrier()  # (neither rank tears gloo down while the other may still be in its last collective)

@@ -24,8 +24,8 @@ def per_sample_ce(logits, y):
     return F.cross_entropy(logits, y, reduction="none")
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+def scenario() -> dict:
+    """The scenario, in the process group already joined: what rank 0 found (``{}`` on the other ranks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
@@ -99,9 +99,15 @@ def main(out_path: str) -> None:
         worst["targets"] = max(worst["targets"], float((torch.cat(all_soft) - ref_soft).abs().max()))
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             worst["grad"] = max(worst["grad"], float((p.grad - q.grad).abs().max()))
-    if rank == 0:
+    return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers_seen)} if rank == 0 else {}
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    found = scenario()
+    if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers_seen)}, f)
+            json.dump(found, f)
     dist.barrier()  # (neither rank tears gloo down while the other may still be in its last collective)
     dist.destroy_process_group()
     end_without_finalizing()  # (fsdp_worker.py says why: gloo's threads can outlive Python's shutdown)

@@ -1,5 +1,5 @@
-"""The Hydra app: configs composed for real, bad settings caught before training, and `train.py`
-run as a subprocess the way a user runs it."""
+"""The Hydra app: configs composed for real, bad settings caught before training, and `train.py` run the
+way a user runs it (in this process, and as a process of its own where its exit status is tested)."""
 
 import csv
 import json
@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from mixhook import ManifoldMixup
 from mixhook.app import run as app
-from tests.app_helpers import config, run_cli
+from tests.app_helpers import config, run_app, run_cli
 from tests.conftest import ROOT, write_cifar
 from tests.helpers import Lazy
 
@@ -166,14 +166,17 @@ def test_main_returns_the_final_test_accuracy_it_writes(tmp_path):
     assert summary["mixup"]["layer"] == "layer2" and summary["mixup"]["alpha"] == 2.0
 
 
+SHORT = ["trainer.epochs=2", "+model.width=0.25"]  # the default run, shorter and a quarter wide
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """``python train.py`` with nothing changed: the README's first command (15 epochs), run once for
-    the tests that check what it writes, as on a fresh machine (matplotlib has no font cache yet)."""
+    """``python train.py`` with nothing else changed than two epochs of the network a quarter wide, run in
+    this process once for the tests that check what it writes and prints. The README's own run (15 epochs,
+    as on a fresh machine: matplotlib without a font cache) is a step of .ci/run of its own,
+    .ci/readme_run.py, which checks it against the output the README shows."""
     out = tmp_path_factory.mktemp("default") / "run"
-    fresh = tmp_path_factory.mktemp("matplotlib")
-    result = run_cli(f"hydra.run.dir={out}", cwd=out.parent, env={"MPLCONFIGDIR": str(fresh)})
-    assert list(fresh.glob("fontlist-*.json"))  # (it built one in this run)
+    result = run_app(*SHORT, f"hydra.run.dir={out}", cwd=out.parent)
     assert result.returncode == 0, result.stderr
     return out, result
 
@@ -186,7 +189,7 @@ def summary_train_acc(out):
 def test_cli_trains_and_writes_metrics_and_summary(default_run):
     out, result = default_run
     rows = list(csv.DictReader(open(out / "metrics.csv")))
-    assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 16)]
+    assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 3)]
     assert list(rows[0]) == [
         "epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_ece", "lr", "seconds",
         "test_balanced_acc", *(f"test_acc_c{c}" for c in range(10)),
@@ -214,8 +217,9 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     image = images.imread(out / "reliability.png")
     assert image.shape[0] > 500 and image.std() > 0.05
     log = result.stdout + result.stderr
-    assert log.count("epoch 1/15  train_loss") == 1 and "epoch 15/15  train_loss" in log
-    # only the app's lines: not matplotlib's "generated new fontManager" from building its font cache
+    assert log.count("epoch 1/2  train_loss") == 1 and "epoch 2/2  train_loss" in log
+    # only the app's lines (.ci/readme_run.py checks so on a fresh machine, where matplotlib builds its font
+    # cache)
     assert [line for line in log.splitlines() if "[mixhook]" not in line] == []
     assert not list(out.glob(".*.tmp"))
 
@@ -238,12 +242,9 @@ def test_the_readmes_sample_output_is_what_the_default_run_prints(default_run):
 
     printed = [shape(line) for line in (result.stdout + result.stderr).splitlines() if "[mixhook]" in line]
     quoted = readme_quote("It prints one line per epoch")
-    assert quoted[2] == "..." and len(printed) == 17  # the start, 15 epochs, done
+    assert quoted[2] == "..." and len(printed) == 4  # the start, 2 epochs, done
     assert [shape(line) for line in quoted[:2] + quoted[3:]] == printed[:2] + printed[-2:]
-    summary = json.loads((default_run[0] / "summary.json").read_text())
-    assert (
-        0.985 <= summary["test_acc"] <= 0.9972 and 0.05 <= summary["test_ece"] <= 0.11
-    )  # the README's range
+    # the README's 15-epoch run, its range of test_acc and test_ece: .ci/readme_run.py, a step of .ci/run
 
 
 @pytest.mark.slow
@@ -272,7 +273,7 @@ def test_cli_mixup_none_and_an_unknown_group_option(tmp_path):
 def test_cli_trains_on_cifar_format_files(tmp_path):
     write_cifar(tmp_path / "cifar", "cifar10", per_file=16)
     out = tmp_path / "run"
-    result = run_cli(
+    result = run_app(
         "data=cifar10", f"data.root={tmp_path / 'cifar'}", "data.num_workers=0", "trainer.epochs=1",
         "trainer.batch_size=16", "mixup.layer=[input,layer1]", "+model.width=0.25", f"hydra.run.dir={out}",
         cwd=tmp_path,
@@ -295,7 +296,7 @@ def test_cli_trains_on_svhn_files_and_on_an_image_folder(tmp_path, data):
         jpeg_tree(tmp_path / "files" / "val", per_class=4, seed=1)
         options = ["data.num_workers=2", "data.size=32", "data.resize=36", "data.normalize=device"]
     out = tmp_path / "run"
-    result = run_cli(
+    result = run_app(
         f"data={data}", f"data.root={tmp_path / 'files'}", *options, "trainer.epochs=1",
         "trainer.batch_size=8", "mixup.layer=[input,layer1]", "+model.width=0.25", f"hydra.run.dir={out}",
         cwd=tmp_path,
@@ -306,10 +307,10 @@ def test_cli_trains_on_svhn_files_and_on_an_image_folder(tmp_path, data):
 
 
 @pytest.mark.slow
-def test_cli_default_experiment_reaches_95_percent(default_run):
+def test_cli_default_experiment_is_the_papers_manifold_mixup(default_run):
     summary = json.loads((default_run[0] / "summary.json").read_text())
     assert summary["mixup"]["layer"] == ["input", "layer1", "layer2"] and summary["mixup"]["alpha"] == 2.0
-    assert summary["epochs"] == 15 and summary["test_acc"] >= 0.95
+    assert summary["epochs"] == 2 and summary["test_acc"] >= 0.5  # (reaching 95% in 15: .ci/readme_run.py)
 
 
 # ------------------------------------------------------------------------ the hook catalogue in the app

@@ -507,7 +507,7 @@ def test_the_processes_of_a_job_check_one_run_directory_at_once(tmp_path):
     exited 2 saying the directory could not be written)."""
     import multiprocessing
 
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # (the property: several processes at once)
     barrier = context.Barrier(4)
     workers = [
         context.Process(target=_check_run_directory, args=(tmp_path / "run", 2000, barrier)) for _ in range(4)

@@ -67,6 +67,12 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert host["census"]["none"]["aten_ops"] < host["census"]["floor"]["aten_ops"]
     assert host["census"]["floor"]["aten_ops"] <= host["census"]["mixhook"]["aten_ops"]
     assert all("floor_vs_hand" in host[what] for what in ("forward", "forward_and_loss", "step"))
+    # the host figures divide one added time by another, each a difference of two timed runs: their spread
+    # is the paired difference (no denominator), never a ratio that a loaded machine can send below zero
+    for what in ("forward", "forward_and_loss", "step"):
+        figure = host[what]["mixhook_vs_hand"]
+        d = figure["difference_us"]
+        assert "min" not in figure and d["low"] <= d["median"] <= d["high"] and figure["n"] >= 5
     assert {"host_vs_hand", "extra_ops_vs_hand", "host_reads_per_step"} <= {g["goal"] for g in data["goals"]}
     data_ = data["data"]
     assert set(data_["images_per_second"]) == {"device", "workers"} and data_["images"] == 500

@@ -17,7 +17,7 @@ import torch
 
 from mixhook.app import run as app
 from mixhook.app.training import checkpoint as ckpt
-from tests.app_helpers import config, results, run_cli
+from tests.app_helpers import config, results, run_app
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # each trains through the app, most of them in train.py
@@ -35,8 +35,10 @@ TRAINING = {}  # the uninterrupted run's training seconds: the window in which t
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """The run the interrupted ones must end identical to: ``train.py`` run in this process (each killed run
+    is a process of its own, killed at a random step, and resumed here)."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    result = run_cli(*SMALL, f"hydra.run.dir={out}", cwd=out.parent)
+    result = run_app(*SMALL, f"hydra.run.dir={out}", cwd=out.parent)
     assert result.returncode == 0, result.stderr
     assert torch.load(out / "last.pt", weights_only=True)["epoch"] == 4
     TRAINING["seconds"] = json.loads((out / "summary.json").read_text())["seconds"]

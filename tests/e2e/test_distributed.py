@@ -1,6 +1,12 @@
-"""DDP through torchrun: two processes on CPU with gloo, one summary, test metrics over both ranks'
-shards, each rank's own mixing stream, and the same metrics again for the same seed through Hydra's
-submitit launcher with two tasks."""
+"""DDP and FSDP through torchrun: two processes on CPU with gloo, one summary, test metrics over both
+ranks' shards, each rank's own mixing stream, and the same metrics again for the same seed through Hydra's
+submitit launcher with two tasks; the library under DDP, FSDP2 and FSDP1 against one process replaying each
+rank's batch; the matrix's DDP and FSDP2 cells.
+
+Every scenario that runs in one job is run by one torchrun launch of two processes
+(tests/e2e/distributed_worker.py, the module fixture :func:`launch`); a launch of its own is kept only where
+the launch is what is tested: ``train.py`` under torchrun stopped by SIGTERM and resumed, a job of three
+processes refused, submitit's launcher."""
 
 import csv
 import json
@@ -61,17 +67,54 @@ def torchrun_app(out, cwd, *args, processes: int = 2, timeout: int = 300):
     )
 
 
-@pytest.mark.slow
-def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp_path):
-    out = tmp_path / "run"
-    result = torchrun_app(out, tmp_path, *ARGS, timeout=900)
+COMMON = [  # the app under FSDP and DDP: test_the_app_under_fsdp_trains_as_ddp...
+    "data.train_size=240", "data.test_size=0.1997", "trainer.batch_size=8", "trainer.epochs=2",
+    "trainer.eval_batch_size=179", "trainer.checkpoint_every=1", "trainer.progress_bar=false", "seed=2",
+    "+model.width=0.25", "scheduler=multistep", "scheduler.milestones=[1]",
+]  # fmt: skip
+STRATEGIES = {
+    "fsdp": ["trainer.strategy=fsdp", "trainer.fsdp_units=[layer1,layer2,layer3,layer4]"],
+    "ddp": [],
+}
+MATRIX = ["SaliencyMix", "SnapMix", "Balanced-MixUp", "TransMix", "RegMixup", "AutoMix"]
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """One torchrun launch of two processes running every scenario of this module that runs in one job
+    (tests/e2e/distributed_worker.py): the folder it worked in, what rank 0 found for each scenario."""
+    folder = tmp_path_factory.mktemp("launch")
+    scenarios = [
+        {"name": "global_partners", "kind": "global_partners"},
+        {"name": "fsdp", "kind": "fsdp"},
+        {"name": "matrix", "kind": "matrix", "names": MATRIX, "modes": ["ddp", "fsdp"]},
+        {"name": "matrix_late", "kind": "matrix", "names": ["AutoMix"], "modes": ["fsdp_late"]},
+        {"name": "app", "kind": "app", "overrides": ARGS, "out_dir": str(folder / "run")},
+        *(
+            {"name": f"app_{n}", "kind": "app", "overrides": [*COMMON, *extra], "out_dir": str(folder / n)}
+            for n, extra in STRATEGIES.items()
+        ),
+    ]
+    plan = folder / "plan.json"
+    plan.write_text(
+        json.dumps({"out": str(folder / "found.json"), "folder": str(folder), "scenarios": scenarios})
+    )
+    worker = ROOT / "tests" / "e2e" / "distributed_worker.py"
+    result = torchrun(worker, str(plan), cwd=folder, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    return folder, json.loads((folder / "found.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(launch, tmp_path):
+    folder, found = launch
+    out = folder / "run"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["epochs"] == 1
+    assert summary["processes"] == 2 and summary["epochs"] == 1 and found["app"] == summary["test_acc"]
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert len(rows) == 1 and float(rows[0]["test_acc"]) == summary["test_acc"]
-    assert (result.stdout + result.stderr).count("epoch 1/1  train_loss") == 1  # rank 0 reports
-    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    # (that rank 0 alone reports and that train.py's ranks write nothing beside the run directory:
+    # test_the_app_under_fsdp_trains_as_ddp..., on train.py's own launch)
 
     # the reduced test metrics are the whole test set's: evaluate the saved model on one process
     state = ckpt.load(out / "last.pt")
@@ -107,7 +150,8 @@ def test_two_processes_on_cpu_write_one_summary_with_metrics_over_both_ranks(tmp
 
 def interrupted(out, cwd, *args):
     """``torchrun_app`` stopped by SIGTERM a few steps after its first checkpoint (each rank finishes its
-    step, rank 0 writes the checkpoint), then resumed in its directory; the checkpoint it stopped at."""
+    step, rank 0 writes the checkpoint), then resumed in its directory; the checkpoint it stopped at, and the
+    resumed launch (its stdout, stderr and status)."""
     proc = subprocess.Popen(
         command(ROOT / "train.py", *args, f"hydra.run.dir={out}"),
         cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
@@ -123,43 +167,37 @@ def interrupted(out, cwd, *args):
     state = ckpt.load(out / "last.pt")
     resumed = torchrun_app(out, cwd, *args, "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return state
+    return state, resumed
 
 
 @pytest.mark.slow
-def test_the_app_under_fsdp_trains_as_ddp_resumes_exactly_and_refuses_another_world_size(tmp_path):
+def test_the_app_under_fsdp_trains_as_ddp_resumes_exactly_and_refuses_another_world_size(launch, tmp_path):
     """trainer.strategy=fsdp (the residual stages sharded one by one, then the model) under torchrun (gloo,
     2 processes): the same metrics as DDP, bit for bit (both average the two ranks' gradients, and each
-    forward starts from rank 0's batch-norm buffers); stopped by SIGTERM in the middle of an epoch and
-    resumed from its checkpoint, it ends identical to the run that was not stopped (each rank's running
-    sums of the part-done epoch kept as its own); the checkpoint holds the whole model (one process
-    evaluating it gets the run's test metrics, over a test set whose ranks' shards differ by a batch: 180
-    and 179 samples, 179 per batch); resumed by 3 processes, refused in one line."""
-    common = [
-        "data.train_size=240", "data.test_size=0.1997", "trainer.batch_size=8", "trainer.epochs=2",
-        "trainer.eval_batch_size=179", "trainer.checkpoint_every=1", "trainer.progress_bar=false", "seed=2",
-        "+model.width=0.25", "scheduler=multistep", "scheduler.milestones=[1]",
-    ]  # fmt: skip
-    strategies = {
-        "fsdp": ["trainer.strategy=fsdp", "trainer.fsdp_units=[layer1,layer2,layer3,layer4]"],
-        "ddp": [],
-    }
-    for name, extra in strategies.items():
-        result = torchrun_app(tmp_path / name, tmp_path, *common, *extra)
-        assert result.returncode == 0, result.stderr[-3000:]
-    rows = metrics_without_time(tmp_path / "fsdp")
-    assert len(rows) == 2 and rows == metrics_without_time(tmp_path / "ddp")
+    forward starts from rank 0's batch-norm buffers); ``train.py`` under torchrun stopped by SIGTERM in the
+    middle of an epoch and resumed from its checkpoint ends identical to the run that was not stopped (each
+    rank's running sums of the part-done epoch kept as its own), rank 0 alone reporting and nothing written
+    beside the run directory; the checkpoint holds the whole model (one process evaluating it gets the run's
+    test metrics, over a test set whose ranks' shards differ by a batch: 180 and 179 samples, 179 per batch);
+    resumed by 3 processes, refused in one line."""
+    folder, _ = launch
+    rows = metrics_without_time(folder / "fsdp")
+    assert len(rows) == 2 and rows == metrics_without_time(folder / "ddp")
     # (the running sums are kept per rank by the code both strategies share: the sharded run stands for both)
-    state = interrupted(tmp_path / "stopped", tmp_path, *common, *strategies["fsdp"])
+    own = tmp_path / "user"  # train.py's own launch, in a directory of its own
+    own.mkdir()
+    state, resumed = interrupted(own / "stopped", own, *COMMON, *STRATEGIES["fsdp"])
     assert state["epoch"] == 0 and state["step"] > 0, (state["epoch"], state["step"])  # mid-epoch
-    assert metrics_without_time(tmp_path / "stopped") == rows
+    assert metrics_without_time(own / "stopped") == rows
+    assert (resumed.stdout + resumed.stderr).count("epoch 2/2  train_loss") == 1  # rank 0 reports
+    assert [p.name for p in own.iterdir()] == ["stopped"]
 
-    summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
+    summary = json.loads((folder / "fsdp" / "summary.json").read_text())
     assert (
         summary["strategy"] == "fsdp"
-        and json.loads((tmp_path / "ddp" / "summary.json").read_text())["strategy"] == "ddp"
+        and json.loads((folder / "ddp" / "summary.json").read_text())["strategy"] == "ddp"
     )
-    state = ckpt.load(tmp_path / "fsdp" / "last.pt")
+    state = ckpt.load(folder / "fsdp" / "last.pt")
     model = PreActResNet18(in_channels=1, num_classes=10, width=0.25)
     model.load_state_dict(state["model"])
     data = build_data("digits", batch_size=8, seed=2, train_size=240, test_size=0.1997, num_workers=0)
@@ -168,27 +206,24 @@ def test_the_app_under_fsdp_trains_as_ddp_resumes_exactly_and_refuses_another_wo
         len(data.test.dataset) == 359 and acc == summary["test_acc"] and abs(nll - summary["test_nll"]) < 1e-6
     )
 
-    resume = f"trainer.resume={tmp_path / 'fsdp' / 'last.pt'}"
-    wider = torchrun_app(tmp_path / "wider", tmp_path, *common, *strategies["fsdp"], resume, processes=3)
+    resume = f"trainer.resume={folder / 'fsdp' / 'last.pt'}"
+    wider = torchrun_app(tmp_path / "wider", tmp_path, *COMMON, *STRATEGIES["fsdp"], resume, processes=3)
     assert wider.returncode != 0
     assert "the checkpoint was written by 2 process(es), this run has 3" in wider.stderr
 
 
-def test_global_partners_in_ddp_equal_one_process_mixing_the_global_batch(tmp_path):
+def test_global_partners_in_ddp_equal_one_process_mixing_the_global_batch(launch):
     """ManifoldMixup(partners="global") under torchrun (gloo, 2 processes, DDP): over 12 steps with
     prob 0.7 at three layers, each rank with its own stream, the ranks follow rank 0's decisions, the
     partners are one permutation of the global batch, and logits, losses, targets and DDP gradients
     equal one process mixing the whole batch by hand (float64)."""
-    out = tmp_path / "result.json"
-    result = torchrun(ROOT / "tests" / "e2e" / "global_partners_worker.py", str(out), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(out.read_text())
+    found = launch[1]["global_partners"]  # (global_partners_worker.py)
     assert found["mixed_steps"] >= 5 and found["layers"] == ["1", "3", "input"]
     worst = found["worst"]
     assert all(value < 1e-12 for value in worst.values()), worst
 
 
-def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch(tmp_path):
+def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch(launch):
     """FSDP2 (``fully_shard`` on each Linear, then on the root) under torchrun (gloo, 2 processes): over
     10 steps with prob 0.7 at three layers, with partners from each rank's batch and from the global
     batch, every rank's logits and loss and the gradients FSDP reduces equal one process replaying each
@@ -197,10 +232,7 @@ def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch
     per-sample factors, GradScale and GradClip (each rank clips its own gradient) on the sharded model; and
     NoisyFeatureMixup equal to itself on the unsharded model from each rank's generator state; and FSDP1
     (each Linear wrapped, then the root; ``use_orig_params`` True and False) for both partner modes."""
-    out = tmp_path / "result.json"
-    result = torchrun(ROOT / "tests" / "e2e" / "fsdp_worker.py", str(out), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(out.read_text())
+    found = launch[1]["fsdp"]  # (fsdp_worker.py)
     # a sharded checkpoint with each rank's mixer state under its own key resumes exactly on every rank; the
     # states under one key (one copy kept) are refused where a rank would get another's stream
     assert found["dcp"]["exact"] == [1, 1] and any(found["dcp"]["refused"]), found["dcp"]
@@ -209,3 +241,23 @@ def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch
         run = found[partners]  # (for clip, mixed_steps counts the samples whose gradient was clipped)
         assert run["mixed_steps"] >= 4 and len(run["layers"]) >= (1 if partners == "clip" else 2), run
         assert all(value < 1e-12 for value in run["worst"].values()), (partners, run["worst"])
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_equal_one_process_replaying_each_ranks_batch(launch):
+    """The matrix's DDP and FSDP2 cells (tests/matrix/distributed.py) of a sample of methods: each the
+    methods that need what a data-parallel job must give them (a policy's gradient pass, the labels before
+    the forward, a partner batch, a ViT's grid, the clean batch, a learned mixer)."""
+    cells = launch[1]["matrix"]
+    assert {(n, m): cells[n][m][0] for n in MATRIX for m in ("ddp", "fsdp")} == {
+        (n, m): "exact" for n in MATRIX for m in ("ddp", "fsdp")
+    }, cells
+
+
+@pytest.mark.slow
+def test_a_momentum_copy_attached_before_fsdp_follows_the_shards(launch):
+    """AutoMix attached before ``fully_shard`` of the root alone (the app's and Lightning's order): its
+    copy, made whole at attach, follows the shards the optimizer steps, which the root's forward replaces
+    by the gathered parameters while it runs; equal to one process replaying each rank's batch."""
+    cells = launch[1]["matrix_late"]
+    assert cells["AutoMix"]["fsdp_late"][0] == "exact", cells

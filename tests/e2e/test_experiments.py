@@ -3,8 +3,6 @@ CIFAR-format files, and a real multirun over two of them reports paper beside me
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,8 +21,8 @@ from mixhook import (
 )
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
-from tests.app_helpers import config, run_cli
-from tests.conftest import ROOT, write_cifar
+from tests.app_helpers import config, run_app
+from tests.conftest import write_cifar
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
@@ -308,10 +306,7 @@ def written_labels(written: dict):
 
 @pytest.mark.slow
 def test_cfg_job_prints_the_papers_hyperparameters(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "experiment=verma2019_cifar100_manifold", "--cfg", "job"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = run_app("experiment=verma2019_cifar100_manifold", "--cfg", "job", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     printed = OmegaConf.to_container(OmegaConf.create(result.stdout))
     assert printed["scheduler"]["milestones"] == [400, 800] and printed["trainer"]["epochs"] == 1200
@@ -324,7 +319,7 @@ def test_a_multirun_over_paper_experiments_reports_paper_beside_measured(tmp_pat
     sweep = tmp_path / "sweep"
     # data=cifar10 too: Hydra composes the sweep's base config without the swept experiment, where
     # data is digits and has no data.root
-    result = run_cli(
+    result = run_app(
         "-m", "experiment=verma2019_cifar10_none,verma2019_cifar10_manifold", "data=cifar10",
         f"data.root={tmp_path / 'cifar'}", "data.num_workers=0", "trainer.epochs=1",
         "trainer.batch_size=8", "trainer.progress_bar=false", "+model.width=0.25", f"hydra.sweep.dir={sweep}",

@@ -8,7 +8,7 @@ import hydra
 import pytest
 
 from mixhook.app.hydra_compat import HYDRA_14
-from tests.app_helpers import not_log_lines, run_cli
+from tests.app_helpers import not_log_lines, run_app, run_cli
 
 pytestmark = pytest.mark.slow  # each runs train.py
 
@@ -60,7 +60,7 @@ def test_a_checkpoint_that_is_not_one_is_one_line(tmp_path):
     "when this passes, drop the cap hydra-core<1.4 in pyproject.toml's sweep extra",
 )
 def test_an_optuna_sweep_runs(tmp_path):
-    result = run_cli(
+    result = run_app(
         "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", *QUICK,
         f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path,
     )  # fmt: skip

@@ -15,7 +15,7 @@ from mixhook.app import run as app
 from mixhook.app.data import build_data
 from mixhook.app.training.loop import evaluate
 from mixhook.policies import BalancedMixup, Remix
-from tests.app_helpers import config, run_cli
+from tests.app_helpers import config, run_app
 from tests.helpers import Lazy
 
 metrics = Lazy("sklearn.metrics")  # imported by the test that uses it, not at collection
@@ -64,7 +64,7 @@ def test_remix_gets_the_long_tails_class_counts_and_balanced_mixup_a_partner_bat
 @pytest.mark.slow
 def test_a_long_tail_sweep_over_the_policy_configs_trains_and_reports_balanced_accuracy(tmp_path):
     sweep = tmp_path / "sweep"
-    result = run_cli(
+    result = run_app(
         "-m", f"mixup={','.join(POLICY_CONFIGS)}", "data.imbalance_ratio=10", "data.sampler=random",
         "trainer.epochs=2", "trainer.progress_bar=false", "model=resnet32", f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,

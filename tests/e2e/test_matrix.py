@@ -1,14 +1,14 @@
 """A sample of the matrix (``python -m tests.matrix`` runs it whole and writes docs/matrix.md): every
 method in the own loop; each workflow with the methods that need what it must give them (the labels
 before the forward, a clean batch beside the mix, a partner batch, class counts, a ViT's grid through a
-wrapper); the app's shipped configs that the default data could not take before; both distributed
-modes in one launch of two processes."""
+wrapper); the app's shipped configs that the default data could not take before. The distributed cells of
+a sample (DDP, FSDP2, a momentum copy attached before FSDP) run in tests/e2e/test_distributed.py, in the
+launch its other data-parallel scenarios share."""
 
 import pytest
 
 from tests.matrix.cells import run
 from tests.matrix.methods import BY_NAME, METHODS
-from tests.matrix.report import distributed
 
 
 @pytest.mark.parametrize("method", [m.name for m in METHODS])
@@ -58,24 +58,6 @@ def test_the_shipped_configs_the_default_data_could_not_take_train_or_name_the_c
 def test_a_method_killed_and_resumed_in_the_app_ends_identical():
     cell = run(BY_NAME["Balanced-MixUp"], "resume")  # its partner stream resumes too
     assert cell.outcome == "exact", cell.line()
-
-
-@pytest.mark.slow
-def test_ddp_and_fsdp_equal_one_process_replaying_each_ranks_batch():
-    names = ["SaliencyMix", "SnapMix", "Balanced-MixUp", "TransMix", "RegMixup", "AutoMix"]
-    cells = distributed(names)
-    assert {(c.method, c.workflow): c.outcome for c in cells} == {
-        (n, m): "exact" for n in names for m in ("ddp", "fsdp")
-    }, [c.line() for c in cells if c.outcome != "exact"]
-
-
-@pytest.mark.slow
-def test_a_momentum_copy_attached_before_fsdp_follows_the_shards():
-    """AutoMix attached before ``fully_shard`` of the root alone (the app's and Lightning's order): its
-    copy, made whole at attach, follows the shards the optimizer steps, which the root's forward replaces
-    by the gathered parameters while it runs; equal to one process replaying each rank's batch."""
-    cells = distributed(["AutoMix"], modes=("fsdp_late",))
-    assert [c.outcome for c in cells] == ["exact"], [c.line() for c in cells]
 
 
 def test_the_committed_table_has_every_method_and_no_failing_cell():

@@ -14,7 +14,7 @@ from mixhook.app import run as app
 from mixhook.app.models import PreActResNet18
 from mixhook.app.training import checkpoint as ckpt
 from mixhook.app.training.logging import RunLogger, save_feature_maps
-from tests.app_helpers import config, run_cli
+from tests.app_helpers import config, run_app
 
 SMALL = [
     "data.train_size=200", "trainer.epochs=1", "trainer.batch_size=32", "trainer.progress_bar=false",
@@ -25,7 +25,7 @@ SMALL = [
 @pytest.mark.slow
 def test_probes_and_tensorboard_from_the_command_line(tmp_path):
     out = tmp_path / "run"
-    result = run_cli(
+    result = run_app(
         *SMALL, "probes.layers=[layer1,stage:2]", "probes.every=3", "trainer.logger=tensorboard",
         "probes.feature_maps=true", f"hydra.run.dir={out}", cwd=tmp_path,
     )  # fmt: skip

@@ -15,7 +15,7 @@ from mixhook.app import CONF_DIR
 from mixhook.app.hydra_compat import VERSION_BASE
 from mixhook.app.report import main as report_main
 from mixhook.app.report import write_report
-from tests.app_helpers import not_log_lines
+from tests.app_helpers import not_log_lines, run_app
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real sweeps
@@ -88,6 +88,13 @@ def test_report_cli_refuses_a_directory_without_runs(tmp_path, capsys):
 
 
 def multirun(*overrides, cwd):
+    """``python train.py -m *overrides``, in this process (a launcher that starts processes of its own,
+    submitit's, is run as a process: :func:`multirun_process`)."""
+    return run_app("-m", *overrides, cwd=cwd)
+
+
+def multirun_process(*overrides, cwd):
+    """``python train.py -m *overrides`` as a process of its own."""
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "-m", *overrides],
         cwd=cwd,
@@ -190,7 +197,7 @@ def test_optuna_search_completes_and_reports(tmp_path):
 def test_submitit_local_launcher_runs_and_reports(tmp_path):
     sweep = tmp_path / "sweep"
     launcher = "hydra/launcher=submitit_local"
-    result = multirun(launcher, "seed=0,1", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    result = multirun_process(launcher, "seed=0,1", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert [r["seed"] for r in rows] == ["0", "1"] and all(r["status"] == "ok" for r in rows)
@@ -214,14 +221,10 @@ def test_launcher_configs_compose(launcher, setting, target):
     assert cfg.hydra.launcher._target_.endswith(target) and str(cfg.hydra.launcher[key]) == value
 
 
-def test_the_reports_committed_under_docs_are_what_the_report_code_writes_now():
+def test_the_reports_committed_under_docs_are_what_the_report_code_writes_now(capsys):
     # each is rebuilt from its own summary.csv (docs/regenerate_reports.py): a change to the report's
     # layout or units fails here until the committed reports are regenerated
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "docs" / "regenerate_reports.py"), "--check"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    from docs.regenerate_reports import reports
+    from docs.regenerate_reports import main, reports
 
+    assert main(["--check"]) == 0, capsys.readouterr().err
     assert len(reports()) >= 8  # the mini study's five and the calibration study's three

@@ -1,4 +1,5 @@
-"""What a run leaves in its run directory, through train.py as a user runs it.
+"""What a run leaves in its run directory, through train.py as a user runs it (in the test's process, and
+as a process of its own where a signal or a launcher is what is tested).
 
 A run refused in a directory that holds another run leaves that directory byte for byte as it was
 (Hydra itself would rewrite its ``.hydra/`` record with the rejected settings before the app could refuse);
@@ -16,10 +17,8 @@ import time
 import pytest
 import yaml
 
-from tests.app_helpers import not_log_lines, run_cli
+from tests.app_helpers import not_log_lines, run_app
 from tests.conftest import ROOT
-
-pytestmark = pytest.mark.slow  # each runs train.py
 
 QUICK = ("data.train_size=100", "trainer.epochs=1", "trainer.progress_bar=false", "+model.width=0.25")
 
@@ -33,7 +32,7 @@ def snapshot(directory):
 def with_toy_hook(run, hook: str):
     """``train.py`` on the quick settings a quarter wide, with ``hook`` (a class of tests/toy_models.py)
     among its hooks, into ``run``."""
-    return run_cli(
+    return run_app(
         *QUICK, f"hooks=[{{_target_: tests.toy_models.{hook}}}]",
         "allow_targets=[tests.toy_models.*]", f"hydra.run.dir={run}", cwd=run.parent,
     )  # fmt: skip
@@ -53,9 +52,10 @@ def one_line(result, status):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_refused_run_leaves_the_run_directory_it_names_byte_for_byte_as_it_was(tmp_path):
     run = tmp_path / "run"
-    first = run_cli(*QUICK, f"hydra.run.dir={run}", cwd=tmp_path)
+    first = run_app(*QUICK, f"hydra.run.dir={run}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     before = snapshot(run)
     records = {".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"}
@@ -74,14 +74,15 @@ def test_a_refused_run_leaves_the_run_directory_it_names_byte_for_byte_as_it_was
         ([], f"error: the run directory {run} already holds a checkpoint (last.pt)"),  # started afresh
         (["mixup.alpha=0"], "error: mixup: alpha must be a finite number > 0, got 0"),  # bad input
     ):
-        result = run_cli(*QUICK, *overrides, f"hydra.run.dir={run}", cwd=tmp_path)
+        result = run_app(*QUICK, *overrides, f"hydra.run.dir={run}", cwd=tmp_path)
         assert one_line(result, 2).startswith(line), result.stderr
         assert snapshot(run) == before, overrides
 
 
+@pytest.mark.slow
 def test_a_run_refused_in_its_own_directory_records_what_was_refused_and_why(tmp_path):
     run = tmp_path / "run"
-    result = run_cli(*QUICK, "mixup.alpha=0", f"hydra.run.dir={run}", cwd=tmp_path)
+    result = run_app(*QUICK, "mixup.alpha=0", f"hydra.run.dir={run}", cwd=tmp_path)
     line = one_line(result, 2)
     assert line == "error: mixup: alpha must be a finite number > 0, got 0"
     assert (run / "train.log").read_text().strip().endswith(f"[mixhook][ERROR] - {line}")
@@ -90,6 +91,7 @@ def test_a_run_refused_in_its_own_directory_records_what_was_refused_and_why(tmp
     assert not any((run / name).exists() for name in ("last.pt", "metrics.csv", "summary.json"))
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_is_said_in_train_log_as_on_stderr(tmp_path):
     run = tmp_path / "run"
     line = one_line(with_toy_hook(run, "NanAt, layer: layer1.0.conv2, step: 2"), 3)
@@ -98,6 +100,7 @@ def test_a_non_finite_loss_is_said_in_train_log_as_on_stderr(tmp_path):
     assert "epoch 1/1" not in log and log.strip().endswith(f"[mixhook][ERROR] - {line}")
 
 
+@pytest.mark.slow  # a process, stopped by a signal or started by a launcher
 def test_ctrl_c_is_said_in_train_log_as_on_stderr(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
@@ -114,6 +117,7 @@ def test_ctrl_c_is_said_in_train_log_as_on_stderr(tmp_path):
     assert (run / "train.log").read_text().strip().endswith(f"[mixhook][ERROR] - {lines[0]}")
 
 
+@pytest.mark.slow  # a process, stopped by a signal or started by a launcher
 def test_the_basic_and_the_joblib_launcher_give_the_same_numbers(tmp_path):
     # joblib's workers start with OMP_NUM_THREADS=1, and CPU results depend on the thread count: the run
     # sets its own (trainer.threads, null: the cores it may use) and records it in summary.json. Run as a
@@ -135,6 +139,7 @@ def test_the_basic_and_the_joblib_launcher_give_the_same_numbers(tmp_path):
         assert basic[key] == joblib[key], key
 
 
+@pytest.mark.slow  # a process, stopped by a signal or started by a launcher
 @pytest.mark.parametrize("when", ["while torch loads", "while the run is built"])
 def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
     run = tmp_path / "run"
@@ -156,6 +161,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
     assert not (run / "last.pt").exists()
 
 
+@pytest.mark.slow
 def test_what_torch_and_python_warn_during_training_goes_to_train_log_not_the_terminal(tmp_path):
     # as dynamo's graph-break warnings under trainer.compile=true: the terminal keeps the run's own lines
     run = tmp_path / "run"
@@ -169,6 +175,7 @@ def test_what_torch_and_python_warn_during_training_goes_to_train_log_not_the_te
     assert log.count("a graph break") == 2 and log.count("UserWarning: a library's warning") == 1
 
 
+@pytest.mark.slow  # a process, stopped by a signal or started by a launcher
 def test_ctrl_c_stops_a_sweep_not_only_its_current_run_and_the_report_says_where_it_stopped(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
@@ -187,16 +194,16 @@ def test_ctrl_c_stops_a_sweep_not_only_its_current_run_and_the_report_says_where
     assert "| failed | Interrupted: stopped by SIGINT" in (sweep / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_sweep_run_again_into_its_own_directory_is_refused_per_job_and_counted_as_failed(tmp_path):
     # each job's directory holds the first sweep's run: refused and left as it was, yet the sweep must not
     # end as a success (its report still shows the earlier runs)
     sweep = tmp_path / "sweep"
-    argv = [sys.executable, str(ROOT / "train.py"), "-m", "seed=0", *QUICK,
-            f"hydra.sweep.dir={sweep}"]  # fmt: skip
-    first = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    argv = ["-m", "seed=0", *QUICK, f"hydra.sweep.dir={sweep}"]
+    first = run_app(*argv, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     before = snapshot(sweep / "0")
-    again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    again = run_app(*argv, cwd=tmp_path)
     lines = not_log_lines(again.stderr)
     assert again.returncode == 1 and lines == [
         f"error: the run directory {sweep / '0'} already holds a checkpoint (last.pt); continue it with "

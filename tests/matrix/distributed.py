@@ -105,6 +105,18 @@ def cell(method: Method, mode: str, rank: int) -> tuple[str, str]:
     return "fails", f"differs from the replay by {diff:.2e}"
 
 
+def cells(names: list[str], modes: tuple[str, ...]) -> dict:
+    """The cells of ``names`` under ``modes``, in the process group already joined: ``{name: {mode:
+    (outcome, detail)}}`` (rank 0's judgement)."""
+    rank, found = dist.get_rank(), {}
+    for name in names:
+        for mode in modes:
+            outcome = cell(BY_NAME[name], mode, rank)
+            found.setdefault(name, {})[mode] = outcome
+            dist.barrier()
+    return found
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -112,15 +124,10 @@ def main() -> None:
     modes = ("ddp", "fsdp")
     if names and names[0].startswith("--modes="):
         modes, names = tuple(names[0].removeprefix("--modes=").split(",")), names[1:]
-    cells = {}
-    for name in names:
-        for mode in modes:
-            outcome = cell(BY_NAME[name], mode, rank)
-            cells.setdefault(name, {})[mode] = outcome
-            dist.barrier()
+    cells_found = cells(names, modes)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(cells, f, indent=1)
+            json.dump(cells_found, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
     from tests.e2e.fsdp_worker import end_without_finalizing

@@ -155,6 +155,7 @@ def test_a_model_that_cannot_run_on_the_data_is_refused_before_training():
         app.build(cfg)
 
 
+@pytest.mark.slow
 def test_main_returns_the_final_test_accuracy_it_writes(tmp_path):
     cfg = config(
         "trainer.epochs=1", "mixup.layer=layer2", "data.test_size=0.5", "trainer.progress_bar=false",
@@ -418,6 +419,7 @@ def test_catalogue_misconfigurations_fail_in_build(overrides, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_any_torch_optimizer_and_schedule_are_targets():
     run = app.build(
         config(

@@ -468,6 +468,7 @@ def test_a_misspelled_key_is_named_with_the_closest_valid_one():
         assert check(*fine) is None, fine
 
 
+@pytest.mark.slow
 def test_a_value_of_the_wrong_type_is_named_before_hydra_starts():
     def check(*argv):
         return check_command_line(list(argv), str(CONF_DIR))

@@ -134,6 +134,7 @@ def test_a_spent_budget_starts_no_more_cases_and_names_them(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_the_baseline_case_times_this_checkout_against_a_git_revision(tmp_path):
     """Against HEAD (the same core when nothing is changed): both columns are timed, side by side."""
     bench.main(["--quick", "--cases", "baseline", "--baseline", "HEAD", "--out", str(tmp_path)])

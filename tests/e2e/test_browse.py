@@ -111,6 +111,7 @@ def test_the_command_lists_layers_as_the_issue_asks(tmp_path):
     assert "on the skip path of residual block layer2.0" in lines["layer2.0.downsample"]
 
 
+@pytest.mark.slow
 def test_the_browser_help_other_models_and_bad_options_in_process(capsys):
     from mixhook.app.browse import main
 

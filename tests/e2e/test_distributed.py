@@ -102,7 +102,10 @@ def launch(tmp_path_factory):
     worker = ROOT / "tests" / "e2e" / "distributed_worker.py"
     result = torchrun(worker, str(plan), cwd=folder, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    return folder, json.loads((folder / "found.json").read_text())
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    found = json.loads((folder / "found.json").read_text())
+    assert sorted(found) == sorted(s["name"] for s in scenarios)  # each scenario ran and reported
+    return folder, found
 
 
 @pytest.mark.slow

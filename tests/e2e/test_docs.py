@@ -159,6 +159,7 @@ def test_the_language_models_page_runs_as_written(tmp_path):
     assert "called on its own, not through the PeftModel" in lines[-1]
 
 
+@pytest.mark.slow
 def test_the_region_method_example_mixes_exactly_eagerly_and_compiled_in_one_graph():
     """docs/adding-a-mixer.md's BandMix, run as written (its mix written once, as the one-graph path): on a
     pinned draw its eager mix equals the hand-edited forward (logits and every gradient), a compiled

@@ -36,6 +36,7 @@ def test_evaluate_gives_each_class_its_accuracy_and_their_mean_as_scikit_learn_d
     assert found.balanced_acc == pytest.approx(metrics.balanced_accuracy_score(y, predicted))
 
 
+@pytest.mark.slow
 def test_remix_gets_the_long_tails_class_counts_and_balanced_mixup_a_partner_batch_per_step(tmp_path):
     run = app.build(config("mixup=remix", "data.imbalance_ratio=10"))
     try:

@@ -66,6 +66,7 @@ def test_classification_only_settings_are_refused_in_one_line(overrides, message
         app.build(config(*COMMON, *overrides))
 
 
+@pytest.mark.slow
 def test_a_sweep_of_regression_runs_is_reported_by_rmse(tmp_path):
     for mixup in ("none", "input"):
         for seed in (0, 1):

@@ -66,9 +66,8 @@ PORTABLE_SAMPLE = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "name", [*PORTABLE_QUICK, *(pytest.param(n, marks=pytest.mark.slow) for n in PORTABLE_SAMPLE)]
-)
+@pytest.mark.slow  # (3 s a model)
+@pytest.mark.parametrize("name", [*PORTABLE_QUICK, *PORTABLE_SAMPLE])
 def test_portable_specs_resolve_to_what_the_model_states_or_are_refused(name):
     """stage:k at the stated reduction and channels on a real forward, block:k in forward order (a timm
     ViT's against forward_intermediates), Manifold Mixup at depth:0.5 as the hand edit at its real name;

@@ -495,6 +495,7 @@ def test_the_mix_block_joins_a_trainers_optimizer_and_follows_its_schedule(sched
             assert opt.param_groups[1]["lr"] == opt.param_groups[0]["lr"]
 
 
+@pytest.mark.slow
 def test_a_compiled_model_trains_as_the_eager_one():
     """Under torch.compile the mixer's hooks run between graphs (its momentum copy's forwards are eager):
     the same losses, step after step."""

@@ -296,6 +296,7 @@ def test_timm_vit_with_grad_checkpointing(replays):
     ) in replays
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_huggingface_gradient_checkpointing(reentrant, replays):
     torch.manual_seed(0)

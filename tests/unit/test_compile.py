@@ -46,6 +46,7 @@ def test_compiled_training_with_three_layers_stops_compiling_after_warm_up():
     mix.remove()
 
 
+@pytest.mark.slow
 def test_a_hooked_twin_of_a_compiled_model_is_caught_not_silently_unmixed():
     x = torch.randn(4, 3, 8, 8)
     torch.manual_seed(0)

@@ -54,6 +54,7 @@ def test_cutmix_at_the_input_pastes_the_box_and_corrects_lam():
     assert min(lams) < 0.5 < max(lams)
 
 
+@pytest.mark.slow
 def test_cutmix_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3).double().train()
@@ -145,6 +146,7 @@ def test_elem_mode_pastes_one_box_per_sample_with_its_own_lam():
     assert max(spread) > 0.3  # the boxes (and lams) differ within a batch
 
 
+@pytest.mark.slow
 def test_elem_mode_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3).double().train()

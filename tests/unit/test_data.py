@@ -230,6 +230,7 @@ def outcome_counts(outputs: torch.Tensor, image: torch.Tensor, padding: int = 4)
     return torch.bincount(closest.indices[:, 0], minlength=2 * n * n)
 
 
+@pytest.mark.slow
 def test_device_batches_have_the_per_sample_pipelines_distribution():
     """One image (its content random, so that its 162 crops and flips differ), 3,240 times: the
     per-sample pipeline (torchvision's RandomCrop and RandomHorizontalFlip under each sample's seed) and

@@ -160,6 +160,7 @@ def test_an_image_folder_trains_with_the_standard_pipelines(tmp_path):
     assert sorted(torch.cat([b[1] for b in batches[0]]).tolist()) == [0] * 4 + [1] * 4 + [2] * 4
 
 
+@pytest.mark.slow
 def test_the_padded_crop_pipelines_cut_small_images_as_the_manifold_mixup_authors_do(tmp_path):
     """data.crop=padded (Tiny-ImageNet's 64x64, the Manifold Mixup authors' code): each training image is a
     64x64 window of the image zero-padded by 4 pixels, flipped or not (RandomCrop(64, padding=4) and a

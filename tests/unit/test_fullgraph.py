@@ -211,6 +211,7 @@ def test_an_eval_forward_and_two_forwards_before_their_losses_get_their_own_mix(
         mix.loss(F.cross_entropy, other(x), y)
 
 
+@pytest.mark.slow
 def test_pins_skips_and_pin_last_are_followed_compiled():
     model, mix, net = _compiled_model(TRACED["cutmix"])
     x = torch.randn(6, 3, 8, 8)
@@ -231,6 +232,7 @@ def test_pins_skips_and_pin_last_are_followed_compiled():
     torch.testing.assert_close(again, first)  # the same mix of the same batch
 
 
+@pytest.mark.slow
 def test_a_resumed_compiled_run_repeats_the_draws():
     model, mix, net = _compiled_model(TRACED["manifold"])
     x = torch.randn(6, 3, 8, 8)
@@ -275,6 +277,7 @@ class _Checkpointed(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_mixed_layer_inside_activation_checkpointing_is_mixed_between_graphs_exactly(backend):
     """A compiled recomputation would call the draw again (a second mix, or AOT's refusal): the layer is
@@ -375,6 +378,7 @@ def test_the_traced_blend_equals_the_eager_blend_bit_for_bit(dtype):
     assert torch.equal(lerp_rows(h, per_sample, index, one=False), blend(h, per_sample, index))
 
 
+@pytest.mark.slow
 def test_an_eager_forward_after_a_compiled_one_does_not_take_its_record():
     model, mix, net = _compiled_model(TRACED["manifold"])
     x = torch.randn(6, 3, 8, 8)

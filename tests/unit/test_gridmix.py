@@ -56,6 +56,7 @@ def test_the_draw_keeps_round_lam_times_cells_uniformly_and_lam_is_the_kept_area
     assert float(hits.min()) > 60 and float(hits.max()) < 140  # every cell kept about half the time
 
 
+@pytest.mark.slow
 def test_gridmix_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3).double().train()

@@ -135,6 +135,7 @@ def test_mixup_enabled_prob_and_a_resumed_run():
     assert resumed.last is None and torch.equal(target, timm_mixup.mixup_target(y, 5, 1.0, 0.1))
 
 
+@pytest.mark.slow
 def test_a_wrapped_model_is_looked_through():
     model = tiny_resnet()
     mixup_fn = LayerMixup(torch.compile(model), layer="layer1", **ARGS)  # (not compiled until called)

@@ -115,6 +115,7 @@ def hand_loop(model, mixer, data, kind, epochs=2, batch=4, accumulate=2, seed=7,
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_train_equals_the_hand_loop_under_gradient_accumulation(kind, tmp_path):
     """Trainer.train with the callback (padded batches, two layers, gradient_accumulation_steps=2, a
@@ -141,6 +142,7 @@ def test_train_equals_the_hand_loop_under_gradient_accumulation(kind, tmp_path):
     assert not torch.equal(next(unmixed.parameters()), next(model.parameters()))  # the mix mattered
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_without_a_mix_the_loss_is_the_models_own_in_the_trainer(kind, tmp_path):
     """prob=0: the callback's task loss (cross-entropy, the language model's shifted) normalized by

@@ -92,6 +92,7 @@ def hand_loop(model, batches, items, mixer, neftune, accumulate=2, seed=7):
     return model
 
 
+@pytest.mark.slow
 def test_sft_with_manifold_mixup_and_neftune_equals_the_hand_loop(tmp_path):
     """TRL runs the model twice per micro-batch (the loss, then a forward without gradients for its
     metrics): only the first is mixed and noised, and the second draws nothing (under gradient
@@ -115,6 +116,7 @@ def test_sft_with_manifold_mixup_and_neftune_equals_the_hand_loop(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 def test_neftune_alone_under_trls_own_loss_adds_the_hand_loops_noise(tmp_path):
     """Without a compute_loss_func TRL takes its own loss from a fused LM head (the log-probabilities of
     the labels, computed in float32 whatever the model's dtype, so the weights are compared elsewhere):
@@ -148,6 +150,7 @@ def test_neftune_alone_under_trls_own_loss_adds_the_hand_loops_noise(tmp_path):
         assert not noise[batch["attention_mask"] == 0].any() and noise.abs().max() > 0
 
 
+@pytest.mark.slow
 def test_a_subclass_taking_the_mixed_loss_trains_what_compute_loss_func_trains(tmp_path):
     """TRL deprecates compute_loss_func (removed in TRL 2.0): the subclass of the Language models page
     takes the same loss through the Trainer's own compute_loss, with no warning and no second forward."""
@@ -198,6 +201,7 @@ def test_a_resumed_sft_run_draws_what_the_uninterrupted_one_drew(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_packing_neftune_twice_and_restored_callback_states_are_refused(tmp_path):
     mixup = adapter.MixupCallback(ManifoldMixup("model.layers.0"))
     trainer = sft(llama(), tmp_path, [mixup], mixup.compute_loss, packing=True, max_length=16)

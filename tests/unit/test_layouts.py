@@ -308,6 +308,7 @@ def test_channels_last_memory_format_is_not_a_layout():
     torch.testing.assert_close(mixed_cl, mixed, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compiled_mix_puts_an_nhwc_map_of_equal_sides_back_in_its_layout():
     """(B, 6, 6, 6): the channels-first view has the same shape, so only the layout can say that the mixed

@@ -70,6 +70,7 @@ def assert_all_close(mine, theirs, **tol):
 # ------------------------------------------------------------------------------------ the Beta CDF
 
 
+@pytest.mark.slow
 def test_the_symmetric_beta_cdf_is_scipys_within_its_stated_error():
     rng = np.random.default_rng(0)
     for log_a in np.linspace(-3, 9, 49):

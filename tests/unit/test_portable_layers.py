@@ -68,6 +68,7 @@ def test_a_vit_states_blocks_and_no_stages():
     assert portable_names(vit)["blocks.1"] == ["block:1"]
 
 
+@pytest.mark.slow
 def test_huggingface_blocks_come_from_the_config_and_an_encoder_decoder_names_each_part():
     config = transformers.T5Config(
         vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=3, num_decoder_layers=2, num_heads=2
@@ -195,6 +196,7 @@ def _step(model, mixer, x, pin=None):
     return logits.detach(), grads(model)
 
 
+@pytest.mark.slow
 def test_a_mixer_at_a_portable_spec_is_the_mixer_at_its_real_name(resnet):
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for spec, real in (("stage:2", "layer2"), ("depth:0.5", "layer3.0"), ("layer4[-1]", "layer4.1")):

@@ -235,6 +235,7 @@ def test_the_terms_and_their_quantisation_equal_the_authors(grid):
                 np.testing.assert_array_equal(q_h[i], pw_y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t_size", [None, 4])
 def test_the_mixed_batch_and_its_label_weights_equal_the_authors_on_the_same_draws(t_size):
     model = SmallCNN().double().train()
@@ -301,6 +302,7 @@ def test_the_labelling_energy_is_the_exact_optimum_over_many_problems():
     assert checked == 40 * 3 * 4
 
 
+@pytest.mark.slow
 def test_the_solver_is_exact_on_random_grids_of_any_size_and_label_count():
     rng = np.random.default_rng(1)
     for h, w, n_labels in [(2, 2, 2), (2, 2, 3), (3, 3, 3), (2, 3, 4), (3, 4, 2)]:

@@ -91,6 +91,7 @@ def test_the_drawn_box_has_sides_from_a_uniform_scale_in_scope():
     assert min(scales) < 0.25 and max(scales) > 0.55  # spread over the whole scope
 
 
+@pytest.mark.slow
 def test_resizemix_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3).double().train()

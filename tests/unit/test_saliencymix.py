@@ -80,6 +80,7 @@ def head(m, h):
     return m.fc(torch.flatten(m.avgpool(m.layer4(m.layer3(h))), 1))
 
 
+@pytest.mark.slow
 def test_activation_saliency_at_layer2_equals_a_hand_split_forward_with_gradients():
     """The saliency is mean_c |h| of layer2's own (unmixed) output, read from the same forward."""
     model = resnet()
@@ -115,6 +116,7 @@ def test_activation_saliency_at_layer2_equals_a_hand_split_forward_with_gradient
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 def test_gradient_saliency_is_the_label_loss_gradient_in_eval_mode_and_leaves_training_untouched():
     """The pass: eval mode, gradient of the summed cross-entropy w.r.t. layer1's output; no parameter
     .grad, no batch-norm statistic and no module's mode changed by it; per-sample boxes on each partner's

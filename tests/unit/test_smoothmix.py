@@ -96,6 +96,7 @@ def test_the_draw_is_a_gaussian_of_uniform_centre_and_width_and_lam_is_its_mean(
     assert min(widths) < 0.12 and max(widths) > 0.28
 
 
+@pytest.mark.slow
 def test_smoothmix_at_layer2_of_resnet18_equals_a_hand_split_forward_with_gradients():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3).double().train()

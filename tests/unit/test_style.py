@@ -4,6 +4,8 @@ import ast
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -48,6 +50,7 @@ def test_the_adapters_and_the_app_use_the_cores_public_api_only():
     assert not found, found
 
 
+@pytest.mark.slow
 def test_no_core_module_reads_another_modules_private_members():
     """Inside the core, a module reads only its own classes' private members: a collaborator (padding
     masks, the gradient pass, the compiled path) gets what it needs as public members or as callables its

@@ -61,8 +61,12 @@ def _train_module():
 def _process_state_kept():
     """Around an in-process run: what a run of ``train.py`` may change in its process (the working
     directory, the environment, ``sys.argv``, the logging configuration Hydra sets up for its job, the
-    warning filters, torch's thread count and random state, Hydra's global state) is put back as it was, so
-    that the next test of this worker starts as it would have."""
+    warning filters, torch's thread count, the random states the app seeds (torch's, NumPy's, Python's),
+    Hydra's global state) is put back as it was, so that the next test of this worker starts as it would
+    have."""
+    import random
+
+    import numpy as np
     import torch
     from hydra.core.global_hydra import GlobalHydra
 
@@ -70,7 +74,7 @@ def _process_state_kept():
     loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                       if isinstance(v, logging.Logger))]  # fmt: skip
     kept = [(lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers]
-    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    threads, rng = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state(), random.getstate())
     try:
         with warnings.catch_warnings():
             yield
@@ -85,7 +89,9 @@ def _process_state_kept():
             lg.propagate, lg.disabled = propagate, disabled
         GlobalHydra.instance().clear()
         torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
+        torch.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
+        random.setstate(rng[2])
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(environ)

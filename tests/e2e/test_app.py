@@ -3,7 +3,6 @@ way a user runs it (in this process, and as a process of its own where its exit 
 
 import csv
 import json
-import re
 
 import pytest
 import torch
@@ -12,8 +11,9 @@ from omegaconf import OmegaConf
 from mixhook import ManifoldMixup
 from mixhook.app import run as app
 from tests.app_helpers import config, run_app, run_cli
-from tests.conftest import ROOT, write_cifar
+from tests.conftest import write_cifar
 from tests.helpers import Lazy
+from tests.readme_run import problems, quoted_block, shape
 
 images = Lazy("matplotlib.image")  # imported by the test that uses it, not at collection
 
@@ -175,7 +175,7 @@ def default_run(tmp_path_factory):
     """``python train.py`` with nothing else changed than two epochs of the network a quarter wide, run in
     this process once for the tests that check what it writes and prints. The README's own run (15 epochs,
     as on a fresh machine: matplotlib without a font cache) is a step of .ci/run of its own,
-    .ci/readme_run.py, which checks it against the output the README shows."""
+    tests/readme_run.py, which checks it against the output the README shows."""
     out = tmp_path_factory.mktemp("default") / "run"
     result = run_app(*SHORT, f"hydra.run.dir={out}", cwd=out.parent)
     assert result.returncode == 0, result.stderr
@@ -219,33 +219,26 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     assert image.shape[0] > 500 and image.std() > 0.05
     log = result.stdout + result.stderr
     assert log.count("epoch 1/2  train_loss") == 1 and "epoch 2/2  train_loss" in log
-    # only the app's lines (.ci/readme_run.py checks so on a fresh machine, where matplotlib builds its font
+    # only the app's lines (tests/readme_run.py checks so on a fresh machine, where matplotlib builds its font
     # cache)
     assert [line for line in log.splitlines() if "[mixhook]" not in line] == []
     assert not list(out.glob(".*.tmp"))
 
 
-def readme_quote(after: str, page: str = "README.md") -> list[str]:
-    """The lines of the first ``` block that follows the text ``after`` in the README (or a docs page)."""
-    text = (ROOT / page).read_text()
-    block = text[text.index(after) :].split("```\n", 2)[1]
-    return block.splitlines()
-
-
 @pytest.mark.slow
-def test_the_readmes_sample_output_is_what_the_default_run_prints(default_run):
+def test_the_readmes_sample_output_is_what_the_default_run_prints(default_run, tmp_path):
     # the numbers differ across CPUs and thread counts (the README says by how much), the lines do not
-    _, result = default_run
-
-    def shape(line):  # the log line without its time stamp, run directory and numbers
-        line = re.sub(r"^\[[^\]]*\]", "[...]", line)
-        return re.sub(r"-> \S+", "-> DIR", re.sub(r"\d+(\.\d+)?", "N", line))
-
+    out, result = default_run
     printed = [shape(line) for line in (result.stdout + result.stderr).splitlines() if "[mixhook]" in line]
-    quoted = readme_quote("It prints one line per epoch")
+    quoted = quoted_block("It prints one line per epoch")
     assert quoted[2] == "..." and len(printed) == 4  # the start, 2 epochs, done
     assert [shape(line) for line in quoted[:2] + quoted[3:]] == printed[:2] + printed[-2:]
-    # the README's 15-epoch run, its range of test_acc and test_ece: .ci/readme_run.py, a step of .ci/run
+    # the README's 15-epoch run, its range of test_acc and test_ece: tests/readme_run.py, a step of .ci/run,
+    # whose check finds what this shorter run does not show as the README does, and nothing else
+    assert problems(out, result.stdout + result.stderr, fonts=tmp_path) == [
+        "printed 4 [mixhook] lines, the README shows the start, 15 epochs and done",
+        "matplotlib built no font cache: the run was not as on a fresh machine",
+    ]
 
 
 @pytest.mark.slow
@@ -258,7 +251,7 @@ def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path)
     assert lines[0].startswith("error: mixup.layer: unknown layer 'nosuch'")
     assert "layer2" in lines[0].split("Valid layers:")[1]
     assert not (out / "summary.json").exists() and not (out / "metrics.csv").exists()
-    assert readme_quote("A configuration error stops the run", "docs/training-app.md") == [
+    assert quoted_block("A configuration error stops the run", "docs/training-app.md") == [
         "$ python train.py mixup.layer=nosuch",
         lines[0],
     ]
@@ -311,7 +304,7 @@ def test_cli_trains_on_svhn_files_and_on_an_image_folder(tmp_path, data):
 def test_cli_default_experiment_is_the_papers_manifold_mixup(default_run):
     summary = json.loads((default_run[0] / "summary.json").read_text())
     assert summary["mixup"]["layer"] == ["input", "layer1", "layer2"] and summary["mixup"]["alpha"] == 2.0
-    assert summary["epochs"] == 2 and summary["test_acc"] >= 0.5  # (reaching 95% in 15: .ci/readme_run.py)
+    assert summary["epochs"] == 2 and summary["test_acc"] >= 0.5  # (reaching 95% in 15: tests/readme_run.py)
 
 
 # ------------------------------------------------------------------------ the hook catalogue in the app

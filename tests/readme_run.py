@@ -1,7 +1,7 @@
 """The README's own run, exactly: ``python train.py`` as the README shows it, in a fresh directory, as on a
 fresh machine (matplotlib without a font cache), checked against the output the README quotes.
 
-``python .ci/readme_run.py`` (a step of ``.ci/run``): exit 0 and one line with its time when the run prints
+``python -m tests.readme_run`` (a step of ``.ci/run``): exit 0 and one line with its time when the run prints
 the lines the README shows (the numbers aside: they differ across CPUs and thread counts, the README says by
 how much), ends in the README's range, and writes what the README lists; otherwise exit 1 and one line per
 difference. The suite checks the same files on a short run (tests/e2e/test_app.py); this is the 15-epoch run
@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def quoted_block(after: str, page: Path = ROOT / "README.md") -> list[str]:
-    """The lines of the first ``` block that follows the text ``after`` on ``page``."""
-    text = page.read_text()
+def quoted_block(after: str, page: str = "README.md") -> list[str]:
+    """The lines of the first ``` block that follows the text ``after`` in the README (or a docs page)."""
+    text = (ROOT / page).read_text()
     return text[text.index(after) :].split("```\n", 2)[1].splitlines()
 
 
@@ -35,12 +35,17 @@ def shape(line: str) -> str:
 
 def command() -> list[str]:
     """The README's command under 'Train', as written."""
-    (line,) = quoted_block("## Train\n", ROOT / "README.md")[1:2] or [""]
-    assert line == "python train.py", f"the README's training command changed: {line!r}; update this script"
+    text = (ROOT / "README.md").read_text()
+    found = re.search(r"```\w*\n(.*?)```", text[text.index("## Train\n") :], re.S)
+    line = found.group(1).strip() if found else ""
+    if line != "python train.py":
+        raise SystemExit(f"README run: the README shows {line!r} to train now; update tests/readme_run.py")
     return [sys.executable, str(ROOT / "train.py")]
 
 
 def problems(out: Path, log: str, fonts: Path) -> list[str]:
+    """What differs between the README and a run that wrote ``out`` and printed ``log`` with matplotlib's
+    cache in ``fonts``: one line each, none when they agree."""
     found = []
     printed = [shape(line) for line in log.splitlines() if "[mixhook]" in line]
     quoted = quoted_block("It prints one line per epoch")

@@ -79,9 +79,10 @@ def _process_state_kept():
         with warnings.catch_warnings():
             yield
     finally:
+        before = {id(lg): handlers for lg, handlers, *_ in kept}
         for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
             for handler in getattr(lg, "handlers", []):
-                if handler not in {h for k in kept if k[0] is lg for h in k[1]}:
+                if handler not in before.get(id(lg), ()):
                     handler.close()  # (the run's train.log)
         for lg, handlers, level, propagate, disabled in kept:
             lg.handlers[:] = handlers

@@ -3,6 +3,7 @@ process of its own (:func:`run_cli`, where the process is what is tested: exit s
 signals, launchers) or in the test's process (:func:`run_app`: everything else)."""
 
 import contextlib
+import copy
 import csv
 import importlib.util
 import io
@@ -21,9 +22,34 @@ from tests.conftest import ROOT
 
 
 def config(*overrides):
-    """The app's config composed with ``overrides``, as Hydra composes it for ``train.py``."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), **VERSION_BASE):
-        return compose(config_name="config", overrides=list(overrides))
+    """The app's config composed with ``overrides``, as Hydra composes it for ``train.py``: a copy of the
+    one this process composed for the same overrides from the same config files (a composition takes about
+    0.15 s, a copy under 0.01 s; many tests compose the same experiment)."""
+    key = (overrides, _config_files())
+    if key not in _COMPOSED:
+        with initialize_config_dir(config_dir=str(CONF_DIR), **VERSION_BASE):
+            _COMPOSED[key] = compose(config_name="config", overrides=list(overrides))
+    return copy.deepcopy(_COMPOSED[key])
+
+
+_COMPOSED = {}
+
+
+def _config_files() -> tuple:
+    """What the app's config files are now (each one's path, size and modification time): a config composed
+    before one of them changed is not used after."""
+    return tuple(
+        (entry.path, entry.stat().st_size, entry.stat().st_mtime_ns)
+        for entry in sorted(_walk(str(CONF_DIR)), key=lambda e: e.path)
+    )
+
+
+def _walk(folder: str):
+    for entry in os.scandir(folder):
+        if entry.is_dir():
+            yield from _walk(entry.path)
+        else:
+            yield entry
 
 
 def not_log_lines(stderr: str) -> list[str]:

@@ -266,7 +266,9 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
     recipe, data, mixup, *_, model = (*EXPECTED[name], PREACT)[:6]
     per_file = 200 if model == RESNET32 else 4  # (a long tail of 100 classes needs 100 images at least)
     written = write_cifar(tmp_path, data, per_file=per_file)
-    run = app.build(config(f"experiment={name}", f"data.root={tmp_path}", "data.num_workers=0"))
+    cfg = config(f"experiment={name}", f"data.root={tmp_path}", "data.num_workers=0")
+    paper = OmegaConf.to_container(cfg.paper)  # (what the experiment's file says, before the run is built)
+    run = app.build(cfg)
     try:
         classes = 10 if data == "cifar10" else 100
         assert run.model.linear.out_features == classes and run.settings.epochs == recipe["trainer"]["epochs"]
@@ -294,7 +296,7 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
                 "mixhook.SAMix": SAMix}  # fmt: skip
         expected = kind.get(mixup.get("_target_"))
         assert (run.mixup is None) if expected is None else isinstance(run.mixup, expected)
-        assert run.summary["paper"] == OmegaConf.to_container(config(f"experiment={name}").paper)
+        assert run.summary["paper"] == paper
     finally:
         if run.mixup is not None:
             run.mixup.remove()

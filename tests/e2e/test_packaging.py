@@ -3,11 +3,13 @@ dependencies made unimportable; the trainer adapters then refuse in one line nam
 app, built into a wheel, carries its configs so the layer browser works from the installed files outside
 a checkout."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,7 +33,7 @@ sys.meta_path.insert(0, Block())
 """
 
 CORE_USE = """
-import pkgutil, importlib, torch, torch.nn.functional as F
+import pkgutil, importlib, sys, torch, torch.nn.functional as F
 from torch import nn
 import mixhook
 core = []
@@ -64,19 +66,59 @@ print(len(core), "core modules;", "leaked:", leaked)
 """
 
 
+# One process with the app's dependencies blocked runs each part below in turn (its own globals, its stdout
+# and stderr caught, its exit status kept) and prints what each did as JSON: the tests of this module read
+# their part. A process is what these test (what imports with torch alone), and one start does for all.
+DRIVER = """
+import contextlib, io, json, sys, traceback
+found = {}
+for name, code in json.loads(sys.argv[1]).items():
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        except SystemExit as exit:  # (as the interpreter ends on it)
+            status = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+            if isinstance(exit.code, str):
+                print(exit.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+    found[name] = {"returncode": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_alone(tmp_path_factory):
+    """What each part did in one process where the app's dependencies cannot be imported: ``{part: its
+    returncode, stdout and stderr}``."""
+    report_dir = tmp_path_factory.mktemp("report")
+    parts = {
+        "core": CORE_USE.replace("{blocked!r}", repr(BLOCKED)).replace("{adapters!r}", repr(ADAPTERS)),
+        "layer_browser": "import runpy; runpy.run_module('mixhook.layers', run_name='__main__')",
+        "readme": readme_block("**Manifold Mixup in your own loop.**"),
+        "report": f"import runpy, sys; sys.argv = ['report', {str(report_dir)!r}]; "
+        "runpy.run_module('mixhook.app.report', run_name='__main__')",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKER + DRIVER, json.dumps(parts)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {name: SimpleNamespace(**part) for name, part in json.loads(result.stdout).items()}
+
+
 @pytest.mark.slow
-def test_the_core_imports_and_trains_with_torch_alone():
-    code = BLOCKER + CORE_USE.replace("{blocked!r}", repr(BLOCKED)).replace("{adapters!r}", repr(ADAPTERS))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+def test_the_core_imports_and_trains_with_torch_alone(torch_alone):
+    result = torch_alone["core"]  # (the first part: nothing of the core imported before it)
     assert result.returncode == 0, result.stderr
     count, _, leaked = result.stdout.strip().partition(" core modules; leaked: ")
     assert int(count) >= 10 and leaked == "[]", result.stdout
 
 
 @pytest.mark.slow
-def test_the_layer_browser_without_the_app_says_what_to_install():
-    code = BLOCKER + "import runpy; runpy.run_module('mixhook.layers', run_name='__main__')"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+def test_the_layer_browser_without_the_app_says_what_to_install(torch_alone):
+    result = torch_alone["layer_browser"]
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: the layer browser is part of the experiment app, which needs hydra: "
@@ -126,10 +168,10 @@ def readme_block(heading: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_readmes_first_library_example_runs_with_torch_alone():
+def test_the_readmes_first_library_example_runs_with_torch_alone(torch_alone):
     code = readme_block("**Manifold Mixup in your own loop.**")
     assert "import torch" in code and "mix.attach(model)" in code
-    result = subprocess.run([sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, cwd=ROOT)
+    result = torch_alone["readme"]
     assert result.returncode == 0, result.stderr[-3000:]
     layer, lam, index = result.stdout.split(" ", 2)
     assert layer in ("input", "layer1", "layer2") and 0 < float(lam) < 1 and len(eval(index)) == 8
@@ -148,13 +190,8 @@ def test_importing_the_core_prints_nothing_and_numpy_comes_with_it():
 
 
 @pytest.mark.slow
-def test_the_sweep_report_without_the_app_says_what_to_install(tmp_path):
-    code = (
-        BLOCKER
-        + f"import runpy, sys; sys.argv = ['report', {str(tmp_path)!r}]; "
-        + ("runpy.run_module('mixhook.app.report', run_name='__main__')")
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+def test_the_sweep_report_without_the_app_says_what_to_install(torch_alone):
+    result = torch_alone["report"]
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: sweep reports are part of the experiment app, which needs matplotlib: "

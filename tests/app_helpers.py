@@ -88,15 +88,18 @@ def _process_state_kept():
     """Around an in-process run: what a run of ``train.py`` may change in its process (the working
     directory, the environment, ``sys.argv``, the logging configuration Hydra sets up for its job, the
     warning filters, torch's thread count, the random states the app seeds (torch's, NumPy's, Python's),
-    Hydra's global state) is put back as it was, so that the next test of this worker starts as it would
-    have."""
+    Hydra's global state and its job config, which ``--cfg`` leaves set and from which a later ``app.main``
+    of this worker would write another run's ``.hydra/`` records) is put back as it was, so that the next test
+    of this worker starts as it would have."""
     import random
 
     import numpy as np
     import torch
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
     cwd, environ, argv = os.getcwd(), dict(os.environ), list(sys.argv)
+    job = HydraConfig.instance().cfg
     loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                       if isinstance(v, logging.Logger))]  # fmt: skip
     kept = [(lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers]
@@ -115,6 +118,7 @@ def _process_state_kept():
             lg.setLevel(level)
             lg.propagate, lg.disabled = propagate, disabled
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = job
         torch.set_num_threads(threads)
         torch.set_rng_state(rng[0])
         np.random.set_state(rng[1])

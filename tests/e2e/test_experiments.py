@@ -313,6 +313,11 @@ def test_cfg_job_prints_the_papers_hyperparameters(tmp_path):
     printed = OmegaConf.to_container(OmegaConf.create(result.stdout))
     assert printed["scheduler"]["milestones"] == [400, 800] and printed["trainer"]["epochs"] == 1200
     assert printed["paper"]["value"] == 20.34 and printed["data"]["name"] == "cifar100"
+    # (--cfg sets Hydra's job config and leaves it set: run_app puts it back, or a later app.main of this
+    # worker writes .hydra/ records of this command into its own run directory)
+    from hydra.core.hydra_config import HydraConfig
+
+    assert not HydraConfig.initialized()
 
 
 @pytest.mark.slow

@@ -1,9 +1,6 @@
 """The layer browser: mixable layers, residual-block membership read from the autograd graph, and the
 `python -m mixhook.layers` command."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
@@ -12,7 +9,6 @@ from mixhook.app import run as app
 from mixhook.app.browse import browse, format_table
 from mixhook.app.models import PreActResNet18
 from tests.app_helpers import config
-from tests.conftest import ROOT
 from tests.helpers import Lazy
 from tests.toy_models import TupleBlockNet
 
@@ -94,13 +90,14 @@ def test_structures_show_their_elements_and_batch_dimensions_and_nothing_is_left
 
 
 @pytest.mark.slow
-def test_the_command_lists_layers_as_the_issue_asks(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "mixhook.layers", "model=torchvision", "model.name=resnet18"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0 and result.stderr == "", result.stderr
-    head, statement, *rows = result.stdout.splitlines()
+def test_the_command_lists_layers_as_the_issue_asks(capsys):
+    from mixhook.app.browse import main  # (python -m mixhook.layers, in this process: the command as a
+    # process of its own, printing nothing on stderr, in test_packaging.py's run from a built wheel)
+
+    assert main(["model=torchvision", "model.name=resnet18"]) == 0
+    result = capsys.readouterr()
+    assert result.err == "", result.err
+    head, statement, *rows = result.out.splitlines()
     assert statement == "portable specs (torchvision ResNet): 5 stages, 8 blocks"
     lines = {line.split()[0]: line for line in rows[1:]}
     assert lines["layer2"].split()[1:] == ["stage:2", "Sequential", "(2,", "128,", "1,", "1)", "yes"]

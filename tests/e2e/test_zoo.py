@@ -7,12 +7,8 @@ The quick tier checks the models marked ``quick`` (channels-last maps and window
 padding in an encoder and in encoder-decoders) at two layers; the full suite also a broad sample
 (tests/e2e/test_zoo_sample.py)."""
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import ROOT
 from tests.zoo.catalogue import ZOO
 from tests.zoo.oracles import run_model
 
@@ -38,14 +34,12 @@ def test_a_quick_sample_of_the_zoo_is_exact_or_refused(name):
 
 
 @pytest.mark.slow
-def test_the_zoo_command_writes_its_report(tmp_path):
+def test_the_zoo_command_writes_its_report(tmp_path, capsys):
+    from tests.zoo.report import main  # (python -m tests.zoo, in this process)
+
     out = tmp_path / "zoo.md"
-    command = [sys.executable, "-m", "tests.zoo", "--models", "huggingface/bart", "--layers", "1"]
-    done = subprocess.run(
-        [*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("[1/1] huggingface/bart: 3 exact")
+    assert main(["--models", "huggingface/bart", "--layers", "1", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("[1/1] huggingface/bart: 3 exact")
     report = out.read_text()
     assert "| huggingface | 3 | 0 | 0 | 0 | 0 | 3 |" in report and "## Wrong results\n\nNone." in report
 

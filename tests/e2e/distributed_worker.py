@@ -1,15 +1,15 @@
 """One torchrun launch (two processes, gloo, CPU) for every data-parallel scenario of the suite that runs in
-one job: the library's (global_partners_worker.py, fsdp_worker.py), the matrix's DDP and FSDP2 cells
-(tests/matrix/distributed.py) and the app's runs under DDP and FSDP (``mixhook.app.run.main`` on the config
-Hydra composes for ``train.py``, as train.py runs it). A launch costs two Python processes importing torch
-and a rendezvous; each scenario costs only its own work.
+one job: the library's (per-rank default streams, global_partners_worker.py, fsdp_worker.py), the matrix's
+DDP and FSDP2 cells (tests/matrix/distributed.py) and the app's runs under DDP and FSDP
+(``mixhook.app.run.main`` on the config Hydra composes for ``train.py``, as train.py runs it). A launch
+costs two Python processes importing torch and a rendezvous; each scenario costs only its own work.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/e2e/distributed_worker.py PLAN.json
 
 ``PLAN.json``: ``{"out": path, "folder": path, "scenarios": [{"name": ..., "kind": ..., ...}]}``, each
-scenario's kind one of ``global_partners``, ``fsdp``, ``matrix`` (``names``, ``modes``) and ``app``
-(``overrides``, ``out_dir``). Rank 0 writes ``{name: what the scenario found}`` to ``out``. Every scenario
-runs in the launch's one process group.
+scenario's kind one of ``default_generator``, ``global_partners``, ``fsdp``, ``matrix`` (``names``,
+``modes``) and ``app`` (``overrides``, ``out_dir``). Rank 0 writes ``{name: what the scenario found}`` to
+``out``. Every scenario runs in the launch's one process group.
 """
 
 import json
@@ -33,12 +33,40 @@ def run(scenario: dict, folder: str):
         from tests.matrix.distributed import cells
 
         return cells(scenario["names"], tuple(scenario["modes"]))
+    if kind == "default_generator":
+        return default_generator()
     if kind == "app":
         from mixhook.app import run as app
         from tests.app_helpers import config
 
         return app.main(config(*scenario["overrides"]), out_dir=scenario["out_dir"])
     raise ValueError(f"unknown scenario kind {kind!r}")
+
+
+def default_generator() -> list:
+    """Every rank seeded alike (as a training script does) draws once with a mixer on its default generator
+    and once with one given a generator: each rank's two draws and whether the default one still waited to
+    be reseeded per rank, gathered from every rank (tests/e2e/test_distributed.py compares them)."""
+    import torch
+
+    from mixhook import ManifoldMixup
+    from tests.helpers import SmallCNN
+
+    torch.manual_seed(0)
+    model = SmallCNN().train()
+    x = torch.randn(8, 3, 6, 6)
+    default, given = (
+        ManifoldMixup("conv1"),
+        ManifoldMixup("conv1", generator=torch.Generator().manual_seed(5)),
+    )
+    draws = []
+    for mix in (default, given):
+        with mix.attach(model):
+            model(x)
+            draws.append((float(mix.last.lam), mix.last.index.tolist()))
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (draws, default.state_dict()["per_rank"]))
+    return found
 
 
 def main(plan_path: str) -> None:

@@ -19,11 +19,14 @@ import time
 import pytest
 import torch
 
+from mixhook import ManifoldMixup
 from mixhook.app.data import build_data
 from mixhook.app.models import PreActResNet18
 from mixhook.app.training import checkpoint as ckpt
 from mixhook.app.training import evaluate
+from mixhook.hooks import rank_seed
 from tests.conftest import ROOT
+from tests.helpers import SmallCNN
 
 pytestmark = pytest.mark.slow  # torchrun
 
@@ -85,6 +88,7 @@ def launch(tmp_path_factory):
     (tests/e2e/distributed_worker.py): the folder it worked in, what rank 0 found for each scenario."""
     folder = tmp_path_factory.mktemp("launch")
     scenarios = [
+        {"name": "default_generator", "kind": "default_generator"},  # (first: as near a fresh process)
         {"name": "global_partners", "kind": "global_partners"},
         {"name": "fsdp", "kind": "fsdp"},
         {"name": "matrix", "kind": "matrix", "names": MATRIX, "modes": ["ddp", "fsdp"]},
@@ -213,6 +217,22 @@ def test_the_app_under_fsdp_trains_as_ddp_resumes_exactly_and_refuses_another_wo
     wider = torchrun_app(tmp_path / "wider", tmp_path, *COMMON, *STRATEGIES["fsdp"], resume, processes=3)
     assert wider.returncode != 0
     assert "the checkpoint was written by 2 process(es), this run has 3" in wider.stderr
+
+
+def test_under_torch_distributed_a_default_generator_draws_per_rank(launch):
+    """(tests/unit/test_state.py's per-rank streams, in a job of two processes: the launch's scenario
+    ``default_generator``, tests/e2e/distributed_worker.py.)"""
+    _, found = launch
+    ((default_0, given_0), done_0), ((default_1, given_1), done_1) = found["default_generator"]
+    assert default_0 != default_1  # per rank
+    assert given_0 == given_1  # the generator the user gave: what it draws
+    assert not done_0 and not done_1  # reseeded once, at the first training forward
+    torch.manual_seed(0)
+    single = ManifoldMixup("conv1")  # rank 0 draws what a single process draws
+    with single.attach(SmallCNN().train()) as _:
+        single.model(torch.randn(8, 3, 6, 6))
+    assert default_0 == [float(single.last.lam), single.last.index.tolist()]  # (as JSON keeps it: a list)
+    assert rank_seed(7, 0) == 7 and rank_seed(7, 1) != 7
 
 
 def test_global_partners_in_ddp_equal_one_process_mixing_the_global_batch(launch):

@@ -1,14 +1,13 @@
 """Every hook that draws at random has ``state_dict()``/``load_state_dict()`` that a user's own checkpoint
 can carry (through ``torch.save`` and ``torch.load(weights_only=True)``), so a resumed run continues the same
 draws bit for bit; a state of another hook is refused in one line. Under ``torch.distributed`` a regularizer
-with no generator of its own draws differently on each rank; one given a generator draws from it."""
+with no generator of its own draws differently on each rank, one given a generator draws from it (checked
+in a job of two processes by tests/e2e/test_distributed.py), and a state records its rank."""
 
 import io
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mixhook import (
     ActivationStats,
@@ -22,7 +21,7 @@ from mixhook import (
     Ramp,
     attach,
 )
-from mixhook.hooks import StateError, rank_seed
+from mixhook.hooks import StateError
 from tests.helpers import SmallCNN
 
 
@@ -120,49 +119,6 @@ def test_a_state_of_another_hook_is_refused_in_one_line(source, target, match):
     with pytest.raises(StateError, match=match) as err:
         target().load_state_dict(state)
     assert "\n" not in str(err.value)
-
-
-def _draw_on_rank(rank: int, world: int, port: int, out) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)  # every rank seeded alike, as a training script does
-        model = SmallCNN().train()
-        x = torch.randn(8, 3, 6, 6)
-        default, given = ManifoldMixup("conv1"), ManifoldMixup("conv1", generator=gen(5))
-        draws = []
-        for mix in (default, given):
-            with mix.attach(model):
-                model(x)
-                draws.append((float(mix.last.lam), mix.last.index.tolist()))
-        out[rank] = (draws, default.state_dict()["per_rank"])
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_under_torch_distributed_a_default_generator_draws_per_rank():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_draw_on_rank, args=(2, port, out), nprocs=2, join=True)
-        (default_0, given_0), done_0 = out[0]
-        (default_1, given_1), done_1 = out[1]
-    assert default_0 != default_1  # per rank
-    assert given_0 == given_1  # the generator the user gave: what it draws
-    assert not done_0 and not done_1  # reseeded once, at the first training forward
-    torch.manual_seed(0)
-    single = ManifoldMixup("conv1")  # rank 0 draws what a single process draws
-    with single.attach(SmallCNN().train()) as _:
-        single.model(torch.randn(8, 3, 6, 6))
-    assert default_0 == (float(single.last.lam), single.last.index.tolist())
-    assert rank_seed(7, 0) == 7 and rank_seed(7, 1) != 7
 
 
 def test_under_torch_distributed_a_state_records_its_rank_and_another_ranks_is_refused(tmp_path):

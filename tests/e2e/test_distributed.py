@@ -72,9 +72,13 @@ def torchrun_app(out, cwd, *args, processes: int = 2, timeout: int = 300):
 
 COMMON = [  # the app under FSDP and DDP: test_the_app_under_fsdp_trains_as_ddp...
     "data.train_size=240", "data.test_size=0.1997", "trainer.batch_size=8", "trainer.epochs=2",
-    "trainer.eval_batch_size=179", "trainer.checkpoint_every=1", "trainer.progress_bar=false", "seed=2",
-    "+model.width=0.25", "scheduler=multistep", "scheduler.milestones=[1]",
+    "trainer.eval_batch_size=179", "trainer.progress_bar=false", "seed=2", "+model.width=0.25",
+    "scheduler=multistep", "scheduler.milestones=[1]",
 ]  # fmt: skip
+# train.py's own launch stopped by SIGTERM: a checkpoint every 3 steps (of a rank's 15 an epoch), the
+# first one the sign to stop it, mid-epoch; the launch's runs checkpoint at the ends of epochs only (a
+# sharded checkpoint gathers the whole model: one every step made the FSDP run three times as long)
+STOPPED = [*COMMON, "trainer.checkpoint_every=3"]
 STRATEGIES = {
     "fsdp": ["trainer.strategy=fsdp", "trainer.fsdp_units=[layer1,layer2,layer3,layer4]"],
     "ddp": [],
@@ -193,7 +197,7 @@ def test_the_app_under_fsdp_trains_as_ddp_resumes_exactly_and_refuses_another_wo
     # (the running sums are kept per rank by the code both strategies share: the sharded run stands for both)
     own = tmp_path / "user"  # train.py's own launch, in a directory of its own
     own.mkdir()
-    state, resumed = interrupted(own / "stopped", own, *COMMON, *STRATEGIES["fsdp"])
+    state, resumed = interrupted(own / "stopped", own, *STOPPED, *STRATEGIES["fsdp"])
     assert state["epoch"] == 0 and state["step"] > 0, (state["epoch"], state["step"])  # mid-epoch
     assert metrics_without_time(own / "stopped") == rows
     assert (resumed.stdout + resumed.stderr).count("epoch 2/2  train_loss") == 1  # rank 0 reports

@@ -45,8 +45,8 @@ def run(scenario: dict, folder: str):
 
 def default_generator() -> list:
     """Every rank seeded alike (as a training script does) draws once with a mixer on its default generator
-    and once with one given a generator: each rank's two draws and whether the default one still waited to
-    be reseeded per rank, gathered from every rank (tests/e2e/test_distributed.py compares them)."""
+    and once with one given a generator: each rank's two draws and the default mixer's state's ``per_rank``
+    entry, gathered from every rank (tests/e2e/test_distributed.py compares them)."""
     import torch
 
     from mixhook import ManifoldMixup

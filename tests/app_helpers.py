@@ -38,18 +38,9 @@ _COMPOSED = {}
 def _config_files() -> tuple:
     """What the app's config files are now (each one's path, size and modification time): a config composed
     before one of them changed is not used after."""
-    return tuple(
-        (entry.path, entry.stat().st_size, entry.stat().st_mtime_ns)
-        for entry in sorted(_walk(str(CONF_DIR)), key=lambda e: e.path)
-    )
-
-
-def _walk(folder: str):
-    for entry in os.scandir(folder):
-        if entry.is_dir():
-            yield from _walk(entry.path)
-        else:
-            yield entry
+    paths = sorted(os.path.join(folder, name) for folder, _, names in os.walk(CONF_DIR) for name in names)
+    stats = [os.stat(path) for path in paths]
+    return tuple((path, stat.st_size, stat.st_mtime_ns) for path, stat in zip(paths, stats, strict=True))
 
 
 def not_log_lines(stderr: str) -> list[str]:

@@ -21,10 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def quoted_block(after: str, page: str = "README.md") -> list[str]:
-    """The lines of the first ``` block that follows the text ``after`` in the README (or a docs page)."""
+def quoted_block(after: str, page: str = "README.md", language: str = "") -> list[str]:
+    """The lines of the first ``` block (a ```language one, where given) that follows the text ``after`` in
+    the README (or a docs page); none where there is no such block."""
     text = (ROOT / page).read_text()
-    return text[text.index(after) :].split("```\n", 2)[1].splitlines()
+    fence = re.escape(language) if language else r"\w*"
+    found = re.search(rf"```{fence}\n(.*?)\n```", text[text.index(after) :], re.S)
+    return found.group(1).splitlines() if found else []
 
 
 def shape(line: str) -> str:
@@ -35,9 +38,7 @@ def shape(line: str) -> str:
 
 def command() -> list[str]:
     """The README's command under 'Train', as written."""
-    text = (ROOT / "README.md").read_text()
-    found = re.search(r"```\w*\n(.*?)```", text[text.index("## Train\n") :], re.S)
-    line = found.group(1).strip() if found else ""
+    line = "\n".join(quoted_block("## Train\n"))
     if line != "python train.py":
         raise SystemExit(f"README run: the README shows {line!r} to train now; update tests/readme_run.py")
     return [sys.executable, str(ROOT / "train.py")]

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import ROOT
+from tests.readme_run import quoted_block
 
 # what the app and the tests use, none of which the core may need
 BLOCKED = ("hydra", "omegaconf", "torchvision", "sklearn", "matplotlib", "tqdm", "yaml", "numpy", "scipy",
@@ -162,9 +163,7 @@ def test_the_layer_browser_runs_from_a_built_wheel(tmp_path):
 
 def readme_block(heading: str) -> str:
     """The first ```python block under ``heading`` in README.md."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(heading) :]
-    return section[section.index("```python\n") + len("```python\n") :].split("\n```", 1)[0]
+    return "\n".join(quoted_block(heading, language="python"))
 
 
 @pytest.mark.slow

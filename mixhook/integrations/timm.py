@@ -56,7 +56,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 class LayerMixup:
-    """timm's ``Mixup`` (``mode="batch"``) mixing at named layers of ``model`` instead of the input.
+    """timm's ``Mixup`` at named layers; it smooths labels by ``label_smoothing=0.1`` unless told, as timm's.
 
     Called as ``x, soft = mixup_fn(x, target)`` before each training forward. With probability ``prob``
     the batch is mixed: CutMix with probability ``switch_prob`` when both ``mixup_alpha`` and
@@ -153,7 +153,10 @@ class LayerMixup:
         self._pending = None  # the mixer pinned by the last call, until a training forward uses it
 
     def __repr__(self) -> str:
-        return f"LayerMixup({self.hook!r}, prob={self.mix_prob}, switch_prob={self.switch_prob})"
+        return (
+            f"LayerMixup({self.hook!r}, prob={self.mix_prob}, switch_prob={self.switch_prob}, "
+            f"label_smoothing={self.label_smoothing})"
+        )
 
     def remove(self) -> None:
         """Take the mixers off the model."""

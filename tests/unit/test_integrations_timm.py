@@ -217,3 +217,20 @@ def test_any_method_in_timms_step_trains_as_the_hand_loop(method):
 
     with pytest.raises(ValueError, match="mixes with a second batch"):
         MixupFn(tiny_resnet(), MM("layer1").use(BalancedMixup()))
+
+
+def test_the_label_smoothing_nobody_passed_is_timms_and_said_in_the_repr():
+    """timm's ``Mixup`` smooths by 0.1 by default and so does LayerMixup: a user who never passed
+    ``label_smoothing`` reads it in the repr, gets timm's smoothed targets, and 0.0 gives hard ones."""
+    model = tiny_resnet()
+    y = torch.tensor([0, 1, 2, 3])
+    default = LayerMixup(model, layer="layer1", prob=0.0, num_classes=5)
+    assert (
+        "label_smoothing=0.1" in repr(default) and "label_smoothing=0.1" in LayerMixup.__doc__.splitlines()[0]
+    )
+    _, soft = default(torch.randn(4, 3, 32, 32, dtype=torch.double), y)
+    assert torch.allclose(soft, timm_mixup.mixup_target(y, 5, lam=1.0, smoothing=0.1).to(soft))
+    default.remove()
+    hard = LayerMixup(model, layer="layer1", prob=0.0, num_classes=5, label_smoothing=0.0)
+    _, soft = hard(torch.randn(4, 3, 32, 32, dtype=torch.double), y)
+    assert "label_smoothing=0.0" in repr(hard) and torch.equal(soft, torch.eye(5, dtype=soft.dtype)[y])

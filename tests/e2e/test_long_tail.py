@@ -88,6 +88,11 @@ def test_a_long_tail_sweep_over_the_policy_configs_trains_and_reports_balanced_a
         assert len(rows) == 2 and float(rows[-1]["test_balanced_acc"]) == summary["test_balanced_acc"]
         assert [float(rows[-1][f"test_acc_c{c}"]) for c in range(10)] == per_class
         assert all(math.isfinite(float(r["train_loss"])) for r in rows)
+        shown = [line for line in (run / "train.log").read_text().splitlines() if "  train_loss " in line]
+        assert len(shown) == 2 and all(  # the README's "(balanced accuracy too)": on screen, each epoch
+            f"test_balanced_acc {100 * float(r['test_balanced_acc']):.2f}%  test_ece" in line
+            for r, line in zip(rows, shown, strict=True)
+        )
     report = (sweep / "summary.md").read_text()
     assert "balanced accuracy %, last epoch" in report
     for name in POLICY_CONFIGS:

@@ -613,7 +613,7 @@ def _kept(
         )  # fmt: skip
     if score > state.best[0] or state.best[1] == 0:
         state.best = (score, row["epoch"])
-    _log_epoch(row, run.settings.epochs)
+    _log_epoch(row, run.settings.epochs, long_tailed(run.data))
 
 
 def metric_columns(task: str, num_classes: int) -> list[str]:
@@ -658,8 +658,15 @@ def _tested(row: dict, net, data, device, opts: Settings, dist: Dist, train_acc:
     return found.acc, found.calibration
 
 
-def _log_epoch(row: dict, epochs: int) -> None:
-    """The epoch's line in the log: its ``metrics.csv`` row."""
+def long_tailed(data) -> bool:
+    """Whether the training set's largest class has at least twice the images of its smallest (a
+    ``data.imbalance_ratio`` run): its epoch lines show the balanced accuracy beside the accuracy."""
+    counts = getattr(data, "class_counts", None)
+    return bool(counts) and max(counts) >= 2 * max(min(counts), 1)
+
+
+def _log_epoch(row: dict, epochs: int, balanced: bool = False) -> None:
+    """The epoch's line in the log: its ``metrics.csv`` row (``balanced``: with the balanced accuracy)."""
     if "test_rmse" in row:
         log.info(
             "epoch %d/%d  train_loss %.4f  test_mse %.4f  test_rmse %.3f  lr %.4g  %.1fs",
@@ -668,10 +675,11 @@ def _log_epoch(row: dict, epochs: int) -> None:
         )  # fmt: skip
     else:
         log.info(
-            "epoch %d/%d  train_loss %.4f  train_acc %.2f%%  test_loss %.4f  test_acc %.2f%%  "
+            "epoch %d/%d  train_loss %.4f  train_acc %.2f%%  test_loss %.4f  test_acc %.2f%%  %s"
             "test_ece %.2f%%  lr %.4g  %.1fs", row["epoch"], epochs, row["train_loss"],
-            100 * row["train_acc"], row["test_loss"], 100 * row["test_acc"], 100 * row["test_ece"], row["lr"],
-            row["seconds"],
+            100 * row["train_acc"], row["test_loss"], 100 * row["test_acc"],
+            f"test_balanced_acc {100 * row['test_balanced_acc']:.2f}%  " if balanced else "",
+            100 * row["test_ece"], row["lr"], row["seconds"],
         )  # fmt: skip
 
 

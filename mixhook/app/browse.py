@@ -8,7 +8,8 @@ its structure and two verdicts:
   ``[last_hidden_state]``: the selectors a layer spec takes), with the dimension along which each one
   carries the batch (``batch@1`` for a sequence-first LSTM's output and its ``h_n``);
 - **mixable**: whether a mixer can blend it as a whole (every tensor in it that carries the batch, along
-  its own batch dimension), and if not, why;
+  its own batch dimension), and the configured method there (``mixup=cutmix``: a map it can cut), and if
+  not, why;
 - **inside a residual block**: some enclosing module's output also depends on that module's input by a
   path that avoids this layer (a skip connection). Mixing here blends one branch while the other carries
   the unmixed input past it, so the block's output is only partly mixed: the pitfall the Manifold Mixup
@@ -37,8 +38,9 @@ Lists every layer of the experiment app's model, in call order, on one sample ba
 returns (elements and the dimension along which each carries the batch), whether a mixer can mix it, and
 whether it sits inside a residual block or on its skip path.
 
-OVERRIDE: any of train.py's model and data overrides, e.g.
+OVERRIDE: any of train.py's overrides; the mixable column is the configured method's verdict, e.g.
   python -m mixhook.layers model=torchvision model.name=resnet18
+  python -m mixhook.layers mixup=cutmix        # CutMix's verdict: no 1x1 maps, no logits
   python -m mixhook.layers model=timm model.name=vit_tiny_patch16_224 +model.img_size=8 +model.patch_size=4
   python -m mixhook.layers data=cifar10 data.root=/path/to/data
 """
@@ -265,7 +267,66 @@ def main(argv: list[str]) -> int:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     x = next(iter(data.test))[0][:2]
+    rows = browse(model, x)
+    try:
+        method = judge_by_method(cfg, model, data, x, rows, layer_given=_sets(argv, "mixup.layer"))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"{type(model).__name__} on a {data.name} batch of shape {tuple(x.shape)}:")
     print(_statement(model))
-    print(format_table(browse(model, x)))
+    print(method)
+    print(format_table(rows))
     return 0
+
+
+def _sets(argv: list[str], key: str) -> bool:
+    """Whether the command line sets ``key`` (``key=...``, ``+key=...``, ``++key=...``)."""
+    return any(arg.lstrip("+~").split("=", 1)[0] == key for arg in argv)
+
+
+def judge_by_method(
+    cfg, model: nn.Module, data, x: torch.Tensor, rows: list[LayerInfo], layer_given: bool = True
+) -> str:
+    """Make the mixable column the configured method's verdict (``mixup=...``): each layer a mixer can
+    blend is checked by the method built at that layer, as ``train.py`` checks its layer before training
+    (CutMix refuses a 1x1 map and the logits, a token method a map). The configured ``mixup`` must attach
+    to the model as ``train.py`` attaches it (:class:`~mixhook.app.errors.ConfigError`, its one line,
+    otherwise: an unknown ``mixup.layer``, or TransMix's ``attention`` on a CNN); the config's default
+    ``mixup.layer`` only where ``layer_given`` (a browser is run to find a new model's layers). Returns the
+    line that says whose verdict the column is."""
+    from omegaconf import OmegaConf
+
+    from mixhook.layers import UnknownLayerError, trace_outputs
+
+    from .build import build_hook
+    from .errors import ConfigError
+    from .preflight import attach
+
+    node = cfg.mixup
+    if not node.get("_target_"):
+        return "mixable: whether a mixer can blend the whole output (mixup=none: no method to ask)"
+    hook = build_hook(node, "mixup", cfg.seed)
+    try:
+        attach(model, "mixup", hook, data).remove()
+    except ConfigError as err:
+        if layer_given or not str(err).startswith("mixup.layer:"):
+            raise
+    name = type(hook).__name__
+    if "layer" not in node:
+        return f"mixable: whether a mixer can blend the whole output ({name} takes no mixup.layer)"
+    outputs = trace_outputs(model, [row.name for row in rows if row.mixable], x)
+    for row in rows:
+        if not row.mixable:
+            continue
+        at = build_hook(OmegaConf.merge(node, {"layer": row.name}), "mixup", cfg.seed)
+        try:
+            handle = at.attach(model)
+            try:
+                at.check_output(row.name, outputs[row.name], x.shape[0], model_input=x)
+            finally:
+                handle.remove()
+        except (UnknownLayerError, TypeError, ValueError) as err:
+            why = str(err).replace(f"{name} at {row.name!r}: ", "").replace(f"{name} at {row.name!r} ", "")
+            row.mixable, row.why_not = False, why
+    return f"mixable: whether mixup={name} (its other settings as configured) can mix the layer"

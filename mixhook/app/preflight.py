@@ -47,17 +47,7 @@ def attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Da
     handles: list = []
     try:
         for key, hook in hooks:
-            try:
-                handles.append(hook.attach(model))
-            except UnknownLayerError as err:
-                if layer_key(hook, err) == "attention" and not _has_attention(model):
-                    raise ConfigError(f"{key}.attention: {_needs_attention(hook, model, data)}") from err
-                raise ConfigError(
-                    f"{key}.{layer_key(hook, err)}: {err}. `python -m mixhook.layers` with this run's model "
-                    "and data overrides lists every layer with its output and whether it can be mixed"
-                ) from err
-            except (TypeError, ValueError) as err:  # a layer argument of the wrong kind (not attention...)
-                raise ConfigError(f"{key}.{layer_key(hook, err)}: {err}") from err
+            handles.append(attach(model, key, hook, data))
         check_sample_batch(model, hooks, data)
     except BaseException:
         for handle in handles:
@@ -65,6 +55,22 @@ def attach_and_check(model: nn.Module, hooks: list[tuple[str, object]], data: Da
                 handle.remove()
         raise
     return [h for h in handles if callable(getattr(h, "remove", None))]
+
+
+def attach(model: nn.Module, key: str, hook, data: Data):
+    """``hook.attach(model)``, its layer arguments refused in one line (:class:`ConfigError` naming the
+    config key, ``{key}.layer`` or the argument it is about) where the model has no such layer."""
+    try:
+        return hook.attach(model)
+    except UnknownLayerError as err:
+        if layer_key(hook, err) == "attention" and not _has_attention(model):
+            raise ConfigError(f"{key}.attention: {_needs_attention(hook, model, data)}") from err
+        raise ConfigError(
+            f"{key}.{layer_key(hook, err)}: {err}. `python -m mixhook.layers` with this run's model "
+            "and data overrides lists every layer with its output and whether it can be mixed"
+        ) from err
+    except (TypeError, ValueError) as err:  # a layer argument of the wrong kind (not attention...)
+        raise ConfigError(f"{key}.{layer_key(hook, err)}: {err}") from err
 
 
 def _has_attention(model: nn.Module) -> bool:

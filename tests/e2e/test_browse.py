@@ -133,3 +133,29 @@ def test_the_unknown_layer_error_points_to_the_browser():
         )
     else:
         raise AssertionError("an unknown layer was accepted")
+
+
+@pytest.mark.slow
+def test_the_mixable_column_is_the_configured_methods_and_its_layer_is_checked(capsys):
+    """``mixup=cutmix``: the column is CutMix's verdict, as train.py's before training (a 1x1 map and the
+    logits refused, with its reason); an unknown ``mixup.layer`` is refused in train.py's one line."""
+    from mixhook.app.browse import main
+
+    assert main(["mixup=cutmix"]) == 0
+    head, statement, method, *rows = capsys.readouterr().out.splitlines()
+    assert method == "mixable: whether mixup=CutMix (its other settings as configured) can mix the layer"
+    verdicts = {line.split()[0]: line.split(")", 1)[1].split(None, 1) for line in rows[1:]}  # after the shape
+    assert verdicts["layer2"] == ["yes"] and verdicts["input"] == ["yes"]
+    assert verdicts["layer4"][0] == "no" and verdicts["layer4"][1].startswith("its 1x1 map is too small")
+    assert verdicts["linear"][0] == "no" and verdicts["linear"][1].startswith(
+        "needs a (B, C, L), (B, C, H, W)"
+    )
+    assert main(["mixup=manifold"]) == 0 and capsys.readouterr().out.splitlines()[-1].endswith(
+        " yes"
+    )  # linear
+    assert main(["mixup=cutmix", "mixup.layer=bogus"]) == 2
+    result = capsys.readouterr()
+    assert result.out == "" and result.err.startswith(
+        "error: mixup.layer: unknown layer 'bogus' in PreActResNet"
+    )
+    assert len(result.err.splitlines()) == 1

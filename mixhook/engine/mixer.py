@@ -98,6 +98,11 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
     # Whether the method's loss needs the clean batch beside its mix (RegMixup, RankMixup, MixupE): then
     # `clean` is True from the start and cannot be turned off.
     keeps_clean: ClassVar[bool] = False
+    # With the clean rows beside the mixed ones (`clean`): whether batch norm normalises the two halves
+    # apart, each by its own statistics, its running statistics updated by the clean half then the mixed
+    # (mixhook.engine.norms: what two forwards compute, for a method whose authors run two: AutoMix, SAMix);
+    # False: one batch of 2B, as one forward of the concatenated batch (RegMixup's authors').
+    batch_norm_apart: ClassVar[bool] = False
     # Whether the method's loss is the mixed criterion (_mixed_loss), which target, weights and loss
     # policies (Remix, LocalWeights, DecoupledLoss) change; False for a method with a loss of its own.
     takes_loss_policies: ClassVar[bool] = True

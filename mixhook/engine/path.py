@@ -39,6 +39,7 @@ from .contract import Draw, Mixed, MixState, claim, unclaim
 from .forward import NO_PINS, Forward, Pins
 from .gradient_pass import GradientPass, sharded
 from .leaves import SiteLeaves
+from .norms import NormsApart
 from .padding_masks import PaddingMasks
 from .partners import crosses_ranks
 from .traced import TracedPath, refuse_capture
@@ -77,7 +78,7 @@ class MixerHooks(LayerHook):
     _TRANSIENT = (
         "_current", "_targets", "_seen", "_site_leaves", "_traced", "_modules", "_masks", "_gradients",
         "_compiled", "_positional", "_given", "_inputs", "_packable", "_global", "_checks_leaves", "_before",
-        "_begins", "_extended", "_before_mix", "_draws_later", "_own_index", "_own_lam",
+        "_begins", "_extended", "_before_mix", "_draws_later", "_own_index", "_own_lam", "_norms",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -88,6 +89,7 @@ class MixerHooks(LayerHook):
         self._given: dict = {}  # use_features() / use_partners(): the next training forward's
         # the collaborators: padding masks downstream of a mix, the gradient pass, the one-graph path
         self._masks = PaddingMasks(self, self._note, self._replayed)
+        self._norms = NormsApart(self, self._note, self._replayed)
         self._gradients = GradientPass(type(self).__name__, self.sites, self._captured_leaves, self._as_given)
         self._compiled = TracedPath(self, self._read_input, self._unplanned, self._restore, self._host_begin,
                                     self._host_draw)  # fmt: skip
@@ -146,6 +148,8 @@ class MixerHooks(LayerHook):
             if spec not in self._inputs:
                 handles.append(module.register_forward_hook(self._layer_hook(spec)))
         takes_masks = self.padding == "union" and self._masks.register(model, handles)
+        if self._clean and self.batch_norm_apart:
+            self._norms.register(model, handles)
         handles.append(model.register_forward_hook(recompute.own_code(self._on_model_output)))
         self._traced = self.traceable and not takes_masks
 

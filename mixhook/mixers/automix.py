@@ -72,8 +72,11 @@ class AutoMix(Mixer):
     - the model has one classifier, trained by both the clean and the mixed loss (OpenMixup keeps two heads,
       ``head_one`` and ``head_mix``, on one backbone);
     - the clean batch runs beside the mixed one in one forward (the mixed layer emits ``2B`` rows,
-      :attr:`~mixhook.engine.mixer.Mixer.clean`), where OpenMixup runs two forwards: batch norm then sees
-      one batch of ``2B``, not two of ``B`` (the same on models without batch statistics);
+      :attr:`~mixhook.engine.mixer.Mixer.clean`), where OpenMixup runs two forwards; batch norm after the
+      mix normalises the two halves apart (``batch_norm_apart``, :mod:`mixhook.engine.norms`), so the
+      values, gradients and running statistics are the two forwards' (one batch of ``2B`` rows made the
+      app's digits run diverge within three epochs); any other layer that mixes samples with each other
+      would still see them together;
     - ``k`` stops at ``features`` (OpenMixup runs its whole backbone there; the rest only moves batch-norm
       running statistics a training forward never reads);
     - the momentum update runs at the first training forward after the model's parameters changed (an
@@ -123,6 +126,7 @@ class AutoMix(Mixer):
     """
 
     pin_keys = ("lam_mb", "index_mb")
+    batch_norm_apart = True  # (OpenMixup's forward_q: the clean batch and its mix in two forwards)
     _TRANSIENT = (
         "_features_name", "_features_layout", "_versions", "_block_versions", "_averaging", "_k_handles",
         "_k_mixing", "_k_replay", "_k_pending", "_copied_from", "_shards", "_first_step",

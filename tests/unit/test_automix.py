@@ -25,16 +25,18 @@ from mixhook.mixers.mixblock import MixBlock
 
 
 class Net(nn.Module):
-    """A CIFAR-style CNN with group norm (no batch statistics: the clean and the mixed batch give the same
-    function whether they run together, as here, or apart, as in OpenMixup); ``layer3``'s 4x4 maps are the
-    features, as OpenMixup's ResNet's third stage on 32x32 inputs (here 16x16: a factor 4 to the input)."""
+    """A CIFAR-style CNN with group norm, or batch norm (``norm="batch"``: OpenMixup's ResNets'; the clean
+    and the mixed batch then give another function together than apart, as OpenMixup runs them);
+    ``layer3``'s 4x4 maps are the features, as OpenMixup's ResNet's third stage on 32x32 inputs (here
+    16x16: a factor 4 to the input)."""
 
-    def __init__(self, classes: int = 5):
+    def __init__(self, classes: int = 5, norm: str = "group"):
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
 
         def stage(i, o, stride):
-            return nn.Sequential(nn.Conv2d(i, o, 3, stride, 1), nn.GroupNorm(2, o), nn.ReLU())
+            normed = nn.GroupNorm(2, o) if norm == "group" else nn.BatchNorm2d(o)
+            return nn.Sequential(nn.Conv2d(i, o, 3, stride, 1), normed, nn.ReLU())
 
         self.layer1, self.layer2, self.layer3 = stage(8, 8, 1), stage(8, 16, 2), stage(16, 32, 2)
         self.fc = nn.Linear(32, classes)
@@ -262,10 +264,15 @@ def test_the_mix_block_equals_openmixups_on_the_same_features(cls):
 
 
 @pytest.mark.parametrize("cls", [AutoMix, SAMix])
-@pytest.mark.parametrize("lam_bb", [0.35, 0.05])  # (0.05: within lam_margin, plain mixup for the model)
-def test_one_training_step_equals_openmixups_loss_and_gradients(cls, lam_bb):
+@pytest.mark.parametrize(
+    ("lam_bb", "norm"), [(0.35, "group"), (0.05, "group"), (0.35, "batch")]
+)  # (0.05: within lam_margin, plain mixup for the model)
+def test_one_training_step_equals_openmixups_loss_and_gradients(cls, lam_bb, norm):
+    """One step equals OpenMixup's forward_train (copied below): the loss, the model's and the Mix Block's
+    gradients and, with batch norm, the running statistics of its two forwards (the clean batch, then its
+    mix: normalised apart, though mixhook runs them as one forward of 2B rows)."""
     torch.manual_seed(1)
-    model = Net().double()
+    model = Net(norm=norm).double()
     mix = cls("input", "layer3")
     img, y = batch()
     index_mb, index_bb = torch.tensor([5, 3, 0, 1, 2, 4]), torch.tensor([1, 2, 3, 4, 5, 0])
@@ -291,6 +298,8 @@ def test_one_training_step_equals_openmixups_loss_and_gradients(cls, lam_bb):
     for (name, p), r in zip(block.named_parameters(), block_ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-10, atol=1e-13, msg=name)
     assert all(p.grad is None for p in mix.momentum_model.parameters())
+    for (name, b), r in zip(model.named_buffers(), q_ref.buffers(), strict=True):
+        torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-14, msg=name)  # (batch norm's, two forwards')
     torch.testing.assert_close(mix.last.info["block"][1], mask_mb[:, 1:], rtol=1e-12, atol=1e-14)
     own = mix.last.weights[:, None]
     torch.testing.assert_close(own * img + (1 - own) * img[index_bb], mixed_bb, rtol=1e-12, atol=1e-14)
@@ -418,18 +427,23 @@ def test_masks_gives_the_mask_a_training_forward_mixes_with():
         AutoMix("input", "layer3").masks(img, 0.4, index)
 
 
-def test_a_mix_inside_activation_checkpointing_has_the_unchecked_gradients():
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_a_mix_inside_activation_checkpointing_has_the_unchecked_gradients(norm):
+    """The mixed layer and (batch norm: normalising the clean and the mixed rows apart) the layer after it
+    recomputed in backward: the gradients of the forward without checkpoints."""
     from torch.utils.checkpoint import checkpoint
 
     class Checked(Net):
         def features(self, x):
             h = self.layer1(self.stem(x))
-            return self.layer3(checkpoint(self.layer2, h, use_reentrant=False))
+            return checkpoint(
+                self.layer3, checkpoint(self.layer2, h, use_reentrant=False), use_reentrant=False
+            )
 
     grads = []
     for cls in (Net, Checked):
         torch.manual_seed(6)
-        model = cls().double()
+        model = cls(norm=norm).double()
         mix = SAMix("layer2", "layer1", generator=torch.Generator().manual_seed(2))
         img, y = batch()
         with mix.attach(model):
@@ -496,13 +510,14 @@ def test_the_mix_block_joins_a_trainers_optimizer_and_follows_its_schedule(sched
 
 
 @pytest.mark.slow
-def test_a_compiled_model_trains_as_the_eager_one():
-    """Under torch.compile the mixer's hooks run between graphs (its momentum copy's forwards are eager):
-    the same losses, step after step."""
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_a_compiled_model_trains_as_the_eager_one(norm):
+    """Under torch.compile the mixer's hooks run between graphs (its momentum copy's forwards are eager),
+    batch norm's clean and mixed rows apart as eagerly: the same losses, step after step."""
     losses = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        model, (img, y) = Net().double(), batch()
+        model, (img, y) = Net(norm=norm).double(), batch()
         mix = AutoMix("input", "layer3", generator=torch.Generator().manual_seed(1))
         with mix.attach(model):
             forward = torch.compile(model, backend="aot_eager") if compiled else model

@@ -127,6 +127,12 @@ class AutoMix(Mixer):
 
     pin_keys = ("lam_mb", "index_mb")
     batch_norm_apart = True  # (OpenMixup's forward_q: the clean batch and its mix in two forwards)
+    # What the app's one line on a non-finite loss says to try (the config's knobs for a Mix Block that
+    # outruns the model)
+    if_non_finite = (
+        "its Mix Block trains beside the model; try its own rate, mixup.block_lr=0.005 "
+        "mixup.block_momentum=0, or a lower optim.lr"
+    )
     _TRANSIENT = (
         "_features_name", "_features_layout", "_versions", "_block_versions", "_averaging", "_k_handles",
         "_k_mixing", "_k_replay", "_k_pending", "_copied_from", "_shards", "_first_step",

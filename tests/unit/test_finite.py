@@ -178,3 +178,26 @@ def test_which_optimizers_can_be_read_lazily():
     )
     with pytest.raises(ValueError, match="FiniteCheck.every=4|check_finite_every=4"):
         FiniteCheck(4, copy.copy(plain))
+
+
+@pytest.mark.slow
+def test_a_learned_mixers_non_finite_loss_says_what_to_try():
+    """AutoMix's Mix Block can outrun the model: the one line names the layer and then the knobs the
+    method states (its own rate and momentum, a lower learning rate); a mixer without them adds nothing."""
+    from mixhook import AutoMix
+
+    torch.manual_seed(0)
+    model = MarkedConvNet().train()
+    mix = AutoMix("input", features="conv1", generator=torch.Generator().manual_seed(5))
+    with mix.attach(model):
+        opt = OPTIMIZERS["sgd"]([*model.parameters(), *mix.parameters()])
+        training = Training(
+            model, opt, torch.device("cpu"), mix, progress_bar=False, finite=FiniteCheck(1, opt)
+        )
+        with pytest.raises(NonFiniteLoss) as err:
+            train_one_epoch(training, batches({1}, steps=3))
+    assert str(err.value) == (
+        "the loss became nan; first non-finite layer output: conv2 (Conv2d); AutoMix: its Mix Block trains "
+        "beside the model; try its own rate, mixup.block_lr=0.005 mixup.block_momentum=0, or a lower optim.lr"
+    )
+    assert "try" not in str(train(1, batches({1}, steps=3), "sgd")[2])

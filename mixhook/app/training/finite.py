@@ -190,14 +190,25 @@ class FiniteCheck:
         raise self._located(value, first, x)
 
     def _elsewhere(self, done: int) -> NonFiniteLoss:
-        return NonFiniteLoss(f"the loss became non-finite on another rank than {self.dist.rank}", done + 1)
+        advice = _advice(self._context[1])
+        return NonFiniteLoss(
+            f"the loss became non-finite on another rank than {self.dist.rank}{advice}", done + 1
+        )
 
     def _located(self, value: float, done: int, x: torch.Tensor) -> NonFiniteLoss:
-        """The error for step ``done`` of this rank, naming the first non-finite layer of ``x``'s replay."""
+        """The error for step ``done`` of this rank, naming the first non-finite layer of ``x``'s replay
+        (and what the mixer says to try, where it says)."""
         model, mixup, dtype, _ = self._context
         rank = f" on rank {self.dist.rank}" if self.dist.enabled else ""
         where = locate_nonfinite(model, x, mixup, dtype)
-        return NonFiniteLoss(f"the loss became {value}{rank}; {where}", done + 1)
+        return NonFiniteLoss(f"the loss became {value}{rank}; {where}{_advice(mixup)}", done + 1)
+
+
+def _advice(mixup) -> str:
+    """What a mixer that trains parameters of its own says to try when the loss goes non-finite (its
+    ``if_non_finite``: the config's knobs that tame it), as the tail of the one line."""
+    said = getattr(mixup, "if_non_finite", None)
+    return f"; {type(mixup).__name__}: {said}" if isinstance(said, str) and said else ""
 
 
 def _fresh_momentum(optimizer: torch.optim.Optimizer) -> bool:

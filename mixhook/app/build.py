@@ -111,11 +111,10 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
 
 
 def _span_the_run(cfg: DictConfig, mixup, data) -> None:
-    """A learned mixer's momentum schedule (AutoMix's ``total_steps``) over the run's optimizer steps,
-    where the config leaves it unset."""
+    """Every mixer told the run's optimizer steps (``span``: a schedule over the run, AutoMix's
+    momentum's)."""
     for mixer in members(mixup) if mixup is not None else ():
-        if "total_steps" in vars(mixer) and mixer.total_steps is None:
-            mixer.total_steps = cfg.trainer.epochs * len(data.train)
+        mixer.span(cfg.trainer.epochs * len(data.train))
 
 
 def _the_mixer(cfg: DictConfig, hooks: list, data, dist: Dist):

@@ -258,6 +258,12 @@ class MixingHook(abc.ABC):
         more parameter group, the model's options where these say nothing; none by default."""
         return {}
 
+    def span(self, steps: int) -> None:
+        """Told, before training, the optimizer steps the whole run will take, for a method whose schedule
+        spans the run (AutoMix's momentum copy: its ``total_steps``, where not given); nothing by default.
+        The app calls it on every member (its ``trainer.epochs`` times the steps of an epoch)."""
+        return None
+
     def use_targets(self, target: torch.Tensor) -> None:
         """The labels of the next training forward, for a method that needs them to mix (gradient
         saliency); the others ignore them. Call it before every forward, as the app's loop does: labels

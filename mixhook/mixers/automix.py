@@ -291,6 +291,12 @@ class AutoMix(Mixer):
         self.parameters()
         return self.mix_block.named_parameters(prefix, recurse)
 
+    def span(self, steps: int) -> None:
+        """The momentum schedule over a run of ``steps`` optimizer steps, where ``total_steps`` was not
+        given (OpenMixup's ``CosineScheduleHook`` spans the runner's iterations)."""
+        if self.total_steps is None:
+            self.total_steps = int(steps)
+
     def momentum_at(self, step: int) -> float:
         """The momentum of the update after optimizer step ``step`` (0-based): OpenMixup's
         ``CosineScheduleHook`` (``warming_up="constant"``) over ``total_steps``; constant without them."""

@@ -572,13 +572,22 @@ def test_the_mix_block_may_have_its_own_learning_rate_in_any_optimizer():
         AutoMix("input", "layer3", block_lr=0)
     from mixhook.app.build import build
 
-    run = build(config("mixup=automix", "mixup.block_lr=0.005", "model=resnet32"))
+    run = build(config("mixup=automix", "model=resnet32", "trainer.epochs=3"))  # (its config's own rate)
     try:
         groups = run.optimizer.param_groups
         assert (
             len(groups) == 2 and groups[1]["lr"] == 0.005 and groups[0]["lr"] == run.optimizer.defaults["lr"]
         )
+        assert groups[1]["momentum"] == 0.0 and groups[0]["momentum"] == 0.9
         assert {id(p) for p in groups[1]["params"]} == {id(p) for p in run.mixup.parameters()}
+        # the momentum schedule spans the run (span(): the app's epochs times an epoch's steps)
+        assert run.mixup.total_steps == 3 * len(run.data.train) > 0
+    finally:
+        for handle in run.handles:
+            handle.remove()
+    run = build(config("mixup=automix", "model=resnet32", "+mixup.total_steps=7"))
+    try:
+        assert run.mixup.total_steps == 7  # (given: kept)
     finally:
         for handle in run.handles:
             handle.remove()

@@ -1,0 +1,144 @@
+"""Every shipped ``mixup=`` config on the README's default run, and its table: ``python -m tests.configs``.
+
+Each config of ``mixhook/app/conf/mixup/`` trains as ``python train.py mixup=<name>`` trains it (15 epochs of
+PreActResNet-18 on digits), or, for a config the default data or model cannot take, with the overrides its
+one-line refusal names (the matrix's: a ViT for TransMix and MixPro, regression data for C-Mixup). Each
+run is a ``train.py`` process of its own (``--jobs`` at a time, their threads shared out), in a run
+directory under ``--out`` that a later call reuses: a run whose ``summary.json`` exists is not run again,
+so an interrupted table continues where it stopped. ``docs/configs.md`` gets one row per config: its final
+and best test accuracy (RMSE for regression), test ECE, seconds, and whether it is within
+:data:`MARGIN` points of ``mixup=none`` on the same data; a run that failed or diverged says so with its
+last line. ``--epochs``/``--only`` make a quick partial table (not written to docs/ unless ``--write``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import date
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "mixhook" / "app" / "conf" / "mixup"
+TABLE = ROOT / "docs" / "configs.md"
+MARGIN = 3.0  # points of test accuracy below mixup=none that a config may lose and still "train"
+
+
+def configs() -> list[str]:
+    """The shipped ``mixup=`` configs, ``none`` first (the others are compared with it)."""
+    names = sorted(p.stem for p in CONF.glob("*.yaml"))
+    return ["none", *[n for n in names if n != "none"]]
+
+
+def overrides(name: str) -> tuple[str, ...]:
+    """What a config needs beyond ``mixup=<name>`` on the default experiment (the matrix's ``where``: the
+    overrides its one-line refusal names)."""
+    from tests.matrix.methods import METHODS
+
+    return next((m.where for m in METHODS if m.app == name), ())
+
+
+def train(name: str, where: tuple[str, ...], out: Path, epochs: int | None, threads: int) -> dict:
+    """One config's run with ``where`` (reused where its summary exists): its summary, or its last line
+    on failure."""
+    run = out / "-".join([name, *(w.split("=")[-1].replace("/", "_") for w in where)])
+    summary = run / "summary.json"
+    if not summary.exists():
+        command = [
+            sys.executable, str(ROOT / "train.py"), f"mixup={name}", *where,
+            "trainer.progress_bar=false", f"trainer.threads={threads}", f"hydra.run.dir={run}",
+            *([f"trainer.epochs={epochs}"] if epochs else []),
+        ]  # fmt: skip
+        started = time.perf_counter()
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if result.returncode != 0 or not summary.exists():
+            lines = result.stderr.strip().splitlines() or ["(no output)"]
+            seconds = time.perf_counter() - started
+            return {"name": name, "where": where, "failed": lines[-1], "seconds": seconds}
+    return {"name": name, "where": where, **json.loads(summary.read_text())}
+
+
+def row(found: dict, none: dict | None) -> str:
+    """The table's row of one run (``none``: ``mixup=none`` on the same model and data)."""
+    name, where = found["name"], " ".join(found["where"])
+    command = f"`mixup={name}{' ' + where if where else ''}`"
+    if "failed" in found:
+        return f"| {command} | | | | {found['seconds']:.0f} | **failed**: {found['failed']} |"
+    if found.get("task") == "regression":
+        return (
+            f"| {command} | RMSE {found['test_rmse']:.3f} | {found['best_test_rmse']:.3f} | | "
+            f"{found['seconds']:.0f} | {'the baseline' if name == 'none' else 'regression: beside none'} |"
+        )
+    acc, best, ece = 100 * found["test_acc"], 100 * found["best_test_acc"], 100 * found["test_ece"]
+    if name == "none":
+        verdict = "the baseline"
+    elif none is None or "test_acc" not in none:
+        verdict = "(mixup=none not run)"
+    elif acc >= 100 * none["test_acc"] - MARGIN:
+        verdict = "trains"
+    else:
+        verdict = f"**{100 * none['test_acc'] - acc:.1f} points below none**"
+    return f"| {command} | {acc:.2f} | {best:.2f} | {ece:.2f} | {found['seconds']:.0f} | {verdict} |"
+
+
+def table(results: list[dict], epochs: int | None) -> str:
+    baselines = {r["where"]: r for r in results if r["name"] == "none"}
+    cpu = platform.processor() or platform.machine()
+    machine = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    lines = [
+        "# Every shipped config on the default run",
+        "",
+        f"`python -m tests.configs` on {date.today()} ({machine}): `python train.py mixup=<name>` for",
+        f"each config, {epochs or 15} epoch(s) of PreActResNet-18 on digits (the README's run); a config",
+        "the default data or model cannot take runs with the overrides its one-line refusal names, beside",
+        "`mixup=none` with the same overrides. Accuracy and ECE in %, of the last epoch; a config trains",
+        f"when it ends within {MARGIN:g} points of `mixup=none` on the same model and data.",
+        "",
+        "| config | test accuracy | best | test ECE | seconds | |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+        *(row(r, baselines.get(r["where"])) for r in results),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.configs", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "multirun" / "configs", help="run directories")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (threads shared among them)")
+    parser.add_argument("--epochs", type=int, default=None, help="fewer epochs: a quick, partial table")
+    parser.add_argument("--only", default="", help="comma-separated configs (default: all)")
+    parser.add_argument("--write", action="store_true", help="write docs/configs.md even for a partial run")
+    args = parser.parse_args(argv)
+    names = configs()
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            parser.error(f"--only: no config {', '.join(unknown)}; the configs: {', '.join(names)}")
+        names = [n for n in names if n in wanted]
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    threads = max((os.cpu_count() or 1) // args.jobs, 1)
+    out = args.out / (f"epochs{args.epochs}" if args.epochs else "default")
+    runs = [(n, overrides(n)) for n in names]
+    runs += [("none", w) for w in dict.fromkeys(w for _, w in runs if w)]  # (each model's, data's baseline)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda job: train(*job, out, args.epochs, threads), runs))
+    text = table(results, args.epochs)
+    print(text, end="")
+    if args.write or (not args.epochs and not args.only):
+        TABLE.write_text(text)
+        print(f"wrote {TABLE.relative_to(ROOT)}", file=sys.stderr)
+    return 1 if any("failed" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""``python -m tests.configs``: every shipped ``mixup=`` config on the default run, and docs/configs.md. The
+runs are the command's (hours on 2 cores); here its table from given summaries, the overrides it takes
+from the matrix, and its refusal of a config that does not exist."""
+
+import pytest
+
+from tests import configs
+
+
+def test_every_shipped_config_is_listed_none_first_with_the_overrides_its_refusal_names():
+    names = configs.configs()
+    assert names[0] == "none" and {"automix", "samix", "transmix", "cmixup", "input"} <= set(names)
+    assert configs.overrides("transmix") == (
+        "model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2"
+    )  # fmt: skip
+    assert configs.overrides("cmixup") == ("data=diabetes", "model=mlp") and configs.overrides("none") == ()
+
+
+def test_the_table_compares_each_config_with_none_and_says_what_failed():
+    vit = configs.overrides("transmix")
+    results = [
+        {"name": "none", "test_acc": 0.98, "best_test_acc": 0.99, "test_ece": 0.02, "seconds": 40.0},
+        {"name": "automix", "test_acc": 0.9833, "best_test_acc": 0.9861, "test_ece": 0.023, "seconds": 842.0},
+        {"name": "samix", "test_acc": 0.10, "best_test_acc": 0.886, "test_ece": 0.90, "seconds": 600.0},
+        {"name": "cmixup", "task": "regression", "test_rmse": 55.1234, "best_test_rmse": 54, "seconds": 9.0},
+        {"name": "fmix", "failed": "error: mixup.layer: ...", "seconds": 3.0},
+        {"name": "transmix", "where": vit, "test_acc": 0.5, "best_test_acc": 1, "test_ece": 0, "seconds": 9},
+        {"name": "none", "where": vit, "test_acc": 0.52, "best_test_acc": 0.6, "test_ece": 0.1, "seconds": 8},
+    ]
+    for found in results:
+        found.setdefault("where", configs.overrides(found["name"]))
+    rows = configs.table(results, None).splitlines()
+    assert rows[0] == "# Every shipped config on the default run" and "15 epoch(s)" in rows[3]
+    body = {row.split(" | ")[0]: row for row in rows if row.startswith("| `mixup=")}
+    assert body["| `mixup=none`"].endswith("| 98.00 | 99.00 | 2.00 | 40 | the baseline |")
+    assert body["| `mixup=automix`"].endswith("| 98.33 | 98.61 | 2.30 | 842 | trains |")
+    assert body["| `mixup=samix`"].endswith("| **88.0 points below none** |")
+    assert body["| `mixup=cmixup data=diabetes model=mlp`"].startswith(
+        "| `mixup=cmixup data=diabetes model=mlp` | RMSE 55.123 |"
+    )
+    assert body["| `mixup=fmix`"].endswith("| 3 | **failed**: error: mixup.layer: ... |")
+    assert body["| `mixup=cmixup data=diabetes model=mlp`"].endswith("| 9 | regression: beside none |")
+    # a config on a ViT is compared with mixup=none on the same ViT, not with the default model
+    assert body[f"| `mixup=transmix {' '.join(vit)}`"].endswith("| 9 | trains |")
+    assert body[f"| `mixup=none {' '.join(vit)}`"].endswith("| the baseline |")
+    assert configs.row(results[1], None).endswith("| (mixup=none not run) |")
+
+
+def test_an_unknown_config_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        configs.main(["--only", "nosuch"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m tests.configs: error: --only: no config nosuch; the configs: none, ")

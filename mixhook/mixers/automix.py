@@ -130,8 +130,8 @@ class AutoMix(Mixer):
     # What the app's one line on a non-finite loss says to try (the config's knobs for a Mix Block that
     # outruns the model)
     if_non_finite = (
-        "its Mix Block trains beside the model; try its own rate, mixup.block_lr=0.005 "
-        "mixup.block_momentum=0, or a lower optim.lr"
+        "its Mix Block trains beside the model; try a lower optim.lr (half trains SAMix on digits), or a "
+        "lower mixup.block_lr with mixup.block_momentum=0"
     )
     _TRANSIENT = (
         "_features_name", "_features_layout", "_versions", "_block_versions", "_averaging", "_k_handles",

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixhook import ManifoldMixup
-from mixhook.app.training.finite import FiniteCheck, NonFiniteLoss, check_every
+from mixhook import ManifoldMixup, OneOf
+from mixhook.app.training.finite import FiniteCheck, NonFiniteLoss, _advice, check_every
 from mixhook.app.training.loop import Training, train_one_epoch
 from tests.toy_models import TinyConvNet
 
@@ -202,3 +202,7 @@ def test_a_learned_mixers_non_finite_loss_says_what_to_try():
         "with mixup.block_momentum=0"
     )
     assert "try" not in str(train(1, batches({1}, steps=3), "sgd")[2])
+    # inside a OneOf the learned mixer says it too; a OneOf of plain mixers says nothing
+    said = str(err.value)
+    assert _advice(OneOf([ManifoldMixup("input"), mix])) == said[said.index("; AutoMix") :]
+    assert _advice(OneOf([ManifoldMixup("input"), ManifoldMixup("input")])) == ""

@@ -27,6 +27,7 @@ import torch
 import torch.distributed
 from torch import nn
 
+from mixhook.engine.contract import members
 from mixhook.engine.partners import crosses_ranks
 from mixhook.mixers import MixingHook
 
@@ -206,9 +207,14 @@ class FiniteCheck:
 
 def _advice(mixup) -> str:
     """What a mixer that trains parameters of its own says to try when the loss goes non-finite (its
-    ``if_non_finite``: the config's knobs that tame it), as the tail of the one line."""
-    said = getattr(mixup, "if_non_finite", None)
-    return f"; {type(mixup).__name__}: {said}" if isinstance(said, str) and said else ""
+    ``if_non_finite``: the config's knobs that tame it; inside a ``OneOf`` too), as the tail of the one
+    line."""
+    said = [
+        f"; {type(m).__name__}: {m.if_non_finite}"
+        for m in (members(mixup) if mixup is not None else ())
+        if isinstance(getattr(m, "if_non_finite", None), str) and m.if_non_finite
+    ]
+    return "".join(said)
 
 
 def _fresh_momentum(optimizer: torch.optim.Optimizer) -> bool:

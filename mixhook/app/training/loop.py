@@ -613,7 +613,7 @@ def _kept(
         )  # fmt: skip
     if score > state.best[0] or state.best[1] == 0:
         state.best = (score, row["epoch"])
-    _log_epoch(row, run.settings.epochs, long_tailed(run.data))
+    _log_epoch(row, run.settings.epochs, _long_tailed(run.data))
 
 
 def metric_columns(task: str, num_classes: int) -> list[str]:
@@ -658,7 +658,7 @@ def _tested(row: dict, net, data, device, opts: Settings, dist: Dist, train_acc:
     return found.acc, found.calibration
 
 
-def long_tailed(data) -> bool:
+def _long_tailed(data) -> bool:
     """Whether the training set's largest class has at least twice the images of its smallest (a
     ``data.imbalance_ratio`` run): its epoch lines show the balanced accuracy beside the accuracy."""
     counts = getattr(data, "class_counts", None)

@@ -8,6 +8,9 @@ the ``<stem>.md`` the benchmark wrote beside it), so they cannot be copied by ha
 - ``_generated/results/<stem>.md``: each results file's own Markdown, under its file name;
 - ``_generated/costs.md``: the catalogue's cost of every method (the latest ``*-methods`` run) and of the
   scaling hooks (the latest whole-suite CPU run);
+- ``_generated/methods-table.md``, ``_generated/methods.md``, ``_generated/api-methods.md``: the catalogue's
+  table of the methods, their sections and the API page's list, read from each method's card
+  (``mixhook.Card``; its ``mixup=`` configs from the app's group), so a new method's module is all it takes;
 The catalogue's pictures (``docs/gallery/``, drawn by ``docs/gallery.py``) are checked here: a method without
 its picture or its section in ``catalogue.md``, or a picture of no method, is a build error naming it.
 """
@@ -143,11 +146,8 @@ def costs_table(results: dict[str, dict]) -> str:
 
 
 def gallery_problems(gallery: Path, methods: list[str], skipped: dict[str, str]) -> list[str]:
-    """A method without its picture or without its section and picture in the catalogue, a picture of no
-    method."""
+    """A method without its picture (its card says the gallery draws it), a picture of no method."""
     pictures = {p.stem for p in gallery.glob("*.png")}
-    page = gallery.parent / "catalogue.md"
-    catalogue = page.read_text() if page.exists() else None  # (a docs tree without a catalogue)
     problems = [
         f"{gallery}/{name}.png: no picture of {name}: run python docs/gallery.py"
         for name in methods
@@ -157,13 +157,60 @@ def gallery_problems(gallery: Path, methods: list[str], skipped: dict[str, str])
         f"{gallery}/{stem}.png: a picture of no method (docs/gallery.py draws one per mixer)"
         for stem in sorted(pictures - set(methods))
     ]
-    shown = [n for n in methods if n not in skipped and catalogue is not None]
-    problems += [
-        f"{page}: no section '### {name}' showing ![{name}](/gallery/{name}.png)"
-        for name in shown
-        if f"### {name}\n" not in catalogue or f"![{name}](/gallery/{name}.png)" not in catalogue
-    ]
     return problems
+
+
+def method_table() -> str:
+    """The catalogue's table: one row per method (its card), in the catalogue's order."""
+    from mixhook.app.methods import configs_of
+    from mixhook.engine.card import METHODS, catalogue_order
+
+    configs = configs_of()
+    lines = [
+        "| method | paper | mixes | where | `mixup=` | workflows |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in catalogue_order():
+        card = METHODS[name].card
+        where = ", ".join(f"`{c}`" for c in configs[name])
+        if card.app:
+            where += f" (`{' '.join(card.app)}`)"
+        lines.append(
+            f"| [`{name}`](#{name.lower()}) | {card.paper} | {card.mixes} | {card.where} | {where} "
+            f"| {card.workflows} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def method_sections() -> str:
+    """Each method's section of the catalogue (its card): signature, hook, paper and commands, what it
+    computes, its picture."""
+    from mixhook.engine.card import METHODS, catalogue_order
+
+    parts = []
+    for name in catalogue_order():
+        card = METHODS[name].card
+        picture = (
+            f"![{name}](/gallery/{name}.png)" if card.picture is True else f"No picture: {card.picture}."
+        )
+        parts.append(
+            f"### {name}\n\n`{card.signature}`: {card.hook}. {card.paper}; {card.commands}.\n\n"
+            f"{card.details}\n\n{picture}\n"
+        )
+    return "\n".join(parts)
+
+
+def api_methods() -> str:
+    """The API page's list of the methods, in the catalogue's order."""
+    import mixhook
+    from mixhook.app.methods import target
+    from mixhook.engine.card import METHODS, catalogue_order
+
+    del mixhook
+    classes = "".join(  # (the card is the catalogue's: its section shows it)
+        f".. autoclass:: {target(METHODS[n])}\n   :exclude-members: card\n" for n in catalogue_order()
+    )
+    return f"```{{eval-rst}}\n{classes}```\n"
 
 
 def result_page(path: Path) -> str:
@@ -195,6 +242,9 @@ def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
         out / "goals.md": goals_table(results),
         out / "runs.md": runs_table(results),
         out / "costs.md": costs_table(results),
+        out / "methods-table.md": method_table(),
+        out / "methods.md": method_sections(),
+        out / "api-methods.md": api_methods(),
     }
     pages.update({out / "results" / f"{p.stem}.md": result_page(p) for p in files})
     toc = "\n".join(f"results/{p.stem}" for p in files)

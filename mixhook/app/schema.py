@@ -194,7 +194,11 @@ class Config:
 
 def register() -> None:
     """Put the schemas into Hydra's ConfigStore (idempotent): ``base_config`` for the root config,
-    ``<group>/<name>_schema`` for the group options that extend one."""
+    ``<group>/<name>_schema`` for the group options that extend one, and ``mixup/<name>`` for each method
+    without a config file (:func:`mixhook.app.methods.register`)."""
+    from . import methods
+
+    methods.register()
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
     store.store(group="data", name="digits_schema", node=DigitsConfig)

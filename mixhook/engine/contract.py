@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .card import Card, register
+
 
 def record(cls: type) -> type:
     """``dataclass(frozen=True)`` for the records every mix makes (:class:`MixState`, :class:`Draw`,
@@ -186,6 +188,13 @@ class MixingHook(abc.ABC):
     """
 
     last: MixState | None
+    card: Card | None = None
+    """What the method states for the catalogue, the API page, the app's ``mixup=`` group and the matrix
+    (:class:`~mixhook.Card`); a class that states one is listed in ``mixhook.mixers.METHODS``."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        register(cls)
 
     @abc.abstractmethod
     def loss(self, criterion: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

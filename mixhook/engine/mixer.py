@@ -103,7 +103,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
     # (mixhook.engine.norms: what two forwards compute, for a method whose authors run two: AutoMix, SAMix);
     # False: one batch of 2B, as one forward of the concatenated batch (RegMixup's authors').
     batch_norm_apart: ClassVar[bool] = False
-    # Whether the method's loss is the mixed criterion (_mixed_loss), which target, weights and loss
+    # Whether the method's loss is the mixed criterion (mixed_loss), which target, weights and loss
     # policies (Remix, LocalWeights, DecoupledLoss) change; False for a method with a loss of its own.
     takes_loss_policies: ClassVar[bool] = True
 

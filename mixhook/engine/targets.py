@@ -198,8 +198,8 @@ class LossAndTargets:
             last = self._labelled(last, logits, target, "loss")
         if last.clean:
             clean, mixed = halves(last, logits, "loss")
-            return self._clean_loss(criterion, clean, mixed, target, last)
-        return self._mixed_loss(criterion, logits, target, last)
+            return self.clean_loss(criterion, clean, mixed, target, last)
+        return self.mixed_loss(criterion, logits, target, last)
 
     def weigh(
         self,
@@ -218,8 +218,8 @@ class LossAndTargets:
             return metric(logits, target)
         if last.clean:
             clean, mixed = halves(last, logits, "weigh")
-            return torch.cat([metric(clean, target), self._mixed_loss(metric, mixed, target, last, False)])
-        return self._mixed_loss(metric, logits, target, last, False)
+            return torch.cat([metric(clean, target), self.mixed_loss(metric, mixed, target, last, False)])
+        return self.mixed_loss(metric, logits, target, last, False)
 
     def labelled(self, last: MixState, logits: torch.Tensor, target: torch.Tensor) -> MixState:
         """The mix ``last`` as ``loss``/``weigh``/``targets`` weigh the labels of the forward that produced
@@ -248,7 +248,7 @@ class LossAndTargets:
         is not a criterion of them), or ``None``: the app asks before it trains on soft targets."""
         return None
 
-    def _clean_loss(
+    def clean_loss(
         self,
         criterion: Callable,
         clean: torch.Tensor,
@@ -256,11 +256,12 @@ class LossAndTargets:
         target: torch.Tensor,
         last: MixState,
     ) -> torch.Tensor:
-        """The loss of a clean+mixed forward from its ``clean`` and ``mixed`` logits (``B`` rows each): the
-        mean over the doubled batch (a method with its own loss overrides it)."""
-        return per_row(criterion(clean, target), self._mixed_loss(criterion, mixed, target, last))
+        """An extension point (a method with ``keeps_clean`` overrides it; a user calls :meth:`loss`): the
+        loss of a clean+mixed forward from its ``clean`` and ``mixed`` logits (``B`` rows each) and the mix
+        ``last``; by default the mean over the doubled batch, with :meth:`mixed_loss` the mixed rows'."""
+        return per_row(criterion(clean, target), self.mixed_loss(criterion, mixed, target, last))
 
-    def _mixed_loss(
+    def mixed_loss(
         self,
         criterion: Callable,
         logits: torch.Tensor,
@@ -268,8 +269,10 @@ class LossAndTargets:
         last: MixState,
         own_terms: bool = True,
     ) -> torch.Tensor:
-        """The criterion of ``logits`` under the mix ``last`` (its mixed rows only); with ``own_terms``
-        (``loss``, not ``weigh``), a loss policy's weights and terms too."""
+        """An extension point (a method whose mixed loss has terms of its own overrides it, calling this
+        one; a user calls :meth:`loss`): the criterion of ``logits`` under the mix ``last`` (its mixed rows
+        only), ``lam * criterion(logits, target) + (1 - lam) * criterion(logits, target[index])``; with
+        ``own_terms`` (``loss``, not ``weigh``), a loss policy's weights and terms too."""
         if self._policies is not None and self._policies.on_loss:
             partner = self._partners_of(last, target, "loss")
             return self._policies.mixed_loss(criterion, logits, target, partner, last, own_terms)

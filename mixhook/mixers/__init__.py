@@ -5,7 +5,9 @@ This package holds the methods only. What they stand on is the engine (:mod:`mix
 :class:`~mixhook.engine.mixer.Mixer` the base a method subclasses (see docs/adding-a-mixer.md);
 :mod:`mixhook.functional` holds the blends' math and :mod:`mixhook.geometry` the regions'. Every
 ``MixingHook`` class defined in a module of this package is exported here and from ``mixhook`` under its
-own name: a new method is a new module, found when the package is imported.
+own name: a new method is a new module, found when the package is imported. :data:`METHODS` lists every
+catalogued method, the ones of this package and any other class that states a
+:class:`~mixhook.engine.card.Card` (a method of your own package joins it when its module is imported).
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ import importlib
 import inspect
 import pkgutil
 
+from ..engine.card import METHODS as METHODS  # (every catalogued method, by name)
+from ..engine.card import Card
 from ..engine.contract import Draw, Mixed, MixingHook, MixState
 from ..engine.mixer import Mixer
+from ..engine.regions import MaskMixer, RegionMixer
 from ..functional import blend, inverse_permutation, mix_targets, sample_beta, sample_lam, smooth_one_hot
 
 
 def _discover() -> dict[str, type]:
-    """Every public MixingHook class defined in this package's method modules, by name."""
+    """Every public MixingHook class defined in this package's method modules, by name (each states its
+    card, which lists it in :data:`METHODS`)."""
     found: dict[str, type] = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         if info.name.startswith("_"):
@@ -41,16 +47,19 @@ def _discover() -> dict[str, type]:
     return found
 
 
-METHODS: dict[str, type] = _discover()
-globals().update(METHODS)
+DEFINED_HERE: dict[str, type] = _discover()
+globals().update(DEFINED_HERE)
 
 __all__ = [
-    *sorted(METHODS),
+    *sorted(DEFINED_HERE),
+    "Card",
     "Draw",
+    "MaskMixer",
     "Mixed",
     "Mixer",
     "MixingHook",
     "MixState",
+    "RegionMixer",
     "blend",
     "inverse_permutation",
     "mix_targets",

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_one_map, check_positive
 from ..engine.contract import Draw, Mixed
 from ..engine.mixer import Mixer
@@ -105,6 +106,25 @@ class AlignMix(Mixer):
         tol: stop once the dual potential moves less than this (authors: 0.1); 0: every iteration.
         prob, generator, batch_dim, padding, layout: as :class:`~mixhook.CutMix`.
     """
+
+    card = Card(
+        paper="Venkataramanan et al. 2022",
+        mixes="the partner's positions aligned by optimal transport, blended",
+        where="any map",
+        family="feature",
+        signature="AlignMix(layer, alpha=2.0, eps=0.1, max_iter=100, tol=0.1)",
+        hook="forward, `(B,C,...)` maps (≥ 2 positions)",
+        commands="`mixup=alignmix` (CIFAR: `mixup.layer=layer4`, the authors')",
+        details=(
+            "Each sample's map `A` and its partner's `B` aligned by the entropic OT plan `P` between their "
+            "positions (log-domain Sinkhorn, squared Euclidean cost on the features, no gradient), `R = "
+            "N·P`; direction drawn per batch: `lam*A + (1-lam)*B Rᵀ` or `lam*A R + (1-lam)*B`; own label "
+            "`lam`; equal to the authors' `mixup_aligned` and `SinkhornDistance` on the same draws (their "
+            "stopping rule included: tested on the device at every iteration, read on the host every 10 on a "
+            'GPU, the same plan; `tol=0` reads nothing); `.last.info["direction"]`'
+        ),
+        example={"layer": "conv2", "alpha": 1.0},
+    )
 
     pin_keys = ("direction",)
     dense_targets = "aligns positions across samples, so no label map follows its mix; train on labels"

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_grid, check_spatial
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
@@ -76,6 +77,24 @@ class AttentiveCutMix(SaliencyGuided, RegionMixer):
 
     ``pin`` also takes ``saliency`` (``(B, H, W)``).
     """
+
+    card = Card(
+        paper="Walawalkar et al. 2020",
+        mixes="the partner's most attended cells",
+        where="input, any map, ViT tokens",
+        family="saliency",
+        signature='AttentiveCutMix(layer, grid=7, top_k=6, saliency="activation", saliency_layer=None)',
+        hook='forward, `(B,C,H,W)` outputs or ViT tokens (+ one forward/backward for `"gradient"`)',
+        commands="`mixup=attentivecutmix`",
+        details=(
+            "The map cut into `grid` cells scored by mean saliency (sources as SaliencyMix); the partner's "
+            "`top_k` cells pasted at the same places, one pattern per sample; lam ← kept area, one per "
+            "sample (no lam drawn); top-k selection equal to OpenMixup's on the same map; the authors' code "
+            "ranks by the last channel only, this by the channel mean the paper describes; "
+            '`.last.info["cells"]`, `["mask"]`, `["saliency"]`'
+        ),
+        example={"layer": "conv1", "grid": 4, "top_k": 3},
+    )
 
     pin_keys = ("saliency",)
 

@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import recompute
 from ..copies import whole_copy
+from ..engine.card import Card
 from ..engine.checks import check_fraction, check_non_negative, check_one_map, check_positive
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.gradient_pass import sharded
@@ -124,6 +125,55 @@ class AutoMix(Mixer):
         generator, batch_dim, padding, layout: as :class:`~mixhook.CutMix` (lam, the partners and the
             Mix Block's choices are drawn from ``generator``).
     """
+
+    card = Card(
+        paper="Liu et al. 2022",
+        mixes="a mask per pair from a learned Mix Block on a momentum copy's features",
+        where="input, any map; features from a map or ViT tokens (+ two forwards of the copy)",
+        family="learned",
+        signature=(
+            'AutoMix(layer="input", features="layer3", channels=None, alpha=2.0, momentum=0.999, '
+            'end_momentum=0.999999, total_steps=None, mask_loss=0.1, mask_loss_mode="L1", lam_margin=0.08, '
+            'clean_weight=1.0, block_weight=1.0, upsampling="nearest", block_lr=None, block_momentum=None)'
+        ),
+        hook=(
+            "forward, `(B,C,H,W)` maps (+ two forwards of a momentum copy per step: to `features` without "
+            "gradients, and on its own mix)"
+        ),
+        commands="`mixup=automix` (`experiment=liu2022_cifar100_automix`)",
+        details=(
+            "A momentum copy `k` of the model (made at `attach`, an EMA of the model's parameters once per "
+            "optimizer step, cosine-scheduled as OpenMixup's `CosineScheduleHook`) gives `features` on the "
+            "clean batch; the Mix Block (OpenMixup's `PixelMixBlock`: a cross-attention of the sample's and "
+            "the partner's features, weighing a 1x1 value into the partner's logit per position, upsampled "
+            "to the mixed map, `sigmoid`) makes each pair's mask from them and lam. The model trains on its "
+            "mix `h·(1-m) + h[index]·m` (mask without gradient; plain mixup where lam is within `lam_margin` "
+            "of 0 or 1; own label `lam`) and on the clean batch beside it; the Mix Block trains by `k`'s "
+            "mixed loss on a second draw (`lam_mb`, `index_mb`: gradients through `k` into the mask) and the "
+            "mask loss. `loss()` = `clean_weight·l(clean) + l_mix + block_weight·l_mix(k) + "
+            "mask_loss·mask_loss(m)`, equal to OpenMixup's `AutoMixup.forward_train` on the same draws (loss "
+            "and every gradient, model and Mix Block; the momentum update and schedule too); "
+            "`mix.parameters()` (the Mix Block's) go into the model's optimizer, a step that leaves them out "
+            "is refused at the next forward; `state_dict` holds the Mix Block, the copy and the updates "
+            "made. Differences (one head for OpenMixup's two; the clean rows beside the mixed ones in one "
+            "forward, where batch norm after the mix normalises the two halves apart, each by its own "
+            "statistics, as OpenMixup's two forwards do: `batch_norm_apart`, tested against them on a "
+            "batch-norm network, values, gradients and running statistics): the class docstring. The trainer "
+            "adapters put the Mix Block into the trainer's optimizer (timm: `MixupFn(model, mixer, "
+            "optimizer)`), the app's checkpoint keeps it and the copy; under DDP each backward averages the "
+            "Mix Block's gradients over the ranks; under FSDP2 the copy is whole on every rank, updated from "
+            "the gathered shards; `block_lr`/`block_momentum` give the Mix Block its own learning rate "
+            "(`mixup=automix` ships 0.005 and no momentum: at the model's, OpenMixup's CIFAR default, which "
+            "the paper experiments keep, it saturates on digits and the model diverges; `python train.py "
+            "mixup=automix` reaches 98.33% on the default experiment, ECE 2.30%; why it diverged, batch norm "
+            "included: [the study](learned_mixers_study/README.md)); over the zoo's 94 models AutoMix at "
+            "sampled layers is the hand edit with its mask or refused in one line ([the "
+            "report](zoo-automix.md)). `features` at a ViT block reads the map of its patch tokens with "
+            '`feature_tokens=(rows, columns)` or `feature_tokens="auto"` (the leading tokens left out, as '
+            "OpenMixup's DeiT configs do); `mix.masks(x, lam, index)` draws what it has learned"
+        ),
+        example={"layer": "input", "features": "conv1"},
+    )
 
     pin_keys = ("lam_mb", "index_mb")
     batch_norm_apart = True  # (OpenMixup's forward_q: the clean batch and its mix in two forwards)
@@ -585,11 +635,11 @@ class AutoMix(Mixer):
 
     # ------------------------------------------------------------------------------------ the loss
 
-    def _clean_loss(self, criterion: Callable, clean, mixed, target, last: MixState) -> torch.Tensor:
-        return self.clean_weight * criterion(clean, target) + self._mixed_loss(criterion, mixed, target, last)
+    def clean_loss(self, criterion: Callable, clean, mixed, target, last: MixState) -> torch.Tensor:
+        return self.clean_weight * criterion(clean, target) + self.mixed_loss(criterion, mixed, target, last)
 
-    def _mixed_loss(self, criterion, logits, target, last: MixState, own_terms: bool = True) -> torch.Tensor:
-        loss = super()._mixed_loss(criterion, logits, target, last, own_terms)
+    def mixed_loss(self, criterion, logits, target, last: MixState, own_terms: bool = True) -> torch.Tensor:
+        loss = super().mixed_loss(criterion, logits, target, last, own_terms)
         if not own_terms:
             return loss
         block_logits, mask, lam_mb, index_mb = last.info["block"]

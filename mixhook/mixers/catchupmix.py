@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_region
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
@@ -72,6 +73,25 @@ class CatchUpMix(RegionMixer):
 
     ``pin`` also takes ``box`` (at the input, as :class:`~mixhook.CutMix`).
     """
+
+    card = Card(
+        paper="Kang et al. 2024",
+        mixes="the channels where a sample lags its partner",
+        where="input, any layer",
+        family="feature",
+        signature="CatchUpMix(layer, alpha=1.0)",
+        hook="forward, `(B,C,...)` outputs, a layer drawn per batch",
+        commands="`mixup=catchupmix`",
+        details=(
+            "At a hidden layer each sample keeps its own maps in the `floor(lam·C)` channels of lowest "
+            "relative filter influence `RFI_ic = ‖h_ic‖/Σ‖h_i·‖ - ‖h_jc‖/Σ‖h_j·‖` (where it lags behind its "
+            "partner `j`) and takes the partner's in the rest; lam ← `floor(lam·C)/C`; CutMix at `input`. "
+            "**Reconstructed** from the abstract and Figure 2 with a third-party reimplementation "
+            "(allthemix): the paper's method section could not be read here and the authors published no "
+            "code; the rule is written out in the test"
+        ),
+        example={"layer": ["input", "conv1"]},
+    )
 
     pin_keys = ("box",)
     region_dims = (1, 2, 3)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from ..engine.card import Card
 from ..engine.checks import check_positive
 from .manifold import ManifoldMixup
 
@@ -56,6 +57,28 @@ class CMixup(ManifoldMixup):
         bandwidth: the kernel's width in label units, > 0 (authors: per data set, 0.05 to 50; with
             standardised labels about 0.5 to 2).
     """
+
+    card = Card(
+        paper="Yao et al. 2022",
+        mixes="regression: partners drawn by label distance",
+        where="input, any layer; float targets",
+        family="regression",
+        signature="CMixup(layer, alpha=2.0, bandwidth=1.0)",
+        hook="forward (labels via `use_targets(y)`)",
+        commands=(
+            "`data=diabetes model=mlp mixup=cmixup` (on class labels, e.g. digits, refused in one line "
+            "before training)"
+        ),
+        details=(
+            "Regression: partner `j` of `i` drawn from the batch with probability `∝ "
+            "exp(-‖y_i-y_j‖²/(2·bandwidth²))` (with replacement), then `h' = lam*h + (1-lam)*h[index]`; "
+            "train on `targets(y)` (MSE); rates and draws equal the authors' batch KDE sampler on the same "
+            "uniforms"
+        ),
+        app=("data=diabetes", "model=mlp"),
+        shown_on="mlp",
+        example={"layer": "input", "alpha": 1.0},
+    )
 
     index_is_permutation = False  # partners drawn with replacement
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_region, map_size
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
@@ -112,6 +113,23 @@ class CutMix(RegionMixer):
     ``mode="elem"`` also one row per sample, ``(B, 4)``; on a 1-D or 3-D map 2 or 6 bounds); a pinned
     ``lam`` sets the box size, its centre is drawn.
     """
+
+    card = Card(
+        paper="Yun et al. 2019",
+        mixes="a box of the partner pasted in",
+        where="input, any map, ViT tokens",
+        family="region",
+        signature='CutMix(layer, alpha=1.0, prob=1.0, mode="batch", rounding="paper")',
+        hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
+        commands="`mixup=cutmix mixup.layer=layer2`, `mixup.mode=elem`",
+        details=(
+            "Box of area ≈ `1-lam` from `h[index]` pasted into `h`; lam ← `1 - box area/(H*W)`; on a 1-D map "
+            "a segment of length ratio `1-lam`, on a 3-D map a box of side ratio `cbrt(1-lam)` (layouts read "
+            'or declared); `mode="elem"`: one box and lam per sample (CutMix-PyTorch#4); `rounding="paper"`: '
+            "the authors' (and torchvision's) box, `\"timm\"`: timm ≥ 1.0's (an odd side one longer), each "
+            'tested against that code; `.last.info["box"]`'
+        ),
+    )
 
     pin_keys = ("box",)
     region_dims = (1, 2, 3)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_non_negative, check_pinned_mask, check_positive, check_splittable
 from ..engine.contract import Draw
 from ..engine.regions import MaskMixer
@@ -58,6 +59,25 @@ class FMix(MaskMixer):
 
     ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]; ``(L,)``, ``(D, H, W)``).
     """
+
+    card = Card(
+        paper="Harris et al. 2020",
+        mixes="a mask from low-frequency Fourier noise",
+        where="input, any map, ViT tokens",
+        family="region",
+        signature="FMix(layer, alpha=1.0, decay_power=3.0, max_soft=0.0, spectrum=None)",
+        hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
+        commands="`mixup=fmix mixup.layer=layer1`",
+        details=(
+            "Mask `M` (H×W, one per batch): the `lam` fraction of pixels where Fourier noise with amplitudes "
+            "`∝ 1/f^decay_power` is highest; `h' = M h + (1-M) h[index]`; lam ← `mean(M)`; "
+            '`spectrum="reference"` (the default on 2-D maps): the line the authors\' `fmix.py` carries '
+            'commented out (isotropic blobs, point-symmetric: pixels tie in pairs), `"authors"`: the line it '
+            "runs, equal to their code on the same draws (it reads the spectrum's first two rows, so its "
+            'masks are bands across the width), `"complex"` (the default on 1-D and 3-D maps): the paper\'s '
+            'description; `.last.info["mask"]`'
+        ),
+    )
 
     pin_keys = ("mask",)
     checks_by_signature = True  # (the map's kind and sides, and the spectrum)

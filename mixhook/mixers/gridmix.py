@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_grid, check_region, map_size
 from ..engine.contract import Draw
 from ..engine.regions import MaskMixer
@@ -52,6 +53,23 @@ class GridMix(MaskMixer):
 
     ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools; one count per dimension).
     """
+
+    card = Card(
+        paper="Baek et al. 2021",
+        mixes="grid cells from either sample",
+        where="input, any map, ViT tokens",
+        family="region",
+        signature="GridMix(layer, alpha=1.0, grid=4)",
+        hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
+        commands="`mixup=gridmix mixup.layer=layer1`",
+        details=(
+            "The map cut into `grid` cells a side; `round(lam*cells)` cells (drawn uniformly, one pattern "
+            "per batch) keep `h`, the rest come whole from `h[index]`; lam ← kept area; the paper's "
+            "description (no authors' code; OpenMixup's `gridmix` is a different mask); "
+            '`.last.info["cells"]` for patch labels, `["mask"]`'
+        ),
+        example={"layer": "input", "grid": 2},
+    )
 
     pin_keys = ("cells",)
     checks_by_signature = True  # (the map's kind and sides, and the grid)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..engine import partners
+from ..engine.card import Card
 from ..engine.contract import Draw, Mixed
 from ..engine.forward import Forward
 from ..engine.mixer import Mixer
@@ -75,6 +76,26 @@ class ManifoldMixup(Mixer):
     own batch dimension, with one lam and one permutation; a selector (``"lstm[1.0]"``) restricts it.
     A layer called several times in one forward is mixed at its first call only.
     """
+
+    card = Card(
+        paper="Verma et al. 2019; Zhang et al. 2018",
+        mixes="blends two samples: `lam·h + (1-lam)·h[index]`",
+        where="input, any layer",
+        family="blend",
+        signature='ManifoldMixup(layer, alpha=2.0, prob=1.0, mode="batch", partners="local", dominant=False)',
+        hook="forward (pre-hook at `input`)",
+        commands="`mixup=manifold`, `mixup=input`",
+        details=(
+            '`h\' = lam*h + (1-lam)*h[index]`, lam ~ Beta(alpha, alpha); `mode="elem"`: one lam per sample; '
+            "`mode=\"pair\"`: timm's pair mode (`i` ↔ `B-1-i`, one lam per pair, equal to timm's "
+            '`Mixup(mode="pair")` on the same lam); `dominant=True`: lam ← max(lam, 1-lam), fastai\'s '
+            'MixUp/ManifoldMixup (with `mode="elem"`, equal to fastai\'s draw; '
+            "`layer=mixhook.fastai_layers(model)` is fastai's default layer choice, alpha 0.4 its default); "
+            '`partners="global"`: `index` over every rank\'s batch (see DDP)'
+        ),
+        workflows="all + TRL",
+        example={"layer": ["input", "conv1"], "alpha": 1.0},
+    )
 
     layout_aware = False  # the blend treats every element alike: any layout
     partners = Planned()  # (whether mix() draws and the ranks agree are worked out at attach)

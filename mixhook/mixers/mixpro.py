@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
+from ..engine.card import Card
 from ..engine.checks import check_non_negative, check_spatial
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.regions import RegionMixer
@@ -72,6 +73,28 @@ class MixPro(ReadsAttention, RegionMixer):
 
     ``pin`` also takes ``cells`` (``(B, rows, cols)``, 1: own).
     """
+
+    card = Card(
+        paper="Zhao et al. 2023",
+        mixes="random cells; labels moving to attention",
+        where="ViT input or tokens; needs attention",
+        family="attention",
+        signature="MixPro(layer, attention, alpha=1.0, cell=None, smoothing=0.1)",
+        hook="forward, ViT inputs or tokens, + a forward hook on the attention layer",
+        commands="`mixup=mixpro`",
+        details=(
+            "MaskMix: each sample keeps `ceil(lam·N)` random `cell×cell` cells of its own (default four "
+            "patches a side), the rest from `h[index]`; lam_a ← kept cells' share; at the loss `lam = "
+            "sim·lam_att + (1-sim)·lam_a`, `lam_att` the class token's attention over the kept patches (the "
+            "named attention layer of the same forward, as TransMix), `sim` the cosine between the "
+            "prediction and the smoothed mixed target (one per sample); equal to the authors' `MaskMix` and "
+            "labels on the same draws (their prediction in `sim` is not detached; OpenMixup's port detaches "
+            "it, as here)"
+        ),
+        app=("model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2"),
+        shown_on="vit",
+        example={"layer": "input", "attention": "blocks.1.attn"},
+    )
 
     pin_keys = ("cells",)
     region_dims = (2,)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.card import Card
 from ..engine.checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
 from ..engine.contract import MixState
 from .manifold import ManifoldMixup
@@ -42,6 +43,24 @@ class MixupE(ManifoldMixup):
         prob, generator, batch_dim: as :class:`ManifoldMixup`.
     """
 
+    card = Card(
+        paper="Zou et al. 2023",
+        mixes="mixup's loss with its enhancement term",
+        where="input, any layer; clean+mixed",
+        family="clean",
+        signature="MixupE(layer, alpha=2.0, eta=0.001, threshold=1.0)",
+        hook="forward, clean+mixed",
+        commands="`mixup=mixupe`",
+        details=(
+            "Clean+mixed as RegMixup; loss = `M - eta·(1-E)·Σ_{g_i<threshold} g_i / B` rescaled by "
+            "`|M|/|loss|`, `M` the mixup criterion of the mixed rows, `g_i = Σ_k z_ik (onehot(y_i) - "
+            "softmax(z_i))_k` on the clean logits, `E = (alpha+1)/(2alpha+1)`: the authors' version 3, equal "
+            "to their code on the same draws"
+        ),
+        workflows="all but TRL",
+        example={"layer": "input", "alpha": 1.0},
+    )
+
     keeps_clean = True
 
     def __init__(
@@ -70,7 +89,7 @@ class MixupE(ManifoldMixup):
         check_class_labels(type(self).__name__, target)
         super().check_targets(target)  # (its policies')
 
-    def _clean_loss(
+    def clean_loss(
         self,
         criterion: Callable,
         clean: torch.Tensor,
@@ -80,7 +99,7 @@ class MixupE(ManifoldMixup):
     ) -> torch.Tensor:
         kind = type(self).__name__
         check_class_logits(kind, clean, target)
-        mix = self._mixed_loss(criterion, mixed, target, last)
+        mix = self.mixed_loss(criterion, mixed, target, last)
         onehot = F.one_hot(target, clean.shape[1]).to(clean.dtype)
         g = (clean * (onehot - torch.softmax(clean, dim=1))).sum(1)
         mean_lam = (self.alpha + 1) / (2 * self.alpha + 1)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_non_negative
 from ..engine.contract import Draw, Mixed
 from ..functional import DeviceNoise, sample_beta
@@ -41,6 +42,22 @@ class NoisyFeatureMixup(ManifoldMixup):
         add_noise: the additive noise level, >= 0 (paper: 0.4).
         mult_noise: the multiplicative noise level, >= 0 (paper: 0.2).
     """
+
+    card = Card(
+        paper="Lim et al. 2022",
+        mixes="the blend, with additive and multiplicative noise",
+        where="input, any layer",
+        family="blend",
+        signature="NoisyFeatureMixup(layer, alpha=1.0, add_noise=0.4, mult_noise=0.2)",
+        hook="forward",
+        commands="`mixup=nfm`",
+        details=(
+            "`h' = (1 + m*b2*U(-1,1)) * mix(h) + a*b1*N(0,1)`, b ~ Beta(2,5) per batch; no noise = "
+            "ManifoldMixup; the noise drawn on the map's device (a generator there seeded by the mixer's)"
+        ),
+        workflows="all + TRL",
+        example={"layer": ["input", "conv1"]},
+    )
 
     draws_in_mix = True  # its noise levels and noise
 

@@ -11,6 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
 from ..engine import traced
+from ..engine.card import Card
 from ..engine.contract import MixingHook, MixState, claim, unclaim
 from ..engine.partners import crosses_ranks
 from ..hooks import LayerHook, StateError, check_state
@@ -33,6 +34,24 @@ class OneOf(LayerHook, MixingHook):
         p: their probabilities (non-negative, summing to 1); uniform by default.
         generator: the generator for the choice (as :class:`~mixhook.ManifoldMixup`).
     """
+
+    card = Card(
+        paper="timm's switch",
+        mixes="one of its mixers per batch (mixup or CutMix)",
+        where="its mixers'",
+        family="composition",
+        signature="OneOf([mixers], p)",
+        hook="(drives its mixers)",
+        commands="`mixup=mixup_cutmix`",
+        details="One mixer per batch with probabilities `p`",
+        example={
+            "mixers": [
+                {"method": "ManifoldMixup", "layer": "input", "alpha": 1.0},
+                {"method": "CutMix", "layer": "input", "alpha": 1.0},
+            ]
+        },
+        picture="a composition: it draws one of its mixers per batch",
+    )
 
     _hooks_model = True  # its own hooks on the model (see LayerHook)
     _TRANSIENT = ("_host",)

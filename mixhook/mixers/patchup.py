@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.card import Card
 from ..engine.checks import check_fraction, check_region, map_size
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
@@ -80,6 +81,21 @@ class PatchUp(RegionMixer):
     takes ``mask`` (a ``(C, H, W)`` 0/1 tensor; ``(C, L)``, ``(C, D, H, W)``); a pinned ``lam`` is soft
     mode's lam.
     """
+
+    card = Card(
+        paper="Faramarzi et al. 2022",
+        mixes="DropBlock patches swapped or blended",
+        where="any map, ViT tokens",
+        family="region",
+        signature='PatchUp(layer, block_size=7, gamma=0.5, mode="soft")',
+        hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
+        commands="`mixup=patchup`",
+        details=(
+            "DropBlock mask `M`: hard `h' = (1-M)h + M h[index]`, own label keeps `1-p`; soft `h' = (1-M)h + "
+            'M(lam h + (1-lam) h[index])`, keeps `1-p(1-lam)`; `p = mean(M)`; `.last.info["mask"]`'
+        ),
+        example={"layer": "conv1", "block_size": 3},
+    )
 
     pin_keys = ("mask",)
     region_dims = (1, 2, 3)

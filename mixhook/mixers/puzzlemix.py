@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.card import Card
 from ..engine.checks import check_non_negative, check_positive, check_spatial
 from ..engine.contract import Draw, Mixed
 from ..engine.graphcut import min_labelling
@@ -202,6 +203,30 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
 
     ``pin`` also takes ``grid`` and ``saliency`` (``(B, W, W)``).
     """
+
+    card = Card(
+        paper="Kim et al. 2020",
+        mixes="blocks labelled by a graph cut on saliency, then moved",
+        where="input, square maps (+ a gradient pass)",
+        family="saliency",
+        signature=(
+            "PuzzleMix(layer, alpha=1.0, grids=(2, 4, 8, 16), n_labels=3, beta=1.2, gamma=0.5, eta=0.2, "
+            'transport=True, t_size=4, saliency="gradient")'
+        ),
+        hook='forward, square `(B,C,W,W)` outputs (+ one forward/backward for `"gradient"`)',
+        commands="`mixup=puzzlemix`",
+        details=(
+            "An `n×n` grid (`n` drawn from `grids`), each sample's blocks labelled with own-content weights "
+            "`1, ½, 0` by the exact minimum of the authors' energy (saliency kept, label and data "
+            "smoothness, a lam prior): one minimum cut for the whole batch (Ishikawa's construction, SciPy's "
+            "max-flow; the authors run GCO's alpha-beta swap, research-only); then the authors' transport "
+            "moves each side's salient blocks into what it keeps; `h' = M·T(h) + (1-M)·T'(h[index])`, lam ← "
+            "`mean(M)` per sample; terms, quantisation, transport and mix equal to the authors' code on the "
+            "same draws, the labelling's energy equal to the enumerated optimum; at hidden layers on the "
+            "map's own saliency (the authors mix there with plain mixup)"
+        ),
+        example={"layer": "input", "grids": "auto"},
+    )
 
     pin_keys = ("grid", "saliency")
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.card import Card
 from ..engine.checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
 from ..engine.contract import MixState
 from ..transfer import to_device
@@ -44,6 +45,25 @@ class RankMixup(ManifoldMixup):
         prob, generator, batch_dim: as :class:`ManifoldMixup`.
     """
 
+    card = Card(
+        paper="Noh et al. 2023",
+        mixes="ranks the mixed sample's confidence below the clean one's",
+        where="input, any layer; clean+mixed",
+        family="clean",
+        signature="RankMixup(layer, alpha=2.0, margin=2.0, weight=0.1)",
+        hook="forward, clean+mixed",
+        commands="`mixup=rankmixup`",
+        details=(
+            "Clean+mixed as RegMixup; loss = `CE(clean) + weight·mask·relu(max z_mix - max z_clean + "
+            "margin)` per sample (the mixup ranking loss, MRL, on the top logits; `mask` 0 for a same-label "
+            "partner or lam 0 or 1), equal to the authors' `RankMixup_MRL` on the same draws where every "
+            "partner has another label (their `(B,)×(B,1)` mask broadcast differs otherwise, see the class "
+            "docstring)"
+        ),
+        workflows="all but TRL",
+        example={"layer": "input", "alpha": 1.0},
+    )
+
     keeps_clean = True
     takes_loss_policies = False  # its loss is its own (cross-entropy of the clean rows and a ranking hinge)
 
@@ -71,7 +91,7 @@ class RankMixup(ManifoldMixup):
         check_class_labels(type(self).__name__, target)
         super().check_targets(target)  # (its policies')
 
-    def _clean_loss(
+    def clean_loss(
         self,
         criterion: Callable,
         clean: torch.Tensor,

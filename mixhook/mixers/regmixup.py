@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_non_negative
 from ..engine.contract import MixState
 from ..engine.targets import per_row
@@ -36,6 +37,24 @@ class RegMixup(ManifoldMixup):
         prob, generator, mode, batch_dim: as :class:`ManifoldMixup`.
     """
 
+    card = Card(
+        paper="Pinto et al. 2022",
+        mixes="mixup beside the clean batch (`2B` rows)",
+        where="input, any layer; no padding masks",
+        family="clean",
+        signature="RegMixup(layer, alpha=20.0, eta=1.0)",
+        hook="forward, clean+mixed",
+        commands="`mixup=regmixup`",
+        details=(
+            "The layer emits `[h; lam*h + (1-lam)*h[index]]` (2B rows downstream); loss = the clean rows' "
+            "criterion beside `eta` × the mixup criterion of the mixed rows, their mean over the doubled "
+            "batch (`(CE + eta·mixup CE)/2`, as the authors' code trains), equal to the authors' training "
+            "step on the same draws"
+        ),
+        workflows="all but TRL",
+        example={"layer": "input", "alpha": 1.0},
+    )
+
     keeps_clean = True
 
     def __init__(
@@ -59,7 +78,7 @@ class RegMixup(ManifoldMixup):
             return f"weighs its mixed rows by eta={self.eta}, which the mixed targets cannot carry"
         return None
 
-    def _clean_loss(
+    def clean_loss(
         self,
         criterion: Callable,
         clean: torch.Tensor,
@@ -67,4 +86,4 @@ class RegMixup(ManifoldMixup):
         target: torch.Tensor,
         last: MixState,
     ) -> torch.Tensor:
-        return per_row(criterion(clean, target), self._mixed_loss(criterion, mixed, target, last), self.eta)
+        return per_row(criterion(clean, target), self.mixed_loss(criterion, mixed, target, last), self.eta)

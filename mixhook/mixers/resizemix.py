@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.card import Card
 from ..engine.checks import check_spatial
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
@@ -70,6 +71,21 @@ class ResizeMix(RegionMixer):
     sets the box's size as for CutMix (``tau = sqrt(1 - lam)``); ``pin`` also takes ``box=(y1, y2, x1,
     x2)``.
     """
+
+    card = Card(
+        paper="Qin et al. 2020",
+        mixes="the whole partner resized into a box",
+        where="input, any map, ViT tokens",
+        family="region",
+        signature='ResizeMix(layer, scope=(0.1, 0.8), interpolation="nearest")',
+        hook="forward, `(B,C,H,W)` outputs or ViT tokens",
+        commands="`mixup=resizemix mixup.layer=layer1`",
+        details=(
+            "The whole `h[index]` resized (`F.interpolate`) into a box of side ratio `tau ~ U(scope)` "
+            "(CutMix's box, clipped) pasted into `h`; lam ← `1 - box area/(H*W)`; equal to OpenMixup's on "
+            'the same draws; `.last.info["box"]`, `["scale"]`'
+        ),
+    )
 
     pin_keys = ("box",)
 

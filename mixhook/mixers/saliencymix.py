@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_spatial
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
@@ -63,6 +64,26 @@ class SaliencyMix(SaliencyGuided, RegionMixer):
 
     ``pin`` also takes ``box`` (as :class:`~mixhook.CutMix`) and ``saliency``.
     """
+
+    card = Card(
+        paper="Uddin et al. 2021",
+        mixes="a box around the partner's salient peak",
+        where="input, any map, ViT tokens (+ a gradient pass)",
+        family="saliency",
+        signature='SaliencyMix(layer, alpha=1.0, saliency="activation", saliency_layer=None, mode="batch")',
+        hook='forward, `(B,C,H,W)` outputs or ViT tokens (+ one forward/backward for `"gradient"`)',
+        commands="`mixup=saliencymix mixup.layer=layer1`, `mixup.saliency=gradient mixup.layer=input`",
+        details=(
+            "CutMix's box centred on the partner's most salient position, `h[index]`'s box pasted at the "
+            "same place; `mode=\"batch\"`: one box on the first partner's peak (the authors' code), "
+            '`"elem"`: one per sample; lam ← kept area; saliency `mean_c abs(h)` of the mixed map or of an '
+            "earlier `saliency_layer` (same forward, no extra pass; not at `input`) or `sqrt(mean_c g²)` of "
+            "the label loss's gradient (`use_targets(y)` first); `pin(saliency=...)` takes your own (the "
+            "authors' OpenCV maps); box equal to the authors' `saliency_bbox` on the same map; "
+            '`.last.info["box"]`, `["saliency"]`'
+        ),
+        example={"layer": "input", "saliency": "gradient"},
+    )
 
     pin_keys = ("box", "saliency")
 

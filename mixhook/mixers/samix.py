@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from .automix import AutoMix
 
 
@@ -24,6 +25,30 @@ class SAMix(AutoMix):
     ``neg_weight=0.5``, which weighs the classes a label gives 0 and so changes nothing: the mixed
     criterion, as AutoMix's. Cost: a step 2.4x a Manifold Mixup step at ``layer2`` on an H200
     (PreActResNet-18, batch 128), 2.8x on 2 CPU cores at the input. Arguments as :class:`AutoMix`."""
+
+    card = Card(
+        paper="Li et al. 2021",
+        mixes="AutoMix with SAMix's Mix Block and mask loss",
+        where="as AutoMix",
+        family="learned",
+        signature=(
+            'SAMix(layer="input", features="layer3", ..., mask_loss_mode="L1+Variance", '
+            'upsampling="bilinear")'
+        ),
+        hook="as AutoMix",
+        commands="`mixup=samix` (`experiment=li2021_cifar100_samix`)",
+        details=(
+            "AutoMix with OpenMixup's SAMix Mix Block: lam encoded by scaling both samples' features "
+            "(`lam_mul=1`, residual, lam rescaled with `k=0.25`), a two-layer value network (1x1 "
+            "convolutions with batch norm and ELU), query and key of the concatenated features; the "
+            "L1+Variance mask loss (sharper masks). `mixup=samix` ships AutoMix's Mix Block rate (0.005, no "
+            "momentum); on the default experiment at the default `optim.lr=0.05` it diverged on one seed of "
+            "three (98.61% and 97.78% on the others) and trains at `optim.lr=0.025` (98.89% on that seed; "
+            "[the study](learned_mixers_study/README.md)). Its config's Mix Block loss (soft cross-entropy "
+            "with `neg_weight=0.5`) weighs only classes the mixed label gives 0: it is the mixed criterion"
+        ),
+        example={"layer": "input", "features": "conv1"},
+    )
 
     def __init__(
         self,

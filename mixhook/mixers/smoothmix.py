@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_pinned_mask, check_splittable
 from ..engine.contract import Draw
 from ..engine.regions import MaskMixer
@@ -53,6 +54,22 @@ class SmoothMix(MaskMixer):
 
     ``pin`` also takes ``mask`` (an ``(H, W)`` tensor of weights in [0, 1]; ``(L,)``, ``(D, H, W)``).
     """
+
+    card = Card(
+        paper="Lee et al. 2020",
+        mixes="a soft Gaussian mask",
+        where="input, any map, ViT tokens",
+        family="region",
+        signature="SmoothMix(layer, sigma=(0.25, 0.5))",
+        hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
+        commands="`mixup=smoothmix mixup.layer=layer1`",
+        details=(
+            "Gaussian mask `G` (centre uniform, width `s ~ U(sigma)` × each side, one per batch): `h' = G h "
+            "+ (1-G) h[index]`; lam ← `mean(G)` (no Beta draw); equal to OpenMixup's mask on the same draws; "
+            "OpenMixup's labels are swapped (its `mean(G)` goes to the label of the image weighted `1-G`); "
+            '`.last.info["mask"]`'
+        ),
+    )
 
     pin_keys = ("mask",)
     checks_by_signature = True  # (the map's kind and sides)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
+from ..engine.card import Card
 from ..engine.checks import check_region, map_size
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
@@ -112,6 +113,25 @@ class SnapMix(RegionMixer):
 
     ``pin`` also takes ``box`` and ``partner_box`` (``(y1, y2, x1, x2)`` each) and ``cam``.
     """
+
+    card = Card(
+        paper="Huang et al. 2021",
+        mixes="a resized box; labels weighed by class activation maps",
+        where="input, any map (+ an unmixed forward)",
+        family="saliency",
+        signature="SnapMix(layer, features, classifier, alpha=5.0)",
+        hook="forward, `(B,C,H,W)` outputs (+ one forward without gradients per step, on the unmixed batch)",
+        commands="`mixup=snapmix`",
+        details=(
+            "The partner's box (area ≈ `1-lam1`) resized (bilinear) into the sample's box (area ≈ `1-lam`), "
+            "lam, lam1 ~ Beta(alpha, alpha); labels weighted by each unmixed image's semantic percent map "
+            "`SPM` (its class activation map for its own label from `features`' last map and the `nn.Linear` "
+            "`classifier`, less its minimum, over its sum): `lam_a = 1 - SPM_i(box)`, `lam_b = SPM_j(box1)`, "
+            "which need not sum to one (`.last.partner_lam`; loss `lam_a·CE(y) + lam_b·CE(y[index])`); equal "
+            "to the authors' `snapmix`/`get_spm` on the same draws"
+        ),
+        example={"layer": "input", "features": "conv2", "classifier": "fc"},
+    )
 
     pin_keys = ("box", "partner_box", "cam")
 

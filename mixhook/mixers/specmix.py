@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_fraction, check_region, map_size
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
@@ -75,6 +76,22 @@ class SpecMix(RegionMixer):
 
     ``pin`` also takes ``bands`` (``(B, 2, K)`` starts, ``K <= bands``, ``-1`` for none).
     """
+
+    card = Card(
+        paper="Kim et al. 2021",
+        mixes="time and frequency bands of a spectrogram",
+        where="input, `(B,C,F,T)` maps",
+        family="region",
+        signature="SpecMix(layer, ratio=0.7, bands=2)",
+        hook='forward, `(B,C,F,T)` spectrogram maps (`layout="NHWC"` for `(B,F,T,C)`)',
+        commands="`mixup=specmix`",
+        details=(
+            "Per sample `n_t, n_f ~ U{0..bands}` time bands of `int(T·ratio)` columns and frequency bands of "
+            "`int(F·ratio)` rows from `h[index]`; lam ← each sample's kept fraction (one per sample, no Beta "
+            "draw); equal to the authors' `masking` on the same draws (their band widths swap the axes on a "
+            "non-square map: here each band is measured along its own axis)"
+        ),
+    )
 
     pin_keys = ("bands",)
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..engine.card import Card
 from ..engine.checks import check_grid, check_spatial
 from ..engine.contract import Draw
 from ..engine.regions import MaskMixer
@@ -58,6 +59,24 @@ class TokenMix(MaskMixer):
 
     ``pin`` also takes ``cells`` (a ``(gh, gw)`` tensor of 0/1 or bools, 1: the sample's own).
     """
+
+    card = Card(
+        paper="Liu et al. 2022",
+        mixes="a mask of whole cells or patch tokens",
+        where="input, any map, ViT tokens",
+        family="region",
+        signature='TokenMix(layer, alpha=1.0, grid=None, mask_type="block", extra_tokens=0)',
+        hook="forward, `(B,C,H,W)` outputs or ViT tokens",
+        commands="`mixup=tokenmix mixup.layer=layer1`",
+        details=(
+            "A mask of whole cells (one per pixel or patch token, or a `grid`): `min(N, int((1-lam)N) + "
+            'extra_tokens)` of the `N` cells from `h[index]`, as blocks of log-uniform aspect (`"block"`) or '
+            'scattered (`"random"`), one mask per batch; lam ← kept area; masks equal the authors\' '
+            "generators on the same draws (their runs: `extra_tokens=14`); labels by area, not by the "
+            'paper\'s teacher; `.last.info["cells"]`, `["mask"]`'
+        ),
+        example={"layer": "input", "grid": 4},
+    )
 
     pin_keys = ("cells",)
     checks_by_signature = True  # (the map's sides, and the grid)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import recompute
+from ..engine.card import Card
 from ..engine.checks import check_fraction
 from ..engine.tokens import model_grid
 from ..geometry import boxes_mask
@@ -159,6 +160,27 @@ class TransMix(ReadsAttention, CutMix):
 
     ``pin`` takes what CutMix's does.
     """
+
+    card = Card(
+        paper="Chen et al. 2022",
+        mixes="CutMix labelled by the class token's attention",
+        where="ViT input or tokens; needs attention",
+        family="attention",
+        signature="TransMix(layer, attention, alpha=1.0, ratio=0.5)",
+        hook="forward, ViT inputs or tokens, + a forward hook on the attention layer",
+        commands="`mixup=transmix` on a timm ViT (below)",
+        details=(
+            "CutMix's mix; each sample's partner weight ← `ratio·(pasted area) + (1-ratio)·Σ a·P / Σ a`, `a` "
+            "the class token's attention over the patches (heads averaged) in the named attention layer of "
+            "the same forward (recomputed without gradients from timm's `Attention`, HuggingFace's ViT "
+            "attention or `nn.MultiheadAttention`: fused attention never forms it), `P` the box on the patch "
+            "grid; one lam per sample; equal to the authors' `transmix_label` on the same attention; "
+            '`.last.info["attention"]`, `["area_lam"]`'
+        ),
+        app=("model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2"),
+        shown_on="vit",
+        example={"layer": "input", "attention": "blocks.1.attn"},
+    )
 
     region_dims = (2,)  # the attention map scores a 2-D patch grid
 

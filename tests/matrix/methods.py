@@ -1,5 +1,6 @@
-"""The matrix's methods: one representative configuration of every mixer and policy, the model it is shown
-on, and the shipped ``mixup=`` config of the app that trains it."""
+"""The matrix's methods: one representative configuration of every mixer (its card's example, on the
+reference model its card names: :data:`mixhook.engine.card.SHOWN_ON`) and policy, and the ``mixup=`` config
+of the app that trains it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from torch import nn
 
 import mixhook
 from mixhook import policies
+from mixhook.engine.card import LAYER_ARGUMENTS, build, catalogue_order
+from mixhook.engine.card import METHODS as METHODS_BY_CARD
 
 CLASSES = 3
 
@@ -102,14 +105,12 @@ def _gen(seed: int = 5) -> torch.Generator:
 
 
 def _m(cls, *layers, **kwargs):
-    """A maker of ``cls`` at ``layers`` (under the prefix it is given), with a fixed generator."""
+    """A maker of ``cls`` at ``layers`` (under the prefix it is given), with a fixed generator: a
+    configuration beside a card's example (tests/entries.py's methods at a hidden layer)."""
 
     def make(prefix: str):
         named = [f"{prefix}{layer}" if layer != "input" else "input" for layer in layers]
-        extra = {
-            k: (f"{prefix}{v}" if k in ("features", "classifier", "attention") else v)
-            for k, v in kwargs.items()
-        }
+        extra = {k: (f"{prefix}{v}" if k in LAYER_ARGUMENTS else v) for k, v in kwargs.items()}
         return cls(named if len(named) > 1 else named[0], generator=_gen(), **extra)
 
     return make
@@ -124,41 +125,28 @@ def _with(*chosen):
     return make
 
 
-def _oneof(prefix: str):
-    return mixhook.OneOf(
-        [mixhook.ManifoldMixup("input", alpha=1.0), mixhook.CutMix("input", alpha=1.0)], generator=_gen()
+def _card(name: str, cls: type) -> Method:
+    """The method ``name`` as its card shows it: built from its example on its reference model, with its
+    first ``mixup=`` config and the app's overrides it names (a new method is in the matrix with its
+    module)."""
+    from mixhook.app.methods import configs_of
+
+    card = cls.card
+    return Method(
+        name,
+        lambda prefix: build(cls, prefix, generator=_gen()),
+        kind=card.shown_on,
+        app=configs_of()[name][0],
+        where=card.app,
     )
 
 
-REGRESSION = ("data=diabetes", "model=mlp")  # what the app's refusals name
-VIT = ("model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2")
+def methods() -> list[Method]:
+    """Every catalogued method (in the catalogue's order) and every policy, as the matrix shows them."""
+    return [*(_card(name, METHODS_BY_CARD[name]) for name in catalogue_order()), *POLICIES]
 
-METHODS: list[Method] = [
-    Method("ManifoldMixup", _m(mixhook.ManifoldMixup, "input", "conv1", alpha=1.0), app="manifold"),
-    Method("NoisyFeatureMixup", _m(mixhook.NoisyFeatureMixup, "input", "conv1"), app="nfm"),
-    Method("CutMix", _m(mixhook.CutMix, "input"), app="cutmix"),
-    Method("OneOf", _oneof, app="mixup_cutmix"),
-    Method("FMix", _m(mixhook.FMix, "input"), app="fmix"),
-    Method("GridMix", _m(mixhook.GridMix, "input", grid=2), app="gridmix"),
-    Method("SmoothMix", _m(mixhook.SmoothMix, "input"), app="smoothmix"),
-    Method("ResizeMix", _m(mixhook.ResizeMix, "input"), app="resizemix"),
-    Method("TokenMix", _m(mixhook.TokenMix, "input", grid=4), app="tokenmix"),
-    Method("PatchUp", _m(mixhook.PatchUp, "conv1", block_size=3), app="patchup"),
-    Method("SaliencyMix", _m(mixhook.SaliencyMix, "input", saliency="gradient"), app="saliencymix"),
-    Method("AttentiveCutMix", _m(mixhook.AttentiveCutMix, "conv1", grid=4, top_k=3), app="attentivecutmix"),
-    Method("PuzzleMix", _m(mixhook.PuzzleMix, "input", grids="auto"), app="puzzlemix"),
-    Method("SnapMix", _m(mixhook.SnapMix, "input", features="conv2", classifier="fc"), app="snapmix"),
-    Method("SpecMix", _m(mixhook.SpecMix, "input"), app="specmix"),
-    Method("AlignMix", _m(mixhook.AlignMix, "conv2", alpha=1.0), app="alignmix"),
-    Method("CatchUpMix", _m(mixhook.CatchUpMix, "input", "conv1"), app="catchupmix"),
-    Method("RegMixup", _m(mixhook.RegMixup, "input", alpha=1.0), app="regmixup"),
-    Method("RankMixup", _m(mixhook.RankMixup, "input", alpha=1.0), app="rankmixup"),
-    Method("MixupE", _m(mixhook.MixupE, "input", alpha=1.0), app="mixupe"),
-    Method("CMixup", _m(mixhook.CMixup, "input", alpha=1.0), kind="mlp", app="cmixup", where=REGRESSION),
-    Method("TransMix", _m(mixhook.TransMix, "input", attention="blocks.1.attn"), "vit", "transmix", VIT),
-    Method("MixPro", _m(mixhook.MixPro, "input", attention="blocks.1.attn"), "vit", "mixpro", VIT),
-    Method("AutoMix", _m(mixhook.AutoMix, "input", features="conv1"), app="automix"),
-    Method("SAMix", _m(mixhook.SAMix, "input", features="conv1"), app="samix"),
+
+POLICIES: list[Method] = [
     Method("Balanced-MixUp", _with(policies.BalancedMixup), app="balanced"),
     Method("Remix", _with(policies.Remix), app="remix"),
     Method("DecoupledLoss", _with(policies.DecoupledLoss), app="decouplemix"),
@@ -167,4 +155,5 @@ METHODS: list[Method] = [
     Method("SaliencyPairing", _with(policies.SaliencyPairing), app="guided_pairing"),
 ]
 
+METHODS: list[Method] = methods()
 BY_NAME = {m.name: m for m in METHODS}

@@ -1,7 +1,7 @@
 """The mixers' public contract: a method written against it alone (``ChannelSwap`` below) is exact, composes
 in OneOf, replays under activation checkpointing and repeats with ``pin_last``, like the built-in ones;
 ``mix()`` results that would leave something silently unmixed are refused; and every method in the package
-comes with its module, its test, its config and its catalogue row."""
+comes with its module, its test and its card."""
 
 import re
 from pathlib import Path
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -253,31 +252,34 @@ def test_mixing_hooks_are_told_apart_by_one_class():
     assert mixhook.compose.mixers_of([*others, mixing[0]]) == [mixing[0]]
 
 
-def test_every_method_comes_with_its_module_test_config_and_catalogue_row():
-    """What adding a mixer takes, checked: its module, its test, its config file, its row in the docs'
-    catalogue (its picture there: tests/e2e/test_docs.py). The package finds the class
-    (mixhook.mixers.METHODS) and exports it from mixhook; nothing else lists it."""
-    catalogue = (ROOT / "docs" / "catalogue.md").read_text()
-    configs = {}
-    for path in (ROOT / "mixhook" / "app" / "conf" / "mixup").glob("*.yaml"):
-        text = yaml.safe_load(path.read_text()) or {}
-        configs.setdefault(text.get("_target_"), []).append(path.name)
-    assert set(mixhook.mixers.METHODS) >= {"ManifoldMixup", "NoisyFeatureMixup", "CutMix", "PatchUp", "OneOf"}
+def test_every_method_comes_with_its_module_test_and_card():
+    """What adding a mixer takes, checked: its module (one method each), its test and its card, whose
+    catalogue signature names real arguments with their real defaults. The package finds the class and
+    exports it from mixhook; the catalogue, the API page, the app's group and the matrix read its card
+    (tests/unit/test_adding_a_mixer.py adds one from the docs alone)."""
+    import inspect
+
+    from mixhook.engine.card import METHODS
+
+    assert set(mixhook.mixers.DEFINED_HERE) >= {"ManifoldMixup", "NoisyFeatureMixup", "CutMix", "OneOf"}
     modules = {}
-    for name, cls in mixhook.mixers.METHODS.items():
+    for name, cls in mixhook.mixers.DEFINED_HERE.items():
+        assert METHODS.get(name) is cls, f"{name}: no card (card = mixhook.Card(...) in its class)"
         module = cls.__module__.rsplit(".", 1)[1]
         modules.setdefault(module, []).append(name)
         assert getattr(mixhook, name) is cls and name in mixhook.__all__
         assert (ROOT / "tests" / "unit" / f"test_{module}.py").is_file(), (
             f"{name}: no tests/unit/test_{module}.py"
         )
-        assert configs.get(f"mixhook.{name}"), (
-            f"{name}: no config under conf/mixup/ with _target_ mixhook.{name}"
-        )
-        assert re.search(rf"^\| \[`{name}`\]\(#{name.lower()}\) \|", catalogue, re.M), (
-            f"{name}: no row in docs/catalogue.md"
-        )
-        assert f"\n### {name}\n\n`{name}(" in catalogue, f"{name}: no section in docs/catalogue.md"
+        card = cls.card
+        assert card.signature.startswith(f"{name}("), card.signature
+        real = inspect.signature(cls).parameters
+        for argument in re.findall(r"(\w+)=((?:\([^)]*\))|[^,)]+)", card.signature.removeprefix(f"{name}(")):
+            key, shown = argument
+            assert key in real, f"{name}.card.signature names {key}, which {name} does not take"
+            assert shown.strip() == repr(real[key].default).replace("'", '"'), (
+                f"{name}.card.signature shows {key}={shown}, its default is {real[key].default!r}"
+            )
         assert cls.__doc__ and "mix" in cls.__doc__.lower()
     assert all(len(names) == 1 for names in modules.values()), f"one method per module: {modules}"
 

@@ -1,0 +1,147 @@
+"""What a method states about itself for the places that list it: its :class:`Card`.
+
+A method's class carries ``card = Card(...)``, and every registry reads it from there: the catalogue's table
+and the method's section (``docs/_ext/generated.py``), the API page, the app's ``mixup=`` group (a method
+without a config file of its own is composed from its signature's defaults), the matrix's cells
+(``tests/matrix``) and the gallery. A class that states a card is a catalogued method: defining it (importing
+its module) adds it to :data:`METHODS`, whichever package it lives in; a subclass without a card of its own
+(a test's variant of a method) is not listed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = (
+    "blend",  # every position alike: lam*h + (1-lam)*h[index], and its noise
+    "region",  # a region (box, mask, cells, band) from the partner
+    "composition",  # drives other methods
+    "saliency",  # a region chosen by saliency or class activation
+    "feature",  # aligned or chosen features
+    "clean",  # trained on the clean batch beside its mix
+    "regression",  # float targets
+    "attention",  # labels from a ViT's attention
+    "learned",  # a mask made by a network trained beside the model
+)
+"""The catalogue's order: its table lists the methods by family, then by year."""
+
+SHOWN_ON = ("cnn", "vit", "mlp")
+"""The matrix's reference models (``tests/matrix/methods.py``): ``cnn``: 8x8 one-channel images, layers
+``conv1`` and ``conv2`` (4 and 6 channels) and ``fc`` (its classifier, after pooling); ``vit``: a timm ViT on
+them, blocks ``blocks.0`` and ``blocks.1`` (attention ``blocks.1.attn``); ``mlp``: regression on 10
+features, layers ``fc1`` and ``fc2``."""
+
+
+@dataclass(frozen=True)
+class Card:
+    """What a method states for the places that list it (``card = Card(...)`` in its class).
+
+    Attributes:
+        paper: its authors and year, as the catalogue cites them (``"Yun et al. 2019"``).
+        mixes: what it mixes, in one line (the catalogue's table).
+        where: where it mixes (``"input, any map, ViT tokens"``; its extra forwards in parentheses).
+        family: its place in the catalogue, one of :data:`FAMILIES`.
+        signature: its call as the catalogue shows it, the arguments a user sets most with their defaults
+            (``'CutMix(layer, alpha=1.0, prob=1.0)'``); each one is checked against the real signature.
+        hook: the kind of hook and the outputs it takes (``"forward, (B,C,H,W) outputs or ViT tokens"``).
+        commands: the app's commands that train it (Markdown: ```mixup=cutmix mixup.layer=layer2```).
+        details: what it computes, Markdown (the catalogue's section).
+        workflows: where it trains exactly as a hand-written loop (the matrix): ``"all"``, ``"all but
+            TRL"``, ``"all + TRL"`` (shown on a language model too).
+        app: the app's overrides where the default experiment cannot take it (``("data=diabetes",
+            "model=mlp")``), which its one-line refusal names.
+        shown_on: the matrix's reference model it is shown on, one of :data:`SHOWN_ON`.
+        example: its constructor's arguments on that model (``{"layer": "input", "grid": 2}``; layer names
+            are the model's, ``"input"`` its input; a method that takes methods gives each as a dict with
+            its class's name under ``"method"``): :func:`build` makes it (the matrix's cells, the
+            gallery).
+        picture: whether the gallery draws it, or why not (a string: ``"a composition: ..."``).
+    """
+
+    paper: str
+    mixes: str
+    where: str
+    family: str
+    signature: str
+    hook: str
+    commands: str
+    details: str
+    workflows: str = "all"
+    app: tuple[str, ...] = ()
+    shown_on: str = "cnn"
+    example: dict[str, Any] = field(default_factory=lambda: {"layer": "input"})
+    picture: bool | str = True
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"Card(family={self.family!r}): one of {', '.join(FAMILIES)}")
+        if self.shown_on not in SHOWN_ON:
+            raise ValueError(f"Card(shown_on={self.shown_on!r}): one of {', '.join(SHOWN_ON)}")
+
+    @property
+    def year(self) -> int:
+        """The first year its ``paper`` names (0 where none)."""
+        found = re.search(r"\b(19|20)\d\d\b", self.paper)
+        return int(found.group()) if found else 0
+
+
+METHODS: dict[str, type] = {}
+"""Every catalogued method by its class name: every class that states a ``card`` of its own, in the order
+the classes were defined (``mixhook.mixers`` imports its modules by name)."""
+
+
+def register(cls: type) -> None:
+    """Add ``cls`` to :data:`METHODS` if it states a card of its own (called for every subclass of
+    :class:`~mixhook.MixingHook` as it is defined); refuse a second method of the same name."""
+    card = cls.__dict__.get("card")
+    if card is None or cls.__name__.startswith("_"):
+        return
+    if not isinstance(card, Card):
+        raise TypeError(f"{cls.__qualname__}.card is a {type(card).__name__}: a mixhook.Card")
+    other = METHODS.get(cls.__name__)
+    if other is not None and other.__qualname__ == cls.__qualname__ and other.__module__ == cls.__module__:
+        METHODS[cls.__name__] = cls  # its module imported again (importlib.reload): the new class
+        return
+    if other is not None:
+        raise TypeError(f"two methods named {cls.__name__}: {other.__module__} and {cls.__module__}")
+    METHODS[cls.__name__] = cls
+
+
+def unregister(name: str) -> type | None:
+    """Take the method ``name`` out of :data:`METHODS` (a method defined for a moment: a test's)."""
+    return METHODS.pop(name, None)
+
+
+def catalogue_order(methods: dict[str, type] | None = None) -> list[str]:
+    """The methods' names in the catalogue's order: by family (:data:`FAMILIES`), then year, then name."""
+    methods = METHODS if methods is None else methods
+    return sorted(methods, key=lambda n: (FAMILIES.index(methods[n].card.family), methods[n].card.year, n))
+
+
+LAYER_ARGUMENTS = ("layer", "features", "classifier", "attention", "saliency_layer")
+"""The constructor arguments that name layers: :func:`build` puts them under a prefix."""
+
+
+def build(cls: type, prefix: str = "", **extra):
+    """``cls`` made from its card's ``example``, the layers it names put under ``prefix`` (``"net."``: the
+    reference model inside a LightningModule; ``"input"`` stays), with ``extra`` arguments (a
+    ``generator``); a method an argument names (``{"method": "CutMix", ...}``) is made the same way."""
+
+    def arguments(example: dict) -> dict:
+        out = {}
+        for key, value in example.items():
+            if key in LAYER_ARGUMENTS and value is not None:
+                named = [value] if isinstance(value, str) else list(value)
+                named = [v if v == "input" else f"{prefix}{v}" for v in named]
+                value = named[0] if isinstance(value, str) else named
+            elif isinstance(value, list | tuple) and value and all(isinstance(v, dict) for v in value):
+                value = [
+                    METHODS[v["method"]](**arguments({k: x for k, x in v.items() if k != "method"}))
+                    for v in value
+                ]
+            out[key] = value
+        return out
+
+    return cls(**arguments(cls.card.example), **extra)

@@ -16,7 +16,9 @@ gradient pass of the saliency methods (:mod:`.gradient_pass`), the one-graph pat
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -594,3 +596,32 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         device = leaves[0].tensor.device
         tensors = self.mix_traced(leaves, [to_device(v, device) for v in values])
         return Mixed(tensors, mixed.lam, mixed.info, mixed.index, mixed.weights)
+
+
+def with_defaults(init: Callable, **defaults) -> Callable:
+    """``init`` (a method's ``__init__``) with other defaults: a method that is another one with a few of its
+    arguments changed states only those (``SAMix.__init__ = with_defaults(AutoMix.__init__,
+    upsampling="bilinear", ...)``); its signature shows them (``inspect.signature``, the API page, the app's
+    config checks), and a name it does not take is refused when the class is defined."""
+    signature = inspect.signature(init)
+    unknown = sorted(set(defaults) - set(signature.parameters))
+    if unknown:
+        raise TypeError(f"with_defaults: {init.__qualname__} takes no {', '.join(unknown)}")
+    signature = signature.replace(
+        parameters=[
+            p.replace(default=defaults[p.name]) if p.name in defaults else p
+            for p in signature.parameters.values()
+        ]
+    )
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError as error:  # (as Python says it of a plain __init__)
+            raise TypeError(f"{type(self).__name__}() {error}") from None
+        bound.apply_defaults()
+        init(*bound.args, **bound.kwargs)
+
+    __init__.__signature__ = signature
+    return __init__

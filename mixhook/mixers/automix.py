@@ -11,26 +11,24 @@ CIFAR-100 configs ``configs/classification/cifar100/automix/basic/r18_l2_a2_near
 
 from __future__ import annotations
 
-import math
-import weakref
+import functools
 from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import recompute
-from ..copies import whole_copy
 from ..engine.card import Card
 from ..engine.checks import check_fraction, check_non_negative, check_one_map, check_positive
 from ..engine.contract import Draw, Mixed, MixState
-from ..engine.gradient_pass import sharded
 from ..engine.mixer import Mixer
 from ..engine.tokens import token_grid
 from ..functional import sample_lam
 from ..layers import resolve_layer
 from ..layouts import NCHW, channels_first, channels_last, site_layout
+from ..momentum import MomentumCopy
 from ..sites import INPUT, Leaf, parse_site
 from ..transfer import to_device
 from .mixblock import MASK_LOSSES, MixBlock, mask_loss
@@ -183,9 +181,12 @@ class AutoMix(Mixer):
         "its Mix Block trains beside the model; try a lower optim.lr (half trains SAMix on digits), or a "
         "lower mixup.block_lr with mixup.block_momentum=0"
     )
+    # The Mix Block's options beyond reduction and upsampling (mixhook.mixers.mixblock.MixBlock; SAMix's
+    # differ)
+    block_options: ClassVar[dict] = {}
     _TRANSIENT = (
-        "_features_name", "_features_layout", "_versions", "_block_versions", "_averaging", "_k_handles",
-        "_k_mixing", "_k_replay", "_k_pending", "_copied_from", "_shards", "_first_step",
+        "_features_name", "_features_layout", "_averaging", "_k_handles", "_k_mixing", "_k_replay",
+        "_k_pending",
     )  # fmt: skip
 
     def __init__(
@@ -223,20 +224,7 @@ class AutoMix(Mixer):
         )  # (refuses a bad grid now, in one line)
         if not isinstance(features, str) or not features:
             raise ValueError(f"{kind}: features must name a layer of the model, got {features!r}")
-        if not 0 <= momentum <= end_momentum <= 1:
-            raise ValueError(
-                f"{kind}: need 0 <= momentum <= end_momentum <= 1, got {momentum!r} and {end_momentum!r}"
-            )
-        low, high = momentum_scope
-        if not 0 <= low <= high <= 1:
-            raise ValueError(
-                f"{kind}: momentum_scope must be (low, high) with 0 <= low <= high <= 1, got "
-                f"{momentum_scope!r}"
-            )
-        if total_steps is not None and (
-            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
-        ):
-            raise ValueError(f"{kind}: total_steps must be an integer >= 1 or None, got {total_steps!r}")
+        self.copy = MomentumCopy(momentum, end_momentum, momentum_scope, total_steps, kind)  # made at attach
         if mask_loss_mode not in MASK_LOSSES:
             raise ValueError(
                 f"{kind}: mask_loss_mode must be one of {', '.join(MASK_LOSSES)}, got {mask_loss_mode!r}"
@@ -244,8 +232,6 @@ class AutoMix(Mixer):
         if not 0 <= lam_margin < 1:
             raise ValueError(f"{kind}: lam_margin must be in [0, 1), got {lam_margin!r}")
         self.features, self.channels = features, channels
-        self.momentum, self.end_momentum = float(momentum), float(end_momentum)
-        self.momentum_scope, self.total_steps = (float(low), float(high)), total_steps
         self.mask_loss = check_non_negative("mask_loss", mask_loss)
         self.mask_loss_mode, self.mask_margin = mask_loss_mode, check_non_negative("mask_margin", mask_margin)
         self.lam_margin = float(lam_margin)
@@ -257,20 +243,14 @@ class AutoMix(Mixer):
             None if block_momentum is None else check_fraction("block_momentum", block_momentum)
         )
         self._clean = self.clean_weight > 0
-        self._block_options = {"reduction": reduction, "upsampling": upsampling, **self._scenario()}
+        self._block_options = {"reduction": reduction, "upsampling": upsampling, **self.block_options}
         self._make_block(2)  # (refuses bad options now, in one line)
         self.mix_block: MixBlock | None = None if channels is None else self._make_block(channels)
-        self.momentum_model: nn.Module | None = None  # made at attach
-        self.updates = 0  # momentum updates made so far (the schedule's step)
         # Under torch.distributed, whether each backward averages the Mix Block's gradients over the ranks
         # (every rank must then run it, as under DDP); False: they are left to you (a replay on one rank,
         # a Mix Block you put inside your own DDP module).
         self.average_over_ranks = True
         self._pending: Mapping | None = None  # a state loaded before attach
-
-    def _scenario(self) -> dict:
-        """The Mix Block's options beyond reduction and upsampling (SAMix's differ)."""
-        return {}
 
     def _make_block(self, channels: int) -> MixBlock:
         """The Mix Block for ``channels``, initialised from the mixer's seed (a generator of its own,
@@ -303,18 +283,10 @@ class AutoMix(Mixer):
         self._k_mixing: tuple | None = None  # (spec, mix) during the copy's mixed forward
         self._k_replay: tuple | None = None  # the same, kept for a recomputation in backward
         self._k_pending = False  # a mix inside checkpointing whose recomputation has not run yet
-        self._copied_from = None  # a weak reference to the model the momentum copy was made of
-        self._versions: tuple | None = None  # the model's parameters' versions at the last update
-        self._block_versions: tuple | None = None
-        self._shards: list | None = None  # under FSDP2: the model's sharded parameters, as the optimizer
-        # steps them (inside a forward FSDP registers the gathered ones in their place)
-        self._first_step = None  # sharded after attach: the hook that reads them at the first step
 
     def _reset(self) -> None:
         super()._reset()
-        if self._first_step is not None:
-            self._first_step.remove()
-            self._first_step = None
+        self.copy.detach()
         for handle in self._k_handles:
             handle.remove()
         self._k_handles, self._k_mixing, self._k_replay, self._k_pending = [], None, None, False
@@ -344,25 +316,31 @@ class AutoMix(Mixer):
     def span(self, steps: int) -> None:
         """The momentum schedule over a run of ``steps`` optimizer steps, where ``total_steps`` was not
         given (OpenMixup's ``CosineScheduleHook`` spans the runner's iterations)."""
-        if self.total_steps is None:
-            self.total_steps = int(steps)
+        self.copy.span(steps)
 
     def momentum_at(self, step: int) -> float:
         """The momentum of the update after optimizer step ``step`` (0-based): OpenMixup's
         ``CosineScheduleHook`` (``warming_up="constant"``) over ``total_steps``; constant without them."""
-        total = self.total_steps
-        if total is None:
-            return self.momentum
-        low, high = self.momentum_scope
-        top = int(total * high) if high < 1 else total
-        bottom = int(total * low) if low > 0 else 0
-        if step < bottom:
-            return self.momentum
-        step = min(step, top)  # (after the scope: the last value set stays)
-        return (
-            self.end_momentum
-            - (self.end_momentum - self.momentum) * (math.cos(math.pi * step / float(top)) + 1) / 2
-        )
+        return self.copy.momentum_at(step)
+
+    @property
+    def momentum_model(self) -> nn.Module | None:
+        """The momentum copy of the model (:class:`mixhook.momentum.MomentumCopy`; made at attach)."""
+        return self.copy.model
+
+    @property
+    def updates(self) -> int:
+        """The momentum updates made so far (the schedule's step)."""
+        return self.copy.updates
+
+    @property
+    def total_steps(self) -> int | None:
+        """The optimizer steps the momentum schedule spans (given, or told by :meth:`span`)."""
+        return self.copy.total_steps
+
+    @property
+    def momentum(self) -> float:
+        return self.copy.momentum
 
     # ---------------------------------------------------------------------------------- attaching
 
@@ -374,16 +352,7 @@ class AutoMix(Mixer):
         handle = super().attach(model)
         try:
             self._features_name, found = resolve_layer(model, self.features, "features")
-            before = self._copied_from() if self._copied_from is not None else None
-            kept = (self._copied_from is None or before is model) and self.momentum_model is not None
-            if not (kept and _same_shapes(self.momentum_model, model)):
-                # (after attach: mixhook's hooks do not travel; under FSDP2 a whole copy on each rank)
-                self.momentum_model = whole_copy(model)
-                self.updates = 0
-            self._copied_from = weakref.ref(model)
-            self._shards = list(model.parameters()) if sharded(model) else None
-            for p in self.momentum_model.parameters():
-                p.requires_grad_(False)
+            self.copy.make(model)  # (after attach: mixhook's hooks do not travel)
             if self.mix_block is None:
                 channels = _channels_of(found, tokens=self._feature_tokens is not None)
                 if channels is None:
@@ -447,7 +416,7 @@ class AutoMix(Mixer):
     # ----------------------------------------------------------------------- the forward's first part
 
     def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets) -> Mapping:
-        k = self._momentum_for(model)
+        k = self.copy.follow(model, self.mix_block)
         self._step_if_stepped(model)
         features = self._features(k, args, kwargs)
         n, g = features.shape[0], self.generator
@@ -458,23 +427,6 @@ class AutoMix(Mixer):
         choices = self._choices(g)
         logits, mask = self._block_forward(k, args, kwargs, spec, features, lam_mb, index_mb, choices)
         return {"lam_mb": lam_mb, "index_mb": index_mb, "features": features, "mb": (logits, mask, choices)}
-
-    def _momentum_for(self, model: nn.Module) -> nn.Module:
-        """The momentum copy, on the model's device, in its dtype (as one made now would be: a model cast
-        after attach, ``model.float()``) and in its mode."""
-        k, block = self.momentum_model, self.mix_block
-        here = next(model.parameters(), None)
-        there = next(k.parameters(), None)
-        if (
-            here is not None
-            and there is not None
-            and (there.device, there.dtype) != (here.device, here.dtype)
-        ):
-            k.to(here.device, here.dtype if here.is_floating_point() else None)
-            block.to(here.device, here.dtype if here.is_floating_point() else None)
-        k.train(model.training)
-        block.train(model.training)
-        return k
 
     def _features(self, k: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
         """``features``' output on the clean batch, from ``k`` without gradients (its forward stops there)."""
@@ -661,68 +613,19 @@ class AutoMix(Mixer):
     # ------------------------------------------------------------------------- the momentum copy
 
     def _step_if_stepped(self, model: nn.Module) -> None:
-        """The momentum update, once per optimizer step: at the first training forward after the model's
-        parameters changed; refused in one line when the Mix Block had gradients but did not change."""
-        if self._versions is None and self._shards is None and self._first_step is None and sharded(model):
-            self._await_first_step(model)  # (sharded after attach)
-        if self._first_step is not None:
-            return  # (nothing to update before it)
-        versions = tuple(p._version for p in self._stepped(model))
-        block = tuple(p._version for p in self.mix_block.parameters())
-        if self._versions is not None and versions != self._versions:
-            stale = self._block_versions == block and any(
-                p.grad is not None for p in self.mix_block.parameters()
-            )
-            if stale:
-                raise RuntimeError(
-                    f"{type(self).__name__}: the optimizer stepped the model but not the Mix Block, which "
-                    "has gradients: add the mixer's parameters to it, e.g. SGD([*model.parameters(), "
-                    "*mix.parameters()], ...)"
-                )
-            self._update(model)
-        self._versions, self._block_versions = versions, block
-
-    def _await_first_step(self, model: nn.Module) -> None:
-        """A model sharded by FSDP2 after attach: its forward (where this runs) holds the root's gathered
-        parameters in place of the shards its optimizer steps, so the shards are read after the first
-        optimizer step that holds them (a hook on every optimizer's step, removed then), and the next
-        training forward makes that step's update."""
-
-        def after_step(optimizer, args, kwargs) -> None:
-            shards = list(model.parameters())
-            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if not any(id(p) in held for p in shards):
-                return  # (another model's optimizer)
-            self._shards, self._versions, self._block_versions = shards, (-1,) * len(shards), None
-            self._first_step.remove()
-            self._first_step = None
-
-        self._first_step = register_optimizer_step_post_hook(after_step)
-
-    def _stepped(self, model: nn.Module) -> list:
-        """The model's parameters as its optimizer steps them (under FSDP2 the shards, read at attach or,
-        sharded after it, at the first optimizer step)."""
-        return self._shards if self._shards is not None else list(model.parameters())
-
-    @torch.no_grad()
-    def _update(self, model: nn.Module) -> None:
-        m = self.momentum_at(self.updates)
-        if self._shards is not None:  # (FSDP2's shards gathered: every rank must update at once)
-            self._check_lockstep(model, "a gather of the parameters (its momentum copy's update)")
-        qs = [_whole(q) for q in self._stepped(model)]
-        ks = list(self.momentum_model.parameters())
-        torch._foreach_copy_(
-            ks, torch._foreach_add(torch._foreach_mul(ks, m), torch._foreach_mul(qs, 1.0 - m))
+        """The momentum update, once per optimizer step (refused in one line when the Mix Block had
+        gradients but did not change)."""
+        lockstep = functools.partial(
+            self._check_lockstep, model, "a gather of the parameters (its momentum copy's update)"
         )
-        self.updates += 1
+        self.copy.step_if_stepped(model, list(self.mix_block.parameters()), "the Mix Block", lockstep)
 
     def catch_up(self) -> None:
         """The momentum update of an optimizer step taken since the last training forward, now (it would
         otherwise run at the next forward): :meth:`state_dict` calls it, so a checkpoint holds the copy a
         resumed run continues from."""
-        model = self._model
-        if model is not None and self._versions is not None and self.momentum_model is not None:
-            self._step_if_stepped(model)
+        if self._model is not None and self.copy.seen():
+            self._step_if_stepped(self._model)
 
     # ---------------------------------------------------------------------------------- the state
 
@@ -733,31 +636,21 @@ class AutoMix(Mixer):
         state = super().state_dict()
         if self.mix_block is not None:
             state["mix_block"] = self.mix_block.state_dict()
-        if self.momentum_model is not None:
-            state["momentum_model"] = self.momentum_model.state_dict()
-        state["updates"] = self.updates
+        state.update(self.copy.state_dict())
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
         super().load_state_dict(state)
         if self.momentum_model is None or (self.mix_block is None and "mix_block" in state):
             self._pending = state  # (the parts are made at attach: loaded there)
-            self.updates = int(state.get("updates", 0))
+            self.copy.updates = int(state.get("updates", 0))
             return
         self._load_parts(state)
 
     def _load_parts(self, state: Mapping) -> None:
         if "mix_block" in state:
             self.mix_block.load_state_dict(state["mix_block"])
-        if "momentum_model" in state:
-            self.momentum_model.load_state_dict(state["momentum_model"])
-        self.updates = int(state.get("updates", 0))
-        self._versions = self._block_versions = None
-
-
-def _whole(p: torch.Tensor) -> torch.Tensor:
-    """A parameter whole (an FSDP2 shard, a ``DTensor``, gathered)."""
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
+        self.copy.load_state_dict(state)
 
 
 def _blend(h: torch.Tensor, own: torch.Tensor, partner: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -806,8 +699,3 @@ def _channels_of(module: nn.Module, tokens: bool = False) -> int | None:
         elif not tokens and isinstance(m, nn.modules.batchnorm._BatchNorm):
             found = m.num_features
     return found
-
-
-def _same_shapes(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)

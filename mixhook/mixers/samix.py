@@ -8,11 +8,8 @@ Scenario-Agnostic Mixup." 2021. https://arxiv.org/abs/2111.15454. The code: West
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
 from ..engine.card import Card
+from ..engine.mixer import with_defaults
 from .automix import AutoMix
 
 
@@ -50,44 +47,12 @@ class SAMix(AutoMix):
         example={"layer": "input", "features": "conv1"},
     )
 
-    def __init__(
-        self,
-        layer: str | Sequence[str] = "input",
-        features: str = "layer3",
-        channels: int | None = None,
-        alpha: float = 2.0,
-        momentum: float = 0.999,
-        end_momentum: float = 0.999999,
-        momentum_scope: tuple[float, float] = (0.1, 1.0),
-        total_steps: int | None = None,
-        mask_loss: float = 0.1,
-        mask_loss_mode: str = "L1+Variance",
-        mask_margin: float = 0.1,
-        lam_margin: float = 0.08,
-        mask_adjust: float = 0.0,
-        clean_weight: float = 1.0,
-        block_weight: float = 1.0,
-        reduction: int = 2,
-        upsampling: str | Sequence[str] = "bilinear",
-        block_lr: float | None = None,
-        block_momentum: float | None = None,
-        generator: torch.Generator | None = None,
-        batch_dim: int | dict | None = None,
-        padding: str = "union",
-        layout: str | dict | None = None,
-        feature_tokens: tuple[int, int] | str | None = None,
-    ):
-        super().__init__(
-            layer, features, channels, alpha, momentum, end_momentum, momentum_scope, total_steps, mask_loss,
-            mask_loss_mode, mask_margin, lam_margin, mask_adjust, clean_weight, block_weight, reduction,
-            upsampling, block_lr, block_momentum, generator, batch_dim, padding, layout, feature_tokens,
-        )  # fmt: skip
-
-    def _scenario(self) -> dict:
-        return {
-            "lam_mul": 1.0,
-            "lam_residual": True,
-            "lam_mul_k": 0.25,
-            "x_qk_concat": True,
-            "value_hidden": "half",
-        }
+    # what differs from AutoMix: two defaults and the Mix Block's options
+    __init__ = with_defaults(AutoMix.__init__, mask_loss_mode="L1+Variance", upsampling="bilinear")
+    block_options = {
+        "lam_mul": 1.0,
+        "lam_residual": True,
+        "lam_mul_k": 0.25,
+        "x_qk_concat": True,
+        "value_hidden": "half",
+    }

@@ -381,7 +381,7 @@ PINNED = {
     "PatchUp": (28, 7), "SaliencyMix": (105, 17), "AttentiveCutMix": (57, 12), "PuzzleMix": (139, 16),
     "SnapMix": (71, 15), "SpecMix": (38, 8), "AlignMix": (34, 7), "CatchUpMix": (27, 9), "RegMixup": (27, 6),
     "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (59, 11), "MixPro": (60, 11),
-    "AutoMix": (72, 12), "SAMix": (78, 12), "Balanced-MixUp": (60, 12), "Remix": (51, 8),
+    "AutoMix": (73, 13), "SAMix": (79, 13), "Balanced-MixUp": (60, 12), "Remix": (51, 8),
     "DecoupledLoss": (51, 8), "KernelWarping": (57, 8), "LocalWeights": (52, 8), "SaliencyPairing": (98, 16),
     "ManifoldMixup (input)": (20, 5), "ManifoldMixup (conv1)": (20, 5), "CutMix (conv1)": (27, 6),
     "FMix (conv1)": (27, 7), "GridMix (conv1)": (27, 8), "SmoothMix (conv1)": (28, 7),

@@ -178,8 +178,8 @@ class AutoMix(Mixer):
     # What the app's one line on a non-finite loss says to try (the config's knobs for a Mix Block that
     # outruns the model)
     if_non_finite = (
-        "its Mix Block trains beside the model; try a lower optim.lr (half trains SAMix on digits), or a "
-        "lower mixup.block_lr with mixup.block_momentum=0"
+        "its Mix Block trains beside the model; try a lower mixup.clean_weight (0.5 trains SAMix on "
+        "digits), a lower optim.lr, or a lower mixup.block_lr with mixup.block_momentum=0"
     )
     # The Mix Block's options beyond reduction and upsampling (mixhook.mixers.mixblock.MixBlock; SAMix's
     # differ)

@@ -119,7 +119,8 @@ OPENMIXUP = {  # OpenMixup's CIFAR-100 AutoMix and SAMix configs (Westlake-AI/op
 }  # fmt: skip
 AUTOMIX = {"_target_": "mixhook.AutoMix", "layer": "input", "features": "layer3", "alpha": 2.0,
            "momentum": 0.999, "end_momentum": 0.999999, "mask_loss": 0.1, "mask_loss_mode": "L1",
-           "mask_margin": 0.1, "lam_margin": 0.08, "mask_adjust": 0.0, "upsampling": "nearest"}  # fmt: skip
+           "mask_margin": 0.1, "lam_margin": 0.08, "mask_adjust": 0.0, "upsampling": "nearest",
+           "clean_weight": 1.0}  # fmt: skip
 SAMIX = {**AUTOMIX, "_target_": "mixhook.SAMix", "mask_loss_mode": "L1+Variance", "upsampling": "bilinear"}
 REMIX = {"_target_": "mixhook.ManifoldMixup", "layer": "input", "alpha": 1.0,
          "policies": {"target": {"_target_": "mixhook.policies.Remix", "kappa": 3.0,

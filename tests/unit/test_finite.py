@@ -198,8 +198,8 @@ def test_a_learned_mixers_non_finite_loss_says_what_to_try():
             train_one_epoch(training, batches({1}, steps=3))
     assert str(err.value) == (
         "the loss became nan; first non-finite layer output: conv2 (Conv2d); AutoMix: its Mix Block trains "
-        "beside the model; try a lower optim.lr (half trains SAMix on digits), or a lower mixup.block_lr "
-        "with mixup.block_momentum=0"
+        "beside the model; try a lower mixup.clean_weight (0.5 trains SAMix on digits), a lower optim.lr, "
+        "or a lower mixup.block_lr with mixup.block_momentum=0"
     )
     assert "try" not in str(train(1, batches({1}, steps=3), "sgd")[2])
     # inside a OneOf the learned mixer says it too; a OneOf of plain mixers says nothing

@@ -3,9 +3,9 @@
 A method's class carries ``card = Card(...)``, and every registry reads it from there: the catalogue's table
 and the method's section (``docs/_ext/generated.py``), the API page, the app's ``mixup=`` group (a method
 without a config file of its own is composed from its signature's defaults), the matrix's cells
-(``tests/matrix``) and the gallery. A class that states a card is a catalogued method: defining it (importing
-its module) adds it to :data:`METHODS`, whichever package it lives in; a subclass without a card of its own
-(a test's variant of a method) is not listed.
+(``tests/matrix``) and the gallery (which methods it draws). A class that states a card is a catalogued
+method: defining it (importing its module) adds it to :data:`METHODS`, whichever package it lives in; a
+subclass without a card of its own (a test's variant of a method) is not listed.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Card:
         signature: its call as the catalogue shows it, the arguments a user sets most with their defaults
             (``'CutMix(layer, alpha=1.0, prob=1.0)'``); each one is checked against the real signature.
         hook: the kind of hook and the outputs it takes (``"forward, (B,C,H,W) outputs or ViT tokens"``).
-        commands: the app's commands that train it (Markdown: ```mixup=cutmix mixup.layer=layer2```).
+        commands: the app's commands that train it, Markdown (``"`mixup=cutmix mixup.layer=layer2`"``).
         details: what it computes, Markdown (the catalogue's section).
         workflows: where it trains exactly as a hand-written loop (the matrix): ``"all"``, ``"all but
             TRL"``, ``"all + TRL"`` (shown on a language model too).
@@ -55,8 +55,7 @@ class Card:
         shown_on: the matrix's reference model it is shown on, one of :data:`SHOWN_ON`.
         example: its constructor's arguments on that model (``{"layer": "input", "grid": 2}``; layer names
             are the model's, ``"input"`` its input; a method that takes methods gives each as a dict with
-            its class's name under ``"method"``): :func:`build` makes it (the matrix's cells, the
-            gallery).
+            its class's name under ``"method"``): :func:`build` makes it (the matrix's cells).
         picture: whether the gallery draws it, or why not (a string: ``"a composition: ..."``).
     """
 

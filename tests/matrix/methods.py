@@ -125,25 +125,23 @@ def _with(*chosen):
     return make
 
 
-def _card(name: str, cls: type) -> Method:
+def _card(name: str, cls: type, config: str) -> Method:
     """The method ``name`` as its card shows it: built from its example on its reference model, with its
-    first ``mixup=`` config and the app's overrides it names (a new method is in the matrix with its
-    module)."""
-    from mixhook.app.methods import configs_of
-
+    ``mixup=`` config and the app's overrides it names (a new method is in the matrix with its module)."""
     card = cls.card
-    return Method(
-        name,
-        lambda prefix: build(cls, prefix, generator=_gen()),
-        kind=card.shown_on,
-        app=configs_of()[name][0],
-        where=card.app,
-    )
+    return Method(name, lambda prefix: build(cls, prefix, generator=_gen()), card.shown_on, config, card.app)
 
 
 def methods() -> list[Method]:
-    """Every catalogued method (in the catalogue's order) and every policy, as the matrix shows them."""
-    return [*(_card(name, METHODS_BY_CARD[name]) for name in catalogue_order()), *POLICIES]
+    """Every catalogued method (in the catalogue's order, with its first ``mixup=`` config) and every
+    policy, as the matrix shows them."""
+    from mixhook.app.methods import configs_of
+
+    configs = configs_of()
+    return [
+        *(_card(name, METHODS_BY_CARD[name], configs[name][0]) for name in catalogue_order()),
+        *POLICIES,
+    ]
 
 
 POLICIES: list[Method] = [

@@ -31,10 +31,7 @@ from mixhook.mixers import METHODS
 
 GALLERY = Path(__file__).resolve().parent / "gallery"
 SIZE = 64  # pixels a side
-SMALL, SMALL_INPUT = 32, {"AlignMix"}  # its transport plan has (pixels)**2 entries: 32x32 images for it
-SEED = 2
-SPECMIX_SEED = 1
-PUZZLEMIX_SEED = 3
+SEED = 2  # the draw of every picture but those whose card says another
 NOT_DRAWN = {n: c.card.picture for n, c in METHODS.items() if c.card.picture is not True}  # (cards say why)
 TOLERANCE = 0.02  # --check: the largest mean absolute pixel difference (0..1) taken as the same picture
 
@@ -83,36 +80,22 @@ def vit() -> nn.Module:
 
 
 def method(name: str, layer: str, hidden: bool):
-    """The method ``name`` at ``layer`` with its defaults (a few settings chosen for a 64x64 picture)."""
-    cls = METHODS[name]
-    kwargs: dict = {"generator": torch.Generator().manual_seed(SEED)}
-    if name in ("TransMix", "MixPro"):
-        kwargs.update(attention="encoder.layers.encoder_layer_1.self_attention")
-        if hidden:
-            kwargs.update(tokens="auto")
-    if name == "MixPro":  # cells of 2x2 patches: 16 pixels at the input, 2 tokens on the block's tokens
-        kwargs.update(cell=2 if hidden else 16)
-    if name == "AttentiveCutMix":
-        kwargs.update(grid=4, top_k=6)
-    if name == "PatchUp":
-        kwargs.update(block_size=5, gamma=0.5)
-    if name == "SpecMix":  # a draw with a band along each axis of image 0 (0 to 2 are drawn per sample)
-        kwargs.update(generator=torch.Generator().manual_seed(SPECMIX_SEED), ratio=0.3)
-    if name == "PuzzleMix":  # a draw whose labelling mixes both images (a lam near 0 or 1 keeps one whole)
-        kwargs.update(generator=torch.Generator().manual_seed(PUZZLEMIX_SEED))
-    if name == "SnapMix":
-        kwargs.update(features="features", classifier="head.3")
-    if name in ("AutoMix", "SAMix"):  # the Mix Block reads the feature map (as built: not trained)
-        kwargs.update(features="features")
-    return cls(layer, **kwargs)
+    """The method ``name`` at ``layer`` with its defaults and what its card says the picture takes (its
+    ``drawn``: arguments on these models, a seed)."""
+    drawn = METHODS[name].card.drawn
+    kwargs = {k: v for k, v in drawn.items() if k not in ("input", "hidden", "seed", "size", "note")}
+    kwargs.update(drawn.get("hidden" if hidden else "input", {}))
+    kwargs["generator"] = torch.Generator().manual_seed(drawn.get("seed", SEED))
+    return METHODS[name](layer, **kwargs)
 
 
 def draw(name: str) -> dict:
     """What ``name`` makes of the images: the mixed image 0 and its lam at the input, the own-content
     weights of sample 0 on the hidden map and their lam."""
-    x = images(SMALL if name in SMALL_INPUT else SIZE)
-    y = torch.tensor([0.0, 1.0]) if name == "CMixup" else torch.tensor([0, 1])
-    if name in ("TransMix", "MixPro"):
+    card = METHODS[name].card
+    x = images(card.drawn.get("size", SIZE))
+    y = torch.tensor([0.0, 1.0]) if card.family == "regression" else torch.tensor([0, 1])
+    if card.shown_on == "vit":
         model, image, hidden = vit(), "input", "encoder.layers.encoder_layer_0"
         first = model.conv_proj
     else:
@@ -136,7 +119,7 @@ def draw(name: str) -> dict:
                 out["mixed"], out["input_lam"] = rows[0].clamp(0, 1), lam
             elif last.weights is not None:
                 out["weights"], out["hidden_lam"] = last.weights[0].float(), lam
-            elif name == "PuzzleMix":  # (its own-content weights per block, before the transport moves them)
+            elif "mask" in last.info:  # PuzzleMix's own-content weights per block, before its transport
                 mask = last.info["mask"][:1, None].float()
                 out["weights"], out["hidden_lam"] = F.interpolate(mask, size=tuple(side))[0, 0], lam
             elif "box" in last.info:  # ResizeMix: the partner resized into its box, no weights per position
@@ -144,12 +127,10 @@ def draw(name: str) -> dict:
             else:
                 out["weights"], out["hidden_lam"], out["uniform"] = torch.full(side, lam), lam, True
     out["images"] = x
-    if name in SMALL_INPUT:
-        out["note"] = f" ({SMALL}x{SMALL} images)"
-    if name in ("AutoMix", "SAMix"):  # OpenMixup's N(0, 0.01) start: every mask about 0.5 until it learns
-        out["note"] = "\n(the Mix Block as initialised)"
-    if name == "CatchUpMix":  # (the gallery's image is a layer: the channel rule; its "input" is CutMix)
-        out["note"] = "\n(its channel rule on the RGB layer)"
+    if "size" in card.drawn:
+        out["note"] = f" ({card.drawn['size']}x{card.drawn['size']} images)"
+    if "note" in card.drawn:
+        out["note"] = card.drawn["note"]
     return out
 
 

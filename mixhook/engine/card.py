@@ -57,6 +57,12 @@ class Card:
             are the model's, ``"input"`` its input; a method that takes methods gives each as a dict with
             its class's name under ``"method"``): :func:`build` makes it (the matrix's cells).
         picture: whether the gallery draws it, or why not (a string: ``"a composition: ..."``).
+        drawn: how the gallery (``docs/gallery.py``) draws it, beyond the layer: its arguments on the
+            gallery's models (the CNN's layers ``image`` and ``features``, its classifier ``head.3``; the
+            ViT's, for ``shown_on="vit"``: attention ``encoder.layers.encoder_layer_1.self_attention``),
+            with ``"input"`` and ``"hidden"`` dicts for those that differ between the picture's two panels,
+            ``"seed"`` for a draw that shows the method (default 2), ``"size"`` for smaller images (a
+            side in pixels) and ``"note"`` for a line under the mixed image.
     """
 
     paper: str
@@ -72,6 +78,7 @@ class Card:
     shown_on: str = "cnn"
     example: dict[str, Any] = field(default_factory=lambda: {"layer": "input"})
     picture: bool | str = True
+    drawn: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.family not in FAMILIES:

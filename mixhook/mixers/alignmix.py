@@ -124,6 +124,7 @@ class AlignMix(Mixer):
             'GPU, the same plan; `tol=0` reads nothing); `.last.info["direction"]`'
         ),
         example={"layer": "conv2", "alpha": 1.0},
+        drawn={"size": 32},  # its transport plan has (pixels)**2 entries,
     )
 
     pin_keys = ("direction",)

@@ -94,6 +94,7 @@ class AttentiveCutMix(SaliencyGuided, RegionMixer):
             '`.last.info["cells"]`, `["mask"]`, `["saliency"]`'
         ),
         example={"layer": "conv1", "grid": 4, "top_k": 3},
+        drawn={"grid": 4, "top_k": 6},
     )
 
     pin_keys = ("saliency",)

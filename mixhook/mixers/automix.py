@@ -171,6 +171,7 @@ class AutoMix(Mixer):
             "OpenMixup's DeiT configs do); `mix.masks(x, lam, index)` draws what it has learned"
         ),
         example={"layer": "input", "features": "conv1"},
+        drawn={"features": "features", "note": "\n(the Mix Block as initialised)"},
     )
 
     pin_keys = ("lam_mb", "index_mb")

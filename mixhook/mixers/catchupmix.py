@@ -91,6 +91,7 @@ class CatchUpMix(RegionMixer):
             "code; the rule is written out in the test"
         ),
         example={"layer": ["input", "conv1"]},
+        drawn={"note": "\n(its channel rule on the RGB layer)"},
     )
 
     pin_keys = ("box",)

@@ -94,6 +94,11 @@ class MixPro(ReadsAttention, RegionMixer):
         app=("model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2"),
         shown_on="vit",
         example={"layer": "input", "attention": "blocks.1.attn"},
+        drawn={
+            "attention": "encoder.layers.encoder_layer_1.self_attention",
+            "input": {"cell": 16},  # cells of 2x2 patches: 16 pixels at the input, 2 tokens on the tokens
+            "hidden": {"tokens": "auto", "cell": 2},
+        },
     )
 
     pin_keys = ("cells",)

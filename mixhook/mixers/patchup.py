@@ -95,6 +95,7 @@ class PatchUp(RegionMixer):
             'M(lam h + (1-lam) h[index])`, keeps `1-p(1-lam)`; `p = mean(M)`; `.last.info["mask"]`'
         ),
         example={"layer": "conv1", "block_size": 3},
+        drawn={"block_size": 5, "gamma": 0.5},
     )
 
     pin_keys = ("mask",)

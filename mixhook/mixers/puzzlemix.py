@@ -226,6 +226,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
             "map's own saliency (the authors mix there with plain mixup)"
         ),
         example={"layer": "input", "grids": "auto"},
+        drawn={"seed": 3},  # a draw whose labelling mixes both images,
     )
 
     pin_keys = ("grid", "saliency")

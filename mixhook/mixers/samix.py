@@ -46,6 +46,7 @@ class SAMix(AutoMix):
             "with `neg_weight=0.5`) weighs only classes the mixed label gives 0: it is the mixed criterion"
         ),
         example={"layer": "input", "features": "conv1"},
+        drawn={"features": "features", "note": "\n(the Mix Block as initialised)"},
     )
 
     # what differs from AutoMix: two defaults and the Mix Block's options

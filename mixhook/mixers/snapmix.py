@@ -131,6 +131,7 @@ class SnapMix(RegionMixer):
             "to the authors' `snapmix`/`get_spm` on the same draws"
         ),
         example={"layer": "input", "features": "conv2", "classifier": "fc"},
+        drawn={"features": "features", "classifier": "head.3"},
     )
 
     pin_keys = ("box", "partner_box", "cam")

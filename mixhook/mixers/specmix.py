@@ -91,6 +91,7 @@ class SpecMix(RegionMixer):
             "draw); equal to the authors' `masking` on the same draws (their band widths swap the axes on a "
             "non-square map: here each band is measured along its own axis)"
         ),
+        drawn={"seed": 1, "ratio": 0.3},  # a draw with a band along each axis of image 0,
     )
 
     pin_keys = ("bands",)

@@ -180,6 +180,7 @@ class TransMix(ReadsAttention, CutMix):
         app=("model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2"),
         shown_on="vit",
         example={"layer": "input", "attention": "blocks.1.attn"},
+        drawn={"attention": "encoder.layers.encoder_layer_1.self_attention", "hidden": {"tokens": "auto"}},
     )
 
     region_dims = (2,)  # the attention map scores a 2-D patch grid

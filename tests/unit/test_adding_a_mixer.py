@@ -1,7 +1,7 @@
 """docs/adding-a-mixer.md, done as a contributor does it: each of its examples (``# mixhook/mixers/<x>.py``)
 written as a module of its own and imported, with no other file edited; the catalogue's table and
-section, the API page, the app's ``mixup=`` group and the matrix pick the method up from its card, and it
-trains in the matrix's hand loop and in Lightning as the hand loop does."""
+section, the API page, the app's ``mixup=`` group, the matrix and the gallery pick the method up from its
+card, and it trains in the matrix's hand loop and in Lightning as the hand loop does."""
 
 import importlib.util
 import re
@@ -68,6 +68,20 @@ def test_the_registries_read_a_new_method_from_its_card(added):
     assert f"### {name}\n\n`{card.signature}`: {card.hook}." in sections
     assert f"![{name}](/gallery/{name}.png)" in sections
     assert f".. autoclass:: {added.__module__}.{name}\n   :exclude-members: card\n" in generated.api_methods()
+
+
+def test_the_gallery_draws_it(added):
+    """Its picture's two panels: the mixed image at the input and the own-content weights on the hidden
+    map (BandMix's band of rows: 0 inside it, 1 outside)."""
+    spec = importlib.util.spec_from_file_location("gallery", ROOT / "docs" / "gallery.py")
+    gallery = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gallery)
+    drawn = gallery.draw(added.__name__)
+    assert drawn["mixed"].shape == (3, gallery.SIZE, gallery.SIZE)
+    assert not torch.equal(drawn["mixed"], drawn["images"][0].clamp(0, 1))  # image 0 was mixed
+    weights = drawn["weights"]
+    if added.__name__ == "BandMix":
+        assert set(weights.unique().tolist()) == {0.0, 1.0} and (weights == weights[:, :1]).all()
 
 
 def test_the_apps_group_composes_it_from_its_defaults(added):

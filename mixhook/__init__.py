@@ -25,6 +25,7 @@ from .layers import (
 )
 from .mixers import *  # noqa: F403  (every mixer, found in mixhook/mixers/, and the contract)
 from .noise import NEFTune
+from .noisefit import NoiseFiT
 from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
 from .scaling import InputScale
 from .schedule import MixSchedule, Ramp
@@ -41,6 +42,7 @@ __all__ = [
     "LayerHook",
     "MixSchedule",
     "NEFTune",
+    "NoiseFiT",
     "Ramp",
     "ShapeTrace",
     "UnknownLayerError",

@@ -170,14 +170,10 @@ class NEFTune(LayerHook):
 
     def _noised(self, spec: str, output, generator: torch.Generator, call: dict | None, index: int):
         """``output`` with its noise added (drawn from ``generator``), and each token's magnitude."""
-        found, n = batch_leaves(output, self.sites[spec], self._dims[spec], "NEFTune")
-        if len(found) != 1 or found[0].tensor.ndim != 3:
-            raise TypeError(
-                f"NEFTune at {spec!r}: the layer returned {describe(output)}; NEFTune adds noise to one "
-                "(B, L, d) tensor of embeddings: name the embedding layer (model.get_input_embeddings())"
-            )
-        leaf = found[0]
-        h = leaf.tensor if leaf.dim == 0 else leaf.tensor.movedim(leaf.dim, 0)
+        leaf, h = sequence_of(
+            output, self.sites[spec], self._dims[spec], f"NEFTune at {spec!r}", "NEFTune adds noise to one "
+            "(B, L, d) tensor of embeddings: name the embedding layer (model.get_input_embeddings())",
+        )  # fmt: skip
         batch, length, dim = h.shape
         if self.length == "padded":  # as the authors' code and HuggingFace's hook compute it
             scale = float(self.alpha / torch.sqrt(torch.tensor(length * dim)))
@@ -186,9 +182,7 @@ class NEFTune(LayerHook):
         else:
             magnitude = self._magnitudes(spec, h, call, index)
             noised = h + _uniform(h, generator, 1.0) * magnitude.to(h.dtype).unsqueeze(-1)
-        if leaf.dim != 0:
-            noised = noised.movedim(0, leaf.dim)
-        return (noised if leaf.path == () else replace_leaves(output, {leaf.path: noised})), magnitude
+        return put_back(output, leaf, noised), magnitude
 
     def _magnitudes(self, spec: str, h: torch.Tensor, call: dict | None, index: int) -> torch.Tensor:
         """``alpha / sqrt(L_i * d)`` for each token of ``h`` (B, L, d), ``L_i`` its own sequence's length;
@@ -231,6 +225,23 @@ class NEFTune(LayerHook):
         # alpha / sqrt(L_i * d), and 0 on padding (a row of padding alone: L_i counted as 1, not a NaN)
         scale = (lengths * dim).clamp(min=1).double().rsqrt().mul(self.alpha)
         return scale.expand(batch, length) if real is None else scale * real
+
+
+def sequence_of(output, site, dims, where: str, hint: str) -> tuple:
+    """The one ``(B, L, d)`` tensor of a layer's ``output`` (its leaf, and the tensor batch first), or a
+    one-line ``TypeError`` (``where``: the hook and layer; ``hint``: what to name instead)."""
+    found, _ = batch_leaves(output, site, dims, where.split(" ")[0])
+    if len(found) != 1 or found[0].tensor.ndim != 3:
+        raise TypeError(f"{where}: the layer returned {describe(output)}; {hint}")
+    leaf = found[0]
+    return leaf, (leaf.tensor if leaf.dim == 0 else leaf.tensor.movedim(leaf.dim, 0))
+
+
+def put_back(output, leaf, h: torch.Tensor):
+    """``output`` with ``leaf``'s tensor replaced by ``h`` (batch first, as :func:`sequence_of` gave it)."""
+    if leaf.dim != 0:
+        h = h.movedim(0, leaf.dim)
+    return h if leaf.path == () else replace_leaves(output, {leaf.path: h})
 
 
 def _mask(inputs, name: str) -> torch.Tensor | None:

@@ -508,3 +508,44 @@ class HookCallback(_StepSeeded):
     def state(self) -> dict:
         """What ``trainer_state.json`` keeps: the draws' seed."""
         return {"args": {}, "attributes": {"seed": self.seed}}
+
+
+class NoiseFiTLoss:
+    """A ``Trainer``'s (or TRL's ``SFTTrainer``'s) loss as NoiseFiT trains (:class:`~mixhook.NoiseFiT`: one
+    clean and two noisy forwards in ``compute_loss``, which a callback cannot change, as the authors'
+    ``NoiseFitTrainer`` does). Mix it into the trainer's class, its hook in a :class:`HookCallback` (which
+    attaches it and keys its draws by ``(seed, rank, step)``)::
+
+        class NoiseFiTTrainer(NoiseFiTLoss, SFTTrainer):
+            pass
+
+        nf = NoiseFiT(choose_layers(model, batch))  # mixhook.noisefit.choose_layers
+        trainer = NoiseFiTTrainer(model=model, args=args, train_dataset=..., callbacks=[HookCallback(nf)])
+
+    Under ``gradient_accumulation_steps`` the loss of each micro-batch (NoiseFiT's is a mean over its
+    tokens) is divided by the steps, so the gradient is the mean over the micro-batches (the authors'
+    subclass leaves that to the Trainer, which does not divide for a model that takes loss keywords when
+    it counts the batch's items: their gradient is then ``gradient_accumulation_steps`` times as large).
+    An evaluation forward runs the same three forwards without noise. Refused in one line: no
+    ``NoiseFiT`` in the trainer's ``HookCallback`` callbacks, or more than one.
+    """
+
+    loss_is_scaled_for_ga = False  # (the Trainer divides each micro-batch's loss by the steps)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        from ..noisefit import NoiseFiT
+
+        found = [
+            hook
+            for callback in self.callback_handler.callbacks
+            if isinstance(callback, HookCallback)
+            for hook in callback.hooks
+            if isinstance(hook, NoiseFiT)
+        ]
+        if len(found) != 1:
+            raise ValueError(
+                f"NoiseFiTLoss: the trainer's HookCallbacks hold {len(found)} NoiseFiT hooks; give it one, "
+                "callbacks=[HookCallback(NoiseFiT(...))]"
+            )
+        loss, outputs = found[0].loss(model, inputs)
+        return (loss, outputs) if return_outputs else loss

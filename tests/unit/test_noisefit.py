@@ -274,3 +274,68 @@ def test_bad_input_is_refused_in_one_line():
         model(**inputs)
     with pytest.raises(ValueError, match=r"Sequential states no transformer blocks"):
         blocks_of(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_trainer_with_noisefits_loss_trains_as_the_hand_loop(tmp_path, accumulation):
+    """The HuggingFace Trainer with NoiseFiTLoss and the hook in a HookCallback: its weights after two
+    steps are the hand loop's (the same draws: reseeded per step from (seed, rank, step)); under gradient
+    accumulation the mean over the micro-batches."""
+    from mixhook.integrations.draws import reseed
+    from mixhook.integrations.transformers import HookCallback, NoiseFiTLoss
+
+    class NoiseFiTTrainer(NoiseFiTLoss, transformers.Trainer):
+        pass
+
+    g = torch.Generator().manual_seed(5)
+    n = 3 * 2 * accumulation
+    ids = torch.randint(0, 40, (n, 7), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    labels[:, :2] = -100
+    rows = [
+        {"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels, strict=True)
+    ]
+    layers = ["model.layers.0", "model.layers.2"]
+
+    trained = llama().float()
+    hook = NoiseFiT(layers, noise_std=0.5)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=accumulation,
+        max_steps=2, optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0,
+        weight_decay=0.0, train_sampling_strategy="sequential", report_to=[], save_strategy="no",
+        use_cpu=True,
+        seed=11, logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    NoiseFiTTrainer(model=trained, args=args, train_dataset=rows, callbacks=[HookCallback(hook)]).train()
+
+    hand = llama().float()
+    nf = NoiseFiT(layers, noise_std=0.5)
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    with nf.attach(hand):
+        for step in range(2):
+            reseed(nf, 11, 0, step, HookCallback._FIRST_PART)
+            for micro in range(accumulation):
+                start = (step * accumulation + micro) * 3
+                batch = {"input_ids": ids[start : start + 3], "attention_mask": mask[start : start + 3],
+                         "labels": labels[start : start + 3]}  # fmt: skip
+                loss, _ = nf.loss(hand, batch)
+                (loss / accumulation).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(trained.named_parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+    assert not torch.equal(next(trained.parameters()), next(llama().float().parameters()))  # (it trained)
+
+
+def test_the_trainers_loss_needs_one_noisefit_hook(tmp_path):
+    from mixhook.integrations.transformers import NoiseFiTLoss
+
+    class NoiseFiTTrainer(NoiseFiTLoss, transformers.Trainer):
+        pass
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1)
+    trainer = NoiseFiTTrainer(model=llama().float(), args=args)
+    with pytest.raises(ValueError, match=r"HookCallbacks hold 0 NoiseFiT hooks; give it one"):
+        trainer.compute_loss(trainer.model, batch())

@@ -511,12 +511,12 @@ class HookCallback(_StepSeeded):
 
 
 class NoiseFiTLoss:
-    """A ``Trainer``'s (or TRL's ``SFTTrainer``'s) loss as NoiseFiT trains (:class:`~mixhook.NoiseFiT`: one
+    """A ``Trainer``'s loss as NoiseFiT trains (:class:`~mixhook.NoiseFiT`: one
     clean and two noisy forwards in ``compute_loss``, which a callback cannot change, as the authors'
     ``NoiseFitTrainer`` does). Mix it into the trainer's class, its hook in a :class:`HookCallback` (which
     attaches it and keys its draws by ``(seed, rank, step)``)::
 
-        class NoiseFiTTrainer(NoiseFiTLoss, SFTTrainer):
+        class NoiseFiTTrainer(NoiseFiTLoss, Trainer):
             pass
 
         nf = NoiseFiT(choose_layers(model, batch))  # mixhook.noisefit.choose_layers
@@ -526,7 +526,8 @@ class NoiseFiTLoss:
     tokens) is divided by the steps, so the gradient is the mean over the micro-batches (the authors'
     subclass leaves that to the Trainer, which does not divide for a model that takes loss keywords when
     it counts the batch's items: their gradient is then ``gradient_accumulation_steps`` times as large).
-    An evaluation forward runs the same three forwards without noise. Refused in one line: no
+    An evaluation forward runs the same three forwards without noise. TRL's ``SFTTrainer`` (a subclass of
+    the Trainer) is not tested with it yet. Refused in one line: no
     ``NoiseFiT`` in the trainer's ``HookCallback`` callbacks, or more than one.
     """
 

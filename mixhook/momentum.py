@@ -152,12 +152,13 @@ class MomentumCopy:
         model: nn.Module,
         also: Sequence[torch.Tensor] = (),
         also_name: str = "",
-        lockstep: Callable[[], None] | None = None,
+        lockstep: Callable[[nn.Module, str], None] | None = None,
     ) -> None:
         """The update, once per optimizer step: at the first training forward after ``model``'s
         parameters changed. ``also``: parameters the same optimizer must step with the model (the owner's
         own, ``also_name``): refused in one line where they had gradients and did not change. ``lockstep``:
-        called before an update of a sharded model (every rank gathers at once)."""
+        called with the model and what it runs before an update of a sharded model (every rank gathers at
+        once)."""
         if self._versions is None and self._shards is None and self._first_step is None and sharded(model):
             self._await_first_step(model)  # (sharded after make())
         if self._first_step is not None:
@@ -172,7 +173,7 @@ class MomentumCopy:
                     "*mix.parameters()], ...)"
                 )
             if self._shards is not None and lockstep is not None:
-                lockstep()
+                lockstep(model, "a gather of the parameters (its momentum copy's update)")
             self.update(model)
         self._versions, self._also_versions = versions, others
 

@@ -36,7 +36,6 @@ indexes ``output[0]``, which on a tensor is the first sequence.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -45,6 +44,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import recompute
+from .engine.checks import check_fraction, check_non_negative, check_positive
 from .functional import generator_on
 from .hooks import LayerHook
 from .layers import portable_names
@@ -181,19 +181,13 @@ class NoiseFiT(LayerHook):
         batch_dim: int | dict | None = None,
     ):
         super().__init__(layer, batch_dim)
-        for name, value, low, high in (
-            ("noise_std", noise_std, 0.0, math.inf),
-            ("beta", beta, 0.0, math.inf),
-            ("temperature", temperature, 0.0, math.inf),
-            ("hybrid_alpha", hybrid_alpha, 0.0, 1.0),
-            ("consistency", consistency, 0.0, math.inf),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-                raise ValueError(f"NoiseFiT: {name} must be a number in [{low}, {high}], got {value!r}")
-        if temperature == 0:
-            raise ValueError("NoiseFiT: temperature must be > 0, got 0")
-        self.noise_std, self.beta, self.temperature = float(noise_std), float(beta), float(temperature)
-        self.hybrid_alpha, self.consistency = float(hybrid_alpha), float(consistency)
+        self.noise_std, self.beta = (
+            check_non_negative("noise_std", noise_std),
+            check_non_negative("beta", beta),
+        )
+        self.temperature = check_positive("temperature", temperature)
+        self.hybrid_alpha = check_fraction("hybrid_alpha", hybrid_alpha)
+        self.consistency = check_non_negative("consistency", consistency)
         self._draw_from(generator)
         self.last: dict[str, torch.Tensor] = {}
 

@@ -37,13 +37,13 @@ def shipped(conf: Path = CONF_DIR) -> dict[str, dict]:
     }
 
 
-def configs_of(conf: Path = CONF_DIR) -> dict[str, list[str]]:
+def configs_of(conf: Path = CONF_DIR, files: dict[str, dict] | None = None) -> dict[str, list[str]]:
     """Each catalogued method's ``mixup=`` configs, by the method's name: the shipped files that name it
     with no policy (a policy's config is the policy's; the one named after the method first), else the one
-    composed from its defaults."""
+    composed from its defaults. ``files``: :func:`shipped`'s, where it was read already."""
     by_target = {target(cls): name for name, cls in METHODS.items()}
     found: dict[str, list[str]] = {name: [] for name in METHODS}
-    for config, values in shipped(conf).items():
+    for config, values in (shipped(conf) if files is None else files).items():
         name = by_target.get(values.get("_target_"))
         if name is not None and not values.get("policies"):
             found[name].append(config)
@@ -76,8 +76,8 @@ def register(conf: Path = CONF_DIR) -> None:
     ``mixup/<its name in lower case>`` (idempotent: a method defined since is added)."""
     from hydra.core.config_store import ConfigStore
 
-    files = set(shipped(conf))
+    files = shipped(conf)
     store = ConfigStore.instance()
-    for name, configs in configs_of(conf).items():
-        if not files.intersection(configs):
+    for name, configs in configs_of(conf, files).items():
+        if not files.keys() & set(configs):
             store.store(group="mixup", name=name.lower(), node=defaults(METHODS[name]))

@@ -11,7 +11,6 @@ CIFAR-100 configs ``configs/classification/cifar100/automix/basic/r18_l2_a2_near
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
@@ -616,10 +615,9 @@ class AutoMix(Mixer):
     def _step_if_stepped(self, model: nn.Module) -> None:
         """The momentum update, once per optimizer step (refused in one line when the Mix Block had
         gradients but did not change)."""
-        lockstep = functools.partial(
-            self._check_lockstep, model, "a gather of the parameters (its momentum copy's update)"
+        self.copy.step_if_stepped(
+            model, list(self.mix_block.parameters()), "the Mix Block", self._check_lockstep
         )
-        self.copy.step_if_stepped(model, list(self.mix_block.parameters()), "the Mix Block", lockstep)
 
     def catch_up(self) -> None:
         """The momentum update of an optimizer step taken since the last training forward, now (it would

@@ -27,7 +27,7 @@ from ..functional import sample_lam, smooth_one_hot
 from ..layers import resolve_layer
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import ReadsAttention, attention_grid, check_attention
+from .transmix import ReadsAttention, TransMix, attention_grid, check_attention
 
 
 class MixPro(ReadsAttention, RegionMixer):
@@ -91,11 +91,11 @@ class MixPro(ReadsAttention, RegionMixer):
             "labels on the same draws (their prediction in `sim` is not detached; OpenMixup's port detaches "
             "it, as here)"
         ),
-        app=("model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2"),
+        app=TransMix.card.app,  # (the ViT TransMix is shown on, its attention layer the same)
         shown_on="vit",
-        example={"layer": "input", "attention": "blocks.1.attn"},
+        example=TransMix.card.example,
         drawn={
-            "attention": "encoder.layers.encoder_layer_1.self_attention",
+            "attention": TransMix.card.drawn["attention"],
             "input": {"cell": 16},  # cells of 2x2 patches: 16 pixels at the input, 2 tokens on the tokens
             "hidden": {"tokens": "auto", "cell": 2},
         },

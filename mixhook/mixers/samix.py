@@ -8,7 +8,8 @@ Scenario-Agnostic Mixup." 2021. https://arxiv.org/abs/2111.15454. The code: West
 
 from __future__ import annotations
 
-from ..engine.card import Card
+import dataclasses
+
 from ..engine.mixer import with_defaults
 from .automix import AutoMix
 
@@ -23,11 +24,11 @@ class SAMix(AutoMix):
     criterion, as AutoMix's. Cost: a step 2.4x a Manifold Mixup step at ``layer2`` on an H200
     (PreActResNet-18, batch 128), 2.8x on 2 CPU cores at the input. Arguments as :class:`AutoMix`."""
 
-    card = Card(
+    card = dataclasses.replace(  # (AutoMix's card: its family, example and picture settings)
+        AutoMix.card,
         paper="Li et al. 2021",
         mixes="AutoMix with SAMix's Mix Block and mask loss",
         where="as AutoMix",
-        family="learned",
         signature=(
             'SAMix(layer="input", features="layer3", ..., mask_loss_mode="L1+Variance", '
             'upsampling="bilinear")'
@@ -45,8 +46,6 @@ class SAMix(AutoMix):
             "study](learned_mixers_study/README.md)). Its config's Mix Block loss (soft cross-entropy "
             "with `neg_weight=0.5`) weighs only classes the mixed label gives 0: it is the mixed criterion"
         ),
-        example={"layer": "input", "features": "conv1"},
-        drawn={"features": "features", "note": "\n(the Mix Block as initialised)"},
     )
 
     # what differs from AutoMix: two defaults and the Mix Block's options

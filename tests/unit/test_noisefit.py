@@ -258,7 +258,7 @@ def test_bad_input_is_refused_in_one_line():
         choose_layers(model, inputs, k=5)
     with pytest.raises(ValueError, match=r"snr must be one of largest, lowest, got 'Largest'"):
         choose_layers(model, inputs, snr="Largest")
-    with pytest.raises(ValueError, match=r"hybrid_alpha must be a number in \[0.0, 1.0\], got 2"):
+    with pytest.raises(ValueError, match=r"hybrid_alpha must be in \[0, 1\], got 2"):
         NoiseFiT("model.layers.0", hybrid_alpha=2)
     nf = NoiseFiT("model.layers.0")
     with pytest.raises(RuntimeError, match=r"attach the hook to the model first"):

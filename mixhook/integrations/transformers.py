@@ -523,11 +523,13 @@ class NoiseFiTLoss:
         trainer = NoiseFiTTrainer(model=model, args=args, train_dataset=..., callbacks=[HookCallback(nf)])
 
     Under ``gradient_accumulation_steps`` the loss of each micro-batch (NoiseFiT's is a mean over its
-    tokens) is divided by the steps, so the gradient is the mean over the micro-batches (the authors'
-    subclass leaves that to the Trainer, which does not divide for a model that takes loss keywords when
-    it counts the batch's items: their gradient is then ``gradient_accumulation_steps`` times as large).
-    An evaluation forward runs the same three forwards without noise. TRL's ``SFTTrainer`` (a subclass of
-    the Trainer) is not tested with it yet. Refused in one line: no
+    tokens) is divided by the step's micro-batches, so the gradient is their mean (the authors' subclass
+    leaves that to the Trainer, which does not divide for a model that takes loss keywords when it counts
+    the batch's items: their gradient is then ``gradient_accumulation_steps`` times as large).
+    An evaluation forward runs the same three forwards without noise. With TRL's ``SFTTrainer`` (a
+    subclass of the Trainer: ``class NoiseFiTSFTTrainer(NoiseFiTLoss, SFTTrainer)``) the weights are the
+    hand loop's on its collator's batches (completion-only labels, padding, accumulation); its own loss and
+    token metrics are replaced. Refused in one line: no
     ``NoiseFiT`` in the trainer's ``HookCallback`` callbacks, or more than one.
     """
 

@@ -219,3 +219,37 @@ def test_packing_neftune_twice_and_restored_callback_states_are_refused(tmp_path
             llama(), tmp_path, [adapter.HookCallback(NEFTune("model.embed_tokens"))],
             restore_callback_states_from_checkpoint=True,
         )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_noisefits_loss_in_the_sft_trainer_trains_as_the_hand_loop(tmp_path):
+    """NoiseFiTLoss mixed into TRL's SFTTrainer (its compute_loss replaces TRL's, as the authors' subclass
+    replaces the Trainer's): with the completion-only mask's -100 labels, right padding and gradient
+    accumulation, the weights after the run are the hand loop's on the collator's batches and the same
+    draws (each micro-batch's NoiseFiT loss, a mean over its labelled tokens, divided by the steps)."""
+    from mixhook import NoiseFiT
+
+    class NoiseFiTSFTTrainer(adapter.NoiseFiTLoss, trl.SFTTrainer):
+        pass
+
+    layers = ["model.layers.0", "model.layers.1"]
+    model, hand = llama(), llama()
+    trainer = sft(model, tmp_path, [adapter.HookCallback(NoiseFiT(layers, noise_std=0.5))],
+                  cls=NoiseFiTSFTTrainer, gradient_accumulation_steps=2)  # fmt: skip
+    batches = list(trainer.get_train_dataloader())
+    assert all((b["labels"][:, :2] == -100).all() for b in batches)  # the prompts carry no loss
+    assert any((b["attention_mask"] == 0).any() for b in batches)  # (padded rows)
+    trainer.train()
+    nf, opt = NoiseFiT(layers, noise_std=0.5), torch.optim.SGD(hand.parameters(), lr=0.1)
+    with nf.attach(hand):
+        hand.train()
+        for step, first in enumerate(range(0, len(batches), 2)):
+            reseed(nf, 7, 0, step, adapter.HookCallback._FIRST_PART)
+            micro = batches[first : first + 2]  # (the last step has one: the Trainer divides by its count)
+            for batch in micro:
+                (nf.loss(hand, batch)[0] / len(micro)).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+    assert not torch.equal(next(model.parameters()), next(llama().parameters()))  # (it trained)

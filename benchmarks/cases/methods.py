@@ -18,7 +18,17 @@ import torch.nn.functional as F
 
 from benchmarks import cases
 from benchmarks.timing import ratio
-from mixhook import AttentiveCutMix, AutoMix, CMixup, ManifoldMixup, PuzzleMix, SaliencyMix, SAMix, SnapMix
+from mixhook import (
+    AdAutoMix,
+    AttentiveCutMix,
+    AutoMix,
+    CMixup,
+    ManifoldMixup,
+    PuzzleMix,
+    SaliencyMix,
+    SAMix,
+    SnapMix,
+)
 from mixhook.mixers import METHODS
 from mixhook.policies import (
     BalancedMixup,
@@ -53,6 +63,7 @@ def method_variants() -> dict:
     makers["SnapMix"] = lambda: SnapMix(LAYER, features="layer4", classifier="linear")  # the CNN's own
     makers["AutoMix_input"] = lambda: AutoMix("input")  # OpenMixup's place (features: layer3)
     makers["SAMix_input"] = lambda: SAMix("input")
+    makers["AdAutoMix_input"] = lambda: AdAutoMix("input")
     policies = {
         "Remix": lambda: Remix([500, 300, 200, 120, 70, 40, 25, 15, 9, 5]),
         "KernelWarping": KernelWarping,

@@ -184,6 +184,8 @@ class AutoMix(Mixer):
     # The Mix Block's options beyond reduction and upsampling (mixhook.mixers.mixblock.MixBlock; SAMix's
     # differ)
     block_options: ClassVar[dict] = {}
+    # The Mix Block's network (AdAutoMix's differs), built as ``block_type(channels, **options)``
+    block_type: ClassVar[type[nn.Module]] = MixBlock
     _TRANSIENT = (
         "_features_name", "_features_layout", "_averaging", "_k_handles", "_k_mixing", "_k_replay",
         "_k_pending",
@@ -259,7 +261,7 @@ class AutoMix(Mixer):
         options = dict(self._block_options)
         if options.get("value_hidden") == "half":  # (SAMix: its value network's width, from the channels)
             options["value_hidden"] = max(channels // 2, 1)
-        block = MixBlock(channels, **options)
+        block = self.block_type(channels, **options)
         block.reset_parameters(torch.Generator().manual_seed(self.generator.initial_seed()))
         return block
 
@@ -418,7 +420,7 @@ class AutoMix(Mixer):
     def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets) -> Mapping:
         k = self.copy.follow(model, self.mix_block)
         self._step_if_stepped(model)
-        features = self._features(k, args, kwargs)
+        features, extras = self.copy_pass(k, args, kwargs, pinned)
         n, g = features.shape[0], self.generator
         lam_mb = pinned.get("lam_mb")
         lam_mb = float(sample_lam(self.alpha, g) if lam_mb is None else lam_mb)
@@ -426,20 +428,32 @@ class AutoMix(Mixer):
         index_mb = self.draw_index(n, g) if index_mb is None else torch.as_tensor(index_mb)
         choices = self._choices(g)
         logits, mask = self._block_forward(k, args, kwargs, spec, features, lam_mb, index_mb, choices)
-        return {"lam_mb": lam_mb, "index_mb": index_mb, "features": features, "mb": (logits, mask, choices)}
+        return {
+            "lam_mb": lam_mb, "index_mb": index_mb, "features": features, "mb": (logits, mask, choices),
+            **extras,
+        }  # fmt: skip
 
-    def _features(self, k: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-        """``features``' output on the clean batch, from ``k`` without gradients (its forward stops there)."""
+    def copy_pass(self, k: nn.Module, args: tuple, kwargs: dict, pinned: Mapping) -> tuple:
+        """The momentum copy's pass on the clean batch: its ``features`` (:meth:`_features`), and what a
+        method built on AutoMix takes from that pass beside them, by name (joined to the forward's pins;
+        AutoMix: nothing)."""
+        return self._features(k, args, kwargs)[0], {}
+
+    def _features(self, k: nn.Module, args: tuple, kwargs: dict, whole: bool = False) -> tuple:
+        """``features``' output on the clean batch, from ``k`` without gradients (its forward stops there),
+        and ``None``; with ``whole``, the copy's whole forward runs and its output is returned beside."""
         taken = []
 
         def take(module, inputs, output):
             taken.append(output)
-            raise _Stop
+            if not whole:
+                raise _Stop
 
         handle = k.get_submodule(self._features_name).register_forward_hook(take)
+        out = None
         try:
             with torch.no_grad():
-                k(*args, **kwargs)
+                out = k(*args, **kwargs)
         except _Stop:
             pass
         finally:
@@ -450,7 +464,7 @@ class AutoMix(Mixer):
         f = taken[0]
         if self._feature_tokens is not None and isinstance(f, torch.Tensor):
             maps = self._feature_tokens.to_maps(self._features_name, [Leaf("", f, 0)], k)
-            return self._checked(maps[0].tensor)
+            return self._checked(maps[0].tensor), out
         if not isinstance(f, torch.Tensor) or f.ndim != 4:
             shape = tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
             hint = (
@@ -459,7 +473,8 @@ class AutoMix(Mixer):
             raise TypeError(
                 f"{kind}: features={self.features!r} must output one (B, C, h, w) map, got {shape}{hint}"
             )
-        return self._checked(channels_first(f, self._features_layout.of(f"{kind}'s features", self.features)))
+        layout = self._features_layout.of(f"{kind}'s features", self.features)
+        return self._checked(channels_first(f, layout)), out
 
     def _checked(self, f: torch.Tensor) -> torch.Tensor:
         """The features' ``(B, C, h, w)`` map, refused in one line where the Mix Block was built for other
@@ -514,15 +529,19 @@ class AutoMix(Mixer):
                 out = k(*args, **kwargs)
         finally:
             self._k_mixing = None
+        return self._logits_of(out, "the Mix Block's loss"), made[0]
+
+    def _logits_of(self, out, what: str) -> torch.Tensor:
+        """The logits in the copy's output ``out`` (refused in one line, naming ``what`` needs them)."""
         logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
         if logits is None and isinstance(out, Mapping):  # (a dict: the HuggingFace Trainer's models)
             logits = out.get("logits")
         if not isinstance(logits, torch.Tensor):
             raise TypeError(
-                f"{type(self).__name__}: the model returned {type(out).__name__}; the Mix Block's loss needs "
-                "its logits (a tensor, or an output with .logits)"
+                f"{type(self).__name__}: the model returned {type(out).__name__}; {what} needs its logits "
+                "(a tensor, or an output with .logits)"
             )
-        return logits, made[0]
+        return logits
 
     def _k_hook(self, spec: str):
         """The momentum copy's hook at ``spec``: its Mix Block mix during the copy's own mixed forward (and
@@ -556,7 +575,7 @@ class AutoMix(Mixer):
         modes = k.training, block.training
         k.eval(), block.eval()
         try:
-            features = self._features(k, (inputs,), {})
+            features = self._features(k, (inputs,), {})[0]
             index = torch.as_tensor(index, device=features.device)
             return block(features, float(lam), index, size or inputs.shape[-2:], None, block.lam_mul_k[0])
         finally:
@@ -592,18 +611,24 @@ class AutoMix(Mixer):
 
     def mixed_loss(self, criterion, logits, target, last: MixState, own_terms: bool = True) -> torch.Tensor:
         loss = super().mixed_loss(criterion, logits, target, last, own_terms)
-        if not own_terms:
-            return loss
+        return loss + self.block_loss(criterion, target, last) if own_terms else loss
+
+    def block_loss(self, criterion: Callable, target: torch.Tensor, last: MixState) -> torch.Tensor | float:
+        """The Mix Block's terms of :meth:`loss`: ``block_weight`` times the copy's mixed loss on its own
+        mix, and ``mask_loss`` times the mask loss (an extension point: AdAutoMix's are adversarial)."""
         block_logits, mask, lam_mb, index_mb = last.info["block"]
+        loss = 0.0
         if self.block_weight > 0:
-            partners = target[to_device(index_mb, target.device)]
-            own = criterion(block_logits, target)
-            loss = loss + self.block_weight * (
-                lam_mb * own + (1 - lam_mb) * criterion(block_logits, partners)
-            )
+            loss = self.block_weight * self.copy_mixed_loss(criterion, block_logits, target, lam_mb, index_mb)
         if self.mask_loss > 0:
             loss = loss + self.mask_loss * mask_loss(mask, lam_mb, self.mask_loss_mode, self.mask_margin)
         return loss
+
+    @staticmethod
+    def copy_mixed_loss(criterion: Callable, logits, target, lam_mb: float, index_mb) -> torch.Tensor:
+        """The copy's mixed loss on the Mix Block's mix: ``lam_mb * l(y) + (1 - lam_mb) * l(y[index_mb])``."""
+        partners = target[to_device(index_mb, target.device)]
+        return lam_mb * criterion(logits, target) + (1 - lam_mb) * criterion(logits, partners)
 
     def targets_refused(self) -> str | None:
         return (

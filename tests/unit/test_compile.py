@@ -97,15 +97,20 @@ def _every_hook():
         **{  # every method of the package at its defaults, so a new one is checked compiled too
             f"method-{name}": (lambda cls=cls: cls("conv1", generator=g()))
             for name, cls in METHODS.items()
-            if name not in ("OneOf", "TransMix", "MixPro", "SnapMix", "PuzzleMix", "AutoMix", "SAMix")
+            if name not in ("OneOf", "TransMix", "MixPro", "SnapMix", "PuzzleMix", *LEARNED)
         },  # (TransMix: below)
-        "method-AutoMix": lambda: METHODS["AutoMix"]("conv1", features="conv2", generator=g()),
-        "method-SAMix": lambda: METHODS["SAMix"]("conv1", features="conv2", generator=g()),
+        **{  # (the learned methods read their features at conv2)
+            f"method-{name}": (lambda name=name: METHODS[name]("conv1", features="conv2", generator=g()))
+            for name in LEARNED
+        },
         "method-PuzzleMix": lambda: PuzzleMix("conv1", grids=(2, 4), saliency="activation", generator=g()),
         "method-SnapMix": lambda: SnapMix("conv1", features="conv2", classifier="head", generator=g()),
         "cutmix-elem": lambda: CutMix("conv1", mode="elem", generator=g()),
         "saliencymix-gradient": lambda: SaliencyMix(["input", "conv2"], saliency="gradient", generator=g()),
     }
+
+
+LEARNED = ("AutoMix", "SAMix", "AdAutoMix")
 
 
 def _compiled_cases() -> list:

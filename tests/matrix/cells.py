@@ -319,24 +319,32 @@ def app(method: Method) -> Cell:
 
 
 def resume(method: Method) -> Cell:
-    """``train.py`` with the method killed (SIGKILL) at a random point after its first checkpoint, then
+    """``train.py`` with the method killed (SIGKILL) after a random number (1 to 8) of its checkpoints, then
     ``trainer.resume=auto``: the metrics and summary equal an uninterrupted run's."""
     settings = [f"mixup={method.app}", *method.where, "trainer.checkpoint_every=1", "seed=3"]
     with tempfile.TemporaryDirectory() as tmp:
         reference, killed = Path(tmp) / "reference", Path(tmp) / "killed"
-        started = time.time()
         _app(*settings, out=str(reference))
-        seconds = time.time() - started
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "train.py"), *APP, *_narrow(settings), f"hydra.run.dir={killed}"],
             cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        deadline = time.time() + 300
-        while not (killed / "last.pt").exists():
+        # killed after a random number of its checkpoints (one per step): a point in its progress, not in
+        # time, which a loaded machine would move (the run could end first)
+        deadline, writes, seen = time.time() + 300, random.Random(method.name).randint(1, 8), None
+        while writes:
             if proc.poll() is not None or time.time() > deadline:
-                return Cell(method.name, "resume", "fails", f"no checkpoint: {proc.communicate()[1][-200:]}")
-            time.sleep(0.02)
-        time.sleep(random.Random(method.name).uniform(0, seconds / 3))
+                if seen is None:
+                    why = f"no checkpoint: {proc.communicate()[1][-200:]}"
+                    return Cell(method.name, "resume", "fails", why)
+                break
+            try:
+                stat = (killed / "last.pt").stat()
+            except FileNotFoundError:
+                stat = None
+            if stat is not None and (stat.st_ino, stat.st_mtime_ns) != seen:
+                seen, writes = (stat.st_ino, stat.st_mtime_ns), writes - 1
+            time.sleep(0.005)
         proc.kill()
         proc.wait()
         if (killed / "summary.json").exists():

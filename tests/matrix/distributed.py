@@ -76,8 +76,10 @@ def replayed(method: Method) -> list[torch.Tensor]:
         params = [*net.parameters(), *mixer.parameters()]  # (the Mix Block's averaged too, as DDP's)
         opt = torch.optim.SGD(params, lr=LR)
         for step in range(STEPS):
-            grads = []
+            grads, count = [], getattr(mixer, "iteration", None)
             for rank in range(WORLD):
+                if count is not None:  # (a mixer that counts its training forwards, AdAutoMix's turns: each
+                    mixer.iteration = count  # rank counts its own, one per step here)
                 hand_step(mixer, stream, net, *shard(step, rank, x, y), loss_of, rank, step)
                 grads.append([p.grad.clone() for p in params])
                 opt.zero_grad()

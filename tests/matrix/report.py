@@ -79,9 +79,10 @@ def markdown(cells: list[Cell], seconds: float) -> str:
         "where the workflow is not for the method's model. *TRL*: TRL's `SFTTrainer` (the methods shown on a "
         "language model); *timm*: timm's training step with `MixupFn`; *DDP* and *FSDP2* run the own loop "
         "on two processes (gloo, CPU), each rank on its half of the batch with its own draws, against one "
-        "process replaying both ranks' batches; *resume* kills the app's `train.py` (SIGKILL) at a random "
-        "point after its first checkpoint and resumes it with `trainer.resume=auto`: exact when its metrics "
-        "and summary equal an uninterrupted run's.",
+        "process replaying both ranks' batches (a mixer that counts its training forwards, AdAutoMix, "
+        "counting each rank's own); *resume* kills the app's `train.py` (SIGKILL) after a random number "
+        "(1 to 8) of its checkpoints and resumes it with `trainer.resume=auto`: exact when its metrics and "
+        "summary equal an uninterrupted run's.",
         "",
         "| method | " + " | ".join(COLUMNS[c] for c in columns) + " |",
         "| --- | " + " | ".join("---" for _ in columns) + " |",

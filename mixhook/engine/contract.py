@@ -77,6 +77,10 @@ class MixState:
             weights, from class activation maps, need not sum to one): one per sample, float64; ``loss``
             is then ``lam * criterion(y) + partner_lam * criterion(y[index])`` and ``targets`` alike.
             ``None``: ``1 - lam``.
+        groups: after a clean+mixed forward, the groups of ``B`` rows after the clean ones: 1, the mixed
+            rows; more where the method's mix put rows of its own before them (:attr:`Mixed.before`:
+            AdAutoMix's three-sample forwards, its plain mixup's rows then its mask mix's). The logits then
+            have ``(1 + groups) * B`` rows; ``lam``, ``index`` and ``weights`` describe the last group.
         lam_float: where ``lam`` is one value on the CPU, ``(lam, float(lam))`` read when the state was
             made (what ``loss`` weighs by, with no read per call); a copy with another lam
             (``dataclasses.replace(state, lam=...)``) keeps the pair, whose tensor is then not its ``lam``:
@@ -94,6 +98,7 @@ class MixState:
     clean: bool = False
     partner_lam: torch.Tensor | None = None
     lam_float: tuple[torch.Tensor, float] | None = field(default=None, repr=False, compare=False)
+    groups: int = 1
 
 
 class cached:
@@ -163,6 +168,10 @@ class Mixed:
             (see :attr:`MixState.weights`); ``None`` for a method that blends every position alike.
         partner_lam: the partners' target weights where they are not ``1 - lam`` (see
             :attr:`MixState.partner_lam`); ``None``: ``1 - lam``.
+        before: with the clean rows kept (:attr:`~mixhook.engine.mixer.Mixer.clean`), rows of the method's
+            own between the clean rows and the mixed ones, a tensor of each leaf's shape by ``leaf.path``
+            (AdAutoMix's plain three-way mixup, trained beside its mask mix as the authors' third forward);
+            the forward then carries ``3B`` rows (:attr:`MixState.groups` 2); ``None``: none.
     """
 
     tensors: dict
@@ -171,6 +180,7 @@ class Mixed:
     index: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     partner_lam: torch.Tensor | None = None
+    before: dict | None = None
 
 
 class ForeignLogitsError(RuntimeError):

@@ -52,8 +52,9 @@ class NormsApart:
                 handles.append(module.register_forward_hook(self._after, prepend=True))
 
     def _before(self, key: str):
-        """In a training forward that emitted its clean rows: a layer given the ``2B`` rows keeps its
-        running statistics as they were before the call (the hook after it normalises apart)."""
+        """In a training forward that emitted its clean rows: a layer given the ``2B`` rows (``3B`` with a
+        method's own rows) keeps its running statistics as they were before the call (the hook after it
+        normalises apart)."""
 
         def pre(module: nn.Module, args: tuple):
             forward = self._mixer.current
@@ -64,11 +65,12 @@ class NormsApart:
                 and mixed.clean
                 and args
                 and isinstance(args[0], torch.Tensor)
-                and args[0].shape[0] == 2 * mixed.index.shape[0]
+                and args[0].shape[0] == (1 + mixed.groups) * mixed.index.shape[0]
             )
-            self._note(key, True if apart else None)
+            parts = 1 + mixed.groups if apart else None
+            self._note(key, parts)
             if apart:
-                self._keep(module)
+                self._keep(module, parts)
 
         return pre
 
@@ -76,25 +78,27 @@ class NormsApart:
         """In a recomputation: apart where the forward was."""
 
         def pre(module: nn.Module, args: tuple):
-            if self._replayed(key):
-                self._keep(module)
+            parts = self._replayed(key)  # (the forward's groups of rows, or None: not apart)
+            if parts:
+                self._keep(module, parts)
 
         return pre
 
-    def _keep(self, module: nn.Module) -> None:
-        self._saved[module] = [b.clone() for b in _statistics(module)]
+    def _keep(self, module: nn.Module, parts: int) -> None:
+        self._saved[module] = (parts, [b.clone() for b in _statistics(module)])
 
     def _after(self, module: nn.Module, args: tuple, output):
-        """The layer's output for the clean half and the mixed half apart, its running statistics updated
-        by each in turn from where they were (the whole call's result and update dropped)."""
-        saved = self._saved.pop(module, None)
-        if saved is None:
+        """The layer's output for the clean rows and each group after them (the mixed rows; a method's own
+        rows before them, :attr:`~.contract.MixState.groups`) apart, its running statistics updated by
+        each in turn from where they were (the whole call's result and update dropped)."""
+        kept = self._saved.pop(module, None)
+        if kept is None:
             return None
+        parts, saved = kept
         with torch.no_grad():
             for buffer, value in zip(_statistics(module), saved, strict=True):
                 buffer.copy_(value)
-        clean, mixed = args[0].chunk(2)
-        return torch.cat([module.forward(clean), module.forward(mixed)])
+        return torch.cat([module.forward(rows) for rows in args[0].chunk(parts)])
 
 
 def _statistics(module: nn.Module) -> list[torch.Tensor]:

@@ -25,6 +25,8 @@ one-graph path (:mod:`.traced`); a gradient-saliency method's own pass goes to :
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -375,7 +377,8 @@ class MixerHooks(LayerHook):
             state = self._state(spec, _PLAIN, (plan.dim,), (value.shape,), draw, mixed, self._clean)
             tensors = {(): channels_last(t) if plan.view else t}
         if self._clean or self._policies is not None:
-            tensors, state = self._finish(found, tensors, state)
+            before = None if mixed.before is None else self._rows_before(spec, found, given, draw, mixed)
+            tensors, state = self._finish(found, tensors, state, before)
         self._done(forward, state)
         return (
             tensors[()] if type(site_value) is torch.Tensor else replace_leaves(site_value, tensors)
@@ -409,14 +412,31 @@ class MixerHooks(LayerHook):
                 forward.pins = forward.pins.joined(extra)
         return leaves
 
-    def _finish(self, found: list[Leaf], tensors: dict, state: MixState) -> tuple[dict, MixState]:
+    def _finish(self, found: list[Leaf], tensors: dict, state: MixState, before: dict | None = None):
         """The mixed tensors with the clean rows before them (``clean``: along each tensor's batch
-        dimension), and a partner batch's rows dropped (a policy's)."""
-        if self._clean:
+        dimension; ``before``: the method's own rows between the two, :attr:`Mixed.before`), and a partner
+        batch's rows dropped (a policy's)."""
+        if self._clean and before is None:
             tensors = {leaf.path: torch.cat([leaf.tensor, tensors[leaf.path]], leaf.dim) for leaf in found}
+        elif self._clean:
+            tensors = {
+                leaf.path: torch.cat([leaf.tensor, before[leaf.path], tensors[leaf.path]], leaf.dim)
+                for leaf in found
+            }
+            state = dataclasses.replace(state, groups=2)
         if self._policies is not None:
             tensors, state = self._policies.finish(found, tensors, state)
         return tensors, state
+
+    def _rows_before(self, spec: str, found: list[Leaf], given: list[Leaf], draw: Draw, mixed: Mixed) -> dict:
+        """A method's rows before its mixed ones (:attr:`Mixed.before`), checked and put back as the mixed
+        tensors are (refused in one line without the clean rows, which they follow)."""
+        if not self._clean:
+            raise RuntimeError(
+                f"{type(self).__name__} at {spec!r} put rows before its mix, which follow the clean rows: "
+                "set clean=True"
+            )
+        return self._put_back(spec, found, given, draw, Mixed(mixed.before))[0]
 
     def _put_back(self, spec: str, found: list[Leaf], given: list[Leaf], draw: Draw, mixed: Mixed):
         """:meth:`_mix`'s step 5 where no plan held: the mixed tensors, checked, as the site had them (a
@@ -740,11 +760,11 @@ def _check_doubled(model: nn.Module, output, state: MixState) -> None:
     """Refuse a clean+mixed forward whose output (a plain tensor) has no dimension of ``2B``: the model
     lost the doubled batch downstream of the mix (e.g. a ``view(B, ...)`` with the batch size read from its
     input), so its rows would not be the clean samples and their mixes."""
-    n = state.index.shape[0]
-    if isinstance(output, torch.Tensor) and output.ndim and 2 * n not in output.shape:
+    n, rows = state.index.shape[0], (1 + state.groups) * state.index.shape[0]
+    if isinstance(output, torch.Tensor) and output.ndim and rows not in output.shape:
         raise RuntimeError(
             f"{type(model).__name__} returned shape {tuple(output.shape)} after a clean+mixed mix at "
-            f"{state.layer!r}, which emitted {2 * n} rows (the {n} clean samples, then their mixes): the "
+            f"{state.layer!r}, which emitted {rows} rows (the {n} clean samples, then their mixes): the "
             "model reshapes by the batch size of its input downstream of that layer; mix a later layer, or "
             "use clean=False"
         )

@@ -73,13 +73,15 @@ def dense_weights(last: MixState, target: torch.Tensor, what: str, kind: str) ->
 
 
 def halves(last: MixState, logits: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clean rows and the mixed rows of a clean+mixed forward's ``logits`` (``2B`` rows first)."""
+    """The clean rows and the mixed rows of a clean+mixed forward's ``logits`` (``2B`` rows first; with a
+    method's own rows before the mixed ones, :attr:`MixState.groups`, those and the mixed ones)."""
     n = last.index.shape[0]
-    if not isinstance(logits, torch.Tensor) or logits.ndim == 0 or logits.shape[0] != 2 * n:
+    rows = (1 + last.groups) * n
+    if not isinstance(logits, torch.Tensor) or logits.ndim == 0 or logits.shape[0] != rows:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(
             f"{what}(): the forward that produced these logits kept its clean batch beside the mix "
-            f"(clean=True), so the logits must have {2 * n} rows first (the {n} clean samples, then their "
+            f"(clean=True), so the logits must have {rows} rows first (the {n} clean samples, then their "
             f"mixes), got {shape}"
         )
     return logits[:n], logits[n:]

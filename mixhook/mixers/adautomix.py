@@ -18,6 +18,7 @@ from torch import nn
 from ..engine.card import Card
 from ..engine.checks import check_fraction
 from ..engine.contract import Draw, Mixed, MixState
+from ..functional import sample_lam
 from ..transfer import to_device
 from .automix import AutoMix
 from .mixblock import UPSAMPLING
@@ -126,34 +127,51 @@ class AdaptiveMask(nn.Module):
 
 
 class AdAutoMix(AutoMix):
-    """AdAutoMix (Qin et al. 2024): AutoMix with the authors' generator and an adversarial Mix Block.
+    """AdAutoMix (Qin et al. 2024): AutoMix with the authors' generator, mixes of several samples, and an
+    adversarial Mix Block.
 
     Each training forward is AutoMix's (:class:`~mixhook.AutoMix`): the momentum copy ``k`` gives
     ``features`` on the clean batch; the generator (:class:`AdaptiveMask`) makes the masks of two draws, the
-    Mix Block's (``lam_mb``, ``index_mb``: ``k`` runs on it, gradients into the generator) and the model's
-    (``lam``, ``index``: mask without gradient, plain mixup where lam is within ``lam_margin`` of 0 or 1);
+    Mix Block's (``k`` runs on it, gradients into the generator) and the model's (mask without gradient);
     the model trains on its mix and on the clean batch beside it. What differs:
 
-    - the generator: the two samples' shares from a softmax over their two logits (each from the
-      attention of its features with the other's), where AutoMix's Mix Block gives one logit and a sigmoid;
-    - the Mix Block's loss, on every ``adversarial_every``-th training forward (the first, the third, ...
-      with the authors' 2): ``-beta * l_mix(k) + (1 - beta) * cos``, where ``cos`` is the mean over the
-      batch of ``lam_mb * cos(k(mix), k(x)) + (1 - lam_mb) * cos(k(mix), k(x[index_mb]))``, the cosine
-      similarity of the copy's logits on the mix with its logits on the two samples (``k``'s whole clean
-      forward runs on those steps; ``k(x[index_mb])`` is ``k(x)``'s rows ``index_mb``: batch norm's
-      statistics do not change under a permutation); on the other forwards ``l_mix(k)`` as AutoMix's;
+    - **the generator**: each sample's share at each position from a softmax over the mixed samples'
+      logits, each from the attention of its features with the others' (AutoMix's Mix Block: one logit and
+      a sigmoid);
+    - **mixes of** ``mix_samples`` **samples** (3, the authors' default; ``random_samples``: 2 to
+      ``mix_samples``, drawn per forward, as their CUB configs): for three or more, ``N`` Beta(alpha,
+      alpha) draws normalised to sum to one weigh the samples' labels, and each draw (the Mix Block's, the
+      model's) mixes ``N`` random permutations of the batch (none of them the batch itself, as the
+      authors'), ``sum_i m_i * h[p_i]``; the model is plain mixup where the first weight is within
+      ``lam_margin`` of 0 or 1 (the authors' rule; ``margin_rule="openmixup"``: OpenMixup's port, whose
+      test reads ``lam_margin < 1 - lam_0``, true for nearly every draw: nearly always plain mixup); and it
+      trains on a third batch, the plain ``N``-way mixup ``sum_i lam_i * h[p_i]`` of the same partners,
+      which takes ``mixup_ratio`` of the clean loss's weight (the authors' third forward: its rows sit
+      between the clean rows and the mixed ones, ``3B`` rows, batch norm normalising the three apart). Two
+      samples: the sample and a partner, lam and ``1 - lam``, as AutoMix;
+    - **the Mix Block's loss**, on every ``adversarial_every``-th training forward (the first, the third,
+      ... with the authors' 2): ``-beta * l_mix(k) + (1 - beta) * cos``, where ``cos`` is the mean over the
+      batch of the label-weighted cosine similarity of ``k``'s logits on the mix with its logits on each
+      mixed sample (``k``'s whole clean forward runs on those steps, its rows permuted: batch norm's
+      statistics do not change under a permutation); on the other forwards ``l_mix(k)``, as AutoMix's;
     - no mask loss: the shares sum to one by construction.
 
-    :meth:`loss` is the authors' ``forward_train``: ``clean_weight * l(clean) + l_mix(model) + block_weight
-    * (the Mix Block's term)``; the forwards are counted (:attr:`iteration`, kept by ``state_dict``) so a
-    resumed run keeps the alternation. ``pin(adversarial=True)`` chooses a forward's term.
+    :meth:`loss` is the authors' ``forward_train``: ``clean_weight * ((1 - mixup_ratio) * l(clean) +
+    mixup_ratio * l_mix(plain mixup)) + l_mix(model) + block_weight * (the Mix Block's term)`` (on a
+    two-sample forward ``clean_weight * l(clean) + ...``, as theirs); the forwards are counted
+    (:attr:`iteration`, kept by ``state_dict``) so a resumed run keeps the alternation. ``pin(adversarial=
+    True)`` chooses a forward's term; ``pin(samples=3, lams=(...), block_indices=[...], mix_indices=[...])``
+    its draws. ``targets()`` is refused: the loss is no criterion of mixed targets. On a three-sample
+    forward ``last.lam`` and ``last.index`` are the first sample's label weight and rows; ``last.info``
+    holds them all (``co_lams``, ``mix_indices``).
 
     Where mixhook differs from the authors' code, and why: as AutoMix (one classifier for their two heads;
-    the clean rows beside the mixed ones in one forward, batch norm after the mix normalising the two
-    halves apart; ``k`` stops at ``features`` where its logits are not needed; the momentum update at the
-    first training forward after an optimizer step); and the three-sample mix (the authors' ``mix_samples=3``,
-    which also trains the model on a third forward of a plain three-way mixup) is not built: ``mix_samples``
-    is 2 (refused otherwise, in one line).
+    the clean rows, and the plain mixup's, beside the mixed ones in one forward, batch norm after the mix
+    normalising each group apart as their separate forwards do; ``k`` stops at ``features`` where its
+    logits are not needed; the momentum update at the first training forward after an optimizer step);
+    their clamping of an attention that overflows and their replacement of a NaN mask are not copied (a
+    non-finite loss is refused by the app in one line); without the clean rows (``clean_weight=0``) there is
+    no plain mixup batch (their code then fails).
 
     Args:
         layer, features, channels, momentum, end_momentum, momentum_scope, total_steps, lam_margin,
@@ -163,40 +181,51 @@ class AdAutoMix(AutoMix):
         beta: the Mix Block's mixed loss's weight in its adversarial term (the authors' ``beta_radio``, 0.3).
         adversarial_every: the adversarial term on one training forward of this many (2); 0: never (the
             Mix Block then minimises ``k``'s mixed loss, AutoMix's without its mask loss).
-        mix_samples: the samples in each mix; 2.
+        mix_samples: the samples in each mix, >= 2 (3); random_samples: draw 2 to ``mix_samples`` per
+            forward (the authors' ``is_random``).
+        mixup_ratio: the plain mixup batch's share of the clean loss's weight on forwards of three or more
+            samples (the authors' ``mixup_radio``, 0.5).
+        margin_rule: ``"authors"`` (JinXins/Adversarial-AutoMixup) or ``"openmixup"`` (its port), for the
+            ``lam_margin`` test of forwards of three or more samples.
     """
 
     card = Card(
         paper="Qin et al. 2024",
-        mixes="AutoMix with the authors' generator; every other step, mixes made hard for the copy",
+        mixes="AutoMix's learned masks over 3 samples; every other step, mixes made hard for the copy",
         where="as AutoMix",
         family="learned",
         signature=(
             'AdAutoMix(layer="input", features="layer3", alpha=1.0, beta=0.3, adversarial_every=2, '
-            "lam_margin=0.03, end_momentum=0.99999, ...)"
+            'mix_samples=3, mixup_ratio=0.5, lam_margin=0.03, margin_rule="authors", ...)'
         ),
-        hook="as AutoMix (+ the copy's whole clean forward on adversarial steps)",
+        hook="as AutoMix (`3B` rows after the mix; + the copy's whole clean forward on adversarial steps)",
         commands="`mixup=adautomix`",
         details=(
             "AutoMix's forward (a momentum copy `k` gives `features`; two draws, the Mix Block's and the "
             "model's; the model trains on its mix and the clean batch) with the authors' generator "
-            "(`AdaptiveMask`: each sample's logit from the attention of its features, lam concatenated, with "
-            "the other's keys; a softmax over the two gives the shares) and their Mix Block loss: on every "
-            "other training forward `-beta·l_mix(k) + (1-beta)·cos` (cos: the lam-weighted cosine similarity "
-            "of `k`'s logits on the mix with its logits on the two samples), on the others `l_mix(k)`; no "
-            "mask loss. Equal to the authors' `AdAutoMix.forward_train` (JinXins/Adversarial-AutoMixup) on "
-            "the same draws, loss and every gradient, both kinds of step. The authors' three-sample mix "
-            "(`mix_samples=3`, with its third forward of a plain three-way mixup) is not built: refused in "
-            "one line. OpenMixup's port differs from the authors' code on that path (its `lam_margin` "
-            "test reads `< 1 - lam` where theirs reads `> 1 - lam`, so its three-sample model nearly always "
-            "trains on plain mixup); with two samples the two agree"
+            "(`AdaptiveMask`: each sample's logit from the attention of its features, lam concatenated, with"
+            " the others' keys; a softmax over the samples gives the shares), mixes of three samples (three "
+            "random permutations, Beta draws normalised to one; the model also trains on their plain "
+            "three-way mixup, `mixup_ratio` of the clean loss's weight, as the authors' third forward) and "
+            "their Mix Block loss: on every other training forward `-beta·l_mix(k) + (1-beta)·cos` (cos: the"
+            " label-weighted cosine similarity of `k`'s logits on the mix with its logits on each sample), "
+            "on the others `l_mix(k)`; no mask loss. Equal to the authors' `AdAutoMix.forward_train` "
+            "(JinXins/Adversarial-AutoMixup) on the same draws, loss and every gradient and batch norm's "
+            "running statistics, two and three samples, both kinds of step. OpenMixup's port differs on the "
+            "three-sample path: its `lam_margin` test reads `< 1 - lam` where the authors' reads `> 1 - "
+            'lam`, so its model nearly always trains on plain mixup there (`margin_rule="openmixup"`)'
         ),
         example={"layer": "input", "features": "conv1"},
-        drawn={"features": "features", "note": "\n(the generator as initialised)"},
+        drawn={
+            "features": "features",
+            "mix_samples": 2,
+            "note": "\n(the generator as initialised, two samples)",
+        },  # fmt: skip
     )
 
-    pin_keys = ("lam_mb", "index_mb", "adversarial")
+    pin_keys = ("lam_mb", "index_mb", "adversarial", "samples", "lams", "block_indices", "mix_indices")
     block_type = AdaptiveMask
+    MARGIN_RULES = ("authors", "openmixup")
 
     def __init__(
         self,
@@ -206,12 +235,15 @@ class AdAutoMix(AutoMix):
         alpha: float = 1.0,
         beta: float = 0.3,
         adversarial_every: int = 2,
-        mix_samples: int = 2,
+        mix_samples: int = 3,
+        random_samples: bool = False,
+        mixup_ratio: float = 0.5,
         momentum: float = 0.999,
         end_momentum: float = 0.99999,
         momentum_scope: tuple[float, float] = (0.1, 1.0),
         total_steps: int | None = None,
         lam_margin: float = 0.03,
+        margin_rule: str = "authors",
         clean_weight: float = 1.0,
         block_weight: float = 1.0,
         reduction: int = 2,
@@ -225,14 +257,18 @@ class AdAutoMix(AutoMix):
         feature_tokens: tuple[int, int] | str | None = None,
     ):
         kind = type(self).__name__
-        if mix_samples != 2 or isinstance(mix_samples, bool):
+        for name, value, least in (
+            ("mix_samples", mix_samples, 2),
+            ("adversarial_every", adversarial_every, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{kind}: {name} must be an integer >= {least}, got {value!r}")
+        if margin_rule not in self.MARGIN_RULES:
             raise ValueError(
-                f"{kind}: mix_samples must be 2, got {mix_samples!r} (the authors' three-sample mix, with "
-                "its third forward of a plain three-way mixup, is not built)"
+                f"{kind}: margin_rule must be one of {', '.join(self.MARGIN_RULES)}, got {margin_rule!r}"
             )
-        every = adversarial_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"{kind}: adversarial_every must be an integer >= 0, got {adversarial_every!r}")
+        if not isinstance(random_samples, bool):
+            raise ValueError(f"{kind}: random_samples must be True or False, got {random_samples!r}")
         super().__init__(
             layer, features, channels, alpha, momentum, end_momentum, momentum_scope, total_steps,
             mask_loss=0.0, lam_margin=lam_margin, clean_weight=clean_weight, block_weight=block_weight,
@@ -240,36 +276,149 @@ class AdAutoMix(AutoMix):
             generator=generator, batch_dim=batch_dim, padding=padding, layout=layout,
             feature_tokens=feature_tokens,
         )  # fmt: skip
-        self.beta = check_fraction("beta", beta)
-        self.adversarial_every, self.mix_samples = adversarial_every, mix_samples
+        self.beta, self.mixup_ratio = check_fraction("beta", beta), check_fraction("mixup_ratio", mixup_ratio)
+        self.adversarial_every, self.mix_samples, self.random_samples = (
+            adversarial_every,
+            mix_samples,
+            random_samples,
+        )
+        self.margin_rule = margin_rule
         self.iteration = 0  # the training forwards counted so far (the authors' self.iter)
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", beta={self.beta}, adversarial_every={self.adversarial_every})"
+        return (
+            super().__repr__()[:-1] + f", beta={self.beta}, adversarial_every={self.adversarial_every}, "
+            f"mix_samples={self.mix_samples}{', random_samples=True' if self.random_samples else ''})"
+        )
 
-    # ------------------------------------------------------------------- the copy's pass, the turn
+    # ------------------------------------------------------------- the copy's pass, the turn, the draws
 
     def copy_pass(self, k: nn.Module, args: tuple, kwargs: dict, pinned: Mapping) -> tuple:
-        """The features, and whether this forward's Mix Block term is adversarial (pinned, or this forward's
-        turn: the authors' ``iter % 2 == 0``); on an adversarial forward ``k``'s whole clean forward runs
-        and its logits are kept (the cosine term's)."""
+        """The features; whether this forward's Mix Block term is adversarial (pinned, or this forward's
+        turn: the authors' ``iter % 2 == 0``), on which ``k``'s whole clean forward runs and its logits are
+        kept (the cosine term's); and the samples this forward mixes (pinned, or drawn)."""
         adversarial = pinned.get("adversarial")
         if adversarial is None:
             every = self.adversarial_every
             adversarial = bool(every) and self.iteration % every == 0
             self.iteration += 1
-        adversarial = bool(adversarial)
+        adversarial, g = bool(adversarial), self.generator
+        samples = pinned.get("samples")
+        if samples is None and pinned.get("lams") is not None:
+            samples = len(pinned["lams"])
+        if samples is None:  # (the authors' random.randint(2, mix_samples) where random)
+            spread = self.mix_samples - 2 if self.random_samples else 0
+            draw = int(torch.randint(spread + 1, (), generator=g, device=g.device)) if spread else 0
+            samples = (2 + draw) if self.random_samples else self.mix_samples
         features, out = self._features(k, args, kwargs, whole=adversarial)
         clean = self._logits_of(out, "the cosine term") if adversarial else None
-        return features, {"adversarial": adversarial, "k_clean": clean}
+        return features, {"adversarial": adversarial, "k_clean": clean, "samples": int(samples)}
+
+    def block_draws(self, n: int, g: torch.Generator, pinned: Mapping) -> dict:
+        """Two samples: AutoMix's draws. Three or more: the ``N`` Beta draws (``lams``) and their
+        normalisation (``co_lams``), ``N`` permutations for the Mix Block's mix and ``N`` for the model's."""
+        samples = pinned["samples"]
+        if samples == 2:
+            return {**super().block_draws(n, g, pinned), "samples": 2}
+        raw = pinned.get("lams")
+        raw = tuple(float(sample_lam(self.alpha, g)) for _ in range(samples)) if raw is None else tuple(raw)
+        total = sum(raw)
+        co = tuple(lam / total for lam in raw)
+        drawn = {}
+        for key in ("block_indices", "mix_indices"):
+            given = pinned.get(key)
+            drawn[key] = (
+                [self.draw_index(n, g) for _ in range(samples)]
+                if given is None
+                else [torch.as_tensor(p) for p in given]
+            )
+        if len(raw) != samples or any(len(drawn[key]) != samples for key in drawn):
+            raise ValueError(
+                f"{type(self).__name__}: pinned lams and indices must have one entry per sample ({samples})"
+            )
+        return {
+            "samples": samples, "lams": raw, "co_lams": co, **drawn,
+            "lam_mb": co[0], "index_mb": drawn["block_indices"][0],
+        }  # fmt: skip
+
+    def block_mix(self, h: torch.Tensor, features, drawn: Mapping, choices) -> tuple:
+        if drawn["samples"] == 2:
+            return super().block_mix(h, features, drawn, choices)
+        shares = self._shares(features, drawn["block_indices"], drawn["co_lams"], h.shape[-2:], choices[0])
+        return _weighed(
+            h, drawn["block_indices"], [shares[:, i : i + 1] for i in range(shares.shape[1])]
+        ), shares
+
+    def _shares(self, features, indices, lams, size, mode) -> torch.Tensor:
+        maps = [features[to_device(p, features.device)] for p in indices]
+        return self.mix_block.shares(maps, lams, size, mode)
+
+    # ------------------------------------------------------------------------------ the model's mix
 
     def mix(self, leaves, draw: Draw) -> Mixed:
-        mixed = super().mix(leaves, draw)
-        mixed.info["adversarial"] = draw.pinned["adversarial"]
-        mixed.info["k_clean"] = draw.pinned["k_clean"]
+        pinned = draw.pinned
+        if pinned["samples"] == 2:
+            mixed = super().mix(leaves, draw)
+        else:
+            h, co, indices = leaves[0].tensor, pinned["co_lams"], pinned["mix_indices"]
+            with torch.no_grad():
+                mode = self._choices(draw.generator)[0]
+                shares = self._shares(pinned["features"], indices, co, h.shape[-2:], mode)
+            plain = self.lam_margin >= co[0] or (
+                self.lam_margin > 1 - co[0] if self.margin_rule == "authors" else self.lam_margin < 1 - co[0]
+            )
+            if plain:  # (the model's mix is plain mixup)
+                shares = torch.stack([torch.full_like(shares[:, 0], lam) for lam in co], 1)
+            parts = [shares[:, i : i + 1] for i in range(len(co))]
+            path = leaves[0].path
+            before = {path: _weighed(h, indices, co)} if self.clean else None
+            logits, mask, _ = pinned["mb"]
+            info = {
+                "mask": shares, "block": (logits, mask, co[0], pinned["block_indices"][0]), "co_lams": co,
+                "block_indices": pinned["block_indices"], "mix_indices": indices,
+            }  # fmt: skip
+            mixed = Mixed(
+                {path: _weighed(h, indices, parts)}, lam=co[0], info=info, index=indices[0], before=before
+            )
+        mixed.info.update(
+            adversarial=pinned["adversarial"], k_clean=pinned["k_clean"], samples=pinned["samples"]
+        )
         return mixed
 
     # ------------------------------------------------------------------------------------ the loss
+
+    def clean_loss(self, criterion: Callable, clean, mixed, target, last: MixState) -> torch.Tensor:
+        """Three or more samples: ``clean_weight * ((1 - mixup_ratio) * l(clean) + mixup_ratio * l_mix(plain
+        mixup))`` and the mixed loss (the rows after the clean ones: the plain mixup's, then the mask
+        mix's); two: AutoMix's."""
+        if last.groups != 2:
+            return super().clean_loss(criterion, clean, mixed, target, last)
+        n, r = clean.shape[0], self.mixup_ratio
+        plain = self._labels_weighed(
+            criterion, mixed[:n], target, last.info["mix_indices"], last.info["co_lams"]
+        )
+        one = (1 - r) * criterion(clean, target) + r * plain
+        return self.clean_weight * one + self.mixed_loss(criterion, mixed[n:], target, last)
+
+    def mixed_loss(self, criterion, logits, target, last: MixState, own_terms: bool = True) -> torch.Tensor:
+        """Three or more samples: ``sum_i lam_i * l(logits, y[p_i])`` over the model's permutations (and,
+        with ``own_terms``, the Mix Block's term); two: AutoMix's. (``weigh`` gives it the rows after the
+        clean ones: on a forward with the plain mixup's rows, both groups' values.)"""
+        if last.info["samples"] == 2:
+            return super().mixed_loss(criterion, logits, target, last, own_terms)
+        if self._policies is not None and self._policies.on_loss:
+            raise ValueError(
+                f"loss(): {type(self).__name__} mixes {last.info['samples']} samples, which a loss policy's "
+                "two-label weights cannot describe; use mix_samples=2 with it"
+            )
+        weighed = self._labels_weighed
+        indices, co, n = last.info["mix_indices"], last.info["co_lams"], target.shape[0]
+        if not own_terms and last.groups == 2 and logits.shape[0] == 2 * n:  # (weigh: both groups)
+            return torch.cat(
+                [weighed(criterion, rows, target, indices, co) for rows in (logits[:n], logits[n:])]
+            )
+        loss = weighed(criterion, logits, target, indices, co)
+        return loss + self.block_loss(criterion, target, last) if own_terms else loss
 
     def block_loss(self, criterion: Callable, target: torch.Tensor, last: MixState) -> torch.Tensor | float:
         """The Mix Block's term: ``block_weight * (-beta * l_mix(k) + (1 - beta) * cos)`` on an adversarial
@@ -278,15 +427,40 @@ class AdAutoMix(AutoMix):
         if self.block_weight == 0:
             return 0.0
         block_logits, _, lam_mb, index_mb = last.info["block"]
-        loss = self.copy_mixed_loss(criterion, block_logits, target, lam_mb, index_mb)
+        if last.info["samples"] == 2:
+            indices, lams = [torch.arange(target.shape[0]), index_mb], [lam_mb, 1 - lam_mb]
+            loss = self.copy_mixed_loss(criterion, block_logits, target, lam_mb, index_mb)
+        else:
+            indices, lams = last.info["block_indices"], last.info["co_lams"]
+            loss = self._labels_weighed(criterion, block_logits, target, indices, lams)
         if last.info["adversarial"]:
             clean = last.info["k_clean"]
-            partners = clean[to_device(index_mb, clean.device)]
-            cos = lam_mb * F.cosine_similarity(block_logits, clean, dim=-1) + (1 - lam_mb) * (
-                F.cosine_similarity(block_logits, partners, dim=-1)
-            )
+            cos = None
+            for p, lam in zip(indices, lams, strict=True):
+                term = F.cosine_similarity(block_logits, clean[to_device(p, clean.device)], dim=-1) * lam
+                cos = term if cos is None else cos + term
             loss = -self.beta * loss + (1 - self.beta) * (cos if loss.ndim else cos.mean())
         return self.block_weight * loss
+
+    @staticmethod
+    def _labels_weighed(criterion: Callable, logits, target, indices, lams) -> torch.Tensor:
+        """``sum_i lams[i] * criterion(logits, target[indices[i]])`` (the authors' ``co_loss``)."""
+        loss = None
+        for p, lam in zip(indices, lams, strict=True):
+            term = criterion(logits, target[to_device(p, target.device)]) * lam
+            loss = term if loss is None else loss + term
+        return loss
+
+    def targets(self, *args, **kwargs):
+        """Refused: AdAutoMix's loss is no criterion of mixed targets (its Mix Block's term, and mixes of
+        several samples); train with :meth:`loss`."""
+        raise ValueError(f"targets(): {type(self).__name__} {self.targets_refused()}; train with its loss()")
+
+    def targets_refused(self) -> str:
+        return (
+            "trains its Mix Block by a loss of its own beside the model's, and mixes several samples' "
+            "labels, which mixed targets of two cannot carry"
+        )
 
     # ---------------------------------------------------------------------------------- the state
 
@@ -297,3 +471,12 @@ class AdAutoMix(AutoMix):
     def load_state_dict(self, state: Mapping) -> None:
         self.iteration = int(state.get("iteration", 0))
         super().load_state_dict(state)
+
+
+def _weighed(h: torch.Tensor, indices: Sequence[torch.Tensor], weights: Sequence) -> torch.Tensor:
+    """``sum_i h[indices[i]] * weights[i]`` in the authors' order, in ``h``'s dtype."""
+    out = None
+    for p, w in zip(indices, weights, strict=True):
+        term = h[to_device(p, h.device)] * w
+        out = term if out is None else out + term
+    return out.to(h.dtype)

@@ -421,17 +421,28 @@ class AutoMix(Mixer):
         k = self.copy.follow(model, self.mix_block)
         self._step_if_stepped(model)
         features, extras = self.copy_pass(k, args, kwargs, pinned)
-        n, g = features.shape[0], self.generator
+        drawn = self.block_draws(features.shape[0], self.generator, {**pinned, **extras})
+        choices = self._choices(self.generator)
+        logits, mask = self._block_forward(k, args, kwargs, spec, features, drawn, choices)
+        return {**drawn, "features": features, "mb": (logits, mask, choices), **extras}
+
+    def block_draws(self, n: int, g: torch.Generator, pinned: Mapping) -> dict:
+        """The Mix Block's own mix's draws for a batch of ``n`` (pinned, or drawn from ``g``), by name:
+        ``lam_mb`` and ``index_mb`` (an extension point: AdAutoMix's three-sample mix draws more)."""
         lam_mb = pinned.get("lam_mb")
         lam_mb = float(sample_lam(self.alpha, g) if lam_mb is None else lam_mb)
         index_mb = pinned.get("index_mb")
         index_mb = self.draw_index(n, g) if index_mb is None else torch.as_tensor(index_mb)
-        choices = self._choices(g)
-        logits, mask = self._block_forward(k, args, kwargs, spec, features, lam_mb, index_mb, choices)
-        return {
-            "lam_mb": lam_mb, "index_mb": index_mb, "features": features, "mb": (logits, mask, choices),
-            **extras,
-        }  # fmt: skip
+        return {"lam_mb": lam_mb, "index_mb": index_mb}
+
+    def block_mix(self, h: torch.Tensor, features, drawn: Mapping, choices) -> tuple:
+        """The Mix Block's mix of the ``(B, C, H, W)`` map ``h`` for its draws ``drawn`` (gradients into the
+        mask), and its mask: ``h (1 - m) + h[index_mb] m`` and ``m`` (an extension point)."""
+        index = drawn["index_mb"]
+        m = self.mix_block(
+            features, drawn["lam_mb"], to_device(index, features.device), h.shape[-2:], *choices
+        )
+        return _blend(h, 1 - m, m, to_device(index, h.device)), m
 
     def copy_pass(self, k: nn.Module, args: tuple, kwargs: dict, pinned: Mapping) -> tuple:
         """The momentum copy's pass on the clean batch: its ``features`` (:meth:`_features`), and what a
@@ -499,9 +510,9 @@ class AutoMix(Mixer):
         lam_k = ks[int(torch.randint(len(ks), (), generator=g, device=g.device))] if len(ks) > 1 else ks[0]
         return mode, lam_k
 
-    def _block_forward(self, k, args, kwargs, spec, features, lam, index, choices):
-        """``k``'s logits on the batch mixed at ``spec`` by the Mix Block's mask for ``lam`` and ``index``
-        (gradients flow into the mask only), and that mask."""
+    def _block_forward(self, k, args, kwargs, spec, features, drawn, choices):
+        """``k``'s logits on the batch mixed at ``spec`` by the Mix Block's mix for its draws ``drawn``
+        (:meth:`block_mix`: gradients flow into the mask only), and that mask."""
         made = []
 
         def mixed(h: torch.Tensor) -> torch.Tensor:
@@ -509,9 +520,8 @@ class AutoMix(Mixer):
                 self._refuse_map(spec, h)
             layout = self._site_leaves.layouts[spec, 4].of(type(self).__name__, spec)
             h = channels_first(h, layout)  # (as the model's mix is given its map: mixhook.layouts)
-            m = self.mix_block(features, lam, to_device(index, features.device), h.shape[-2:], *choices)
+            out, m = self.block_mix(h, features, drawn, choices)
             made.append(m)
-            out = _blend(h, 1 - m, m, to_device(index, h.device))
             return out if layout == NCHW else channels_last(out)
 
         site = self.sites[spec]

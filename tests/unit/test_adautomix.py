@@ -68,8 +68,54 @@ class TheirAdaptiveMask(nn.Module):
         mask = torch.cat([mask_lam, mask_lam_], dim=1)
         return mask
 
+    def co_caculate_attention(self, feature_map):
+        b, c, w, h = feature_map[0].size()
+        q = []
+        k = []
+        attn = []
+        for i in range(0, len(feature_map)):
+            q.append(self.conv_q(feature_map[i]).view(b, self.inter_channels, -1).permute(0, 2, 1))
+            k.append(self.conv_k(feature_map[i]).view(b, self.inter_channels, -1))
+        for i in range(0, len(q)):
+            b, c, p = k[0].size()
+            co_attn = torch.zeros(b, p, p).to(feature_map[0])  # (theirs: .cuda(), float32)
+            for j in range(0, len(k)):
+                if i != j:
+                    co_attn += torch.matmul(q[i], k[j])
+            if self.use_scale:
+                co_attn /= self.inter_channels**0.5
+            co_attn = co_attn.softmax(dim=-1)
+            attn.append(co_attn)
+        return attn
+
+    def co_mix(self, feature_map, lam):
+        b, c, w, h = feature_map[0].size()
+        if self.lam_concat:
+            for i in range(0, len(feature_map)):
+                lam_block = torch.zeros([b, 1, h, w]).to(feature_map[i])
+                lam_block[:] = lam[i]
+                feature_map[i] = torch.cat([feature_map[i], lam_block], dim=1)
+        v = []
+        for i in range(0, len(feature_map)):
+            v.append(feature_map[i])
+            v[i] = self.conv_v(v[i]).view(b, 1, -1).permute(0, 2, 1)
+        attn = self.co_caculate_attention(feature_map)
+        mask_zero = torch.matmul(attn[0], v[0]).view(b, 1, h, w)
+        mask_list = [mask_zero]
+        for i in range(1, len(v)):
+            mask_lam = torch.matmul(attn[i], v[i]).view(b, 1, h, w)
+            mask_list.append(mask_lam)
+            if i == 1:
+                mask = torch.cat([mask_zero, mask_list[i]], dim=1)
+            else:
+                mask = torch.cat([mask, mask_list[i]], dim=1)
+        return mask
+
     def forward(self, f_maps, lam):
-        mask = self.normal_mix(f_maps[0], f_maps[1], lam)
+        if len(f_maps) == 2:
+            mask = self.normal_mix(f_maps[0], f_maps[1], lam)
+        else:
+            mask = self.co_mix(list(f_maps), lam)
         mask = F.interpolate(mask, scale_factor=self.scale_factor, mode=self.upsample_mode)
         return {"mask": mask.softmax(dim=1)}
 
@@ -116,6 +162,59 @@ def their_step(q, k, block, img, gt_label, lam, index_mb, index_bb, it, lam_marg
     return loss + loss_mix_k, mask_mb, img_mix_bb
 
 
+def co_loss(pred, y, indices, lam):
+    """ClsMixupHead.co_loss (CE): ``criterion(score, y[0]) * lam[0] + ...``."""
+    loss = F.cross_entropy(pred, y[indices[0]]) * lam[0]
+    for i in range(1, len(indices)):
+        loss += F.cross_entropy(pred, y[indices[i]]) * lam[i]
+    return loss
+
+
+def their_co_step(q, k, block, img, gt_label, lam, index_mb, index_bb, it, lam_margin=0.03, rule="authors",
+                  mixup_radio=0.5, beta_radio=0.3):  # fmt: skip
+    """forward_train's co_mix > 2 path (``lam``: the Beta draws, normalised here as theirs): the loss."""
+    co_lam = [lam[i] / sum(lam) for i in range(len(lam))]
+    feature = k.features(img)
+    b, c, w, h = img.size()
+    # co_mixup
+    mb = [feature[index_mb[i], :] for i in range(len(index_mb))]
+    bb = [feature[index_bb[i], :] for i in range(len(index_bb))]
+    mask_mb = block(mb, co_lam)["mask"]
+    mask_bb = block(bb, co_lam)["mask"].clone().detach()
+    if lam_margin >= co_lam[0] or (
+        lam_margin > 1 - co_lam[0] if rule == "authors" else lam_margin < 1 - co_lam[0]
+    ):  # (the authors' line; OpenMixup's port: `self.lam_margin < 1 - lam[0]`)
+        mask_bb[:, 0, :, :] = co_lam[0]
+        mask_bb[:, 1, :, :] = co_lam[1]
+        mask_bb[:, 2, :, :] = co_lam[2]
+    img_mix_mb = torch.zeros([b, c, w, h]).to(img)
+    img_mix_bb = torch.zeros([b, c, w, h]).to(img)
+    for i in range(0, len(co_lam)):
+        img_mix_mb += img[index_mb[i], :] * mask_mb[:, i, :, :].unsqueeze(1)
+        img_mix_bb += img[index_bb[i], :] * mask_bb[:, i, :, :].unsqueeze(1)
+    # forward_k
+    pred_mix_k = k(img_mix_mb)
+    loss_mix_k = co_loss(pred_mix_k, gt_label, index_mb, co_lam)
+    simi = torch.nn.CosineSimilarity(dim=-1)
+    pred = [k(img[index_mb[i], :]) for i in range(len(co_lam))]
+    cos_simi_weight = 0.0
+    for i in range(0, len(co_lam)):
+        cos_simi_weight += simi(pred_mix_k, pred[i]) * co_lam[i]
+    cos_simi_weight = torch.mean(cos_simi_weight)
+    # forward_q
+    loss_one_q = F.cross_entropy(q(img), gt_label)
+    co_mixed_x = img[index_bb[0],] * co_lam[0]
+    for i in range(1, len(co_lam)):
+        co_mixed_x += img[index_bb[i],] * co_lam[i]
+    loss_co_mix_q = co_loss(q(co_mixed_x), gt_label, index_bb, co_lam)
+    loss_re_q = loss_one_q * (1 - mixup_radio) + loss_co_mix_q * mixup_radio
+    loss_mix_q = co_loss(q(img_mix_bb), gt_label, index_bb, co_lam)
+    loss = loss_mix_q + loss_re_q
+    if it % 2 == 0:
+        loss_mix_k = (-1.0) * beta_radio * loss_mix_k + (1 - beta_radio) * cos_simi_weight
+    return loss + loss_mix_k, mask_mb, img_mix_bb
+
+
 # ------------------------------------------------------------------------------------------- tests
 
 
@@ -155,7 +254,7 @@ def test_one_training_step_equals_the_authors_loss_and_gradients(lam_bb, norm, a
     the model's two forwards."""
     torch.manual_seed(1)
     model = Net(norm=norm).double()
-    mix = AdAutoMix("input", "layer3")
+    mix = AdAutoMix("input", "layer3", mix_samples=2)
     img, y = batch()
     index_mb, index_bb = torch.tensor([5, 3, 0, 1, 2, 4]), torch.tensor([1, 2, 3, 4, 5, 0])
     with mix.attach(model):
@@ -188,6 +287,95 @@ def test_one_training_step_equals_the_authors_loss_and_gradients(lam_bb, norm, a
     torch.testing.assert_close(mix.last.info["block"][1], mask_mb[:, 1:], rtol=1e-12, atol=1e-14)
     own = mix.last.weights[:, None]
     torch.testing.assert_close(own * img + (1 - own) * img[index_bb], mixed_bb, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("lams", "rule", "norm", "adversarial"),
+    [
+        ((0.5, 0.3, 0.9), "authors", "group", True),
+        ((0.5, 0.3, 0.9), "authors", "group", False),
+        ((0.5, 0.3, 0.9), "authors", "batch", True),
+        ((0.5, 0.3, 0.9), "openmixup", "group", True),  # (its test: plain mixup for the model)
+        ((0.02, 0.6, 0.7), "authors", "group", False),  # (the first weight within lam_margin: plain)
+    ],
+)
+def test_a_three_sample_step_equals_the_authors_loss_and_gradients(lams, rule, norm, adversarial):
+    """The authors' default, three samples (their co_mix path, copied above): the loss, the model's and the
+    generator's gradients, the generator's shares, the model's mix and, with batch norm, the running
+    statistics of the model's three forwards (clean, plain three-way mixup, mask mix: one forward of
+    ``3B`` rows here, normalised apart)."""
+    torch.manual_seed(4)
+    model = Net(norm=norm).double()
+    mix = AdAutoMix("input", "layer3", margin_rule=rule)
+    img, y = batch()
+    g = torch.Generator().manual_seed(8)
+    block_indices = [torch.randperm(6, generator=g) for _ in range(3)]
+    mix_indices = [torch.randperm(6, generator=g) for _ in range(3)]
+    with mix.attach(model):
+        block = mix.mix_block.double()
+        for p in block.parameters():
+            p.data.normal_(0, 0.2)
+        q_ref, k_ref = copy.deepcopy(model), copy.deepcopy(mix.momentum_model).double()
+        block_ref = theirs_of(block)
+        mix.momentum_model.double()
+        mix.pin(lams=lams, block_indices=block_indices, mix_indices=mix_indices, adversarial=adversarial)
+        logits = model(img)
+        loss = mix.loss(F.cross_entropy, logits, y)
+        loss.backward()
+    expected, mask_mb, mixed_bb = their_co_step(
+        q_ref, k_ref, block_ref, img, y, lams, block_indices, mix_indices, 0 if adversarial else 1, rule=rule
+    )
+    expected.backward()
+    assert logits.shape == (18, 5) and mix.last.groups == 2  # clean, plain mixup, mask mix
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
+    for (name, p), r in zip(model.named_parameters(), q_ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-10, atol=1e-13, msg=name)
+    grads = [(name, p.grad) for name, p in block.named_parameters()]
+    refs = [block_ref.conv_q[0], block_ref.conv_k[0], block_ref.conv_v]
+    for (name, grad), r in zip(grads, [p.grad for m in refs for p in m.parameters()], strict=True):
+        torch.testing.assert_close(grad, r, rtol=1e-10, atol=1e-13, msg=name)
+    assert any(float(grad.abs().max()) > 0 for _, grad in grads)
+    for (name, b), r in zip(model.named_buffers(), q_ref.buffers(), strict=True):
+        torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-14, msg=name)  # (three forwards')
+    torch.testing.assert_close(mix.last.info["block"][1], mask_mb, rtol=1e-12, atol=1e-14)
+    shares = mix.last.info["mask"]
+    ours = sum(shares[:, i : i + 1] * img[mix_indices[i]] for i in range(3))
+    torch.testing.assert_close(ours, mixed_bb, rtol=1e-12, atol=1e-14)
+    plain = rule == "openmixup" or lams[0] / sum(lams) <= 0.03
+    assert (float(shares.std(dim=(2, 3)).max()) == 0) == plain  # (constant shares: plain mixup)
+    with pytest.raises(
+        ValueError, match="targets\\(\\): AdAutoMix trains its Mix Block by a loss of its own"
+    ):
+        mix.targets(y, 5, logits=logits)
+
+
+def test_random_samples_draws_two_or_three_and_every_draw_repeats():
+    """``random_samples`` (the authors' ``is_random``): each forward mixes 2 or 3 samples, drawn from the
+    mixer's generator, so two runs from one seed mix alike, and a forward of two mixes 2B rows after the
+    clean ones' B, one of three 3B."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        model = Net().double()
+        mix = AdAutoMix("input", "layer3", random_samples=True, generator=torch.Generator().manual_seed(9))
+        img, y = batch()
+        seen = []
+        with mix.attach(model):
+            mix.momentum_model.double()
+            mix.mix_block.double()
+            for _ in range(8):
+                logits = model(img)
+                seen.append(
+                    (
+                        mix.last.info["samples"],
+                        logits.shape[0],
+                        float(mix.loss(F.cross_entropy, logits, y).detach()),
+                    )
+                )
+        runs.append(seen)
+    assert runs[0] == runs[1]
+    assert {s for s, _, _ in runs[0]} == {2, 3}
+    assert all(rows == 6 * (1 + (2 if s == 3 else 1)) for s, rows, _ in runs[0])
 
 
 def test_the_turns_alternate_from_the_first_forward_and_resume_where_they_were():
@@ -226,8 +414,12 @@ def test_the_turns_alternate_from_the_first_forward_and_resume_where_they_were()
 
 
 def test_bad_input_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="mix_samples must be 2, got 3 .*three-sample mix"):
-        AdAutoMix("input", "layer3", mix_samples=3)
+    with pytest.raises(ValueError, match="mix_samples must be an integer >= 2, got 1"):
+        AdAutoMix("input", "layer3", mix_samples=1)
+    with pytest.raises(ValueError, match="margin_rule must be one of authors, openmixup, got 'timm'"):
+        AdAutoMix("input", "layer3", margin_rule="timm")
+    with pytest.raises(ValueError, match="mixup_ratio must be in"):
+        AdAutoMix("input", "layer3", mixup_ratio=2.0)
     with pytest.raises(ValueError, match="beta must be in"):
         AdAutoMix("input", "layer3", beta=1.5)
     with pytest.raises(ValueError, match="adversarial_every must be an integer >= 0, got -1"):
@@ -238,12 +430,13 @@ def test_bad_input_is_refused_in_one_line():
         AdaptiveMask(0)
 
 
-def test_a_per_sample_criterion_gives_the_losses_whose_mean_is_the_loss():
+@pytest.mark.parametrize("samples", [2, 3])
+def test_a_per_sample_criterion_gives_the_losses_whose_mean_is_the_loss(samples):
     """With ``reduction="none"`` the cosine term is per sample too: the mean of the per-sample losses is
     the loss of the mean criterion, on an adversarial forward and on the other kind."""
     torch.manual_seed(3)
     model = Net().double()
-    mix = AdAutoMix("input", "layer3")
+    mix = AdAutoMix("input", "layer3", mix_samples=samples)
     img, y = batch()
     with mix.attach(model):
         mix.momentum_model.double()
@@ -259,9 +452,11 @@ def test_a_per_sample_criterion_gives_the_losses_whose_mean_is_the_loss():
 
 
 @pytest.mark.parametrize("adversarial", [True, False])
-def test_a_mix_inside_activation_checkpointing_has_the_unchecked_gradients(adversarial):
-    """The mixed layer and the layer after it recomputed in backward (batch norm: the clean and the mixed
-    rows normalised apart): the gradients of the forward without checkpoints, on both kinds of step."""
+@pytest.mark.parametrize("samples", [2, 3])
+def test_a_mix_inside_activation_checkpointing_has_the_unchecked_gradients(adversarial, samples):
+    """The mixed layer and the layer after it recomputed in backward (batch norm: the clean rows, the
+    plain mixup's with three samples, and the mixed ones normalised apart): the gradients of the forward
+    without checkpoints, on both kinds of step."""
     from torch.utils.checkpoint import checkpoint
 
     class Checked(Net):
@@ -275,7 +470,7 @@ def test_a_mix_inside_activation_checkpointing_has_the_unchecked_gradients(adver
     for cls in (Net, Checked):
         torch.manual_seed(6)
         model = cls(norm="batch").double()
-        mix = AdAutoMix("layer2", "layer1", generator=torch.Generator().manual_seed(2))
+        mix = AdAutoMix("layer2", "layer1", mix_samples=samples, generator=torch.Generator().manual_seed(2))
         img, y = batch()
         with mix.attach(model):
             mix.mix_block.double()

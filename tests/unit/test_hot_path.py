@@ -375,15 +375,17 @@ def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
 # that lowers a count lowers its pin, and one that raises it must say why here. (Each method +1 on
 # 2026-11-28: a repeat's generator state or early draw is made in one place, MixerHooks._repeatable, which
 # the traced path shares, instead of an inline copy of it. AutoMix and SAMix +4 on 2026-11-28: the
-# extension points AdAutoMix is built on, copy_pass, block_loss, copy_mixed_loss and _logits_of, each one
-# call per step.)
+# extension points AdAutoMix is built on, copy_pass, block_draws, block_mix, block_loss, copy_mixed_loss
+# and _logits_of, each one call per step. AdAutoMix at its default three samples: each of its two draws'
+# three permutations moved to the device and indexed, its three labels' losses and cosine terms, one call
+# each.)
 PINNED = {
     "ManifoldMixup": (23, 7), "NoisyFeatureMixup": (42, 8), "CutMix": (27, 6), "OneOf": (44, 10),
     "FMix": (27, 7), "GridMix": (27, 8), "SmoothMix": (28, 7), "ResizeMix": (30, 9), "TokenMix": (58, 8),
     "PatchUp": (28, 7), "SaliencyMix": (105, 17), "AttentiveCutMix": (57, 12), "PuzzleMix": (139, 16),
     "SnapMix": (71, 15), "SpecMix": (38, 8), "AlignMix": (34, 7), "CatchUpMix": (27, 9), "RegMixup": (27, 6),
     "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (59, 11), "MixPro": (60, 11),
-    "AutoMix": (77, 13), "SAMix": (83, 13), "AdAutoMix": (97, 13), "Balanced-MixUp": (60, 12),
+    "AutoMix": (79, 13), "SAMix": (85, 13), "AdAutoMix": (170, 14), "Balanced-MixUp": (60, 12),
     "Remix": (51, 8),
     "DecoupledLoss": (51, 8), "KernelWarping": (57, 8), "LocalWeights": (52, 8), "SaliencyPairing": (98, 16),
     "ManifoldMixup (input)": (20, 5), "ManifoldMixup (conv1)": (20, 5), "CutMix (conv1)": (27, 6),

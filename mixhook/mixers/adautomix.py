@@ -173,11 +173,15 @@ class AdAutoMix(AutoMix):
     non-finite loss is refused by the app in one line); without the clean rows (``clean_weight=0``) there is
     no plain mixup batch (their code then fails).
 
+    The other arguments are :class:`~mixhook.AutoMix`'s (``layer``, ``features``, ``channels``,
+    ``momentum``, ``end_momentum``, ``momentum_scope``, ``total_steps``, ``clean_weight``, ``block_weight``,
+    ``reduction``, ``upsampling``, ``block_lr``, ``block_momentum``, ``generator``, ``batch_dim``,
+    ``padding``, ``layout``, ``feature_tokens``), with the authors' CUB config's ``end_momentum`` 0.99999
+    and CIFAR's nearest upsampling.
+
     Args:
-        layer, features, channels, momentum, end_momentum, momentum_scope, total_steps, lam_margin,
-            clean_weight, block_weight, reduction, upsampling, block_lr, block_momentum, generator, batch_dim,
-            padding, layout, feature_tokens: as :class:`~mixhook.AutoMix` (the defaults: the authors' CUB
-            config's alpha 1, lam_margin 0.03, end_momentum 0.99999; CIFAR's nearest upsampling).
+        alpha: the Beta distribution's concentration for every lam, > 0 (the authors' CUB config: 1).
+        lam_margin: plain mixup for the model where the (first) lam is within it of 0 or 1 (0.03).
         beta: the Mix Block's mixed loss's weight in its adversarial term (the authors' ``beta_radio``, 0.3).
         adversarial_every: the adversarial term on one training forward of this many (2); 0: never (the
             Mix Block then minimises ``k``'s mixed loss, AutoMix's without its mask loss).

@@ -379,6 +379,8 @@ class MixerHooks(LayerHook):
         if self._clean or self._policies is not None:
             before = None if mixed.before is None else self._rows_before(spec, found, given, draw, mixed)
             tensors, state = self._finish(found, tensors, state, before)
+        elif mixed.before is not None:  # (refused: rows before the mix need the clean rows)
+            self._rows_before(spec, found, given, draw, mixed)
         self._done(forward, state)
         return (
             tensors[()] if type(site_value) is torch.Tensor else replace_leaves(site_value, tensors)

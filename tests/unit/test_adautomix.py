@@ -481,3 +481,28 @@ def test_a_mix_inside_activation_checkpointing_has_the_unchecked_gradients(adver
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     assert all(g is not None for g in grads[0])
+
+
+def test_rows_before_the_mix_without_the_clean_rows_are_refused_in_one_line():
+    """A method's own rows before its mix (``Mixed.before``) follow the clean rows: without them they are
+    refused, never dropped (AdAutoMix puts them there only with its clean rows: ``clean_weight=0`` mixes
+    three samples with no plain mixup batch, as the authors' code has none without its clean loss)."""
+    from mixhook import ManifoldMixup, Mixed
+
+    class Before(ManifoldMixup):
+        def mix(self, leaves, draw):
+            mixed = super().mix(leaves, draw)
+            return Mixed(mixed.tensors, before={leaves[0].path: leaves[0].tensor})
+
+    model = Net()
+    with (
+        Before("layer2").attach(model),
+        pytest.raises(
+            RuntimeError, match="put rows before its mix, which follow the clean rows: set clean=True"
+        ),
+    ):
+        model(batch()[0].float())
+    mix = AdAutoMix("input", "layer3", clean_weight=0.0)
+    with mix.attach(model):
+        mix.pin(samples=3)
+        assert model(batch()[0].float()).shape == (6, 5) and mix.last.groups == 1

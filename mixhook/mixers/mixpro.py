@@ -91,7 +91,9 @@ class MixPro(ReadsAttention, RegionMixer):
             "labels on the same draws (their prediction in `sim` is not detached; OpenMixup's port detaches "
             "it, as here)"
         ),
-        app=TransMix.card.app,  # (the ViT TransMix is shown on, its attention layer the same)
+        # (the ViT TransMix is shown on, its attention layer the same; cells of one patch: its 4x4 patch
+        # grid is one cell of the default four patches a side, which mixes nothing and is refused)
+        app=(*TransMix.card.app, "mixup.cell=2"),
         shown_on="vit",
         example=TransMix.card.example,
         drawn={
@@ -152,7 +154,17 @@ class MixPro(ReadsAttention, RegionMixer):
         return sample_lam(self.alpha, generator)
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
+        """A map, cut into more than one cell (one cell: every sample would keep all its own content, a mix
+        of nothing; refused in one line, before training where the app checks a sample batch)."""
         check_spatial("MixPro", spec, leaves)
+        height, width = leaves[0].tensor.shape[2:4]
+        cell = self._cell(spec, height)
+        if math.ceil(height / cell) * math.ceil(width / cell) < 2:
+            raise ValueError(
+                f"MixPro at {spec!r}: cell={cell} covers the whole {height}x{width} map in one cell, so "
+                "nothing would be mixed; pass a smaller cell, a whole number of patches "
+                f"(cell={max(cell // 4, 1)} is one patch where the default is four)"
+            )
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path

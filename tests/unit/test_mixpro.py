@@ -225,6 +225,25 @@ def test_the_default_cell_is_four_patches_a_side_read_from_the_model():
     assert mix.last.info["cell"] == 32 and mix.last.info["cells"].shape == (2, 2, 2)
 
 
+def test_a_cell_as_large_as_the_map_is_refused_before_it_mixes_nothing():
+    """A 4x4 patch grid (the app's ViT on digits' 8x8 images) is one cell of the default four patches a
+    side: every sample would keep all its own content (lam 1), a mix of nothing, as the app's shipped config
+    trained until 2026-11-29, equal to mixup=none. Refused in one line, naming a cell that mixes; with
+    it, the samples are mixed."""
+    model, x = vit(8, 2), torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    with MixPro("input", attention="blocks.1.attn").attach(model):
+        with pytest.raises(
+            ValueError,
+            match=r"cell=8 covers the whole 8x8 map in one cell, so nothing would be mixed; .*cell=2",
+        ):
+            model(x)
+    mix = MixPro("input", attention="blocks.1.attn", cell=2, generator=torch.Generator().manual_seed(1))
+    with mix.attach(model):
+        mix.pin(lam=0.5)
+        model(x)
+    assert mix.last.info["cells"].shape == (4, 4, 4) and (mix.last.lam == 0.5).all()
+
+
 def test_with_the_clean_batch_kept_the_similarity_reads_the_mixed_rows():
     model = vit(32)
     x, y = torch.randn(4, 3, 32, 32, dtype=torch.float64), torch.tensor([0, 1, 2, 3])

@@ -217,7 +217,7 @@ def test_a_vit_held_by_another_module_states_its_grid_to_the_attention_around_it
     x = torch.randn(4, 3, 16, 16, dtype=torch.double)
     for make in (
         lambda p: TransMix("input", attention=f"{p}blocks.1.attn", generator=gen()),
-        lambda p: MixPro("input", attention=f"{p}blocks.1.attn", generator=gen()),
+        lambda p: MixPro("input", attention=f"{p}blocks.1.attn", cell=4, generator=gen()),  # (16 cells)
     ):
         bare, held = tiny_vit(), Holding(tiny_vit())
         outs, states = [], []

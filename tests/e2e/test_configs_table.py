@@ -44,6 +44,11 @@ def test_the_table_compares_each_config_with_none_and_says_what_failed():
     assert body[f"| `mixup=transmix {' '.join(vit)}`"].endswith("| 9 | trains |")
     assert body[f"| `mixup=none {' '.join(vit)}`"].endswith("| the baseline |")
     assert configs.row(results[1], None).endswith("| (mixup=none not run) |")
+    # a method's own override (MixPro's cell) is left out of the baseline's: mixup=none has no cell
+    assert configs.setting((*vit, "mixup.cell=2")) == vit
+    cell = {"name": "mixpro", "where": (*vit, "mixup.cell=2"), "test_acc": 0.1, "best_test_acc": 0.2,
+            "test_ece": 0, "seconds": 9}  # fmt: skip
+    assert configs.table([*results, cell], None).splitlines()[-1].endswith("| **42.0 points below none** |")
 
 
 def test_an_unknown_config_is_refused_in_one_line(capsys):

@@ -95,7 +95,7 @@ class MixPro(ReadsAttention, RegionMixer):
         # grid is one cell of the default four patches a side, which mixes nothing and is refused)
         app=(*TransMix.card.app, "mixup.cell=2"),
         shown_on="vit",
-        example=TransMix.card.example,
+        example={**TransMix.card.example, "cell": 2},  # (one patch: 16 cells; the default is one cell there)
         drawn={
             "attention": TransMix.card.drawn["attention"],
             "input": {"cell": 16},  # cells of 2x2 patches: 16 pixels at the input, 2 tokens on the tokens

@@ -384,7 +384,7 @@ PINNED = {
     "FMix": (27, 7), "GridMix": (27, 8), "SmoothMix": (28, 7), "ResizeMix": (30, 9), "TokenMix": (58, 8),
     "PatchUp": (28, 7), "SaliencyMix": (105, 17), "AttentiveCutMix": (57, 12), "PuzzleMix": (139, 16),
     "SnapMix": (71, 15), "SpecMix": (38, 8), "AlignMix": (34, 7), "CatchUpMix": (27, 9), "RegMixup": (27, 6),
-    "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (59, 11), "MixPro": (60, 11),
+    "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (59, 11), "MixPro": (58, 11),
     "AutoMix": (79, 13), "SAMix": (85, 13), "AdAutoMix": (170, 14), "Balanced-MixUp": (60, 12),
     "Remix": (51, 8),
     "DecoupledLoss": (51, 8), "KernelWarping": (57, 8), "LocalWeights": (52, 8), "SaliencyPairing": (98, 16),

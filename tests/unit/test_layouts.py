@@ -15,7 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops.misc import Permute
 
-from mixhook import AutoMix, CutMix, FMix, ManifoldMixup, PatchUp, PuzzleMix, SaliencyMix, SAMix, SnapMix
+from mixhook import (
+    AdAutoMix,
+    AutoMix,
+    CutMix,
+    FMix,
+    ManifoldMixup,
+    PatchUp,
+    PuzzleMix,
+    SaliencyMix,
+    SAMix,
+    SnapMix,
+)
 from mixhook.layouts import AmbiguousLayoutError
 from mixhook.mixers import METHODS
 from tests.helpers import set_module
@@ -161,11 +172,12 @@ LAYOUT_AWARE = {
     name: (lambda cls=cls: cls("features.2", generator=gen(5)))
     for name, cls in METHODS.items()
     if getattr(cls, "layout_aware", False)
-    and name not in ("TransMix", "MixPro", "OneOf", "SnapMix", "PuzzleMix", "AutoMix", "SAMix")
+    and name not in ("TransMix", "MixPro", "OneOf", "SnapMix", "PuzzleMix", "AutoMix", "SAMix", "AdAutoMix")
 }
 LAYOUT_AWARE.update({
     "AutoMix": lambda: AutoMix("features.2", features="features.0", generator=gen(5)),
     "SAMix": lambda: SAMix("features.2", features="features.0", generator=gen(5)),
+    "AdAutoMix": lambda: AdAutoMix("features.2", features="features.0", generator=gen(5)),
     "PuzzleMix": lambda: PuzzleMix("features.2", grids=(2, 4), saliency="activation", generator=gen(5)),
     "SnapMix": lambda: SnapMix("features.2", features="back", classifier="head", generator=gen(5)),
     "CutMix-elem": lambda: CutMix("features.2", mode="elem", generator=gen(5)),

@@ -173,6 +173,11 @@ class AdAutoMix(AutoMix):
     non-finite loss is refused by the app in one line); without the clean rows (``clean_weight=0``) there is
     no plain mixup batch (their code then fails).
 
+    Cost: a step 4.1x a Manifold Mixup step on 2 CPU cores at the input (PreActResNet-18, batch 16, three
+    samples), where AutoMix's is 3.0x in the same run (``benchmarks/results/cpu-2026-11-29-methods-
+    adautomix.md``): the model's ``3B`` rows for AutoMix's ``2B``, and the copy's whole clean forward on
+    every other step.
+
     The other arguments are :class:`~mixhook.AutoMix`'s (``layer``, ``features``, ``channels``,
     ``momentum``, ``end_momentum``, ``momentum_scope``, ``total_steps``, ``clean_weight``, ``block_weight``,
     ``reduction``, ``upsampling``, ``block_lr``, ``block_momentum``, ``generator``, ``batch_dim``,

@@ -1,6 +1,6 @@
 """AdAutoMix: AutoMix whose Mix Block, every other step, makes mixes the momentum copy finds hard.
 
-Paper: Qin, Fang, Liu, Li, Li, Wang, Yu, Wu. "Adversarial AutoMixup." ICLR 2024.
+Paper: Qin, Jin, Jiang, El-Yacoubi, Gao. "Adversarial AutoMixup." ICLR 2024.
 https://arxiv.org/abs/2312.11954. The code: JinXins/Adversarial-AutoMixup,
 ``openmixup/models/classifiers/AdAutoMix.py`` (``AdAutoMix.forward_train``, ``mixup``, ``forward_k``,
 ``forward_q``) and ``openmixup/models/heads/Ada_mix_pine.py`` (``AdaptiveMask``, the generator), with the

@@ -21,7 +21,7 @@ from ..engine.contract import Draw, Mixed, MixState
 from ..functional import sample_lam
 from ..transfer import to_device
 from .automix import AutoMix
-from .mixblock import UPSAMPLING
+from .mixblock import checked_shape
 
 
 class AdaptiveMask(nn.Module):
@@ -59,15 +59,7 @@ class AdaptiveMask(nn.Module):
         upsampling: str | Sequence[str] = "nearest",
     ):
         super().__init__()
-        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
-            raise ValueError(f"AdaptiveMask: channels must be an integer >= 1, got {channels!r}")
-        if isinstance(reduction, bool) or not isinstance(reduction, int) or reduction < 1:
-            raise ValueError(f"AdaptiveMask: reduction must be an integer >= 1, got {reduction!r}")
-        self.upsampling = (upsampling,) if isinstance(upsampling, str) else tuple(upsampling)
-        if not self.upsampling or any(m not in UPSAMPLING for m in self.upsampling):
-            raise ValueError(
-                f"AdaptiveMask: upsampling must be among {', '.join(UPSAMPLING)}, got {upsampling!r}"
-            )
+        self.upsampling = checked_shape("AdaptiveMask", channels, reduction, upsampling)
         self.lam_mul_k = (-1.0,)  # (AutoMix's per-call choices: no lam rescaling here)
         self.channels, self.reduction = channels, reduction
         self.use_scale, self.lam_concat = bool(use_scale), bool(lam_concat)

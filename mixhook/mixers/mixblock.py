@@ -73,16 +73,7 @@ class MixBlock(nn.Module):
         upsampling: str | Sequence[str] = "nearest",
     ):
         super().__init__()
-        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
-            raise ValueError(f"MixBlock: channels must be an integer >= 1, got {channels!r}")
-        if isinstance(reduction, bool) or not isinstance(reduction, int) or reduction < 1:
-            raise ValueError(f"MixBlock: reduction must be an integer >= 1, got {reduction!r}")
-        self.upsampling = (upsampling,) if isinstance(upsampling, str) else tuple(upsampling)
-        bad = [m for m in self.upsampling if m not in UPSAMPLING]
-        if bad or not self.upsampling:
-            raise ValueError(
-                f"MixBlock: upsampling must be among {', '.join(UPSAMPLING)}, got {upsampling!r}"
-            )
+        self.upsampling = checked_shape("MixBlock", channels, reduction, upsampling)
         if not 0 <= float(lam_mul) <= 1:
             raise ValueError(f"MixBlock: lam_mul must be in [0, 1], got {lam_mul!r}")
         ks = (lam_mul_k,) if isinstance(lam_mul_k, (int, float)) else tuple(lam_mul_k)
@@ -186,6 +177,19 @@ class MixBlock(nn.Module):
         logit = torch.matmul(weight, v.to(work)).view(n, 1, h, w)
         logit = F.interpolate(logit, size=tuple(size), mode=upsampling or self.upsampling[0])
         return torch.sigmoid(logit)
+
+
+def checked_shape(kind: str, channels, reduction, upsampling) -> tuple[str, ...]:
+    """A Mix Block network's ``channels`` and ``reduction`` (integers >= 1) and its upsampling modes, as a
+    tuple (one mode or a list, each among :data:`UPSAMPLING`); refused in one line naming ``kind``."""
+    if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+        raise ValueError(f"{kind}: channels must be an integer >= 1, got {channels!r}")
+    if isinstance(reduction, bool) or not isinstance(reduction, int) or reduction < 1:
+        raise ValueError(f"{kind}: reduction must be an integer >= 1, got {reduction!r}")
+    modes = (upsampling,) if isinstance(upsampling, str) else tuple(upsampling)
+    if not modes or any(m not in UPSAMPLING for m in modes):
+        raise ValueError(f"{kind}: upsampling must be among {', '.join(UPSAMPLING)}, got {upsampling!r}")
+    return modes
 
 
 def rescale_lam(lam: float, k: float) -> float:

@@ -128,6 +128,15 @@ def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.view(-1, *([1] * (like.ndim - 1))) if values.ndim == 1 else values
 
 
+def gather_rows(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``h[index]`` along the first dimension, laid out as ``h``: ``index_select`` for a contiguous ``h``
+    (the faster gather), indexing otherwise. ``index_select`` returns a contiguous tensor whatever its
+    input's layout, so a channels-last map blended with it left the blend contiguous and every
+    convolution after it copied its input and its gradient back to channels-last (4 copies of a
+    ResNet-50 map per step, found by the CPU twin's op lists, issue 72)."""
+    return h.index_select(0, index) if h.is_contiguous() else h[index]
+
+
 class _GatherBlend(torch.autograd.Function):
     """``lerp(h[index], h, lam)`` for a permutation ``index``, whose backward gathers through the inverse
     permutation instead of scatter-adding.
@@ -142,7 +151,7 @@ class _GatherBlend(torch.autograd.Function):
         ctx.lam = lam if not isinstance(lam, torch.Tensor) else None
         ctx.save_for_backward(*((lam,) if ctx.lam is None else ()), index if inverse is None else inverse)
         ctx.inverted = inverse is not None
-        return torch.lerp(h.index_select(0, index), h, lam)
+        return torch.lerp(gather_rows(h, index), h, lam)
 
     @staticmethod
     @once_differentiable
@@ -150,9 +159,9 @@ class _GatherBlend(torch.autograd.Function):
         *lam, index = ctx.saved_tensors
         inverse = index if ctx.inverted else torch.argsort(index)
         if ctx.lam is not None or lam[0].ndim == 0:
-            out = torch.lerp(grad.index_select(0, inverse), grad, ctx.lam if ctx.lam is not None else lam[0])
+            out = torch.lerp(gather_rows(grad, inverse), grad, ctx.lam if ctx.lam is not None else lam[0])
         else:
-            out = torch.addcmul(((1 - lam[0]) * grad).index_select(0, inverse), lam[0], grad)
+            out = torch.addcmul(gather_rows((1 - lam[0]) * grad, inverse), lam[0], grad)
         return out, None, None, None
 
 
@@ -211,7 +220,7 @@ def blend(
     ):
         inverse = None if inverse is None else to_device(inverse, h.device)
         return _GatherBlend.apply(h, lam, index, inverse)
-    return torch.lerp(h.index_select(0, index), h, lam)
+    return torch.lerp(gather_rows(h, index), h, lam)
 
 
 def lerp_rows(h: torch.Tensor, lam: torch.Tensor, index: torch.Tensor, one: bool = True) -> torch.Tensor:
@@ -220,10 +229,10 @@ def lerp_rows(h: torch.Tensor, lam: torch.Tensor, index: torch.Tensor, one: bool
     16-bit floats in float32 and rounds the result once, for a lam per sample it weighs with lam rounded
     to ``h``'s dtype. The traced blend (no host read)."""
     if not one:
-        return torch.lerp(h.index_select(0, index), h, lam.to(h.dtype).view(-1, *([1] * (h.ndim - 1))))
+        return torch.lerp(gather_rows(h, index), h, lam.to(h.dtype).view(-1, *([1] * (h.ndim - 1))))
     compute = torch.float32 if h.dtype in (torch.float16, torch.bfloat16) else h.dtype
     w = lam.to(compute).view(-1, *([1] * (h.ndim - 1)))
-    return torch.lerp(h.index_select(0, index).to(compute), h.to(compute), w).to(h.dtype)
+    return torch.lerp(gather_rows(h, index).to(compute), h.to(compute), w).to(h.dtype)
 
 
 def mask_blend(h: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

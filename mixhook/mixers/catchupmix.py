@@ -16,7 +16,7 @@ from ..engine.card import Card
 from ..engine.checks import check_region
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
-from ..functional import sample_lam
+from ..functional import gather_rows, sample_lam
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
 from .cutmix import draw_region, pasted
@@ -131,6 +131,6 @@ class CatchUpMix(RegionMixer):
         channels = h.shape[1]
         count = math.floor(float(draw.lam) * channels)
         kept = kept_channels(relative_influence(h, index), count)
-        mixed = torch.where(kept.view(*kept.shape, *[1] * len(shape)), h, h.index_select(0, index))
+        mixed = torch.where(kept.view(*kept.shape, *[1] * len(shape)), h, gather_rows(h, index))
         lam = torch.tensor(count / channels, dtype=torch.float64)
         return Mixed({path: mixed}, lam=lam, info={"kept": kept})  # (on the map's device: no host read)

@@ -14,7 +14,7 @@ from ..engine.card import Card
 from ..engine.checks import check_region, map_size
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
-from ..functional import sample_beta, sample_lam
+from ..functional import gather_rows, sample_beta, sample_lam
 from ..geometry import (
     box_slices,
     rand_region,
@@ -220,7 +220,7 @@ class CutMix(RegionMixer):
         index, boxes = values
         h = leaves[0].tensor
         mask = regions_mask(boxes, h.shape[2:], h.device)
-        return {leaves[0].path: torch.where(mask, h.index_select(0, index), h)}
+        return {leaves[0].path: torch.where(mask, gather_rows(h, index), h)}
 
 
 def pasted(h: torch.Tensor, path, index: torch.Tensor, box: tuple[int, ...]) -> Mixed:

@@ -16,7 +16,7 @@ from ..engine.card import Card
 from ..engine.checks import check_fraction, check_region, map_size
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
-from ..functional import blend, lerp_rows
+from ..functional import blend, gather_rows, lerp_rows
 from ..sites import Leaf
 from ..transfer import to_device
 
@@ -165,10 +165,11 @@ class PatchUp(RegionMixer):
         h, path = leaves[0].tensor, leaves[0].path
         mask, mixed = self._patches(h, draw)
         m = to_device(mask, h.device, h.dtype)
+        # (h first: a product's layout is its first operand's, and a channels-last map stays channels-last)
         if self.mode == "hard":
-            out = (1 - m) * h + m * h[to_device(draw.index, h.device)]
+            out = h * (1 - m) + h[to_device(draw.index, h.device)] * m
         else:
-            out = (1 - m) * h + m * blend(h, draw.weight, draw.index, permutation=draw.permutation)
+            out = h * (1 - m) + blend(h, draw.weight, draw.index, permutation=draw.permutation) * m
         return Mixed({path: out}, mixed.lam, mixed.info, weights=mixed.weights)
 
     def traced_params(self, n: int, leaves: list[Leaf]) -> list:
@@ -184,5 +185,5 @@ class PatchUp(RegionMixer):
         index, mask, lam = values
         h = leaves[0].tensor
         m = mask.to(h.dtype)
-        partner = h.index_select(0, index) if self.mode == "hard" else lerp_rows(h, lam, index)
-        return {leaves[0].path: (1 - m) * h + m * partner}
+        partner = gather_rows(h, index) if self.mode == "hard" else lerp_rows(h, lam, index)
+        return {leaves[0].path: h * (1 - m) + partner * m}

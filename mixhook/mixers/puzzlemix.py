@@ -394,7 +394,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
             partner_h = transport_image(partner_h, plan.to(h.dtype), t_grid, t_size)
             h = moved
         m = F.interpolate(mask, size=width).to(h.dtype)
-        return m * h + (1 - m) * partner_h
+        return h * m + partner_h * (1 - m)  # (h first: the result is laid out as h, channels-last kept)
 
     def _values(self, h: torch.Tensor, at_input: bool) -> torch.Tensor:
         """The map's values as the smoothness reads them (see the class docstring)."""

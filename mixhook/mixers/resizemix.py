@@ -18,6 +18,7 @@ from ..engine.card import Card
 from ..engine.checks import check_spatial
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
+from ..functional import gather_rows
 from ..geometry import box_lam, boxes_mask
 from ..sites import Leaf
 from ..transfer import to_device
@@ -179,7 +180,7 @@ class ResizeMix(RegionMixer):
     def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
         h = leaves[0].tensor
         index, box, rows, cols = values
-        partner = h.index_select(0, index)
+        partner = gather_rows(h, index)
         if self._nearest:
             pasted = partner.index_select(-2, rows).index_select(-1, cols)
         else:

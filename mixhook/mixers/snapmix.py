@@ -20,7 +20,7 @@ from ..engine.card import Card
 from ..engine.checks import check_region, map_size
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
-from ..functional import sample_lam
+from ..functional import gather_rows, sample_lam
 from ..geometry import rand_region, region_lam
 from ..layers import resolve_layer, trace_outputs
 from ..layouts import channels_first, site_layout
@@ -291,7 +291,7 @@ class SnapMix(RegionMixer):
                 f"SnapMix: cam of shape {tuple(cam.shape)} does not fit the batch of {h.shape[0]}; it must "
                 f"be ({h.shape[0]}, h, w)"
             )
-        content = h.index_select(0, index)[:, :, p1:p2, q1:q2]
+        content = gather_rows(h, index)[:, :, p1:p2, q1:q2]
         content = F.interpolate(content, size=(y2 - y1, x2 - x1), mode="bilinear", align_corners=True)
         mixed = h.clone()
         mixed[:, :, y1:y2, x1:x2] = content

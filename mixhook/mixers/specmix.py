@@ -16,6 +16,7 @@ from ..engine.card import Card
 from ..engine.checks import check_fraction, check_region, map_size
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
+from ..functional import gather_rows
 from ..sites import Leaf
 from ..transfer import to_device
 
@@ -185,4 +186,4 @@ class SpecMix(RegionMixer):
         index, bands = values
         h = leaves[0].tensor
         own = band_mask(bands, *h.shape[2:], self.ratio)[:, None]
-        return {leaves[0].path: torch.where(own, h, h.index_select(0, to_device(index, h.device)))}
+        return {leaves[0].path: torch.where(own, h, gather_rows(h, to_device(index, h.device)))}

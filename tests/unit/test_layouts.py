@@ -8,10 +8,12 @@ map it is a permutation of; and what cannot be told is refused in one line.
 """
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 from torchvision.ops.misc import Permute
 
@@ -23,6 +25,7 @@ from mixhook import (
     ManifoldMixup,
     PatchUp,
     PuzzleMix,
+    ResizeMix,
     SaliencyMix,
     SAMix,
     SnapMix,
@@ -520,3 +523,34 @@ def test_wav2vec2_convolutional_features_are_cut_along_their_positions():
     positional = "wav2vec2.encoder.pos_conv_embed"
     with CutMix(positional).attach(model), pytest.raises(AmbiguousLayoutError, match="declare layout='NLC'"):
         model(input_values=x)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ManifoldMixup("layer2"),
+        lambda: CutMix("layer2"),
+        lambda: PatchUp("layer2", block_size=3),
+        lambda: PatchUp("layer2", block_size=3, mode="hard"),
+        lambda: ResizeMix("layer2"),
+        lambda: PuzzleMix("layer2", grids="auto", transport=False),
+    ],
+    ids=["manifold", "cutmix", "patchup", "patchup-hard", "resizemix", "puzzlemix"],
+)
+@pytest.mark.parametrize("batch", [2, 16], ids=["small", "gathered-backward"])
+def test_a_channels_last_map_stays_channels_last_through_the_mix(make, batch):
+    # index_select returns a contiguous tensor whatever its input's layout: a channels-last map came out of
+    # the blend contiguous and every convolution after it copied its input and gradient back (issue 72);
+    # batch 16 takes the blend's gathering backward (GATHER_FROM elements), batch 2 the plain one
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4).to(memory_format=torch.channels_last).train()
+    mix = make()
+    mix.attach(model)
+    seen = []
+    model.layer3.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    x = torch.randn(batch, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 4, (batch,))
+    if hasattr(mix, "use_targets"):
+        mix.use_targets(y)
+    mix.loss(partial(F.cross_entropy, reduction="none"), model(x), y).mean().backward()
+    assert seen[-1].is_contiguous(memory_format=torch.channels_last) and not seen[-1].is_contiguous()

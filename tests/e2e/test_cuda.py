@@ -172,6 +172,56 @@ def test_autocast_blend_keeps_the_activation_dtype(dtype):
             loss.backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_the_fused_blend_kernel_on_cuda_is_the_blend_and_its_gradient(dtype, layout):
+    """mixhook.fused's Triton kernel, compiled (the CPU tests run its interpreter): forward and backward
+    against torch's gather and lerp (at most one rounding apart), the layout kept, no host sync."""
+    from mixhook import fused
+
+    torch.manual_seed(0)
+    h = torch.randn(16, 24, 9, 9, device="cuda").to(dtype).contiguous(memory_format=layout).requires_grad_()
+    g = torch.randn_like(h)
+    index = torch.randperm(16, device="cuda")
+    inverse = torch.argsort(index)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fused.gather_lerp(h, index, inverse, 0.3)
+        (grad,) = torch.autograd.grad(out, h, g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = torch.lerp(h.index_select(0, index), h, 0.3)
+    (ref_grad,) = torch.autograd.grad(ref, h, g)
+    tol = {"rtol": 0, "atol": 2 * torch.finfo(dtype).eps * 8}  # (|h| < 8 here: one rounding of the ends)
+    assert out.stride() == h.stride()
+    assert torch.allclose(out.float(), ref.float(), **tol) and torch.allclose(
+        grad.float(), ref_grad.float(), **tol
+    )
+
+
+def test_a_manifold_mixup_step_with_the_fused_blend_equals_the_default(monkeypatch):
+    from mixhook import fused
+
+    calls, real = [], fused.gather_lerp
+    monkeypatch.setattr(fused, "gather_lerp", lambda *a: calls.append(a) or real(*a))
+    grads = []
+    for on in (False, True):
+        fused.use(on)
+        try:
+            torch.manual_seed(0)
+            model = torchvision.models.resnet18(num_classes=4).cuda().train()
+            mix = ManifoldMixup("layer2", generator=torch.Generator().manual_seed(3))
+            with mix.attach(model):
+                # (64x64: layer2's map is 8x128x8x8, at the permutation blend's size, GATHER_FROM)
+                x, y = torch.randn(8, 3, 64, 64, device="cuda"), torch.tensor([0, 1, 2, 3] * 2, device="cuda")
+                mix.loss(F.cross_entropy, model(x), y).backward()
+            grads.append(model.conv1.weight.grad)
+        finally:
+            fused.use(False)
+    assert len(calls) == 1  # the second step's blend, the first's took torch's ops
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
 def test_gradscale_on_cuda():
     model = torchvision.models.resnet18(num_classes=4).cuda().train()
     with GradScale("layer2.0.bn1", -1.0).attach(model):

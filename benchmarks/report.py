@@ -17,6 +17,7 @@ GOALS = {
     "compiled_mixup_vs_compiled": 1.02,
     "recompiles_after_warmup": 0,
     "blend_vs_copy_bandwidth": 0.80,  # on a GPU
+    "input_mixup_vs_timm": 1.00,  # an input-mixup step with ManifoldMixup("input") / with timm's Mixup
     "gradscale_vs_none": 1.02,
     "activation_saliency_vs_manifold": 1.05,  # SaliencyMix (activation) step / Manifold Mixup step
     "recipe_mixup_vs_none": 1.02,  # Verma et al. 2019's CIFAR-10 recipe: mixup epoch / plain epoch
@@ -153,6 +154,18 @@ def _host_goals(h: dict, add, device, scenario: str = "") -> None:
         add("files_per_forward_and_loss", h["entries"]["files"], GOALS["files_per_forward_and_loss"], "ditto")
 
 
+def _peer_goals(p: dict, add, device) -> None:
+    where = f"{p['model']} b{p['batch']} input mixup step"
+    for prefix, clock in (("", ""), ("device_", ", device time")):
+        if f"{prefix}mixhook_vs_timm" in p:
+            add(
+                "input_mixup_vs_timm",
+                p[f"{prefix}mixhook_vs_timm"],
+                GOALS["input_mixup_vs_timm"],
+                where + clock,
+            )
+
+
 def _method_goals(m: dict, add, device) -> None:
     if m.get("vs_manifold", {}).get("SaliencyMix"):
         ratio = m["vs_manifold"]["SaliencyMix"]["median"]
@@ -180,18 +193,27 @@ def _language_model_goals(lm: dict, add, device) -> None:
 
 def _blend_goals(b: dict, add, device) -> None:
     if device.type == "cuda":
-        fraction = b["fraction_of_copy"]["mixhook_blend"]
         limit = GOALS["blend_vs_copy_bandwidth"]
-        add("blend_vs_copy_bandwidth", fraction, limit, "blend fwd+bwd", lower_is_better=False)
+        for name, where in (("mixhook_blend", "blend fwd+bwd"), ("fused", "blend fwd+bwd, mixhook.fused")):
+            if name in b["fraction_of_copy"]:
+                add(
+                    "blend_vs_copy_bandwidth",
+                    b["fraction_of_copy"][name],
+                    limit,
+                    where,
+                    lower_is_better=False,
+                )
 
 
 GOALS_OF = (
     ("training_step", _step_goals),
     ("training_step_compiled", _step_goals),
     ("training_step_bf16", _step_goals),
+    ("imagenet", lambda n, add, device: _step_goals([n["step"]], add, device)),
     ("dispatch", _dispatch_goals),
     ("recompiles", _recompile_goals),
     ("host", _host_goals),
+    ("peers", _peer_goals),
     ("methods", _method_goals),
     ("recipe", _recipe_goals),
     ("language_model", _language_model_goals),
@@ -212,6 +234,9 @@ def markdown(results: dict) -> str:
         "",
     ]
     lines += [f"- {note}" for note in meta.get("notes", [])] + ([""] if meta.get("notes") else [])
+    if meta.get("seconds"):
+        spent = ", ".join(f"{what} {sec:g}" for what, sec in meta["seconds"].items())
+        lines += [f"Seconds each case took (compiling and profiling included): {spent}.", ""]
     if meta.get("skipped_over_budget"):
         skipped = ", ".join(meta["skipped_over_budget"])
         lines += [f"Not run (the run's --budget was spent before they started): {skipped}.", ""]
@@ -238,19 +263,32 @@ def markdown(results: dict) -> str:
 
 def _peers(p: dict) -> list[str]:
     """The peers section: input mixup against timm's Mixup and torchvision's v2 MixUp."""
-    lines: list[str] = []
-    lines += [
+    device = "device_seconds_per_step" in p
+    lines = [
         "",
         f"## Peers: input mixup step, {p['model']}, batch {p['batch']}",
         "",
-        "| variant | s/step | vs mixhook |",
+        "| variant | s/step | vs mixhook |" + (" device s/step | kernels/step |" if device else ""),
+        "| --- | --- | --- |" + (" --- | --- |" if device else ""),
     ]
-    lines += ["| --- | --- | --- |"]
     for name, sec in p["seconds_per_step"].items():
         rel = fmt(p["vs_mixhook_input"][name]) if name in p["vs_mixhook_input"] else "1"
-        lines.append(f"| {name} | {sec:.4f} | {rel} |")
+        row = f"| {name} | {sec:.4f} | {rel} |"
+        if device:
+            row += f" {p['device_seconds_per_step'][name]:.5f} | {p['kernels_per_step'][name]:.0f} |"
+        lines.append(row)
     for name, note in p["notes"].items():
         lines.append(f"| {name} | {note} | |")
+    for prefix, clock in (("", "host"), ("device_", "device")):
+        if f"{prefix}mixhook_vs_timm" in p:
+            lines += ["", f"mixhook / timm's Mixup, {clock} time: {fmt(p[f'{prefix}mixhook_vs_timm'])}"]
+    if "kernels_mixhook_not_timm" in p:
+        lines += [
+            "",
+            "kernels per step mixhook runs and timm's Mixup does not: "
+            f"{kernel_list(p['kernels_mixhook_not_timm'])}; the reverse: "
+            f"{kernel_list(p['kernels_timm_not_mixhook'])}",
+        ]
     return lines
 
 
@@ -396,36 +434,67 @@ def _data(d: dict) -> list[str]:
     lines += [f"| {k} | {v:.0f} |" for k, v in d["images_per_second"].items()]
     lines += ["", f"device / workers ({d['workers']} workers), time: {fmt(d['device_vs_workers'])}"]
     if "imagefolder" in d:
-        f = d["imagefolder"]
-        lines += [
-            "",
-            f"## ImageNet pipeline (data=imagefolder): {f['images']} images, {f['image_size']}, to "
-            f"{'x'.join(map(str, f['output']))}",
-            "",
-            "| what | images/s |",
-            "| --- | --- |",
-        ]
-        names = {
-            "decode": "Pillow decode only, one process",
-            "pipeline_one_worker": "decode, RandomResizedCrop, flip, normalise: one process (a worker)",
-            "pipeline_workers": f"the same through {f['workers']} DataLoader workers",
-            "uint8_one_worker": "decode, RandomResizedCrop, flip, uint8 out (data.normalize=device): one "
-            "process (a worker)",
-        }
-        lines += [f"| {names[k]} | {v:.0f} |" for k, v in f["images_per_second"].items()]
-        lines += [
-            "",
-            "Workers (cores) to feed a GPU step of 1,000 images/s: "
-            f"{f['workers_per_1000_images_per_second']:.1f}"
-            + (
-                f"; with data.normalize=device {f['workers_per_1000_images_per_second_uint8']:.1f}, "
-                f"copying {f['bytes_per_image']['uint8']:,} bytes per image to the device instead of "
-                f"{f['bytes_per_image']['float32']:,}"
-                if "uint8_one_worker" in f["images_per_second"]
-                else ""
-            ),
-        ]
+        lines += _folder(d["imagefolder"])
     return lines
+
+
+def _folder(f: dict) -> list[str]:
+    """The ImageNet pipeline's table (``data=imagefolder``: benchmarks/cases/folders.py)."""
+    lines = [
+        "",
+        f"## ImageNet pipeline (data=imagefolder): {f['images']} images, {f['image_size']}, to "
+        f"{'x'.join(map(str, f['output']))}",
+        "",
+        "| what | images/s |",
+        "| --- | --- |",
+    ]
+    names = {
+        "decode": "Pillow decode only, one process",
+        "pipeline_one_worker": "decode, RandomResizedCrop, flip, normalise: one process (a worker)",
+        "pipeline_workers": f"the same through {f['workers']} DataLoader workers",
+        "uint8_one_worker": "decode, RandomResizedCrop, flip, uint8 out (data.normalize=device): one "
+        "process (a worker)",
+        "decode_torchvision_cpu": f"torchvision's decode_jpeg on the CPU, batches of {f['batch']}",
+        "decode_torchvision_cuda": f"torchvision's decode_jpeg on the GPU (nvJPEG), batches of {f['batch']}",
+    }
+    lines += [f"| {names.get(k, k)} | {v:.0f} |" for k, v in f["images_per_second"].items()]
+    lines += [
+        "",
+        "Workers (cores) to feed a GPU step of 1,000 images/s: "
+        f"{f['workers_per_1000_images_per_second']:.1f}"
+        + (
+            f"; with data.normalize=device {f['workers_per_1000_images_per_second_uint8']:.1f}, "
+            f"copying {f['bytes_per_image']['uint8']:,} bytes per image to the device instead of "
+            f"{f['bytes_per_image']['float32']:,}"
+            if "uint8_one_worker" in f["images_per_second"]
+            else ""
+        ),
+    ]
+    return lines
+
+
+def _imagenet(n: dict) -> list[str]:
+    """The ImageNet-scale section: ResNet-50 at 224x224 against the imagefolder loader."""
+    step = n["step"]
+    how = ", ".join(
+        w
+        for w, on in (("channels-last", step["channels_last"]), ("bf16 autocast", step["autocast_bf16"]))
+        if on
+    )
+    lines = [
+        "",
+        f"## ImageNet scale: {step['model']} at {step['image_size']}x{step['image_size']}, batch "
+        f"{step['batch']} ({how}), against the imagefolder loader",
+        "",
+        *_step_table(step),
+        "",
+        "| variant | images/s a step trains at | loader workers (cores) that feed it |",
+        "| --- | --- | --- |",
+    ]
+    lines += [
+        f"| {k} | {v:.0f} | {n['workers_to_feed'][k]:.1f} |" for k, v in n["step_images_per_second"].items()
+    ]
+    return lines + _folder(n["loader"])
 
 
 def _recipe(r: dict) -> list[str]:
@@ -527,8 +596,8 @@ def _step_table(run: dict) -> list[str]:
             )
         rows.append(row)
     if device and "device_mixup_layer2_vs_hand_layer2" in run:
-        extra = ", ".join(f"{k} x{v:g}" for k, v in run["kernels_mixup_layer2_not_hand"].items()) or "none"
-        fewer = ", ".join(f"{k} x{v:g}" for k, v in run["kernels_hand_not_mixup_layer2"].items()) or "none"
+        extra = kernel_list(run["kernels_mixup_layer2_not_hand"])
+        fewer = kernel_list(run["kernels_hand_not_mixup_layer2"])
         rows += [
             "",
             f"mixup_layer2 / hand_layer2, device time: {fmt(run['device_mixup_layer2_vs_hand_layer2'])}",
@@ -537,6 +606,30 @@ def _step_table(run: dict) -> list[str]:
             f"{fewer}",
         ]
     return rows
+
+
+def kernel_list(counts: dict) -> str:
+    """``name xN, ...`` with each kernel's name shortened (:func:`short_kernel`; the JSON keeps it whole),
+    or ``none``."""
+    return ", ".join(f"`{short_kernel(k)}` x{v:g}" for k, v in counts.items()) or "none"
+
+
+def short_kernel(name: str) -> str:
+    """A kernel's name without its arguments and templates, the functor it runs kept: ``void
+    at::native::vectorized_elementwise_kernel<4, ...lerp_scalar_kernel...>(...)`` is
+    ``vectorized_elementwise_kernel[lerp_scalar_kernel]``; an aten op or a copy stays as it is."""
+    if name.startswith(("Memcpy", "Memset")) or ("<" not in name and "(" not in name):
+        return name
+    bare = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    qualified = re.split(r"[<(]", bare, maxsplit=1)[0]
+    head = qualified.split("::")[-1]
+    generic = {head, "AUnaryFunctor", "BUnaryFunctor", "OpaqueType"}
+    found = re.findall(
+        r"CUDAFunctor_\w+|\w+(?:Functor|_kernel|_kernel_cuda|_kernel_impl|_cuda_out)\b",
+        bare[len(qualified) :],
+    )
+    functor = next((f for f in found if f not in generic), None)
+    return f"{head}[{functor}]" if functor else head
 
 
 SECTIONS = (
@@ -548,6 +641,7 @@ SECTIONS = (
     ("blend", _blend),
     ("recompiles", _recompiles),
     ("data", _data),
+    ("imagenet", _imagenet),
     ("recipe", _recipe),
     ("memory", _memory),
     ("language_model", _language_model),

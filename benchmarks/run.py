@@ -19,10 +19,11 @@ to the device's copy bandwidth; 5. recompiles of a compiled model over many step
 and layer; 6. peak memory of a training step (CUDA); 7. methods: every mixing method's training step
 at layer2 of PreActResNet-18 against no mixing and against Manifold Mixup (the saliency methods with
 each source); 8. data: images/s of the CIFAR batches made on the device against per-sample
-augmentation in DataLoader workers; 9. recipe: Verma et al. 2019's CIFAR-10 recipe through the app's
-loop, mixup against none, and its 1,200 epochs projected; 10. llm: a Llama's training step with NEFTune
-against HuggingFace's NEFTune and none, with Manifold Mixup against none and a hand-written blend hook
-(transformers where installed). Each case is a module of ``benchmarks/cases/``;
+augmentation in DataLoader workers; imagenet: ResNet-50's step at 224x224 against the imagefolder
+loader's images/s (and torchvision's decode_jpeg on the device); 9. recipe: Verma et al. 2019's CIFAR-10
+recipe through the app's loop, mixup against none, and its 1,200 epochs projected; 10. llm: a Llama's
+training step with NEFTune against HuggingFace's NEFTune and none, with Manifold Mixup against none and a
+hand-written blend hook (transformers where installed). Each case is a module of ``benchmarks/cases/``;
 ``timing.py`` times variants side by side, ``report.py`` turns results into goals and Markdown, and
 this file is the runner: the plan per device, the order, the files.
 """
@@ -66,7 +67,7 @@ from mixhook.app.records import torch_messages_to_log  # noqa: E402
 
 CASES = (
     "eager", "compiled", "bf16", "peers", "methods", "dispatch", "host", "blend", "recompiles", "memory",
-    "data", "recipe", "llm",
+    "data", "imagenet", "recipe", "llm",
 )  # fmt: skip
 OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
 
@@ -126,7 +127,9 @@ def main(argv=None) -> dict:
 
     # what torch and Python warn about while the cases run (dynamo, "No CUDA runtime is found") goes to
     # <stem>.log beside the results, and the terminal gets a count
-    run = Case(device, timer, reps, inner, args.quick, cuda, log, parser, args.baseline, args.methods)
+    run = Case(
+        device, timer, reps, inner, args.quick, cuda, log, parser, args.baseline, args.methods, device_time
+    )
     started = time.monotonic()
 
     def in_budget(what: str) -> bool:
@@ -137,13 +140,21 @@ def main(argv=None) -> dict:
         log(f"skipped (over --budget {args.budget:g} s): {what}")
         return False
 
+    def timed(what: str, fn: Callable):
+        """``fn()``, its seconds kept under ``meta.seconds[what]`` (where a lent GPU's minutes went)."""
+        begun = time.monotonic()
+        try:
+            return fn()
+        finally:
+            results["meta"].setdefault("seconds", {})[what] = round(time.monotonic() - begun, 1)
+
     with torch_messages_to_log(out / f"{stem}.log", say=log):
         _training_steps(
-            results, cases, plans, device, timer, reps, inner, log, checkpoint, device_time, in_budget
+            results, cases, plans, device, timer, reps, inner, log, checkpoint, device_time, in_budget, timed
         )
         for case, (key, runner) in RUNNERS.items():
             if case in cases and in_budget(case):
-                results[key] = runner(run)
+                results[key] = timed(case, functools.partial(runner, run))
                 checkpoint()
     results["goals"] = goals(results, device)
     results["misses"] = [
@@ -183,6 +194,7 @@ class Case:
     parser: argparse.ArgumentParser
     baseline: str | None
     methods: list[str] | None = None  # --methods: the methods case's subset (with ManifoldMixup)
+    device_time: bool = False  # the cases that can: device time too (always on CUDA; --device-time)
 
     def size(self, quick: tuple, cuda: tuple, cpu: tuple) -> tuple:
         """A case's sizes: the quick run's, a GPU's, a CPU's."""
@@ -191,7 +203,8 @@ class Case:
 
 def _peers(c: Case) -> dict:
     c.log("peers ...")
-    return peers(c.device, c.timer, c.reps, 1, *c.size((8, 16), (128, 32), (16, 32)))
+    sizes = c.size((8, 16), (128, 32), (16, 32))
+    return peers(c.device, c.timer, c.reps, c.inner, *sizes, device_time=c.device_time)
 
 
 def _methods(c: Case) -> dict:
@@ -224,6 +237,7 @@ def _baseline(c: Case) -> dict:
 
 def _blend(c: Case) -> dict:
     c.log("blend ...")
+    # a GPU: 134 MB, beyond an H200's 50 MB L2 (the 2026-11-26 figure's shape)
     shape = c.size((16, 32, 16, 16), (128, 256, 32, 32), (64, 64, 32, 32))
     return blend_bandwidth(c.device, c.timer, c.reps, shape)
 
@@ -246,6 +260,29 @@ def _data(c: Case) -> dict:
     images, workers = (32, 0) if c.quick else (512, min(8, os.cpu_count() or 1))
     found["imagefolder"] = folder_pipeline(c.timer, c.reps, images, workers)
     return found
+
+
+def _imagenet(c: Case) -> dict:
+    """ResNet-50's training step at 224x224 (channels-last; bf16 autocast on a GPU) with no mix, Manifold
+    Mixup at layer2 and the hand-edited one, and CutMix at the input, against what the ``data=imagefolder``
+    loader delivers: the images/s a step trains at over one worker's rate is the workers that feed it."""
+    c.log("ImageNet scale: ResNet-50 at 224x224 against the imagefolder loader ...")
+    batch = c.size((4,), (128,), (8,))[0]
+    variants = ["none", "mixup_layer2", "hand_layer2", "cutmix_input"]
+    step = training_steps(
+        "resnet50", batch, 64 if c.quick else 224, c.device, c.timer, c.reps, c.inner, variants,
+        autocast=c.cuda, channels_last=True, device_time=c.device_time,
+    )  # fmt: skip
+    images, workers = (32, 0) if c.quick else (512, min(8, os.cpu_count() or 1))
+    loader = folder_pipeline(c.timer, c.reps, images, workers, device=c.device)
+    rates = {k: batch / v for k, v in step["seconds_per_step"].items()}
+    per_worker = loader["images_per_second"]["pipeline_one_worker"]
+    return {
+        "step": step,
+        "loader": loader,
+        "step_images_per_second": rates,
+        "workers_to_feed": {k: v / per_worker for k, v in rates.items()},
+    }
 
 
 def _recipe(c: Case) -> dict:
@@ -273,16 +310,17 @@ RUNNERS = {
     "recompiles": ("recompiles", _recompiles),
     "memory": ("memory", _memory),
     "data": ("data", _data),
+    "imagenet": ("imagenet", _imagenet),
     "recipe": ("recipe", _recipe),
     "llm": ("language_model", _llm),
 }
 
 
 def _training_steps(
-    results, cases, plans, device, timer, reps, inner, log, checkpoint, device_time, in_budget
+    results, cases, plans, device, timer, reps, inner, log, checkpoint, device_time, in_budget, timed
 ) -> None:
     """The training-step cases (eager, compiled, bf16) of ``plans`` into ``results`` (each with its device
-    time where ``device_time``; each started only ``in_budget``)."""
+    time where ``device_time``; each started only ``in_budget``, each ``timed``)."""
     plan, compiled_plan, bf16_plan = plans
     measure = functools.partial(
         training_steps, device=device, timer=timer, reps=reps, inner=inner, device_time=device_time
@@ -290,27 +328,30 @@ def _training_steps(
     if "eager" in cases:
         results["training_step"] = []
         for model_name, batch, size, variants, *layout in plan:
-            if not in_budget(f"eager {model_name} b{batch}{' channels-last' if layout else ''}"):
+            what = f"eager {model_name} b{batch}{' channels-last' if layout else ''}"
+            if not in_budget(what):
                 continue
             log(f"training step: {model_name} batch {batch} {size}x{size} eager ...")
-            results["training_step"].append(
-                measure(model_name, batch, size, variants_wanted=variants, channels_last=bool(layout))
+            run = functools.partial(
+                measure, model_name, batch, size, variants_wanted=variants, channels_last=bool(layout)
             )
+            results["training_step"].append(timed(what, run))
             checkpoint()
     if compiled_plan and "compiled" in cases:
         results["training_step_compiled"] = []
         for model_name, batch, size, variants in compiled_plan:
-            if not in_budget(f"compiled {model_name} b{batch}"):
+            what = f"compiled {model_name} b{batch}"
+            if not in_budget(what):
                 continue
             log(f"training step: {model_name} batch {batch} compiled (inductor; compiling takes a while)")
-            results["training_step_compiled"].append(
-                measure(model_name, batch, size, variants_wanted=variants, compile_=True)
-            )
+            run = functools.partial(measure, model_name, batch, size, variants_wanted=variants, compile_=True)
+            results["training_step_compiled"].append(timed(what, run))
             checkpoint()
     if bf16_plan and "bf16" in cases and in_budget("bf16"):
         log("training step: bf16 autocast ...")
         results["training_step_bf16"] = [
-            measure(m, b, s, variants_wanted=v, autocast=True) for m, b, s, v in bf16_plan
+            timed(f"bf16 {m} b{b}", functools.partial(measure, m, b, s, variants_wanted=v, autocast=True))
+            for m, b, s, v in bf16_plan
         ]
         checkpoint()
 
@@ -392,17 +433,15 @@ def _plans(quick: bool, cuda: bool) -> tuple[list, list, list]:
         compiled_plan, bf16_plan = [], []
     elif cuda:
         key = ["none", "mixup_random", "mixup_layer2", "hand_layer2"]
-        plan = [
+        plan = [  # issue 72's goals first: eager, channels-last and (below) bf16 on both models
             ("preact_resnet18", 128, 32, everything),
-            ("preact_resnet18", 100, 32, key),  # Verma et al.'s batch
             ("preact_resnet18", 128, 32, key, True),  # channels-last
-            ("resnet50", 256, 32, everything),
+            ("resnet50", 256, 32, key),
+            ("resnet50", 256, 32, key, True),
+            ("preact_resnet18", 100, 32, key),  # Verma et al.'s batch
         ]
-        compiled_plan = [
-            ("preact_resnet18", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"]),
-            ("resnet50", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"]),
-        ]
-        bf16_plan = [("preact_resnet18", 128, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"])]
+        compiled_plan = [("preact_resnet18", 128, 32, key), ("resnet50", 128, 32, key)]
+        bf16_plan = [("preact_resnet18", 128, 32, key), ("resnet50", 256, 32, key)]
     else:
         plan = [("preact_resnet18", 16, 32, everything), ("resnet50", 16, 32, everything)]
         compiled_plan = [("preact_resnet18", 16, 32, ["none", "mixup_random", "mixup_layer2", "hand_layer2"])]

@@ -38,7 +38,10 @@ def write_folder(root: str, images: int, classes: int = 10, size: tuple[int, int
             Image.fromarray(pixels).save(os.path.join(folder, f"{i:06d}.jpg"), quality=90)
 
 
-def folder_pipeline(timer, reps: int, images: int, workers: int, batch: int = 32) -> dict:
+def folder_pipeline(timer, reps: int, images: int, workers: int, batch: int = 32, device=None) -> dict:
+    """The pipeline's images/s (see the module's text); with ``device``, also torchvision's
+    ``decode_jpeg`` of the same files' bytes in batches of ``batch`` there (nvJPEG on a GPU: what
+    ``decode_jpeg`` on the device would take off the loader workers)."""
     with tempfile.TemporaryDirectory() as root:
         write_folder(root, images)
 
@@ -65,17 +68,23 @@ def folder_pipeline(timer, reps: int, images: int, workers: int, batch: int = 32
                 batches += 1
             return batches
 
-        times = timer.side_by_side(
-            {
-                "decode": decode_only,
-                "pipeline_one_worker": lambda: epoch(one),
-                "pipeline_workers": lambda: epoch(many),
-                "uint8_one_worker": lambda: epoch(uint8),
-            },
-            reps=reps,
-            inner=1,
-            warmup=1,
-        )
+        variants = {
+            "decode": decode_only,
+            "pipeline_one_worker": lambda: epoch(one),
+            "pipeline_workers": lambda: epoch(many),
+            "uint8_one_worker": lambda: epoch(uint8),
+        }
+        if device is not None:
+            from torchvision.io import decode_jpeg, read_file
+
+            files = [read_file(path) for path, _ in dataset.samples]
+
+            def decode_torchvision():
+                for start in range(0, len(files), batch):
+                    decode_jpeg(files[start : start + batch], device=device)
+
+            variants[f"decode_torchvision_{torch.device(device).type}"] = decode_torchvision
+        times = timer.side_by_side(variants, reps=reps, inner=1, warmup=1)
         x, _ = next(iter(one))
     per_second = {k: images / statistics.median(v) for k, v in times.items()}
     return {

@@ -10,9 +10,9 @@ blend forward + backward moved 0.385 of the copy bandwidth (2026-11-26).
 first dimension: one kernel on CUDA (its rows read where they lie, so any layout whose samples are dense
 blocks, channels-last included), torch's two ops elsewhere. Its backward is the same op on the gradient
 with the inverse permutation (the gradient of ``h[index]`` is ``g[inverse]``), so it stays one kernel, and
-its double backward too. The kernel computes in float32 (float64 for float64) with torch's ``lerp``
-formula; it may round once less than eager torch where the compiler fuses a multiply-add, as torch's own
-CUDA kernel may. Float64 and other layouts take torch's ops.
+its double backward too. The kernel computes in float32 with torch's ``lerp`` formula; it may round
+once less than eager torch where the compiler fuses a multiply-add, as torch's own CUDA kernel may.
+Float64 and other layouts take torch's ops.
 
 Off by default (``use(True)`` turns it on for :func:`mixhook.functional.blend`'s permutation blends on
 CUDA outside ``torch.compile``, which fuses its own): it stays opt-in until a GPU run has measured it
@@ -21,16 +21,12 @@ against the eager blend (``benchmarks/cases/blend.py``; issue 72).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
-try:  # (Triton ships with torch's CUDA wheels; the kernel is only launched on a CUDA tensor)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - a CPU-only torch without Triton
-    triton = tl = None
-
 _ENABLED = False
-BLOCK = 1024  # elements of one row a program blends
 
 
 def use(enabled: bool = True) -> None:
@@ -41,26 +37,14 @@ def use(enabled: bool = True) -> None:
 
 def enabled() -> bool:
     """Whether :func:`use` turned the fused blend on (and Triton is there to run it)."""
-    return _ENABLED and triton is not None
+    return _ENABLED and has_triton()
 
 
-def gather_lerp_kernel(h, index, out, lam, row, BLOCK: tl.constexpr):  # noqa: N803 (Triton's constexpr style)
-    """Program ``(i, j)``: ``out[i, cols] = lerp(h[index[i], cols], h[i, cols], lam)`` for the ``j``-th
-    block of a row of ``row`` elements, torch's formula (``lam < 0.5``: ``start + lam (end - start)``,
-    else ``end - (end - start)(1 - lam)``), in float32 as torch's CUDA kernel weighs these dtypes
-    (``lam`` is passed as a float32, as torch rounds a scalar weight for them)."""
-    i = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = cols < row
-    partner = tl.load(index + i).to(tl.int64)
-    start = tl.load(h + partner * row + cols, mask=keep).to(tl.float32)
-    end = tl.load(h + i * row + cols, mask=keep).to(tl.float32)
-    diff = end - start
-    mixed = tl.where(lam < 0.5, start + lam * diff, end - diff * (1.0 - lam))
-    tl.store(out + i * row + cols, mixed.to(out.dtype.element_ty), mask=keep)
-
-
-_kernel = triton.jit(gather_lerp_kernel) if triton is not None else None
+@functools.cache
+def has_triton() -> bool:
+    """Whether Triton can be imported (it ships with torch's CUDA wheels); it is imported only when the
+    kernel first runs (:mod:`mixhook.fused_kernel`: importing it costs 0.2 s)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # (float64 is no speed case: torch's ops)
@@ -78,21 +62,14 @@ def fusable(h: torch.Tensor) -> bool:
     return h.ndim in formats and h.is_contiguous(memory_format=formats[h.ndim])
 
 
-def launch(kernel, h: torch.Tensor, index: torch.Tensor, lam: float) -> torch.Tensor:
-    """``kernel`` (:func:`gather_lerp_kernel`, jitted or interpreted) run over ``h``: the blended tensor,
-    laid out as ``h`` (``h`` must be :func:`fusable`)."""
-    out = torch.empty_like(h)
-    row = h[0].numel()
-    kernel[(h.shape[0], triton.cdiv(row, BLOCK))](h, index, out, lam, row, BLOCK=BLOCK)
-    return out
-
-
 @torch.library.custom_op("mixhook::gather_lerp", mutates_args=())
 def gather_lerp(h: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, lam: float) -> torch.Tensor:
     """``lerp(h[index], h, lam)`` for a permutation ``index`` of ``h``'s first dimension, ``inverse`` its
     inverse (what the backward gathers with): one kernel on CUDA for a tensor that is :func:`fusable`."""
-    if h.is_cuda and _kernel is not None and fusable(h):
-        return launch(_kernel, h, index, lam)
+    if h.is_cuda and has_triton() and fusable(h):
+        from . import fused_kernel
+
+        return fused_kernel.launch(fused_kernel.jitted, h, index, lam)
     from .functional import gather_rows  # (functional imports this module)
 
     return torch.lerp(gather_rows(h, index), h, lam)

@@ -42,7 +42,7 @@ def blend_bandwidth(device, timer, reps, shape) -> dict:
         dst.copy_(src)
 
     variants = {"formula": formula, "lerp": lerp, "mixhook_blend": mixhook_blend, "copy": copy_}
-    if device.type == "cuda" and fused.triton is not None:
+    if device.type == "cuda" and fused.has_triton():
         variants["fused"] = fused_blend
     times = timer.side_by_side(variants, reps=reps, inner=3, warmup=2)
     nbytes = h.numel() * h.element_size()

@@ -11,7 +11,9 @@ from mixhook.functional import blend
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-KERNEL = InterpretedFunction(fused.gather_lerp_kernel)
+from mixhook import fused_kernel  # noqa: E402  (imports Triton)
+
+KERNEL = InterpretedFunction(fused_kernel.gather_lerp_kernel)
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
@@ -24,7 +26,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("shape", "layout"),
-    [((6, 5, 7), None), ((4, 3, 5, 5), torch.channels_last), ((3, 2 * fused.BLOCK + 17), None)],
+    [((6, 5, 7), None), ((4, 3, 5, 5), torch.channels_last), ((3, 2 * fused_kernel.BLOCK + 17), None)],
     ids=["3-d", "channels-last", "rows of three blocks"],
 )
 @pytest.mark.parametrize("lam", [0.3, 0.5, 0.7, 0.0, 1.0])
@@ -34,7 +36,7 @@ def test_the_kernel_is_torchs_lerp_of_the_gathered_rows(dtype, shape, layout, la
     h = h if layout is None else h.contiguous(memory_format=layout)
     index = torch.randperm(shape[0])
     assert fused.fusable(h)
-    out = fused.launch(KERNEL, h, index, lam)
+    out = fused_kernel.launch(KERNEL, h, index, lam)
     expected = torch.lerp(h.index_select(0, index), h, lam)
     assert out.stride() == h.stride() and out.dtype == dtype
     # both weigh in float32 with torch's formula; a fused multiply-add (torch's vectorized CPU kernel) may

@@ -2,8 +2,9 @@
 # What a lent GPU runs, in calls of at most 8 minutes each (issues 60, 72; 7:50 at most with the installs), all
 # under $OUT (or benchmarks/results). Part 1: the CUDA tests, then the benchmark cases behind issue 72's goals
 # (eager, channels-last and bf16 on PreActResNet-18 and ResNet-50, timm's Mixup, the blend and the fused
-# blend, every method, the host cost). Part 2: the compiled steps, recompiles, and the ImageNet-scale path
-# (ResNet-50 at 224x224 against the imagefolder loader, decode_jpeg on the GPU).
+# blend, every method, the host cost). Part 2: FSDP through Lightning and the HuggingFace Trainer on one GPU,
+# the compiled steps, recompiles, and the ImageNet-scale path (ResNet-50 at 224x224 against the imagefolder
+# loader, decode_jpeg on the GPU).
 #
 #   benchmarks/gpu.sh fetch            # here, once, with the registry: the app's pure-Python wheels -> .whl/
 #   benchmarks/gpu.sh                  # there, from the checkout: part 1 (device tool: carry [".whl"],
@@ -43,11 +44,21 @@ if [ "$DEVICE" = cuda ]; then
 fi
 
 if [ "$PART" = 2 ]; then
-    # Part 2: compiling dominates (each variant's graphs, forward and backward): the compiled cases first, then
-    # the ImageNet-scale step and loader, within one budget.
+    # Part 2: FSDP through Lightning and the HuggingFace Trainer on one GPU, each test in a pytest process of
+    # its own (each joins a process group that stays); then the compiled cases (compiling dominates: each
+    # variant's graphs, forward and backward), the recompiles and the ImageNet-scale step and loader.
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 90")
+    for which in lightning hf; do
+        say "tests: FSDP through $which"
+        timeout -k 10 100 python3 -m pytest -q -o addopts="" -p no:cacheprovider -p no:logging -rfE $per_test \
+            -k "$which" --junitxml="$OUT/cuda-fsdp-$which.xml" tests/e2e/test_cuda_fsdp.py \
+            >"$OUT/cuda-fsdp-$which.log" 2>&1 </dev/null
+        say "tests: exit $?"
+        tail -n 25 "$OUT/cuda-fsdp-$which.log"
+    done
     say "benchmarks, part 2"
     quick=${QUICK:+--quick}
-    timeout -k 10 440 python3 benchmarks/run.py --device "$DEVICE" $quick --reps 7 --budget 400 --suffix gpu2 \
+    timeout -k 10 300 python3 benchmarks/run.py --device "$DEVICE" $quick --reps 7 --budget 260 --suffix gpu2 \
         --cases compiled,recompiles,imagenet --out "$OUT" >"$OUT/benchmarks2.log" 2>&1 </dev/null
     say "benchmarks, part 2: exit $?"
     grep -v '^USDT' "$OUT/benchmarks2.log" | tail -n 120

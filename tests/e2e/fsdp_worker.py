@@ -132,9 +132,12 @@ def replay(reference, x, layer, lam, index, partners_x=None):
     return h
 
 
-def run(partners: str, rank: int, world: int, x, y, fsdp1: bool | None = None) -> dict:
+def run(
+    partners: str, rank: int, world: int, x, y, fsdp1: bool | None = None, compiled: bool = False
+) -> dict:
     """FSDP2, or with ``fsdp1`` FSDP1 with ``use_orig_params=fsdp1`` (the mixer attached before wrapping, as
-    before sharding)."""
+    before sharding); FSDP2 ``compiled`` by ``torch.compile`` (its graphs broken at FSDP2's hooks, which
+    call ``torch._dynamo.disable``: :func:`fullgraph_refusal`)."""
     model, reference = net(), net()
     n = 8 // world
     local_x, local_y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
@@ -148,7 +151,7 @@ def run(partners: str, rank: int, world: int, x, y, fsdp1: bool | None = None) -
     mix.attach(model)
     if fsdp1 is None:
         shard(model)  # the unit: each layer with parameters, then the root
-        module = model
+        module = torch.compile(model) if compiled else model
     else:
         module = wrap_fsdp1(model, use_orig_params=fsdp1)
     worst = {"logits": 0.0, "loss": 0.0, "grad": 0.0}
@@ -185,6 +188,20 @@ def run(partners: str, rank: int, world: int, x, y, fsdp1: bool | None = None) -
             replays.append((h, lr))
         compare(worst, all_logits, all_losses, replays, grads, reference)
     return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
+
+
+def fullgraph_refusal(rank: int, world: int, x) -> str:
+    """What ``torch.compile(fullgraph=True)`` of an FSDP2 model with a mixer says at its first forward: torch
+    refuses (FSDP2's hooks call ``torch._dynamo.disable``, a graph break; pytorch/pytorch#181924's
+    custom-op hooks, which would make one graph, are not in torch), before anything is mixed."""
+    model = net()
+    ManifoldMixup("1", generator=torch.Generator().manual_seed(50 + rank)).attach(model)
+    shard(model)
+    try:
+        torch.compile(model, fullgraph=True)(x[: 8 // world])
+    except Exception as err:  # (torch's own: torch._dynamo.exc.Unsupported)
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return "compiled"
 
 
 class Checkpointed(nn.Module):
@@ -436,6 +453,8 @@ def scenarios(folder: str) -> dict:
     for orig in (True, False):
         for partners in ("local", "global"):
             found[f"fsdp1_{'orig' if orig else 'flat'}_{partners}"] = run(partners, rank, world, x, y, orig)
+    found["compiled"] = run("local", rank, world, x, y, compiled=True)
+    found["fullgraph"] = fullgraph_refusal(rank, world, x)
     found["checkpointed"] = run_checkpointed(rank, world, x, y)
     found["scales"] = run_scales(rank, world, x, y)
     found["clip"] = run_clip(rank, world, x, y)

@@ -258,13 +258,16 @@ def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch
     activation checkpointing recomputes in backward (the replay of each rank's mix); and InputScale with
     per-sample factors, GradScale and GradClip (each rank clips its own gradient) on the sharded model; and
     NoisyFeatureMixup equal to itself on the unsharded model from each rank's generator state; and FSDP1
-    (each Linear wrapped, then the root; ``use_orig_params`` True and False) for both partner modes."""
+    (each Linear wrapped, then the root; ``use_orig_params`` True and False) for both partner modes; and the
+    FSDP2 model under ``torch.compile`` (its graphs broken at FSDP2's hooks), while ``fullgraph=True`` is
+    refused by torch itself at the first forward (FSDP2's hooks call ``torch._dynamo.disable``)."""
     found = launch[1]["fsdp"]  # (fsdp_worker.py)
     # a sharded checkpoint with each rank's mixer state under its own key resumes exactly on every rank; the
     # states under one key (one copy kept) are refused where a rank would get another's stream
     assert found["dcp"]["exact"] == [1, 1] and any(found["dcp"]["refused"]), found["dcp"]
     fsdp1 = [f"fsdp1_{params}_{partners}" for params in ("orig", "flat") for partners in ("local", "global")]
-    for partners in ("local", "global", "checkpointed", "scales", "clip", "nfm", *fsdp1):
+    assert "torch._dynamo.disable" in found["fullgraph"], found["fullgraph"]
+    for partners in ("local", "global", "compiled", "checkpointed", "scales", "clip", "nfm", *fsdp1):
         run = found[partners]  # (for clip, mixed_steps counts the samples whose gradient was clipped)
         assert run["mixed_steps"] >= 4 and len(run["layers"]) >= (1 if partners == "clip" else 2), run
         assert all(value < 1e-12 for value in run["worst"].values()), (partners, run["worst"])

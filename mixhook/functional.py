@@ -134,7 +134,8 @@ def gather_rows(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     (the faster gather), indexing otherwise. ``index_select`` returns a contiguous tensor whatever its
     input's layout, so a channels-last map blended with it left the blend contiguous and every
     convolution after it copied its input and its gradient back to channels-last (4 copies of a
-    ResNet-50 map per step, found by the CPU twin's op lists, issue 72)."""
+    ResNet-50 map per step, found by the CPU twin's op lists, issue 72). :func:`blend` and its backward
+    write the same line out (marked ``(gather_rows)``): the entries of the plain forward are pinned."""
     return h.index_select(0, index) if h.is_contiguous() else h[index]
 
 
@@ -152,7 +153,8 @@ class _GatherBlend(torch.autograd.Function):
         ctx.lam = lam if not isinstance(lam, torch.Tensor) else None
         ctx.save_for_backward(*((lam,) if ctx.lam is None else ()), index if inverse is None else inverse)
         ctx.inverted = inverse is not None
-        return torch.lerp(gather_rows(h, index), h, lam)
+        partner = h.index_select(0, index) if h.is_contiguous() else h[index]  # (gather_rows)
+        return torch.lerp(partner, h, lam)
 
     @staticmethod
     @once_differentiable
@@ -160,7 +162,8 @@ class _GatherBlend(torch.autograd.Function):
         *lam, index = ctx.saved_tensors
         inverse = index if ctx.inverted else torch.argsort(index)
         if ctx.lam is not None or lam[0].ndim == 0:
-            out = torch.lerp(gather_rows(grad, inverse), grad, ctx.lam if ctx.lam is not None else lam[0])
+            rows = grad.index_select(0, inverse) if grad.is_contiguous() else grad[inverse]  # (gather_rows)
+            out = torch.lerp(rows, grad, ctx.lam if ctx.lam is not None else lam[0])
         else:
             out = torch.addcmul(gather_rows((1 - lam[0]) * grad, inverse), lam[0], grad)
         return out, None, None, None
@@ -225,7 +228,7 @@ def blend(
         if h.is_cuda and isinstance(lam, float) and fused.enabled() and not torch.compiler.is_compiling():
             return fused.gather_lerp(h, index, torch.argsort(index) if inverse is None else inverse, lam)
         return _GatherBlend.apply(h, lam, index, inverse)
-    return torch.lerp(gather_rows(h, index), h, lam)
+    return torch.lerp(h.index_select(0, index) if h.is_contiguous() else h[index], h, lam)  # (gather_rows)
 
 
 def lerp_rows(h: torch.Tensor, lam: torch.Tensor, index: torch.Tensor, one: bool = True) -> torch.Tensor:

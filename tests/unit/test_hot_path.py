@@ -378,12 +378,14 @@ def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
 # extension points AdAutoMix is built on, copy_pass, block_draws, block_mix, block_loss, copy_mixed_loss
 # and _logits_of, each one call per step. AdAutoMix at its default three samples: each of its two draws'
 # three permutations moved to the device and indexed, its three labels' losses and cosine terms, one call
-# each.)
+# each. SnapMix, SpecMix and CatchUpMix +1 on 2026-11-29: their partner rows are gathered by
+# functional.gather_rows, laid out as the map (index_select made a channels-last map contiguous); blend
+# writes that line out, so the methods that blend pay nothing.)
 PINNED = {
     "ManifoldMixup": (23, 7), "NoisyFeatureMixup": (42, 8), "CutMix": (27, 6), "OneOf": (44, 10),
     "FMix": (27, 7), "GridMix": (27, 8), "SmoothMix": (28, 7), "ResizeMix": (30, 9), "TokenMix": (58, 8),
     "PatchUp": (28, 7), "SaliencyMix": (105, 17), "AttentiveCutMix": (57, 12), "PuzzleMix": (139, 16),
-    "SnapMix": (71, 15), "SpecMix": (38, 8), "AlignMix": (34, 7), "CatchUpMix": (27, 9), "RegMixup": (27, 6),
+    "SnapMix": (72, 15), "SpecMix": (39, 8), "AlignMix": (34, 7), "CatchUpMix": (28, 9), "RegMixup": (27, 6),
     "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (59, 11), "MixPro": (58, 11),
     "AutoMix": (79, 13), "SAMix": (85, 13), "AdAutoMix": (170, 14), "Balanced-MixUp": (60, 12),
     "Remix": (51, 8),

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import checkpoint
@@ -149,6 +150,9 @@ def run(
         generator=torch.Generator().manual_seed(10 + rank),
     )
     mix.attach(model)
+    if compiled:  # (a clean cache: what is counted below is this model's graphs)
+        torch._dynamo.reset()
+        counters.clear()
     if fsdp1 is None:
         shard(model)  # the unit: each layer with parameters, then the root
         module = torch.compile(model) if compiled else model
@@ -187,7 +191,10 @@ def run(
                 lr = (lams[r] * per_sample_ce(h, yr) + (1 - lams[r]) * per_sample_ce(h, y_partner)).mean()
             replays.append((h, lr))
         compare(worst, all_logits, all_losses, replays, grads, reference)
-    return {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
+    found = {"worst": worst, "mixed_steps": mixed_steps, "layers": sorted(layers)}
+    if compiled:  # the graphs inductor compiled (a compile past dynamo's recompile limit runs eagerly)
+        found["graphs"] = counters["stats"]["unique_graphs"]
+    return found
 
 
 def fullgraph_refusal(rank: int, world: int, x) -> str:
@@ -197,6 +204,9 @@ def fullgraph_refusal(rank: int, world: int, x) -> str:
     model = net()
     ManifoldMixup("1", generator=torch.Generator().manual_seed(50 + rank)).attach(model)
     shard(model)
+    # (dynamo's caches from the scenarios before: with the same code compiled past its recompile limit,
+    # a new fullgraph compile runs it eagerly, saying nothing but a warning)
+    torch._dynamo.reset()
     try:
         torch.compile(model, fullgraph=True)(x[: 8 // world])
     except Exception as err:  # (torch's own: torch._dynamo.exc.Unsupported)

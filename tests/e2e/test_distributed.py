@@ -267,6 +267,7 @@ def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch
     assert found["dcp"]["exact"] == [1, 1] and any(found["dcp"]["refused"]), found["dcp"]
     fsdp1 = [f"fsdp1_{params}_{partners}" for params in ("orig", "flat") for partners in ("local", "global")]
     assert "torch._dynamo.disable" in found["fullgraph"], found["fullgraph"]
+    assert found["compiled"]["graphs"] >= 2, found["compiled"]  # (compiled, not run eagerly past a limit)
     for partners in ("local", "global", "compiled", "checkpointed", "scales", "clip", "nfm", *fsdp1):
         run = found[partners]  # (for clip, mixed_steps counts the samples whose gradient was clipped)
         assert run["mixed_steps"] >= 4 and len(run["layers"]) >= (1 if partners == "clip" else 2), run

@@ -55,6 +55,21 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert verdicts <= {"yes", "NO", "not resolved"} and any(
         "device time" in g["where"] for g in data["goals"]
     )
+    # issue 72: each case's seconds; timm's Mixup beside mixhook in host and device time, with kernel lists;
+    # the ImageNet-scale step against the loader, channels-last, where the mix must not make the map
+    # contiguous (index_select did: the convolutions after it copied input and gradient back)
+    assert {"peers", "imagenet", "blend"} <= set(data["meta"]["seconds"])
+    peers = data["peers"]
+    assert set(peers["kernels_per_step"]) == set(peers["seconds_per_step"])
+    if "timm_Mixup" in peers["seconds_per_step"]:
+        assert peers["device_mixhook_vs_timm"]["n"] >= 5 and "kernels_timm_not_mixhook" in peers
+    imagenet = data["imagenet"]
+    assert imagenet["step"]["channels_last"] and set(imagenet["workers_to_feed"]) == set(
+        imagenet["step"]["seconds_per_step"]
+    )
+    extra = imagenet["step"]["kernels_mixup_layer2_not_hand"]
+    assert not {"aten::contiguous", "aten::clone"} & set(extra), extra
+    assert imagenet["loader"]["images_per_second"]["decode_torchvision_cpu"] > 0
     rc = data["recompiles"]
     assert rc["distinct_layers_mixed"] == 3 and rc["distinct_lams"] == rc["steps"]
     assert rc["graphs_compiled_after_warmup"] == 0 and rc["graphs_compiled_total"] > 0

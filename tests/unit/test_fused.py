@@ -56,6 +56,7 @@ def test_what_the_kernel_does_not_take():
     assert fused.fusable(h.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))  # channels-last
 
 
+@pytest.mark.slow
 def test_the_op_is_registered_as_torch_checks_an_op():
     h = torch.randn(5, 3, 4, requires_grad=True)
     index = torch.randperm(5)

@@ -8,12 +8,12 @@ map it is a permutation of; and what cannot be told is refused in one line.
 """
 
 import copy
+from collections import OrderedDict
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 from torchvision.ops.misc import Permute
 
@@ -525,6 +525,20 @@ def test_wav2vec2_convolutional_features_are_cut_along_their_positions():
         model(input_values=x)
 
 
+def _channels_last_net() -> nn.Module:
+    """Convolutions in channels-last (the map at ``layer2`` is 8 channels of 32x32), then a linear head."""
+    torch.manual_seed(0)
+    layers = {
+        "stem": nn.Conv2d(3, 8, 3, padding=1),
+        "layer2": nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()),
+        "layer3": nn.Conv2d(8, 8, 3, padding=1),
+        "pool": nn.AdaptiveAvgPool2d(1),
+        "flat": nn.Flatten(),
+        "fc": nn.Linear(8, 4),
+    }
+    return nn.Sequential(OrderedDict(layers)).to(memory_format=torch.channels_last).train()
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -541,14 +555,13 @@ def test_wav2vec2_convolutional_features_are_cut_along_their_positions():
 def test_a_channels_last_map_stays_channels_last_through_the_mix(make, batch):
     # index_select returns a contiguous tensor whatever its input's layout: a channels-last map came out of
     # the blend contiguous and every convolution after it copied its input and gradient back (issue 72);
-    # batch 16 takes the blend's gathering backward (GATHER_FROM elements), batch 2 the plain one
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=4).to(memory_format=torch.channels_last).train()
+    # batch 16 (131,072 elements) takes the blend's gathering backward (GATHER_FROM), batch 2 the plain one
+    model = _channels_last_net()
     mix = make()
     mix.attach(model)
     seen = []
     model.layer3.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
-    x = torch.randn(batch, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 4, (batch,))
     if hasattr(mix, "use_targets"):
         mix.use_targets(y)

@@ -48,13 +48,16 @@ def has_triton() -> bool:
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # (float64 is no speed case: torch's ops)
+# the longest row the kernel takes: its blocks of 1,024 run along CUDA's second grid dimension, at most
+# 65,535 (a language model's (T, D) row of 16k tokens by 8k is twice that: torch's ops)
+ROW_LIMIT = 65_535 * 1024
 
 
 def fusable(h: torch.Tensor) -> bool:
     """Whether the kernel blends ``h``: a float32, bfloat16 or float16 tensor whose samples are each one
     dense block of memory, one after another, so that sample ``i`` is elements ``[i * row, (i + 1) *
-    row)`` of its storage (contiguous, or channels-last)."""
-    if h.ndim == 0 or h.shape[0] == 0 or h.dtype not in FUSED_DTYPES:
+    row)`` of its storage (contiguous, or channels-last), of at most ``ROW_LIMIT`` elements."""
+    if h.ndim == 0 or h.shape[0] == 0 or h.dtype not in FUSED_DTYPES or h[0].numel() > ROW_LIMIT:
         return False
     if h.is_contiguous():
         return True

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements of one row a program blends
+BLOCK = 1024  # elements of one row a program blends (mixhook.fused.ROW_LIMIT counts in these)
 
 
 def gather_lerp_kernel(h, index, out, lam, row, BLOCK: tl.constexpr):  # noqa: N803 (Triton's constexpr style)

@@ -53,6 +53,11 @@ def test_what_the_kernel_does_not_take():
     assert not fused.fusable(h.transpose(0, 1))  # a sample is no dense block
     assert not fused.fusable(h[:, :, :2])
     assert not fused.fusable(torch.randn(0, 3))
+    assert not fused.fusable(
+        torch.empty(2, fused.ROW_LIMIT + 1, device="meta")
+    )  # (CUDA's grid: 65,535 blocks)
+    assert fused.fusable(torch.empty(2, fused.ROW_LIMIT, device="meta"))
+    assert fused.ROW_LIMIT == 65_535 * fused_kernel.BLOCK
     assert fused.fusable(h.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))  # channels-last
 
 

@@ -244,6 +244,32 @@ def test_the_generator_equals_the_authors_on_the_same_features(mode):
     torch.testing.assert_close(shares.sum(1), torch.ones(5, 16, 16, dtype=torch.float64))
 
 
+def references(model, mix):
+    """Inside ``mix.attach(model)``: its Mix Block in float64 with weights drawn large enough that the mask
+    varies, and the authors' twins (the model, the momentum copy, their generator with the same weights)."""
+    block = mix.mix_block.double()
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    q_ref, k_ref = copy.deepcopy(model), copy.deepcopy(mix.momentum_model).double()
+    block_ref = theirs_of(block)
+    mix.momentum_model.double()
+    return block, q_ref, k_ref, block_ref
+
+
+def assert_same_step(model, q_ref, block, block_ref):
+    """The model's and the generator's gradients equal the authors' (the generator's not all zero: it is
+    trained), and the model's buffers (batch norm's running statistics) too."""
+    for (name, p), r in zip(model.named_parameters(), q_ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-10, atol=1e-13, msg=name)
+    grads = [(name, p.grad) for name, p in block.named_parameters()]
+    refs = [block_ref.conv_q[0], block_ref.conv_k[0], block_ref.conv_v]
+    for (name, grad), r in zip(grads, [p.grad for m in refs for p in m.parameters()], strict=True):
+        torch.testing.assert_close(grad, r, rtol=1e-10, atol=1e-13, msg=name)
+    assert any(float(grad.abs().max()) > 0 for _, grad in grads)
+    for (name, b), r in zip(model.named_buffers(), q_ref.buffers(), strict=True):
+        torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-14, msg=name)
+
+
 @pytest.mark.parametrize(
     ("lam_bb", "norm", "adversarial"),
     [(0.35, "group", True), (0.35, "group", False), (0.02, "group", True), (0.35, "batch", True)],
@@ -258,12 +284,7 @@ def test_one_training_step_equals_the_authors_loss_and_gradients(lam_bb, norm, a
     img, y = batch()
     index_mb, index_bb = torch.tensor([5, 3, 0, 1, 2, 4]), torch.tensor([1, 2, 3, 4, 5, 0])
     with mix.attach(model):
-        block = mix.mix_block.double()
-        for p in block.parameters():
-            p.data.normal_(0, 0.2)
-        q_ref, k_ref = copy.deepcopy(model), copy.deepcopy(mix.momentum_model).double()
-        block_ref = theirs_of(block)
-        mix.momentum_model.double()
+        block, q_ref, k_ref, block_ref = references(model, mix)
         mix.pin(lam=lam_bb, index=index_bb, lam_mb=0.6, index_mb=index_mb, adversarial=adversarial)
         logits = model(img)
         loss = mix.loss(F.cross_entropy, logits, y)
@@ -274,16 +295,8 @@ def test_one_training_step_equals_the_authors_loss_and_gradients(lam_bb, norm, a
     expected.backward()
     assert logits.shape == (12, 5)  # the clean rows, then the mixed ones
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
-    for (name, p), r in zip(model.named_parameters(), q_ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, r.grad, rtol=1e-10, atol=1e-13, msg=name)
-    grads = [(name, p.grad) for name, p in block.named_parameters()]
-    refs = [block_ref.conv_q[0], block_ref.conv_k[0], block_ref.conv_v]
-    for (name, g), r in zip(grads, [p.grad for m in refs for p in m.parameters()], strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13, msg=name)
-    assert any(float(g.abs().max()) > 0 for _, g in grads)  # (the generator is trained)
+    assert_same_step(model, q_ref, block, block_ref)
     assert all(p.grad is None for p in mix.momentum_model.parameters())
-    for (name, b), r in zip(model.named_buffers(), q_ref.buffers(), strict=True):
-        torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-14, msg=name)
     torch.testing.assert_close(mix.last.info["block"][1], mask_mb[:, 1:], rtol=1e-12, atol=1e-14)
     own = mix.last.weights[:, None]
     torch.testing.assert_close(own * img + (1 - own) * img[index_bb], mixed_bb, rtol=1e-12, atol=1e-14)
@@ -312,12 +325,7 @@ def test_a_three_sample_step_equals_the_authors_loss_and_gradients(lams, rule, n
     block_indices = [torch.randperm(6, generator=g) for _ in range(3)]
     mix_indices = [torch.randperm(6, generator=g) for _ in range(3)]
     with mix.attach(model):
-        block = mix.mix_block.double()
-        for p in block.parameters():
-            p.data.normal_(0, 0.2)
-        q_ref, k_ref = copy.deepcopy(model), copy.deepcopy(mix.momentum_model).double()
-        block_ref = theirs_of(block)
-        mix.momentum_model.double()
+        block, q_ref, k_ref, block_ref = references(model, mix)
         mix.pin(lams=lams, block_indices=block_indices, mix_indices=mix_indices, adversarial=adversarial)
         logits = model(img)
         loss = mix.loss(F.cross_entropy, logits, y)
@@ -328,15 +336,7 @@ def test_a_three_sample_step_equals_the_authors_loss_and_gradients(lams, rule, n
     expected.backward()
     assert logits.shape == (18, 5) and mix.last.groups == 2  # clean, plain mixup, mask mix
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
-    for (name, p), r in zip(model.named_parameters(), q_ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, r.grad, rtol=1e-10, atol=1e-13, msg=name)
-    grads = [(name, p.grad) for name, p in block.named_parameters()]
-    refs = [block_ref.conv_q[0], block_ref.conv_k[0], block_ref.conv_v]
-    for (name, grad), r in zip(grads, [p.grad for m in refs for p in m.parameters()], strict=True):
-        torch.testing.assert_close(grad, r, rtol=1e-10, atol=1e-13, msg=name)
-    assert any(float(grad.abs().max()) > 0 for _, grad in grads)
-    for (name, b), r in zip(model.named_buffers(), q_ref.buffers(), strict=True):
-        torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-14, msg=name)  # (three forwards')
+    assert_same_step(model, q_ref, block, block_ref)  # (batch norm: the three forwards' statistics)
     torch.testing.assert_close(mix.last.info["block"][1], mask_mb, rtol=1e-12, atol=1e-14)
     shares = mix.last.info["mask"]
     ours = sum(shares[:, i : i + 1] * img[mix_indices[i]] for i in range(3))

@@ -73,6 +73,24 @@ WITHOUT_APP_DEPENDENCIES = (
 )
 
 
+def fused_off_and_on(monkeypatch, step) -> tuple[list, list]:
+    """``step()`` (a training step that returns a gradient) run with ``mixhook.fused`` off, then on, the
+    switch turned off again after each: the two gradients, and the fused op's calls (counted by wrapping
+    it where ``blend`` finds it)."""
+    from mixhook import fused
+
+    calls, real = [], fused.gather_lerp
+    monkeypatch.setattr(fused, "gather_lerp", lambda *a: calls.append(a) or real(*a))
+    grads = []
+    for on in (False, True):
+        fused.use(on)
+        try:
+            grads.append(step())
+        finally:
+            fused.use(False)
+    return grads, calls
+
+
 def run_bench(*args, cwd=ROOT):
     """``python benchmarks/run.py *args`` where Hydra, OmegaConf, submitit and Optuna cannot be imported:
     the completed process."""

@@ -22,7 +22,7 @@ from mixhook import (
     SaliencyMix,
     TokenMix,
 )
-from tests.helpers import run_bench
+from tests.helpers import fused_off_and_on, run_bench
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -200,24 +200,17 @@ def test_the_fused_blend_kernel_on_cuda_is_the_blend_and_its_gradient(dtype, lay
 
 
 def test_a_manifold_mixup_step_with_the_fused_blend_equals_the_default(monkeypatch):
-    from mixhook import fused
+    def step():
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=4).cuda().train()
+        mix = ManifoldMixup("layer2", generator=torch.Generator().manual_seed(3))
+        with mix.attach(model):
+            # (64x64: layer2's map is 8x128x8x8, at the permutation blend's size, GATHER_FROM)
+            x, y = torch.randn(8, 3, 64, 64, device="cuda"), torch.tensor([0, 1, 2, 3] * 2, device="cuda")
+            mix.loss(F.cross_entropy, model(x), y).backward()
+        return model.conv1.weight.grad
 
-    calls, real = [], fused.gather_lerp
-    monkeypatch.setattr(fused, "gather_lerp", lambda *a: calls.append(a) or real(*a))
-    grads = []
-    for on in (False, True):
-        fused.use(on)
-        try:
-            torch.manual_seed(0)
-            model = torchvision.models.resnet18(num_classes=4).cuda().train()
-            mix = ManifoldMixup("layer2", generator=torch.Generator().manual_seed(3))
-            with mix.attach(model):
-                # (64x64: layer2's map is 8x128x8x8, at the permutation blend's size, GATHER_FROM)
-                x, y = torch.randn(8, 3, 64, 64, device="cuda"), torch.tensor([0, 1, 2, 3] * 2, device="cuda")
-                mix.loss(F.cross_entropy, model(x), y).backward()
-            grads.append(model.conv1.weight.grad)
-        finally:
-            fused.use(False)
+    grads, calls = fused_off_and_on(monkeypatch, step)
     assert len(calls) == 1  # the second step's blend, the first's took torch's ops
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 

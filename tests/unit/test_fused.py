@@ -7,6 +7,7 @@ import torch
 
 from mixhook import ManifoldMixup, fused
 from mixhook.functional import blend
+from tests.helpers import fused_off_and_on
 
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -86,22 +87,16 @@ def test_the_ops_gradients_are_the_formulas_to_second_order():
 def test_blend_takes_it_only_on_cuda_when_turned_on_and_mixes_the_same(monkeypatch):
     # on the CPU, turned on or not, a Manifold Mixup step is bit for bit the default's (the op is never
     # reached: its calls are counted)
-    calls = []
-    real = fused.gather_lerp
-    monkeypatch.setattr(fused, "gather_lerp", lambda *a: calls.append(a) or real(*a))
-    grads = []
-    for on in (False, True):
-        fused.use(on)
-        try:
-            torch.manual_seed(0)
-            net = torch.nn.Sequential(torch.nn.Linear(8, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 3))
-            mix = ManifoldMixup("1", generator=torch.Generator().manual_seed(3))
-            mix.attach(net)
-            x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
-            mix.loss(torch.nn.functional.cross_entropy, net(x), y).backward()
-            grads.append(net[0].weight.grad)
-        finally:
-            fused.use(False)
+    def step():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 3))
+        mix = ManifoldMixup("1", generator=torch.Generator().manual_seed(3))
+        mix.attach(net)
+        x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+        mix.loss(torch.nn.functional.cross_entropy, net(x), y).backward()
+        return net[0].weight.grad
+
+    grads, calls = fused_off_and_on(monkeypatch, step)
     assert torch.equal(*grads) and not calls
     assert not fused.enabled()
     h = torch.randn(32, 4096, requires_grad=True)

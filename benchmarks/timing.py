@@ -88,6 +88,21 @@ class Timer:
         return times, kernels
 
 
+def per_step(times: dict[str, list[float]], kernels: dict[str, Counter]) -> dict:
+    """What :meth:`Timer.device_side_by_side` measured, as the results keep it: each variant's device
+    seconds per step (the median over repetitions) and its kernels per step."""
+    return {
+        "device_seconds_per_step": {k: statistics.median(v) for k, v in times.items()},
+        "kernels_per_step": {k: sum(c.values()) for k, c in kernels.items()},
+    }
+
+
+def kernels_apart(kernels: dict[str, Counter], a: str, b: str) -> tuple[dict, dict]:
+    """The kernels per step variant ``a`` runs beyond ``b``'s, and ``b`` beyond ``a``'s."""
+    mine, other = kernels[a], kernels[b]
+    return {k: v for k, v in (mine - other).items() if v}, {k: v for k, v in (other - mine).items() if v}
+
+
 # what torch.profiler leaves out of its own event list (torch.autograd.profiler_util._filter_name)
 _PROFILER_OWN = {
     "[memory]", "[OutOfMemory]", "profiler::_record_function_enter", "profiler::_record_function_enter_new",

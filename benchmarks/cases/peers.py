@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import cases
-from benchmarks.timing import ratio
+from benchmarks.timing import kernels_apart, per_step, ratio
 from mixhook import ManifoldMixup
 
 
@@ -74,11 +74,9 @@ def peers(device, timer, reps, inner, batch, size, device_time: bool = False) ->
         found["mixhook_vs_timm"] = ratio(times, "mixhook_input", "timm_Mixup")
     if device_time:
         device, kernels = timer.device_side_by_side(variants, reps, inner)
-        found["device_seconds_per_step"] = {k: statistics.median(v) for k, v in device.items()}
-        found["kernels_per_step"] = {k: sum(c.values()) for k, c in kernels.items()}
+        found.update(per_step(device, kernels))
         if "timm_Mixup" in device:
             found["device_mixhook_vs_timm"] = ratio(device, "mixhook_input", "timm_Mixup")
-            mine, timm = kernels["mixhook_input"], kernels["timm_Mixup"]
-            found["kernels_mixhook_not_timm"] = {k: v for k, v in (mine - timm).items() if v}
-            found["kernels_timm_not_mixhook"] = {k: v for k, v in (timm - mine).items() if v}
+            extra, fewer = kernels_apart(kernels, "mixhook_input", "timm_Mixup")
+            found["kernels_mixhook_not_timm"], found["kernels_timm_not_mixhook"] = extra, fewer
     return found

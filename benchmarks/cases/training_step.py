@@ -15,7 +15,7 @@ import torchvision
 from torch import nn
 
 from benchmarks import cases
-from benchmarks.timing import ratio
+from benchmarks.timing import kernels_apart, per_step, ratio
 from mixhook import CutMix, GradScale, InputScale, ManifoldMixup
 
 VARIANTS = (
@@ -194,15 +194,11 @@ def device_figures(timer, steps: dict, reps: int, inner: int) -> dict:
     kernels per step, and the kernels one variant runs that the other does not (mixhook's mix at
     ``layer2`` against the hand-edited forward's; a compiled graph's extra kernels are named there)."""
     times, kernels = timer.device_side_by_side(steps, reps, inner)
-    out = {
-        "device_seconds_per_step": {k: statistics.median(v) for k, v in times.items()},
-        "kernels_per_step": {k: sum(c.values()) for k, c in kernels.items()},
-    }
+    out = per_step(times, kernels)
     if "none" in times:
         out["device_vs_none"] = {k: ratio(times, k, "none") for k in times if k != "none"}
     if "hand_layer2" in times and "mixup_layer2" in times:
         out["device_mixup_layer2_vs_hand_layer2"] = ratio(times, "mixup_layer2", "hand_layer2")
-        mine, hand = kernels["mixup_layer2"], kernels["hand_layer2"]
-        out["kernels_mixup_layer2_not_hand"] = {k: v for k, v in (mine - hand).items() if v}
-        out["kernels_hand_not_mixup_layer2"] = {k: v for k, v in (hand - mine).items() if v}
+        extra, fewer = kernels_apart(kernels, "mixup_layer2", "hand_layer2")
+        out["kernels_mixup_layer2_not_hand"], out["kernels_hand_not_mixup_layer2"] = extra, fewer
     return out

@@ -354,6 +354,7 @@ class LayerHook:
         self._model = None
         self._handle = None
         self._tracker = None
+        self._dims = {}  # (each holds the model's modules)
         self._reset()
         self._bind(None)
 

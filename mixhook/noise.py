@@ -107,9 +107,15 @@ class NEFTune(LayerHook):
         guard_unwrapped(self, model, handles, "noised")
         for spec, module in modules.items():
             handles.append(module.register_forward_hook(recompute.hook(self._hook(spec), self._again(spec))))
+        # the call's masks and packing are dropped when it ends, raised or not (a recomputation under
+        # activation checkpointing replays what each layer's hook noted)
+        handles.append(model.register_forward_hook(self._on_model_output, always_call=True))
 
     def _reset(self) -> None:
         self._call, self._calls = None, {}
+
+    def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
+        self._reset()
 
     # --------------------------------------------------------------------------------- the model's call
 

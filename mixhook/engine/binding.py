@@ -15,32 +15,50 @@ from dataclasses import dataclass
 import torch
 
 from ..sites import leaves as tree_leaves
-from .contract import ForeignLogitsError, MixState
+from .contract import ForeignLogitsError, MixState, kept
 
 
 @dataclass(slots=True)
-class _Forward:
-    """One forward of the model a mixer saw: what it mixed (``state``, ``None`` when it mixed nothing),
-    whether a ``loss``/``targets``/``state_for`` call has claimed its output yet and, for a compiled
-    forward, the layer it was to mix (checked when it is settled)."""
+class _Mark:
+    """What a mixer keeps of one recent forward, of a fixed size whatever the batch and the method: the
+    layer it mixed (``None``: nothing) and whether a ``loss``/``targets``/``state_for`` call has claimed
+    its output yet."""
 
-    state: MixState | None = None
     layer: str | None = None
     bound: bool = False
 
 
-_UNMIXED = _Forward()  # every forward that mixed nothing (eval, skipped, not drawn): one shared record
+@dataclass(slots=True)
+class _Forward:
+    """One forward of the model a mixer saw, as its outputs carry it: what it mixed (``state``, ``None``
+    when it mixed nothing: the whole :class:`MixState`, its ``loss_inputs`` included) and its
+    :class:`_Mark`; for a compiled forward, the layer it was to mix (checked when it is settled). It lives
+    as long as the output that carries it (its autograd node's metadata), not in the mixer."""
+
+    state: MixState | None = None
+    layer: str | None = None
+    mark: _Mark | None = None
 
 
-_RECENT = 64  # the forwards a mixer keeps to tell whether an unclaimed one mixed
+_UNMIXED = _Forward(mark=_Mark())  # every forward that mixed nothing (eval, skipped, not drawn): one record
+
+
+_RECENT = 64  # the forwards a mixer keeps a mark of, to tell whether an unclaimed one mixed
 _RECORD_TRACED: list = []  # Forwards.record wrapped by torch.compiler.disable, made when first needed
 
 
 class Forwards:
-    """The recent forwards of the model one mixer is attached to, and what each mixed."""
+    """The recent forwards of the model one mixer is attached to, and what each mixed.
+
+    What it keeps between steps is of a fixed size: a :class:`_Mark` of each of the last 64 forwards (the
+    layer mixed, whether claimed) and the latest forward's :class:`MixState` without its ``loss_inputs``
+    (what ``targets()`` without logits reads, the mixer's ``.last``). The whole state of a forward, the
+    pieces of the autograd graph its method's loss takes included, is carried by that forward's output
+    (its autograd node's metadata, or a weak reference to a tensor without one) and freed with it."""
 
     def __init__(self, owner: object):
-        self.recent: collections.deque[_Forward] = collections.deque(maxlen=_RECENT)
+        self.recent: collections.deque[_Mark] = collections.deque(maxlen=_RECENT)
+        self.latest: tuple[MixState | None, _Mark] | None = None  # the latest forward: its kept state
         self.outputs: dict[int, tuple] = {}  # id(mixed output without autograd) -> (weakref, _Forward)
         self.unmixed: collections.deque = collections.deque(maxlen=_RECENT)  # weakrefs: unmixed outputs
         self.key = f"mixhook.forward.{id(owner)}"  # in grad_fn.metadata: the _Forward of that output
@@ -49,8 +67,9 @@ class Forwards:
         self.begun: list[_Forward] = []
         self.pending = None
 
-    def record(self, output, state: MixState | None) -> None:
-        """A forward ended with ``output`` having mixed ``state`` (``None``: nothing): mark its outputs.
+    def record(self, output, state: MixState | None) -> MixState | None:
+        """A forward ended with ``output`` having mixed ``state`` (``None``: nothing): mark its outputs, and
+        return what the mixer keeps of ``state`` (:func:`~.contract.kept`: without its ``loss_inputs``).
 
         From code torch.compile traces, this runs after the graph (a graph break at the model's end): it
         reads the real outputs' autograd nodes, which a traced graph does not have, and the list of recent
@@ -60,31 +79,42 @@ class Forwards:
         if torch.compiler.is_compiling():
             if not _RECORD_TRACED:
                 _RECORD_TRACED.append(torch.compiler.disable(Forwards.record))
-            _RECORD_TRACED[0](self, output, state)
-            return
+            return _RECORD_TRACED[0](self, output, state)
         if self.begun or self.pending is not None:
             self.settle()
-        record = _UNMIXED if state is None else _Forward(state)
-        self.recent.append(record)
+        if state is None:
+            record = _UNMIXED
+            self.latest = None
+        else:
+            record = _Forward(state, None, _Mark(state.layer))
+            state = state if state.loss_inputs is None else kept(state)
+            self.latest = (state, record.mark)
+        self.recent.append(record.mark)
         node = output.grad_fn if type(output) is torch.Tensor else None
         if node is not None:  # (the usual output: one tensor with gradients)
             node.metadata[self.key] = record
         else:
             _mark_outputs(output, record, self.key, self.outputs, self.unmixed)
+        return state
 
     def open(self, layer: str | None) -> None:
         """A compiled graph began a forward (``mixhook::begin``) that is to mix ``layer`` (``None``:
         nothing): the one before it is settled, this one recorded (what it mixed is filled in by
         :meth:`mixed`)."""
         self.settle()
-        record = _Forward(layer=layer)
-        self.recent.append(record)
+        record = _Forward(layer=layer, mark=_Mark())
+        self.recent.append(record.mark)
         self.begun.append(record)
+        self.latest = None
 
-    def mixed(self, state: MixState) -> None:
-        """The compiled forward begun last mixed ``state``."""
+    def mixed(self, state: MixState) -> MixState:
+        """The compiled forward begun last mixed ``state``; what the mixer keeps of it (:func:`kept`)."""
         if self.begun:
-            self.begun[-1].state = state
+            record = self.begun[-1]
+            record.state, record.mark.layer = state, state.layer
+            state = state if state.loss_inputs is None else kept(state)
+            self.latest = (state, record.mark)
+        return state
 
     def settle(self) -> None:
         """Mark the output a compiled forward left in :attr:`pending` as the last begun forward's. Where
@@ -114,7 +144,7 @@ class Forwards:
         node = logits.grad_fn if type(logits) is torch.Tensor else None
         record = node.metadata.get(self.key) if node is not None else None
         if record is not None:  # (the usual logits: the output a forward marked)
-            record.bound = True
+            record.mark.bound = True
             return record.state
         if logits is None:
             return self._latest(what, kind)
@@ -123,13 +153,13 @@ class Forwards:
         found = self._of(logits)
         if len(found) == 1:
             (record,) = found
-            record.bound = True
+            record.mark.bound = True
             return record.state
         if found:
             mixed = [f for f in found if f.state is not None]
             if not mixed:
                 for f in found:
-                    f.bound = True
+                    f.mark.bound = True
                 return None
             raise ForeignLogitsError(
                 f"{what}(): these logits combine the outputs of {len(found)} forwards of the model, "
@@ -144,8 +174,7 @@ class Forwards:
                 "pickled or spawned model) has no mixhook hooks: compute the loss on the hooked model's "
                 "logits, or attach a regularizer to the copy"
             )
-        unclaimed = [f for f in self.recent if not f.bound and f.state is not None]
-        if unclaimed:
+        if _unclaimed(self.recent) is not None:
             raise ForeignLogitsError(
                 f"{what}(): these logits carry no autograd graph and are not an output of a forward of the "
                 f"model (a copy?), while a forward that {kind} mixed has had no loss taken, so whether they "
@@ -155,31 +184,32 @@ class Forwards:
         return None  # every forward since the last claimed one mixed nothing: the plain criterion
 
     def _latest(self, what: str, kind: str) -> MixState | None:
-        """The latest forward's state, for a call without logits: refused while an earlier forward that
-        mixed is unclaimed (it could be the one meant)."""
+        """The latest forward's state (as the mixer keeps it: without its ``loss_inputs``), for a call
+        without logits: refused while an earlier forward that mixed is unclaimed (it could be the one
+        meant)."""
         if not self.recent:
             return None
-        latest = self.recent[-1]
         if _unclaimed(list(self.recent)[:-1]) is not None:
             raise ForeignLogitsError(
                 f"{what}(): an earlier forward than the latest one mixed and has had no loss or targets "
                 f"taken yet, so the forward these targets are for cannot be told; pass logits= "
                 f"({kind}.{what}(..., logits=logits))"
             )
-        latest.bound = True
-        return latest.state
+        self.recent[-1].bound = True
+        return None if self.latest is None else self.latest[0]
 
-    def unclaimed(self) -> MixState | None:
-        """What a recent forward mixed whose output no ``loss``/``targets``/``state_for`` has claimed
-        (the trainer adapters refuse a step that leaves one: :mod:`mixhook.integrations.draws`)."""
+    def unclaimed(self) -> str | None:
+        """The layer a recent forward mixed whose output no ``loss``/``targets``/``state_for`` has claimed
+        (the trainer adapters refuse a step that leaves one: :mod:`mixhook.integrations.draws`), or
+        ``None``."""
         self.settle()
         return _unclaimed(self.recent)
 
     def claim_all(self) -> None:
         """Mark every recent forward claimed (an adapter's new step: what earlier ones left is theirs)."""
         self.settle()
-        for record in self.recent:
-            record.bound = True
+        for mark in self.recent:
+            mark.bound = True
 
     def _of(self, logits: torch.Tensor) -> list[_Forward]:
         """The forwards of this mixer whose outputs ``logits`` is, or was computed from: marked outputs
@@ -217,9 +247,9 @@ class Forwards:
         return found
 
 
-def _unclaimed(records) -> MixState | None:
-    """The state of the first of ``records`` that mixed and is not claimed, or ``None``."""
-    return next((f.state for f in records if f.state is not None and not f.bound), None)
+def _unclaimed(marks) -> str | None:
+    """The layer of the first of ``marks`` that mixed and is not claimed, or ``None``."""
+    return next((m.layer for m in marks if m.layer is not None and not m.bound), None)
 
 
 def _mark_outputs(output, record: _Forward, key: str, untracked: dict, unmixed) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -85,6 +85,11 @@ class MixState:
             made (what ``loss`` weighs by, with no read per call); a copy with another lam
             (``dataclasses.replace(state, lam=...)``) keeps the pair, whose tensor is then not its ``lam``:
             a reader takes the float only where ``lam_float[0] is lam``.
+        loss_inputs: what the method's own loss terms take with gradients, by name (AutoMix's Mix Block
+            logits and mask: pieces of the autograd graph), as :attr:`Mixed.loss_inputs` gave them. Only the
+            state the forward's output carries to ``loss()`` has them; what the mixer keeps (``.last``, the
+            state ``targets()`` without logits reads) has ``None`` (:func:`kept`), so no piece of a graph
+            outlives the output it belongs to. ``None``: the method's loss takes nothing beyond the mix.
     """
 
     layer: str
@@ -99,6 +104,12 @@ class MixState:
     partner_lam: torch.Tensor | None = None
     lam_float: tuple[torch.Tensor, float] | None = field(default=None, repr=False, compare=False)
     groups: int = 1
+    loss_inputs: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+
+
+def kept(state: MixState) -> MixState:
+    """``state`` as a mixer keeps it between forwards (its ``.last``): without its ``loss_inputs``."""
+    return state if state.loss_inputs is None else replace(state, loss_inputs=None)
 
 
 class cached:
@@ -172,6 +183,10 @@ class Mixed:
             own between the clean rows and the mixed ones, a tensor of each leaf's shape by ``leaf.path``
             (AdAutoMix's plain three-way mixup, trained beside its mask mix as the authors' third forward);
             the forward then carries ``3B`` rows (:attr:`MixState.groups` 2); ``None``: none.
+        loss_inputs: what the method's own loss terms take with gradients (AutoMix's Mix Block logits and
+            mask), by name: carried to ``loss()`` by the forward's output and never kept by the mixer
+            (:attr:`MixState.loss_inputs`). ``info`` is kept (``.last``): put nothing with a ``grad_fn``
+            there.
     """
 
     tensors: dict
@@ -181,6 +196,7 @@ class Mixed:
     weights: torch.Tensor | None = None
     partner_lam: torch.Tensor | None = None
     before: dict | None = None
+    loss_inputs: Mapping[str, Any] | None = None
 
 
 class ForeignLogitsError(RuntimeError):

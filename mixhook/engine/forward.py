@@ -116,6 +116,14 @@ class Forward:
         """Whether its layer has mixed."""
         return self.mixed is not None
 
+    def kept(self) -> Forward:
+        """This forward as the mixer keeps it once its output carries the mix (what ``pin_last`` repeats):
+        its layer, pins and draws, every tensor among them that carries a ``grad_fn`` detached (a repeat
+        computes anew what it needs with gradients), and no :class:`~mixhook.engine.contract.MixState`."""
+        values = {k: detached(v) for k, v in self.pins.values.items()}
+        drawn = None if self.drawn is None else replace(self.drawn, pinned={})
+        return Forward(self.layer, replace(self.pins, values=values), self.batch, drawn, self.state)
+
     def repeat(self) -> Pins:
         """The pins that repeat this forward's mix exactly (``pin_last``; a recomputation replays them):
         its layer and values, lam and the index as drawn, and the generator's state before the method's
@@ -126,3 +134,14 @@ class Forward:
         lam, index, permutation = self.drawn.lam, self.drawn.index, self.drawn.permutation
         span = pins.span if pins.index is not None else (0, index.shape[0] - 1)
         return replace(pins, lam=lam, index=index, span=span, permutation=permutation)
+
+
+def detached(value):
+    """``value`` with every tensor in it (in tuples, lists and dicts) that carries a ``grad_fn`` detached."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.grad_fn is not None else value
+    if isinstance(value, tuple | list):
+        return type(value)(detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: detached(v) for k, v in value.items()}
+    return value

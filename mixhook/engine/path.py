@@ -156,8 +156,13 @@ class MixerHooks(LayerHook):
         self._traced = self.traceable and not takes_masks
 
     def _reset(self) -> None:
+        """Removed: nothing of the model, its modules or a forward's tensors stays (the record of recent
+        forwards does: a loss on logits of a forward made while attached still binds to its mix)."""
         self._current = None
         self._site_leaves = None
+        self._modules = {}
+        self._last_forward = None
+        self._given, self._targets = {}, None
         unclaim(self)
 
     # ------------------------------------------------------------- 1. the model's pre-hook: decide
@@ -249,6 +254,7 @@ class MixerHooks(LayerHook):
         if seen.begun or seen.pending is not None:
             seen.settle()
         self.last = None
+        self._last_forward = None  # (what pin_last would have repeated: no longer the last forward)
         self._targets = None
         self._current = forward
         if self._masks.active:
@@ -475,8 +481,8 @@ class MixerHooks(LayerHook):
         self._last_forward = forward
         forward.mixed = last
         self.last = last
-        if self._seen.begun:
-            self._seen.mixed(last)
+        if self._seen.begun:  # (a compiled forward: kept without the loss's graph pieces)
+            self.last = self._seen.mixed(last)
 
     # ------------------------------------------------------------ 3. the model's output hook: mark
 
@@ -494,14 +500,17 @@ class MixerHooks(LayerHook):
                 return _between_graphs(MixerHooks._on_model_output)(self, model, args, output)
         forward, self._current = self._current, None
         if forward is None:
-            state = None
-        elif forward.mixed is not None:
-            state = self.last  # (a method may re-weigh it after the mix: TransMix)
-            if state.clean:
-                _check_doubled(model, output, state)
-        else:
+            self._seen.record(output, None)
+            return
+        if forward.mixed is None:
             raise RuntimeError(self._did_not_run(model, forward.layer))
-        self._seen.record(output, state)
+        state = self.last  # (a method may re-weigh it after the mix: TransMix)
+        if state.clean:
+            _check_doubled(model, output, state)
+        # the output carries the whole state to loss(); the mixer keeps it without the loss's graph pieces
+        self.last = self._seen.record(output, state)
+        if state.loss_inputs is not None:
+            self._last_forward = forward.kept()
 
     def _did_not_run(self, model: nn.Module, spec: str) -> str:
         """Why layer ``spec`` did not run in a training forward that was to mix it (one line)."""
@@ -605,7 +614,7 @@ class MixerHooks(LayerHook):
             draw, info = self._policies.adjust(draw, leaves, self._masks.active)
             mixed = method(leaves, draw)
             if info:
-                mixed = Mixed(mixed.tensors, mixed.lam, {**mixed.info, **info}, mixed.index, mixed.weights)
+                mixed = dataclasses.replace(mixed, info={**mixed.info, **info})
             return draw, mixed
         finally:
             self.generator = saved
@@ -674,6 +683,7 @@ class MixerHooks(LayerHook):
             clean,
             mixed.partner_lam,
             (lam, weight) if type(weight) is float else None,
+            loss_inputs=mixed.loss_inputs,
         )
 
     def _check_mixed(self, spec: str, leaves: list[Leaf], mixed: Mixed) -> dict:

@@ -184,11 +184,11 @@ class StepGuard:
                 f"{self.where}: no training forward of the module the mixer is attached to ran in this step, "
                 "so nothing was mixed; attach it to the module the step calls (the adapter's module=)"
             )
-        states = [seen.unclaimed() for seen in _forwards(self.hook)]
-        state = next((s for s in states if s is not None), None)
-        if state is not None:
+        layers = [seen.unclaimed() for seen in _forwards(self.hook)]
+        layer = next((name for name in layers if name is not None), None)
+        if layer is not None:
             raise RuntimeError(
-                f"{self.where}: a training forward was mixed at {state.layer!r} but its loss was not taken "
+                f"{self.where}: a training forward was mixed at {layer!r} but its loss was not taken "
                 f"under the mix (the labels would not match the mixed logits); {self.fix}"
             )
 

@@ -374,13 +374,13 @@ class AdAutoMix(AutoMix):
             path = leaves[0].path
             before = {path: _weighed(h, indices, co)} if self.clean else None
             logits, mask, _ = pinned["mb"]
-            info = {
-                "mask": shares, "block": (logits, mask, co[0], pinned["block_indices"][0]), "co_lams": co,
-                "block_indices": pinned["block_indices"], "mix_indices": indices,
-            }  # fmt: skip
+            info = {"mask": shares, "co_lams": co, "block_indices": pinned["block_indices"]}
+            info["mix_indices"] = indices
+            block = {"block": (logits, mask, co[0], pinned["block_indices"][0])}  # (with gradients: not kept)
             mixed = Mixed(
-                {path: _weighed(h, indices, parts)}, lam=co[0], info=info, index=indices[0], before=before
-            )
+                {path: _weighed(h, indices, parts)}, lam=co[0], info=info, index=indices[0], before=before,
+                loss_inputs=block,
+            )  # fmt: skip
         mixed.info.update(
             adversarial=pinned["adversarial"], k_clean=pinned["k_clean"], samples=pinned["samples"]
         )
@@ -427,7 +427,7 @@ class AdAutoMix(AutoMix):
         * l_mix(k)`` on the others."""
         if self.block_weight == 0:
             return 0.0
-        block_logits, _, lam_mb, index_mb = last.info["block"]
+        block_logits, _, lam_mb, index_mb = last.loss_inputs["block"]
         if last.info["samples"] == 2:
             indices, lams = [torch.arange(target.shape[0]), index_mb], [lam_mb, 1 - lam_mb]
             loss = self.copy_mixed_loss(criterion, block_logits, target, lam_mb, index_mb)

@@ -611,8 +611,10 @@ class AutoMix(Mixer):
             own, partner = torch.full_like(m, lam), torch.full_like(m, 1 - lam)
         mixed = _blend(h, own, partner, to_device(draw.index, h.device))
         logits, mask, _ = pinned["mb"]
-        info = {"mask": partner, "block": (logits, mask, pinned["lam_mb"], pinned["index_mb"])}
-        return Mixed({leaves[0].path: mixed}, info=info, weights=own[:, 0].to(h.dtype))
+        block = {"block": (logits, mask, pinned["lam_mb"], pinned["index_mb"])}  # (with gradients: not kept)
+        return Mixed(
+            {leaves[0].path: mixed}, info={"mask": partner}, weights=own[:, 0].to(h.dtype), loss_inputs=block
+        )
 
     # ------------------------------------------------------------------------------------ the loss
 
@@ -626,7 +628,7 @@ class AutoMix(Mixer):
     def block_loss(self, criterion: Callable, target: torch.Tensor, last: MixState) -> torch.Tensor | float:
         """The Mix Block's terms of :meth:`loss`: ``block_weight`` times the copy's mixed loss on its own
         mix, and ``mask_loss`` times the mask loss (an extension point: AdAutoMix's are adversarial)."""
-        block_logits, mask, lam_mb, index_mb = last.info["block"]
+        block_logits, mask, lam_mb, index_mb = last.loss_inputs["block"]
         loss = 0.0
         if self.block_weight > 0:
             loss = self.block_weight * self.copy_mixed_loss(criterion, block_logits, target, lam_mb, index_mb)

@@ -193,6 +193,10 @@ class SnapMix(RegionMixer):
 
         handles.append(feature_module.register_forward_hook(recompute.hook(record)))
 
+    def _reset(self) -> None:
+        super()._reset()
+        self._linear = None  # (the model's classifier: nothing of the model stays after remove())
+
     def sample_lam(self, n: int, generator: torch.Generator) -> torch.Tensor:
         return sample_lam(self.alpha, generator)
 

@@ -297,7 +297,9 @@ def test_one_training_step_equals_the_authors_loss_and_gradients(lam_bb, norm, a
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
     assert_same_step(model, q_ref, block, block_ref)
     assert all(p.grad is None for p in mix.momentum_model.parameters())
-    torch.testing.assert_close(mix.last.info["block"][1], mask_mb[:, 1:], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        mix.state_for(logits).loss_inputs["block"][1], mask_mb[:, 1:], rtol=1e-12, atol=1e-14
+    )
     own = mix.last.weights[:, None]
     torch.testing.assert_close(own * img + (1 - own) * img[index_bb], mixed_bb, rtol=1e-12, atol=1e-14)
 
@@ -337,7 +339,7 @@ def test_a_three_sample_step_equals_the_authors_loss_and_gradients(lams, rule, n
     assert logits.shape == (18, 5) and mix.last.groups == 2  # clean, plain mixup, mask mix
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
     assert_same_step(model, q_ref, block, block_ref)  # (batch norm: the three forwards' statistics)
-    torch.testing.assert_close(mix.last.info["block"][1], mask_mb, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(mix.state_for(logits).loss_inputs["block"][1], mask_mb, rtol=1e-12, atol=1e-14)
     shares = mix.last.info["mask"]
     ours = sum(shares[:, i : i + 1] * img[mix_indices[i]] for i in range(3))
     torch.testing.assert_close(ours, mixed_bb, rtol=1e-12, atol=1e-14)

@@ -300,7 +300,9 @@ def test_one_training_step_equals_openmixups_loss_and_gradients(cls, lam_bb, nor
     assert all(p.grad is None for p in mix.momentum_model.parameters())
     for (name, b), r in zip(model.named_buffers(), q_ref.buffers(), strict=True):
         torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-14, msg=name)  # (batch norm's, two forwards')
-    torch.testing.assert_close(mix.last.info["block"][1], mask_mb[:, 1:], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        mix.state_for(logits).loss_inputs["block"][1], mask_mb[:, 1:], rtol=1e-12, atol=1e-14
+    )
     own = mix.last.weights[:, None]
     torch.testing.assert_close(own * img + (1 - own) * img[index_bb], mixed_bb, rtol=1e-12, atol=1e-14)
 

@@ -7,6 +7,7 @@ seed gives the same draw on every device; they are cast to the activation's dtyp
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 
@@ -120,6 +121,18 @@ def weight_of(lam: torch.Tensor) -> float | torch.Tensor:
     if lam.ndim == 0 and lam.is_cpu and not torch.compiler.is_compiling():
         return lam.item()
     return lam
+
+
+def without_autocast(t: torch.Tensor):
+    """A context in which torch's ops run in the dtypes they are given on ``t``'s device: autocast, where
+    it is on, turned off there. A mix whose own arithmetic has matmuls (a transport, an alignment plan)
+    runs in it, so that it keeps its site's dtype (``torch.autocast`` would run the matmuls in bfloat16 on
+    a float32 map, and hand a bfloat16 result back); a network a method runs (a learned mask's) is left
+    to autocast."""
+    device = t.device.type
+    if torch.amp.is_autocast_available(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
 
 
 def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

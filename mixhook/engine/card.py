@@ -133,7 +133,8 @@ LAYER_ARGUMENTS = ("layer", "features", "classifier", "attention", "saliency_lay
 def build(cls: type, prefix: str = "", **extra):
     """``cls`` made from its card's ``example``, the layers it names put under ``prefix`` (``"net."``: the
     reference model inside a LightningModule; ``"input"`` stays), with ``extra`` arguments (a
-    ``generator``); a method an argument names (``{"method": "CutMix", ...}``) is made the same way."""
+    ``generator``; one the example sets too, e.g. another ``layer``, replaces it); a method an argument
+    names (``{"method": "CutMix", ...}``) is made the same way."""
 
     def arguments(example: dict) -> dict:
         out = {}
@@ -150,4 +151,4 @@ def build(cls: type, prefix: str = "", **extra):
             out[key] = value
         return out
 
-    return cls(**arguments(cls.card.example), **extra)
+    return cls(**{**arguments(cls.card.example), **extra})

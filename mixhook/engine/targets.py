@@ -15,6 +15,11 @@ from .contract import MixState
 from .policies import Policies
 
 
+def _at_least_float32(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` in float32 where it is of a lower precision (bfloat16, float16), else as it is."""
+    return loss if loss.dtype in (torch.float32, torch.float64) else loss.float()
+
+
 def check_classes(target: torch.Tensor, num_classes: int) -> None:
     """Refuse class indices outside ``[0, num_classes)``: in one line for labels on the CPU; on a GPU as
     a device-side assertion (reading the labels on the host would stall every step until the GPU is
@@ -295,11 +300,12 @@ class LossAndTargets:
                     "the criterion must return one loss per sample (reduction='none'), but it returned "
                     f"shape {tuple(loss_a.shape)}"
                 )
-            lam, partner = (per_sample(w, loss_a) for w in (last.lam, last.partner_lam))
-            return lam * loss_a + partner * loss_b
+            work = _at_least_float32(loss_a)  # (a low-precision loss: weighed in float32, rounded once)
+            lam, partner = (per_sample(w, work) for w in (last.lam, last.partner_lam))
+            return (lam * work + partner * loss_b.to(work.dtype)).to(loss_a.dtype)
         lam = self._target_weights(last, target, "loss")
         if lam is None:
-            lam = to_device(last.lam, loss_a.device, loss_a.dtype)
+            lam = last.lam
             if lam.ndim == 1 and (loss_a.ndim == 0 or loss_a.shape[0] != lam.shape[0]):
                 raise ValueError(
                     f"loss(): lam has one value per sample ({lam.shape[0]}), so the criterion must return "
@@ -313,15 +319,17 @@ class LossAndTargets:
                         "the criterion to one loss per sample"
                     )
                 lam = lam.view(-1, *[1] * (loss_a.ndim - 1))
-        else:
-            lam = to_device(lam, loss_a.device, loss_a.dtype)
-            if loss_a.shape != lam.shape:
-                raise ValueError(
-                    f"loss(): a dense target under {type(self).__name__}'s region mix weighs each position "
-                    f"by its own mask, so the criterion must return one loss per position {tuple(lam.shape)} "
-                    f"(reduction='none'), but it returned shape {tuple(loss_a.shape)}"
-                )
-        return torch.lerp(loss_b, loss_a, lam)
+        elif loss_a.shape != lam.shape:
+            raise ValueError(
+                f"loss(): a dense target under {type(self).__name__}'s region mix weighs each position "
+                f"by its own mask, so the criterion must return one loss per position {tuple(lam.shape)} "
+                f"(reduction='none'), but it returned shape {tuple(loss_a.shape)}"
+            )
+        # weighed in float32 at least and rounded once to the criterion's dtype: a bfloat16 loss is as near
+        # the exact weighing as bfloat16 can be (lam rounded to bfloat16 first would move it further)
+        work = _at_least_float32(loss_a)
+        lam = to_device(lam, work.device, work.dtype)
+        return torch.lerp(loss_b.to(work.dtype), work, lam).to(loss_a.dtype)
 
     def targets(
         self,

@@ -14,7 +14,7 @@ from ..engine.card import Card
 from ..engine.checks import check_one_map, check_positive
 from ..engine.contract import Draw, Mixed
 from ..engine.mixer import Mixer
-from ..functional import per_sample
+from ..functional import per_sample, without_autocast
 from ..sites import Leaf
 from ..transfer import to_device
 
@@ -179,13 +179,14 @@ class AlignMix(Mixer):
         own = h.reshape(n, c, -1)
         partner = own[index]
         work = torch.promote_types(h.dtype, torch.float32)
-        plan = sinkhorn_plan(
-            own.detach().transpose(1, 2).to(work), partner.detach().transpose(1, 2).to(work),
-            self.eps, self.max_iter, self.tol,
-        ).to(h.dtype) * own.shape[2]  # fmt: skip
-        lam = draw.weight if isinstance(draw.weight, float) else per_sample(draw.lam, own)
-        if direction == 0:  # the partner's features moved to the sample's positions
-            mixed = torch.lerp(partner @ plan.transpose(1, 2), own, lam)
-        else:  # the sample's features moved to the partner's positions
-            mixed = torch.lerp(partner, own @ plan, lam)
+        with without_autocast(h):  # (the plan in float32 at least, the alignment in the map's dtype)
+            plan = sinkhorn_plan(
+                own.detach().transpose(1, 2).to(work), partner.detach().transpose(1, 2).to(work),
+                self.eps, self.max_iter, self.tol,
+            ).to(h.dtype) * own.shape[2]  # fmt: skip
+            lam = draw.weight if isinstance(draw.weight, float) else per_sample(draw.lam, own)
+            if direction == 0:  # the partner's features moved to the sample's positions
+                mixed = torch.lerp(partner @ plan.transpose(1, 2), own, lam)
+            else:  # the sample's features moved to the partner's positions
+                mixed = torch.lerp(partner, own @ plan, lam)
         return Mixed({leaves[0].path: mixed.view(h.shape)}, info={"direction": direction})

@@ -23,6 +23,7 @@ from ..engine.contract import Draw, Mixed
 from ..engine.graphcut import min_labelling
 from ..engine.regions import RegionMixer
 from ..engine.saliency import Saliency, SaliencyGuided, pinned_saliency
+from ..functional import without_autocast
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
 
@@ -350,20 +351,21 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
             ]
         elif grid not in grids:
             raise ValueError(f"pinned grid {grid!r} is not one of grids={grids}")
-        dtype = torch.promote_types(h.dtype, torch.float32)
-        saliency = pinned_saliency("PuzzleMix", draw.pinned, n, width, width, h.device).to(dtype)
-        index = to_device(draw.index, h.device)
-        values = self._values(h.detach().to(dtype), self.sites[draw.layer].layer == INPUT)
-        lam = float(draw.lam)
-        own_u, partner_u, w_v, w_h, own, beta = puzzle_terms(
-            saliency, values, index, grid, self.beta, self.gamma, self.neigh_size
-        )
-        terms = [t.detach().to("cpu", torch.float64) for t in (own_u, partner_u, w_v, w_h)]
-        unary, q_v, q_h = quantized(*terms, lam, beta, self.eta, self.n_labels, grid)
-        clipped = int((q_v < 0).sum() + (q_h < 0).sum())
-        labels = min_labelling(unary.numpy(), q_v.clamp_min(0).numpy(), q_h.clamp_min(0).numpy())
-        mask = 1.0 - torch.from_numpy(labels).to(h.device, dtype) / (self.n_labels - 1)
-        mixed = self.puzzle(h, index, mask[:, None], own, grid, saliency)
+        with without_autocast(h):  # (its terms in float32 at least, its transport in the map's dtype)
+            dtype = torch.promote_types(h.dtype, torch.float32)
+            saliency = pinned_saliency("PuzzleMix", draw.pinned, n, width, width, h.device).to(dtype)
+            index = to_device(draw.index, h.device)
+            values = self._values(h.detach().to(dtype), self.sites[draw.layer].layer == INPUT)
+            lam = float(draw.lam)
+            own_u, partner_u, w_v, w_h, own, beta = puzzle_terms(
+                saliency, values, index, grid, self.beta, self.gamma, self.neigh_size
+            )
+            terms = [t.detach().to("cpu", torch.float64) for t in (own_u, partner_u, w_v, w_h)]
+            unary, q_v, q_h = quantized(*terms, lam, beta, self.eta, self.n_labels, grid)
+            clipped = int((q_v < 0).sum() + (q_h < 0).sum())
+            labels = min_labelling(unary.numpy(), q_v.clamp_min(0).numpy(), q_h.clamp_min(0).numpy())
+            mask = 1.0 - torch.from_numpy(labels).to(h.device, dtype) / (self.n_labels - 1)
+            mixed = self.puzzle(h, index, mask[:, None], own, grid, saliency)
         weights = F.interpolate(mask[:, None], size=width)[:, 0]
         info = {"grid": grid, "mask": mask, "saliency": saliency, "clipped": clipped, "drawn_lam": draw.lam}
         return Mixed(

@@ -3,7 +3,8 @@
 # under $OUT (or benchmarks/results). Part 1: the CUDA tests, then the benchmark cases behind issue 72's goals
 # (eager, channels-last and bf16 on PreActResNet-18 and ResNet-50, timm's Mixup, the blend and the fused
 # blend, every method, the host cost). Part 2: FSDP through Lightning and the HuggingFace Trainer on one GPU,
-# the compiled steps, recompiles, and the ImageNet-scale path (ResNet-50 at 224x224 against the imagefolder
+# each method's peak memory against the hand-edited forward's and what it keeps between steps (issue 81), the
+# compiled steps, recompiles, and the ImageNet-scale path (ResNet-50 at 224x224 against the imagefolder
 # loader, decode_jpeg on the GPU).
 #
 #   benchmarks/gpu.sh fetch            # here, once, with the registry: the app's pure-Python wheels -> .whl/
@@ -45,8 +46,9 @@ fi
 
 if [ "$PART" = 2 ]; then
     # Part 2: FSDP through Lightning and the HuggingFace Trainer on one GPU, each test in a pytest process of
-    # its own (each joins a process group that stays); then the compiled cases (compiling dominates: each
-    # variant's graphs, forward and backward), the recompiles and the ImageNet-scale step and loader.
+    # its own (each joins a process group that stays); then each method's peak memory and what it keeps
+    # (issue 81: seconds), the compiled cases (compiling dominates: each variant's graphs, forward and
+    # backward), the recompiles and the ImageNet-scale step and loader.
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 90")
     for which in lightning hf; do
         say "tests: FSDP through $which"
@@ -59,7 +61,7 @@ if [ "$PART" = 2 ]; then
     say "benchmarks, part 2"
     quick=${QUICK:+--quick}
     timeout -k 10 300 python3 benchmarks/run.py --device "$DEVICE" $quick --reps 7 --budget 260 --suffix gpu2 \
-        --cases compiled,recompiles,imagenet --out "$OUT" >"$OUT/benchmarks2.log" 2>&1 </dev/null
+        --cases memory,compiled,recompiles,imagenet --out "$OUT" >"$OUT/benchmarks2.log" 2>&1 </dev/null
     say "benchmarks, part 2: exit $?"
     grep -v '^USDT' "$OUT/benchmarks2.log" | tail -n 120
     say "done"

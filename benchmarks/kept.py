@@ -13,6 +13,7 @@ the steps or, beside ``.last`` and ``pin_last``'s record, with the batch.
 
 from __future__ import annotations
 
+import collections
 import gc
 import types
 import weakref
@@ -92,9 +93,11 @@ def kept(root, stop: Iterable[nn.Module] = ()) -> Kept:
     in :attr:`Kept.modules` when reached."""
     stopped = {id(m) for m in stop}
     seen, found, own_modules, reached = {id(root)}, [], [], []
-    queue: list[tuple[object, str, str]] = [(root, "", "")]  # (object, attribute, path)
+    # (object, attribute, path), breadth first: a storage two attributes share is counted under the first
+    # the hook sets (``last`` before ``_last_forward``), by its shortest path
+    queue: collections.deque[tuple[object, str, str]] = collections.deque([(root, "", "")])
     while queue:
-        obj, attribute, path = queue.pop()
+        obj, attribute, path = queue.popleft()
         if id(obj) in stopped:
             reached.append(path)
             continue

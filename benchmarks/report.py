@@ -32,6 +32,11 @@ GOALS = {
     "files_per_forward_and_loss": 5,
     "neftune_vs_hf_neftune": 1.02,  # a Llama step with mixhook's NEFTune (per sequence) / HuggingFace's
     "llm_mixup_vs_hand": 1.02,  # ... with Manifold Mixup at a decoder layer / a hand-written blend hook
+    # issue 81: the peak memory of a Manifold Mixup step at layer2 / the hand-edited forward's (CUDA); the
+    # tensors with a grad_fn a mixer keeps between steps (that what else it keeps neither grows with the
+    # steps nor with the batch is tests/unit/test_retention.py's to hold: one run cannot tell)
+    "peak_mixup_vs_hand": 1.01,
+    "kept_graph_tensors": 0,
 }
 
 
@@ -205,6 +210,21 @@ def _blend_goals(b: dict, add, device) -> None:
                 )
 
 
+def _memory_goals(m: dict, add, device) -> None:
+    where = f"{m['model']} b{m['batch']} {m['layer']}"
+    if "mixup_layer2_vs_hand_layer2" in m:
+        add("peak_mixup_vs_hand", m["mixup_layer2_vs_hand_layer2"], GOALS["peak_mixup_vs_hand"], where)
+    kept = m.get("kept", {})
+    if kept:
+        graph = max(kept, key=lambda n: kept[n]["graph"])
+        add(
+            "kept_graph_tensors",
+            kept[graph]["graph"],
+            GOALS["kept_graph_tensors"],
+            f"{where}, the most: {graph}",
+        )
+
+
 GOALS_OF = (
     ("training_step", _step_goals),
     ("training_step_compiled", _step_goals),
@@ -218,6 +238,7 @@ GOALS_OF = (
     ("recipe", _recipe_goals),
     ("language_model", _language_model_goals),
     ("blend", _blend_goals),
+    ("memory", _memory_goals),
 )  # (in the order the goals table lists them)
 
 
@@ -520,9 +541,39 @@ def _recipe(r: dict) -> list[str]:
 
 
 def _memory(case: dict) -> list[str]:
-    """The memory section: peak memory."""
-    lines: list[str] = []
-    lines += ["", "## Memory", "", json.dumps(case)]
+    """The memory section: what each method keeps between steps, by what it belongs to, and (CUDA) the peak
+    of its step."""
+    if "kept" not in case:  # (a results file of before issue 81: the peak only)
+        return ["", "## Memory", "", json.dumps(case)]
+    peak, vs_none = case.get("peak_MiB", {}), case.get("peak_vs_none", {})
+    lines = [
+        "",
+        f"## Memory: what a mixer keeps between steps, {case['model']} b{case['batch']} at {case['layer']}",
+        "",
+        "Bytes reachable from the mixer after a step: `.last` and pin_last's record (the last forward's, "
+        "dropped when the next begins), anything else it keeps, its learned state, and the tensors with a "
+        "grad_fn among them (generators aside)."
+        + (" Peak: the step's peak allocated memory." if peak else f" {case.get('note', '')}"),
+        "",
+        "| method | .last | pin_last's record | other | learned | with a grad_fn |"
+        + (" peak MiB | / none |" if peak else ""),
+        "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if peak else ""),
+    ]
+    for name, k in case["kept"].items():
+        row = (
+            f"| {name} | {k.get('last', 0):,} | {k.get('_last_forward', 0):,} | {k['other']:,} | "
+            f"{k['learned']:,} | {k['graph']} |"
+        )
+        if peak:
+            row += f" {peak.get(name, float('nan')):.1f} | {vs_none.get(name, float('nan')):.4f} |"
+        lines.append(row)
+    if peak:
+        lines += [
+            "",
+            f"No mixing: {peak['none']:.1f} MiB; the hand-edited forward (Manifold Mixup at layer2): "
+            f"{peak['hand_layer2']:.1f} MiB; Manifold Mixup / hand-edited: "
+            f"{case.get('mixup_layer2_vs_hand_layer2', float('nan')):.4f}.",
+        ]
     return lines
 
 

@@ -16,12 +16,13 @@ ManifoldMixup("input"); 3. dispatch: microseconds per module call without, with 
 an active hook, and an eval forward with inactive hooks; host: an active mix's host time, aten ops,
 copies and host reads against a minimal hand-written hook's; 4. the blend's forward + backward as GB/s next
 to the device's copy bandwidth; 5. recompiles of a compiled model over many steps with changing lam
-and layer; 6. peak memory of a training step (CUDA); 7. methods: every mixing method's training step
-at layer2 of PreActResNet-18 against no mixing and against Manifold Mixup (the saliency methods with
-each source); 8. data: images/s of the CIFAR batches made on the device against per-sample
-augmentation in DataLoader workers; imagenet: ResNet-50's step at 224x224 against the imagefolder
-loader's images/s (and torchvision's decode_jpeg on the device); 9. recipe: Verma et al. 2019's CIFAR-10
-recipe through the app's loop, mixup against none, and its 1,200 epochs projected; 10. llm: a Llama's
+and layer; 6. memory: what every method keeps between steps, by what it belongs to, and (CUDA) the
+peak of its step against no mixing and Manifold Mixup's against the hand-edited forward's; 7. methods:
+every mixing method's training step at layer2 of PreActResNet-18 against no mixing and against Manifold
+Mixup (the saliency methods with each source); 8. data: images/s of the CIFAR batches made on the device
+against per-sample augmentation in DataLoader workers; imagenet: ResNet-50's step at 224x224 against the
+imagefolder loader's images/s (and torchvision's decode_jpeg on the device); 9. recipe: Verma et al. 2019's
+CIFAR-10 recipe through the app's loop, mixup against none, and its 1,200 epochs projected; 10. llm: a Llama's
 training step with NEFTune against HuggingFace's NEFTune and none, with Manifold Mixup against none and a
 hand-written blend hook (transformers where installed). Each case is a module of ``benchmarks/cases/``;
 ``timing.py`` times variants side by side, ``report.py`` turns results into goals and Markdown, and
@@ -249,7 +250,10 @@ def _recompiles(c: Case) -> dict:
 
 
 def _memory(c: Case) -> dict:
-    return memory(c.device, 128, 32)
+    """What each method keeps between steps (everywhere), and the peak of its step on CUDA."""
+    wanted = ["ManifoldMixup", "CutMix", "PuzzleMix_input", "AutoMix_input"] if c.quick else None
+    batch, size = c.size((8, 16), (128, 32), (32, 32))
+    return memory(c.device, batch, size, wanted)
 
 
 def _data(c: Case) -> dict:

@@ -99,7 +99,15 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     hours = recipe["projected_hours_1200_epochs"]
     assert all(h > 0 and math.isfinite(h) for h in hours.values()) and "eval" not in hours
     assert "recipe_mixup_vs_none" in {g["goal"] for g in data["goals"]}
+    # issue 81: what each method keeps between steps, by what it belongs to: nothing beside .last, pin_last's
+    # record and its learned state, no graph; AutoMix's Mix Block and copy are its learned state
+    kept = data["memory"]["kept"]
+    assert {"ManifoldMixup", "CutMix", "PuzzleMix_input", "AutoMix_input"} == set(kept)
+    assert all(k["other"] == 0 and k["graph"] == 0 for k in kept.values())
+    assert kept["PuzzleMix_input"]["last"] > 0 and kept["AutoMix_input"]["learned"] > 0
+    assert "kept_graph_tensors" in {g["goal"] for g in data["goals"]}
     markdown = json_file.with_suffix(".md").read_text()
+    assert "## Memory: what a mixer keeps between steps" in markdown
     assert "## Goals" in markdown and "| mixup_vs_hand |" in markdown and "## Host cost" in markdown
     assert "## Verma et al. 2019 CIFAR-10 recipe" in markdown and "## CIFAR data pipelines" in markdown
 

@@ -41,11 +41,7 @@ class Kept:
     graph: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)
     tensors: list[tuple[str, int]] = field(default_factory=list)
-    objects: dict[str, int] = field(default_factory=dict)
-
-    def records(self) -> int:
-        """The tensor objects reachable under :data:`RECORDS` (whose number a draw may change)."""
-        return sum(self.objects.get(name, 0) for name in RECORDS)
+    records: set[int] = field(default_factory=set)  # the ids of the tensor objects under RECORDS
 
     def total(self, records: bool = True) -> int:
         """The bytes kept beside the learned state (``records=False``: beside :data:`RECORDS` too)."""
@@ -105,26 +101,38 @@ def kept(root, stop: Iterable[nn.Module] = ()) -> Kept:
             continue
         if isinstance(obj, torch.Tensor):
             found.append((attribute, path, obj))
+            base = obj._base  # (a view keeps its base alive from C++, where the garbage collector sees none)
+            if base is not None and id(base) not in seen:
+                seen.add(id(base))
+                queue.append((base, attribute, f"{path}._base"))
             continue
         if isinstance(obj, nn.Module):
             own_modules.append(obj)
-        attributes = _hook_attributes(obj)
-        for child in _children(obj):
-            if child is None or id(child) in seen or isinstance(child, str | int | float | bool):
-                continue
-            seen.add(id(child))
-            if attributes is not None and child is attributes:
-                for key, value in attributes.items():  # (named by the nearest hook's attribute)
-                    if value is not None and id(value) not in seen:
-                        seen.add(id(value))
-                        queue.append((value, key, f"{path}.{key}"))
-                continue
-            queue.append((child, attribute, f"{path}/{type(child).__name__}"))
+        queue.extend(_next(obj, attribute, path, seen))
     learned = {id(t) for m in own_modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
     out, storages = Kept(modules=reached), set()
     for attribute, path, t in found:
-        out.objects[attribute] = out.objects.get(attribute, 0) + 1
+        if attribute in RECORDS:
+            out.records.add(id(t))
         _count(out, t, attribute, path, id(t) in learned, storages)
+    return out
+
+
+def _next(obj, attribute: str, path: str, seen: set) -> list[tuple[object, str, str]]:
+    """What the walk visits after ``obj`` (reached under ``attribute`` by ``path``), not seen before: a
+    hook's attributes each under its own name, anything else under ``attribute``."""
+    attributes, out = _hook_attributes(obj), []
+    for child in _children(obj):
+        if child is None or id(child) in seen or isinstance(child, str | int | float | bool):
+            continue
+        seen.add(id(child))
+        if attributes is not None and child is attributes:
+            for key, value in attributes.items():  # (named by the nearest hook's attribute)
+                if value is not None and id(value) not in seen:
+                    seen.add(id(value))
+                    out.append((value, key, f"{path}.{key}"))
+            continue
+        out.append((child, attribute, f"{path}/{type(child).__name__}"))
     return out
 
 

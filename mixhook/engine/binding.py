@@ -58,7 +58,7 @@ class Forwards:
 
     def __init__(self, owner: object):
         self.recent: collections.deque[_Mark] = collections.deque(maxlen=_RECENT)
-        self.latest: tuple[MixState | None, _Mark] | None = None  # the latest forward: its kept state
+        self.latest: MixState | None = None  # what the latest forward mixed, as the mixer keeps it
         self.outputs: dict[int, tuple] = {}  # id(mixed output without autograd) -> (weakref, _Forward)
         self.unmixed: collections.deque = collections.deque(maxlen=_RECENT)  # weakrefs: unmixed outputs
         self.key = f"mixhook.forward.{id(owner)}"  # in grad_fn.metadata: the _Forward of that output
@@ -87,8 +87,7 @@ class Forwards:
             self.latest = None
         else:
             record = _Forward(state, None, _Mark(state.layer))
-            state = state if state.loss_inputs is None else kept(state)
-            self.latest = (state, record.mark)
+            state = self.latest = state if state.loss_inputs is None else kept(state)
         self.recent.append(record.mark)
         node = output.grad_fn if type(output) is torch.Tensor else None
         if node is not None:  # (the usual output: one tensor with gradients)
@@ -112,8 +111,7 @@ class Forwards:
         if self.begun:
             record = self.begun[-1]
             record.state, record.mark.layer = state, state.layer
-            state = state if state.loss_inputs is None else kept(state)
-            self.latest = (state, record.mark)
+            state = self.latest = state if state.loss_inputs is None else kept(state)
         return state
 
     def settle(self) -> None:
@@ -196,7 +194,7 @@ class Forwards:
                 f"({kind}.{what}(..., logits=logits))"
             )
         self.recent[-1].bound = True
-        return None if self.latest is None else self.latest[0]
+        return self.latest
 
     def unclaimed(self) -> str | None:
         """The layer a recent forward mixed whose output no ``loss``/``targets``/``state_for`` has claimed

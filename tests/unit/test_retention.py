@@ -33,9 +33,9 @@ BATCH = 8
 WARM, MORE = 10, 40
 
 
-def _live_tensors() -> int:
+def _live_tensors() -> list[torch.Tensor]:
     gc.collect()
-    return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
 
 
 class _Run:
@@ -75,16 +75,22 @@ def problems(method: Method) -> list[str]:
     """What ``method`` keeps that it should not (one line each; empty: nothing)."""
     out = []
     run = _Run(method).steps(WARM)
-    early, live = run.kept(), _live_tensors()
+    early = run.kept()
     out += [f"after a step, a tensor with a grad_fn: {path}" for path in early.graph]
+    live = _live_tensors()  # (held here until the count: no new tensor can take one's id)
+    before = {id(t) for t in live}
     later = run.steps(MORE).kept()
     if later.total(records=False) != early.total(records=False):
         out.append(
             f"keeps more with more steps: {early.bytes} after {WARM}, {later.bytes} after {WARM + MORE}"
         )
-    grown = _live_tensors() - live - (later.records() - early.records())  # (a draw may record more)
-    if grown:
-        out.append(f"{grown} more live tensors after {MORE} more steps (beside the records)")
+    # the tensors made in those steps and alive after them, beside what the mixer records of the last one
+    # (counted as made and still alive, not as a total: other tests' tensors may die meanwhile)
+    new = [t for t in _live_tensors() if id(t) not in before and id(t) not in later.records]
+    if new:
+        shapes = ", ".join(str(tuple(t.shape)) for t in new[:4])
+        out.append(f"{len(new)} more live tensors after {MORE} more steps (beside the records): {shapes}")
+    del live, new
     wider = _Run(method, 2 * BATCH).steps(3).kept()
     if wider.total(records=False) != early.total(records=False):
         out.append(f"keeps more with a larger batch: {early.bytes} at {BATCH}, {wider.bytes} at {2 * BATCH}")

@@ -193,6 +193,7 @@ def _maker(cls, extra: dict):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_mixes_in_low_precision_as_in_float32_or_refuses_the_same(name):
     cls = METHODS[name]

@@ -116,11 +116,13 @@ class Forward:
         """Whether its layer has mixed."""
         return self.mixed is not None
 
-    def kept(self) -> Forward:
+    def kept(self, recomputed: frozenset[str] = frozenset()) -> Forward:
         """This forward as the mixer keeps it once its output carries the mix (what ``pin_last`` repeats):
         its layer, pins and draws, every tensor among them that carries a ``grad_fn`` detached (a repeat
-        computes anew what it needs with gradients), and no :class:`~mixhook.engine.contract.MixState`."""
-        values = {k: detached(v) for k, v in self.pins.values.items()}
+        computes anew what it needs with gradients), the values named in ``recomputed`` left out (the
+        method's :attr:`~mixhook.engine.mixer.Mixer.computed_each_forward`), and no
+        :class:`~mixhook.engine.contract.MixState`."""
+        values = {k: detached(v) for k, v in self.pins.values.items() if k not in recomputed}
         drawn = None if self.drawn is None else replace(self.drawn, pinned={})
         return Forward(self.layer, replace(self.pins, values=values), self.batch, drawn, self.state)
 

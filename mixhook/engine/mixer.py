@@ -108,6 +108,11 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
     # Whether the method's loss is the mixed criterion (mixed_loss), which target, weights and loss
     # policies (Remix, LocalWeights, DecoupledLoss) change; False for a method with a loss of its own.
     takes_loss_policies: ClassVar[bool] = True
+    # The values before_forward/before_mix compute anew at every training forward, a repeat's included (they
+    # do not reuse a pinned one): the record pin_last repeats leaves them out (AutoMix: its momentum copy's
+    # features and its Mix Block's forward, a (B, C, h, w) map), so no mixer keeps between steps what a repeat
+    # would not read. A value named here that a repeat does reuse would be computed anew: name only those.
+    computed_each_forward: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,

@@ -81,6 +81,7 @@ class MixerHooks(LayerHook):
         "_current", "_targets", "_seen", "_site_leaves", "_traced", "_modules", "_masks", "_gradients",
         "_compiled", "_positional", "_given", "_inputs", "_packable", "_global", "_checks_leaves", "_before",
         "_begins", "_extended", "_before_mix", "_draws_later", "_own_index", "_own_lam", "_norms",
+        "_sharded", "_recomputed",
     )  # fmt: skip
 
     def _fresh(self) -> None:
@@ -112,6 +113,7 @@ class MixerHooks(LayerHook):
         self._own_index = True  # whether the method draws its partners itself (draw_index overridden)
         self._own_lam = True  # whether the method draws lam itself (sample_lam overridden)
         self._sharded = False  # whether the model is sharded by FSDP2 (a pass must run on every rank)
+        self._recomputed: frozenset[str] = frozenset()  # computed_each_forward: pin_last's record leaves them
 
     # ------------------------------------------------------------------------ attaching, once
 
@@ -141,6 +143,7 @@ class MixerHooks(LayerHook):
         self._own_index = "draw_index" in self._extended
         self._own_lam = "sample_lam" in self._extended
         self._draws_later = self.draws_in_mix  # (a setting it depends on is fixed while attached)
+        self._recomputed = frozenset(self.computed_each_forward)
         self._sharded = sharded(model)
         handles.append(
             model.register_forward_pre_hook(recompute.own_code(self._on_model_input), with_kwargs=True)
@@ -509,8 +512,8 @@ class MixerHooks(LayerHook):
             _check_doubled(model, output, state)
         # the output carries the whole state to loss(); the mixer keeps it without the loss's graph pieces
         self.last = self._seen.record(output, state)
-        if state.loss_inputs is not None:
-            self._last_forward = forward.kept()
+        if state.loss_inputs is not None or self._recomputed:  # (what pin_last repeats, kept lean)
+            self._last_forward = forward.kept(self._recomputed)
 
     def _did_not_run(self, model: nn.Module, spec: str) -> str:
         """Why layer ``spec`` did not run in a training forward that was to mix it (one line)."""

@@ -225,6 +225,7 @@ class AdAutoMix(AutoMix):
     )
 
     pin_keys = ("lam_mb", "index_mb", "adversarial", "samples", "lams", "block_indices", "mix_indices")
+    computed_each_forward = ("features", "mb", "k_clean")  # (copy_pass and the Mix Block run anew)
     block_type = AdaptiveMask
     MARGIN_RULES = ("authors", "openmixup")
 

@@ -174,6 +174,7 @@ class AutoMix(Mixer):
     )
 
     pin_keys = ("lam_mb", "index_mb")
+    computed_each_forward = ("features", "mb")  # (before_forward runs the copy and the Mix Block anew)
     batch_norm_apart = True  # (OpenMixup's forward_q: the clean batch and its mix in two forwards)
     # What the app's one line on a non-finite loss says to try (the config's knobs for a Mix Block that
     # outruns the model)

@@ -430,6 +430,27 @@ def test_masks_gives_the_mask_a_training_forward_mixes_with():
         AutoMix("input", "layer3").masks(img, 0.4, index)
 
 
+@pytest.mark.parametrize("cls", [AutoMix, SAMix, AdAutoMix])
+def test_pin_last_repeats_the_mix_and_its_record_keeps_no_features_and_no_graph(cls):
+    """pin_last repeats a forward's draws (lam, partners, the Mix Block's own), and its mix where the model
+    and the copy did not change; what it keeps for that (between steps) holds neither the copy's features
+    nor the Mix Block's forward, which a repeat computes anew (computed_each_forward), nor any grad_fn."""
+    torch.manual_seed(5)
+    model = Net().double()
+    mix = cls("input", "layer3", generator=torch.Generator().manual_seed(3))
+    img, y = batch()
+    with mix.attach(model):
+        logits = model(img)
+        mix.loss(F.cross_entropy, logits, y).backward()  # (no optimizer step: the same model, the same copy)
+        first, values = mix.last, mix._last_forward.pins.values
+        assert not {"features", "mb", "k_clean"} & values.keys()
+        assert not any(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in values.values())
+        mix.pin_last()
+        again = model(img)
+    torch.testing.assert_close(again, logits, rtol=0, atol=0)
+    assert torch.equal(mix.last.info["mask"], first.info["mask"]) and torch.equal(mix.last.index, first.index)
+
+
 @pytest.mark.parametrize("norm", ["group", "batch"])
 def test_a_mix_inside_activation_checkpointing_has_the_unchecked_gradients(norm):
     """The mixed layer and (batch norm: normalising the clean and the mixed rows apart) the layer after it

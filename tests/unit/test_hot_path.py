@@ -383,16 +383,17 @@ def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
 # writes that line out, so the methods that blend pay nothing. Issue 81, 2026-11-29: a per-sample lam's
 # loss is weighed in float32 at least (targets._at_least_float32, +1: SpecMix, AttentiveCutMix, PuzzleMix,
 # SnapMix, TransMix, MixPro, KernelWarping); AlignMix and PuzzleMix run their mix with autocast off
-# (functional.without_autocast, +1); AutoMix, SAMix (+19) and AdAutoMix
-# (+54): the forward the mixer keeps for pin_last is made without the Mix Block's graph (Forward.kept,
-# detached over its values), and the state it keeps without the loss's graph pieces (contract.kept).)
+# (functional.without_autocast, +1); AutoMix, SAMix (+5) and AdAutoMix (+39): the forward the mixer keeps for
+# pin_last is made without what a repeat computes anew and without the Mix Block's graph (Forward.kept,
+# detached over the values it keeps), and the state it keeps without the loss's graph pieces
+# (contract.kept).)
 PINNED = {
     "ManifoldMixup": (23, 7), "NoisyFeatureMixup": (42, 8), "CutMix": (27, 6), "OneOf": (44, 10),
     "FMix": (27, 7), "GridMix": (27, 8), "SmoothMix": (28, 7), "ResizeMix": (30, 9), "TokenMix": (58, 8),
     "PatchUp": (28, 7), "SaliencyMix": (105, 17), "AttentiveCutMix": (58, 12), "PuzzleMix": (141, 16),
     "SnapMix": (73, 15), "SpecMix": (40, 8), "AlignMix": (35, 7), "CatchUpMix": (28, 9), "RegMixup": (27, 6),
     "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (60, 11), "MixPro": (59, 11),
-    "AutoMix": (98, 13), "SAMix": (104, 13), "AdAutoMix": (224, 14), "Balanced-MixUp": (60, 12),
+    "AutoMix": (84, 13), "SAMix": (90, 13), "AdAutoMix": (209, 14), "Balanced-MixUp": (60, 12),
     "Remix": (51, 8),
     "DecoupledLoss": (51, 8), "KernelWarping": (58, 8), "LocalWeights": (52, 8), "SaliencyPairing": (98, 16),
     "ManifoldMixup (input)": (20, 5), "ManifoldMixup (conv1)": (20, 5), "CutMix (conv1)": (27, 6),

@@ -22,6 +22,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The tests whose property is a process (marked ``process``: train.py's exit codes, signals, launchers,
+    torchrun, Sphinx, the built wheel) are a step of ``.ci/run`` of their own, ``python -m pytest -m
+    process``: ``python -m pytest`` leaves them out, unless the mark expression names them or the command
+    line names files or tests (then they run as asked)."""
+    if "process" in (config.option.markexpr or "") or config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    left = [item for item in items if item.get_closest_marker("process")]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if not item.get_closest_marker("process")]
+
+
 def write_cifar(root: Path, name: str = "cifar10", per_file: int = 8, seed: int = 0) -> dict:
     """Write a tiny CIFAR data set in the real python format (pickled dicts of uint8 rows + labels).
 

@@ -242,6 +242,7 @@ def test_the_readmes_sample_output_is_what_the_default_run_prints(default_run, t
     ]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path):
     out = tmp_path / "run"
@@ -258,6 +259,7 @@ def test_cli_unknown_layer_exits_non_zero_with_one_line_and_no_summary(tmp_path)
     ]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_cli_mixup_none_and_an_unknown_group_option(tmp_path):
     result = run_cli("mixup=nosuch", f"hydra.run.dir={tmp_path / 'x'}", cwd=tmp_path)

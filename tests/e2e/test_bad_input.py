@@ -373,6 +373,7 @@ def test_what_hydra_would_reject_gets_one_line_too(tmp_path, monkeypatch, overri
         ["mixup.layer=layer1,layer2"],
     ],
 )
+@pytest.mark.process
 def test_train_py_says_it_in_one_line_and_exits_2_before_hydra_starts(tmp_path, overrides):
     result = run_cli(*overrides, cwd=tmp_path)
     assert result.returncode == 2
@@ -501,6 +502,7 @@ def _check_run_directory(path, times, barrier):
         make_writable_dir(path)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_processes_of_a_job_check_one_run_directory_at_once(tmp_path):
     """torchrun's processes check the run directory together: each writes and removes a file of its own

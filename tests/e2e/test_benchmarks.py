@@ -28,6 +28,7 @@ def ratios_in(node):
             yield from ratios_in(value)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     result = run_bench("--quick", "--device", "cpu", "--device-time", "--out", str(tmp_path))
@@ -157,6 +158,7 @@ def test_a_spent_budget_starts_no_more_cases_and_names_them(tmp_path):
     )
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_baseline_case_times_this_checkout_against_a_git_revision(tmp_path):
     """Against HEAD (the same core when nothing is changed): both columns are timed, side by side."""

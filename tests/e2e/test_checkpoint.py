@@ -67,6 +67,7 @@ def wait_for_checkpoint(out, proc, after=0.0):
     assert proc.poll() is None, "the run finished before it could be interrupted"
 
 
+@pytest.mark.process
 def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp_path, uninterrupted, caplog):
     out = tmp_path / "run"
     proc = start(out)
@@ -87,6 +88,7 @@ def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp
     assert results(out) == uninterrupted
 
 
+@pytest.mark.process
 def test_sigterm_finishes_the_step_writes_the_checkpoint_and_exits_non_zero(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = start(out)
@@ -346,6 +348,7 @@ SCHEDULED = [
 ]  # fmt: skip
 
 
+@pytest.mark.process
 def test_a_mix_schedule_and_a_warmup_resume_exactly_after_sigkill(tmp_path, uninterrupted):
     """Ramps move every step, mixing stops after epoch 3 (timm's mixup_off_epoch) and the learning rate
     warms up over two epochs, step by step: a run killed at a random step and resumed ends identical to

@@ -28,7 +28,7 @@ from mixhook.hooks import rank_seed
 from tests.conftest import ROOT
 from tests.helpers import SmallCNN
 
-pytestmark = pytest.mark.slow  # torchrun
+pytestmark = [pytest.mark.slow, pytest.mark.process]  # torchrun
 
 ARGS = [
     "data.train_size=200",

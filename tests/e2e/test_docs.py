@@ -30,6 +30,7 @@ def gallery_module():
     return module
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_path):
     result = build("--out", str(tmp_path / "html"))
@@ -63,6 +64,7 @@ def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_p
     assert "the quick tier for an edit-test loop" in (html / "getting-started.html").read_text()  # the README
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_bad_docs_input_fails_the_build_in_one_line_each(tmp_path):
     source = tmp_path / "docs"
@@ -142,6 +144,7 @@ def test_the_readme_is_a_quick_start_whose_links_all_lead_somewhere():
         assert heading in readme
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_language_models_page_runs_as_written(tmp_path):
     """Its examples (a hand loop, the Trainer, TRL's SFTTrainer and its subclass, NoiseFiT, PEFT) run in

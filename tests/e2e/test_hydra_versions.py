@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow  # each runs train.py
 QUICK = ("trainer.epochs=1", "data.train_size=100", "+model.width=0.25", "trainer.progress_bar=false")
 
 
+@pytest.mark.process
 def test_a_run_prints_nothing_but_its_log(tmp_path):
     result = run_cli(*QUICK, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -37,6 +38,7 @@ def test_a_run_prints_nothing_but_its_log(tmp_path):
         (["mixup.layer=nosuch"], "error: mixup.layer: unknown layer 'nosuch'"),
     ],
 )
+@pytest.mark.process
 def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, line):
     result = run_cli(*overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
@@ -44,6 +46,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, line):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.process
 def test_a_checkpoint_that_is_not_one_is_one_line(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -20,7 +20,7 @@ from tests.helpers import lightning_ddp
 from tests.unit.test_integrations_lightning import Lit, MixupCallback, data, integration, trainer
 from tests.unit.test_integrations_transformers import BERT_LAYERS, bert
 
-pytestmark = pytest.mark.slow  # two processes each
+pytestmark = [pytest.mark.slow, pytest.mark.process]  # two processes each
 
 
 def simulate(model, loader, epochs, seed, ranks):

@@ -54,6 +54,7 @@ def test_the_shipped_configs_the_default_data_could_not_take_train_or_name_the_c
         assert cell.detail.startswith("error: ") and cell.detail.count(where) == 2, cell.detail
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_method_killed_and_resumed_in_the_app_ends_identical():
     cell = run(BY_NAME["Balanced-MixUp"], "resume")  # its partner stream resumes too

@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.readme_run import quoted_block
 
+pytestmark = pytest.mark.process  # each test's property is a fresh interpreter or the built wheel
+
 # what the app and the tests use, none of which the core may need
 BLOCKED = ("hydra", "omegaconf", "torchvision", "sklearn", "matplotlib", "tqdm", "yaml", "numpy", "scipy",
            "timm", "transformers", "tensorboard", "optuna", "submitit", "lightning",

@@ -104,6 +104,7 @@ def multirun_process(*overrides, cwd):
     )
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_real_2x2_sweep_reports_itself_and_on_demand(tmp_path):
     sweep = tmp_path / "sweep"
@@ -193,6 +194,7 @@ def test_optuna_search_completes_and_reports(tmp_path):
     assert best["best_value"] == max(float(r["test_acc"]) for r in rows)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_submitit_local_launcher_runs_and_reports(tmp_path):
     sweep = tmp_path / "sweep"

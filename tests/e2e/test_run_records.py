@@ -100,6 +100,7 @@ def test_a_non_finite_loss_is_said_in_train_log_as_on_stderr(tmp_path):
     assert "epoch 1/1" not in log and log.strip().endswith(f"[mixhook][ERROR] - {line}")
 
 
+@pytest.mark.process
 @pytest.mark.slow  # a process, stopped by a signal or started by a launcher
 def test_ctrl_c_is_said_in_train_log_as_on_stderr(tmp_path):
     run = tmp_path / "run"
@@ -117,6 +118,7 @@ def test_ctrl_c_is_said_in_train_log_as_on_stderr(tmp_path):
     assert (run / "train.log").read_text().strip().endswith(f"[mixhook][ERROR] - {lines[0]}")
 
 
+@pytest.mark.process
 @pytest.mark.slow  # a process, stopped by a signal or started by a launcher
 def test_the_basic_and_the_joblib_launcher_give_the_same_numbers(tmp_path):
     # joblib's workers start with OMP_NUM_THREADS=1, and CPU results depend on the thread count: the run
@@ -139,6 +141,7 @@ def test_the_basic_and_the_joblib_launcher_give_the_same_numbers(tmp_path):
         assert basic[key] == joblib[key], key
 
 
+@pytest.mark.process
 @pytest.mark.slow  # a process, stopped by a signal or started by a launcher
 @pytest.mark.parametrize("when", ["while torch loads", "while the run is built"])
 def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
@@ -175,6 +178,7 @@ def test_what_torch_and_python_warn_during_training_goes_to_train_log_not_the_te
     assert log.count("a graph break") == 2 and log.count("UserWarning: a library's warning") == 1
 
 
+@pytest.mark.process
 @pytest.mark.slow  # a process, stopped by a signal or started by a launcher
 def test_ctrl_c_stops_a_sweep_not_only_its_current_run_and_the_report_says_where_it_stopped(tmp_path):
     sweep = tmp_path / "sweep"

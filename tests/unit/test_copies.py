@@ -235,6 +235,7 @@ def _draw_in_worker(rank, mixer, path):
     torch.save((float(mixer.last.lam), mixer.last.index), path)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_regularizer_sent_to_a_spawned_worker_draws_what_the_original_draws(tmp_path):
     """torch.multiprocessing spawn (Lightning's ddp_spawn, DataLoader workers) pickles a regularizer with

@@ -354,6 +354,7 @@ def test_the_splits_are_scikit_learns_without_importing_it(seed):
         splits.stratified_split(subset, *splits.sizes(1437, train_size=1436), seed)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_building_the_digits_imports_no_scikit_learn():
     code = (

@@ -61,7 +61,11 @@ def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_p
     assert 'id="mixhook.ManifoldMixup"' in api and "Verma" in api  # the docstring, imported
     assert 'id="mixhook.RegionMixer"' in api and 'id="mixhook.engine.forward.Pins"' in api
     assert "Training-time augmentation and regularization hooks" in (html / "index.html").read_text()
-    assert "the quick tier for an edit-test loop" in (html / "getting-started.html").read_text()  # the README
+    started = (html / "getting-started.html").read_text()  # the README's setup and three test commands
+    assert (
+        "its quick tier, for an edit-test loop" in started
+        and "the tests whose property is a process" in started
+    )
 
 
 @pytest.mark.process

@@ -158,9 +158,12 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist, records: RunRecords) -> floa
         finally:
             if logger is not None:
                 logger.close()
-    finally:  # no hook outlives the run, whatever ended it
+    finally:  # no hook and no data-loader worker outlives the run, whatever ended it
         for handle in run.handles:
             handle.remove()
+        # (the loaders' persistent workers stop now; left in the run's reference cycle, a garbage
+        # collection in a later run of the same process, a sweep's next job, stopped them, 5 s each)
+        run.data = None
     if summary.get("task") == "regression":
         log.info(
             "done: test_rmse %.3f  best %.3f (epoch %d)  %.0fs  -> %s/summary.json", summary["test_rmse"],

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .sharding import fsdp_modules
+
 _HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
@@ -89,8 +91,6 @@ def whole_copy(model: nn.Module) -> nn.Module:
     state and hooks (its other hooks copied as a deep copy copies them), each parameter whole and its own
     (gathered from the shards: every rank must call this at once). The copy's forwards need no other rank.
     """
-    from .engine.gradient_pass import fsdp_modules
-
     sharded = fsdp_modules(model)
     if not sharded:
         return copy.deepcopy(model)

@@ -15,6 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import fused
+from .rows import gather_rows as gather_rows  # (public here: the mixers gather with it)
 from .transfer import to_device
 
 _ALMOST_ONE = float.fromhex("0x1.fffffffffffffp-1")  # the largest double below 1
@@ -140,16 +141,6 @@ def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     ``like``'s non-batch dimensions, a 0-d tensor is left as it is."""
     values = to_device(values, like.device, like.dtype)
     return values.view(-1, *([1] * (like.ndim - 1))) if values.ndim == 1 else values
-
-
-def gather_rows(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``h[index]`` along the first dimension, laid out as ``h``: ``index_select`` for a contiguous ``h``
-    (the faster gather), indexing otherwise. ``index_select`` returns a contiguous tensor whatever its
-    input's layout, so a channels-last map blended with it left the blend contiguous and every
-    convolution after it copied its input and its gradient back to channels-last (4 copies of a
-    ResNet-50 map per step, found by the CPU twin's op lists, issue 72). :func:`blend` and its backward
-    write the same line out (marked ``(gather_rows)``): the entries of the plain forward are pinned."""
-    return h.index_select(0, index) if h.is_contiguous() else h[index]
 
 
 class _GatherBlend(torch.autograd.Function):

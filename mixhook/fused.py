@@ -26,6 +26,8 @@ import importlib.util
 
 import torch
 
+from .rows import gather_rows
+
 _ENABLED = False
 
 
@@ -73,8 +75,6 @@ def gather_lerp(h: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, lam
         from . import fused_kernel
 
         return fused_kernel.launch(fused_kernel.jitted, h, index, lam)
-    from .functional import gather_rows  # (functional imports this module)
-
     return torch.lerp(gather_rows(h, index), h, lam)
 
 

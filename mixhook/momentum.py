@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .copies import whole_copy
-from .engine.gradient_pass import sharded
+from .sharding import sharded
 
 
 def _whole(p: torch.Tensor) -> torch.Tensor:

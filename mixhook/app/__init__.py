@@ -6,10 +6,8 @@ training loop, sweep reports and layer browser. It is installed by the ``app`` e
 ``python -m mixhook.layers`` work from a checkout and from an installed wheel alike).
 """
 
-from pathlib import Path
-
-CONF_DIR = Path(__file__).resolve().parent / "conf"
-CONF_MODULE = "mixhook.app.conf"
+from .conf import CONF_DIR as CONF_DIR  # (re-exported)
+from .conf import CONF_MODULE as CONF_MODULE
 
 try:  # the models, data and loop import without Hydra (a bare GPU machine; the core alone)
     import hydra  # noqa: F401

@@ -249,9 +249,9 @@ def main(argv: list[str]) -> int:
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
 
-    from . import CONF_DIR, CONF_MODULE
     from .build import build_model_and_data
     from .command_line import check_command_line
+    from .conf import CONF_DIR, CONF_MODULE
     from .errors import ConfigError
     from .hydra_compat import VERSION_BASE
 

@@ -16,7 +16,7 @@ import yaml
 
 from mixhook.mixers import METHODS
 
-from . import CONF_DIR
+from .conf import CONF_DIR
 
 PLAIN = (type(None), bool, int, float, str)
 

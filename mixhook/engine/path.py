@@ -35,11 +35,12 @@ from .. import packing, recompute
 from ..functional import sample_lam, weight_of
 from ..hooks import LayerHook, guard_unwrapped
 from ..layouts import CHANNELS_LAST, channels_first, channels_last
+from ..sharding import sharded
 from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
 from .binding import Forwards
 from .contract import Draw, Mixed, MixState, claim, unclaim
 from .forward import NO_PINS, Forward, Pins
-from .gradient_pass import GradientPass, sharded
+from .gradient_pass import GradientPass
 from .leaves import SiteLeaves
 from .norms import NormsApart
 from .padding_masks import PaddingMasks

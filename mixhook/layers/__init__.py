@@ -23,17 +23,11 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..sites import INPUT, Inputs, parse_site
-from .resolve import (
-    ResolvedLayers,
-    UnknownLayerError,
-    depth_index,
-    expand,
-    portable_names,
-    resolve_layer,
-    resolve_layers,
-)
+from .described import describe
+from .names import UnknownLayerError
+from .resolve import ResolvedLayers, depth_index, expand, portable_names, resolve_layer, resolve_layers
 from .specs import parse_spec
-from .structure import Stage, Structure, describe, register_layers
+from .structure import Stage, Structure, register_layers
 
 __all__ = [
     "INPUT",

@@ -1,34 +1,21 @@
 """Layer specs to the real module names and modules of one model (:func:`resolve_layers`).
 
 A real name resolves to itself; a pattern to the names it matches, in ``named_modules()`` order; a
-portable spec to the stage or block the model states (:mod:`.structure`). Each keeps its selector. Every
+portable spec to the stage or block the model states (:mod:`.described`). Each keeps its selector. Every
 failure is one line (:class:`UnknownLayerError`) naming the spec and what would be valid.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Sequence
 
 from torch import nn
 
 from ..sites import INPUT, parse_site
-from .specs import Spec, glob_regex, parse_spec
-from .structure import Stage, Structure, _Registration, describe
-
-_LISTED_DEPTH = 2  # names with at most this many dotted parts are listed in full in errors
-_LISTS = (nn.Sequential, nn.ModuleList)
-
-
-class UnknownLayerError(KeyError, ValueError):
-    """A layer spec that names nothing in the model (or nothing it can be sure of).
-
-    A ``KeyError`` (a failed look-up) and a ``ValueError`` (a bad argument), so either ``except`` works.
-    """
-
-    def __str__(self) -> str:  # KeyError would wrap the message in quotes
-        return str(self.args[0])
+from .described import describe
+from .names import UnknownLayerError, _closest, _unknown_layer_message, expand_names
+from .specs import Spec, parse_spec
 
 
 class ResolvedLayers(dict):
@@ -82,64 +69,9 @@ def expand(model: nn.Module, text: str | Spec, modules: dict | None = None, desc
         raise UnknownLayerError(_unknown_layer_message(model, ""))
     spec = text if isinstance(text, Spec) else parse_spec(text)
     modules = dict(model.named_modules()) if modules is None else modules
-    if spec.kind == "name":
-        return (_literal(model, spec, modules),)
-    if spec.kind == "pattern":
-        return _pattern(model, spec, modules)
+    if spec.kind in ("name", "pattern"):
+        return expand_names(model, spec, modules)
     return (_portable(model, spec, modules, {} if described is None else described),)
-
-
-def _literal(model: nn.Module, spec: Spec, modules: dict) -> str:
-    site = spec.site
-    if site.layer == INPUT:
-        return spec.text
-    if site.layer not in modules:
-        raise UnknownLayerError(_unknown_layer_message(model, site.layer))
-    module = modules[site.layer]
-    paths = site.paths or ()
-    if isinstance(module, _LISTS) and len(paths) == 1 and len(paths[0]) == 1 and isinstance(paths[0][0], int):
-        return _members(spec, site.layer, module, paths[0][0])[0]  # "blocks[-1]": a member, as in Python
-    return spec.text
-
-
-def _members(spec: Spec, name: str, module: nn.Module, members) -> list[str]:
-    if not isinstance(module, _LISTS):
-        raise UnknownLayerError(
-            f"layer {spec.text!r}: {name!r} is a {type(module).__name__}, not a module list; an index or a "
-            "slice takes members of an nn.Sequential or nn.ModuleList"
-        )
-    children = [n for n, _ in module.named_children()]
-    if isinstance(members, int):
-        if not -len(children) <= members < len(children):
-            raise UnknownLayerError(
-                f"layer {spec.text!r}: {name!r} has {len(children)} members; index 0..{len(children) - 1} "
-                f"(or -{len(children)}..-1)"
-            )
-        return [f"{name}.{children[members]}"]
-    chosen = children[members]
-    if not chosen:
-        raise UnknownLayerError(
-            f"layer {spec.text!r}: the slice takes none of {name!r}'s {len(children)} members"
-        )
-    return [f"{name}.{c}" for c in chosen]
-
-
-def _pattern(model: nn.Module, spec: Spec, modules: dict) -> tuple[str, ...]:
-    if "*" in spec.layer or "?" in spec.layer:
-        regex = glob_regex(spec.layer)
-        names = [n for n in modules if n and regex.match(n)]
-        if not names:
-            raise UnknownLayerError(
-                f"layer {spec.text!r}: the glob matches no module of {type(model).__name__}"
-                + _closest(spec.layer, list(modules))
-            )
-    elif spec.layer in modules:
-        names = [spec.layer]
-    else:
-        raise UnknownLayerError(_unknown_layer_message(model, spec.layer))
-    if spec.members is not None:
-        names = [m for n in names for m in _members(spec, n, modules[n], spec.members)]
-    return tuple(n + spec.select for n in names)
 
 
 def _portable(model: nn.Module, spec: Spec, modules: dict, described: dict) -> str:
@@ -203,57 +135,3 @@ def portable_names(model: nn.Module) -> dict[str, list[str]]:
     for k, block in enumerate(found.blocks):
         out.setdefault(block, []).append(f"block:{k}")
     return out
-
-
-def expand_registered(model: nn.Module, registration: _Registration) -> Structure:
-    """A registration's stages and blocks, expanded on ``model``."""
-    modules = dict(model.named_modules())
-
-    def names(value, what: str) -> list:
-        if value is None:
-            return []
-        listed = value(model) if callable(value) else value
-        out = []
-        for item in listed:
-            if isinstance(item, Stage):
-                out.append(item)
-                continue
-            spec = parse_spec(item)
-            if spec.portable:
-                raise ValueError(
-                    f"register_layers({type(model).__name__}, {what}=...): {item!r} is portable; state real "
-                    "names, globs or slices"
-                )
-            try:
-                out.extend(expand(model, spec, modules))
-            except UnknownLayerError as err:
-                raise UnknownLayerError(f"{registration.source}: {what}: {err}") from None
-        return out
-
-    stages = [s if isinstance(s, Stage) else Stage(s) for s in names(registration.stages, "stages")]
-    blocks = [b.name if isinstance(b, Stage) else b for b in names(registration.blocks, "blocks")]
-    cls = type(model).__name__
-    return Structure(
-        registration.source, tuple(stages), tuple(blocks),
-        no_stages="" if stages else f"{cls}'s registration states no stages",
-        no_blocks="" if blocks else f"{cls}'s registration states no blocks",
-    )  # fmt: skip
-
-
-def _closest(name: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(name, [v for v in valid if v], n=3, cutoff=0.5)
-    return f"; closest: {', '.join(repr(c) for c in close)}" if close else "; see python -m mixhook.layers"
-
-
-def _unknown_layer_message(model: nn.Module, name: str) -> str:
-    valid = [INPUT] + [n for n, _ in model.named_modules() if n]
-    wrapped = sorted((n for n in valid if n.endswith(f".{name}")), key=len)  # PEFT: base_model.model.
-    if wrapped:
-        hint = f"; did you mean {wrapped[0]!r} (the model wraps its layers: name them as it does)?"
-    else:
-        close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "."
-    listed = [n for n in valid if n.count(".") < _LISTED_DEPTH]
-    deeper = [n for n in valid if n.count(".") >= _LISTED_DEPTH]
-    more = f" (and {len(deeper)} deeper modules such as {deeper[0]!r})" if deeper else ""
-    return f"unknown layer {name!r} in {type(model).__name__}{hint} Valid layers: {', '.join(listed)}{more}"

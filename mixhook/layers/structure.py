@@ -11,7 +11,8 @@ sequence of repeated blocks, as real module names in forward order. Read, in thi
 
 A model none of them describes states nothing: a portable spec on it is refused, never guessed from
 module names. A model that wraps a described one (a user's ``nn.Module`` around a timm backbone, PEFT's
-``PeftModel``) is described by it, its names prefixed (:func:`describe`).
+``PeftModel``) is described by it, its names prefixed. This module holds what is stated and the
+registrations, below the readers; reading a model is :mod:`.described`'s.
 """
 
 from __future__ import annotations
@@ -97,47 +98,3 @@ def registered(model: nn.Module) -> _Registration | None:
         if cls in _REGISTERED:
             return _REGISTERED[cls]
     return None
-
-
-def own_structure(model: nn.Module) -> Structure | None:
-    """What ``model`` itself states (its registration or its library), or ``None``."""
-    from . import huggingface_models, timm_models, torchvision_models
-    from .resolve import expand_registered
-
-    registration = registered(model)
-    if registration is not None:
-        return expand_registered(model, registration)
-    for source in (timm_models, huggingface_models, torchvision_models):
-        found = source.describe(model)
-        if found is not None:
-            return found
-    return None
-
-
-def describe(model: nn.Module) -> Structure | None:
-    """What ``model`` states about its stages and blocks: its own statement, else that of the one
-    outermost submodule that states something (names prefixed); ``None`` when nothing does. Where
-    several submodules state their own (a user's model holding two timm backbones) the structure says
-    which to name, in ``no_stages``/``no_blocks``."""
-    own = own_structure(model)
-    if own is not None:
-        return own
-    found = []
-    pending = list(model.named_children())
-    while pending:
-        name, child = pending.pop(0)
-        inner = own_structure(child)
-        if inner is not None:
-            found.append((name, inner))
-        else:
-            pending.extend((f"{name}.{n}", c) for n, c in child.named_children())
-    if not found:
-        return None
-    if len(found) == 1:
-        name, inner = found[0]
-        return inner.prefixed(f"{name}.")
-    scopes = [name for name, _ in found]
-    why = f"it holds {len(found)} models that state their own ({', '.join(scopes)}); name one: " + ", ".join(
-        f"{s}.block:k" for s in scopes[:3]
-    )
-    return Structure("several models inside", no_stages=why, no_blocks=why)

@@ -386,12 +386,13 @@ def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
 # (functional.without_autocast, +1); AutoMix, SAMix (+5) and AdAutoMix (+39): the forward the mixer keeps for
 # pin_last is made without what a repeat computes anew and without the Mix Block's graph (Forward.kept,
 # detached over the values it keeps), and the state it keeps without the loss's graph pieces
-# (contract.kept).)
+# (contract.kept). SpecMix, SnapMix and CatchUpMix +1 file: gather_rows lives in mixhook/rows.py, below
+# functional.py and fused.py, which imported each other.)
 PINNED = {
     "ManifoldMixup": (23, 7), "NoisyFeatureMixup": (42, 8), "CutMix": (27, 6), "OneOf": (44, 10),
     "FMix": (27, 7), "GridMix": (27, 8), "SmoothMix": (28, 7), "ResizeMix": (30, 9), "TokenMix": (58, 8),
     "PatchUp": (28, 7), "SaliencyMix": (105, 17), "AttentiveCutMix": (58, 12), "PuzzleMix": (141, 16),
-    "SnapMix": (73, 15), "SpecMix": (40, 8), "AlignMix": (35, 7), "CatchUpMix": (28, 9), "RegMixup": (27, 6),
+    "SnapMix": (73, 16), "SpecMix": (40, 9), "AlignMix": (35, 7), "CatchUpMix": (28, 10), "RegMixup": (27, 6),
     "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (60, 11), "MixPro": (59, 11),
     "AutoMix": (84, 13), "SAMix": (90, 13), "AdAutoMix": (209, 14), "Balanced-MixUp": (60, 12),
     "Remix": (51, 8),

@@ -98,30 +98,91 @@ def test_no_core_module_reads_another_modules_private_members():
     assert not found, found
 
 
-def test_the_engines_modules_import_one_another_one_way_only():
-    """Issue 57: no import circle in mixhook/engine (type-only imports under TYPE_CHECKING included): each
-    module can be read, and changed, knowing what it stands on."""
-    engine = ROOT / "mixhook" / "engine"
-    names = {path.stem for path in engine.glob("*.py")}
-    imports: dict[str, set] = {}
-    for path in engine.glob("*.py"):
-        found = set()
+def _imports() -> dict[str, dict[str, str]]:
+    """Every module of the package (dotted name) and what it imports of the package, type-only and
+    function-level imports included: ``{module: {imported module: "path:line"}}``. ``from . import x``
+    imports the module ``x``, not its package's ``__init__``; a name that is no module is imported from
+    the module (or package) named."""
+    modules = {}
+    for path in (ROOT / "mixhook").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, dict[str, str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found: dict[str, str] = {}
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
-        imports[path.stem] = found & names
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+                if len(subs) < len(node.names):
+                    subs.append(target)
+                found.update({m: where for m in subs if m in modules and m != name})
+            elif isinstance(node, ast.Import):
+                found.update({a.name: where for a in node.names if a.name in modules and a.name != name})
+        graph[name] = found
+    return graph
+
+
+def _first_circle(graph: dict[str, dict[str, str]]) -> str | None:
+    """One circle of ``graph`` as its imports (``a -> b (path:line) -> a (path:line)``), or ``None``."""
     done: set = set()
 
-    def visit(module: str, path: list[str]) -> None:
-        if module in path:
-            raise AssertionError(" -> ".join([*path[path.index(module) :], module]))
-        if module not in done:
-            for other in sorted(imports[module]):
-                visit(other, [*path, module])
-            done.add(module)
+    def visit(node: str, path: list[str]) -> str | None:
+        if node in path:
+            loop = [*path[path.index(node) :], node]
+            return " -> ".join(
+                [loop[0], *(f"{b} ({graph[a][b]})" for a, b in zip(loop, loop[1:], strict=False))]
+            )
+        if node in done:
+            return None
+        for other in sorted(graph.get(node, {})):
+            found = visit(other, [*path, node])
+            if found:
+                return found
+        done.add(node)
+        return None
 
-    for module in sorted(imports):
-        visit(module, [])
+    for node in sorted(graph):
+        found = visit(node, [])
+        if found:
+            return found
+    return None
+
+
+def test_the_package_imports_one_way_only_module_by_module_and_room_by_room():
+    """Issues 57 and 83: no import circle between the package's modules (function-level and type-only
+    imports included), nor between its rooms (a subpackage, or a module of the package's top level), so
+    every room stands on the floors below it and each module can be read, and changed, knowing what it
+    stands on. The one arrow that points up is ``python -m mixhook.layers``'s entry point, which runs the
+    app's layer browser (mixhook/layers/__main__.py): it is left out. A circle is named import by import."""
+    graph = _imports()
+    graph = {m: out for m, out in graph.items() if m != "mixhook.layers.__main__"}
+    circle = _first_circle(graph)
+    assert circle is None, f"an import circle: {circle}"
+
+    def room(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    rooms: dict[str, dict[str, str]] = {}
+    for module, out in graph.items():
+        for other, where in out.items():
+            if room(other) != room(module):
+                rooms.setdefault(room(module), {}).setdefault(room(other), where)
+    circle = _first_circle(rooms)
+    assert circle is None, f"an import circle between rooms: {circle}"
+
+
+def test_the_import_check_names_a_circle_import_by_import():
+    """The check above, shown able to fail: a circle of two modules named with the lines that close it."""
+    graph = {"a": {"b": "a.py:3"}, "b": {"c": "b.py:4"}, "c": {"a": "c.py:5"}, "d": {"a": "d.py:1"}}
+    assert _first_circle(graph) == "a -> b (a.py:3) -> c (b.py:4) -> a (c.py:5)"
+    assert _first_circle({"a": {"b": "a.py:1"}, "b": {}}) is None
 
 
 _DRAWS = {"rand", "randn", "randint", "randperm"}

@@ -169,13 +169,6 @@ def _broadcast(buffers: list[torch.Tensor]) -> None:
             b.copy_(values.view_as(b))
 
 
-def sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded by FSDP2 (:func:`shard`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The whole model's and optimizer's state dicts of a sharded model, on the CPU, as one process's
     would be (every rank must call it: the shards are gathered)."""

@@ -32,11 +32,12 @@ from torch import nn
 from tqdm import tqdm
 
 from mixhook.mixers import MixingHook, smooth_one_hot
+from mixhook.sharding import sharded
 
 from ..files import atomic_write
 from . import checkpoint as ckpt
 from .calibration import Calibration
-from .distributed import Dist, sharded
+from .distributed import Dist
 from .finite import FiniteCheck, NonFiniteLoss, check_every
 from .logging import save_feature_maps
 from .state import RunState

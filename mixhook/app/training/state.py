@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mixhook.sharding import sharded
+
 from ...hooks import without_rank
 from . import checkpoint as ckpt
-from .distributed import Dist, full_state, load_full_state, sharded
+from .distributed import Dist, full_state, load_full_state
 
 # Keys that may differ between a run and its resumption: where things are, how they are shown.
 RESUMABLE_CHANGES = {

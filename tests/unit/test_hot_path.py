@@ -387,16 +387,18 @@ def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
 # pin_last is made without what a repeat computes anew and without the Mix Block's graph (Forward.kept,
 # detached over the values it keeps), and the state it keeps without the loss's graph pieces
 # (contract.kept). SpecMix, SnapMix and CatchUpMix +1 file: gather_rows lives in mixhook/rows.py, below
-# functional.py and fused.py, which imported each other.)
+# functional.py and fused.py, which imported each other. PuzzleMix, SaliencyMix, SnapMix and SaliencyPairing
+# +1 file: the gradient pass re-gathers an FSDP model's parameters with sharding.unshard_again, which the
+# hooks, the copies and the app share instead of each holding a copy.)
 PINNED = {
     "ManifoldMixup": (23, 7), "NoisyFeatureMixup": (42, 8), "CutMix": (27, 6), "OneOf": (44, 10),
     "FMix": (27, 7), "GridMix": (27, 8), "SmoothMix": (28, 7), "ResizeMix": (30, 9), "TokenMix": (58, 8),
-    "PatchUp": (28, 7), "SaliencyMix": (105, 17), "AttentiveCutMix": (58, 12), "PuzzleMix": (141, 16),
-    "SnapMix": (73, 16), "SpecMix": (40, 9), "AlignMix": (35, 7), "CatchUpMix": (28, 10), "RegMixup": (27, 6),
+    "PatchUp": (28, 7), "SaliencyMix": (105, 18), "AttentiveCutMix": (58, 12), "PuzzleMix": (141, 17),
+    "SnapMix": (73, 17), "SpecMix": (40, 9), "AlignMix": (35, 7), "CatchUpMix": (28, 10), "RegMixup": (27, 6),
     "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (60, 11), "MixPro": (59, 11),
     "AutoMix": (84, 13), "SAMix": (90, 13), "AdAutoMix": (209, 14), "Balanced-MixUp": (60, 12),
     "Remix": (51, 8),
-    "DecoupledLoss": (51, 8), "KernelWarping": (58, 8), "LocalWeights": (52, 8), "SaliencyPairing": (98, 16),
+    "DecoupledLoss": (51, 8), "KernelWarping": (58, 8), "LocalWeights": (52, 8), "SaliencyPairing": (98, 17),
     "ManifoldMixup (input)": (20, 5), "ManifoldMixup (conv1)": (20, 5), "CutMix (conv1)": (27, 6),
     "FMix (conv1)": (27, 7), "GridMix (conv1)": (27, 8), "SmoothMix (conv1)": (28, 7),
     "ResizeMix (conv1)": (30, 9),

@@ -22,14 +22,13 @@ GOALS = {
     "activation_saliency_vs_manifold": 1.05,  # SaliencyMix (activation) step / Manifold Mixup step
     "recipe_mixup_vs_none": 1.02,  # Verma et al. 2019's CIFAR-10 recipe: mixup epoch / plain epoch
     "recipe_1200_epochs_hours": 2.0,  # ... its 1,200 epochs projected, on one GPU
-    # an active mix's added host time / a minimal hand-written hook's (issue 46: forward and loss, step)
+    # an active mix's added host time / a minimal hand-written hook's (issue 46: forward and loss, step;
+    # issue 83: CutMix's step, whose box the hand-written hook pastes without a record, 1.25)
     "host_vs_hand": {"forward": 1.3, "forward_and_loss": 1.2, "step": 1.15},
+    "host_vs_hand_cutmix": {"forward": 1.3, "forward_and_loss": 1.2, "step": 1.25},
     "extra_ops_vs_hand": 0,  # aten ops of a training step with the mix - with the hand-written hook
     "copies_to_device_per_mix": 1,
     "host_reads_per_step": 0,
-    # issue 57: the mixhook functions one plain Manifold Mixup forward + loss() enters, and their files
-    "entries_per_forward_and_loss": 20,
-    "files_per_forward_and_loss": 5,
     "neftune_vs_hf_neftune": 1.02,  # a Llama step with mixhook's NEFTune (per sequence) / HuggingFace's
     "llm_mixup_vs_hand": 1.02,  # ... with Manifold Mixup at a decoder layer / a hand-written blend hook
     # issue 81: the peak memory of a Manifold Mixup step at layer2 / the hand-edited forward's (CUDA); the
@@ -147,16 +146,12 @@ def _host_goals(h: dict, add, device, scenario: str = "") -> None:
             else f"mixhook's structure alone (the floor row) is {floor['median']:.3f}: what is over the "
             "goal is the per-forward bookkeeping, not the hooks"
         )
-        limit = GOALS["host_vs_hand"][what]
+        limit = GOALS["host_vs_hand_cutmix" if "CutMix" in scenario else "host_vs_hand"][what]
         add("host_vs_hand", h[what]["mixhook_vs_hand"]["median"], limit, what + scenario, why=why)
     add("extra_ops_vs_hand", h["extra_ops_vs_hand"], GOALS["extra_ops_vs_hand"], "training step" + scenario)
     census = h["census"]["mixhook"]
     add("copies_to_device_per_mix", census["copies_to_device"], 1, "training step" + scenario)
     add("host_reads_per_step", census["host_reads"], 0, "training step" + scenario)
-    if "entries" in h and not scenario:
-        limit = GOALS["entries_per_forward_and_loss"]
-        add("entries_per_forward_and_loss", h["entries"]["count"], limit, "plain forward + loss()")
-        add("files_per_forward_and_loss", h["entries"]["files"], GOALS["files_per_forward_and_loss"], "ditto")
 
 
 def _peer_goals(p: dict, add, device) -> None:

@@ -157,7 +157,7 @@ class _GatherBlend(torch.autograd.Function):
         ctx.lam = lam if not isinstance(lam, torch.Tensor) else None
         ctx.save_for_backward(*((lam,) if ctx.lam is None else ()), index if inverse is None else inverse)
         ctx.inverted = inverse is not None
-        partner = h.index_select(0, index) if h.is_contiguous() else h[index]  # (gather_rows)
+        partner = gather_rows(h, index)
         return torch.lerp(partner, h, lam)
 
     @staticmethod
@@ -166,7 +166,7 @@ class _GatherBlend(torch.autograd.Function):
         *lam, index = ctx.saved_tensors
         inverse = index if ctx.inverted else torch.argsort(index)
         if ctx.lam is not None or lam[0].ndim == 0:
-            rows = grad.index_select(0, inverse) if grad.is_contiguous() else grad[inverse]  # (gather_rows)
+            rows = gather_rows(grad, inverse)
             out = torch.lerp(rows, grad, ctx.lam if ctx.lam is not None else lam[0])
         else:
             out = torch.addcmul(gather_rows((1 - lam[0]) * grad, inverse), lam[0], grad)
@@ -232,7 +232,7 @@ def blend(
         if h.is_cuda and isinstance(lam, float) and fused.enabled() and not torch.compiler.is_compiling():
             return fused.gather_lerp(h, index, torch.argsort(index) if inverse is None else inverse, lam)
         return _GatherBlend.apply(h, lam, index, inverse)
-    return torch.lerp(h.index_select(0, index) if h.is_contiguous() else h[index], h, lam)  # (gather_rows)
+    return torch.lerp(gather_rows(h, index), h, lam)
 
 
 def lerp_rows(h: torch.Tensor, lam: torch.Tensor, index: torch.Tensor, one: bool = True) -> torch.Tensor:

@@ -62,12 +62,12 @@ def rand_region(
     dimension in order, rounded as ``rounding`` says. Returns ``(a1, b1, a2, b2, ...)``: positions
     ``a_k:b_k`` along dimension ``k`` (for a 2-D map ``(y1, y2, x1, x2)``)."""
     ratio = math.sqrt(1.0 - lam) if len(shape) == 2 else side_ratio(1.0 - lam, len(shape))
-    timm = rounding == "timm"  # (_sides, inline)
     box = []
     for size in shape:
         cut = int(size * ratio)
         centre = int(torch.randint(size, (), generator=generator, device=generator.device))
-        box += [max(centre - cut // 2, 0), min(centre + ((cut + 1) // 2 if timm else cut // 2), size)]
+        before, after = _sides(cut, rounding)
+        box += [max(centre - before, 0), min(centre + after, size)]
     return tuple(box)
 
 

@@ -49,8 +49,7 @@ def _unknown(ignore_disabled: bool) -> object:
 
 
 saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", _unknown)
-"""``saved_tensor_hooks(False)``: the innermost saved-tensor hooks in effect, ``None`` where none are (a
-C function: the hot path calls it inline, where :func:`may_be_recomputed` would be one more call)."""
+"""``saved_tensor_hooks(False)``: the innermost saved-tensor hooks in effect, ``None`` where none are."""
 
 
 def saved_tensor_hooks_active() -> bool:
@@ -62,6 +61,13 @@ def may_be_recomputed() -> bool:
     checkpointing): gradients are off (reentrant mode) or saved-tensor hooks are on (non-reentrant)."""
     if torch.compiler.is_compiling():
         return False
+    return in_checkpointed_forward()
+
+
+def in_checkpointed_forward() -> bool:
+    """Whether the forward running now is an eager activation checkpoint's: gradients are off (reentrant
+    mode) or saved-tensor hooks are on (non-reentrant). :func:`may_be_recomputed` outside a compiled
+    region; what a traced frame asks of the eager frame around it (``mixhook.engine.traced``)."""
     return not torch.is_grad_enabled() or saved_tensor_hooks_active()
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import packing, recompute
-from ..functional import sample_lam, weight_of
+from ..functional import weight_of
 from ..hooks import LayerHook, guard_unwrapped
 from ..layouts import CHANNELS_LAST, channels_first, channels_last
 from ..sharding import sharded
@@ -49,16 +49,15 @@ from .traced import TracedPath, refuse_capture
 
 _compiling = torch.compiler.is_compiling
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward: see recompute.in_backward
-_saved_hooks = recompute.saved_tensor_hooks
+_may_be_recomputed = recompute.may_be_recomputed
 _distributed = torch.distributed.is_initialized if torch.distributed.is_available() else bool
 # the make_fx tracer's mode, where one is active (torch.compiler.precompile, a non-strict export): a C call
 _proxy_mode = getattr(torch._C, "_get_dispatch_mode", lambda key: None)
 _PROXY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
 _PLAIN = ("[]",)  # the elements of a plain tensor (MixState.elements)
-# the extension points a forward skips (their default does nothing) or makes inline (draw_index, sample_lam:
-# a random permutation, one Beta(alpha, alpha) draw) where a method keeps the default (the class's
+# the extension points a forward skips where a method keeps their default, which does nothing (the class's
 # Mixer._overrides, or the mixer's own attribute, read when it is attached)
-SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix", "draw_index", "sample_lam"))
+SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix"))
 
 
 def _between_graphs(hook):
@@ -81,7 +80,7 @@ class MixerHooks(LayerHook):
     _TRANSIENT = (
         "_current", "_targets", "_seen", "_site_leaves", "_traced", "_modules", "_masks", "_gradients",
         "_compiled", "_positional", "_given", "_inputs", "_packable", "_global", "_checks_leaves", "_before",
-        "_begins", "_extended", "_before_mix", "_draws_later", "_own_index", "_own_lam", "_norms",
+        "_begins", "_extended", "_before_mix", "_draws_later", "_norms",
         "_sharded", "_recomputed",
     )  # fmt: skip
 
@@ -111,8 +110,6 @@ class MixerHooks(LayerHook):
         self._begins = False  # whether a forward's start needs _begin (before_forward, policies)
         self._before_mix = False  # whether the method computes something before its mix (before_mix)
         self._draws_later = True  # whether mix() draws from the generator itself (draws_in_mix)
-        self._own_index = True  # whether the method draws its partners itself (draw_index overridden)
-        self._own_lam = True  # whether the method draws lam itself (sample_lam overridden)
         self._sharded = False  # whether the model is sharded by FSDP2 (a pass must run on every rank)
         self._recomputed: frozenset[str] = frozenset()  # computed_each_forward: pin_last's record leaves them
 
@@ -141,8 +138,6 @@ class MixerHooks(LayerHook):
         self._before = "before_forward" in self._extended
         self._begins = self._before or self._policies is not None
         self._before_mix = "before_mix" in self._extended
-        self._own_index = "draw_index" in self._extended
-        self._own_lam = "sample_lam" in self._extended
         self._draws_later = self.draws_in_mix  # (a setting it depends on is fixed while attached)
         self._recomputed = frozenset(self.computed_each_forward)
         self._sharded = sharded(model)
@@ -191,12 +186,8 @@ class MixerHooks(LayerHook):
             self._refuse_call(model, args, kwargs)
         reading = self._site_leaves
         first = args[0] if args else None  # (the usual call: the model's input first, positionally)
-        if reading.reads_sides:  # (SiteLeaves.input_grid, inline for the usual call)
-            reading.input_sides = (
-                (first.ndim, first.shape[-2], first.shape[-1])
-                if type(first) is torch.Tensor and 3 < first.ndim < 6
-                else reading.input_grid(args, kwargs)
-            )
+        if reading.reads_sides:
+            reading.input_sides = reading.input_grid(args, kwargs)
         targets = self._targets  # (this forward's: the forward started forgets them)
         forward = self._decide()
         if forward is not None:  # the model input's batch size, which the mixed layer's must be
@@ -321,7 +312,7 @@ class MixerHooks(LayerHook):
                     return _between_graphs(hook)(module, args, output)
             forward = self._current
             if forward is None or forward.mixed is not None or forward.layer != spec:  # it mixes elsewhere
-                if self._model.training and (not torch.is_grad_enabled() or _saved_hooks(False) is not None):
+                if self._model.training and _may_be_recomputed():
                     self._note(spec)  # (what a recomputation of this layer must know: it mixed nothing)
                 return None
             return self._mix(spec, output, forward)[0]  # (self.last set)
@@ -369,7 +360,7 @@ class MixerHooks(LayerHook):
         drawn = None
         if not forward.replay:  # 3.
             drawn = self._repeatable(spec, n, forward, generator)
-            if not torch.is_grad_enabled() or _saved_hooks(False) is not None:  # (may_be_recomputed)
+            if _may_be_recomputed():
                 self._note(spec, forward.repeat)
         if self._clean or self._masks.active or found[0].tensor.is_cuda:
             self._check_apply(spec, found, n)
@@ -632,19 +623,15 @@ class MixerHooks(LayerHook):
                 return drawn
         lam = pins.lam
         if lam is None:
-            lam = self.sample_lam(n, generator) if self._own_lam else sample_lam(self.alpha, generator)
+            lam = self.sample_lam(n, generator)
             if type(lam) is not torch.Tensor or lam.dtype != torch.float64:
                 lam = torch.as_tensor(lam, dtype=torch.float64)
         elif lam.ndim == 1 and lam.shape[0] != n:
             raise ValueError(f"pinned lam has {lam.shape[0]} values but the batch at layer {spec!r} has {n}")
-        weight = lam.item() if lam.ndim == 0 and lam.is_cpu and not _compiling() else lam  # (weight_of)
+        weight = weight_of(lam)
         index = pins.index
         if index is None:
-            index = (
-                self.draw_index(n, generator)
-                if self._own_index
-                else torch.randperm(n, generator=generator, device=generator.device)  # (the default's line)
-            )
+            index = self.draw_index(n, generator)
             permutation = self.index_is_permutation and (not self._global or self.partner_pool(n) == n)
             return Draw(spec, lam, index, generator, pins.given, permutation, weight)
         pool = self.partner_pool(n) if self._global else n

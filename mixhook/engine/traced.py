@@ -351,7 +351,7 @@ def recomputable() -> bool:
     tx = InstructionTranslator.current_tx()
     if tx is not None and tx.output.current_tracer.parent is not None:
         return True
-    return not torch.is_grad_enabled() or recompute.saved_tensor_hooks_active()
+    return recompute.in_checkpointed_forward()
 
 
 recomputable._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets

@@ -106,7 +106,7 @@ def _gen(seed: int = 5) -> torch.Generator:
 
 def _m(cls, *layers, **kwargs):
     """A maker of ``cls`` at ``layers`` (under the prefix it is given), with a fixed generator: a
-    configuration beside a card's example (tests/entries.py's methods at a hidden layer)."""
+    configuration beside a card's example (tests/steps.py's methods at a hidden layer)."""
 
     def make(prefix: str):
         named = [f"{prefix}{layer}" if layer != "input" else "input" for layer in layers]

@@ -27,7 +27,7 @@ from mixhook import (
     functional,
 )
 from mixhook.functional import beta_value, sample_beta
-from tests.entries import entries
+from tests.steps import STEPS, entries, steps
 
 
 @pytest.mark.parametrize("a,b", [(2.0, 2.0), (0.2, 0.2), (1.0, 1.0), (20.0, 20.0), (2.0, 5.0), (1e-3, 1e-3)])
@@ -279,12 +279,12 @@ def test_an_index_changed_in_place_or_another_index_is_copied_anew():
     assert to_device(frozen, torch.device("meta")).device.type == "meta"  # (no version counter: copied)
 
 
-def test_one_plain_forward_and_its_loss_enter_at_most_20_mixhook_functions_in_5_files():
-    """Issue 57: the path a reader follows. A plain Manifold Mixup forward (the model's pre-hook decides,
-    the layer's hook draws, blends and records, the output is marked) and its loss() enter at most 20
-    mixhook functions in at most 5 files once its site is planned: the count cannot creep back. What is
-    per site or per model (names, messages, the layout read, the packing probe, the rank's seed) is not
-    redone per forward."""
+def test_one_plain_forward_and_its_loss_walk_each_step_once_and_redo_nothing_per_site():
+    """Issues 57 and 83: the path a reader follows. A plain Manifold Mixup forward (the model's pre-hook
+    decides, the layer's hook draws, blends and records, the output is marked) and its loss() make each
+    step of the path once, once its site is planned. What is per site or per model (names, messages, the
+    layout read, the packing probe, the rank's seed) is not redone per forward. (What the path costs is
+    the host benchmark's, against a minimal hand-written hook: benchmarks/cases/host.py.)"""
     torch.manual_seed(0)
     widths = [8, 16, 16, 16, 16, 4]
     layers = []
@@ -297,13 +297,11 @@ def test_one_plain_forward_and_its_loss_enter_at_most_20_mixhook_functions_in_5_
         for _ in range(3):
             mix.loss(F.cross_entropy, model(x), y).backward()
         out = {}
-        forward = entries(lambda: out.setdefault("logits", model(x)))
-        loss = entries(lambda: out.setdefault("loss", mix.loss(F.cross_entropy, out["logits"], y)))
+        made = steps(lambda: out.setdefault("logits", model(x)))
+        made += steps(lambda: out.setdefault("loss", mix.loss(F.cross_entropy, out["logits"], y)))
         assert mix.state_for(out["logits"]) is mix.last  # (the loss found this forward's mix)
-    calls = forward + loss
-    files = {file for file, _ in calls}
-    listing = ", ".join(f"{file}:{name}" for file, name in calls)
-    assert len(calls) <= 20 and len(files) <= 5, f"{len(calls)} entries in {len(files)} files: {listing}"
+        calls = entries(lambda: mix.loss(F.cross_entropy, model(x), y))
+    assert dict(made) == dict.fromkeys(STEPS, 1)
     names = {name for _, name in calls}
     assert not names & {"refuse", "packing", "packed", "format_path", "seed_for_rank", "_note", "size_along"}
 
@@ -371,81 +369,35 @@ def test_what_a_forward_skips_is_worked_out_again_where_it_changes():
         torch.testing.assert_close(out, net.out(lam * h + (1 - lam) * h[index]), rtol=1e-12, atol=1e-14)
 
 
-# Each catalogue case's entries and files at most (tests/entries.py; docs/performance.md's table): a change
-# that lowers a count lowers its pin, and one that raises it must say why here. (Each method +1 on
-# 2026-11-28: a repeat's generator state or early draw is made in one place, MixerHooks._repeatable, which
-# the traced path shares, instead of an inline copy of it. AutoMix and SAMix +4 on 2026-11-28: the
-# extension points AdAutoMix is built on, copy_pass, block_draws, block_mix, block_loss, copy_mixed_loss
-# and _logits_of, each one call per step. AdAutoMix at its default three samples: each of its two draws'
-# three permutations moved to the device and indexed, its three labels' losses and cosine terms, one call
-# each. SnapMix, SpecMix and CatchUpMix +1 on 2026-11-29: their partner rows are gathered by
-# functional.gather_rows, laid out as the map (index_select made a channels-last map contiguous); blend
-# writes that line out, so the methods that blend pay nothing. Issue 81, 2026-11-29: a per-sample lam's
-# loss is weighed in float32 at least (targets._at_least_float32, +1: SpecMix, AttentiveCutMix, PuzzleMix,
-# SnapMix, TransMix, MixPro, KernelWarping); AlignMix and PuzzleMix run their mix with autocast off
-# (functional.without_autocast, +1); AutoMix, SAMix (+5) and AdAutoMix (+39): the forward the mixer keeps for
-# pin_last is made without what a repeat computes anew and without the Mix Block's graph (Forward.kept,
-# detached over the values it keeps), and the state it keeps without the loss's graph pieces
-# (contract.kept). SpecMix, SnapMix and CatchUpMix +1 file: gather_rows lives in mixhook/rows.py, below
-# functional.py and fused.py, which imported each other. PuzzleMix, SaliencyMix, SnapMix and SaliencyPairing
-# +1 file: the gradient pass re-gathers an FSDP model's parameters with sharding.unshard_again, which the
-# hooks, the copies and the app share instead of each holding a copy.)
-PINNED = {
-    "ManifoldMixup": (23, 7), "NoisyFeatureMixup": (42, 8), "CutMix": (27, 6), "OneOf": (44, 10),
-    "FMix": (27, 7), "GridMix": (27, 8), "SmoothMix": (28, 7), "ResizeMix": (30, 9), "TokenMix": (58, 8),
-    "PatchUp": (28, 7), "SaliencyMix": (105, 18), "AttentiveCutMix": (58, 12), "PuzzleMix": (141, 17),
-    "SnapMix": (73, 17), "SpecMix": (40, 9), "AlignMix": (35, 7), "CatchUpMix": (28, 10), "RegMixup": (27, 6),
-    "RankMixup": (29, 8), "MixupE": (28, 7), "CMixup": (28, 8), "TransMix": (60, 11), "MixPro": (59, 11),
-    "AutoMix": (84, 13), "SAMix": (90, 13), "AdAutoMix": (209, 14), "Balanced-MixUp": (60, 12),
-    "Remix": (51, 8),
-    "DecoupledLoss": (51, 8), "KernelWarping": (58, 8), "LocalWeights": (52, 8), "SaliencyPairing": (98, 17),
-    "ManifoldMixup (input)": (20, 5), "ManifoldMixup (conv1)": (20, 5), "CutMix (conv1)": (27, 6),
-    "FMix (conv1)": (27, 7), "GridMix (conv1)": (27, 8), "SmoothMix (conv1)": (28, 7),
-    "ResizeMix (conv1)": (30, 9),
-}  # fmt: skip
-
-
 @pytest.mark.parametrize(
     "name", ["ManifoldMixup (input)", "ManifoldMixup (conv1)", "CutMix", "CutMix (conv1)", "FMix (conv1)"]
 )
 def test_input_mixup_and_the_mask_methods_walk_the_one_short_path(name):
-    """Issue 68: Manifold Mixup at a hidden layer and at the input enter at most 20 mixhook functions in 5
-    files, CutMix and FMix at the input or a layer at most 28 (in 6 files for CutMix; the mask methods' base
-    adds a seventh, docs/performance.md says why), with what a model does not need decided once: no padding
-    masks asked for, no structure walked, no gradient pass."""
-    from tests.entries import CASES, GOALS, count
+    """Issue 68: Manifold Mixup at a hidden layer and at the input, CutMix and FMix at the input or a
+    layer: what a model does not need is decided once, not per forward: no padding masks asked for, no
+    structure walked, no gradient pass, no leaf read beside the site's plan."""
+    from tests.steps import CASES, walk
 
     (method,) = [m for m in CASES if m.name == name]
-    forward, loss = count(method)
-    calls = forward + loss
-    files = {file for file, _ in calls}
-    listing = ", ".join(f"{file}:{fn}" for file, fn in calls)
-    most, in_files = GOALS[name]
-    in_files = in_files + (name.startswith("FMix"))
-    assert len(calls) <= most and len(files) <= in_files, f"{len(calls)} in {len(files)} files: {listing}"
-    names = {fn for _, fn in calls}
-    assert not names & {
-        "batch_leaves",
-        "at_input",
-        "Inputs",
-        "__init__",
-        "input_grid",
-        "gradient_at",
-        "leaves",
-    }
+    walked = walk(method, entries)
+    names = {fn for _, fn in walked["forward"] + walked["loss"]}
+    assert names & {"_mix", "blend", "mix", "loss"}  # (the path measured, not an empty call)
+    assert not names & {"batch_leaves", "at_input", "Inputs", "__init__", "gradient_at", "leaves"}
 
 
 @pytest.mark.slow
-def test_no_catalogue_method_enters_more_functions_than_pinned_and_the_docs_say_so():
-    """Every method of the catalogue (the matrix's, and the region methods at a hidden layer): its forward
-    and loss() enter no more mixhook functions, in no more files, than pinned; docs/performance.md's table
-    is what this checkout measures (python -m tests.entries --write)."""
-    from tests.entries import documented, measure, table
+def test_every_catalogue_method_walks_each_step_of_the_path_once():
+    """Issue 83: every method of the catalogue (the matrix's, and the region methods at a hidden layer):
+    one training forward and its loss() make each step of the path as often as the method says (each of
+    its mixers starts each forward of the model, a gradient pass one of them, and records once; one draw,
+    one mix, one loss), never a step twice: derived from the method (tests/steps.py), not pinned by hand.
+    What a step costs is the host benchmark's (benchmarks/cases/host.py)."""
+    from tests.steps import CASES, expected, made, walk
 
-    found = measure()
-    over = {name: (got, PINNED.get(name)) for name, got in found.items() if
-            PINNED.get(name) is None or got[0] > PINNED[name][0] or got[1] > PINNED[name][1]}  # fmt: skip
-    assert not over, f"(entries, files) over the pin: {over}"
-    assert documented() == table(found), (
-        "docs/performance.md's table is stale: python -m tests.entries --write"
-    )
+    torch.manual_seed(0)
+    wrong = {}
+    for method in CASES:
+        walked = walk(method)
+        if made(walked) != expected(walked):
+            wrong[method.name] = (made(walked), expected(walked))
+    assert not wrong, f"(made, expected): {wrong}"

@@ -14,7 +14,7 @@ from mixhook.app import run as app
 from tests.app_helpers import config, run_app, run_cli
 from tests.conftest import write_cifar
 from tests.helpers import Lazy
-from tests.readme_run import problems, quoted_block, shape
+from tests.readme import problems, quoted_block, shape
 
 images = Lazy("matplotlib.image")  # imported by the test that uses it, not at collection
 
@@ -176,7 +176,7 @@ def default_run(tmp_path_factory):
     """``python train.py`` with nothing else changed than two epochs of the network a quarter wide, run in
     this process once for the tests that check what it writes and prints. The README's own run (15 epochs,
     as on a fresh machine: matplotlib without a font cache) is a step of .ci/run of its own,
-    tests/readme_run.py, which checks it against the output the README shows."""
+    tools/readme_run.py, which checks it against the output the README shows."""
     out = tmp_path_factory.mktemp("default") / "run"
     result = run_app(*SHORT, f"hydra.run.dir={out}", cwd=out.parent)
     assert result.returncode == 0, result.stderr
@@ -221,7 +221,7 @@ def test_cli_trains_and_writes_metrics_and_summary(default_run):
     log = result.stdout + result.stderr
     assert log.count("epoch 1/2  train_loss") == 1 and "epoch 2/2  train_loss" in log
     assert "test_balanced_acc" not in log  # (digits' classes are as large as each other: the accuracy alone)
-    # only the app's lines (tests/readme_run.py checks so on a fresh machine, where matplotlib builds its font
+    # only the app's lines (tools/readme_run.py checks so on a fresh machine, where matplotlib builds its font
     # cache)
     assert [line for line in log.splitlines() if "[mixhook]" not in line] == []
     assert not list(out.glob(".*.tmp"))
@@ -235,7 +235,7 @@ def test_the_readmes_sample_output_is_what_the_default_run_prints(default_run, t
     quoted = quoted_block("It prints one line per epoch")
     assert quoted[2] == "..." and len(printed) == 4  # the start, 2 epochs, done
     assert [shape(line) for line in quoted[:2] + quoted[3:]] == printed[:2] + printed[-2:]
-    # the README's 15-epoch run, its range of test_acc and test_ece: tests/readme_run.py, a step of .ci/run,
+    # the README's 15-epoch run, its range of test_acc and test_ece: tools/readme_run.py, a step of .ci/run,
     # whose check finds what this shorter run does not show as the README does, and nothing else
     assert problems(out, result.stdout + result.stderr, fonts=tmp_path) == [
         "printed 4 [mixhook] lines, the README shows the start, 15 epochs and done",
@@ -311,7 +311,7 @@ def test_cli_trains_on_svhn_files_and_on_an_image_folder(tmp_path, data):
 def test_cli_default_experiment_is_the_papers_manifold_mixup(default_run):
     summary = json.loads((default_run[0] / "summary.json").read_text())
     assert summary["mixup"]["layer"] == ["input", "layer1", "layer2"] and summary["mixup"]["alpha"] == 2.0
-    assert summary["epochs"] == 2 and summary["test_acc"] >= 0.5  # (reaching 95% in 15: tests/readme_run.py)
+    assert summary["epochs"] == 2 and summary["test_acc"] >= 0.5  # (reaching 95% in 15: tools/readme_run.py)
 
 
 # ------------------------------------------------------------------------ the hook catalogue in the app

@@ -1,10 +1,10 @@
-"""``python -m tests.configs``: every shipped ``mixup=`` config on the default run, and docs/configs.md. The
+"""``python -m tools.configs``: every shipped ``mixup=`` config on the default run, and docs/configs.md. The
 runs are the command's (hours on 2 cores); here its table from given summaries, the overrides it takes
 from the matrix, and its refusal of a config that does not exist."""
 
 import pytest
 
-from tests import configs
+from tools import configs
 
 
 def test_every_shipped_config_is_listed_none_first_with_the_overrides_its_refusal_names():
@@ -56,4 +56,4 @@ def test_an_unknown_config_is_refused_in_one_line(capsys):
         configs.main(["--only", "nosuch"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("python -m tests.configs: error: --only: no config nosuch; the configs: none, ")
+    assert err.startswith("python -m tools.configs: error: --only: no config nosuch; the configs: none, ")

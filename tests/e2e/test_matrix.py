@@ -1,4 +1,4 @@
-"""A sample of the matrix (``python -m tests.matrix`` runs it whole and writes docs/matrix.md): every
+"""A sample of the matrix (``python -m tools.matrix`` runs it whole and writes docs/matrix.md): every
 method in the own loop; each workflow with the methods that need what it must give them (the labels
 before the forward, a clean batch beside the mix, a partner batch, class counts, a ViT's grid through a
 wrapper); the app's shipped configs that the default data could not take before. The distributed cells of
@@ -62,7 +62,7 @@ def test_a_method_killed_and_resumed_in_the_app_ends_identical():
 
 
 def test_the_committed_table_has_every_method_and_no_failing_cell():
-    from tests.matrix.report import ROOT
+    from tools.matrix import ROOT
 
     table = (ROOT / "docs" / "matrix.md").read_text()
     for method in METHODS:

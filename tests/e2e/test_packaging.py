@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import ROOT
-from tests.readme_run import quoted_block
+from tests.readme import quoted_block
 
 pytestmark = pytest.mark.process  # each test's property is a fresh interpreter or the built wheel
 

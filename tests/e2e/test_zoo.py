@@ -1,7 +1,7 @@
 """The model zoo in the suite (``tests/zoo``): real timm, torchvision and HuggingFace models built small,
 mixed at sampled layers, each case judged by an oracle mixhook does not compute (the hand edit, lam 0 and
 1 against the unhooked model, padding on the unmixed sequence, eval mode). No case may be a wrong result
-or an error; ``python -m tests.zoo`` runs the whole zoo and writes docs/zoo.md.
+or an error; ``python -m tools.zoo`` runs the whole zoo and writes docs/zoo.md.
 
 The quick tier checks the models marked ``quick`` (channels-last maps and windows, a model-level format,
 padding in an encoder and in encoder-decoders) at two layers; the full suite also a broad sample
@@ -35,7 +35,7 @@ def test_a_quick_sample_of_the_zoo_is_exact_or_refused(name):
 
 @pytest.mark.slow
 def test_the_zoo_command_writes_its_report(tmp_path, capsys):
-    from tests.zoo.report import main  # (python -m tests.zoo, in this process)
+    from tools.zoo import main  # (python -m tools.zoo, in this process)
 
     out = tmp_path / "zoo.md"
     assert main(["--models", "huggingface/bart", "--layers", "1", "--out", str(out)]) == 0
@@ -45,7 +45,7 @@ def test_the_zoo_command_writes_its_report(tmp_path, capsys):
 
 
 def test_the_zoo_command_refuses_a_pattern_that_matches_no_model(capsys):
-    from tests.zoo.report import main
+    from tools.zoo import main
 
     assert main(["--models", "nosuch/*"]) == 2
     assert "no model matches ['nosuch/*']" in capsys.readouterr().err
@@ -65,7 +65,7 @@ PORTABLE_SAMPLE = [
 def test_portable_specs_resolve_to_what_the_model_states_or_are_refused(name):
     """stage:k at the stated reduction and channels on a real forward, block:k in forward order (a timm
     ViT's against forward_intermediates), Manifold Mixup at depth:0.5 as the hand edit at its real name;
-    ``python -m tests.zoo --portable`` runs every model (docs/zoo-portable.md)."""
+    ``python -m tools.zoo --portable`` runs every model (docs/zoo-portable.md)."""
     from tests.zoo.portable import check
 
     what, problems = check(next(m for m in ZOO if m.name == name))
@@ -78,7 +78,7 @@ AUTOMIX_SAMPLE = ["torchvision/resnet18", "timm/swin_tiny_patch4_window7_224"]
 @pytest.mark.slow
 @pytest.mark.parametrize("name", AUTOMIX_SAMPLE)
 def test_automix_at_sampled_layers_is_the_hand_edit_with_its_mask_or_refused(name):
-    """The zoo's AutoMix oracle (``python -m tests.zoo --methods automix`` runs every model,
+    """The zoo's AutoMix oracle (``python -m tools.zoo --methods automix`` runs every model,
     docs/zoo-automix.md) on NCHW stages and on a Swin's (B, H, W, C) stages."""
     entry = next(m for m in ZOO if m.name == name)
     cases = run_model(entry, 2, methods=("automix",), seed=1)  # (Swin: a (B, H, W, C) stage, an MLP)

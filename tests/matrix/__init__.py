@@ -11,7 +11,7 @@ refused in one line before its first step; never skipped silently.
   there should be none).
 - :mod:`.distributed`: the own loop under DDP and FSDP2, two processes on gloo (torchrun), every method,
   each rank's weights against one process replaying each rank's batch.
-- :mod:`.report`: the whole matrix (``python -m tests.matrix``), written to ``docs/matrix.md``.
+- ``tools/matrix.py``: the whole matrix (``python -m tools.matrix``), written to ``docs/matrix.md``.
 
 The suite runs a sample (``tests/e2e/test_matrix.py``): every method once, every workflow once, each
 distributed mode once.

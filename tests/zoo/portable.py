@@ -3,7 +3,7 @@ checked against a real forward (and, for a timm plain transformer, against timm'
 ``forward_intermediates``), and the Manifold Mixup oracle run at a portable spec against the hand edit at
 the real name it resolved to.
 
-``python -m tests.zoo --portable`` runs every model; the suite runs a sample (tests/e2e/test_zoo.py).
+``python -m tools.zoo --portable`` runs every model; the suite runs a sample (tests/e2e/test_zoo.py).
 """
 
 from __future__ import annotations

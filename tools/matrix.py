@@ -1,4 +1,4 @@
-"""Run the matrix and write its table: ``python -m tests.matrix`` (``--help`` for the options).
+"""Run the matrix and write its table: ``python -m tools.matrix`` (``--help`` for the options).
 
 The one-process cells run here, one after another; the DDP and FSDP2 cells of every method run in one
 torchrun launch of two processes (:mod:`.distributed`). The table (``docs/matrix.md``) has a row per method
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from .cells import WORKFLOWS, Cell, run
-from .methods import BY_NAME, METHODS
+from tests.matrix.cells import WORKFLOWS, Cell, run
+from tests.matrix.methods import BY_NAME, METHODS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MODES = ("ddp", "fsdp")
 COLUMNS = {
     "own": "own loop", "lightning": "Lightning", "hf": "HF Trainer", "trl": "TRL", "timm": "timm",
@@ -66,7 +66,7 @@ def markdown(cells: list[Cell], seconds: float) -> str:
     lines = [
         "# The matrix: every method wherever users train",
         "",
-        f"Written by `python -m tests.matrix` on {date.today().isoformat()} ({seconds / 60:.0f} minutes on "
+        f"Written by `python -m tools.matrix` on {date.today().isoformat()} ({seconds / 60:.0f} minutes on "
         f"{os.cpu_count()} CPU cores; Python {platform.python_version()}, torch {torch.__version__}). Each "
         "method (one representative configuration of every mixer and policy, `tests/matrix/methods.py`) "
         "trains two steps of eight samples in each workflow; a cell is **exact** when the weights equal, "
@@ -109,7 +109,7 @@ def markdown(cells: list[Cell], seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.matrix",
+        prog="python -m tools.matrix",
         description="Run every method in every workflow, judge each cell, write the table (docs/matrix.md).",
     )
     parser.add_argument("--methods", nargs="*", default=None, help="method names (default: all)")
@@ -133,3 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     for cell in failed:
         print(f"FAILS: {cell.line()}", file=sys.stderr)
     return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore")  # the libraries' own deprecation notices
+    sys.exit(main())

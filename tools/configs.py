@@ -1,4 +1,4 @@
-"""Every shipped ``mixup=`` config on the README's default run, and its table: ``python -m tests.configs``.
+"""Every shipped ``mixup=`` config on the README's default run, and its table: ``python -m tools.configs``.
 
 Each config of ``mixhook/app/conf/mixup/`` trains as ``python train.py mixup=<name>`` trains it (15 epochs of
 PreActResNet-18 on digits), or, for a config the default data or model cannot take, with the overrides its
@@ -102,7 +102,7 @@ def table(results: list[dict], epochs: int | None) -> str:
     lines = [
         "# Every shipped config on the default run",
         "",
-        f"`python -m tests.configs` on {date.today()} ({machine}): `python train.py mixup=<name>` for",
+        f"`python -m tools.configs` on {date.today()} ({machine}): `python train.py mixup=<name>` for",
         f"each config, {epochs or 15} epoch(s) of PreActResNet-18 on digits (the README's run); a config",
         "the default data or model cannot take runs with the overrides its one-line refusal names, beside",
         "`mixup=none` with the same model and data (the method's own `mixup.*` overrides left out).",
@@ -117,7 +117,7 @@ def table(results: list[dict], epochs: int | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.configs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.configs", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "multirun" / "configs", help="run directories")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (threads shared among them)")
     parser.add_argument("--epochs", type=int, default=None, help="fewer epochs: a quick, partial table")

@@ -1,4 +1,4 @@
-"""Run the zoo and write its report: ``python -m tests.zoo`` (``--help`` for the options).
+"""Run the zoo and write its report: ``python -m tools.zoo`` (``--help`` for the options).
 
 The report counts the outcomes by family and by model, lists every wrong result and every error (there
 should be none), and groups the refusals and skips by their message (quoted names and numbers left out),
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from .catalogue import ZOO
-from .oracles import Case, run_model
+from tests.zoo.catalogue import ZOO
+from tests.zoo.oracles import Case, run_model
 
 OUTCOMES = ("exact", "refused", "wrong", "error", "skipped")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def group_of(message: str) -> str:
@@ -134,7 +134,7 @@ def markdown(cases: list[Case], seconds: float, command: str, methods: list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.zoo", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["*"], help="name patterns (default: every model)")
     parser.add_argument("--layers", type=int, default=9, help="layers sampled per model (default 9)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "zoo.md"), help="the Markdown report")
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = Counter(c.outcome for c in found)
         summary = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
         print(f"[{i}/{len(entries)}] {entry.name}: {summary} ({time.time() - began:.0f} s)", flush=True)
-    command = "python -m tests.zoo" + (f" --models {' '.join(args.models)}" if args.models != ["*"] else "")
+    command = "python -m tools.zoo" + (f" --models {' '.join(args.models)}" if args.models != ["*"] else "")
     command += f" --layers {args.layers}" if args.layers != 9 else ""
     command += f" --methods {' '.join(args.methods)}" if args.methods else ""
     Path(args.out).write_text(markdown(cases, time.time() - start, command, args.methods))
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _portable(entries, patterns: list[str], out: str) -> int:
-    from .portable import check
+    from tests.zoo.portable import check
 
     start, rows, bad = time.time(), [], 0
     for i, entry in enumerate(entries, 1):
@@ -185,7 +185,7 @@ def _portable(entries, patterns: list[str], out: str) -> int:
         bad += bool(problems)
         rows.append([esc(entry.name), esc(what), esc("; ".join(problems)) if problems else "ok"])
         print(f"[{i}/{len(entries)}] {entry.name}: {what}: {'; '.join(problems) or 'ok'}", flush=True)
-    command = "python -m tests.zoo --portable"
+    command = "python -m tools.zoo --portable"
     command += f" --models {' '.join(patterns)}" if patterns != ["*"] else ""
     lines = [
         "# Portable layer specs over the zoo",
@@ -202,3 +202,10 @@ def _portable(entries, patterns: list[str], out: str) -> int:
     Path(out).write_text("\n".join(lines) + "\n")
     print(f"{len(entries)} models, {bad} with problems -> {out}")
     return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore")  # the libraries' own deprecation notices about their configs
+    sys.exit(main())

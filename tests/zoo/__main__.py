@@ -1,7 +1,0 @@
-import sys
-import warnings
-
-from .report import main
-
-warnings.filterwarnings("ignore")  # the libraries' own deprecation notices about their configs
-sys.exit(main())

@@ -67,7 +67,8 @@ class MixState:
         weights: for a region method (CutMix, FMix, PatchUp, ...), the weight of each sample's own content
             at each position of the mixed map, ``(1 or B, H, W)`` (1 outside a pasted box, 0 inside; soft
             masks in between): what dense targets (segmentation maps) are mixed with, resized to the label
-            map. ``None``: the same weight ``lam`` everywhere (Manifold Mixup, input mixup, NFM).
+            map. ``None``: the same weight ``lam`` everywhere (Manifold Mixup, input mixup, NFM). Made when
+            first read where the method deferred it (:class:`Deferred`: CutMix's box).
         shapes: the shapes of the mixed tensors, as ``elements`` lists them.
         clean: whether the mixed layer emitted the clean batch followed by its mixed copy (a mixer's
             ``clean=True``: RegMixup, RankMixup, MixupE): downstream of it the batch is doubled, rows
@@ -105,6 +106,44 @@ class MixState:
     lam_float: tuple[torch.Tensor, float] | None = field(default=None, repr=False, compare=False)
     groups: int = 1
     loss_inputs: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+
+
+class Deferred:
+    """A record's value made when it is first read: ``Deferred(fn, *args)`` stands for ``fn(*args)``. A
+    method may give :attr:`Mixed.weights` so where only a dense target ever reads them (CutMix's box
+    weights: three tensor ops on every forward otherwise); :attr:`MixState.weights` makes it when read,
+    once, so no reader sees a ``Deferred``. ``args`` must be what the value is made of, not tensors a step
+    would otherwise free (a box's bounds, a map's shape)."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: Callable, *args) -> None:
+        self.fn, self.args = fn, args
+
+    def __repr__(self) -> str:
+        return f"Deferred({getattr(self.fn, '__name__', self.fn)}, {', '.join(map(repr, self.args))})"
+
+
+class _MadeWhenRead:
+    """The field of a :func:`record` that may hold a :class:`Deferred`: read, the ``Deferred`` is made and
+    kept in its place (the instance stays frozen: assigning the field still raises)."""
+
+    def __init__(self, name: str, default: Any) -> None:
+        self.name, self.default = name, default
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self.default
+        value = instance.__dict__[self.name]
+        if type(value) is Deferred:
+            value = instance.__dict__[self.name] = value.fn(*value.args)
+        return value
+
+    def __set__(self, instance, value) -> None:  # (a data descriptor, read before the instance's __dict__)
+        raise AttributeError(f"cannot assign to field {self.name!r}")
+
+
+MixState.weights = _MadeWhenRead("weights", None)
 
 
 def kept(state: MixState) -> MixState:
@@ -176,7 +215,8 @@ class Mixed:
         index: the partners actually used, where the method chose them itself (partners from the global
             batch: indices into it); ``None``: ``draw.index``.
         weights: a region method's own-content weight per position of the mixed map, ``(1 or B, H, W)``
-            (see :attr:`MixState.weights`); ``None`` for a method that blends every position alike.
+            (see :attr:`MixState.weights`), or a :class:`Deferred` that makes it when it is first read;
+            ``None`` for a method that blends every position alike.
         partner_lam: the partners' target weights where they are not ``1 - lam`` (see
             :attr:`MixState.partner_lam`); ``None``: ``1 - lam``.
         before: with the clean rows kept (:attr:`~mixhook.engine.mixer.Mixer.clean`), rows of the method's

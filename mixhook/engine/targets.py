@@ -404,9 +404,10 @@ class LossAndTargets:
     def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
         """Per-position own weights ``(B, H, W)`` for a dense ``target`` under a region mix, else ``None``
         (lam as it is)."""
-        if positions(target) > 0 and self.dense_targets is not None:
+        dense = positions(target) > 0
+        if dense and self.dense_targets is not None:
             raise ValueError(f"{what}(): {type(self).__name__} {self.dense_targets}")
-        if last.weights is None:
+        if not dense or last.weights is None:  # (weights a method deferred are made for a dense target only)
             return None
         return dense_weights(last, target, what, type(self).__name__)
 

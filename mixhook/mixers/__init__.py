@@ -18,7 +18,7 @@ import pkgutil
 
 from ..engine.card import METHODS as METHODS  # (every catalogued method, by name)
 from ..engine.card import Card
-from ..engine.contract import Draw, Mixed, MixingHook, MixState
+from ..engine.contract import Deferred, Draw, Mixed, MixingHook, MixState
 from ..engine.mixer import Mixer
 from ..engine.regions import MaskMixer, RegionMixer
 from ..functional import blend, inverse_permutation, mix_targets, sample_beta, sample_lam, smooth_one_hot
@@ -53,6 +53,7 @@ globals().update(DEFINED_HERE)
 __all__ = [
     *sorted(DEFINED_HERE),
     "Card",
+    "Deferred",
     "Draw",
     "MaskMixer",
     "Mixed",

@@ -12,7 +12,7 @@ import torch
 
 from ..engine.card import Card
 from ..engine.checks import check_region, map_size
-from ..engine.contract import Draw, Mixed
+from ..engine.contract import Deferred, Draw, Mixed
 from ..engine.regions import RegionMixer
 from ..functional import gather_rows, sample_beta, sample_lam
 from ..geometry import (
@@ -213,7 +213,7 @@ class CutMix(RegionMixer):
             return [draw.index, boxes], mixed
         box = self._box(h, draw)
         lam = torch.tensor(region_lam(box, shape), dtype=torch.float64)
-        mixed = Mixed({}, lam, {"box": box}, weights=region_weights(box, shape))
+        mixed = Mixed({}, lam, {"box": box}, weights=Deferred(region_weights, box, shape))
         return [draw.index, torch.tensor([box])], mixed
 
     def mix_traced(self, leaves: list[Leaf], values: list[torch.Tensor]) -> dict:
@@ -225,12 +225,11 @@ class CutMix(RegionMixer):
 
 def pasted(h: torch.Tensor, path, index: torch.Tensor, box: tuple[int, ...]) -> Mixed:
     """One ``box`` of ``h[index]`` pasted into ``h`` (:func:`paste_box`): the :class:`Mixed` with the
-    volume it leaves as lam, ``info["box"]`` and the box's own-content weights."""
+    volume it leaves as lam, ``info["box"]`` and the box's own-content weights (made when first read)."""
     shape = h.shape[2:]
     lam = region_lam(box, shape)  # (a float: the record's lam, and what the loss weighs by)
-    return Mixed(
-        {path: paste_box(h, index, box)}, lam=lam, info={"box": box}, weights=region_weights(box, shape)
-    )
+    weights = Deferred(region_weights, box, tuple(shape))  # (made if a dense target reads them)
+    return Mixed({path: paste_box(h, index, box)}, lam=lam, info={"box": box}, weights=weights)
 
 
 def pinned_regions(kind: str, boxes, n: int, shape: Sequence[int], layer: str) -> torch.Tensor:

@@ -257,3 +257,30 @@ def test_cutmix_with_timm_rounding_pastes_timms_box_and_says_so():
     assert odd > 0  # some boxes had an odd side, where the two roundings differ
     with pytest.raises(ValueError, match="rounding must be one of paper, timm, got 'floor'"):
         CutMix("input", rounding="floor")
+
+
+def test_the_box_weights_are_made_only_when_a_dense_target_reads_them_and_are_the_box():
+    """CutMix defers its own-content weights (contract.Deferred): a forward with class labels builds no
+    (1, H, W) mask; a segmentation target's loss makes them, once, as the box says (False inside it), and
+    weighs each label pixel by them (checked against the loss written by hand)."""
+    from mixhook.engine.contract import Deferred
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 5, 3, padding=1).double()  # a segmentation head: 5 classes per pixel
+    mix = CutMix("input", generator=torch.Generator().manual_seed(3))
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 5, (4, 8, 8))
+    with mix.attach(conv.train()):
+        logits = conv(x)
+        assert type(mix.last.__dict__["weights"]) is Deferred  # (not made by the forward)
+        loss = mix.loss(lambda out, t: F.cross_entropy(out, t, reduction="none"), logits, y)
+    made = mix.last.__dict__["weights"]
+    assert type(made) is torch.Tensor and mix.last.weights is made  # made once, kept
+    y1, y2, x1, x2 = mix.last.info["box"]
+    own = torch.ones(1, 8, 8, dtype=torch.bool)
+    own[:, y1:y2, x1:x2] = False
+    assert torch.equal(made, own) and (y2 - y1) * (x2 - x1) > 0
+    index = mix.last.index
+    pixel = own.double() * F.cross_entropy(logits, y, reduction="none") + (~own).double() * F.cross_entropy(
+        logits, y[index], reduction="none"
+    )
+    torch.testing.assert_close(loss, pixel, rtol=1e-12, atol=1e-12)

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.card import Card
-from ..engine.checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
+from ..engine.checks import check_non_negative, check_per_sample
 from ..engine.contract import MixState
-from .manifold import ManifoldMixup
+from ._clean import CleanAndMixed
 
 
-class MixupE(ManifoldMixup):
+class MixupE(CleanAndMixed):
     """MixupE (Zou et al. 2023): the mixup loss minus ``eta`` times the clean samples' implicit
     directional-derivative term, rescaled to the mixup loss's size.
 
@@ -61,7 +61,8 @@ class MixupE(ManifoldMixup):
         example={"layer": "input", "alpha": 1.0},
     )
 
-    keeps_clean = True
+    class_labels = True
+    refused_targets = "adds a term of the clean logits: its loss is no criterion of mixed targets"
 
     def __init__(
         self,
@@ -82,14 +83,7 @@ class MixupE(ManifoldMixup):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, eta={self.eta}, threshold={self.threshold})"
 
-    def targets_refused(self) -> str:
-        return "adds a term of the clean logits: its loss is no criterion of mixed targets"
-
-    def check_targets(self, target: torch.Tensor) -> None:
-        check_class_labels(type(self).__name__, target)
-        super().check_targets(target)  # (its policies')
-
-    def clean_loss(
+    def clean_terms(
         self,
         criterion: Callable,
         clean: torch.Tensor,
@@ -98,7 +92,6 @@ class MixupE(ManifoldMixup):
         last: MixState,
     ) -> torch.Tensor:
         kind = type(self).__name__
-        check_class_logits(kind, clean, target)
         mix = self.mixed_loss(criterion, mixed, target, last)
         onehot = F.one_hot(target, clean.shape[1]).to(clean.dtype)
         g = (clean * (onehot - torch.softmax(clean, dim=1))).sum(1)

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.card import Card
-from ..engine.checks import check_class_labels, check_class_logits, check_non_negative, check_per_sample
+from ..engine.checks import check_non_negative, check_per_sample
 from ..engine.contract import MixState
 from ..transfer import to_device
-from .manifold import ManifoldMixup
+from ._clean import CleanAndMixed
 
 
-class RankMixup(ManifoldMixup):
+class RankMixup(CleanAndMixed):
     """RankMixup (Noh et al. 2023) with its mixup ranking loss (MRL): cross-entropy on the clean batch plus
     a hinge that ranks each mixed sample's confidence below its clean source's.
 
@@ -64,7 +64,8 @@ class RankMixup(ManifoldMixup):
         example={"layer": "input", "alpha": 1.0},
     )
 
-    keeps_clean = True
+    class_labels = True
+    refused_targets = "ranks confidences: its loss is no criterion of mixed targets"
     takes_loss_policies = False  # its loss is its own (cross-entropy of the clean rows and a ranking hinge)
 
     def __init__(
@@ -84,14 +85,7 @@ class RankMixup(ManifoldMixup):
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, margin={self.margin}, weight={self.weight})"
 
-    def targets_refused(self) -> str:
-        return "ranks confidences: its loss is no criterion of mixed targets"
-
-    def check_targets(self, target: torch.Tensor) -> None:
-        check_class_labels(type(self).__name__, target)
-        super().check_targets(target)  # (its policies')
-
-    def clean_loss(
+    def clean_terms(
         self,
         criterion: Callable,
         clean: torch.Tensor,
@@ -100,7 +94,6 @@ class RankMixup(ManifoldMixup):
         last: MixState,
     ) -> torch.Tensor:
         kind = type(self).__name__
-        check_class_logits(kind, clean, target)
         ce = criterion(clean, target)
         hinge = F.relu(mixed.max(1).values - clean.max(1).values + self.margin)
         lam = to_device(last.lam, hinge.device, hinge.dtype).expand(hinge.shape[0])

@@ -14,10 +14,10 @@ from ..engine.card import Card
 from ..engine.checks import check_non_negative
 from ..engine.contract import MixState
 from ..engine.targets import per_row
-from .manifold import ManifoldMixup
+from ._clean import CleanAndMixed
 
 
-class RegMixup(ManifoldMixup):
+class RegMixup(CleanAndMixed):
     """RegMixup (Pinto et al. 2022): train on the clean batch and, beside it, on its mixup.
 
     The chosen layer emits the clean batch followed by its mix ``lam * h + (1 - lam) * h[index]``,
@@ -55,8 +55,6 @@ class RegMixup(ManifoldMixup):
         example={"layer": "input", "alpha": 1.0},
     )
 
-    keeps_clean = True
-
     def __init__(
         self,
         layer: str | Sequence[str],
@@ -78,7 +76,7 @@ class RegMixup(ManifoldMixup):
             return f"weighs its mixed rows by eta={self.eta}, which the mixed targets cannot carry"
         return None
 
-    def clean_loss(
+    def clean_terms(
         self,
         criterion: Callable,
         clean: torch.Tensor,

@@ -195,7 +195,7 @@ def test_a_draw_from_a_given_generator_is_made_on_its_device():
     The app's data samplers draw from CPU generators they make themselves, so the app is left out."""
     found = []
     for path in (ROOT / "mixhook").rglob("*.py"):
-        if "app" in path.relative_to(ROOT / "mixhook").parts:
+        if "app" in path.relative_to(ROOT / "mixhook").parts or path.name == "__main__.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
@@ -204,3 +204,65 @@ def test_a_draw_from_a_given_generator_is_made_on_its_device():
             if node.func.attr in _DRAWS and "generator" in names and "device" not in names:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+def _assigned(node: ast.AST) -> set[str]:
+    """The attributes of ``self`` an assignment ``node`` sets (tuples unpacked)."""
+    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+    names = set()
+    for target in targets:
+        for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+            if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self":
+                names.add(t.attr)
+    return names
+
+
+def _set_in(cls: type, name: str, seen: set) -> set[str]:
+    """The attributes of ``self`` that ``cls.name`` sets, with the methods it calls on ``self`` and the
+    ``_fresh`` of ``super()`` (read from the source)."""
+    import inspect
+    import textwrap
+
+    function = getattr(cls, name, None)
+    if function is None or name in seen or not inspect.isfunction(function):
+        return set()
+    seen.add(name)
+    found = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
+        found |= _assigned(node)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).startswith("self."):
+            found |= _set_in(cls, node.func.attr, seen)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "super()._fresh":
+            base = next(b for b in cls.__mro__[1:] if "_fresh" in vars(b))
+            found |= _set_in(base, "_fresh", set())
+    return found
+
+
+def test_what_fresh_sets_is_what_a_copy_leaves_out():
+    """Issue 83: a hook's per-attachment state is what its ``_fresh`` sets, and what a copy (deepcopy,
+    pickle, a spawned worker) leaves out is its classes' ``_TRANSIENT``: the two are one list, held here for
+    every class of the package that has a ``_fresh`` (read from the code: ``self.x = ...`` in ``_fresh`` or
+    a method it calls on ``self``), so a new piece of state cannot be forgotten by a copy (a copy that kept
+    ``_sharded`` would think a model sharded that is not)."""
+    import importlib
+    import inspect
+
+    classes = set()
+    for path in (ROOT / "mixhook").rglob("*.py"):
+        if "app" in path.relative_to(ROOT / "mixhook").parts or path.name == "__main__.py":
+            continue
+        module = importlib.import_module(
+            ".".join(path.relative_to(ROOT).with_suffix("").parts).replace(".__init__", "")
+        )
+        classes |= {c for c in vars(module).values() if inspect.isclass(c) and "_fresh" in vars(c)}
+    assert len(classes) >= 7  # (LayerHook, MixerHooks, AutoMix, OneOf, MomentumCopy, NEFTune, NoiseFiT)
+    wrong = {}
+    for cls in classes:
+        fresh = _set_in(cls, "_fresh", set())
+        transient = {name for c in cls.__mro__ for name in vars(c).get("_TRANSIENT", ())}
+        if fresh != transient:
+            wrong[cls.__qualname__] = {
+                "set, not left out": fresh - transient,
+                "left out, not set": transient - fresh,
+            }
+    assert not wrong, wrong

@@ -139,8 +139,11 @@ class _MadeWhenRead:
             value = instance.__dict__[self.name] = value.fn(*value.args)
         return value
 
-    def __set__(self, instance, value) -> None:  # (a data descriptor, read before the instance's __dict__)
-        raise AttributeError(f"cannot assign to field {self.name!r}")
+    def __set__(self, instance, value) -> None:
+        # (a data descriptor, read before the instance's __dict__; assigning the field still raises the
+        # frozen record's FrozenInstanceError first: only object.__setattr__, as dataclasses and
+        # torch.compile's tracing of the record's __init__ write fields, comes here)
+        instance.__dict__[self.name] = value
 
 
 MixState.weights = _MadeWhenRead("weights", None)

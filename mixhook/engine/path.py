@@ -182,6 +182,12 @@ class MixerHooks(LayerHook):
             self._current = None
             self._given = {}
             return None
+        return self._start(model, args, kwargs)
+
+    def _start(self, model: nn.Module, args: tuple, kwargs: dict):
+        """:meth:`_on_model_input` in an eager training forward: refuse what no mix could be exact for,
+        decide (:meth:`_decide`), note the batch size the mixed layer's must be, let the method compute what
+        it needs first, and mix the model's input where this forward mixes there."""
         if self._packable or _proxy_mode(_PROXY) is not None:
             self._refuse_call(model, args, kwargs)
         reading = self._site_leaves
@@ -231,18 +237,7 @@ class MixerHooks(LayerHook):
             ):
                 pins = NO_PINS
             if pins is not None and not pins.skip:
-                layer = pins.layer
-                if layer is not None and layer not in self.sites:  # pinned by its spec before attach
-                    layer = self._site(layer, "pin")
-                if layer is None:
-                    k = 0
-                    if self._site_weights is not None:
-                        weights = torch.tensor(self._site_weights, dtype=torch.float64, device=g.device)
-                        k = int(torch.multinomial(weights, 1, generator=g))
-                    elif len(self.layers) > 1:
-                        k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
-                    layer = self.layers[k]
-                forward = Forward(layer, pins)
+                forward = Forward(self._layer_of(pins), pins)
             if self._global:
                 forward = self._agree(forward)
         seen = self._seen
@@ -255,6 +250,20 @@ class MixerHooks(LayerHook):
         if self._masks.active:
             self._masks.begin()
         return forward
+
+    def _layer_of(self, pins: Pins) -> str:
+        """The site a mixing forward mixes: the pinned one, else one drawn from the mixer's generator (by the
+        layers' weights, or uniformly among them)."""
+        layer = pins.layer
+        if layer is not None:
+            return layer if layer in self.sites else self._site(layer, "pin")  # (pinned by its spec)
+        g, k = self.generator, 0
+        if self._site_weights is not None:
+            weights = torch.tensor(self._site_weights, dtype=torch.float64, device=g.device)
+            k = int(torch.multinomial(weights, 1, generator=g))
+        elif len(self.layers) > 1:
+            k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
+        return self.layers[k]
 
     def _begin(self, model: nn.Module, args: tuple, kwargs: dict, forward: Forward | None, targets):
         """What the method or its policies compute at a training forward's start, before any mix (a
@@ -334,49 +343,15 @@ class MixerHooks(LayerHook):
         4. the method's :meth:`mix`, checked;
         5. the record (:class:`MixState`), and the mixed tensors put back where the site had them
            (:meth:`_put_back`)."""
-        reading = self._site_leaves
-        plan = reading.plans.get(spec)
-        batch = forward.batch
-        if (  # 1. the cheap case: one tensor, as planned
-            plan is not None
-            and type(value) is torch.Tensor
-            and plan.signature
-            == (value.shape, value.stride(), value.dtype, value.device, reading.input_sides)
-            and (batch is None or value.shape[plan.dim] == batch)
-        ):
-            site_value, n = value, value.shape[plan.dim]
-            found = [Leaf((), value, plan.dim)]
-            given = [Leaf((), channels_first(value, CHANNELS_LAST[value.ndim]), 0)] if plan.view else found
-            if self._checks_leaves:
-                self.check_leaves(spec, given)
-        else:
-            plan = None
-            site_value, found, given, n = self._read(spec, value, forward)
+        plan, site_value, found, given, n = self._leaves(spec, value, forward)  # 1.
         if self._policies is not None or (self._before_mix and not forward.replay):  # 2.
             site_value, found, given, n = self._before_mixing(spec, (site_value, found, given, n), forward)
             plan = None if given[0].tensor is not value else plan  # (rows appended: put back in general)
-        pins = forward.pins
-        generator = self.generator if pins.state is None else self._replaying(pins.state)
-        drawn = None
-        if not forward.replay:  # 3.
-            drawn = self._repeatable(spec, n, forward, generator)
-            if _may_be_recomputed():
-                self._note(spec, forward.repeat)
-        if self._clean or self._masks.active or found[0].tensor.is_cuda:
-            self._check_apply(spec, found, n)
-        if generator is self.generator and self._policies is None:  # 4. (the usual mix: as it is)
-            draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
-            mixed = self.mix(given, draw)
-        else:
-            draw, mixed = self._drawing(spec, n, pins, generator, self.mix, given, drawn)
+        draw, mixed = self._draw_and_mix(spec, n, found, given, forward)  # 3. and 4.
         if plan is None:  # 5.
             tensors, state = self._put_back(spec, found, given, draw, mixed)
         else:
-            t = mixed.tensors.get(()) if type(mixed) is Mixed and len(mixed.tensors) == 1 else None
-            if t is None or t.shape != given[0].tensor.shape:  # (what _check_mixed refuses, said by it)
-                t = self._check_mixed(spec, given, mixed)[()]
-            state = self._state(spec, _PLAIN, (plan.dim,), (value.shape,), draw, mixed, self._clean)
-            tensors = {(): channels_last(t) if plan.view else t}
+            tensors, state = self._as_planned(spec, plan, value, given, draw, mixed)
         if self._clean or self._policies is not None:
             before = None if mixed.before is None else self._rows_before(spec, found, given, draw, mixed)
             tensors, state = self._finish(found, tensors, state, before)
@@ -386,6 +361,56 @@ class MixerHooks(LayerHook):
         return (
             tensors[()] if type(site_value) is torch.Tensor else replace_leaves(site_value, tensors)
         ), state
+
+    def _leaves(self, spec: str, value, forward: Forward) -> tuple:
+        """:meth:`_mix`'s step 1: ``(plan, site value, found, given, n)``: the site's plan where ``value``
+        is one tensor with its signature (the cheap case, taken as planned), else ``None`` and the leaves
+        read, checked and planned again (:meth:`_read`); the leaves found, as the method is given them
+        (a channels-last map as its channels-first view), and the batch size."""
+        reading = self._site_leaves
+        plan = reading.plans.get(spec)
+        batch = forward.batch
+        if not (  # the cheap case: one tensor, as planned
+            plan is not None
+            and type(value) is torch.Tensor
+            and plan.signature
+            == (value.shape, value.stride(), value.dtype, value.device, reading.input_sides)
+            and (batch is None or value.shape[plan.dim] == batch)
+        ):
+            return (None, *self._read(spec, value, forward))
+        found = [Leaf((), value, plan.dim)]
+        given = [Leaf((), channels_first(value, CHANNELS_LAST[value.ndim]), 0)] if plan.view else found
+        if self._checks_leaves:
+            self.check_leaves(spec, given)
+        return plan, value, found, given, value.shape[plan.dim]
+
+    def _draw_and_mix(self, spec: str, n: int, found: list[Leaf], given: list[Leaf], forward: Forward):
+        """:meth:`_mix`'s steps 3 and 4: ``(draw, mixed)``: lam and the partners drawn (or pinned, or the
+        forward's own in a replay) with what a repeat needs kept, and the method's :meth:`mix` of
+        ``given``."""
+        pins = forward.pins
+        generator = self.generator if pins.state is None else self._replaying(pins.state)
+        drawn = None
+        if not forward.replay:
+            drawn = self._repeatable(spec, n, forward, generator)
+            if _may_be_recomputed():
+                self._note(spec, forward.repeat)
+        if self._clean or self._masks.active or found[0].tensor.is_cuda:
+            self._check_apply(spec, found, n)
+        if generator is not self.generator or self._policies is not None:
+            return self._drawing(spec, n, pins, generator, self.mix, given, drawn)
+        draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)  # (the usual mix)
+        return draw, self.mix(given, draw)
+
+    def _as_planned(self, spec: str, plan, value: torch.Tensor, given: list[Leaf], draw: Draw, mixed: Mixed):
+        """:meth:`_mix`'s step 5 in the cheap case: the mixed tensor (laid out as the site's) and the
+        :class:`MixState`, once ``mixed`` gives one tensor of the leaf's shape (else
+        :meth:`_check_mixed` refuses it, in one line)."""
+        t = mixed.tensors.get(()) if type(mixed) is Mixed and len(mixed.tensors) == 1 else None
+        if t is None or t.shape != given[0].tensor.shape:  # (what _check_mixed refuses, said by it)
+            t = self._check_mixed(spec, given, mixed)[()]
+        state = self._state(spec, _PLAIN, (plan.dim,), (value.shape,), draw, mixed, self._clean)
+        return {(): channels_last(t) if plan.view else t}, state
 
     def _read(self, spec: str, value, forward: Forward) -> tuple:
         """:meth:`_mix`'s step 1 where its plan does not hold: the site's value in ``value``, its leaves

@@ -25,8 +25,10 @@ from benchmarks import cases
 from benchmarks.timing import ratio
 from mixhook import ManifoldMixup
 from mixhook.app.data import _CIFAR, CifarImages, DeviceBatches, EpochSampler, SeededSamples
+from mixhook.app.training.evaluation import evaluate
 from mixhook.app.training.finite import LAZY_EVERY, FiniteCheck
-from mixhook.app.training.loop import Training, evaluate, train_one_epoch
+from mixhook.app.training.loop import Training, train_one_epoch
+from mixhook.app.training.task import Classification
 
 PAPER_EPOCHS, TRAIN_IMAGES, TEST_IMAGES = 1200, 50_000, 10_000
 
@@ -95,7 +97,9 @@ def recipe(device, timer, reps: int, steps: int | None = None, batch: int = 100,
             )
             mixup.attach(model)
         finite = FiniteCheck(LAZY_EVERY if fused else 1, opt)
-        training = Training(model, opt, device, mixup, loss="bce_softmax", finite=finite, progress_bar=False)
+        training = Training(
+            model, opt, device, mixup, task=Classification("bce_softmax"), finite=finite, progress_bar=False
+        )
         epochs[name] = lambda training=training: train_one_epoch(training, loader)
     epochs["eval"] = lambda: evaluate(model, test, device)
     times = timer.side_by_side(epochs, reps=reps, inner=1, warmup=1)

@@ -9,6 +9,7 @@ file or the new one, never half of one, and a failure leaves the old one in plac
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,13 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (:func:`atomic_write`)."""
+    with atomic_write(path) as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
 
 
 def make_writable_dir(path: str | os.PathLike) -> None:

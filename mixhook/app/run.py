@@ -28,7 +28,7 @@ from .training import train
 from .training.distributed import Dist
 from .training.finite import NonFiniteLoss
 from .training.logging import RunLogger
-from .training.loop import Interrupted
+from .training.signals import Interrupted
 from .training.state import check_resumable
 
 log = logging.getLogger("mixhook")
@@ -164,19 +164,8 @@ def _run(cfg: DictConfig, out_dir: str, dist: Dist, records: RunRecords) -> floa
         # (the loaders' persistent workers stop now; left in the run's reference cycle, a garbage
         # collection in a later run of the same process, a sweep's next job, stopped them, 5 s each)
         run.data = None
-    if summary.get("task") == "regression":
-        log.info(
-            "done: test_rmse %.3f  best %.3f (epoch %d)  %.0fs  -> %s/summary.json", summary["test_rmse"],
-            summary["best_test_rmse"], summary["best_epoch"], summary["seconds"], out_dir,
-        )  # fmt: skip
-        return -summary["test_rmse"]
-    log.info(
-        "done: test_acc %.2f%%  best %.2f%% (epoch %d)  test_nll %.4f  test_ece %.2f%%  %.0fs  "
-        "-> %s/summary.json",
-        100 * summary["test_acc"], 100 * summary["best_test_acc"], summary["best_epoch"],
-        summary["test_nll"], 100 * summary["test_ece"], summary["seconds"], out_dir,
-    )  # fmt: skip
-    return summary["test_acc"]
+    run.task.log_done(summary, out_dir)
+    return run.task.score(summary)  # (what a sweep maximises: the test accuracy, or minus the test RMSE)
 
 
 def _check_writable(out_dir: str) -> None:

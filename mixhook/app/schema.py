@@ -28,8 +28,9 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from .data import CROPS, NORMALIZE, PIPELINES, SAMPLERS
 from .models.preact_resnet import SHORTCUTS
 from .training.distributed import STRATEGIES
+from .training.forward import PRECISIONS
 from .training.logging import LOGGERS
-from .training.loop import LOSSES, PRECISIONS
+from .training.task import LOSSES
 
 
 class SchemaError(ValueError):

@@ -356,7 +356,7 @@ def app_step(run, x, y):
     sgd = torch.optim.SGD(run.model.parameters(), lr=1.0)
     value = train_one_epoch(
         Training(
-            run.model, sgd, torch.device("cpu"), run.mixup, progress_bar=False, loss=run.settings.loss,
+            run.model, sgd, torch.device("cpu"), run.mixup, progress_bar=False, task=run.task,
             mixed_loss_weight=run.settings.mixed_loss_weight,
         ),
         [(x, y)],
@@ -543,6 +543,7 @@ def test_a_batch_left_unmixed_keeps_the_plain_loss_under_mixed_loss_weight():
     import torch.nn.functional as F
 
     from mixhook.app.training.loop import Training, train_one_epoch
+    from mixhook.app.training.task import Classification
     from tests.helpers import SmallCNN
 
     torch.manual_seed(0)
@@ -554,8 +555,8 @@ def test_a_batch_left_unmixed_keeps_the_plain_loss_under_mixed_loss_weight():
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         value = train_one_epoch(
             Training(
-                model, sgd, torch.device("cpu"), never, progress_bar=False, loss="bce_softmax",
-                mixed_loss_weight=2.0,
+                model, sgd, torch.device("cpu"), never, progress_bar=False,
+                task=Classification("bce_softmax"), mixed_loss_weight=2.0,
             ),
             [(x, y)],
         )  # fmt: skip

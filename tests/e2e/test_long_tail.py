@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mixhook.app import run as app
 from mixhook.app.data import build_data
-from mixhook.app.training.loop import evaluate
+from mixhook.app.training.evaluation import evaluate
 from mixhook.policies import BalancedMixup, Remix
 from tests.app_helpers import config, run_app
 from tests.helpers import Lazy

@@ -36,6 +36,7 @@ def test_every_step_runs_under_autocast_whatever_the_loss(loss):
     """The bce_softmax path once overwrote the autocast dtype with the logits' dtype after the first step:
     bf16 training silently became float32 from the second step on. Every step's forward must be bf16."""
     from mixhook.app.training.loop import Training, train_one_epoch
+    from mixhook.app.training.task import Classification
     from tests.toy_models import TinyConvNet
 
     torch.manual_seed(0)
@@ -45,7 +46,15 @@ def test_every_step_runs_under_autocast_whatever_the_loss(loss):
     with mixer.attach(model):
         sgd = torch.optim.SGD(model.parameters(), lr=0.01)
         train_one_epoch(
-            Training(model, sgd, torch.device("cpu"), mixer, progress_bar=False, loss=loss, precision="bf16"),
+            Training(
+                model,
+                sgd,
+                torch.device("cpu"),
+                mixer,
+                progress_bar=False,
+                task=Classification(loss),
+                precision="bf16",
+            ),
             batches,
         )
     assert dtypes == [torch.bfloat16] * 3

@@ -84,7 +84,7 @@ def test_bad_bins_and_an_empty_reduce_are_refused():
 def test_evaluate_reads_accuracy_and_nll_off_the_same_pass():
     from torch import nn
 
-    from mixhook.app.training.loop import evaluate
+    from mixhook.app.training.evaluation import evaluate
 
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(50, 6, generator=g), torch.randint(0, 3, (50,), generator=g)

@@ -3,7 +3,9 @@
 :func:`train` runs the epochs, appends one row per epoch to ``metrics.csv``, keeps ``last.pt`` (see
 :mod:`mixhook.app.training.checkpoint`) at the end of every epoch and every ``checkpoint_every`` steps, and,
 only once every epoch has finished, writes ``summary.json`` atomically (a temporary file, then a
-rename), so a run that dies never leaves a summary that looks like a success.
+rename), so a run that dies never leaves a summary that looks like a success. What differs between
+classification and regression (the loss, the test figures, the columns, the log lines, the summary) is
+the run's :class:`~mixhook.app.training.task.Task`'s: the loop never asks which it is.
 
 It stops early, keeping the last good checkpoint, in two cases: SIGTERM or SIGINT (what SLURM, submitit
 and Ctrl-C send), after finishing the current step and writing a checkpoint (:class:`Interrupted`);
@@ -14,96 +16,32 @@ non-finite (:class:`NonFiniteLoss`).
 from __future__ import annotations
 
 import csv
-import json
 import logging
-import math
 import os
 import signal
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from mixhook.mixers import MixingHook, smooth_one_hot
+from mixhook.mixers import MixingHook
 from mixhook.sharding import sharded
 
-from ..files import atomic_write
 from . import checkpoint as ckpt
-from .calibration import Calibration
 from .distributed import Dist
 from .finite import FiniteCheck, NonFiniteLoss, check_every
+from .forward import PRECISIONS, forward
 from .logging import save_feature_maps
-from .state import RunState
+from .settings import Run, Settings
+from .signals import Interrupted, stop_signals
+from .state import Checkpoints, RunState, Totals
+from .task import Classification, Task
 from .warmup import Warmup
 
 log = logging.getLogger("mixhook")
-
-# metrics.csv's columns per task (Data.task): train_acc is the lam-weighted accuracy of the training
-# forwards (a mixed sample counts lam for its own label, 1 - lam for its partner's), test_rmse the RMSE in
-# the target's own units
-METRICS = {
-    "classification": [
-        "epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_ece", "lr", "seconds",
-        "test_balanced_acc",  # the mean of the classes' accuracies; then test_acc_c0, test_acc_c1, ...
-    ],
-    "regression": ["epoch", "train_loss", "test_loss", "test_rmse", "lr", "seconds"],
-}  # fmt: skip
-TASKS = tuple(METRICS)
-LOSSES = ("ce", "bce_softmax")
-PRECISIONS = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype per setting
-
-
-class Interrupted(RuntimeError):
-    """SIGTERM/SIGINT arrived: the step finished, the checkpoint was written, the run stops."""
-
-    def __init__(self, signum: int, path: Path, epoch: int, step: int):
-        self.signum, self.path, self.epoch, self.step = signum, path, epoch, step
-        where = f"in epoch {epoch} after step {step}" if step else f"at the end of epoch {epoch}"
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name} {where}; checkpoint "
-            f"written to {path}; continue with trainer.resume=auto (same run directory) or "
-            f"trainer.resume={path}"
-        )
-
-
-def _zero() -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float64)
-
-
-@dataclass
-class Totals:
-    """An epoch's running sums over its training steps, carried over from a checkpoint in a resumed
-    epoch: ``loss`` each step's loss times its batch size, summed, and ``samples`` how many; ``correct``
-    the lam-weighted correct predictions of the training forwards (classification: ``Mixer.weigh``) and
-    ``rows`` how many rows they had; ``steps`` the steps taken. The sums are float64 tensors on the
-    training device (adding to them needs no host sync); a checkpoint holds them as the list
-    :meth:`saved` gives (``[loss, samples, steps, correct, rows]``)."""
-
-    loss: torch.Tensor = field(default_factory=_zero)
-    samples: int = 0
-    steps: int = 0
-    correct: torch.Tensor = field(default_factory=_zero)
-    rows: int = 0
-
-    @classmethod
-    def restored(cls, saved: list) -> Totals:
-        """From a checkpoint's list (one written before the accuracy was counted has three entries: its
-        accuracy counts from here)."""
-        totals = cls(saved[0].clone(), int(saved[1]), int(saved[2]))
-        if len(saved) >= 5:
-            totals.correct, totals.rows = saved[3].clone(), int(saved[4])
-        return totals
-
-    def saved(self) -> list:
-        """What a checkpoint holds: ``[loss, samples, steps, correct, rows]``, the sums on the CPU."""
-        return [self.loss.detach().cpu(), self.samples, self.steps, self.correct.detach().cpu(), self.rows]
 
 
 @dataclass
@@ -111,14 +49,10 @@ class Training:
     """What every training step of a run uses, the same from step to step: :func:`train_one_epoch` takes
     it with the epoch's own things (its loader, its running totals, what runs around each step).
 
-    ``task="regression"``: the squared error of the model's one output, mixed by the mixer's ``loss``
-    (``lam * (p - y)^2 + (1 - lam) * (p - y[index])^2``, whose gradient is that of the squared error to the
-    mixed label); ``loss`` must be ``"ce"``, which it then stands for. Classification: ``loss="ce"``:
-    cross-entropy, mixed by the mixer's ``loss``. ``loss="bce_softmax"``: binary cross-entropy between
-    the softmax and the mixer's soft ``targets``, averaged over samples and classes, as the Manifold Mixup
-    reference code trains (``nn.BCELoss()(softmax(out), target)``). ``mixed_loss_weight``: the loss of a
-    step whose batch was mixed is multiplied by it (the PatchUp authors' code trains with twice the BCE on
-    mixed batches: 2.0 reproduces it); unmixed steps keep 1.
+    ``task``: what each step's loss is and what it counts besides (:class:`~mixhook.app.training.task.Task`;
+    by default classification with cross-entropy). ``mixed_loss_weight``: the loss of a step whose batch
+    was mixed is multiplied by it (the PatchUp authors' code trains with twice the BCE on mixed batches:
+    2.0 reproduces it); unmixed steps keep 1.
 
     ``precision``: ``"32"``, or ``"bf16"``/``"fp16"`` for a forward under ``torch.autocast`` (the loss is
     computed in float32 from the logits); ``scaler``: a ``torch.amp.GradScaler`` for fp16;
@@ -131,8 +65,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     device: torch.device
     mixup: MixingHook | None = None
-    loss: str = "ce"
-    task: str = "classification"
+    task: Task = field(default_factory=Classification)
     mixed_loss_weight: float = 1.0
     precision: str = "32"
     scaler: object = None
@@ -183,7 +116,7 @@ def train_one_epoch(
             if t.channels_last and xp.ndim == 4:
                 xp = xp.contiguous(memory_format=torch.channels_last)
             mixup.use_partners(xp, yp)
-        x, logits = _forward(model, x, dtype, t.channels_last)
+        x, logits = forward(model, x, dtype, t.channels_last)
         value = _loss(t, logits, y)
         finite.after_loss(value, x, y, done)  # raises here when the host reads every step
         optimizer.zero_grad(set_to_none=True)
@@ -192,10 +125,7 @@ def train_one_epoch(
         totals.loss += value.detach() * y.shape[0]
         totals.samples += y.shape[0]
         totals.steps += 1
-        if t.task == "classification":
-            correct = mixup.weigh(_correct, logits, y) if mixup is not None else _correct(logits, y)
-            totals.correct += correct.detach().sum()
-            totals.rows += correct.shape[0]
+        t.task.tally(totals, logits, y, mixup)  # (classification: the lam-weighted correct predictions)
         if finite.due(totals.steps):
             finite.read()  # the device's flag, lazily (nothing to read when checked every step)
         if after_step is not None:
@@ -207,212 +137,10 @@ def train_one_epoch(
 def _loss(t: Training, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """One step's training loss, under the mix of the forward that produced ``logits`` (see
     :class:`Training`)."""
-    mixup = t.mixup
-    if t.task == "regression":
-        per_sample = mixup.loss(_per_sample_se, logits, y) if mixup is not None else _per_sample_se(logits, y)
-        value = per_sample.mean()
-    elif t.loss == "bce_softmax":
-        classes = logits.shape[1]
-        soft = (  # in the logits' dtype (the autocast one must not change it)
-            mixup.targets(y, classes, dtype=logits.dtype, logits=logits)
-            if mixup is not None
-            else smooth_one_hot(y, classes, dtype=logits.dtype)
-        )
-        value = F.binary_cross_entropy(F.softmax(logits, dim=1), soft)
-    else:  # per-sample losses, so that a mixer with one lam per sample (mode="elem") weights each one
-        per_sample = mixup.loss(_per_sample_ce, logits, y) if mixup is not None else _per_sample_ce(logits, y)
-        value = per_sample.mean()
-    if t.mixed_loss_weight != 1.0 and mixup is not None and mixup.state_for(logits) is not None:
+    value = t.task.training_loss(logits, y, t.mixup)
+    if t.mixed_loss_weight != 1.0 and t.mixup is not None and t.mixup.state_for(logits) is not None:
         value = value * t.mixed_loss_weight
     return value
-
-
-def _forward(
-    model: nn.Module, x: torch.Tensor, dtype, channels_last: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch as the model gets it (NHWC when ``channels_last``) and its logits in float32 or wider
-    (a float64 model keeps float64), the forward under autocast in ``dtype`` (``None``: none)."""
-    if channels_last and x.ndim == 4:
-        x = x.contiguous(memory_format=torch.channels_last)
-    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-        logits = model(x)
-    return x, logits.to(torch.promote_types(logits.dtype, torch.float32))
-
-
-def _per_sample_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, target, reduction="none")
-
-
-def _per_sample_se(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The squared error of each sample's one output."""
-    return (output.squeeze(-1) - target.to(output.dtype)).square()
-
-
-def _correct(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """1.0 where the top class is the label, else 0.0 (float64, one per row)."""
-    return (logits.argmax(1) == target).to(torch.float64)
-
-
-class Evaluation(NamedTuple):
-    """The test figures of one evaluation: mean cross-entropy (NLL), accuracy (a fraction), the top-1
-    confidence calibration (:class:`~mixhook.app.training.calibration.Calibration`, 15 bins) and each
-    class's accuracy (its recall; NaN for a class the test set lacks)."""
-
-    nll: float
-    acc: float
-    calibration: Calibration
-    per_class: tuple[float, ...] = ()
-
-    @property
-    def balanced_acc(self) -> float:
-        """The mean of the accuracies of the classes in the test set (balanced accuracy, as scikit-learn's
-        ``balanced_accuracy_score``)."""
-        present = [a for a in self.per_class if not math.isnan(a)]
-        return sum(present) / len(present) if present else math.nan
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    loader,
-    device: torch.device,
-    precision: str = "32",
-    channels_last: bool = False,
-    dist: Dist | None = None,
-) -> Evaluation:
-    """Test NLL, accuracy and calibration of ``model`` in eval mode; with ``dist``, over the union of
-    the ranks' shards."""
-    dtype = PRECISIONS[precision]
-    model.eval()
-    nll = torch.zeros((), device=device, dtype=torch.float64)
-    calibration = Calibration()  # its bins count the samples and the correct top-1 predictions
-    seen = hits = None  # per class: the test samples and the correct ones
-    for x, y in _batches(loader, model, dist):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        _, logits = _forward(model, x, dtype, channels_last)
-        if len(y):
-            nll += F.cross_entropy(logits, y, reduction="sum")
-            calibration.update(logits, y)
-            k = logits.shape[1]
-            if seen is None:
-                seen = torch.zeros(k, device=device, dtype=torch.float64)
-                hits = torch.zeros(k, device=device, dtype=torch.float64)
-            seen += torch.bincount(y, minlength=k)[:k]
-            hits += torch.bincount(y, weights=(logits.argmax(1) == y).double(), minlength=k)[:k]
-    per = [] if seen is None else [*seen.tolist(), *hits.tolist()]
-    nll, *per = (dist or Dist()).sum([float(nll), *per])
-    calibration.reduce(dist or Dist())
-    count, correct = int(calibration.count.sum()), round(float(calibration.correct.sum()))
-    k = len(per) // 2
-    per_class = tuple(h / n if n else math.nan for n, h in zip(per[:k], per[k:], strict=True))
-    return Evaluation(nll / count, correct / count, calibration, per_class)
-
-
-@torch.no_grad()
-def evaluate_regression(
-    model: nn.Module,
-    loader,
-    device: torch.device,
-    precision: str = "32",
-    dist: Dist | None = None,
-) -> float:
-    """The test mean squared error of ``model``'s one output in eval mode (in the standardised target's
-    units); with ``dist``, over the union of the ranks' shards."""
-    dtype = PRECISIONS[precision]
-    model.eval()
-    total = torch.zeros((), device=device, dtype=torch.float64)
-    count = 0
-    for x, y in _batches(loader, model, dist):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        _, output = _forward(model, x, dtype, False)
-        total += _per_sample_se(output, y).sum()
-        count += y.shape[0]
-    total, count = (dist or Dist()).sum([float(total), float(count)])
-    return total / count
-
-
-def _batches(loader, model: nn.Module, dist: Dist | None):
-    """``loader``'s batches; for a model sharded over the ranks (``trainer.strategy=fsdp``), then as many
-    empty ones (the last batch's first zero rows) as another rank has more: a sharded model's forward takes
-    every rank, and the ranks' shards of the test set may differ by a batch."""
-    dist = dist or Dist()
-    if not (dist.enabled and sharded(model)):
-        yield from loader
-        return
-    most, empty = dist.max(len(loader)), None
-    for x, y in loader:
-        empty = x[:0], y[:0]
-        yield x, y
-    if most > len(loader) and empty is None:
-        raise RuntimeError(
-            f"rank {dist.rank} has no test batch while another has {most}: the test set is smaller than "
-            "the number of processes"
-        )
-    for _ in range(most - len(loader)):
-        yield empty
-
-
-@contextmanager
-def stop_signals():
-    """Within the block, SIGTERM and SIGINT only set ``flag[0]`` (to the signal number); the loop
-    stops at the next step boundary. The previous handlers come back afterwards. Outside the main
-    thread (where Python cannot install handlers) nothing is installed."""
-    flag = [0]
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-
-    def handler(signum, frame):
-        flag[0] = signum
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield flag
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-@dataclass
-class Settings:
-    """How to train: the ``trainer`` keys the loop reads (ranges checked by the app's schema)."""
-
-    epochs: int
-    loss: str = "ce"  # one of LOSSES
-    precision: str = "32"  # one of PRECISIONS
-    compile: bool = False
-    channels_last: bool = False
-    progress_bar: bool = True
-    checkpoint_every: int = 0
-    mixed_loss_weight: float = 1.0  # the loss of a mixed step times this (PatchUp's authors: 2)
-    check_finite_every: int | None = None  # host reads of the finite check (finite.check_every)
-    warmup_epochs: int = 0  # a linear warm-up of the learning rate over these first epochs (warmup.Warmup)
-    warmup_start_factor: float = 1.0  # its first step's rate over the scheduled one
-
-
-@dataclass
-class Run:
-    """Everything one run trains with: built and checked by :func:`mixhook.app.build.build`, or by hand.
-
-    ``hooks``: every hook attached to ``model`` (their generators are checkpointed); ``mixup`` the one
-    mixing regularizer among them, if any; ``handles``: what their ``attach()`` returned (removing them
-    detaches everything). ``summary``: copied into ``summary.json`` (the mixup settings, seed, ...);
-    ``config``: saved in the checkpoint for a resuming run to compare with its own.
-    ``feature_maps``: ``(layers, batch, labels)`` to draw after every epoch into ``feature_maps/``."""
-
-    model: nn.Module
-    data: object
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    device: torch.device
-    settings: Settings
-    mixup: MixingHook | None = None
-    hooks: list = field(default_factory=list)
-    handles: list = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
-    config: dict | None = None
-    feature_maps: tuple | None = None
-    schedule: object = None  # a mixhook.MixSchedule, set before every training step
 
 
 def train(
@@ -434,15 +162,15 @@ def train(
     ``DistributedDataParallel`` here, after the hooks were attached to it, and only rank 0 writes.
     ``logger``: a :class:`~mixhook.app.training.logging.RunLogger` for probe rows and TensorBoard.
 
-    Returns the summary: ``test_acc``, ``test_nll``, ``test_ece`` (15 bins) and ``calibration`` (the
-    reliability diagram's numbers, also drawn into ``reliability.png``) of the last epoch,
-    ``best_test_acc``, ``best_epoch``, ``epochs``, ``seconds``, ``train_loss``, ``train_acc`` and whatever
-    ``run.summary`` holds. For a regression task (``run.data.task``): ``test_rmse`` (in the target's
-    units), ``test_mse`` (standardised), ``best_test_rmse``, ``best_epoch`` (the lowest RMSE) and the
-    rest, without calibration.
+    Returns the summary (``run.task``'s: :class:`~mixhook.app.training.task.Classification`'s
+    ``test_acc``, ``test_nll``, ``test_ece`` (15 bins) and ``calibration`` (the reliability diagram's
+    numbers, also drawn into ``reliability.png``) of the last epoch, ``best_test_acc``, ``best_epoch``,
+    ``epochs``, ``seconds``, ``train_loss``, ``train_acc``; a
+    :class:`~mixhook.app.training.task.Regression`'s ``test_rmse`` (in the target's units), ``test_mse``
+    (standardised), ``best_test_rmse``, ``best_epoch`` (the lowest RMSE) and the rest, without
+    calibration), with whatever ``run.summary`` holds.
     """
-    data, optimizer, opts = run.data, run.optimizer, run.settings
-    regression = getattr(data, "task", "classification") == "regression"
+    data, optimizer, opts, task = run.data, run.optimizer, run.settings, run.task
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dist = dist or Dist()
@@ -460,16 +188,14 @@ def train(
         log.info("resuming after epoch %d, step %d of the next", state.epoch, state.step)
     saves = Checkpoints(run, state, out_dir / ckpt.FILE, scaler, dist, logger)
     training = Training(
-        net, optimizer, run.device, run.mixup, loss=opts.loss, task=getattr(data, "task", "classification"),
-        mixed_loss_weight=opts.mixed_loss_weight, precision=opts.precision, scaler=scaler,
-        channels_last=opts.channels_last, dist=dist, finite=finite, progress_bar=opts.progress_bar,
+        net, optimizer, run.device, run.mixup, task=task, mixed_loss_weight=opts.mixed_loss_weight,
+        precision=opts.precision, scaler=scaler, channels_last=opts.channels_last, dist=dist, finite=finite,
+        progress_bar=opts.progress_bar,
     )  # fmt: skip
-    calibration = None
+    found = None  # what the last evaluation leaves the summary (classification: its calibration)
     metrics_file = out_dir / "metrics.csv" if dist.main else os.devnull  # only rank 0 writes
     with open(metrics_file, "w", newline="") as f, stop_signals() as stop:
-        writer = csv.DictWriter(
-            f, fieldnames=metric_columns(training.task, data.num_classes), extrasaction="ignore"
-        )
+        writer = csv.DictWriter(f, fieldnames=task.columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(state.rows)  # the epochs before the checkpoint (none when starting)
         f.flush()
@@ -481,47 +207,15 @@ def train(
             row = {"epoch": epoch, "train_loss": train_loss, "lr": lr}
             if run.scheduler is not None:
                 run.scheduler.step()
-            score, calibration = _tested(
-                row, net, data, run.device, opts, dist, None if regression else train_acc
-            )
+            found = task.evaluate(row, net, data, run.device, opts, dist, train_acc)
             row["seconds"] = time.perf_counter() - t0
             writer.writerow(row)
             f.flush()
-            _kept(run, state, row, score, out_dir, logger, dist, saves.probes)
+            _kept(run, state, row, out_dir, logger, dist, saves.probes)
             saves.save(epoch, 0, None)
             if dist.any(bool(stop[0])) and epoch < opts.epochs:
                 raise Interrupted(stop[0] or signal.SIGTERM, saves.path, epoch, 0)
-    return _summary(run, state, out_dir, net, calibration, saves.start, dist, regression)
-
-
-class Checkpoints:
-    """Where :func:`train` keeps ``last.pt``: :meth:`save` writes the run's state (its model, optimizer,
-    random streams, metrics rows and, mid-epoch, the epoch's running sums) after ``epoch_done`` whole
-    epochs and ``step`` steps of the next. ``start``: when the run began (``perf_counter``), less the time
-    of the part before a resume."""
-
-    def __init__(self, run: Run, state: RunState, path: Path, scaler, dist: Dist, logger):
-        self.run, self.state, self.path, self.scaler, self.dist, self.logger = (
-            run,
-            state,
-            path,
-            scaler,
-            dist,
-            logger,
-        )
-        self.start = time.perf_counter() - state.seconds
-        self.probes = [h for h in run.hooks if hasattr(h, "paused")]
-        for probe in self.probes:  # probe steps are the run's training steps
-            probe.step = state.global_step
-
-    def save(self, epoch_done: int, step: int, totals: Totals | None) -> None:
-        state = self.state
-        state.epoch, state.step = epoch_done, step
-        state.totals = None if totals is None else totals.saved()
-        state.seconds = time.perf_counter() - self.start
-        state.save(self.path, self.run, self.scaler, self.dist)
-        if self.logger is not None and self.dist.main:
-            self.logger.probe_rows(epoch_done + (1 if step else 0))
+    return task.summary(run, state, out_dir, net, found, saves.start, dist)
 
 
 class EpochSteps:
@@ -596,9 +290,7 @@ class EpochSteps:
             self.saves.save(self.epoch - 1, totals.steps, totals)
 
 
-def _kept(
-    run: Run, state: RunState, row: dict, score: float, out_dir: Path, logger, dist: Dist, probes
-) -> None:
+def _kept(run: Run, state: RunState, row: dict, out_dir: Path, logger, dist: Dist, probes) -> None:
     """An epoch's ``metrics.csv`` row kept: in the run's state, TensorBoard and the log; its feature maps
     drawn (the ``probes`` paused); the best epoch so far."""
     state.rows.append(row)
@@ -612,16 +304,10 @@ def _kept(
             run.model, run.mixup, layers, batch.to(run.device), folder / f"epoch{row['epoch']:03d}",
             pause=probes, targets=labels.to(run.device),
         )  # fmt: skip
+    score = run.task.score(row)
     if score > state.best[0] or state.best[1] == 0:
         state.best = (score, row["epoch"])
-    _log_epoch(row, run.settings.epochs, _long_tailed(run.data))
-
-
-def metric_columns(task: str, num_classes: int) -> list[str]:
-    """``metrics.csv``'s columns: :data:`METRICS` of the task, then, for classification, each class's test
-    accuracy (``test_acc_c0``, ``test_acc_c1``, ...)."""
-    per_class = [f"test_acc_c{c}" for c in range(num_classes)] if task == "classification" else []
-    return METRICS[task] + per_class
+    run.task.log_epoch(row, run.settings.epochs)
 
 
 def _network(model: nn.Module, device: torch.device, opts: Settings, dist: Dist) -> nn.Module:
@@ -637,103 +323,3 @@ def _network(model: nn.Module, device: torch.device, opts: Settings, dist: Dist)
             model, device_ids=[device] if device.type == "cuda" else None
         )
     return torch.compile(net) if opts.compile else net
-
-
-def _tested(row: dict, net, data, device, opts: Settings, dist: Dist, train_acc: float | None) -> tuple:
-    """Evaluate ``net`` on the test set into ``row`` (and ``train_acc`` for classification; ``None``: a
-    regression task): the epoch's score (higher is better; state.best keeps the highest) and its
-    calibration (``None`` for regression)."""
-    if train_acc is None:
-        test_loss = evaluate_regression(net, data.test, device, opts.precision, dist)
-        row.update(test_loss=test_loss, test_rmse=math.sqrt(test_loss) * data.target_scale)
-        return -row["test_rmse"], None
-    found = evaluate(net, data.test, device, opts.precision, opts.channels_last, dist)
-    row.update(
-        train_acc=train_acc,
-        test_loss=found.nll,
-        test_acc=found.acc,
-        test_ece=found.calibration.ece(),
-        test_balanced_acc=found.balanced_acc,
-        **{f"test_acc_c{c}": acc for c, acc in enumerate(found.per_class)},
-    )
-    return found.acc, found.calibration
-
-
-def _long_tailed(data) -> bool:
-    """Whether the training set's largest class has at least twice the images of its smallest (a
-    ``data.imbalance_ratio`` run): its epoch lines show the balanced accuracy beside the accuracy."""
-    counts = getattr(data, "class_counts", None)
-    return bool(counts) and max(counts) >= 2 * max(min(counts), 1)
-
-
-def _log_epoch(row: dict, epochs: int, balanced: bool = False) -> None:
-    """The epoch's line in the log: its ``metrics.csv`` row (``balanced``: with the balanced accuracy)."""
-    if "test_rmse" in row:
-        log.info(
-            "epoch %d/%d  train_loss %.4f  test_mse %.4f  test_rmse %.3f  lr %.4g  %.1fs",
-            row["epoch"], epochs, row["train_loss"], row["test_loss"], row["test_rmse"], row["lr"],
-            row["seconds"],
-        )  # fmt: skip
-    else:
-        log.info(
-            "epoch %d/%d  train_loss %.4f  train_acc %.2f%%  test_loss %.4f  test_acc %.2f%%  %s"
-            "test_ece %.2f%%  lr %.4g  %.1fs", row["epoch"], epochs, row["train_loss"],
-            100 * row["train_acc"], row["test_loss"], 100 * row["test_acc"],
-            f"test_balanced_acc {100 * row['test_balanced_acc']:.2f}%  " if balanced else "",
-            100 * row["test_ece"], row["lr"], row["seconds"],
-        )  # fmt: skip
-
-
-def _summary(
-    run: Run, state: RunState, out_dir: Path, net, calibration, start: float, dist: Dist, regression: bool
-) -> dict:
-    """The run's summary from its last epoch's row (``start``: when the run began, by ``perf_counter``,
-    less the time of the part before a resume), written atomically to ``summary.json`` by rank 0 (for
-    classification after the reliability diagram: a summary.json means the run's files are all there)."""
-    last = state.rows[-1]
-    if regression:
-        summary = {
-            "task": "regression",
-            "test_rmse": last["test_rmse"],
-            "test_mse": last["test_loss"],
-            "best_test_rmse": -state.best[0],
-            "best_epoch": state.best[1],
-            "train_loss": last["train_loss"],
-            "epochs": run.settings.epochs,
-            "seconds": time.perf_counter() - start,
-            **run.summary,
-        }
-        if dist.main:
-            write_json_atomic(out_dir / "summary.json", summary)
-        return summary
-    if calibration is None:  # resumed after the last epoch: the same model evaluates to the same figures
-        opts = run.settings
-        calibration = evaluate(
-            net, run.data.test, run.device, opts.precision, opts.channels_last, dist
-        ).calibration
-    summary = {
-        "test_acc": last["test_acc"],
-        "test_nll": last["test_loss"],
-        "test_ece": calibration.ece(),
-        "test_balanced_acc": last.get("test_balanced_acc"),
-        "test_class_acc": [last.get(f"test_acc_c{c}") for c in range(run.data.num_classes)],
-        "best_test_acc": state.best[0],
-        "best_epoch": state.best[1],
-        "train_loss": last["train_loss"],
-        "train_acc": last.get("train_acc"),
-        "epochs": run.settings.epochs,
-        "seconds": time.perf_counter() - start,
-        "calibration": calibration.table(),
-        **run.summary,
-    }
-    if dist.main:  # the picture first: a summary.json means the run's files are all there
-        calibration.plot(out_dir / "reliability.png", f"test set, epoch {run.settings.epochs}")
-        write_json_atomic(out_dir / "summary.json", summary)
-    return summary
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (:func:`~mixhook.app.files.atomic_write`)."""
-    with atomic_write(path) as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")

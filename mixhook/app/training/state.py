@@ -8,13 +8,16 @@ AMP grad scaler, every random stream of every rank, the config) into one atomica
 (:mod:`~mixhook.app.training.checkpoint`); :meth:`RunState.restore` puts all of it back, so training
 continues exactly as if it had not stopped. :func:`check_resumable` says whether a checkpoint belongs to
 a run's config: the same settings, or the same settings with more epochs (*extending* a run), as long as
-the schedule the trained epochs followed stays the same.
+the schedule the trained epochs followed stays the same. :class:`Totals` are a part-done epoch's
+running sums, and :class:`Checkpoints` where the loop keeps ``last.pt``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -37,9 +40,9 @@ EPOCHS = "trainer.epochs"  # may grow: the run is extended
 class RunState:
     """Where a run is: ``epoch`` epochs finished and ``step`` steps into the next (0 at an epoch's end),
     ``global_step`` training steps in all; ``rows`` the ``metrics.csv`` rows so far; ``totals`` the
-    running sums of a part-done epoch (:meth:`~mixhook.app.training.loop.Totals.saved`); ``seconds`` of
-    training so far; ``best`` the best ``(score, epoch)``: the score is the test accuracy
-    (classification) or minus the test RMSE (regression)."""
+    running sums of a part-done epoch (:meth:`Totals.saved`); ``seconds`` of
+    training so far; ``best`` the best ``(score, epoch)``: the score is the run's task's
+    (:meth:`~mixhook.app.training.task.Task.score`: the test accuracy, or minus the test RMSE)."""
 
     epoch: int = 0
     step: int = 0
@@ -50,7 +53,7 @@ class RunState:
     best: tuple = (-1.0, 0)
 
     def save(self, path: str | os.PathLike, run, scaler=None, dist: Dist | None = None) -> None:
-        """Write the checkpoint of ``run`` (a :class:`~mixhook.app.training.loop.Run`) at this state to
+        """Write the checkpoint of ``run`` (a :class:`~mixhook.app.training.settings.Run`) at this state to
         ``path``. Every rank must call it (the random streams are gathered); rank 0 writes."""
         dist = dist or Dist()
         totals = (
@@ -124,6 +127,69 @@ class RunState:
             rows=list(saved["rows"]), totals=totals, seconds=saved["seconds"],
             best=tuple(saved["best"]),
         )  # fmt: skip
+
+
+def _zero() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64)
+
+
+@dataclass
+class Totals:
+    """An epoch's running sums over its training steps, carried over from a checkpoint in a resumed
+    epoch: ``loss`` each step's loss times its batch size, summed, and ``samples`` how many; ``correct``
+    the lam-weighted correct predictions of the training forwards (classification: ``Mixer.weigh``) and
+    ``rows`` how many rows they had; ``steps`` the steps taken. The sums are float64 tensors on the
+    training device (adding to them needs no host sync); a checkpoint holds them as the list
+    :meth:`saved` gives (``[loss, samples, steps, correct, rows]``)."""
+
+    loss: torch.Tensor = field(default_factory=_zero)
+    samples: int = 0
+    steps: int = 0
+    correct: torch.Tensor = field(default_factory=_zero)
+    rows: int = 0
+
+    @classmethod
+    def restored(cls, saved: list) -> Totals:
+        """From a checkpoint's list (one written before the accuracy was counted has three entries: its
+        accuracy counts from here)."""
+        totals = cls(saved[0].clone(), int(saved[1]), int(saved[2]))
+        if len(saved) >= 5:
+            totals.correct, totals.rows = saved[3].clone(), int(saved[4])
+        return totals
+
+    def saved(self) -> list:
+        """What a checkpoint holds: ``[loss, samples, steps, correct, rows]``, the sums on the CPU."""
+        return [self.loss.detach().cpu(), self.samples, self.steps, self.correct.detach().cpu(), self.rows]
+
+
+class Checkpoints:
+    """Where :func:`~mixhook.app.training.loop.train` keeps ``last.pt``: :meth:`save` writes the run's
+    state (its model, optimizer, random streams, metrics rows and, mid-epoch, the epoch's running sums)
+    after ``epoch_done`` whole epochs and ``step`` steps of the next. ``start``: when the run began
+    (``perf_counter``), less the time of the part before a resume."""
+
+    def __init__(self, run, state: RunState, path: Path, scaler, dist: Dist, logger):
+        self.run, self.state, self.path, self.scaler, self.dist, self.logger = (
+            run,
+            state,
+            path,
+            scaler,
+            dist,
+            logger,
+        )
+        self.start = time.perf_counter() - state.seconds
+        self.probes = [h for h in run.hooks if hasattr(h, "paused")]
+        for probe in self.probes:  # probe steps are the run's training steps
+            probe.step = state.global_step
+
+    def save(self, epoch_done: int, step: int, totals: Totals | None) -> None:
+        state = self.state
+        state.epoch, state.step = epoch_done, step
+        state.totals = None if totals is None else totals.saved()
+        state.seconds = time.perf_counter() - self.start
+        state.save(self.path, self.run, self.scaler, self.dist)
+        if self.logger is not None and self.dist.main:
+            self.logger.probe_rows(epoch_done + (1 if step else 0))
 
 
 def check_resumable(saved: dict, config: dict, as_saved_epochs: dict | None = None) -> None:

@@ -1,15 +1,18 @@
 """One training forward of a mixer, hop by hop: the hooks a :class:`~mixhook.engine.mixer.Mixer` registers
 and the one path every method's forward takes through them.
 
-1. **The model's pre-hook** (:meth:`MixerHooks._on_model_input`) decides whether this forward mixes, and
-   at which layer: one :class:`~.forward.Forward` (its layer and pins; lam, the partners and the
-   generator's state for a repeat once drawn), the only object a forward carries. A mix at the model's
-   input is made here.
+1. **The model's pre-hook** (:meth:`MixerHooks._on_model_input`, and in an eager training forward
+   :meth:`MixerHooks._start`) decides whether this forward mixes, and at which layer
+   (:meth:`MixerHooks._decide`, :meth:`MixerHooks._layer_of`): one :class:`~.forward.Forward` (its layer
+   and pins; lam, the partners and the generator's state for a repeat once drawn), the only object a
+   forward carries. A mix at the model's input is made here.
 2. **The mixed layer's hook** (:meth:`MixerHooks._layer_hook`) hands the layer's output to
-   :meth:`MixerHooks._mix`, the one path of a mix for every method and site: its leaves (the cheap case,
-   a plain tensor with the signature its site was planned for, is chosen at its top), what the method
-   computes first, lam and the partners drawn (or pinned), the method's ``mix()``, the
-   :class:`~.contract.MixState` recorded, the tensors put back.
+   :meth:`MixerHooks._mix`, the one path of a mix for every method and site, one method per step: its
+   leaves (:meth:`MixerHooks._leaves`: the cheap case, a plain tensor with the signature its site was
+   planned for, is chosen at its top), what the method computes first, lam and the partners drawn (or
+   pinned) and the method's ``mix()`` (:meth:`MixerHooks._draw_and_mix`, :meth:`MixerHooks._draws`), the
+   :class:`~.contract.MixState` recorded and the tensors put back (:meth:`MixerHooks._as_planned`, or
+   :meth:`MixerHooks._put_back`).
 3. **The model's output hook** (:meth:`MixerHooks._on_model_output`) marks the output with what was mixed
    (:mod:`.binding`), which ``loss()`` reads (:mod:`.targets`).
 

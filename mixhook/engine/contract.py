@@ -49,6 +49,25 @@ def record(cls: type) -> type:
     return cls
 
 
+class cached:
+    """``functools.cached_property`` without its lock (Python 3.11 takes an ``RLock`` at every first
+    read, a cost a mix pays on every forward): computed at the first read and kept in the instance's
+    ``__dict__``, which later reads find before this descriptor. The values are pure functions of
+    frozen fields, so computing one twice in a race would give the same value."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.fn(instance)
+        return value
+
+
 @record
 class MixState:
     """What one training forward mixed (a mixer's ``.last``).
@@ -82,10 +101,6 @@ class MixState:
             rows; more where the method's mix put rows of its own before them (:attr:`Mixed.before`:
             AdAutoMix's three-sample forwards, its plain mixup's rows then its mask mix's). The logits then
             have ``(1 + groups) * B`` rows; ``lam``, ``index`` and ``weights`` describe the last group.
-        lam_float: where ``lam`` is one value on the CPU, ``(lam, float(lam))`` read when the state was
-            made (what ``loss`` weighs by, with no read per call); a copy with another lam
-            (``dataclasses.replace(state, lam=...)``) keeps the pair, whose tensor is then not its ``lam``:
-            a reader takes the float only where ``lam_float[0] is lam``.
         loss_inputs: what the method's own loss terms take with gradients, by name (AutoMix's Mix Block
             logits and mask: pieces of the autograd graph), as :attr:`Mixed.loss_inputs` gave them. Only the
             state the forward's output carries to ``loss()`` has them; what the mixer keeps (``.last``, the
@@ -103,9 +118,19 @@ class MixState:
     shapes: tuple[tuple[int, ...], ...] = ()
     clean: bool = False
     partner_lam: torch.Tensor | None = None
-    lam_float: tuple[torch.Tensor, float] | None = field(default=None, repr=False, compare=False)
     groups: int = 1
     loss_inputs: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    @cached
+    def weight(self) -> float | torch.Tensor:
+        """``lam`` as ``loss()`` and ``targets()`` weigh by it (:func:`~mixhook.functional.weight_of`): a
+        Python float for one lam on the CPU, else the tensor. Derived from this state's own ``lam`` (the
+        forward's path makes it with lam, read once; a copy with another lam,
+        ``dataclasses.replace(state, lam=...)``, derives its own), so lam is carried once."""
+        lam = self.lam
+        if lam.ndim == 0 and lam.is_cpu and not torch.compiler.is_compiling():
+            return lam.item()
+        return lam
 
 
 class Deferred:
@@ -152,25 +177,6 @@ MixState.weights = _MadeWhenRead("weights", None)
 def kept(state: MixState) -> MixState:
     """``state`` as a mixer keeps it between forwards (its ``.last``): without its ``loss_inputs``."""
     return state if state.loss_inputs is None else replace(state, loss_inputs=None)
-
-
-class cached:
-    """``functools.cached_property`` without its lock (Python 3.11 takes an ``RLock`` at every first
-    read, a cost a mix pays on every forward): computed at the first read and kept in the instance's
-    ``__dict__``, which later reads find before this descriptor. The values are pure functions of
-    frozen fields, so computing one twice in a race would give the same value."""
-
-    def __init__(self, fn):
-        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, instance, owner=None):
-        if instance is None:
-            return self
-        value = instance.__dict__[self.name] = self.fn(instance)
-        return value
 
 
 @record

@@ -690,7 +690,7 @@ class MixerHooks(LayerHook):
         weight = draw.weight if own else given  # (one lam on the CPU as a float: what loss() weighs by)
         if type(weight) is not float:
             weight = weight_of(lam)
-        return MixState(
+        state = MixState(
             spec,
             lam,
             draw.index if mixed.index is None else mixed.index,
@@ -701,9 +701,10 @@ class MixerHooks(LayerHook):
             shapes,
             clean,
             mixed.partner_lam,
-            (lam, weight) if type(weight) is float else None,
             loss_inputs=mixed.loss_inputs,
         )
+        state.__dict__["weight"] = weight  # (MixState.weight, made with lam: no read of it again)
+        return state
 
     def _check_mixed(self, spec: str, leaves: list[Leaf], mixed: Mixed) -> dict:
         """``mixed.tensors``, once it gives every leaf a tensor of the leaf's shape (a method that skipped

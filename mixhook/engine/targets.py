@@ -285,14 +285,13 @@ class LossAndTargets:
             return self._policies.mixed_loss(criterion, logits, target, partner, last, own_terms)
         loss_a = criterion(logits, target)
         loss_b = criterion(logits, self._partners_of(last, target, "loss"))
-        pair = last.lam_float
+        weight = last.weight
         if (
-            pair is not None
-            and pair[0] is last.lam
+            type(weight) is float
             and last.partner_lam is None
             and target.ndim <= 1 + target.is_floating_point()
         ):  # one lam as a float, a target that is no map (a region's weights then do not enter): the usual
-            return torch.lerp(loss_b, loss_a, pair[1])
+            return torch.lerp(loss_b, loss_a, weight)
         if last.partner_lam is not None:  # weights that need not sum to one (SnapMix)
             if loss_a.ndim == 0 or loss_a.shape[0] != last.partner_lam.shape[0]:
                 raise ValueError(
@@ -396,8 +395,8 @@ class LossAndTargets:
             lam, partner_lam = (per_sample(w, own) for w in (last.lam, last.partner_lam))
             return lam * own + partner_lam * partner
         if weights is None:
-            pair = last.lam_float
-            lam = pair[1] if pair is not None and pair[0] is last.lam else per_sample(last.lam, own)
+            weight = last.weight
+            lam = weight if type(weight) is float else per_sample(last.lam, own)
             return torch.lerp(partner, own, lam)
         return torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
 

@@ -157,3 +157,27 @@ def test_under_torch_distributed_a_state_records_its_rank_and_another_ranks_is_r
         assert "rank" not in stripped and all("rank" not in m for m in stripped["mixers"])
     finally:
         dist.destroy_process_group()
+
+
+def test_lam_is_carried_once_a_copy_with_another_lam_weighs_by_its_own():
+    """Issue 83: a state's ``weight`` (what loss() weighs by: one CPU lam as a float) is derived from its own
+    lam, made with it by the path; a copy with another lam (``dataclasses.replace``, as a policy re-weighs a
+    mix) weighs by that lam, never by the float of the lam it was copied from."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from mixhook import ManifoldMixup
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)).double().train()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    mix = ManifoldMixup("0", generator=torch.Generator().manual_seed(1))
+    with mix.attach(net):
+        logits = net(x)
+    state = mix.last
+    assert state.weight == float(state.lam) and type(state.weight) is float
+    other = dataclasses.replace(state, lam=torch.tensor(0.25, dtype=torch.float64))
+    assert other.weight == 0.25
+    own, partner = F.cross_entropy(logits, y), F.cross_entropy(logits, y[state.index])
+    torch.testing.assert_close(mix.mixed_loss(F.cross_entropy, logits, y, other), 0.25 * own + 0.75 * partner)

@@ -30,9 +30,6 @@ COSINE = [  # the default schedule: cosine over trainer.epochs; the paper's netw
 SMALL = [*COSINE, "scheduler=multistep", "scheduler.milestones=[3]"]  # a schedule that does not follow epochs
 
 
-TRAINING = {}  # the uninterrupted run's training seconds: the window in which the tests interrupt theirs
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The run the interrupted ones must end identical to: ``train.py`` run in this process (each killed run
@@ -41,13 +38,16 @@ def uninterrupted(tmp_path_factory):
     result = run_app(*SMALL, f"hydra.run.dir={out}", cwd=out.parent)
     assert result.returncode == 0, result.stderr
     assert torch.load(out / "last.pt", weights_only=True)["epoch"] == 4
-    TRAINING["seconds"] = json.loads((out / "summary.json").read_text())["seconds"]
     return results(out)
 
 
+STEPS = 4 * 7  # SMALL's run: 4 epochs of 7 steps (200 samples in batches of 32), a checkpoint after each
+
+
 def at_random():
-    """Seconds after the first checkpoint to interrupt a run at: a random point in its first half."""
-    return random.Random(os.getpid()).uniform(0.0, TRAINING["seconds"] / 2)
+    """The step to interrupt a run at (or just after): a random one of its first half. A step, not a time:
+    how long a run takes on a loaded machine says nothing of how long the next one will."""
+    return random.Random(os.getpid()).randint(1, STEPS // 2)
 
 
 def start(out, *extra):
@@ -57,21 +57,27 @@ def start(out, *extra):
     )  # fmt: skip
 
 
-def wait_for_checkpoint(out, proc, after=0.0):
-    deadline = time.time() + 120
-    while not (out / "last.pt").exists():
+def wait_for_checkpoint(out, proc, step=1):
+    """Wait until the run's checkpoint is at ``step`` (counted over its epochs) or later; the run is then
+    still running (it has the rest of its steps to go), to be interrupted there."""
+    deadline, seen = time.time() + 120, None
+    while True:
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline
-        time.sleep(0.02)
-    time.sleep(after)
-    assert proc.poll() is None, "the run finished before it could be interrupted"
+        path = out / "last.pt"
+        if path.exists() and path.stat().st_mtime_ns != seen:  # (written whole: atomic_write)
+            seen = path.stat().st_mtime_ns
+            state = torch.load(path, weights_only=True)
+            if state["epoch"] * 7 + state["step"] >= step:
+                return
+        time.sleep(0.01)
 
 
 @pytest.mark.process
 def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp_path, uninterrupted, caplog):
     out = tmp_path / "run"
     proc = start(out)
-    wait_for_checkpoint(out, proc, after=at_random())
+    wait_for_checkpoint(out, proc, at_random())
     proc.kill()
     proc.wait()
     state = torch.load(out / "last.pt", weights_only=True)
@@ -92,7 +98,7 @@ def test_sigkill_at_a_random_step_then_resume_by_path_or_auto_ends_identical(tmp
 def test_sigterm_finishes_the_step_writes_the_checkpoint_and_exits_non_zero(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = start(out)
-    wait_for_checkpoint(out, proc, after=TRAINING["seconds"] / 10)
+    wait_for_checkpoint(out, proc, STEPS // 4)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM
@@ -363,7 +369,7 @@ def test_a_mix_schedule_and_a_warmup_resume_exactly_after_sigkill(tmp_path, unin
     assert lrs[0][0] == pytest.approx(0.25 * lrs[0][1]) and lrs[1][0] < lrs[1][1] and lrs[2][0] == lrs[2][1]
     out = tmp_path / "run"
     proc = start(out, *SCHEDULED)
-    wait_for_checkpoint(out, proc, after=at_random())
+    wait_for_checkpoint(out, proc, at_random())
     proc.kill()
     proc.wait()
     assert not (out / "summary.json").exists()

@@ -212,22 +212,10 @@ class Forwards:
     def _of(self, logits: torch.Tensor) -> list[_Forward]:
         """The forwards of this mixer whose outputs ``logits`` is, or was computed from: marked outputs
         found through views (``_base``) and the autograd graph, which is walked no further than them."""
-        key, found = self.key, []
-        t = logits
-        while t is not None:  # the output itself, or a view of it
-            node = t.grad_fn
-            record = node.metadata.get(key) if node is not None else None
-            if record is None and node is None:
-                entry = self.outputs.get(id(t))
-                record = entry[1] if entry is not None and entry[0]() is t else None
-                if record is None and any(ref() is t for ref in self.unmixed):
-                    record = _UNMIXED
-            if record is not None:
-                return [record]
-            if node is not None:
-                break
-            t = t._base
-        node = logits.grad_fn
+        record = self._marked(logits)
+        if record is not None:
+            return [record]
+        key, found, node = self.key, [], logits.grad_fn
         if node is None:
             return found
         seen, stack = {node}, [node]
@@ -243,6 +231,23 @@ class Forwards:
                     seen.add(child)
                     stack.append(child)
         return found
+
+    def _marked(self, logits: torch.Tensor) -> _Forward | None:
+        """The record ``logits`` was marked with, itself or the first of its views' bases to carry one: in
+        its autograd node's metadata, or (no gradients) among the outputs marked by weak reference; ``None``
+        at the first tensor with a node that carries none (the graph is then walked: :meth:`_of`)."""
+        t = logits
+        while t is not None:  # the output itself, or a view of it
+            node = t.grad_fn
+            if node is not None:
+                return node.metadata.get(self.key)
+            entry = self.outputs.get(id(t))
+            if entry is not None and entry[0]() is t:
+                return entry[1]
+            if any(ref() is t for ref in self.unmixed):
+                return _UNMIXED
+            t = t._base
+        return None
 
 
 def _unclaimed(marks) -> str | None:

@@ -52,10 +52,6 @@ saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hoo
 """``saved_tensor_hooks(False)``: the innermost saved-tensor hooks in effect, ``None`` where none are."""
 
 
-def saved_tensor_hooks_active() -> bool:
-    return saved_tensor_hooks(False) is not None
-
-
 def may_be_recomputed() -> bool:
     """In a training forward: whether what runs now may be recomputed in backward (activation
     checkpointing): gradients are off (reentrant mode) or saved-tensor hooks are on (non-reentrant)."""
@@ -68,7 +64,7 @@ def in_checkpointed_forward() -> bool:
     """Whether the forward running now is an eager activation checkpoint's: gradients are off (reentrant
     mode) or saved-tensor hooks are on (non-reentrant). :func:`may_be_recomputed` outside a compiled
     region; what a traced frame asks of the eager frame around it (``mixhook.engine.traced``)."""
-    return not torch.is_grad_enabled() or saved_tensor_hooks_active()
+    return not torch.is_grad_enabled() or saved_tensor_hooks(False) is not None
 
 
 def hook(act: Callable, again: Callable | None = None) -> Callable:

@@ -29,7 +29,19 @@ source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = [
     "_build",
-    *(f"_generated/{n}.md" for n in ("goals", "runs", "costs", "methods-table", "methods", "api-methods")),
+    *(
+        f"_generated/{n}.md"
+        for n in (
+            "goals",
+            "runs",
+            "costs",
+            "methods-table",
+            "methods",
+            "api-methods",
+            "hooks-table",
+            "api-hooks",
+        )
+    ),
 ]  # included
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 4  # [text](page.md#a-heading) links, checked by the build

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import packing
+from .engine.card import HookCard
 from .functional import per_sample
 from .hooks import LayerHook
 from .sites import INPUT, Inputs, batch_leaves, replace_leaves, select
@@ -62,6 +63,17 @@ class GradScale(LayerHook):
             of the layer's arguments.
         factor: a finite number.
     """
+
+    card = HookCard(
+        signature="GradScale(layer, factor)",
+        hook="backward, via an identity autograd function on the layer's input",
+        formula=(
+            "gradient passed upstream × `factor` (`< 0`: reversal); the layer's own parameter gradients "
+            "unchanged"
+        ),
+        paper="Ganin & Lempitsky 2015",
+        commands="`grad_scale.layer=layer3 grad_scale.factor=-1.0`",
+    )
 
     def __init__(self, layer: str | Sequence[str], factor: float):
         super().__init__(layer)
@@ -133,6 +145,13 @@ class GradClip(LayerHook):
         max_norm: a finite number > 0.
         batch_dim: where mixhook cannot find the batch dimension itself.
     """
+
+    card = HookCard(
+        signature="GradClip(layer, max_norm)",
+        hook="backward, via a tensor hook on the layer's output",
+        formula="per sample `g_i ← g_i * min(1, max_norm/‖g_i‖)` before it enters the layer",
+        commands="`grad_clip.layer=layer3 grad_clip.max_norm=0.01`",
+    )
 
     def __init__(self, layer: str | Sequence[str], max_norm: float, batch_dim: int | dict | None = None):
         super().__init__(layer, batch_dim)

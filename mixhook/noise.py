@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import packing, recompute
+from .engine.card import HookCard
 from .functional import generator_on
 from .hooks import LayerHook, guard_unwrapped
 from .sites import Inputs, batch_leaves, describe, replace_leaves
@@ -66,6 +67,17 @@ class NEFTune(LayerHook):
     batch under ``length="padded"``, and a layer called more often in one forward than the model has
     sequences (a source, and a target).
     """
+
+    card = HookCard(
+        signature='NEFTune(layer, alpha=5.0, length="sequence")',
+        hook="forward hook on the embedding layer (and the model's pre-hook, for its masks and packing)",
+        formula=(
+            "`e' = e + U(-1,1)·alpha/sqrt(L·d)` per token in training, `L` each sequence's own length "
+            "(`length=\"padded\"`: the batch's padded length, as the authors' code and HuggingFace's hook)"
+        ),
+        paper="Jain et al. 2023",
+        commands="none yet: [Language models](language-models.md#neftune-which-length)",
+    )
 
     _hooks_model = True  # its own pre-hook on the model: the call's masks and packing
 

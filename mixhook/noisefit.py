@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import recompute
+from .engine.card import HookCard
 from .engine.checks import check_fraction, check_non_negative, check_positive
 from .functional import generator_on
 from .hooks import LayerHook
@@ -166,6 +167,24 @@ class NoiseFiT(LayerHook):
         generator: as :class:`~mixhook.ManifoldMixup`.
         batch_dim: where mixhook cannot find the batch dimension itself.
     """
+
+    card = HookCard(
+        signature="NoiseFiT(layer, noise_std=0.1)",
+        hook=(
+            "forward hooks on transformer blocks (chosen by signal-to-noise ratio: `choose_layers`), in two "
+            "extra forwards (`nf.loss`)"
+        ),
+        formula=(
+            "`h' = h + N(0,1)·noise_std²·std(h)·mad·weight·factor` per token and feature; loss `α·CE + "
+            "(1-α)·KL(clean‖noisy) + λ·KL(noisy₂‖noisy₁)`, the authors' on the same draws"
+        ),
+        paper="Khadangi et al. 2025",
+        commands=(
+            "none yet: [Language models](language-models.md#noisefit-noise-on-the-blocks-with-the-highest-"
+            "signal-to-noise-ratio)"
+        ),
+        members="noisy, loss",
+    )
 
     _TRANSIENT = ("_noisy",)
 

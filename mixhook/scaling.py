@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import packing, recompute
+from .engine.card import HookCard
 from .functional import along, per_sample
 from .hooks import LayerHook
 from .sites import Inputs, batch_leaves, blendable, replace_leaves, select
@@ -38,6 +39,16 @@ class InputScale(LayerHook):
         batch_dim: where mixhook cannot find the batch dimension of a per-sample factor's tensors itself
             (see :mod:`mixhook.sites`).
     """
+
+    card = HookCard(
+        signature="InputScale(layer, factor, in_eval=False)",
+        hook="forward pre-hook",
+        formula=(
+            "layer input `x' = factor * x`; `factor=(low, high)`: one U(low, high) per sample (eval: the "
+            "midpoint)"
+        ),
+        commands="`input_scale.layer=layer1 input_scale.factor=0.5`",
+    )
 
     def __init__(
         self,

@@ -213,6 +213,28 @@ def api_methods() -> str:
     return f"```{{eval-rst}}\n{classes}```\n"
 
 
+def hooks_table() -> str:
+    """The catalogue's table of the hooks that are not mixers, from their cards."""
+    from mixhook.engine.card import hook_table
+
+    # (a card links a docs page by its path from the docs' root: made absolute, as this page is included)
+    return re.sub(r"\]\((?!https?:|#|/)", "](/", hook_table())
+
+
+def api_hooks() -> str:
+    """The API page's list of the hooks that are not mixers (their cards), in the catalogue's order."""
+    import mixhook
+    from mixhook.engine.card import HOOKS, hook_order
+
+    del mixhook
+    classes = "".join(
+        f".. autoclass:: mixhook.{n}\n   :exclude-members: card\n"
+        + (f"   :members: {HOOKS[n].card.members}\n" if HOOKS[n].card.members else "")
+        for n in hook_order()
+    )
+    return f"```{{eval-rst}}\n{classes}```\n"
+
+
 def result_page(path: Path) -> str:
     """A page holding the results file's own Markdown (written by the benchmark run), under its name."""
     markdown = path.with_suffix(".md")
@@ -245,6 +267,8 @@ def write(out: Path = DOCS / "_generated") -> tuple[list[Path], list[str]]:
         out / "methods-table.md": method_table(),
         out / "methods.md": method_sections(),
         out / "api-methods.md": api_methods(),
+        out / "hooks-table.md": hooks_table(),
+        out / "api-hooks.md": api_hooks(),
     }
     pages.update({out / "results" / f"{p.stem}.md": result_page(p) for p in files})
     toc = "\n".join(f"results/{p.stem}" for p in files)

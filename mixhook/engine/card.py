@@ -5,7 +5,9 @@ and the method's section (``docs/_ext/generated.py``), the API page, the app's `
 without a config file of its own is composed from its signature's defaults), the matrix's cells
 (``tests/matrix``) and the gallery (which methods it draws). A class that states a card is a catalogued
 method: defining it (importing its module) adds it to :data:`METHODS`, whichever package it lives in; a
-subclass without a card of its own (a test's variant of a method) is not listed.
+subclass without a card of its own (a test's variant of a method) is not listed. A hook that is not a
+mixer (a scaling, gradient or noise hook) states a :class:`HookCard` the same way, which lists it in
+:data:`HOOKS`: the catalogue's table of such hooks and the API page read it.
 """
 
 from __future__ import annotations
@@ -152,3 +154,50 @@ def build(cls: type, prefix: str = "", **extra):
         return out
 
     return cls(**{**arguments(cls.card.example), **extra})
+
+
+HOOKS: dict[str, type] = {}
+"""Every hook that is not a mixer and states a :class:`HookCard` (a scaling, gradient or noise hook), by
+class name, in the order they are defined: the catalogue's table of them and the API page read it."""
+
+
+@dataclass(frozen=True)
+class HookCard:
+    """What a hook that is not a mixer states for the catalogue's table of such hooks and the API page, as a
+    method's :class:`Card` does for the methods: its class carries ``card = HookCard(...)``, which lists it
+    in :data:`HOOKS` when the class is defined.
+
+    Attributes:
+        signature: its constructor as users call it (``"InputScale(layer, factor, in_eval=False)"``).
+        hook: the kind of hook it registers, and where.
+        formula: what it computes.
+        paper: the paper it follows ("" for none).
+        commands: the app's overrides that use it, or where it is documented when the app has none.
+        members: the members the API page shows beside the class's docstring ("" for its default).
+    """
+
+    signature: str
+    hook: str
+    formula: str
+    paper: str = ""
+    commands: str = ""
+    members: str = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if name == "card" and not owner.__name__.startswith("_"):
+            HOOKS[owner.__name__] = owner
+
+
+def hook_order() -> list[str]:
+    """The hooks of :data:`HOOKS` in the catalogue's order: the forward hooks, then the backward ones, each
+    by name."""
+    return sorted(HOOKS, key=lambda n: (HOOKS[n].card.hook.startswith("backward"), n))
+
+
+def hook_table() -> str:
+    """The catalogue's table of the hooks that are not mixers (their cards), in :func:`hook_order`."""
+    lines = ["| class | hook kind | formula | paper | CLI |", "| --- | --- | --- | --- | --- |"]
+    for name in hook_order():
+        c = HOOKS[name].card
+        lines.append(f"| `{c.signature}` | {c.hook} | {c.formula} | {c.paper} | {c.commands} |")
+    return "\n".join(lines) + "\n"

@@ -114,3 +114,27 @@ def test_the_apps_config_of_a_method_without_a_file_is_its_constructors_defaults
     configs = configs_of()
     assert configs["ManifoldMixup"] == ["manifold", "input"]  # the one named after it first
     assert configs["OneOf"] == ["mixup_cutmix"] and set(configs) == set(METHODS)
+
+
+def test_every_hook_that_is_not_a_mixer_states_its_card_and_the_catalogue_reads_it():
+    """Issue 83: the scaling, gradient and noise hooks state a HookCard as the methods state a Card: every
+    public hook of the package that modifies (a LayerHook that is neither a mixer nor a probe) is in
+    HOOKS, and the catalogue's table of them is made from the cards (docs/_ext/generated.py)."""
+    from mixhook import probes
+    from mixhook.engine.card import HOOKS, HookCard, hook_table
+
+    public = {
+        name
+        for name in mixhook.__all__
+        if inspect.isclass(cls := getattr(mixhook, name))
+        and issubclass(cls, mixhook.LayerHook)
+        and cls is not mixhook.LayerHook
+        and not issubclass(cls, mixhook.MixingHook)
+        and cls.__module__ != probes.__name__
+    }
+    assert public == set(HOOKS) and {"NEFTune", "NoiseFiT", "InputScale", "GradScale", "GradClip"} <= public
+    table = hook_table().splitlines()
+    for name, cls in HOOKS.items():
+        assert isinstance(cls.card, HookCard)
+        assert sum(row.startswith(f"| `{name}(") for row in table) == 1
+        assert cls.card.signature.startswith(f"{name}(layer")

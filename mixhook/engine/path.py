@@ -58,6 +58,8 @@ _distributed = torch.distributed.is_initialized if torch.distributed.is_availabl
 _proxy_mode = getattr(torch._C, "_get_dispatch_mode", lambda key: None)
 _PROXY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
 _PLAIN = ("[]",)  # the elements of a plain tensor (MixState.elements)
+# the ways a hook call goes beside an eager forward's own (0): MixerHooks._way
+_REPLAY, _GRADIENTS, _TRACED, _BETWEEN = 1, 2, 3, 4
 # the extension points a forward skips where a method keeps their default, which does nothing (the class's
 # Mixer._overrides, or the mixer's own attribute, read when it is attached)
 SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix"))
@@ -169,18 +171,36 @@ class MixerHooks(LayerHook):
 
     # ------------------------------------------------------------- 1. the model's pre-hook: decide
 
+    def _way(self, training: bool) -> int:
+        """Which way a call of any of the three hooks goes (``training``: the model's mode): 0, an eager
+        forward's own; ``_REPLAY``, a recomputation in backward (activation checkpointing:
+        :func:`mixhook.recompute.in_backward`); ``_GRADIENTS``, :meth:`gradient_at`'s own pass;
+        ``_TRACED``, the one-graph path torch.compile traces (:mod:`.traced`); ``_BETWEEN``, a training
+        forward's hook under torch.compile for a mixer it does not trace, run as one eager call between
+        graphs. The one dispatch of the three hooks: each says what it does on each way."""
+        compiling = _compiling()
+        if not compiling and _graph_task() != -1:
+            return _REPLAY
+        if self._gradients.running:
+            return _GRADIENTS
+        if not compiling:
+            return 0
+        if self._traced:
+            return _TRACED
+        return _BETWEEN if training else 0
+
     def _on_model_input(self, model: nn.Module, args: tuple, kwargs: dict):
         """A forward of the model begins: in training, decide whether it mixes and where, and start it (a
         mix at the model's input is made here, on the one path: :meth:`_mix`)."""
-        if not _compiling() and _graph_task() != -1:  # a recomputation (recompute.in_backward)
-            return self._replay_input(model, args, kwargs)
-        if self._gradients.running:  # gradient_at()'s own pass
-            return self._gradients.input(model, args, kwargs)
-        if _compiling():  # the one-graph path, or a training forward's hook run eagerly, between graphs
-            if self._traced:
+        way = self._way(model.training)
+        if way:
+            if way == _REPLAY:
+                return self._replay_input(model, args, kwargs)
+            if way == _GRADIENTS:
+                return self._gradients.input(model, args, kwargs)
+            if way == _TRACED:
                 return self._compiled.begin(model, args, kwargs)
-            if model.training:
-                return _between_graphs(MixerHooks._on_model_input)(self, model, args, kwargs)
+            return _between_graphs(MixerHooks._on_model_input)(self, model, args, kwargs)
         if not model.training:
             self._current = None
             self._given = {}
@@ -313,15 +333,15 @@ class MixerHooks(LayerHook):
         a recomputation."""
 
         def hook(module: nn.Module, args: tuple, output):
-            if not _compiling() and _graph_task() != -1:  # a recomputation (recompute.in_backward)
-                return self._replay_layer(spec, output)
-            if self._gradients.running:  # gradient_at()'s own pass
-                return self._gradients.layer(spec, output)
-            if _compiling():  # the one-graph path, or a training forward's hook run eagerly, between graphs
-                if self._traced:
+            way = self._way(self._model.training)
+            if way:
+                if way == _REPLAY:
+                    return self._replay_layer(spec, output)
+                if way == _GRADIENTS:
+                    return self._gradients.layer(spec, output)
+                if way == _TRACED:
                     return self._compiled.mix(spec, output) if module.training else None
-                if self._model.training:
-                    return _between_graphs(hook)(module, args, output)
+                return _between_graphs(hook)(module, args, output)
             forward = self._current
             if forward is None or forward.mixed is not None or forward.layer != spec:  # it mixes elsewhere
                 if self._model.training and _may_be_recomputed():
@@ -511,16 +531,13 @@ class MixerHooks(LayerHook):
 
     def _on_model_output(self, model: nn.Module, args: tuple, output) -> None:
         """A forward of the model ends: mark its output with what it mixed (``loss()`` reads it)."""
-        if not _compiling() and _graph_task() != -1:  # a recomputation: nothing to record again
-            return
-        if self._gradients.running:  # gradient_at()'s own pass
-            return
-        if _compiling():  # the one-graph path, or a training forward's hook run eagerly, between graphs
-            if self._traced:
+        way = self._way(model.training)
+        if way:  # (a recomputation or gradient_at()'s pass: nothing to record)
+            if way == _TRACED:
                 self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
-                return
-            if model.training:
-                return _between_graphs(MixerHooks._on_model_output)(self, model, args, output)
+            elif way == _BETWEEN:
+                _between_graphs(MixerHooks._on_model_output)(self, model, args, output)
+            return
         forward, self._current = self._current, None
         if forward is None:
             self._seen.record(output, None)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..functional import weight_of
 from .card import Card, register
 
 
@@ -127,10 +128,7 @@ class MixState:
         Python float for one lam on the CPU, else the tensor. Derived from this state's own ``lam`` (the
         forward's path makes it with lam, read once; a copy with another lam,
         ``dataclasses.replace(state, lam=...)``, derives its own), so lam is carried once."""
-        lam = self.lam
-        if lam.ndim == 0 and lam.is_cpu and not torch.compiler.is_compiling():
-            return lam.item()
-        return lam
+        return weight_of(self.lam)
 
 
 class Deferred:

@@ -35,14 +35,7 @@ def digits(
     train, test = splits.stratified_split(y, *splits.sizes(len(y), test_size=test_size), int(split_seed))
     x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
     if train_size is not None:
-        if (
-            isinstance(train_size, bool)
-            or not isinstance(train_size, int)
-            or not 10 <= train_size <= len(y_train)
-        ):
-            raise ValueError(
-                f"data.train_size must be an integer from 10 to {len(y_train)}, got {train_size!r}"
-            )
+        _check_train_size(train_size, len(y_train))
         if train_size < len(y_train):
             keep, _ = splits.stratified_split(
                 y_train, *splits.sizes(len(y_train), train_size=train_size), int(split_seed)
@@ -60,6 +53,13 @@ def digits(
     info = {"in_channels": 1, "num_classes": 10, "image_size": 8, "train_labels": torch.from_numpy(y_train)}
     info["split_hash"] = digest(x_train, y_train, x_test, y_test)
     return tensors(x_train, y_train), tensors(x_test, y_test), info
+
+
+def _check_train_size(train_size, available: int) -> None:
+    """Refuse, in one line, a ``data.train_size`` that is not an integer from 10 to the ``available``
+    training samples."""
+    if isinstance(train_size, bool) or not isinstance(train_size, int) or not 10 <= train_size <= available:
+        raise ValueError(f"data.train_size must be an integer from 10 to {available}, got {train_size!r}")
 
 
 def diabetes(
@@ -84,14 +84,7 @@ def diabetes(
     train, test = splits.shuffle_split(len(y), *splits.sizes(len(y), test_size=test_size), int(split_seed))
     x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
     if train_size is not None:
-        if (
-            isinstance(train_size, bool)
-            or not isinstance(train_size, int)
-            or not 10 <= train_size <= len(y_train)
-        ):
-            raise ValueError(
-                f"data.train_size must be an integer from 10 to {len(y_train)}, got {train_size!r}"
-            )
+        _check_train_size(train_size, len(y_train))
         x_train, y_train = x_train[:train_size], y_train[:train_size]
     x_mean, x_std = x_train.mean(0), x_train.std(0)
     y_mean, y_std = float(y_train.mean()), float(y_train.std())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+from collections.abc import Callable
 
 import mixhook
 from mixhook.engine.binding import Forwards
@@ -54,36 +55,34 @@ def _sites(mixer) -> list[str]:
     return list(_mixers(mixer)[0].layers)
 
 
-def entries(fn) -> list[tuple[str, str]]:
-    """The mixhook functions ``fn()`` enters, in order, as ``(file, function)``: what a reader follows."""
-    root = os.path.dirname(mixhook.__file__)
-    calls = []
+def _calls(fn, seen: Callable) -> None:
+    """Run ``fn()`` with ``seen(code)`` called at every Python function entry (``sys.setprofile``)."""
 
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            calls.append((os.path.relpath(frame.f_code.co_filename, root), frame.f_code.co_name))
+        if event == "call":
+            seen(frame.f_code)
 
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+
+
+def entries(fn) -> list[tuple[str, str]]:
+    """The mixhook functions ``fn()`` enters, in order, as ``(file, function)``: what a reader follows."""
+    root = os.path.dirname(mixhook.__file__)
+    calls = []
+    _calls(fn, lambda code: code.co_filename.startswith(root) and calls.append(
+        (os.path.relpath(code.co_filename, root), code.co_name)
+    ))  # fmt: skip
     return calls
 
 
 def steps(fn) -> collections.Counter:
     """How many times ``fn()`` makes each step of :data:`STEPS`."""
     seen: collections.Counter = collections.Counter()
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code in _CODES:
-            seen[_CODES[frame.f_code]] += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
+    _calls(fn, lambda code: code in _CODES and seen.update((_CODES[code],)))
     return seen
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-RECORDS = ("last", "_last_forward")
+RECORDS = ("last", "last_forward")
 """The attributes whose size follows the batch by design: ``.last`` (what the last training forward mixed,
 documented per method) and the record ``pin_last`` repeats (the last forward's draws and what its method
 computed before the mix), both dropped when the next training forward begins."""
@@ -90,7 +90,7 @@ def kept(root, stop: Iterable[nn.Module] = ()) -> Kept:
     stopped = {id(m) for m in stop}
     seen, found, own_modules, reached = {id(root)}, [], [], []
     # (object, attribute, path), breadth first: a storage two attributes share is counted under the first
-    # the hook sets (``last`` before ``_last_forward``), by its shortest path
+    # the hook sets (``last`` before ``last_forward``), by its shortest path
     queue: collections.deque[tuple[object, str, str]] = collections.deque([(root, "", "")])
     while queue:
         obj, attribute, path = queue.popleft()

@@ -555,8 +555,9 @@ def _memory(case: dict) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if peak else ""),
     ]
     for name, k in case["kept"].items():
+        repeated = k.get("last_forward", k.get("_last_forward", 0))  # (its name in files before 2026-11-29's)
         row = (
-            f"| {name} | {k.get('last', 0):,} | {k.get('_last_forward', 0):,} | {k['other']:,} | "
+            f"| {name} | {k.get('last', 0):,} | {repeated:,} | {k['other']:,} | "
             f"{k['learned']:,} | {k['graph']} |"
         )
         if peak:

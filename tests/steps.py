@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import mixhook
 from mixhook.engine.binding import Forwards
-from mixhook.engine.path import MixerHooks
+from mixhook.engine.path import Path
 from mixhook.engine.targets import LossAndTargets
 from tests.matrix.cells import hand_setup
 from tests.matrix.methods import METHODS, Method, _m, criterion, data, model
@@ -36,9 +36,9 @@ CASES = [*METHODS, *AT_LAYERS]
 
 # The steps of the path (docs/development.md walks them hop by hop), each the function that makes it.
 STEPS = {
-    "begin": MixerHooks._on_model_input,  # a mixer's model pre-hook: its forward starts, or is left alone
-    "draw": MixerHooks._draws,  # lam and the partners, drawn or pinned
-    "mix": MixerHooks._mix,  # the site's tensors read, the method's mix(), put back
+    "begin": Path._on_model_input,  # a mixer's model pre-hook: its forward starts, or is left alone
+    "draw": Path._draws,  # lam and the partners, drawn or pinned
+    "mix": Path._mix,  # the site's tensors read, the method's mix(), put back
     "record": Forwards.record,  # a mixer's model hook: the output marked with what this forward mixed
     "loss": LossAndTargets.loss,  # loss(): the forward found from the logits, the targets weighed
 }

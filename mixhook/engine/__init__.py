@@ -2,8 +2,8 @@
 
 Read one training forward as data travels, one module per hop:
 
-- :mod:`.path`: the hooks a mixer registers (:class:`~.path.MixerHooks`): the model's pre-hook decides, the
-  mixed layer's hook hands its output to the one path every method's mix walks (``MixerHooks._mix``: its
+- :mod:`.path`: the hooks a mixer registers (:class:`~.path.Path`): the model's pre-hook decides, the
+  mixed layer's hook hands its output to the one path every method's mix walks (``Path._mix``: its
   leaves, the draws, the method's ``mix``, the record; a plain tensor with its site's planned signature is
   the cheap case, chosen at its top), the model's output hook marks the output;
 - :mod:`.mixer`: :class:`~.mixer.Mixer`, the base a method subclasses: what it implements (``mix``,

@@ -7,13 +7,14 @@ A collaborator of a :class:`~mixhook.engine.mixer.Mixer`'s hooks, made when the 
 batch dimension and first parameter, whether a map's sides are checked against the input's) is read then;
 what depends on the value is planned at the first forward that returns a plain tensor there and kept with
 the signature it was derived from (:class:`Plan`: the tensor's shape, strides, dtype and device, and the
-input's sides its map was checked against). The mixer's one path (:meth:`~.path.MixerHooks._mix`) compares
+input's sides its map was checked against). The mixer's one path (:meth:`~.path.Path._mix`) compares
 that signature at its top, a tuple compare, and takes the plan only where it is equal; anything else is
 read again here, checked as a fresh mixer checks it, and planned anew.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -57,13 +58,13 @@ class SiteLeaves:
         dims: each site's :class:`~mixhook.sites.BatchDims`.
     """
 
-    def __init__(self, mixer, model: nn.Module, dims: dict[str, BatchDims]):
+    def __init__(self, mixer, model: nn.Module, dims: dict[str, BatchDims], per_layer: Callable):
         self.kind = type(mixer).__name__
         self.sites, self.model, self.dims = mixer.sites, model, dims
         self.layout_aware, self.token_grid = mixer.layout_aware, mixer.token_grid
         self.check_leaves = mixer.check_leaves
         self.layout = mixer.layout
-        self._per_layer = mixer._per_layer  # (a layout given by spec, read at the site it resolved to)
+        self._per_layer = per_layer  # (a layout given by spec, read at the site it resolved to)
         self.layouts: dict[tuple[str, int], SiteLayout] = {}  # (site, ndim): its maps' layout
         self.reads_sides = False  # whether maps are checked against the input's sides
         if self.layout_aware:

@@ -26,16 +26,16 @@ from torch import nn
 
 from .. import padding as masks
 from ..functional import sample_lam
-from ..hooks import Planned
+from ..hooks import LayerHook, Planned
 from ..layouts import check_layout
 from ..sites import Leaf
 from ..transfer import to_device
 from .binding import Forwards
 from .checks import check_fraction, check_layer_weights, check_positive
-from .contract import Draw, Mixed, MixingHook, MixState, mixing_of
+from .contract import Draw, Mixed, MixingHook, MixState, claim, mixing_of, unclaim
 from .forward import NO_PINS, SKIP, Forward, Pins, given_index
 from .leaves import SiteLeaves
-from .path import SKIPPABLE, MixerHooks
+from .path import SKIPPABLE, Path
 from .policies import Policies, Policy
 from .targets import LossAndTargets
 from .tokens import TokenGrid
@@ -43,7 +43,7 @@ from .tokens import TokenGrid
 _TRACED = ("traced_params", "draw_traced", "mix_traced")  # what a method defines beside mix() to be traced
 
 
-class Mixer(MixerHooks, LossAndTargets, MixingHook):
+class Mixer(LayerHook, LossAndTargets, MixingHook):
     """Base class of the single-method mixers: mixes the output of one of ``layer`` per training batch.
 
     The shared mechanism: at the start of each training forward (a forward pre-hook on the model)
@@ -134,12 +134,34 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         self.padding = padding
         self.last: MixState | None = None
         self._pinned: Pins | None = None  # what pin(), pin_last() or skip_next() set for the next forward
-        self._last_forward: Forward | None = None  # the last forward that mixed (what pin_last() repeats)
+        # the last training forward that mixed (:class:`~mixhook.engine.forward.Forward`), what pin_last()
+        # repeats; None before one, or once a later forward began
+        self.last_forward: Forward | None = None
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
         self._layer_weights: tuple[float, ...] | None = None
         self._site_weights: tuple[float, ...] | None = None  # the same, per site resolved (_bind)
         self._clean = type(self).keeps_clean
         self._policies: Policies | None = None  # use(): the partners, lam and target policies
+
+    _hooks_model = True  # its own hooks on the model (see LayerHook)
+    _TRANSIENT = ("_path",)  # all of an attachment's state: a copy starts detached, with a path of its own
+
+    def _fresh(self) -> None:
+        super()._fresh()
+        # the path of its training forwards through its hooks, and the state of its attachment (.path);
+        # handed what it needs of this mixer's machinery as a hook on some layers
+        self._path = Path(self, self._note, self._replayed, self._seed_for_rank, self._site, self._per_layer)
+
+    def _check_attach(self, model: nn.Module) -> None:
+        claim(model, self)
+
+    def _register(self, model: nn.Module, modules: dict[str, nn.Module], handles: list) -> None:
+        self._path.register(model, modules, handles, self._dims)
+
+    def _reset(self) -> None:
+        self._path.reset()
+        self.last_forward = None
+        unclaim(self)
 
     # The settings what is worked out at attach depends on (the sites' layouts, the padding-mask hooks):
     # set before attach(), refused in one line while attached (mixhook.hooks.Planned).
@@ -149,11 +171,11 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
 
     # Which of the extension points a forward skips where a method keeps their default (path.SKIPPABLE)
     # the class overrides: set for each subclass as it is defined.
-    _overrides: ClassVar[frozenset[str]] = frozenset()
+    overridden: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls._overrides = frozenset(
+        cls.overridden = frozenset(
             name for name in SKIPPABLE if getattr(cls, name) is not getattr(Mixer, name)
         )
 
@@ -184,7 +206,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
     def traced(self) -> bool:
         """Whether, attached, torch.compile traces this mixer's hooks into the model's graph
         (:attr:`traceable`, and its model takes no padding masks); ``False`` when not attached."""
-        return self._traced
+        return self._path.traced
 
     @property
     def clean(self) -> bool:
@@ -225,6 +247,12 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
     def layer_weights(self, weights) -> None:
         self._layer_weights = None if weights is None else check_layer_weights(self.specs, weights)
         self._site_weights = self._weights_of_sites()
+
+    @property
+    def site_weights(self) -> tuple[float, ...] | None:
+        """:attr:`layer_weights` per site the specs resolved to (each spec's weight shared equally by its
+        sites), what a forward draws its layer by; ``None``: uniform."""
+        return self._site_weights
 
     def _weights_of_sites(self) -> tuple[float, ...] | None:
         """:attr:`layer_weights` spread over the sites the specs resolved to (each spec's weight shared
@@ -307,7 +335,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
     def current(self) -> Forward | None:
         """The training forward under way (:class:`~mixhook.engine.forward.Forward`: its layer, pins and,
         once its layer ran, what it mixed), or ``None`` outside one or in a forward that does not mix."""
-        return self._current
+        return self._path.current
 
     @property
     def pinned(self) -> bool:
@@ -350,7 +378,9 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
             )
         layer = self._site(layer, "draw_for")
         pins = NO_PINS if index is None else Pins(**given_index(index, "draw_for"))
-        return self._drawing(layer, batch, pins, generator or self.generator, self.draw_traced, leaves or [])
+        return self._path.drawing(
+            layer, batch, pins, generator or self.generator, self.draw_traced, leaves or []
+        )
 
     def leaves_at(self, layer: str, output) -> list[Leaf]:
         """The leaves the method acts on in ``output``, what ``layer`` returned (for ``"input"``, the
@@ -365,23 +395,23 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         (:class:`~mixhook.engine.binding.Forwards`): an adapter checks at a step's end that every mixed
         forward's loss was taken under its mix (``claim_all()`` at the step's start, ``unclaimed()`` at
         its end)."""
-        return self._seen
+        return self._path.seen
 
     def pin_last(self) -> None:
         """Make the next training forward repeat the last training forward's mix exactly: the same
         layer and every draw (lam, index, and the method's own: box, mask, noise), or no mix if the last
         forward did not mix. The mixer's generator is not advanced by the repeat."""
-        if self.last is None or self._last_forward is None:
+        if self.last is None or self.last_forward is None:
             self.skip_next()
             return
-        self._pinned = self._last_forward.repeat()
+        self._pinned = self.last_forward.repeat()
 
     def skip_next(self) -> None:
         """Make the next training forward not mix, whatever ``prob`` (nothing is drawn for it)."""
         self._pinned = SKIP
 
     def use_targets(self, target: torch.Tensor) -> None:
-        self._targets = target
+        self._path.targets = target
 
     def use(self, *policies: Policy) -> Mixer:
         """Mix with these policies (:mod:`mixhook.policies`), replacing any used before: who is paired
@@ -414,7 +444,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
             raise TypeError(
                 f"use_features() takes a tensor of one row per sample, got {type(features).__name__}"
             )
-        self._given["features"] = features
+        self._path.given["features"] = features
 
     def use_partners(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> None:
         """The partner batch of the next training forward, for a ``PartnerBatch`` policy (Balanced-MixUp's
@@ -432,9 +462,9 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
             targets is not None and not isinstance(targets, torch.Tensor)
         ):
             raise TypeError("use_partners(inputs, targets) takes tensors: the partner batch and its labels")
-        self._given["partner_inputs"] = inputs
+        self._path.given["partner_inputs"] = inputs
         if targets is not None:
-            self._given["partner_targets"] = targets
+            self._path.given["partner_targets"] = targets
 
     def check_targets(self, target: torch.Tensor) -> None:
         """Refuse, in one line, labels this mixer or one of its policies cannot train with."""
@@ -457,7 +487,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         several forwards that mixed, and logits without gradients that cannot be traced while a forward
         that mixed has not been claimed. Without ``logits``: the latest forward's, refused while an
         earlier forward that mixed is unclaimed (say which with ``logits``)."""
-        return self._seen.state_for(logits, "state_for", type(self).__name__, self._model is not None)
+        return self._path.seen.state_for(logits, "state_for", type(self).__name__, self._model is not None)
 
     def check_output(self, spec: str, value, batch: int | None = None, model_input=None) -> None:
         """Raise ``TypeError``/``ValueError`` (one line) unless what layer ``spec`` returned (for
@@ -486,14 +516,17 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
 
     def _attached(self, what: str) -> SiteLeaves:
         """The leaves of this mixer's sites (:mod:`.leaves`), or a one-line error where it is not attached."""
-        if self._site_leaves is None:
+        reading = self._path.site_leaves
+        if reading is None:
             raise RuntimeError(f"{type(self).__name__}.{what}() needs the regularizer attached")
-        return self._site_leaves
+        return reading
 
     # ------------------------------------------------------------------------- what a method implements
 
-    def _agree(self, forward: Forward | None) -> Forward | None:
-        """The decision this forward follows: its own (ranks that must agree override this)."""
+    def agree(self, forward: Forward | None) -> Forward | None:
+        """The decision a training forward follows, where its partners come from every rank
+        (:meth:`partner_pool`): its own by default; a method whose ranks must agree on whether and where to
+        mix overrides this (``ManifoldMixup(partners="global")``: rank 0's)."""
         return forward
 
     def partner_pool(self, n: int) -> int:
@@ -547,7 +580,7 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         mode only do not act in it. For the methods that place their regions by gradient saliency
         (:mod:`.gradient_pass`), from :meth:`before_forward`."""
         self._check_lockstep(model, "a gradient pass")
-        return self._gradients.gradient_at(model, args, kwargs, spec, target)
+        return self._path.gradients.gradient_at(model, args, kwargs, spec, target)
 
     def unmixed_forward(self, model: nn.Module, args: tuple, kwargs: dict):
         """``model(*args, **kwargs)`` once more, without gradients and without any mix, for a method that
@@ -555,12 +588,12 @@ class Mixer(MixerHooks, LossAndTargets, MixingHook):
         :meth:`before_forward`: in eval mode (no training hook acts, dropout off) but with batch norm on
         the batch's statistics, its running statistics untouched (:mod:`.gradient_pass`)."""
         self._check_lockstep(model, "an unmixed forward")
-        return self._gradients.plain_forward(model, args, kwargs)
+        return self._path.gradients.plain_forward(model, args, kwargs)
 
     def _check_lockstep(self, model: nn.Module, what: str) -> None:
         """Refuse, in one line, one more forward that some ranks of an FSDP job would run and others not
         (each rank draws whether it mixes): FSDP's all-gathers would wait for each other forever."""
-        if self._sharded and (self.prob < 1 or mixing_of(model) is not self):
+        if self._path.sharded and (self.prob < 1 or mixing_of(model) is not self):
             why = f"prob={self.prob} < 1" if self.prob < 1 else "a OneOf's choice"
             raise RuntimeError(
                 f"{type(self).__name__} runs {what} of the model before each forward it mixes, and the "

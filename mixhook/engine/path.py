@@ -1,23 +1,25 @@
-"""One training forward of a mixer, hop by hop: the hooks a :class:`~mixhook.engine.mixer.Mixer` registers
-and the one path every method's forward takes through them.
+"""One training forward of a mixer, hop by hop: :class:`Path`, the object each
+:class:`~mixhook.engine.mixer.Mixer` holds that registers its hooks when it is attached, owns the state of
+that attachment and is the one path every method's forward takes through them. It reads the method
+through a narrow public view (:data:`VIEW`): its settings and its extension points.
 
-1. **The model's pre-hook** (:meth:`MixerHooks._on_model_input`, and in an eager training forward
-   :meth:`MixerHooks._start`) decides whether this forward mixes, and at which layer
-   (:meth:`MixerHooks._decide`, :meth:`MixerHooks._layer_of`): one :class:`~.forward.Forward` (its layer
+1. **The model's pre-hook** (:meth:`Path._on_model_input`, and in an eager training forward
+   :meth:`Path._start`) decides whether this forward mixes, and at which layer
+   (:meth:`Path._decide`, :meth:`Path._layer_of`): one :class:`~.forward.Forward` (its layer
    and pins; lam, the partners and the generator's state for a repeat once drawn), the only object a
    forward carries. A mix at the model's input is made here.
-2. **The mixed layer's hook** (:meth:`MixerHooks._layer_hook`) hands the layer's output to
-   :meth:`MixerHooks._mix`, the one path of a mix for every method and site, one method per step: its
-   leaves (:meth:`MixerHooks._leaves`: the cheap case, a plain tensor with the signature its site was
+2. **The mixed layer's hook** (:meth:`Path._layer_hook`) hands the layer's output to
+   :meth:`Path._mix`, the one path of a mix for every method and site, one method per step: its
+   leaves (:meth:`Path._leaves`: the cheap case, a plain tensor with the signature its site was
    planned for, is chosen at its top), what the method computes first, lam and the partners drawn (or
-   pinned) and the method's ``mix()`` (:meth:`MixerHooks._draw_and_mix`, :meth:`MixerHooks._draws`), the
-   :class:`~.contract.MixState` recorded and the tensors put back (:meth:`MixerHooks._as_planned`, or
-   :meth:`MixerHooks._put_back`).
-3. **The model's output hook** (:meth:`MixerHooks._on_model_output`) marks the output with what was mixed
+   pinned) and the method's ``mix()`` (:meth:`Path._draw_and_mix`, :meth:`Path._draws`), the
+   :class:`~.contract.MixState` recorded and the tensors put back (:meth:`Path._as_planned`, or
+   :meth:`Path._put_back`).
+3. **The model's output hook** (:meth:`Path._on_model_output`) marks the output with what was mixed
    (:mod:`.binding`), which ``loss()`` reads (:mod:`.targets`).
 
 What depends only on the model, its sites and the method is worked out once, when the mixer is attached
-(:meth:`MixerHooks._register`: the sites' layouts and the model's input, :mod:`.leaves`; whether the model
+(:meth:`Path.register`: the sites' layouts and the model's input, :mod:`.leaves`; whether the model
 can be given a packed batch; which hops a forward of this method can skip: the settings they depend on are
 fixed while it is attached); what depends on a layer's output is planned at its first forward with the
 signature it was derived from (:class:`~.leaves.Plan`), compared on every forward. A recomputation under
@@ -29,6 +31,7 @@ one-graph path (:mod:`.traced`); a gradient-saliency method's own pass goes to :
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,18 +39,19 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import packing, recompute
 from ..functional import weight_of
-from ..hooks import LayerHook, guard_unwrapped
+from ..hooks import guard_unwrapped
 from ..layouts import CHANNELS_LAST, channels_first, channels_last
 from ..sharding import sharded
 from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
 from .binding import Forwards
-from .contract import Draw, Mixed, MixState, claim, unclaim
+from .contract import Draw, Mixed, MixState
 from .forward import NO_PINS, Forward, Pins
 from .gradient_pass import GradientPass
 from .leaves import SiteLeaves
 from .norms import NormsApart
 from .padding_masks import PaddingMasks
 from .partners import crosses_ranks
+from .policies import Policies
 from .traced import TracedPath, refuse_capture
 
 _compiling = torch.compiler.is_compiling
@@ -58,11 +62,27 @@ _distributed = torch.distributed.is_initialized if torch.distributed.is_availabl
 _proxy_mode = getattr(torch._C, "_get_dispatch_mode", lambda key: None)
 _PROXY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
 _PLAIN = ("[]",)  # the elements of a plain tensor (MixState.elements)
-# the ways a hook call goes beside an eager forward's own (0): MixerHooks._way
+# the ways a hook call goes beside an eager forward's own (0): Path._way
 _REPLAY, _GRADIENTS, _TRACED, _BETWEEN = 1, 2, 3, 4
 # the extension points a forward skips where a method keeps their default, which does nothing (the class's
-# Mixer._overrides, or the mixer's own attribute, read when it is attached)
+# Mixer.overridden, or the mixer's own attribute, read when it is attached)
 SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix"))
+# What the path and its collaborators (the leaves, the padding masks, the norms, the traced path) read of a
+# mixer: their whole view of the method, public names only (tests/unit/test_style.py holds it). The settings
+# fixed while a mixer is attached (its setters refuse a change then) are read once, when it is attached.
+VIEW = {
+    "settings": (
+        "sites", "layers", "clean", "policies", "padding", "token_grid", "layout", "layout_aware",
+        "region_dims", "batch_norm_apart", "traceable", "draws_in_mix", "index_is_permutation",
+        "checks_by_signature", "computed_each_forward", "overridden", "prob", "generator", "site_weights",
+    ),
+    "extension points": (
+        "mix", "sample_lam", "draw_index", "partner_pool", "check_leaves", "before_forward", "before_mix",
+        "agree", "traced_params", "draw_traced", "mix_traced",
+    ),
+    # what the user API and the path share: the next forward's pins, the forward under way, the last one
+    "shared state": ("pins", "unpin", "current", "last", "last_forward"),
+}  # fmt: skip
 
 
 def _between_graphs(hook):
@@ -76,98 +96,123 @@ def _between_graphs(hook):
     return wrapped
 
 
-class MixerHooks(LayerHook):
-    """The hooks of a :class:`~mixhook.engine.mixer.Mixer` and the path of one training forward through
-    them (see the module's docstring). The extension points it calls (``mix``, ``sample_lam``,
-    ``draw_index``, ``check_leaves``, ``before_forward``, ``before_mix``) are the mixer's."""
+class Path:
+    """The path of one training forward of ``mixer`` (a :class:`~mixhook.engine.mixer.Mixer`) through the
+    hooks it registers (see the module's docstring), and the state of the mixer's attachment: the forward
+    under way, the record of recent forwards, the sites' plans and what was worked out when attached. The
+    mixer holds it as one attribute, made anew for a copy (which starts detached).
 
-    _hooks_model = True  # its own hooks on the model (see LayerHook)
-    _TRANSIENT = (
-        "_current", "_targets", "_seen", "_site_leaves", "_traced", "_modules", "_masks", "_gradients",
-        "_compiled", "_positional", "_given", "_inputs", "_packable", "_global", "_checks_leaves", "_before",
-        "_begins", "_extended", "_before_mix", "_draws_later", "_norms",
-        "_sharded", "_recomputed",
-    )  # fmt: skip
+    It reads the method through :data:`VIEW` only: the mixer's public settings, its extension points and
+    the state its user API shares with the path (the pins of the next forward, the last forward's record);
+    the settings fixed while attached are read once, when attached (:meth:`register`). The mixer's own
+    machinery as a hook on some layers (the recompute notes, the reseed per rank, its per-layer arguments,
+    the site a spec names) is handed to it here, by the mixer."""
 
-    def _fresh(self) -> None:
-        super()._fresh()
-        self._current: Forward | None = None  # the training forward under way
-        self._targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
-        self._seen = Forwards(self)  # the recent forwards, and which one produced given logits
-        self._given: dict = {}  # use_features() / use_partners(): the next training forward's
+    def __init__(self, mixer, note: Callable, replayed: Callable, seed: Callable, site: Callable,
+                 per_layer: Callable):  # fmt: skip
+        self.mixer = mixer
+        self.kind = type(mixer).__name__
+        self._note, self._replayed, self._seed, self._site, self._per_layer = (
+            note,
+            replayed,
+            seed,
+            site,
+            per_layer,
+        )
+        self.current: Forward | None = None  # the training forward under way
+        self.targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
+        self.seen = Forwards(mixer)  # the recent forwards, and which one produced given logits
+        self.given: dict = {}  # use_features() / use_partners(): the next training forward's
         # the collaborators: padding masks downstream of a mix, the gradient pass, the one-graph path
-        self._masks = PaddingMasks(self, self._note, self._replayed)
-        self._norms = NormsApart(self, self._note, self._replayed)
-        self._gradients = GradientPass(type(self).__name__, self.sites, self._captured_leaves, self._as_given)
-        self._compiled = TracedPath(self, self._read_input, self._unplanned, self._restore, self._host_begin,
+        self._masks = PaddingMasks(mixer, note, replayed)
+        self._norms = NormsApart(mixer, note, replayed)
+        self.gradients = GradientPass(self.kind, mixer.sites, self._captured_leaves, self._as_given)
+        self._compiled = TracedPath(mixer, self._read_input, self._unplanned, self._restore, self._host_begin,
                                     self._host_draw)  # fmt: skip
-        # what is worked out when attached (_register)
-        self._site_leaves: SiteLeaves | None = None  # the sites' leaves, layouts and plans
+        # what is worked out when attached (register)
+        self.model: nn.Module | None = None  # the model attached to
+        self.sites: dict = {}  # the mixer's sites, resolved on the model
+        self.layers: tuple[str, ...] = ()  # their specs, in the mixer's order
+        self.site_leaves: SiteLeaves | None = None  # the sites' leaves, layouts and plans
         self._modules: dict[str, nn.Module] = {}  # the modules attached to, by spec
         self._inputs: tuple[str, ...] = ()  # the specs of the model's input
-        self._traced = False  # whether torch.compile traces the one-graph path
+        self.traced = False  # whether torch.compile traces the one-graph path
         self._positional: dict[str, bool] = {}  # per input spec: it mixes the model's first argument whole
         self._packable = False  # whether the model can be called with a packed batch (checked per forward)
         self._global = False  # whether the partners come from every rank (the ranks agree per forward)
         self._extended: frozenset[str] = frozenset()  # the SKIPPABLE extension points it overrides
-        self._checks_leaves = False  # whether each forward runs the method's check_leaves (see _register)
+        self._checks_leaves = False  # whether each forward runs the method's check_leaves (see register)
         self._before = False  # whether the method computes something before the forward (before_forward)
         self._begins = False  # whether a forward's start needs _begin (before_forward, policies)
         self._before_mix = False  # whether the method computes something before its mix (before_mix)
         self._draws_later = True  # whether mix() draws from the generator itself (draws_in_mix)
-        self._sharded = False  # whether the model is sharded by FSDP2 (a pass must run on every rank)
+        self.sharded = False  # whether the model is sharded by FSDP2 (a pass must run on every rank)
         self._recomputed: frozenset[str] = frozenset()  # computed_each_forward: pin_last's record leaves them
+        # the settings fixed while the mixer is attached (refused in one line if set then)
+        self._clean = False  # clean: the clean rows kept before the mixed ones
+        self._policies: Policies | None = None  # use(): the partners, lam, target and loss policies
+        self._padding = "union"  # padding: the padding masks downstream of a mix
+        self._token_grid = None  # token_grid: a region method's patch grid of a token sequence
+        self._permutes = True  # index_is_permutation: draw_index() returns a permutation of the batch
 
     # ------------------------------------------------------------------------ attaching, once
 
-    def _check_attach(self, model: nn.Module) -> None:
-        claim(model, self)
-
-    def _register(
-        self, model: nn.Module, modules: dict[str, nn.Module], handles: list[RemovableHandle]
+    def register(
+        self,
+        model: nn.Module,
+        modules: dict[str, nn.Module],
+        handles: list[RemovableHandle],
+        dims: dict,
     ) -> None:
         """Register the model hooks that start and end each forward, the layer hooks and the padding-mask
-        hooks, and work out what depends only on the model, its sites and the method."""
-        self._site_leaves = SiteLeaves(self, model, self._dims)
+        hooks (their handles appended to ``handles``), and work out what depends only on the model, its
+        sites (resolved, each module by spec; ``dims``: their batch dimensions) and the method."""
+        mixer = self.mixer
+        self.model, self.sites, self.layers = model, mixer.sites, mixer.layers
+        self._clean, self._padding, self._token_grid = mixer.clean, mixer.padding, mixer.token_grid
+        self._policies = Policies(self.kind, mixer.policies) if mixer.policies else None
+        self._permutes = mixer.index_is_permutation
+        self.site_leaves = SiteLeaves(mixer, model, dims, self._per_layer)
         # (made again now that the specs are resolved: a portable spec's real name is what the pass meets)
-        self._gradients = GradientPass(type(self).__name__, self.sites, self._captured_leaves, self._as_given)
+        self.gradients = GradientPass(self.kind, self.sites, self._captured_leaves, self._as_given)
         self._modules = modules
         self._inputs = tuple(spec for spec, site in self.sites.items() if site.layer == INPUT)
         self._positional = {spec: self.sites[spec].paths is None for spec in self._inputs}
         self._packable = packing.may_pack(model)
-        self._global = crosses_ranks(self)
-        self._extended = self._overrides | (SKIPPABLE & vars(self).keys())  # (a class's, or this one's)
+        self._global = crosses_ranks(mixer)
+        self._extended = mixer.overridden | (
+            SKIPPABLE & vars(mixer).keys()
+        )  # (the class's, or this mixer's own)
         self._checks_leaves = "check_leaves" in self._extended and not (
-            self.checks_by_signature and "check_leaves" not in vars(self)
+            mixer.checks_by_signature and "check_leaves" not in vars(mixer)
         )  # (whether the cheap case runs it: a check that depends on the signature ran when it was planned)
         self._before = "before_forward" in self._extended
         self._begins = self._before or self._policies is not None
         self._before_mix = "before_mix" in self._extended
-        self._draws_later = self.draws_in_mix  # (a setting it depends on is fixed while attached)
-        self._recomputed = frozenset(self.computed_each_forward)
-        self._sharded = sharded(model)
+        self._draws_later = mixer.draws_in_mix
+        self._recomputed = frozenset(mixer.computed_each_forward)
+        self.sharded = sharded(model)
         handles.append(
             model.register_forward_pre_hook(recompute.own_code(self._on_model_input), with_kwargs=True)
         )
-        guard_unwrapped(self, model, handles)
+        guard_unwrapped(mixer, model, handles)
         for spec, module in modules.items():
             if spec not in self._inputs:
                 handles.append(module.register_forward_hook(self._layer_hook(spec)))
-        takes_masks = self.padding == "union" and self._masks.register(model, handles)
-        if self._clean and self.batch_norm_apart:
+        takes_masks = self._padding == "union" and self._masks.register(model, handles)
+        if self._clean and mixer.batch_norm_apart:
             self._norms.register(model, handles)
         handles.append(model.register_forward_hook(recompute.own_code(self._on_model_output)))
-        self._traced = self.traceable and not takes_masks
+        self.traced = mixer.traceable and not takes_masks
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
         """Removed: nothing of the model, its modules or a forward's tensors stays (the record of recent
         forwards does: a loss on logits of a forward made while attached still binds to its mix)."""
-        self._current = None
-        self._site_leaves = None
+        self.current = None
+        self.model = None
+        self.site_leaves = None
         self._modules = {}
-        self._last_forward = None
-        self._given, self._targets = {}, None
-        unclaim(self)
+        self.given, self.targets = {}, None
 
     # ------------------------------------------------------------- 1. the model's pre-hook: decide
 
@@ -181,11 +226,11 @@ class MixerHooks(LayerHook):
         compiling = _compiling()
         if not compiling and _graph_task() != -1:
             return _REPLAY
-        if self._gradients.running:
+        if self.gradients.running:
             return _GRADIENTS
         if not compiling:
             return 0
-        if self._traced:
+        if self.traced:
             return _TRACED
         return _BETWEEN if training else 0
 
@@ -197,13 +242,13 @@ class MixerHooks(LayerHook):
             if way == _REPLAY:
                 return self._replay_input(model, args, kwargs)
             if way == _GRADIENTS:
-                return self._gradients.input(model, args, kwargs)
+                return self.gradients.input(model, args, kwargs)
             if way == _TRACED:
                 return self._compiled.begin(model, args, kwargs)
-            return _between_graphs(MixerHooks._on_model_input)(self, model, args, kwargs)
+            return _between_graphs(Path._on_model_input)(self, model, args, kwargs)
         if not model.training:
-            self._current = None
-            self._given = {}
+            self.current = None
+            self.given = {}
             return None
         return self._start(model, args, kwargs)
 
@@ -213,11 +258,11 @@ class MixerHooks(LayerHook):
         it needs first, and mix the model's input where this forward mixes there."""
         if self._packable or _proxy_mode(_PROXY) is not None:
             self._refuse_call(model, args, kwargs)
-        reading = self._site_leaves
+        reading = self.site_leaves
         first = args[0] if args else None  # (the usual call: the model's input first, positionally)
         if reading.reads_sides:
             reading.input_sides = reading.input_grid(args, kwargs)
-        targets = self._targets  # (this forward's: the forward started forgets them)
+        targets = self.targets  # (this forward's: the forward started forgets them)
         forward = self._decide()
         if forward is not None:  # the model input's batch size, which the mixed layer's must be
             dim = reading.input_dim  # (a keyword call: the model's first parameter, by signature)
@@ -237,12 +282,12 @@ class MixerHooks(LayerHook):
         non-strict export), whose artifact would replay this one forward's draws at every call."""
         if _proxy_mode(_PROXY) is not None:
             raise RuntimeError(
-                f"{type(self).__name__}: the model is being traced by make_fx (torch.compiler.precompile, or "
+                f"{self.kind}: the model is being traced by make_fx (torch.compiler.precompile, or "
                 "a non-strict torch.export) in training mode: each training forward draws its own mix, "
                 "which the traced artifact would replay as this one draw at every call; compile with "
                 "torch.compile(model) (or model.compile()), or trace the model in eval mode"
             )
-        packing.refuse(type(self).__name__, model, args, kwargs)
+        packing.refuse(self.kind, model, args, kwargs)
 
     def _decide(self, training: bool = True) -> Forward | None:
         """A forward begins (eager, or in a compiled graph; ``training``: one that may mix): whether it
@@ -250,26 +295,29 @@ class MixerHooks(LayerHook):
         rank 0 decides), made the mixer's current forward. A compiled forward before it is settled first
         (its record must not take this forward's mix)."""
         forward = None
+        mixer = self.mixer
         if training:
-            if self._per_rank and _distributed():  # (a default generator, reseeded for its rank once)
-                self._seed_for_rank()
-            pins, self._pinned = self._pinned, None
-            g = self.generator
+            if _distributed():  # (a default generator, reseeded for its rank once)
+                self._seed()
+            pins = mixer.pins
+            if pins is not None:
+                mixer.unpin()
+            g = mixer.generator
             if pins is None and (
-                self.prob >= 1.0 or float(torch.rand((), generator=g, device=g.device)) < self.prob
+                mixer.prob >= 1.0 or float(torch.rand((), generator=g, device=g.device)) < mixer.prob
             ):
                 pins = NO_PINS
             if pins is not None and not pins.skip:
                 forward = Forward(self._layer_of(pins), pins)
             if self._global:
-                forward = self._agree(forward)
-        seen = self._seen
+                forward = mixer.agree(forward)
+        seen = self.seen
         if seen.begun or seen.pending is not None:
             seen.settle()
-        self.last = None
-        self._last_forward = None  # (what pin_last would have repeated: no longer the last forward)
-        self._targets = None
-        self._current = forward
+        mixer.last = None
+        mixer.last_forward = None  # (what pin_last would have repeated: no longer the last forward)
+        self.targets = None
+        self.current = forward
         if self._masks.active:
             self._masks.begin()
         return forward
@@ -280,9 +328,9 @@ class MixerHooks(LayerHook):
         layer = pins.layer
         if layer is not None:
             return layer if layer in self.sites else self._site(layer, "pin")  # (pinned by its spec)
-        g, k = self.generator, 0
-        if self._site_weights is not None:
-            weights = torch.tensor(self._site_weights, dtype=torch.float64, device=g.device)
+        g, k, weights = self.mixer.generator, 0, self.mixer.site_weights
+        if weights is not None:
+            weights = torch.tensor(weights, dtype=torch.float64, device=g.device)
             k = int(torch.multinomial(weights, 1, generator=g))
         elif len(self.layers) > 1:
             k = int(torch.randint(len(self.layers), (), generator=g, device=g.device))
@@ -293,16 +341,16 @@ class MixerHooks(LayerHook):
         gradient pass, a partner batch appended to the model's input): the model's changed arguments, or
         ``None``."""
         if forward is not None and self._before:
-            extra = self.before_forward(model, args, kwargs, forward.layer, forward.pins.given, targets)
+            extra = self.mixer.before_forward(model, args, kwargs, forward.layer, forward.pins.given, targets)
             if extra:
                 forward.pins = forward.pins.joined(extra)
         if self._policies is None:
             return None
-        given, self._given = self._given, {}
-        dim = self._site_leaves.input_dim or 0
-        changed = self._policies.begin(self, model, args, kwargs, forward, targets, given, dim)
+        given, self.given = self.given, {}
+        dim = self.site_leaves.input_dim or 0
+        changed = self._policies.begin(self.mixer, model, args, kwargs, forward, targets, given, dim)
         if changed is not None:  # (a partner batch appended to the model's input)
-            forward.batch = self._site_leaves.reference_batch(model, *changed)
+            forward.batch = self.site_leaves.reference_batch(model, *changed)
         return changed
 
     def _mix_input(self, model: nn.Module, args: tuple, kwargs: dict, forward: Forward):
@@ -311,8 +359,8 @@ class MixerHooks(LayerHook):
         spec = forward.layer
         if self._positional[spec] and args and type(args[0]) is torch.Tensor:  # (the usual call)
             args = (self._mix(spec, args[0], forward)[0], *args[1:])
-            if self.padding == "union" and (kwargs or len(args) > 1):  # (a lone input takes no mask)
-                return self._input_masks(model, args, kwargs, spec, self.last)
+            if self._padding == "union" and (kwargs or len(args) > 1):  # (a lone input takes no mask)
+                return self._input_masks(model, args, kwargs, spec, self.mixer.last)
             return args, kwargs
         inputs = Inputs(model, args, kwargs)
         value, state = self._mix(spec, inputs, forward)
@@ -322,7 +370,7 @@ class MixerHooks(LayerHook):
     def _input_masks(self, model, args: tuple, kwargs: dict, spec: str, state: MixState, again=False):
         """The model's arguments after a mix at its input, with their padding masks unioned
         (``padding="union"``: :meth:`~.padding_masks.PaddingMasks.at_input`)."""
-        if self.padding != "union":
+        if self._padding != "union":
             return args, kwargs
         return self._masks.at_input(model, args, kwargs, spec, state, again)
 
@@ -333,23 +381,23 @@ class MixerHooks(LayerHook):
         a recomputation."""
 
         def hook(module: nn.Module, args: tuple, output):
-            way = self._way(self._model.training)
+            way = self._way(self.model.training)
             if way:
                 if way == _REPLAY:
                     return self._replay_layer(spec, output)
                 if way == _GRADIENTS:
-                    return self._gradients.layer(spec, output)
+                    return self.gradients.layer(spec, output)
                 if way == _TRACED:
                     return self._compiled.mix(spec, output) if module.training else None
                 return _between_graphs(hook)(module, args, output)
-            forward = self._current
+            forward = self.current
             if forward is None or forward.mixed is not None or forward.layer != spec:  # it mixes elsewhere
-                if self._model.training and _may_be_recomputed():
+                if self.model.training and _may_be_recomputed():
                     self._note(spec)  # (what a recomputation of this layer must know: it mixed nothing)
                 return None
-            return self._mix(spec, output, forward)[0]  # (self.last set)
+            return self._mix(spec, output, forward)[0]  # (self.mixer.last set)
 
-        return recompute.own_code(hook, f"{type(self).__name__}_layer_hook")
+        return recompute.own_code(hook, f"{self.kind}_layer_hook")
 
     def _mix(self, spec: str, value, forward: Forward):
         """The one path of a mix, for every method and site: what ``spec`` returned (for the model's input,
@@ -390,7 +438,7 @@ class MixerHooks(LayerHook):
         is one tensor with its signature (the cheap case, taken as planned), else ``None`` and the leaves
         read, checked and planned again (:meth:`_read`); the leaves found, as the method is given them
         (a channels-last map as its channels-first view), and the batch size."""
-        reading = self._site_leaves
+        reading = self.site_leaves
         plan = reading.plans.get(spec)
         batch = forward.batch
         if not (  # the cheap case: one tensor, as planned
@@ -404,15 +452,15 @@ class MixerHooks(LayerHook):
         found = [Leaf((), value, plan.dim)]
         given = [Leaf((), channels_first(value, CHANNELS_LAST[value.ndim]), 0)] if plan.view else found
         if self._checks_leaves:
-            self.check_leaves(spec, given)
+            self.mixer.check_leaves(spec, given)
         return plan, value, found, given, value.shape[plan.dim]
 
     def _draw_and_mix(self, spec: str, n: int, found: list[Leaf], given: list[Leaf], forward: Forward):
         """:meth:`_mix`'s steps 3 and 4: ``(draw, mixed)``: lam and the partners drawn (or pinned, or the
         forward's own in a replay) with what a repeat needs kept, and the method's :meth:`mix` of
         ``given``."""
-        pins = forward.pins
-        generator = self.generator if pins.state is None else self._replaying(pins.state)
+        pins, mixer = forward.pins, self.mixer
+        generator = mixer.generator if pins.state is None else self._replaying(pins.state)
         drawn = None
         if not forward.replay:
             drawn = self._repeatable(spec, n, forward, generator)
@@ -420,10 +468,10 @@ class MixerHooks(LayerHook):
                 self._note(spec, forward.repeat)
         if self._clean or self._masks.active or found[0].tensor.is_cuda:
             self._check_apply(spec, found, n)
-        if generator is not self.generator or self._policies is not None:
-            return self._drawing(spec, n, pins, generator, self.mix, given, drawn)
+        if generator is not mixer.generator or self._policies is not None:
+            return self.drawing(spec, n, pins, generator, mixer.mix, given, drawn)
         draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)  # (the usual mix)
-        return draw, self.mix(given, draw)
+        return draw, mixer.mix(given, draw)
 
     def _as_planned(self, spec: str, plan, value: torch.Tensor, given: list[Leaf], draw: Draw, mixed: Mixed):
         """:meth:`_mix`'s step 5 in the cheap case: the mixed tensor (laid out as the site's) and the
@@ -439,7 +487,7 @@ class MixerHooks(LayerHook):
         """:meth:`_mix`'s step 1 where its plan does not hold: the site's value in ``value``, its leaves
         found and as the method is given them, and the batch size, read, checked and planned again
         (:meth:`SiteLeaves.leaves`)."""
-        reading = self._site_leaves
+        reading = self.site_leaves
         site_value = reading.value(spec, value) if type(value) is Inputs else value  # (the model's input)
         return (site_value, *reading.leaves(spec, site_value, forward.batch))
 
@@ -454,11 +502,11 @@ class MixerHooks(LayerHook):
         if forward.replay:
             return leaves
         if self._before_mix:
-            extra = self.before_mix(spec, leaves[2], forward.pins.given)
+            extra = self.mixer.before_mix(spec, leaves[2], forward.pins.given)
             if extra:
                 forward.pins = forward.pins.joined(extra)
         if policies is not None:
-            extra = policies.before_mix(self, spec, leaves[2], forward.pins.given)
+            extra = policies.before_mix(self.mixer, spec, leaves[2], forward.pins.given)
             if extra:
                 forward.pins = forward.pins.joined(extra)
         return leaves
@@ -484,7 +532,7 @@ class MixerHooks(LayerHook):
         tensors are (refused in one line without the clean rows, which they follow)."""
         if not self._clean:
             raise RuntimeError(
-                f"{type(self).__name__} at {spec!r} put rows before its mix, which follow the clean rows: "
+                f"{self.kind} at {spec!r} put rows before its mix, which follow the clean rows: "
                 "set clean=True"
             )
         return self._put_back(spec, found, given, draw, Mixed(mixed.before))[0]
@@ -495,13 +543,13 @@ class MixerHooks(LayerHook):
         :class:`MixState`."""
         tensors = self._check_mixed(spec, given, mixed)
         state = self._state_of(spec, found, draw, mixed, self._clean)
-        if self.token_grid is not None:
-            grid, index, permutation = self.token_grid, draw.index, draw.permutation
+        if self._token_grid is not None:
+            grid, index, permutation = self._token_grid, draw.index, draw.permutation
             return {
                 f.path: grid.from_map(f, tensors[f.path], state.lam, index, permutation) for f in found
             }, state
         if given is not found:  # channels-last maps were given as their channels-first views
-            restore = self._site_leaves.restore
+            restore = self.site_leaves.restore
             return {f.path: restore(spec, f, tensors[f.path], None, None) for f in found}, state
         return tensors, state
 
@@ -521,11 +569,12 @@ class MixerHooks(LayerHook):
         in ``mixhook::draw`` for a forward a compiled graph began)."""
         if forward.replay:  # (a recomputation's mix was recorded by its forward)
             return
-        self._last_forward = forward
+        mixer = self.mixer
+        mixer.last_forward = forward
         forward.mixed = last
-        self.last = last
-        if self._seen.begun:  # (a compiled forward: kept without the loss's graph pieces)
-            self.last = self._seen.mixed(last)
+        mixer.last = (
+            last if not self.seen.begun else self.seen.mixed(last)
+        )  # (compiled: no graph pieces kept)
 
     # ------------------------------------------------------------ 3. the model's output hook: mark
 
@@ -534,23 +583,24 @@ class MixerHooks(LayerHook):
         way = self._way(model.training)
         if way:  # (a recomputation or gradient_at()'s pass: nothing to record)
             if way == _TRACED:
-                self._seen.pending = output  # (bound to its forward's record after the graph: .traced)
+                self.seen.pending = output  # (bound to its forward's record after the graph: .traced)
             elif way == _BETWEEN:
-                _between_graphs(MixerHooks._on_model_output)(self, model, args, output)
+                _between_graphs(Path._on_model_output)(self, model, args, output)
             return
-        forward, self._current = self._current, None
+        forward, self.current = self.current, None
         if forward is None:
-            self._seen.record(output, None)
+            self.seen.record(output, None)
             return
         if forward.mixed is None:
             raise RuntimeError(self._did_not_run(model, forward.layer))
-        state = self.last  # (a method may re-weigh it after the mix: TransMix)
+        mixer = self.mixer
+        state = mixer.last  # (a method may re-weigh it after the mix: TransMix)
         if state.clean:
             _check_doubled(model, output, state)
         # the output carries the whole state to loss(); the mixer keeps it without the loss's graph pieces
-        self.last = self._seen.record(output, state)
+        mixer.last = self.seen.record(output, state)
         if state.loss_inputs is not None or self._recomputed:  # (what pin_last repeats, kept lean)
-            self._last_forward = forward.kept(self._recomputed)
+            mixer.last_forward = forward.kept(self._recomputed)
 
     def _did_not_run(self, model: nn.Module, spec: str) -> str:
         """Why layer ``spec`` did not run in a training forward that was to mix it (one line)."""
@@ -583,7 +633,7 @@ class MixerHooks(LayerHook):
 
     def _replay_input(self, model: nn.Module, args: tuple, kwargs: dict):
         """In a recomputation of the whole model: its input's mix again, on the one path (:meth:`_mix`)."""
-        if self._gradients.running:
+        if self.gradients.running:
             return None
         for spec in self._inputs:
             pins = self._replayed(spec)
@@ -596,7 +646,7 @@ class MixerHooks(LayerHook):
 
     def _replay_layer(self, spec: str, output):
         """In a recomputation: the forward's mix at ``spec`` again, on the one path (:meth:`_mix`)."""
-        pins = None if self._gradients.running else self._replayed(spec)
+        pins = None if self.gradients.running else self._replayed(spec)
         if pins is None:
             return None
         return self._mix(spec, output, Forward(spec, pins, replay=True))[0]
@@ -605,7 +655,8 @@ class MixerHooks(LayerHook):
         """The generator a mix draws from: the mixer's own, or for a repeat (``pin_last``, a
         recomputation) a copy in the repeated mix's ``state`` (``None``: the mix drew nothing beyond lam
         and the index, which are repeated as pinned values)."""
-        return self.generator if state is None else recompute.replay_generator(self.generator, state)
+        own = self.mixer.generator
+        return own if state is None else recompute.replay_generator(own, state)
 
     # ------------------------------------------------------------------ the checks and draws of a mix
 
@@ -614,25 +665,25 @@ class MixerHooks(LayerHook):
         graph being captured, a ``(B, L, C)`` sequence cut by position where the model takes padding masks."""
         if self._clean and n < 2:
             raise ValueError(
-                f"{type(self).__name__}(clean=True) at {spec!r}: a batch of {n} has no partner to mix with; "
+                f"{self.kind}(clean=True) at {spec!r}: a batch of {n} has no partner to mix with; "
                 "the clean+mixed batch needs at least 2 samples"
             )
         if found[0].tensor.is_cuda:
-            refuse_capture(type(self).__name__, spec, found[0].tensor.device)
+            refuse_capture(self.kind, spec, found[0].tensor.device)
         if (
             self._masks.active
-            and self.token_grid is None  # (a token grid cuts patches, and keeps the leading tokens' rule)
+            and self._token_grid is None  # (a token grid cuts patches, and keeps the leading tokens' rule)
             and found[0].tensor.ndim == 3
-            and self._site_leaves.channels_last(spec, found[0])
+            and self.site_leaves.channels_last(spec, found[0])
         ):
             raise ValueError(
-                f"{type(self).__name__} at {spec!r} cuts the positions of a (B, L, C) sequence, and the "
+                f"{self.kind} at {spec!r} cuts the positions of a (B, L, C) sequence, and the "
                 "model takes padding masks: their union (padding='union') would call a pasted position valid "
                 "by the wrong sample's mask; blend the sequence instead (ManifoldMixup), or pass "
                 "padding='keep' to hand the model its own masks unchanged"
             )
 
-    def _drawing(
+    def drawing(
         self,
         spec: str,
         n: int,
@@ -645,7 +696,11 @@ class MixerHooks(LayerHook):
         """The :class:`Draw` of a mix of ``n`` samples at ``spec`` and what ``method(leaves, draw)``
         returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator`` (``drawn``: the draw
         of lam and the index, made already by :meth:`_repeatable`)."""
-        saved, self.generator = self.generator, generator  # a mixer drawing from self.generator replays too
+        mixer = self.mixer
+        saved, mixer.generator = (
+            mixer.generator,
+            generator,
+        )  # a mixer drawing from its own generator replays too
         try:
             draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
             if self._policies is None:
@@ -657,18 +712,18 @@ class MixerHooks(LayerHook):
                 mixed = dataclasses.replace(mixed, info={**mixed.info, **info})
             return draw, mixed
         finally:
-            self.generator = saved
+            mixer.generator = saved
 
     def _draws(self, spec: str, n: int, pins: Pins, generator: torch.Generator) -> Draw:
         """The :class:`Draw` of a mix of ``n`` samples at ``spec``: lam and the partner index (pinned, else
         drawn from ``generator``), and whether the index is a permutation of the batch."""
         if self._policies is not None:
-            drawn = self._policies.draws(self, spec, n, pins, generator)
+            drawn = self._policies.draws(self.mixer, spec, n, pins, generator)
             if drawn is not None:
                 return drawn
-        lam = pins.lam
+        lam, mixer = pins.lam, self.mixer
         if lam is None:
-            lam = self.sample_lam(n, generator)
+            lam = mixer.sample_lam(n, generator)
             if type(lam) is not torch.Tensor or lam.dtype != torch.float64:
                 lam = torch.as_tensor(lam, dtype=torch.float64)
         elif lam.ndim == 1 and lam.shape[0] != n:
@@ -676,10 +731,10 @@ class MixerHooks(LayerHook):
         weight = weight_of(lam)
         index = pins.index
         if index is None:
-            index = self.draw_index(n, generator)
-            permutation = self.index_is_permutation and (not self._global or self.partner_pool(n) == n)
+            index = mixer.draw_index(n, generator)
+            permutation = self._permutes and (not self._global or mixer.partner_pool(n) == n)
             return Draw(spec, lam, index, generator, pins.given, permutation, weight)
-        pool = self.partner_pool(n) if self._global else n
+        pool = mixer.partner_pool(n) if self._global else n
         low, high = pins.span
         if index.shape[0] != n or (n and (low < -pool or high >= pool)):
             where = f"the batch of {n}" if pool == n else f"{pool} partners for a batch of {n}"
@@ -726,7 +781,7 @@ class MixerHooks(LayerHook):
     def _check_mixed(self, spec: str, leaves: list[Leaf], mixed: Mixed) -> dict:
         """``mixed.tensors``, once it gives every leaf a tensor of the leaf's shape (a method that skipped
         one would leave it silently unmixed)."""
-        kind = type(self).__name__
+        kind = self.kind
         if not isinstance(mixed, Mixed):
             raise TypeError(f"{kind}.mix() must return a mixhook.mixers.Mixed, got {type(mixed).__name__}")
         expected = {leaf.path: leaf for leaf in leaves}
@@ -743,42 +798,42 @@ class MixerHooks(LayerHook):
                 )
         return mixed.tensors
 
-    # ------------------------------------------------ what the collaborators are given (see _fresh)
+    # ---------------------------------------------- what the collaborators are given (see __init__)
 
     def _captured_leaves(self, spec: str, value) -> tuple:
         """For the gradient pass: the site's value in ``value`` and the leaves that carry its batch."""
-        reading = self._site_leaves
+        reading = self.site_leaves
         site_value = reading.value(spec, value)
         return site_value, reading.leaves(spec, site_value)[0]
 
     def _as_given(self, spec: str, leaf: Leaf, model: nn.Module) -> torch.Tensor:
         """``leaf``'s tensor as :meth:`mix` is given it (:meth:`SiteLeaves.as_given`)."""
-        return self._site_leaves.as_given(spec, leaf, model)
+        return self.site_leaves.as_given(spec, leaf, model)
 
     def _read_input(self, model: nn.Module, args: tuple, kwargs: dict) -> int | None:
         """A training forward's input, read under torch.compile as an eager forward reads it: its sides
         (the map checks) and its batch size, where the model tells it."""
-        reading = self._site_leaves
+        reading = self.site_leaves
         reading.input_sides = reading.input_grid(args, kwargs)
         return reading.reference_batch(model, args, kwargs)
 
     def _unplanned(self, spec: str, value) -> tuple:
         """The site's value in ``value``, the leaves found and given and the batch size, without the plans
         (traced code neither reads nor writes them)."""
-        reading = self._site_leaves
+        reading = self.site_leaves
         site_value = reading.value(spec, value)
         return (site_value, *reading.leaves(spec, site_value, None, plan=False))
 
     def _restore(self, spec: str, leaf: Leaf, t: torch.Tensor, weight, index) -> torch.Tensor:
         """A mixed tensor of ``leaf`` given to the method as a view, put back (:meth:`SiteLeaves.restore`)."""
-        return self._site_leaves.restore(spec, leaf, t, weight, index)
+        return self.site_leaves.restore(spec, leaf, t, weight, index)
 
     def _host_begin(self, training: bool, batch: int | None) -> int:
         """``mixhook::begin`` (:mod:`.traced`): the previous compiled forward's output bound to its record,
         this forward's record opened, and (training) its decision made as an eager forward makes it; the
         chosen layer's position (-1: none)."""
         forward = self._decide(training)
-        self._seen.open(None if forward is None else forward.layer)
+        self.seen.open(None if forward is None else forward.layer)
         if forward is None:
             return -1
         forward.batch = batch
@@ -788,21 +843,23 @@ class MixerHooks(LayerHook):
         """``mixhook::draw`` at ``spec`` (:mod:`.traced`): ``None`` unless this forward mixes there; then
         the values :meth:`draw_traced` draws and the :class:`MixState`, drawn and kept as :meth:`_mix`
         draws and keeps an eager mix."""
-        forward = self._current
+        forward = self.current
         if forward is None or forward.done or forward.layer != spec:
             return None
-        refuse_capture(type(self).__name__, spec, device)
+        refuse_capture(self.kind, spec, device)
         if forward.batch is not None and n != forward.batch:
             raise TypeError(
-                f"{type(self).__name__} at {spec!r}: its batch dimension has size {n}, but the model's input "
+                f"{self.kind} at {spec!r}: its batch dimension has size {n}, but the model's input "
                 f"has a batch of {forward.batch}: the layer loses or reshapes the batch dimension; choose "
                 "another layer, or pass batch_dim"
             )
         generator = self._replaying(forward.pins.state)
         drawn = self._repeatable(spec, n, forward, generator)
-        d, (values, mixed) = self._drawing(spec, n, forward.pins, generator, self.draw_traced, given, drawn)
+        d, (values, mixed) = self.drawing(
+            spec, n, forward.pins, generator, self.mixer.draw_traced, given, drawn
+        )
         self._done(forward, self._state_of(spec, found, d, mixed))
-        return values, self.last
+        return values, self.mixer.last
 
 
 def _check_doubled(model: nn.Module, output, state: MixState) -> None:

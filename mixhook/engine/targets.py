@@ -198,7 +198,7 @@ class LossAndTargets:
         (``2B``, for a per-sample criterion) or, for a criterion that reduces, the mean of the two (the
         doubled batch's mean, as RegMixup's authors train); a method's own loss may weigh them otherwise
         (RegMixup's ``eta``, RankMixup, MixupE)."""
-        last = self._seen.state_for(logits, "loss", type(self).__name__, self._model is not None)
+        last = self._path.seen.state_for(logits, "loss", type(self).__name__, self._model is not None)
         if last is None:
             return criterion(logits, target)
         if type(self).labelled is not LossAndTargets.labelled:  # (MixPro: weights that follow the logits)
@@ -236,7 +236,7 @@ class LossAndTargets:
 
     def _labelled_state(self, logits, target: torch.Tensor, what: str) -> MixState | None:
         """The mix bound to ``logits`` (:meth:`state_for`), as :meth:`labelled` weighs its labels."""
-        last = self._seen.state_for(logits, what, type(self).__name__, self._model is not None)
+        last = self._path.seen.state_for(logits, what, type(self).__name__, self._model is not None)
         if last is None or type(self).labelled is LossAndTargets.labelled:
             return last
         return self._labelled(last, logits, target, what)

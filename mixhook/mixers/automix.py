@@ -519,7 +519,7 @@ class AutoMix(Mixer):
         def mixed(h: torch.Tensor) -> torch.Tensor:
             if not isinstance(h, torch.Tensor) or h.ndim != 4:
                 self._refuse_map(spec, h)
-            layout = self._site_leaves.layouts[spec, 4].of(type(self).__name__, spec)
+            layout = self._path.site_leaves.layouts[spec, 4].of(type(self).__name__, spec)
             h = channels_first(h, layout)  # (as the model's mix is given its map: mixhook.layouts)
             out, m = self.block_mix(h, features, drawn, choices)
             made.append(m)

@@ -139,7 +139,7 @@ class ManifoldMixup(Mixer):
     def partner_pool(self, n: int) -> int:
         return n if self.partners == "local" else n * world(type(self).__name__)[0]
 
-    def _agree(self, draw: Forward | None) -> Forward | None:
+    def agree(self, draw: Forward | None) -> Forward | None:
         """With partners from the global batch, every rank follows rank 0's decision (whether to mix and
         where): the all-gather at the mixed layer must run on all ranks at once."""
         if self.partners == "local":

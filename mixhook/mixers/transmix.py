@@ -107,9 +107,9 @@ class ReadsAttention:
         mixed layer is refused in one line."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-            if self._reading or not model.training or self._gradients.running:
+            if self._reading or not model.training or self._path.gradients.running:
                 return
-            draw, last = self._current, self.last
+            draw, last = self.current, self.last
             if draw is not None and not draw.done:
                 raise RuntimeError(
                     f"{type(self).__name__}: attention layer {self.attention!r} ran before the mixed layer "

@@ -442,7 +442,7 @@ def test_pin_last_repeats_the_mix_and_its_record_keeps_no_features_and_no_graph(
     with mix.attach(model):
         logits = model(img)
         mix.loss(F.cross_entropy, logits, y).backward()  # (no optimizer step: the same model, the same copy)
-        first, values = mix.last, mix._last_forward.pins.values
+        first, values = mix.last, mix.last_forward.pins.values
         assert not {"features", "mb", "k_clean"} & values.keys()
         assert not any(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in values.values())
         mix.pin_last()

@@ -83,7 +83,7 @@ def test_a_pinned_index_with_repeats_keeps_the_summed_gradient():
 @pytest.mark.parametrize("mode", ["batch", "elem", "pair"])
 def test_every_forward_of_a_planned_site_is_the_hand_edited_blend(mode):
     """A site that returned a plain tensor once is planned, and the next forwards with its signature take
-    the cheap case at the top of the one path (MixerHooks._mix): each of several forwards, the first (read
+    the cheap case at the top of the one path (Path._mix): each of several forwards, the first (read
     and planned) and those after it, equals the hand-edited forward with the same lam and index, logits
     and gradients in float64; the dtype changing in between is read and planned again and stays exact."""
     torch.manual_seed(0)

@@ -97,7 +97,7 @@ def run(make, kind: str, site: str, mode: str, pins=None, value=None) -> dict:
             loss = mixer.loss(criterion(kind), logits, y)
             plain = criterion(kind)(logits, y)
             state = mixer.state_for(logits)
-            last = _inner(mixer)._last_forward
+            last = _inner(mixer).last_forward
             repeat = None if last is None else last.repeat()
         loss.mean().backward()
     except (TypeError, ValueError, RuntimeError, KeyError) as error:

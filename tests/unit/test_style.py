@@ -255,7 +255,7 @@ def test_what_fresh_sets_is_what_a_copy_leaves_out():
             ".".join(path.relative_to(ROOT).with_suffix("").parts).replace(".__init__", "")
         )
         classes |= {c for c in vars(module).values() if inspect.isclass(c) and "_fresh" in vars(c)}
-    assert len(classes) >= 7  # (LayerHook, MixerHooks, AutoMix, OneOf, MomentumCopy, NEFTune, NoiseFiT)
+    assert len(classes) >= 7  # (LayerHook, Mixer, AutoMix, OneOf, MomentumCopy, NEFTune, NoiseFiT)
     wrong = {}
     for cls in classes:
         fresh = _set_in(cls, "_fresh", set())
@@ -266,3 +266,45 @@ def test_what_fresh_sets_is_what_a_copy_leaves_out():
                 "left out, not set": transient - fresh,
             }
     assert not wrong, wrong
+
+
+def _reads(tree: ast.AST, of: tuple[str, ...]) -> dict[str, int]:
+    """The attributes read in ``tree`` of the objects named ``of`` (``self.mixer``, ``mixer``, ...): name ->
+    the first line it is read on."""
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in of:
+            found.setdefault(node.attr, node.lineno)
+    return found
+
+
+def test_the_path_reads_the_method_through_its_public_view_only():
+    """Issue 83: the forward path is one object (engine/path.py's ``Path``) that reads of its own object only
+    what it defines (no member of the mixer's class, private or not, reached through ``self``), and of the
+    mixer only what ``VIEW`` declares: public settings, extension points and the state the user API shares
+    with it; so do its collaborators (the leaves, the padding masks, the norms, the traced path). A new
+    read of a private member of the mixer, or of one that is not declared, fails here."""
+    from mixhook.engine.path import VIEW
+
+    view = {name for names in VIEW.values() for name in names}
+    assert not [name for name in view if name.startswith("_")]
+    engine = ROOT / "mixhook" / "engine"
+    tree = ast.parse((engine / "path.py").read_text())
+    (path,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Path"]
+    defined = {n.name for n in path.body if isinstance(n, ast.FunctionDef)}
+    defined |= {
+        n.attr
+        for n in ast.walk(path)
+        if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "self" and isinstance(n.ctx, ast.Store)
+    }
+    foreign = {k: v for k, v in _reads(path, ("self",)).items() if k not in defined}
+    assert not foreign, f"Path reads members it does not define: {foreign}"
+    outside = {}
+    for name in ("path.py", "leaves.py", "padding_masks.py", "norms.py", "traced.py"):
+        reads = _reads(ast.parse((engine / name).read_text()), ("self.mixer", "self._mixer", "mixer"))
+        outside.update({f"{name}:{line}: {attr}": attr for attr, line in reads.items() if attr not in view})
+    assert not outside, f"read of the mixer outside the path's VIEW: {sorted(outside)}"
+    used = set()
+    for name in ("path.py", "leaves.py", "padding_masks.py", "norms.py", "traced.py"):
+        used |= _reads(ast.parse((engine / name).read_text()), ("self.mixer", "self._mixer", "mixer")).keys()
+    assert view <= used, f"VIEW names what nothing reads: {sorted(view - used)}"

@@ -28,6 +28,7 @@ from .provenance import environment
 from .training import Run, Settings
 from .training.distributed import Dist, shard, shard_units
 from .training.finite import check_every
+from .training.task import task_for
 
 log = logging.getLogger("mixhook")
 
@@ -51,6 +52,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     hooks = build_hooks(cfg, dist.seed(cfg.seed))
     if not dist.main:  # rank 0 probes its own batches; the others do not record what nobody writes
         hooks = [(key, hook) for key, hook in hooks if not key.startswith("probes")]
+    task = task_for(data, cfg.trainer.loss)  # what the run learns (refused here where the loss cannot)
     mixup = _the_mixer(cfg, hooks, data, dist)
     _span_the_run(cfg, mixup, data)
     _feed_policies(cfg, mixup, data)
@@ -107,6 +109,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     return Run(
         model, data, optimizer, scheduler, device, settings,
         mixup=mixup, hooks=[hook for _, hook in hooks], handles=handles, summary=summary, schedule=schedule,
+        task=task,
     )  # fmt: skip
 
 
@@ -144,12 +147,7 @@ def _the_mixer(cfg: DictConfig, hooks: list, data, dist: Dist):
             f"trainer.mixed_loss_weight={cfg.trainer.mixed_loss_weight!r} weights the loss of mixed batches, "
             "but no mixup is configured; set a mixup or leave it at 1.0"
         )
-    if data.task == "regression" and cfg.trainer.loss != "ce":
-        raise ConfigError(
-            f"trainer.loss={cfg.trainer.loss} trains on class probabilities, but data={data.name} is a "
-            "regression task (trained with the squared error); use trainer.loss=ce"
-        )
-    if data.task == "regression" and cfg.probes.feature_maps and probe_layers(cfg):
+    if not data.images and cfg.probes.feature_maps and probe_layers(cfg):
         raise ConfigError(
             f"probes.feature_maps=true draws image feature maps, and data={data.name} has none; turn it off"
         )
@@ -307,10 +305,10 @@ def build_model_and_data(cfg: DictConfig, dist: Dist | None = None) -> tuple[nn.
             num_classes=data.num_classes,
         )
     except ConfigError as err:
-        if data.task != "regression":
+        if data.images:
             raise
         raise ConfigError(  # (the image models' own message, about channels and classes, would mislead)
-            f"model: data={data.name} is tabular ({data.in_channels} features, a regression target): train "
+            f"model: data={data.name} is tabular ({data.in_channels} features, a {data.task} target): train "
             "it with model=mlp"
         ) from err
     if not isinstance(model, nn.Module):

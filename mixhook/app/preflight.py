@@ -102,9 +102,7 @@ def check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: 
             except (TypeError, ValueError) as err:
                 # class labels refused: the method trains on other targets (the app's regression data)
                 fix = (
-                    "; train it on regression data: data=diabetes model=mlp"
-                    if data.task == "classification"
-                    else ""
+                    "" if y.is_floating_point() else "; train it on regression data: data=diabetes model=mlp"
                 )
                 raise ConfigError(f"{key}: {err}; data={data.name} has {y.dtype} labels{fix}") from err
     checks = [(key, hook) for key, hook in hooks if callable(getattr(hook, "check_output", None))]
@@ -115,7 +113,7 @@ def check_sample_batch(model: nn.Module, hooks: list[tuple[str, object]], data: 
             outputs = trace_outputs(model, layers, x)
     except Exception as err:  # whatever the model raises on this input is a model/data mismatch
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        hint = f" (data={data.name} is tabular: train it with model=mlp)" if data.task == "regression" else ""
+        hint = "" if data.images else f" (data={data.name} is tabular: train it with model=mlp)"
         raise ConfigError(
             f"model: {type(model).__name__} fails on a {data.name} batch of shape {tuple(x.shape)}{hint}: "
             f"{type(err).__name__}: {reason}"

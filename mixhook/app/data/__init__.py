@@ -71,6 +71,12 @@ class Data:
     partners: DataLoader | DeviceBatches | None = None  # a class-balanced partner batch per step
     make_partners: Callable | None = field(default=None, repr=False)  # builds ``partners`` (partner_batches)
 
+    @property
+    def images(self) -> bool:
+        """Whether its samples are images (``image_size`` > 0); else rows of features (diabetes), which
+        only an MLP takes and which have no feature maps to draw."""
+        return self.image_size > 0
+
     def partner_batches(self) -> None:
         """Give the training loop a second, class-balanced batch per step (:attr:`partners`: the same
         images, batch size and pipeline, each class drawn equally often, with replacement: Balanced-MixUp's

@@ -39,8 +39,8 @@ class Run:
     detaches everything). ``summary``: copied into ``summary.json`` (the mixup settings, seed, ...);
     ``config``: saved in the checkpoint for a resuming run to compare with its own.
     ``feature_maps``: ``(layers, batch, labels)`` to draw after every epoch into ``feature_maps/``.
-    ``task``: what the run learns (:class:`~mixhook.app.training.task.Task`), made here once from ``data``
-    and ``settings.loss``."""
+    ``task``: what the run learns (:class:`~mixhook.app.training.task.Task`), made once from ``data`` and
+    ``settings.loss`` (by the builder, before anything is attached, or else here)."""
 
     model: nn.Module
     data: object
@@ -55,7 +55,8 @@ class Run:
     config: dict | None = None
     feature_maps: tuple | None = None
     schedule: object = None  # a mixhook.MixSchedule, set before every training step
-    task: Task = field(init=False)
+    task: Task | None = None  # (None: made here from the data and the loss)
 
     def __post_init__(self) -> None:
-        self.task = task_for(self.data, self.settings.loss)
+        if self.task is None:
+            self.task = task_for(self.data, self.settings.loss)

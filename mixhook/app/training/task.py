@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from mixhook.mixers import MixingHook, smooth_one_hot
 
+from ..errors import ConfigError
 from ..files import write_json_atomic
 from . import evaluation
 from .distributed import Dist
@@ -211,6 +212,11 @@ class Regression(Task):
 
     @classmethod
     def of(cls, data, loss: str = "ce") -> Regression:
+        if loss != "ce":
+            raise ConfigError(
+                f"trainer.loss={loss} trains on class probabilities, but data={data.name} is a regression "
+                "task (trained with the squared error); use trainer.loss=ce"
+            )
         return cls(data.target_scale)
 
     def training_loss(self, logits: torch.Tensor, y: torch.Tensor, mixup: MixingHook | None) -> torch.Tensor:

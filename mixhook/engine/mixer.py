@@ -663,3 +663,53 @@ def with_defaults(init: Callable, **defaults) -> Callable:
 
     __init__.__signature__ = signature
     return __init__
+
+
+def extending(init: Callable, own: Callable, positional: int = 2, without: Sequence[str] = (), **defaults):
+    """``init`` (a method's ``__init__``) for a method that is that one with arguments of its own: ``own``
+    (a function of ``(self, base, *, its own arguments)`` that checks and sets them, calling ``base()`` to
+    run ``init`` with the rest), less the arguments ``init`` takes that it does not (``without``: ``init``
+    gets its default, or the one ``defaults`` names) and with other defaults (``defaults``). A method then
+    states only what differs (``AdAutoMix.__init__ = extending(AutoMix.__init__, AdAutoMix._own, ...)``),
+    and its signature shows every argument (``inspect.signature``, the API page, the app's config checks):
+    the first ``positional`` may be given by position, the rest by name only (a value given by position
+    past them is refused in one line, where the base's order would have silently taken it for another)."""
+    signature = inspect.signature(init)
+    mine = [p for p in inspect.signature(own).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted((set(defaults) | set(without)) - set(signature.parameters))
+    if unknown:
+        raise TypeError(f"extending: {init.__qualname__} takes no {', '.join(unknown)}")
+    kept = [p for p in signature.parameters.values() if p.name not in without]
+    fixed = {name: defaults[name] for name in without if name in defaults}
+    signature = signature.replace(
+        parameters=[
+            p.replace(
+                default=defaults.get(p.name, p.default),
+                kind=p.kind if i <= positional else inspect.Parameter.KEYWORD_ONLY,
+            )
+            for i, p in enumerate(kept)  # (0 is self)
+        ]
+        + mine
+    )
+    names = [p.name for p in mine]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        if len(args) > positional:
+            first = ", ".join(p.name for p in kept[1 : positional + 1])
+            raise TypeError(
+                f"{type(self).__name__}() takes {first} by position and the rest by name, got {len(args)} "
+                "values by position"
+            )
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError as error:  # (as Python says it of a plain __init__)
+            raise TypeError(f"{type(self).__name__}() {error}") from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        del values[next(iter(values))]  # (self)
+        theirs = {name: values.pop(name) for name in names}
+        own(self, lambda: init(self, **values, **fixed), **theirs)
+
+    __init__.__signature__ = signature
+    return __init__

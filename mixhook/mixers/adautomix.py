@@ -18,6 +18,7 @@ from torch import nn
 from ..engine.card import Card
 from ..engine.checks import check_fraction
 from ..engine.contract import Draw, Mixed, MixState
+from ..engine.mixer import extending
 from ..functional import sample_lam
 from ..transfer import to_device
 from .automix import AutoMix
@@ -229,35 +230,18 @@ class AdAutoMix(AutoMix):
     block_type = AdaptiveMask
     MARGIN_RULES = ("authors", "openmixup")
 
-    def __init__(
+    def _own(
         self,
-        layer: str | Sequence[str] = "input",
-        features: str = "layer3",
-        channels: int | None = None,
-        alpha: float = 1.0,
+        base,
+        *,
         beta: float = 0.3,
         adversarial_every: int = 2,
         mix_samples: int = 3,
         random_samples: bool = False,
         mixup_ratio: float = 0.5,
-        momentum: float = 0.999,
-        end_momentum: float = 0.99999,
-        momentum_scope: tuple[float, float] = (0.1, 1.0),
-        total_steps: int | None = None,
-        lam_margin: float = 0.03,
         margin_rule: str = "authors",
-        clean_weight: float = 1.0,
-        block_weight: float = 1.0,
-        reduction: int = 2,
-        upsampling: str | Sequence[str] = "nearest",
-        block_lr: float | None = None,
-        block_momentum: float | None = None,
-        generator: torch.Generator | None = None,
-        batch_dim: int | dict | None = None,
-        padding: str = "union",
-        layout: str | dict | None = None,
-        feature_tokens: tuple[int, int] | str | None = None,
-    ):
+    ) -> None:
+        """What AdAutoMix takes beside AutoMix's arguments, checked and set (``base()``: AutoMix's own)."""
         kind = type(self).__name__
         for name, value, least in (
             ("mix_samples", mix_samples, 2),
@@ -271,13 +255,7 @@ class AdAutoMix(AutoMix):
             )
         if not isinstance(random_samples, bool):
             raise ValueError(f"{kind}: random_samples must be True or False, got {random_samples!r}")
-        super().__init__(
-            layer, features, channels, alpha, momentum, end_momentum, momentum_scope, total_steps,
-            mask_loss=0.0, lam_margin=lam_margin, clean_weight=clean_weight, block_weight=block_weight,
-            reduction=reduction, upsampling=upsampling, block_lr=block_lr, block_momentum=block_momentum,
-            generator=generator, batch_dim=batch_dim, padding=padding, layout=layout,
-            feature_tokens=feature_tokens,
-        )  # fmt: skip
+        base()
         self.beta, self.mixup_ratio = check_fraction("beta", beta), check_fraction("mixup_ratio", mixup_ratio)
         self.adversarial_every, self.mix_samples, self.random_samples = (
             adversarial_every,
@@ -286,6 +264,18 @@ class AdAutoMix(AutoMix):
         )
         self.margin_rule = margin_rule
         self.iteration = 0  # the training forwards counted so far (the authors' self.iter)
+
+    # AutoMix's arguments but its mask loss (the shares sum to one by construction), with the authors' CUB
+    # config's alpha, end momentum and lam margin; then AdAutoMix's own (_own)
+    __init__ = extending(
+        AutoMix.__init__,
+        _own,
+        without=("mask_loss", "mask_loss_mode", "mask_margin", "mask_adjust"),
+        mask_loss=0.0,
+        alpha=1.0,
+        end_momentum=0.99999,
+        lam_margin=0.03,
+    )
 
     def __repr__(self) -> str:
         return (

@@ -432,6 +432,34 @@ def test_bad_input_is_refused_in_one_line():
         AdaptiveMask(0)
 
 
+def test_its_signature_is_automixs_less_the_mask_loss_plus_its_own_and_each_value_reaches_its_place():
+    """AdAutoMix states only what differs from AutoMix (mixhook.engine.mixer.extending): its signature lists
+    every argument with its own defaults, a value given by name reaches AutoMix's constructor or its own, a
+    mask loss is neither taken nor kept, and a value by position past ``features`` (where AutoMix's order
+    would have taken it for another argument) is refused in one line."""
+    import inspect
+
+    from mixhook import AutoMix
+
+    params = inspect.signature(AdAutoMix).parameters
+    automix = inspect.signature(AutoMix).parameters
+    mask = {"mask_loss", "mask_loss_mode", "mask_margin", "mask_adjust"}
+    own = {"beta", "adversarial_every", "mix_samples", "random_samples", "mixup_ratio", "margin_rule"}
+    assert set(params) == (set(automix) - mask) | own
+    assert [params[k].default for k in ("alpha", "end_momentum", "lam_margin", "beta", "mix_samples")] == [
+        1.0, 0.99999, 0.03, 0.3, 3,
+    ]  # fmt: skip
+    mix = AdAutoMix("input", "conv1", alpha=0.5, momentum=0.9, lam_margin=0.1, beta=0.2, mix_samples=2)
+    assert (mix.specs, mix.alpha, mix.lam_margin, mix.beta, mix.mix_samples) == (("input",), 0.5, 0.1, 0.2, 2)
+    assert mix.copy.momentum == 0.9 and mix.mask_loss == 0.0 and mix.iteration == 0
+    with pytest.raises(
+        TypeError, match=r"AdAutoMix\(\) takes layer, features by position and the rest by name"
+    ):
+        AdAutoMix("input", "conv1", None, 1.0, 0.3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'mask_loss'"):
+        AdAutoMix("input", "conv1", mask_loss=0.1)
+
+
 @pytest.mark.parametrize("samples", [2, 3])
 def test_a_per_sample_criterion_gives_the_losses_whose_mean_is_the_loss(samples):
     """With ``reduction="none"`` the cosine term is per sample too: the mean of the per-sample losses is

@@ -16,7 +16,7 @@ Float64 and other layouts take torch's ops.
 
 Off by default (``use(True)`` turns it on for :func:`mixhook.functional.blend`'s permutation blends on
 CUDA outside ``torch.compile``, which fuses its own): it stays opt-in until a GPU run has measured it
-against the eager blend (``benchmarks/cases/blend.py``; issue 72).
+against the eager blend (``benchmarks/cases/blend.py``).
 """
 
 from __future__ import annotations

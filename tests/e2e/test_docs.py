@@ -60,11 +60,18 @@ def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_p
     api = (html / "api.html").read_text()
     assert 'id="mixhook.ManifoldMixup"' in api and "Verma" in api  # the docstring, imported
     assert 'id="mixhook.RegionMixer"' in api and 'id="mixhook.engine.forward.Pins"' in api
-    assert "Training-time augmentation and regularization hooks" in (html / "index.html").read_text()
-    started = (html / "getting-started.html").read_text()  # the README's setup and three test commands
+    assert "mixhook adds training-time regularizers" in (html / "index.html").read_text()
+    started = re.sub(r"<[^>]+>", "", (html / "getting-started.html").read_text())  # (its text)
+    assert "pip install mixhook" in started and "A first example" in started and "python train.py" in started
+    assert "edit-test loop" not in started  # (a contributor's commands: the Development page's)
+    development = (html / "development.html").read_text()  # the README's setup and three test commands
     assert (
-        "its quick tier, for an edit-test loop" in started
-        and "the tests whose property is a process" in started
+        "its quick tier, for an edit-test loop" in development
+        and "the tests whose property is a process" in development
+    )
+    landing = re.sub(r"<[^>]+>", "", (html / "index.html").read_text())  # install, example, run, promises
+    assert all(
+        text in landing for text in ("pip install mixhook", "A first example", "What you can count on")
     )
 
 
@@ -145,8 +152,34 @@ def test_the_readme_is_a_quick_start_whose_links_all_lead_somewhere():
     assert len(readme.splitlines()) <= 200
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
     assert links and all((ROOT / link).exists() for link in links if "://" not in link), links
-    for heading in ("## Set up and test", "## Train", "## Three common uses", "## Documentation"):
+    for heading in (
+        "## Install", "## A first example", "## Train", "## Three common uses", "## Set up and test",
+        "## Documentation",
+    ):  # fmt: skip
         assert heading in readme
+
+
+def test_the_first_example_trains_with_a_mix_and_the_method_count_is_the_cards():
+    """The README's first example (the landing page's and Getting started's) runs as written, mixes (the
+    mixer recorded a mix at one of its layers) and trains (the weights move); the number of mixing methods
+    the README's first lines state is the catalogue's: every card but a composition's."""
+    import torch
+
+    import mixhook.mixers
+    from tests.readme import quoted_block
+
+    code = "\n".join(quoted_block("## A first example", language="python"))
+    torch.manual_seed(0)
+    scope: dict = {}
+    exec(compile(code, "README.md: A first example", "exec"), scope)
+    mix, model = scope["mix"], scope["model"]
+    assert mix.last is not None and mix.last.layer in ("input", "1")
+    torch.manual_seed(0)  # (the example's model as it was made, before its steps)
+    before = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    assert not torch.equal(before[0].weight, model[0].weight)
+    mixing = [n for n, cls in mixhook.mixers.METHODS.items() if cls.card.family != "composition"]
+    readme = (ROOT / "README.md").read_text()
+    assert f"`forward()`: {len(mixing)} mixing methods" in readme
 
 
 @pytest.mark.process
@@ -278,3 +311,20 @@ def test_the_adding_a_mixer_example_mixes_as_a_hand_edited_forward():
     for p, g in zip(model.parameters(), grads, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-12)
     assert mixer.last.info["offset"] == 1 and float(mixer.last.lam) == 0.5
+
+
+def test_the_pages_speak_a_readers_words():
+    """The pages a user reads (the README, every page under docs/, the docstrings the API page and the
+    catalogue read) name no issue of the team's tracker, which a reader cannot look up, and no internal
+    name for a measurement ("the CPU twin"). The results files under benchmarks/results are committed
+    records of a run, kept as they were written."""
+    pattern = re.compile(r"\bissues? \d+|\b(CPU|the) twin\b", re.I)
+    sources = [ROOT / "README.md", *DOCS.glob("*.md"), *(ROOT / "mixhook").rglob("*.py")]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+        for path in sources
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+        and not (path.suffix == ".py" and line.lstrip().startswith("#"))  # (a comment is a contributor's)
+    ]
+    assert not found, "\n".join(found)

@@ -56,4 +56,4 @@ napoleon_numpy_docstring = False
 html_theme = "furo"
 html_title = "mixhook"
 html_static_path = ["_static"]
-html_css_files = ["mixhook.css"]  # the catalogue's wide table fits the content column
+html_css_files = ["mixhook.css"]  # every table fits the content column or scrolls inside it

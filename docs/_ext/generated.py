@@ -173,8 +173,8 @@ def method_table() -> str:
     for name in catalogue_order():
         card = METHODS[name].card
         where = ", ".join(f"`{c}`" for c in configs[name])
-        if card.app:
-            where += f" (`{' '.join(card.app)}`)"
+        if card.app:  # (the overrides are long names: its section below shows the command)
+            where += f" ([with overrides](#{name.lower()}))"
         lines.append(
             f"| [`{name}`](#{name.lower()}) | {card.paper} | {card.mixes} | {card.where} | {where} "
             f"| {card.workflows} |"
@@ -187,14 +187,20 @@ def method_sections() -> str:
     computes, its picture."""
     from mixhook.engine.card import METHODS, catalogue_order
 
+    from mixhook.app.methods import configs_of
+
+    configs = configs_of()
     parts = []
     for name in catalogue_order():
         card = METHODS[name].card
+        run = ""
+        if card.app:  # the default experiment cannot take it: the command with the overrides it needs
+            run = f" The app trains it with `python train.py mixup={configs[name][0]} {' '.join(card.app)}`."
         picture = (
             f"![{name}](/gallery/{name}.png)" if card.picture is True else f"No picture: {card.picture}."
         )
         parts.append(
-            f"### {name}\n\n`{card.signature}`: {card.hook}. {card.paper}; {card.commands}.\n\n"
+            f"### {name}\n\n`{card.signature}`: {card.hook}. {card.paper}; {card.commands}.{run}\n\n"
             f"{card.details}\n\n{picture}\n"
         )
     return "\n".join(parts)

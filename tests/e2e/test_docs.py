@@ -30,13 +30,19 @@ def gallery_module():
     return module
 
 
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site built once for the tests that read it: (the build's result, its html folder)."""
+    out = tmp_path_factory.mktemp("site") / "html"
+    return build("--out", str(out)), out
+
+
 @pytest.mark.process
 @pytest.mark.slow
-def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_path):
-    result = build("--out", str(tmp_path / "html"))
+def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(site):
+    result, html = site
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"built {tmp_path / 'html' / 'index.html'}" and not result.stderr
-    html = tmp_path / "html"
+    assert result.stdout.strip() == f"built {html / 'index.html'}" and not result.stderr
     catalogue = (html / "catalogue.html").read_text()
     import mixhook.mixers
 
@@ -54,9 +60,9 @@ def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_p
     )
     assert "1.196 (missed)" in performance  # the H100's mixup_vs_none, from its results file
     assert (html / "_generated" / "results" / "cpu-2026-11-24-methods.html").exists()
-    # the catalogue's five-column table fits the content column: a fixed layout, cells that wrap their code
+    # every table fits the content column or scrolls inside it (test_the_tables_and_code_fit_or_scroll)
     assert "_static/mixhook.css" in catalogue
-    assert "table-layout: fixed" in (html / "_static" / "mixhook.css").read_text()
+    assert "box-sizing: border-box" in (html / "_static" / "mixhook.css").read_text()
     api = (html / "api.html").read_text()
     assert 'id="mixhook.ManifoldMixup"' in api and "Verma" in api  # the docstring, imported
     assert 'id="mixhook.RegionMixer"' in api and 'id="mixhook.engine.forward.Pins"' in api
@@ -73,6 +79,67 @@ def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(tmp_p
     assert all(
         text in landing for text in ("pip install mixhook", "A first example", "What you can count on")
     )
+
+
+def unfit(page, width: int) -> list[str]:
+    """What does not fit on ``page`` (a built html file) in a window ``width`` pixels wide, one line each
+    (tests/e2e/fit.js, run in headless Chromium): a table or code block that runs off the content column,
+    one cut without a scrollbar, a word of a table split across two lines."""
+    import html as entities
+    import json
+
+    probe = page.with_name(f"_fit_{page.name}")
+    probe.write_text(page.read_text().replace("</body>", f"<script>{FIT}</script></body>"))
+    try:
+        dom = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--window-size={width},900",
+             "--virtual-time-budget=3000", "--dump-dom", probe.as_uri()],
+            capture_output=True, text=True, timeout=120,
+        ).stdout  # fmt: skip
+    finally:
+        probe.unlink()
+    found = re.search(r'data-fit="([^"]*)"', dom)
+    if found is None:
+        return [f"{page.name} at {width}px: the page's layout could not be measured"]
+    return [f"{page.name} at {width}px: {line}" for line in json.loads(entities.unescape(found.group(1)))]
+
+
+FIT = (ROOT / "tests" / "e2e" / "fit.js").read_text()
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="measuring the pages needs a headless Chromium")
+def test_every_table_and_code_block_fits_its_column_or_scrolls_inside_it(site):
+    """Every page a reader opens, in a desktop window and a phone's (the results files in the phone's):
+    no table or code block runs off the content column or is cut, and no word of a table is split across
+    lines (a cell wraps at spaces only; a table wider than the column scrolls inside its wrapper). A copy
+    of a page with a table whose cells break anywhere in a fixed layout fails it."""
+    result, html = site
+    assert result.returncode == 0, result.stderr
+    pages = sorted(
+        p
+        for p in html.rglob("*.html")
+        if not {"_static", "_sources"} & set(p.parts) and not p.name.startswith(("genindex", "search", "py-"))
+    )
+    assert len(pages) >= 70  # (the pages, the studies' reports and every results file)
+    records = html / "_generated" / "results"  # (at the narrow width only: generated alike, one by one)
+    found = [
+        line
+        for page in pages
+        for width in ((420,) if records in page.parents else (1280, 420))
+        for line in unfit(page, width)
+    ]
+    assert not found, "\n".join(found)
+    # the check fails what the site once had: a fixed layout whose cells break inside words
+    bad = html / "_bad_matrix.html"  # (beside the site: its style sheets load)
+    style = "<style>table { table-layout: fixed; width: 100%; } td { overflow-wrap: anywhere; }</style>"
+    bad.write_text((html / "matrix.html").read_text().replace("</head>", f"{style}</head>"))
+    try:
+        assert any("a word split across lines" in line for line in unfit(bad, 420))
+    finally:
+        bad.unlink()
 
 
 @pytest.mark.process

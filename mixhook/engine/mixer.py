@@ -237,10 +237,10 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     @property
     def layer_weights(self) -> tuple[float, ...] | None:
-        """Draw weights of :attr:`specs` (one >= 0 each, not all 0): spec ``k`` is mixed with probability
-        ``w[k] / sum(w)``, and of the layers a pattern names, each alike (``["input", "blocks[2:6]"]``
-        with ``[1, 1]``: the input half the time, each of the four blocks an eighth). ``None``
-        (default): uniform over the layers, as each paper draws."""
+        """Draw weights of :attr:`specs` (one >= 0 each, not all 0), by which spec ``k`` is mixed with
+        probability ``w[k] / sum(w)``, and of the layers a pattern names, each alike (``["input",
+        "blocks[2:6]"]`` with ``[1, 1]``: the input half the time, each of the four blocks an eighth).
+        ``None`` (default): uniform over the layers, as each paper draws."""
         return self._layer_weights
 
     @layer_weights.setter
@@ -333,8 +333,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     @property
     def current(self) -> Forward | None:
-        """The training forward under way (:class:`~mixhook.engine.forward.Forward`: its layer, pins and,
-        once its layer ran, what it mixed), or ``None`` outside one or in a forward that does not mix."""
+        """The training forward under way (a :class:`~mixhook.engine.forward.Forward`, with its layer, pins
+        and, once its layer ran, what it mixed), or ``None`` outside one or in a forward that does not mix."""
         return self._path.current
 
     @property

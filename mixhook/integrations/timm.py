@@ -164,7 +164,7 @@ class LayerMixup:
 
     @property
     def last(self):
-        """The :class:`~mixhook.MixState` of the latest training forward (``None``: not mixed)."""
+        """The :class:`~mixhook.MixState` of the latest training forward, or ``None`` where it did not mix."""
         return self.hook.last
 
     def state_dict(self) -> dict:
@@ -326,7 +326,7 @@ class MixupFn:
 
     @property
     def last(self):
-        """The :class:`~mixhook.MixState` of the latest training forward (``None``: not mixed)."""
+        """The :class:`~mixhook.MixState` of the latest training forward, or ``None`` where it did not mix."""
         return self.mixer.last
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,9 +102,9 @@ class ManifoldMixup(Mixer):
 
     @property
     def draws_in_mix(self) -> bool:
-        """Whether :meth:`mix` draws from the generator itself (see :attr:`Mixer.draws_in_mix`): only with
-        partners from the global batch (rank 0's permutation of it); else lam and the index are all it
-        draws."""
+        """Whether :meth:`mix` draws from the generator itself (see :attr:`Mixer.draws_in_mix`), which it does
+        only with partners from the global batch (rank 0's permutation of it); else lam and the index are
+        all it draws."""
         return self.partners == "global"
 
     def __init__(

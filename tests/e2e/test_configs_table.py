@@ -36,8 +36,16 @@ def test_the_table_compares_each_config_with_none_and_says_what_failed():
     assert body["| `mixup=automix`"].endswith("| 98.33 | 98.61 | 2.30 | 842 | trains |")
     assert body["| `mixup=samix`"].endswith("| **88.0 points below none** |")
     assert body["| `mixup=cmixup data=diabetes model=mlp`"].startswith(
-        "| `mixup=cmixup data=diabetes model=mlp` | RMSE 55.123 |"
+        "| `mixup=cmixup data=diabetes model=mlp` | 55.123 |"
     )
+    # one section per model and data, each with its baseline first and columns that say what they hold
+    sections = [line for line in rows if line.startswith("## ")]
+    assert sections[0] == "## PreActResNet-18 on digits, the default run" and len(sections) == 3
+    vit_rows = rows[rows.index("## A ViT on digits (TransMix, MixPro)") :]
+    assert "the recipe, not the methods" in vit_rows[2]
+    assert [r for r in vit_rows if r.startswith("| `")][0].startswith("| `mixup=none model=timm")
+    assert "| config | test RMSE | best | seconds | |" in rows
+    assert rows.count("| config | test accuracy | best | test ECE | seconds | against `mixup=none` |") == 2
     assert body["| `mixup=fmix`"].endswith("| 3 | **failed**: error: mixup.layer: ... |")
     assert body["| `mixup=cmixup data=diabetes model=mlp`"].endswith("| 9 | regression: beside none |")
     # a config on a ViT is compared with mixup=none on the same ViT, not with the default model

@@ -66,6 +66,11 @@ def test_the_site_builds_clean_with_the_generated_tables_and_every_picture(site)
     api = (html / "api.html").read_text()
     assert 'id="mixhook.ManifoldMixup"' in api and "Verma" in api  # the docstring, imported
     assert 'id="mixhook.RegionMixer"' in api and 'id="mixhook.engine.forward.Pins"' in api
+    # a property's docstring renders whole (Napoleon reads a first line "X: y" as a type and its text)
+    typed = re.findall(r'<dl class="py property">(?:(?!</dl>).)*?<dt class="field-\w+">Type<', api, re.S)
+    assert not typed, f"{len(typed)} properties render their first words as a Type field"
+    for heading in ("timm’s train script", "PyTorch Lightning", "The HuggingFace Trainer and TRL"):
+        assert f'{heading}<a class="headerlink"' in api  # (each adapter under its own heading)
     assert "mixhook adds training-time regularizers" in (html / "index.html").read_text()
     started = re.sub(r"<[^>]+>", "", (html / "getting-started.html").read_text())  # (its text)
     assert "pip install mixhook" in started and "A first example" in started and "python train.py" in started

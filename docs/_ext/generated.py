@@ -185,9 +185,8 @@ def method_table() -> str:
 def method_sections() -> str:
     """Each method's section of the catalogue (its card): signature, hook, paper and commands, what it
     computes, its picture."""
-    from mixhook.engine.card import METHODS, catalogue_order
-
     from mixhook.app.methods import configs_of
+    from mixhook.engine.card import METHODS, catalogue_order
 
     configs = configs_of()
     parts = []

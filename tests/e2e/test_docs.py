@@ -400,3 +400,31 @@ def test_the_pages_speak_a_readers_words():
         and not (path.suffix == ".py" and line.lstrip().startswith("#"))  # (a comment is a contributor's)
     ]
     assert not found, "\n".join(found)
+
+
+def test_each_methods_workflows_in_the_catalogue_are_the_matrixs():
+    """The catalogue's workflows column (each card's ``workflows``) says what the matrix's row of the method
+    found (docs/matrix.md, written from runs): "all" where every workflow but TRL trains it (exact, or
+    trains in the app), "+ TRL" where TRL's is exact too, "but TRL" where TRL refuses it or is no workflow
+    for its model (a method that keeps the clean batch, which TRL's adapter refuses)."""
+    import mixhook.mixers
+
+    lines = (DOCS / "matrix.md").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| method | own loop"))
+    columns = [c.strip() for c in lines[head].strip("|").split("|")]
+    rows = {}
+    for line in lines[head + 2 :]:
+        if not line.startswith("| `"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = dict(zip(columns, cells, strict=True))
+    wrong = []
+    for name, cls in mixhook.mixers.METHODS.items():
+        row, said = rows[name], cls.card.workflows
+        others = [v for k, v in row.items() if k not in ("method", "TRL")]
+        trl = row["TRL"].split(" ")[0]
+        everywhere = all(v in ("exact", "trains") for v in others)
+        expected = {"exact": "all + TRL", "refused": "all but TRL"}.get(trl, "all") if everywhere else None
+        if said != expected and not (trl == "n/a" and said == "all but TRL"):
+            wrong.append(f"{name}: the card says {said!r}, the matrix's row {row}")
+    assert len(rows) >= len(mixhook.mixers.METHODS) and not wrong, "\n".join(wrong)

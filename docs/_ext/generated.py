@@ -76,10 +76,16 @@ def runs_table(results: dict[str, dict]) -> str:
     for stem, run in results.items():
         meta = run.get("meta", {})
         goals = run.get("goals", [])
-        missed = ", ".join(f"`{g['goal']}`" for g in goals if not g["met"])
+        counts: dict[str, int] = {}
+        for goal in goals:
+            if not goal["met"]:
+                counts[goal["goal"]] = counts.get(goal["goal"], 0) + 1
+        missed = ", ".join(f"`{g}`" + (f" ×{n}" if n > 1 else "") for g, n in counts.items())
+        # (where the run wrote its files is the author's machine's: the row's link is where they are now)
+        command = re.sub(r" --out \S+", "", meta.get("command", ""))
         lines.append(
             f"| {_link(stem)} | {meta.get('device', '')} | {meta.get('date', '')} "
-            f"| `{meta.get('command', '')}` | {sum(g['met'] for g in goals)} of {len(goals)} | {missed} |"
+            f"| `{command}` | {sum(g['met'] for g in goals)} of {len(goals)} | {missed} |"
         )
     return "\n".join(lines) + "\n"
 

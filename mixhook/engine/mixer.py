@@ -148,7 +148,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     def _fresh(self) -> None:
         super()._fresh()
-        # the path of its training forwards through its hooks, and the state of its attachment (.path);
+        # the path of its training forwards through its hooks, and the state of its attachment (Path);
         # handed what it needs of this mixer's machinery as a hook on some layers
         self._path = Path(self, self._note, self._replayed, self._seed_for_rank, self._site, self._per_layer)
 

@@ -153,7 +153,6 @@ class Path:
         self._policies: Policies | None = None  # use(): the partners, lam, target and loss policies
         self._padding = "union"  # padding: the padding masks downstream of a mix
         self._token_grid = None  # token_grid: a region method's patch grid of a token sequence
-        self._permutes = True  # index_is_permutation: draw_index() returns a permutation of the batch
 
     # ------------------------------------------------------------------------ attaching, once
 
@@ -171,7 +170,6 @@ class Path:
         self.model, self.sites, self.layers = model, mixer.sites, mixer.layers
         self._clean, self._padding, self._token_grid = mixer.clean, mixer.padding, mixer.token_grid
         self._policies = Policies(self.kind, mixer.policies) if mixer.policies else None
-        self._permutes = mixer.index_is_permutation
         self.site_leaves = SiteLeaves(mixer, model, dims, self._per_layer)
         # (made again now that the specs are resolved: a portable spec's real name is what the pass meets)
         self.gradients = GradientPass(self.kind, self.sites, self._captured_leaves, self._as_given)
@@ -732,7 +730,7 @@ class Path:
         index = pins.index
         if index is None:
             index = mixer.draw_index(n, generator)
-            permutation = self._permutes and (not self._global or mixer.partner_pool(n) == n)
+            permutation = mixer.index_is_permutation and (not self._global or mixer.partner_pool(n) == n)
             return Draw(spec, lam, index, generator, pins.given, permutation, weight)
         pool = mixer.partner_pool(n) if self._global else n
         low, high = pins.span

@@ -5,6 +5,7 @@ its compute_loss saw (per optimizer step) and rank 0 saves the trained weights."
 import sys
 
 import torch
+from fsdp_worker import end_without_finalizing  # (this script's folder is on sys.path under accelerate)
 from transformers import Trainer
 
 from mixhook import ManifoldMixup
@@ -51,3 +52,5 @@ if __name__ == "__main__":
     torch.save({"seen": callback.seen, "inputs": recorded, "world": args.world_size}, f"{out}/rank{rank}.pt")
     if rank == 0:
         torch.save(model.state_dict(), f"{out}/model.pt")
+    torch.distributed.barrier()  # (neither rank leaves while the other may still be in its last collective)
+    end_without_finalizing()  # (fsdp_worker.py says why: gloo's threads can outlive Python's shutdown)

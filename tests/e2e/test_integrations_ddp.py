@@ -23,6 +23,20 @@ from tests.unit.test_integrations_transformers import BERT_LAYERS, bert
 pytestmark = [pytest.mark.slow, pytest.mark.process]  # two processes each
 
 
+def end_at_exit_without_finalizing(trainer, pl_module, stage) -> None:
+    """A Lightning ``setup`` hook: in a worker that ``ddp_spawn`` started, end the process at its exit before
+    Python's shutdown (tests/e2e/fsdp_worker.py's ``end_without_finalizing`` says why: gloo's threads can
+    outlive it, and the worker aborted, SIGABRT, after its fit had finished). Run before Lightning's own
+    exit handler (the last registered runs first), once the worker has handed back its results."""
+    import atexit
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        from tests.e2e.fsdp_worker import end_without_finalizing
+
+        atexit.register(end_without_finalizing)
+
+
 def simulate(model, loader, epochs, seed, ranks):
     """DDP by hand: one replica per rank on its shard (Lightning's DistributedSampler for a training set:
     shuffled with seed 0, set_epoch per epoch), each drawing as that rank, the gradients averaged, one SGD
@@ -60,8 +74,11 @@ def test_ddp_spawn_two_processes_draw_per_rank_and_equal_ddp_by_hand():
     lit = Lit().double()
     start = copy.deepcopy(lit.net)
     mixer = ManifoldMixup(["net.0", "net.2"], alpha=1.0, generator=torch.Generator().manual_seed(5))
+    from lightning.pytorch.callbacks import LambdaCallback
+
+    ends = LambdaCallback(setup=end_at_exit_without_finalizing)
     with lightning_ddp():
-        trainer(max_epochs=2, strategy="ddp_spawn", devices=2, callbacks=[MixupCallback(mixer)]).fit(
+        trainer(max_epochs=2, strategy="ddp_spawn", devices=2, callbacks=[MixupCallback(mixer), ends]).fit(
             lit, loader
         )
     expected = simulate(start, loader, 2, 5, ranks=[0, 1])

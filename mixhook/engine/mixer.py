@@ -156,7 +156,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         claim(model, self)
 
     def _register(self, model: nn.Module, modules: dict[str, nn.Module], handles: list) -> None:
-        self._path.register(model, modules, handles, self._dims)
+        self._path.register(model, modules, handles, self._dims, self._policies)
 
     def _reset(self) -> None:
         self._path.reset()

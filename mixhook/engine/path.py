@@ -72,7 +72,7 @@ SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix"))
 # fixed while a mixer is attached (its setters refuse a change then) are read once, when it is attached.
 VIEW = {
     "settings": (
-        "sites", "layers", "clean", "policies", "padding", "token_grid", "layout", "layout_aware",
+        "sites", "layers", "clean", "padding", "token_grid", "layout", "layout_aware",
         "region_dims", "batch_norm_apart", "traceable", "draws_in_mix", "index_is_permutation",
         "checks_by_signature", "computed_each_forward", "overridden", "prob", "generator", "site_weights",
     ),
@@ -112,13 +112,8 @@ class Path:
                  per_layer: Callable):  # fmt: skip
         self.mixer = mixer
         self.kind = type(mixer).__name__
-        self._note, self._replayed, self._seed, self._site, self._per_layer = (
-            note,
-            replayed,
-            seed,
-            site,
-            per_layer,
-        )
+        self._note, self._replayed = note, replayed  # (recompute: what a recomputation must redo)
+        self._seed, self._site, self._per_layer = seed, site, per_layer
         self.current: Forward | None = None  # the training forward under way
         self.targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
         self.seen = Forwards(mixer)  # the recent forwards, and which one produced given logits
@@ -162,14 +157,16 @@ class Path:
         modules: dict[str, nn.Module],
         handles: list[RemovableHandle],
         dims: dict,
+        policies: Policies | None,
     ) -> None:
         """Register the model hooks that start and end each forward, the layer hooks and the padding-mask
         hooks (their handles appended to ``handles``), and work out what depends only on the model, its
-        sites (resolved, each module by spec; ``dims``: their batch dimensions) and the method."""
+        sites (resolved, each module by spec; ``dims``: their batch dimensions) and the method (``policies``:
+        the mixer's, which it cannot change while attached)."""
         mixer = self.mixer
         self.model, self.sites, self.layers = model, mixer.sites, mixer.layers
         self._clean, self._padding, self._token_grid = mixer.clean, mixer.padding, mixer.token_grid
-        self._policies = Policies(self.kind, mixer.policies) if mixer.policies else None
+        self._policies = policies
         self.site_leaves = SiteLeaves(mixer, model, dims, self._per_layer)
         # (made again now that the specs are resolved: a portable spec's real name is what the pass meets)
         self.gradients = GradientPass(self.kind, self.sites, self._captured_leaves, self._as_given)
@@ -178,9 +175,8 @@ class Path:
         self._positional = {spec: self.sites[spec].paths is None for spec in self._inputs}
         self._packable = packing.may_pack(model)
         self._global = crosses_ranks(mixer)
-        self._extended = mixer.overridden | (
-            SKIPPABLE & vars(mixer).keys()
-        )  # (the class's, or this mixer's own)
+        # the skippable extension points it overrides: its class's, or this mixer's own attributes
+        self._extended = mixer.overridden | (SKIPPABLE & vars(mixer).keys())
         self._checks_leaves = "check_leaves" in self._extended and not (
             mixer.checks_by_signature and "check_leaves" not in vars(mixer)
         )  # (whether the cheap case runs it: a check that depends on the signature ran when it was planned)
@@ -570,9 +566,9 @@ class Path:
         mixer = self.mixer
         mixer.last_forward = forward
         forward.mixed = last
-        mixer.last = (
-            last if not self.seen.begun else self.seen.mixed(last)
-        )  # (compiled: no graph pieces kept)
+        mixer.last = last
+        if self.seen.begun:  # (a compiled forward: kept without the loss's graph pieces)
+            mixer.last = self.seen.mixed(last)
 
     # ------------------------------------------------------------ 3. the model's output hook: mark
 
@@ -695,10 +691,8 @@ class Path:
         returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator`` (``drawn``: the draw
         of lam and the index, made already by :meth:`_repeatable`)."""
         mixer = self.mixer
-        saved, mixer.generator = (
-            mixer.generator,
-            generator,
-        )  # a mixer drawing from its own generator replays too
+        # (a mixer drawing from its own generator, not draw.generator, replays too)
+        saved, mixer.generator = mixer.generator, generator
         try:
             draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
             if self._policies is None:

@@ -654,11 +654,7 @@ def with_defaults(init: Callable, **defaults) -> Callable:
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs) -> None:
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError as error:  # (as Python says it of a plain __init__)
-            raise TypeError(f"{type(self).__name__}() {error}") from None
-        bound.apply_defaults()
+        bound = _bound(signature, self, args, kwargs)
         init(*bound.args, **bound.kwargs)
 
     __init__.__signature__ = signature
@@ -701,15 +697,21 @@ def extending(init: Callable, own: Callable, positional: int = 2, without: Seque
                 f"{type(self).__name__}() takes {first} by position and the rest by name, got {len(args)} "
                 "values by position"
             )
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError as error:  # (as Python says it of a plain __init__)
-            raise TypeError(f"{type(self).__name__}() {error}") from None
-        bound.apply_defaults()
-        values = dict(bound.arguments)
+        values = dict(_bound(signature, self, args, kwargs).arguments)
         del values[next(iter(values))]  # (self)
         theirs = {name: values.pop(name) for name in names}
         own(self, lambda: init(self, **values, **fixed), **theirs)
 
     __init__.__signature__ = signature
     return __init__
+
+
+def _bound(signature: inspect.Signature, self, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """A constructor call's arguments by ``signature`` (:func:`with_defaults`', :func:`extending`'s), its
+    defaults applied; refused as Python refuses a plain ``__init__``'s, in one line."""
+    try:
+        bound = signature.bind(self, *args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"{type(self).__name__}() {error}") from None
+    bound.apply_defaults()
+    return bound

@@ -167,3 +167,55 @@ def peaks(saliency: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = saliency.flatten(1).argmax(1)
     width = saliency.shape[-1]
     return flat // width, flat % width
+
+
+def gaussian_blur(maps: torch.Tensor, size: int, sigma: float) -> torch.Tensor:
+    """``(B, H, W)`` maps blurred as torchvision's ``GaussianBlur((size, size), sigma)`` blurs them (its
+    normalised 1-D kernel in both directions, reflect padding); ``size`` shrinks to the largest odd size
+    the map's sides can reflect (a hidden layer's 4x4 map takes 7x7 kernels down to 7; 2x2 to 3)."""
+    size = min(size, 2 * min(maps.shape[-2:]) - 1)
+    if size < 3:
+        return maps
+    size -= 1 - size % 2
+    x = torch.linspace(-(size - 1) / 2, (size - 1) / 2, size, dtype=maps.dtype, device=maps.device)
+    pdf = torch.exp(-0.5 * (x / sigma).square())
+    kernel = pdf / pdf.sum()
+    pad = size // 2
+    out = F.pad(maps[:, None], [pad, pad, pad, pad], mode="reflect")
+    out = F.conv2d(out, kernel.view(1, 1, 1, -1))
+    return F.conv2d(out, kernel.view(1, 1, -1, 1))[:, 0]
+
+
+def greedy_cycle(distance: torch.Tensor) -> torch.Tensor:
+    """GuidedMixup's ``onecycle_cover`` (3neutronstar/GuidedMixup ``FGVC/Implementor/pairing.pyx``) on
+    the device: start at the farthest pair ``(row, col)`` (the first in row-major order on ties, as
+    numpy's ``argmax``), then from each partner to its farthest sample not yet taken, and close the cycle
+    back to the first: every sample is one partner's once (a permutation). ``n - 2`` steps of device ops,
+    no host read."""
+    n = distance.shape[0]
+    d = distance.clone()
+    d.fill_diagonal_(float("-inf"))
+    first = d.flatten().argmax().view(1)
+    row, col = first // n, first % n
+    first = row
+    index = torch.empty(n, dtype=torch.int64, device=d.device)
+    index.index_put_((row,), col)
+    d.index_fill_(1, row, float("-inf"))
+    for _ in range(n - 2):
+        row = col
+        col = d.index_select(0, row).argmax(1)
+        index.index_put_((row,), col)
+        d.index_fill_(1, row, float("-inf"))
+    index.index_put_((col,), first)
+    return index
+
+
+def guided_maps(saliency: torch.Tensor, blur: int, sigma: float) -> torch.Tensor:
+    """GuidedMixup's saliency maps as its authors compare and mix them (3neutronstar/GuidedMixup
+    ``FGVC/Implementor/guidedmixup.py``: ``self.blur(sc_a)``, then ``_saliency_normalization``'s
+    ``sumto1``): ``(B, H, W)`` maps blurred (``blur``: the kernel size, 0 for none), then each normalised to
+    sum 1 (a map that sums to 0 stays 0); any other ``(B, ...)`` map normalised only."""
+    if saliency.ndim == 3 and blur:
+        saliency = gaussian_blur(saliency, blur, sigma)
+    dims = tuple(range(1, saliency.ndim))
+    return saliency / saliency.sum(dims, keepdim=True).clamp_min(torch.finfo(saliency.dtype).tiny)

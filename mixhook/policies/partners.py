@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from ..engine import saliency as sources
 from ..engine.checks import check_positive
 from ..engine.contract import Draw, MixState
 from ..engine.mixer import Mixer
 from ..engine.policies import Policy, refuse_global_partners
+from ..engine.saliency import greedy_cycle
 from ..functional import sample_beta, weight_of
 from ..sites import INPUT, Leaf, describe
 
@@ -351,47 +351,6 @@ def activation_saliency(h: torch.Tensor) -> torch.Tensor:
     return h.detach().abs().to(torch.promote_types(h.dtype, torch.float32))
 
 
-def gaussian_blur(maps: torch.Tensor, size: int, sigma: float) -> torch.Tensor:
-    """``(B, H, W)`` maps blurred as torchvision's ``GaussianBlur((size, size), sigma)`` blurs them (its
-    normalised 1-D kernel in both directions, reflect padding); ``size`` shrinks to the largest odd size
-    the map's sides can reflect (a hidden layer's 4x4 map takes 7x7 kernels down to 7; 2x2 to 3)."""
-    size = min(size, 2 * min(maps.shape[-2:]) - 1)
-    if size < 3:
-        return maps
-    size -= 1 - size % 2
-    x = torch.linspace(-(size - 1) / 2, (size - 1) / 2, size, dtype=maps.dtype, device=maps.device)
-    pdf = torch.exp(-0.5 * (x / sigma).square())
-    kernel = pdf / pdf.sum()
-    pad = size // 2
-    out = F.pad(maps[:, None], [pad, pad, pad, pad], mode="reflect")
-    out = F.conv2d(out, kernel.view(1, 1, 1, -1))
-    return F.conv2d(out, kernel.view(1, 1, -1, 1))[:, 0]
-
-
-def greedy_cycle(distance: torch.Tensor) -> torch.Tensor:
-    """GuidedMixup's ``onecycle_cover`` (3neutronstar/GuidedMixup ``FGVC/Implementor/pairing.pyx``) on
-    the device: start at the farthest pair ``(row, col)`` (the first in row-major order on ties, as
-    numpy's ``argmax``), then from each partner to its farthest sample not yet taken, and close the cycle
-    back to the first: every sample is one partner's once (a permutation). ``n - 2`` steps of device ops,
-    no host read."""
-    n = distance.shape[0]
-    d = distance.clone()
-    d.fill_diagonal_(float("-inf"))
-    first = d.flatten().argmax().view(1)
-    row, col = first // n, first % n
-    first = row
-    index = torch.empty(n, dtype=torch.int64, device=d.device)
-    index.index_put_((row,), col)
-    d.index_fill_(1, row, float("-inf"))
-    for _ in range(n - 2):
-        row = col
-        col = d.index_select(0, row).argmax(1)
-        index.index_put_((row,), col)
-        d.index_fill_(1, row, float("-inf"))
-    index.index_put_((col,), first)
-    return index
-
-
 class SaliencyPairing(Policy):
     """GuidedMixup's pairing (Kang & Kim 2023): each sample's partner chosen by a greedy cycle over the
     batch's saliency distances, so that samples whose salient regions differ most are mixed (and a mix
@@ -446,10 +405,7 @@ class SaliencyPairing(Policy):
 
     def maps(self, saliency: torch.Tensor) -> torch.Tensor:
         """The saliency maps as they are compared: blurred (2-D maps), each normalised to sum 1, flattened."""
-        if saliency.ndim == 3 and self.blur:
-            saliency = gaussian_blur(saliency, self.blur, self.sigma)
-        flat = saliency.flatten(1)
-        return flat / flat.sum(1, keepdim=True).clamp_min(torch.finfo(flat.dtype).tiny)
+        return sources.guided_maps(saliency, self.blur, self.sigma).flatten(1)
 
     def draws(self, mixer: Mixer, spec: str, n: int, pins, generator: torch.Generator) -> Draw | None:
         if pins.index is not None:

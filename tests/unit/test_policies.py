@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixhook import CMixup, CutMix, ManifoldMixup, OneOf, RankMixup, RegMixup
+from mixhook.engine.saliency import gaussian_blur
 from mixhook.policies import (
     BalancedMixup,
     DecoupledLoss,
@@ -29,7 +30,7 @@ from mixhook.policies import (
     symmetric_beta_cdf,
 )
 from mixhook.policies.lam import warp_parameters
-from mixhook.policies.partners import gaussian_blur, gradient_saliency
+from mixhook.policies.partners import gradient_saliency
 
 scipy_special = pytest.importorskip("scipy.special")
 scipy_stats = pytest.importorskip("scipy.stats")

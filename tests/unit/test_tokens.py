@@ -43,8 +43,8 @@ REGION_MIXERS = sorted(
 
 def test_the_region_mixers_all_take_a_token_grid():
     assert REGION_MIXERS == [
-        "AttentiveCutMix", "CutMix", "FMix", "GridMix", "MixPro", "PatchUp", "ResizeMix", "SaliencyMix",
-        "SmoothMix", "TokenMix", "TransMix",
+        "AttentiveCutMix", "CutMix", "FMix", "GridMix", "GuidedMixup", "MixPro", "PatchUp", "ResizeMix",
+        "SaliencyMix", "SmoothMix", "TokenMix", "TransMix",
     ]  # fmt: skip
 
 
@@ -127,7 +127,11 @@ def test_every_region_mixer_mixes_tokens_as_it_mixes_the_same_map(name):
     """The same mixer, the same seed: its tokens' patch part equals its mix of the (B, D, gh, gw) map the
     tokens are, and the leading tokens are blended with the lam the targets get."""
     cls = getattr(mixhook, name)
-    options = {"PatchUp": {"block_size": 3}, "AttentiveCutMix": {"grid": 2, "top_k": 1}}.get(name, {})
+    options = {
+        "PatchUp": {"block_size": 3},
+        "AttentiveCutMix": {"grid": 2, "top_k": 1},
+        "GuidedMixup": {"saliency": "activation"},  # (the map's own: no labels for a gradient pass)
+    }.get(name, {})
     tokens = torch.randn(4, 2 + 20, 6, dtype=torch.double)  # 2 leading tokens, a 4x5 grid
     grid = tokens[:, 2:].transpose(1, 2).reshape(4, 6, 4, 5)
     results = []

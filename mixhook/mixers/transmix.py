@@ -168,7 +168,7 @@ class TransMix(ReadsAttention, CutMix):
         family="attention",
         signature="TransMix(layer, attention, alpha=1.0, ratio=0.5)",
         hook="forward, ViT inputs or tokens, + a forward hook on the attention layer",
-        commands="`mixup=transmix` on a timm ViT (below)",
+        commands="`mixup=transmix experiment=vit_digits` (the app's ViT recipe)",
         details=(
             "CutMix's mix; each sample's partner weight ← `ratio·(pasted area) + (1-ratio)·Σ a·P / Σ a`, `a` "
             "the class token's attention over the patches (heads averaged) in the named attention layer of "
@@ -177,7 +177,7 @@ class TransMix(ReadsAttention, CutMix):
             "grid; one lam per sample; equal to the authors' `transmix_label` on the same attention; "
             '`.last.info["attention"]`, `["area_lam"]`'
         ),
-        app=("model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2"),
+        app=("experiment=vit_digits",),  # (timm's ViT-Tiny on digits with AdamW: the app's ViT recipe)
         shown_on="vit",
         example={"layer": "input", "attention": "blocks.1.attn"},
         drawn={"attention": "encoder.layers.encoder_layer_1.self_attention", "hidden": {"tokens": "auto"}},

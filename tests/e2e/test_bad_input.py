@@ -217,8 +217,8 @@ from tests.conftest import write_cifar
         (
             ["mixup=transmix"],
             "error: mixup.attention: TransMix weighs its labels by a ViT's class-token attention "
-            "('blocks.11.attn'), and PreActResNet has no attention module; train a ViT: model=timm "
-            "model.name=vit_tiny_patch16_224 +model.img_size=8 +model.patch_size=2",
+            "('blocks.11.attn'), and PreActResNet has no attention module; train a ViT: "
+            "experiment=vit_digits",
         ),
         (
             ["mixup=mixpro"],

@@ -209,8 +209,29 @@ REPOSITORIES = {
 UNVERIFIED = [name for name in EXPECTED if name.startswith(tuple(REPOSITORIES)) and EXPECTED[name][3] is None]
 
 
+# Recipes that are no paper's: name -> what they compose to (docs/configs.md shows them train)
+RECIPES = {
+    "vit_digits": {
+        "model": {"_target_": "mixhook.app.models.timm_model", "name": "vit_tiny_patch16_224", "img_size": 8,
+                  "patch_size": 2},
+        "optim": {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.05},
+        "scheduler": {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "T_max": 15},
+        "trainer": {"warmup_epochs": 3, "epochs": 15},
+        "data": {"name": "digits"},
+    },
+}  # fmt: skip
+
+
 def test_every_experiment_config_is_checked_here():
-    assert EXPERIMENTS == sorted(EXPECTED)
+    assert EXPERIMENTS == sorted([*EXPECTED, *RECIPES])
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_recipe_sets_what_it_says_keeps_the_mixup_chosen_and_attaches_no_paper(name):
+    cfg = OmegaConf.to_container(config(f"experiment={name}", "mixup=transmix"), resolve=True)
+    for group, values in RECIPES[name].items():
+        assert {k: cfg[group][k] for k in values} == values, group
+    assert cfg["paper"] is None and cfg["mixup"]["_target_"] == "mixhook.TransMix"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

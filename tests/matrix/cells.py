@@ -294,8 +294,10 @@ def _app(*overrides, out: str) -> None:
 
 
 def _narrow(overrides) -> list[str]:
-    """The default model narrowed, where the overrides keep it."""
-    return [*overrides] if any(o.startswith("model=") for o in overrides) else [*overrides, NARROW]
+    """The default model narrowed, where the overrides keep it (a ``model=`` or an ``experiment=`` may
+    choose another: the ViT recipe's)."""
+    chosen = any(o.startswith(("model=", "experiment=")) for o in overrides)
+    return [*overrides] if chosen else [*overrides, NARROW]
 
 
 def app(method: Method) -> Cell:

@@ -21,6 +21,7 @@ from benchmarks.timing import ratio
 from mixhook import (
     AdAutoMix,
     AttentiveCutMix,
+    AugMix,
     AutoMix,
     CMixup,
     ManifoldMixup,
@@ -54,8 +55,9 @@ def method_variants() -> dict:
     makers = {
         name: (lambda cls=cls: cls(LAYER))
         for name, cls in sorted(METHODS.items())
-        if name != "OneOf" and not needs_more_than_a_layer(cls)
+        if name not in ("OneOf", "AugMix") and not needs_more_than_a_layer(cls)
     }
+    makers["AugMix"] = lambda: AugMix("input", mean=[0.5], std=[0.05])  # (the input only; N(0, 1) as pixels)
     makers["SaliencyMix_gradient"] = lambda: SaliencyMix(LAYER, saliency="gradient")
     makers["SaliencyMix_layer1_activation"] = lambda: SaliencyMix(LAYER, saliency_layer="layer1")
     makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")

@@ -56,6 +56,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     mixup = _the_mixer(cfg, hooks, data, dist)
     _span_the_run(cfg, mixup, data)
     _feed_policies(cfg, mixup, data)
+    _give_pixels(mixup, data)
     _check_soft_targets(cfg, mixup)
     handles = attach_and_check(model, hooks, data)
     try:  # (a refusal from here on leaves the model without the hooks)
@@ -419,6 +420,17 @@ def _check_soft_targets(cfg: DictConfig, mixup) -> None:
                     "trainer.loss=bce_softmax trains on the mixer's soft targets, but "
                     f"{type(mixer).__name__} {why}; use trainer.loss=ce"
                 )
+
+
+def _give_pixels(mixup, data: Data) -> None:
+    """A mixer whose operations read pixel values (``reads_pixels``: AugMix) and that was given no
+    ``mean``/``std`` gets the data's normalisation, logged (the one-line refusal of data that has none
+    stays its own)."""
+    for mixer in members(mixup) if mixup is not None else []:
+        if getattr(mixer, "reads_pixels", False) and mixer.mean is None and data.normalization is not None:
+            mixer.mean, mixer.std = (list(v) for v in data.normalization)
+            log.info("mixup: %s reads pixels: mean=%s, std=%s (data=%s's normalisation)",
+                     type(mixer).__name__, mixer.mean, mixer.std, data.name)  # fmt: skip
 
 
 def _feed_policies(cfg: DictConfig, mixup, data: Data) -> None:

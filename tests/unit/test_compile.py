@@ -68,6 +68,7 @@ def test_a_hooked_twin_of_a_compiled_model_is_caught_not_silently_unmixed():
 def _every_hook():
     from mixhook import (
         ActivationStats,
+        AugMix,
         CutMix,
         FeatureRecorder,
         GradClip,
@@ -97,7 +98,7 @@ def _every_hook():
         **{  # every method of the package at its defaults, so a new one is checked compiled too
             f"method-{name}": (lambda cls=cls: cls("conv1", generator=g()))
             for name, cls in METHODS.items()
-            if name not in ("OneOf", "TransMix", "MixPro", "SnapMix", "PuzzleMix", *LEARNED)
+            if name not in ("OneOf", "TransMix", "MixPro", "SnapMix", "PuzzleMix", "AugMix", *LEARNED)
         },  # (TransMix: below)
         **{  # (the learned methods read their features at conv2)
             f"method-{name}": (lambda name=name: METHODS[name]("conv1", features="conv2", generator=g()))
@@ -106,6 +107,9 @@ def _every_hook():
         "method-PuzzleMix": lambda: PuzzleMix("conv1", grids=(2, 4), saliency="activation", generator=g()),
         "method-SnapMix": lambda: SnapMix("conv1", features="conv2", classifier="head", generator=g()),
         "cutmix-elem": lambda: CutMix("conv1", mode="elem", generator=g()),
+        "method-AugMix": lambda: AugMix(
+            mean=[0.5], std=[0.05], generator=g()
+        ),  # (the input's N(0, 1) as pixels)
         "saliencymix-gradient": lambda: SaliencyMix(["input", "conv2"], saliency="gradient", generator=g()),
     }
 

@@ -176,6 +176,7 @@ LAYOUT_AWARE = {
     for name, cls in METHODS.items()
     if getattr(cls, "layout_aware", False)
     and name not in ("TransMix", "MixPro", "OneOf", "SnapMix", "PuzzleMix", "AutoMix", "SAMix", "AdAutoMix")
+    and name != "AugMix"  # (the model's input only: no hidden map)
 }
 LAYOUT_AWARE.update({
     "AutoMix": lambda: AutoMix("features.2", features="features.0", generator=gen(5)),

@@ -96,6 +96,7 @@ def _small_images(
         keep = long_tail_subset(train_y, imbalance_ratio, subset_seed, num_classes)
         train_x, train_y = train_x[keep], train_y[keep]
     info = {"in_channels": 3, "num_classes": num_classes, "image_size": 32, "train_labels": train_y}
+    info["normalization"] = tuple(list(v) for v in norm)
     info["split_hash"] = digest(train_x, train_y, *test)
     training = CifarImages(train_x, train_y, *norm, augment=augment, flip=flip, padding=padding)
     return training, CifarImages(*test, *norm, flip=flip), info

@@ -130,6 +130,7 @@ def imagefolder(
         train_samples = [train_samples[i] for i in keep]
     info = {"in_channels": 3, "num_classes": len(classes), "image_size": size,
             "train_labels": torch.tensor([y for _, y in train_samples], dtype=torch.int64)}  # fmt: skip
+    info["normalization"] = tuple(list(v) for v in norm)
     if normalize == "device":
         info["normalized_on_device"] = norm
     listing = "\n".join(f"{os.path.relpath(p, root)}\t{y}" for p, y in (*train_samples, *val_samples))

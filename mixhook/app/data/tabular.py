@@ -51,6 +51,7 @@ def digits(
         return TensorDataset(images, torch.from_numpy(labels))
 
     info = {"in_channels": 1, "num_classes": 10, "image_size": 8, "train_labels": torch.from_numpy(y_train)}
+    info["normalization"] = ([float(mean)], [float(std)])  # (of the [0, 1] pixels, x / 16)
     info["split_hash"] = digest(x_train, y_train, x_test, y_test)
     return tensors(x_train, y_train), tensors(x_test, y_test), info
 

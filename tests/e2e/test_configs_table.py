@@ -10,9 +10,7 @@ from tools import configs
 def test_every_shipped_config_is_listed_none_first_with_the_overrides_its_refusal_names():
     names = configs.configs()
     assert names[0] == "none" and {"automix", "samix", "transmix", "cmixup", "input"} <= set(names)
-    assert configs.overrides("transmix") == (
-        "model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=2"
-    )  # fmt: skip
+    assert configs.overrides("transmix") == ("experiment=vit_digits",)
     assert configs.overrides("cmixup") == ("data=diabetes", "model=mlp") and configs.overrides("none") == ()
 
 
@@ -41,9 +39,9 @@ def test_the_table_compares_each_config_with_none_and_says_what_failed():
     # one section per model and data, each with its baseline first and columns that say what they hold
     sections = [line for line in rows if line.startswith("## ")]
     assert sections[0] == "## PreActResNet-18 on digits, the default run" and len(sections) == 3
-    vit_rows = rows[rows.index("## A ViT on digits (TransMix, MixPro)") :]
-    assert "the recipe, not the methods" in vit_rows[2]
-    assert [r for r in vit_rows if r.startswith("| `")][0].startswith("| `mixup=none model=timm")
+    vit_rows = rows[rows.index("## A ViT on digits (`experiment=vit_digits`)") :]
+    assert "AdamW" in vit_rows[2] and "CutMix" in vit_rows[2]
+    assert [r for r in vit_rows if r.startswith("| `")][0].startswith("| `mixup=none experiment=vit_digits`")
     assert "| config | test RMSE | best | seconds | |" in rows
     assert rows.count("| config | test accuracy | best | test ECE | seconds | against `mixup=none` |") == 2
     assert body["| `mixup=fmix`"].endswith("| 3 | **failed**: error: mixup.layer: ... |")
@@ -56,7 +54,8 @@ def test_the_table_compares_each_config_with_none_and_says_what_failed():
     assert configs.setting((*vit, "mixup.cell=2")) == vit
     cell = {"name": "mixpro", "where": (*vit, "mixup.cell=2"), "test_acc": 0.1, "best_test_acc": 0.2,
             "test_ece": 0, "seconds": 9}  # fmt: skip
-    assert configs.table([*results, cell], None).splitlines()[-1].endswith("| **42.0 points below none** |")
+    rows = configs.table([*results, cell], None).splitlines()
+    assert next(r for r in rows if r.startswith("| `mixup=mixpro")).endswith("| **42.0 points below none** |")
 
 
 def test_an_unknown_config_is_refused_in_one_line(capsys):
@@ -65,3 +64,29 @@ def test_an_unknown_config_is_refused_in_one_line(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("python -m tools.configs: error: --only: no config nosuch; the configs: none, ")
+
+
+def test_the_vit_setting_runs_cutmix_and_tokenmix_beside_its_methods_and_its_baseline():
+    runs = configs.plan(["transmix"])
+    assert runs == [
+        ("transmix", ("experiment=vit_digits",)),
+        ("cutmix", ("experiment=vit_digits",)),
+        ("tokenmix", ("experiment=vit_digits", "mixup.grid=4")),
+        ("none", ("experiment=vit_digits",)),
+    ]
+    assert configs.plan(["input"]) == [("input", ())]  # (the default setting: nothing beside)
+
+
+def test_update_reads_the_committed_table_back_as_it_was_written():
+    """``--update`` keeps the rows it does not run: read back from docs/configs.md, they render to the
+    same table (the committed one, rounded as written)."""
+    text = configs.TABLE.read_text()
+    results, earlier = configs.measured(text)
+    assert earlier.startswith("20") and "cores" in earlier
+    assert {r["name"] for r in results} >= {"none", "cutmix", "cmixup"}
+    assert any(r.get("task") == "regression" for r in results)
+    rendered = configs.table(results, None).splitlines()
+    body = [line for line in text.splitlines() if line.startswith("| `mixup=")]
+    assert [line for line in rendered if line.startswith("| `mixup=")] == body
+    header = configs.table(results, None, earlier, ("mixup=transmix experiment=vit_digits",)).splitlines()[2]
+    assert header.startswith(f"`python -m tools.configs` on {earlier}; the rows of `mixup=transmix ")

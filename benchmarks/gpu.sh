@@ -48,7 +48,7 @@ if [ "$PART" = 2 ]; then
     # Part 2: FSDP through Lightning and the HuggingFace Trainer on one GPU, each test in a pytest process of
     # its own (each joins a process group that stays); then each method's peak memory and what it keeps
     # (issue 81: seconds), the compiled cases (compiling dominates: each variant's graphs, forward and
-    # backward), the recompiles and the ImageNet-scale step and loader.
+    # backward), the recompiles, the ImageNet-scale step and loader, and AugMix's views on the device.
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 90")
     for which in lightning hf; do
         say "tests: FSDP through $which"
@@ -61,7 +61,7 @@ if [ "$PART" = 2 ]; then
     say "benchmarks, part 2"
     quick=${QUICK:+--quick}
     timeout -k 10 300 python3 benchmarks/run.py --device "$DEVICE" $quick --reps 7 --budget 260 --suffix gpu2 \
-        --cases memory,compiled,recompiles,imagenet --out "$OUT" >"$OUT/benchmarks2.log" 2>&1 </dev/null
+        --cases memory,compiled,recompiles,imagenet,augmix --out "$OUT" >"$OUT/benchmarks2.log" 2>&1 </dev/null
     say "benchmarks, part 2: exit $?"
     grep -v '^USDT' "$OUT/benchmarks2.log" | tail -n 120
     say "done"

@@ -277,6 +277,28 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _augmix(a: dict) -> list[str]:
+    """The AugMix section: the hook's two views of a batch against timm's loader AugMix in one worker."""
+    lines = [
+        "",
+        f"## AugMix: two views of a batch of {a['batch']} {a['image_size']}x{a['image_size']} images",
+        "",
+        "| variant | s/batch | images/s |",
+        "| --- | --- | --- |",
+    ]
+    for name, sec in a["seconds_per_batch"].items():
+        lines.append(f"| {name} | {sec:.4f} | {a['images_per_second'][name]:.0f} |")
+    for name, note in a["notes"].items():
+        lines.append(f"| {name} | {note} | |")
+    if "hook_vs_timm_worker" in a:
+        lines += [
+            "",
+            f"the hook / one timm loader worker, time per batch: {fmt(a['hook_vs_timm_worker'])}; workers a "
+            f"loader needs to keep up with the hook: {a['workers_to_match_hook']:.1f}",
+        ]
+    return lines
+
+
 def _peers(p: dict) -> list[str]:
     """The peers section: input mixup against timm's Mixup and torchvision's v2 MixUp."""
     device = "device_seconds_per_step" in p
@@ -692,4 +714,5 @@ SECTIONS = (
     ("recipe", _recipe),
     ("memory", _memory),
     ("language_model", _language_model),
+    ("augmix", _augmix),
 )  # (after the training steps, in this order)

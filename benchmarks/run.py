@@ -24,7 +24,9 @@ against per-sample augmentation in DataLoader workers; imagenet: ResNet-50's ste
 imagefolder loader's images/s (and torchvision's decode_jpeg on the device); 9. recipe: Verma et al. 2019's
 CIFAR-10 recipe through the app's loop, mixup against none, and its 1,200 epochs projected; 10. llm: a Llama's
 training step with NEFTune against HuggingFace's NEFTune and none, with Manifold Mixup against none and a
-hand-written blend hook (transformers where installed). Each case is a module of ``benchmarks/cases/``;
+hand-written blend hook (transformers where installed); 11. augmix: AugMix's views of a batch made by the
+hook on the device against timm's data-loader AugMix in one worker (where timm is installed). Each case is
+a module of ``benchmarks/cases/``;
 ``timing.py`` times variants side by side, ``report.py`` turns results into goals and Markdown, and
 this file is the runner: the plan per device, the order, the files.
 """
@@ -50,6 +52,7 @@ import torchvision
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchmarks.cases as case_modules  # noqa: E402
+from benchmarks.cases.augmix import augmix  # noqa: E402
 from benchmarks.cases.baseline import baseline  # noqa: E402
 from benchmarks.cases.blend import blend_bandwidth  # noqa: E402
 from benchmarks.cases.dispatch import dispatch  # noqa: E402
@@ -68,7 +71,7 @@ from mixhook.app.records import torch_messages_to_log  # noqa: E402
 
 CASES = (
     "eager", "compiled", "bf16", "peers", "methods", "dispatch", "host", "blend", "recompiles", "memory",
-    "data", "imagenet", "recipe", "llm",
+    "data", "imagenet", "recipe", "llm", "augmix",
 )  # fmt: skip
 OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
 
@@ -202,6 +205,11 @@ class Case:
         return quick if self.quick else cuda if self.cuda else cpu
 
 
+def _augmix(c: Case) -> dict:
+    c.log("AugMix: the hook's views against timm's loader AugMix ...")
+    return augmix(c.device, c.timer, c.reps, *c.size((8, 16), (128, 32), (32, 32)))
+
+
 def _peers(c: Case) -> dict:
     c.log("peers ...")
     sizes = c.size((8, 16), (128, 32), (16, 32))
@@ -317,6 +325,7 @@ RUNNERS = {
     "imagenet": ("imagenet", _imagenet),
     "recipe": ("recipe", _recipe),
     "llm": ("language_model", _llm),
+    "augmix": ("augmix", _augmix),
 }
 
 

@@ -76,6 +76,9 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert rc["graphs_compiled_after_warmup"] == 0 and rc["graphs_compiled_total"] > 0
     assert rc["fullgraph"] and rc["graph_breaks"] == 0
     assert {g["goal"] for g in data["goals"]} >= {"mixup_vs_none", "mixup_vs_hand", "recompiles_after_warmup"}
+    augmix = data["augmix"]  # issue 84: the hook's views against timm's loader AugMix in one worker
+    assert set(augmix["images_per_second"]) == {"mixhook_hook", "timm_loader_worker"}
+    assert augmix["workers_to_match_hook"] > 0 and augmix["hook_vs_timm_worker"]["n"] >= 5
     host = data["host"]  # counts, not times: the same on every machine
     assert host["extra_ops_vs_hand"] <= 2 and host["census"]["mixhook"]["host_reads"] == 0
     assert host["census"]["hand"]["aten_ops"] > host["census"]["none"]["aten_ops"]

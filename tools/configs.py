@@ -165,6 +165,22 @@ def measured(text: str) -> tuple[list[dict], str]:
     return results, "" if header is None else header["on"]
 
 
+def rerun_header(earlier: str, updated: tuple[str, ...], on: str) -> str:
+    """The header's "on ..." words after ``--update`` reran the rows ``updated`` ``on`` a day: the first
+    run's, then each later run's rows that it still holds (a row run again moves to the newest)."""
+    base, *parts = earlier.split("; the rows of ")
+    runs = []
+    for part in parts:
+        rows, when = part.rsplit(" on ", 1)
+        left = [row for row in re.findall(r"`([^`]+)`", rows) if row not in updated]
+        if left:
+            runs.append((left, when))
+    runs.append((list(updated), on))
+    return base + "".join(
+        f"; the rows of {', '.join(f'`{r}`' for r in rows)} on {when}" for rows, when in runs
+    )
+
+
 def table(results: list[dict], epochs: int | None, earlier: str = "", updated: tuple[str, ...] = ()) -> str:
     """docs/configs.md from ``results``; ``earlier`` (the words :func:`measured` read) and ``updated`` (the
     configs run again) when rows of two days are shown."""
@@ -173,7 +189,7 @@ def table(results: list[dict], epochs: int | None, earlier: str = "", updated: t
     machine = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
     on = f"{date.today()} ({machine})"
     if updated:
-        on = f"{earlier}; the rows of {', '.join(f'`{u}`' for u in updated)} on {on}"
+        on = rerun_header(earlier, updated, on)
     lines = [
         "# Every shipped config on the default run",
         "",

@@ -89,4 +89,21 @@ def test_update_reads_the_committed_table_back_as_it_was_written():
     body = [line for line in text.splitlines() if line.startswith("| `mixup=")]
     assert [line for line in rendered if line.startswith("| `mixup=")] == body
     header = configs.table(results, None, earlier, ("mixup=transmix experiment=vit_digits",)).splitlines()[2]
-    assert header.startswith(f"`python -m tools.configs` on {earlier}; the rows of `mixup=transmix ")
+    assert header.startswith(
+        f"`python -m tools.configs` on {earlier.split('; the rows of ')[0]}; the rows of "
+    )
+    assert header.count("`mixup=transmix experiment=vit_digits`") == 1  # (moved to the newest run's rows)
+    assert "; the rows of `mixup=transmix experiment=vit_digits` on " in header
+
+
+def test_a_second_update_moves_the_rows_it_reran_to_its_own_day():
+    first = configs.rerun_header("2026-01-01 (cpu)", ("mixup=a", "mixup=b x=1"), "2026-02-02 (cpu)")
+    assert first == "2026-01-01 (cpu); the rows of `mixup=a`, `mixup=b x=1` on 2026-02-02 (cpu)"
+    second = configs.rerun_header(first, ("mixup=a", "mixup=c"), "2026-03-03 (gpu)")
+    assert second == (
+        "2026-01-01 (cpu); the rows of `mixup=b x=1` on 2026-02-02 (cpu); the rows of `mixup=a`, `mixup=c` "
+        "on 2026-03-03 (gpu)"
+    )
+    assert configs.rerun_header(second, ("mixup=a", "mixup=b x=1", "mixup=c"), "d") == (
+        "2026-01-01 (cpu); the rows of `mixup=a`, `mixup=b x=1`, `mixup=c` on d"
+    )

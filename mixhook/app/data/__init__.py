@@ -68,9 +68,7 @@ class Data:
     task: str = "classification"  # or "regression": float targets, MSE, RMSE (training.task.TASKS)
     target_scale: float = 1.0  # regression: the std the targets were divided by (RMSE in their units)
     class_counts: list[int] | None = None  # classification: the training images of each class
-    normalization: tuple | None = (
-        None  # images: the per-channel (mean, std) their [0, 1] pixels were normalised by
-    )
+    normalization: tuple | None = None  # images: the per-channel (mean, std) of their [0, 1] pixels
     partners: DataLoader | DeviceBatches | None = None  # a class-balanced partner batch per step
     make_partners: Callable | None = field(default=None, repr=False)  # builds ``partners`` (partner_batches)
 

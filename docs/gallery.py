@@ -11,7 +11,8 @@ and its partner), what the method makes of image 0 when it mixes at the input, a
 own content at each position of a 16x16 feature map (AlignMix's: 8x8) when it mixes at a hidden layer
 (``MixState.weights``; a method that blends every position alike has ``lam`` everywhere). The titles give
 lam, the weight of sample 0's own label. Every draw comes from a seeded generator, with partners pinned to
-``[1, 0]``.
+``[1, 0]``. A method that mixes no pair (its card's ``drawn`` says ``views``: AugMix) is shown by the views
+it makes of each image at the input instead.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def method(name: str, layer: str, hidden: bool):
     """The method ``name`` at ``layer`` with its defaults and what its card says the picture takes (its
     ``drawn``: arguments on these models, a seed)."""
     drawn = METHODS[name].card.drawn
-    kwargs = {k: v for k, v in drawn.items() if k not in ("input", "hidden", "seed", "size", "note")}
+    kwargs = {k: v for k, v in drawn.items() if k not in ("input", "hidden", "seed", "size", "note", "views")}
     kwargs.update(drawn.get("hidden" if hidden else "input", {}))
     kwargs["generator"] = torch.Generator().manual_seed(drawn.get("seed", SEED))
     return METHODS[name](layer, **kwargs)
@@ -134,6 +135,43 @@ def draw(name: str) -> dict:
     return out
 
 
+def draw_views(name: str) -> dict:
+    """What a method that mixes no pair makes of the images at the input: the rows its layer emits (the
+    clean images, then each of its views of them)."""
+    x = images(SIZE)
+    model = convnet()
+    seen = {}
+    model.image.register_forward_pre_hook(lambda module, args: seen.__setitem__("rows", args[0].detach()))
+    mixer = method(name, "input", hidden=False)
+    with mixer.attach(model), torch.no_grad():
+        model.train()
+        model(x)
+    return {"images": x, "rows": seen["rows"].clamp(0, 1)}
+
+
+def figure_views(name: str, drawn: dict):
+    """The picture of a method that mixes no pair: image 0, its first two views, image 1's first view."""
+    from matplotlib.figure import Figure
+
+    rows, n = drawn["rows"], len(drawn["images"])
+    fig = Figure(figsize=(10.4, 2.9))
+    axes = fig.subplots(1, 4)
+    panels = [
+        (rows[0], "image 0 (clean)"),
+        (rows[n], "image 0, view 1"),
+        (rows[2 * n], "image 0, view 2"),
+        (rows[n + 1], "image 1, view 1"),
+    ]
+    for ax, (image, title) in zip(axes, panels, strict=True):
+        ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(name, fontsize=12, fontweight="bold", x=0.02, ha="left")
+    fig.tight_layout()
+    return fig
+
+
 def figure(name: str, drawn: dict):
     """The method's picture: a matplotlib ``Figure`` of its own (no pyplot state to close)."""
     from matplotlib.figure import Figure
@@ -172,7 +210,9 @@ def render(out: Path) -> list[Path]:
         if name in NOT_DRAWN:
             continue
         path = out / f"{name}.png"
-        figure(name, draw(name)).savefig(path, dpi=80, metadata={"Software": None})
+        views = METHODS[name].card.drawn.get("views")
+        fig = figure_views(name, draw_views(name)) if views else figure(name, draw(name))
+        fig.savefig(path, dpi=80, metadata={"Software": None})
         paths.append(path)
     return paths
 

@@ -97,7 +97,7 @@ class AugMix(Mixer):
         ),
         workflows="all but TRL",
         example={"layer": "input", "mean": [0.5], "std": [0.05]},  # (the matrix's N(0, 1) inputs)
-        picture="no pair is mixed: each image's two views are of its own chains (`.last.info['draws']`)",
+        drawn={"views": True},  # (no pair is mixed: the gallery shows each image's views)
     )
 
     keeps_clean = True

@@ -262,3 +262,48 @@ def test_openmixups_port_is_the_saliency_weighted_mix_of_random_pairs():
         model(x)
     torch.testing.assert_close(seen["x"], theirs, rtol=0, atol=1e-14)
     torch.testing.assert_close(mix.last.lam, lam[:, 0], rtol=0, atol=1e-15)
+
+
+def test_on_a_timm_vits_tokens_the_patches_blend_by_the_gradient_saliency_with_gradients():
+    """Block 0's 1 + 4x4 tokens of a timm ViT (``tokens="auto"``): the saliency is the summed
+    cross-entropy's gradient at the block's patch tokens (eval mode), the pairs and per-patch weights are
+    the authors' on it, the class token is blended with each sample's lam; logits and every parameter's
+    gradient as a hand-edited forward, in float64."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    options = {"img_size": 16, "patch_size": 4, "embed_dim": 12, "depth": 2, "num_heads": 2}
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, **options)
+    model = model.double().train()
+    by_hand = copy.deepcopy(model)
+    x, y = torch.randn(6, 3, 16, 16, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    mix = GuidedMixup("blocks.0", tokens="auto", generator=gen())
+    with mix.attach(model):
+        mix.use_targets(y)
+        logits = model(x)
+        mix.loss(per_sample_ce, logits, y).mean().backward()
+    m = by_hand
+
+    def block0(images):
+        return m.blocks[0](m.norm_pre(m.patch_drop(m._pos_embed(m.patch_embed(images)))))
+
+    def rest(tokens):
+        return m.forward_head(m.norm(m.blocks[1](tokens)))
+
+    m.eval()
+    h = block0(x).detach().requires_grad_()
+    (g,) = torch.autograd.grad(F.cross_entropy(rest(h), y, reduction="sum"), [h])
+    grid = g[:, 1:].transpose(1, 2).reshape(6, 12, 4, 4)  # (B, D, rows, columns)
+    saliency = grid.square().mean(1).sqrt()
+    torch.testing.assert_close(mix.last.info["saliency"], saliency, rtol=1e-12, atol=0)
+    m.train()
+    h = block0(x)
+    patches = h[:, 1:].transpose(1, 2).reshape(6, 12, 4, 4)
+    mixed, soft, index, lam = guided_mixup_process(patches, F.one_hot(y, 3).double(), saliency.clone())
+    assert mix.last.index.tolist() == index.tolist()
+    torch.testing.assert_close(mix.last.lam, lam, rtol=0, atol=1e-14)
+    cls = lam.view(-1, 1, 1) * h[:, :1] + (1 - lam.view(-1, 1, 1)) * h[index, :1]
+    expected = rest(torch.cat([cls, mixed.flatten(2).transpose(1, 2)], dim=1))
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-12)
+    (lam * per_sample_ce(expected, y) + (1 - lam) * per_sample_ce(expected, y[index])).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)

@@ -20,6 +20,7 @@ from ..engine.contract import Draw, Mixed, MixState
 from ..engine.mixer import Mixer
 from ..functional import sample_beta
 from ..sites import INPUT, Leaf
+from ..transfer import to_device
 
 # The authors' `augmentations.augmentations` (all_ops=False: the ones that do not overlap ImageNet-C's
 # corruptions), in their order; the level of each is drawn uniform in [0.1, severity).
@@ -232,37 +233,36 @@ class AugMix(Mixer):
             return Mixed({path: views[1]}, info={"draws": None}, before={path: views[0]})
         u = self._pixels(h)
         drawn = [self.draws(n, draw.generator) for _ in range(2)]
-        aug1, aug2 = (self._normalised(self.view(u, d), h) for d in drawn)
+        aug1, aug2 = (self._normalised(v, h) for v in self.views(u, drawn))
         info = {"draws": [{k: v.cpu() for k, v in d.items()} for d in drawn]}
         return Mixed({path: aug2}, info=info, before={path: aug1})
 
     def view(self, u: torch.Tensor, drawn: dict) -> torch.Tensor:
         """One augmented view of the images ``u`` (pixels in ``[0, 1]``) from its draws: ``(1 - m) * u + m *
         sum_i w_i * chain_i(u)`` (the authors' ``aug``)."""
-        weights = drawn["weights"].to(device=u.device, dtype=u.dtype)
-        m = drawn["m"].to(device=u.device, dtype=u.dtype).view(-1, 1, 1, 1)
-        mixture = torch.zeros_like(u)
-        for i in range(self.width):
-            chain = u
-            for step in range(STEPS):
-                chain = self._step(chain, drawn, i, step)
-            mixture = mixture + weights[:, i].view(-1, 1, 1, 1) * chain
-        return (1 - m) * u + m * mixture
+        return self.views(u, [drawn])[0]
 
-    def _step(self, images: torch.Tensor, drawn: dict, i: int, step: int) -> torch.Tensor:
-        """Step ``step`` of chain ``i``: each image's own operation (none where its chain is shorter),
-        applied batched to the images that drew it."""
-        active = (drawn["depth"][:, i] > step).cpu()
-        chosen = drawn["operations"][:, i, step].cpu()
-        levels, signs = drawn["levels"][:, i, step].cpu(), drawn["signs"][:, i, step].cpu()
-        out = images
-        for k, name in enumerate(OPERATIONS):
-            rows = torch.nonzero(active & (chosen == k)).flatten()
-            if rows.numel() == 0:
-                continue
-            at = rows.to(images.device)
-            done = operate(name, images.index_select(0, at), levels[rows], signs[rows])
-            out = out.index_copy(0, at, done)
+    def views(self, u: torch.Tensor, drawn: list[dict]) -> list[torch.Tensor]:
+        """The views of ``u`` from each of ``drawn`` (as :meth:`view`), every chain of every view run as one
+        batch: each chain step applies each operation once, to all the images that drew it."""
+        k, width = len(drawn), self.width
+
+        def flat(key: str) -> torch.Tensor:  # (row (v, i, b) of the batch at (v * width + i) * n + b)
+            return torch.cat([d[key][:, i].cpu() for d in drawn for i in range(width)])
+
+        depth, chosen, levels, signs = flat("depth"), flat("operations"), flat("levels"), flat("signs")
+        chains = u.repeat(k * width, 1, 1, 1)
+        for step in range(STEPS):
+            chains = _step(chains, depth > step, chosen[:, step], levels[:, step], signs[:, step])
+        chains = chains.view(k, width, *u.shape)
+        out = []
+        for v, d in enumerate(drawn):
+            weights = d["weights"].to(device=u.device, dtype=u.dtype)
+            m = d["m"].to(device=u.device, dtype=u.dtype).view(-1, 1, 1, 1)
+            mixture = torch.zeros_like(u)
+            for i in range(width):
+                mixture = mixture + weights[:, i].view(-1, 1, 1, 1) * chains[v, i]
+            out.append((1 - m) * u + m * mixture)
         return out
 
     # --------------------------------------------------------------------------------- the loss
@@ -292,6 +292,21 @@ class AugMix(Mixer):
         """The views' rows (``2B``), each against its own image's label (``weigh``: a metric per row)."""
         n = target.shape[0]
         return torch.cat([criterion(logits[:n], target), criterion(logits[n:], target)])
+
+
+def _step(images: torch.Tensor, active, chosen, levels, signs) -> torch.Tensor:
+    """One step of every chain in ``images``: each image's own operation (``chosen``; none where it is not
+    ``active``, its chain being shorter) at its level and sign, applied batched to the images that drew
+    it (the choices are CPU tensors: which rows go where is known on the host, and queued to the device
+    without a sync)."""
+    out = images
+    for k, name in enumerate(OPERATIONS):
+        rows = torch.nonzero(active & (chosen == k)).flatten()
+        if rows.numel() == 0:
+            continue
+        at = to_device(rows, images.device)
+        out = out.index_copy(0, at, operate(name, images.index_select(0, at), levels[rows], signs[rows]))
+    return out
 
 
 def operate(name: str, images: torch.Tensor, levels: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:

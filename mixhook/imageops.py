@@ -3,7 +3,8 @@ operations (google-research/augmix ``augmentations.py``), written to give what P
 
 Images are ``(N, C, H, W)`` floats in ``[0, 1]``; every operation returns its result rounded to 8 bits (a
 multiple of ``1/255``), as a PIL image holds it. The intensity operations (``autocontrast``, ``equalize``,
-``posterize``, ``solarize``) equal PIL's ``ImageOps`` on 8-bit images; the geometric ones (``affine``:
+``posterize``, ``solarize``) equal PIL's ``ImageOps`` on 8-bit images, the enhancements (``color``,
+``contrast``, ``brightness``, ``sharpness``) its ``ImageEnhance``; the geometric ones (``affine``:
 rotation, shear, translation) are PIL's affine ``transform`` with bilinear sampling and black fill, to
 within its 8-bit rounding of the interpolation. torch only: no PIL, no torchvision, no host read.
 """
@@ -112,3 +113,56 @@ def rotation(degrees: torch.Tensor, height: int, width: int) -> torch.Tensor:
 def matrices(a, b, c, d, e, f) -> torch.Tensor:
     """The affine matrices ``(a, b, c, d, e, f)`` of PIL's transform (each ``(N,)``): ``(N, 2, 3)``."""
     return torch.stack([torch.stack([a, b, c], -1), torch.stack([d, e, f], -1)], -2)
+
+
+def _blend(degenerate: torch.Tensor, codes: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """PIL's ``Image.blend(degenerate, image, factor)`` on 8-bit codes: ``degenerate + factor * (image -
+    degenerate)`` in float32, clipped, truncated (``factor``: ``(N,)``)."""
+    alpha = factor.to(device=codes.device, dtype=torch.float32).view(-1, 1, 1, 1)
+    out = degenerate.to(torch.float32) + alpha * (codes - degenerate).to(torch.float32)
+    return out.clamp(0, LEVELS).to(torch.int64)
+
+
+def _gray(codes: torch.Tensor) -> torch.Tensor:
+    """PIL's ``convert("L")`` of RGB codes, ``(r·19595 + g·38470 + b·7471 + 2**15) >> 16`` (one channel:
+    itself)."""
+    if codes.shape[1] != 3:
+        return codes
+    return (codes[:, 0:1] * 19595 + codes[:, 1:2] * 38470 + codes[:, 2:3] * 7471 + 0x8000) >> 16
+
+
+def color(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``ImageEnhance.Color(image).enhance(factor)``: each image blended with its grayscale."""
+    codes = _codes(x)
+    return _blend(_gray(codes).expand_as(codes), codes, factor).to(x.dtype) / LEVELS
+
+
+def contrast(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``ImageEnhance.Contrast(image).enhance(factor)``: each image blended with the gray of its
+    grayscale's mean (rounded)."""
+    codes = _codes(x)
+    mean = torch.floor(_gray(codes).flatten(1).to(torch.float64).mean(1) + 0.5).to(torch.int64)
+    return _blend(mean.view(-1, 1, 1, 1).expand_as(codes), codes, factor).to(x.dtype) / LEVELS
+
+
+def brightness(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``ImageEnhance.Brightness(image).enhance(factor)``: each image blended with black."""
+    codes = _codes(x)
+    return _blend(torch.zeros_like(codes), codes, factor).to(x.dtype) / LEVELS
+
+
+def sharpness(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``ImageEnhance.Sharpness(image).enhance(factor)``: each image blended with its ``SMOOTH`` filtering
+    (3x3 kernel ``[[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13``, rounded; the border pixels kept)."""
+    codes = _codes(x)
+    n, channels, height, width = codes.shape
+    kernel = torch.tensor([[1.0, 1, 1], [1, 5, 1], [1, 1, 1]], device=x.device) / 13
+    smooth = codes.clone()
+    if height > 2 and width > 2:
+        inner = F.conv2d(
+            codes.to(torch.float32).reshape(n * channels, 1, height, width), kernel.view(1, 1, 3, 3)
+        )
+        smooth[:, :, 1:-1, 1:-1] = (
+            torch.floor(inner + 0.5).clamp(0, LEVELS).to(torch.int64).view(n, channels, height - 2, width - 2)
+        )
+    return _blend(smooth, codes, factor).to(x.dtype) / LEVELS

@@ -28,6 +28,8 @@ OPERATIONS = (
     "autocontrast", "equalize", "posterize", "rotate", "solarize", "shear_x", "shear_y", "translate_x",
     "translate_y",
 )  # fmt: skip
+# Their `augmentations_all` (all_ops=True, their --all-ops): the four enhancements after the nine
+ALL_OPERATIONS = (*OPERATIONS, "color", "contrast", "brightness", "sharpness")
 STEPS = 3  # the longest chain (the authors' depth: np.random.randint(1, 4) where mixture_depth <= 0)
 
 
@@ -71,13 +73,14 @@ class AugMix(Mixer):
         depth: each chain's operations, 1 to 3, or -1 for 1 to 3 at random (authors: -1).
         alpha: the Dirichlet and Beta concentration (authors: 1).
         jsd: the consistency term's weight (authors: 12; 0: the clean rows' criterion alone).
+        all_ops: also the authors' four enhancements (their ``--all-ops``: color, contrast, brightness,
+            sharpness, PIL's ``ImageEnhance`` at ``level * 0.18 + 0.1``; off by default, as the authors':
+            they overlap ImageNet-C's corruptions; timm's AugMix uses them).
         mean, std: the input's normalisation per channel (``None``: pixels as they come, in ``[0, 1]``).
         prob: probability that a batch is augmented (authors: every batch).
         generator: as :class:`~mixhook.ManifoldMixup`.
 
     ``.last.info["draws"]`` holds each view's draws (weights, ``m``, operations, levels, signs; CPU).
-    The authors' ``--all-ops`` four (color, contrast, brightness, sharpness: they overlap ImageNet-C's
-    corruptions, and are off by default) are not built.
     """
 
     card = Card(
@@ -94,6 +97,7 @@ class AugMix(Mixer):
             "levels in `[0.1, severity)`, each sample's own draws, on the device: PIL's operations on "
             "8-bit images as tensor ops); loss = the clean rows' criterion + `jsd`·JSD of the three "
             "predictions, equal to the authors' loss and timm's `JsdCrossEntropy` on the same views; "
+            "`all_ops=True`: also their four enhancements (PIL's `ImageEnhance`); "
             '`pin(views=...)`; `.last.info["draws"]`'
         ),
         workflows="all but TRL",
@@ -114,6 +118,7 @@ class AugMix(Mixer):
         depth: int = -1,
         alpha: float = 1.0,
         jsd: float = 12.0,
+        all_ops: bool = False,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         prob: float = 1.0,
@@ -136,7 +141,9 @@ class AugMix(Mixer):
             raise ValueError("mean and std are given together (the input's normalisation), or neither")
         if std is not None and any(s <= 0 for s in std):
             raise ValueError(f"std must be > 0 per channel, got {list(std)}")
-        self.severity, self.width, self.depth = severity, width, depth
+        if not isinstance(all_ops, bool):
+            raise ValueError(f"all_ops must be True or False, got {all_ops!r}")
+        self.severity, self.width, self.depth, self.all_ops = severity, width, depth, all_ops
         self.jsd = float(jsd) if jsd == 0 else check_positive("jsd", jsd)
         self.mean = None if mean is None else [float(v) for v in mean]
         self.std = None if std is None else [float(v) for v in std]
@@ -153,7 +160,8 @@ class AugMix(Mixer):
     def __repr__(self) -> str:
         return (
             f"AugMix(layer='input', severity={self.severity}, width={self.width}, depth={self.depth}, "
-            f"alpha={self.alpha}, jsd={self.jsd}, mean={self.mean}, std={self.std}, prob={self.prob})"
+            f"alpha={self.alpha}, jsd={self.jsd}, all_ops={self.all_ops}, mean={self.mean}, std={self.std}, "
+            f"prob={self.prob})"
         )
 
     # -------------------------------------------------------------------------------- the draw
@@ -206,7 +214,8 @@ class AugMix(Mixer):
             depth = torch.full((n, w), self.depth, dtype=torch.int64, device=device)
         else:
             depth = torch.randint(1, STEPS + 1, (n, w), generator=g, device=device)
-        operations = torch.randint(len(OPERATIONS), (n, w, STEPS), generator=g, device=device)
+        kinds = len(ALL_OPERATIONS if self.all_ops else OPERATIONS)
+        operations = torch.randint(kinds, (n, w, STEPS), generator=g, device=device)
         levels = 0.1 + (self.severity - 0.1) * torch.rand(
             n, w, STEPS, generator=g, device=device, dtype=torch.float64
         )
@@ -300,7 +309,7 @@ def _step(images: torch.Tensor, active, chosen, levels, signs) -> torch.Tensor:
     it (the choices are CPU tensors: which rows go where is known on the host, and queued to the device
     without a sync)."""
     out = images
-    for k, name in enumerate(OPERATIONS):
+    for k, name in enumerate(ALL_OPERATIONS):  # (the nine first: an index below 9 names the same one)
         rows = torch.nonzero(active & (chosen == k)).flatten()
         if rows.numel() == 0:
             continue
@@ -310,7 +319,7 @@ def _step(images: torch.Tensor, active, chosen, levels, signs) -> torch.Tensor:
 
 
 def operate(name: str, images: torch.Tensor, levels: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """One of :data:`OPERATIONS` on ``images`` (pixels in ``[0, 1]``), each at its own level (``(N,)``,
+    """One of :data:`ALL_OPERATIONS` on ``images`` (pixels in ``[0, 1]``), each at its own level (``(N,)``,
     the authors' ``sample_level(severity)``) and sign (``(N,)``, ``-1`` where their coin flipped it), with
     the authors' parameters (``int_parameter``, ``float_parameter``; translations by up to a third of the
     image's side)."""
@@ -327,6 +336,8 @@ def operate(name: str, images: torch.Tensor, levels: torch.Tensor, signs: torch.
         return imageops.affine(
             images, imageops.rotation(torch.floor(levels * 30 / 10) * signs, height, width)
         )
+    if name in ("color", "contrast", "brightness", "sharpness"):  # (float_parameter(level, 1.8) + 0.1)
+        return getattr(imageops, name)(images, levels * 1.8 / 10 + 0.1)
     one, zero = torch.ones_like(levels), torch.zeros_like(levels)
     shear = levels * 0.3 / 10 * signs
     matrices = {

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
+from PIL import Image, ImageEnhance, ImageOps
 
 from mixhook import AugMix, imageops
-from mixhook.mixers.augmix import OPERATIONS, jensen_shannon, operate
+from mixhook.mixers.augmix import ALL_OPERATIONS, OPERATIONS, jensen_shannon, operate
 from mixhook.policies import Remix
 from tests.helpers import SmallCNN
 
@@ -93,6 +93,30 @@ def translate_y(pil_img, level):
     )
 
 
+# operation that overlaps with ImageNet-C's test set
+def color(pil_img, level):
+    level = float_parameter(sample_level(level), 1.8) + 0.1
+    return ImageEnhance.Color(pil_img).enhance(level)
+
+
+# operation that overlaps with ImageNet-C's test set
+def contrast(pil_img, level):
+    level = float_parameter(sample_level(level), 1.8) + 0.1
+    return ImageEnhance.Contrast(pil_img).enhance(level)
+
+
+# operation that overlaps with ImageNet-C's test set
+def brightness(pil_img, level):
+    level = float_parameter(sample_level(level), 1.8) + 0.1
+    return ImageEnhance.Brightness(pil_img).enhance(level)
+
+
+# operation that overlaps with ImageNet-C's test set
+def sharpness(pil_img, level):
+    level = float_parameter(sample_level(level), 1.8) + 0.1
+    return ImageEnhance.Sharpness(pil_img).enhance(level)
+
+
 augmentations = [
     autocontrast,
     equalize,
@@ -104,6 +128,7 @@ augmentations = [
     translate_x,
     translate_y,
 ]
+augmentations_all = [*augmentations, color, contrast, brightness, sharpness]
 
 
 def as_codes(images: torch.Tensor) -> np.ndarray:
@@ -114,27 +139,29 @@ def test_the_operations_are_the_authors_in_their_order_and_give_pils_pixels():
     """Each operation at the authors' drawn level and sign: the intensity ones and the translations equal
     PIL's codes, rotation and shear within one code (PIL rounds its bilinear sums on 8 bits)."""
     assert OPERATIONS == tuple(op.__name__ for op in augmentations)
+    assert ALL_OPERATIONS == tuple(op.__name__ for op in augmentations_all)
     rng = np.random.default_rng(0)
     for trial in range(40):
         arr = (rng.random((IMAGE_SIZE, IMAGE_SIZE, 3)) ** rng.uniform(0.3, 3) * rng.uniform(60, 255)).astype(
             np.uint8
         )
         image = torch.from_numpy(arr).permute(2, 0, 1)[None].double() / 255
-        for k, op in enumerate(augmentations):
+        for k, op in enumerate(augmentations_all):
             np.random.seed(trial)
             theirs = np.asarray(op(Image.fromarray(arr), 3)).astype(np.int64)
             np.random.seed(trial)
             level = sample_level(3) if k >= 2 else 1.0
-            sign = -1.0 if k >= 3 and np.random.uniform() > 0.5 else 1.0
+            sign = -1.0 if 3 <= k <= 8 and np.random.uniform() > 0.5 else 1.0
             mine = operate(op.__name__, image, torch.tensor([level]), torch.tensor([sign]))
             diff = np.abs(as_codes(mine)[0] - theirs)
             assert diff.max() <= (1 if op.__name__ in ("rotate", "shear_x", "shear_y") else 0), op.__name__
 
 
-def test_a_view_is_the_authors_aug_of_each_image_with_its_own_chains():
+@pytest.mark.parametrize("all_ops", [False, True])
+def test_a_view_is_the_authors_aug_of_each_image_with_its_own_chains(all_ops):
     """Batched by operation, a view equals `(1 - m) * x + m * sum_i w_i * chain_i(x)` with every image's
     chains applied to it alone, one operation after another."""
-    mix = AugMix(width=4, depth=-1)
+    mix = AugMix(width=4, depth=-1, all_ops=all_ops)
     g = torch.Generator().manual_seed(3)
     u = imageops.to_8_bits(torch.rand(10, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.float64, generator=g))
     drawn = mix.draws(10, g)
@@ -146,7 +173,7 @@ def test_a_view_is_the_authors_aug_of_each_image_with_its_own_chains():
             chain = u[b : b + 1]
             for step in range(int(drawn["depth"][b, i])):
                 k = int(drawn["operations"][b, i, step])
-                chain = operate(OPERATIONS[k], chain, drawn["levels"][b, i, step : step + 1],
+                chain = operate(ALL_OPERATIONS[k], chain, drawn["levels"][b, i, step : step + 1],
                                 drawn["signs"][b, i, step : step + 1])  # fmt: skip
             mixture = mixture + drawn["weights"][b, i] * chain[0]
         expected = (1 - drawn["m"][b]) * u[b] + drawn["m"][b] * mixture
@@ -164,6 +191,8 @@ def test_the_draws_follow_the_authors_distributions():
     assert 0 < float(d["m"].min()) and float(d["m"].max()) < 1 and abs(float(d["m"].mean()) - 0.5) < 0.02
     assert abs(float((d["signs"] < 0).double().mean()) - 0.5) < 0.02
     assert set(AugMix(depth=2).draws(50, torch.Generator())["depth"].unique().tolist()) == {2}
+    wider = AugMix(all_ops=True).draws(4000, torch.Generator().manual_seed(1))["operations"]
+    assert set(wider.unique().tolist()) == set(range(13))
 
 
 def authors_loss(logits_all, targets, n):
@@ -257,6 +286,8 @@ def test_bad_settings_and_inputs_are_refused_in_one_line():
         ValueError, match=r"depth must be 1, 2 or 3 operations per chain, or -1 \(1 to 3 at random\), got 4"
     ):
         AugMix(depth=4)
+    with pytest.raises(ValueError, match="all_ops must be True or False, got 'yes'"):
+        AugMix(all_ops="yes")
     with pytest.raises(ValueError, match="mean and std are given together"):
         AugMix(mean=[0.5])
     with pytest.raises(TypeError, match=r"AugMix.use\(Remix\): AugMix mixes no pairs"):

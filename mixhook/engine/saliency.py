@@ -219,3 +219,10 @@ def guided_maps(saliency: torch.Tensor, blur: int, sigma: float) -> torch.Tensor
         saliency = gaussian_blur(saliency, blur, sigma)
     dims = tuple(range(1, saliency.ndim))
     return saliency / saliency.sum(dims, keepdim=True).clamp_min(torch.finfo(saliency.dtype).tiny)
+
+
+def guided_pairs(saliency: torch.Tensor, blur: int, sigma: float) -> torch.Tensor:
+    """GuidedMixup's partners: :func:`greedy_cycle` over the L2 distances between the :func:`guided_maps`
+    of ``saliency`` (the authors' ``distance_function(..., 'l2')`` and ``onecycle_cover``), on its device."""
+    flat = guided_maps(saliency, blur, sigma).flatten(1)
+    return greedy_cycle(torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist"))

@@ -16,7 +16,7 @@ from ..engine.card import Card
 from ..engine.checks import check_positive, check_spatial
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
-from ..engine.saliency import KEY, Saliency, SaliencyGuided, greedy_cycle, guided_maps, pinned_saliency
+from ..engine.saliency import KEY, Saliency, SaliencyGuided, guided_maps, guided_pairs, pinned_saliency
 from ..sites import Leaf
 from ..transfer import to_device
 
@@ -138,8 +138,7 @@ class GuidedMixup(SaliencyGuided, RegionMixer):
         saliency = found.get(KEY, pinned.get(KEY))
         if saliency is None or saliency.shape[0] != leaves[0].tensor.shape[0]:
             return found  # (the mix refuses it in one line)
-        flat = guided_maps(torch.as_tensor(saliency).detach(), self.blur, self.sigma).flatten(1)
-        index = greedy_cycle(torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist"))
+        index = guided_pairs(torch.as_tensor(saliency).detach(), self.blur, self.sigma)
         return {**found, "index": index, "permutation": True}
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:

@@ -19,8 +19,9 @@ For example, Remix with SK-Mixup's warping at a hidden layer::
 """
 
 from ..engine.policies import KNOBS, Policy
+from ..engine.saliency import greedy_cycle
 from .lam import KernelWarping, LocalWeights, symmetric_beta_cdf
-from .partners import BalancedMixup, PartnerBatch, SaliencyPairing, greedy_cycle
+from .partners import BalancedMixup, PartnerBatch, SaliencyPairing
 from .targets import DecoupledLoss, Remix, remix_lam
 
 __all__ = [

@@ -19,7 +19,7 @@ from ..engine.checks import check_positive
 from ..engine.contract import Draw, MixState
 from ..engine.mixer import Mixer
 from ..engine.policies import Policy, refuse_global_partners
-from ..engine.saliency import greedy_cycle
+from ..engine.saliency import guided_pairs
 from ..functional import sample_beta, weight_of
 from ..sites import INPUT, Leaf, describe
 
@@ -355,7 +355,8 @@ class SaliencyPairing(Policy):
     """GuidedMixup's pairing (Kang & Kim 2023): each sample's partner chosen by a greedy cycle over the
     batch's saliency distances, so that samples whose salient regions differ most are mixed (and a mix
     keeps both salient parts): the ``(B, B)`` L2 distances between the samples' saliency maps (blurred,
-    each normalised to sum 1, as the authors do), then :func:`greedy_cycle`, all on the device.
+    each normalised to sum 1, as the authors do), then :func:`~mixhook.engine.saliency.greedy_cycle`, all on
+    the device (:func:`~mixhook.engine.saliency.guided_pairs`: GuidedMixup's own pairing too).
 
     Args:
         saliency: ``"gradient"`` (default; the authors' ``guided-ap``: ``sqrt(mean_c g**2)`` of the gradient
@@ -416,8 +417,7 @@ class SaliencyPairing(Policy):
                 f"SaliencyPairing at {spec!r}: no saliency of the {n} rows mixed (attach the mixer, and give "
                 "the labels with use_targets(y) before each training forward for saliency='gradient')"
             )
-        flat = self.maps(saliency)
-        index = greedy_cycle(torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist"))
+        index = guided_pairs(saliency, self.blur, self.sigma)
         lam = pins.lam
         if lam is None:
             lam = torch.as_tensor(mixer.sample_lam(n, generator), dtype=torch.float64)

@@ -181,3 +181,22 @@ def check_grid(grid) -> tuple[int, int]:
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (gh, gw)) or gh * gw < 2:
         raise ValueError(f"grid must be ints >= 1 with at least 2 cells in all, got {grid!r}")
     return gh, gw
+
+
+def check_normalisation(mean, std) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """An input's per-channel normalisation, as the methods that read its pixel values take it (PuzzleMix's
+    smoothness, AugMix's operations): ``mean`` and ``std`` together or neither, each std finite and > 0; as
+    float tuples, or a one-line ``ValueError``."""
+    if (mean is None) != (std is None):
+        raise ValueError("mean and std are given together (the input's normalisation), or neither")
+    if mean is None:
+        return None, None
+    return tuple(float(m) for m in mean), tuple(check_positive("std", s) for s in std)
+
+
+def per_channel(kind: str, h: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> tuple:
+    """``mean`` and ``std`` as ``(1, C, 1, 1)`` tensors on ``h``'s device and dtype (``x * std + mean`` are
+    ``h``'s pixels), or a one-line ``ValueError`` where they have neither one value nor one per channel."""
+    if len(mean) not in (1, h.shape[1]):
+        raise ValueError(f"{kind}: mean/std have {len(mean)} values for an input of {h.shape[1]} channels")
+    return tuple(torch.tensor(v, dtype=h.dtype, device=h.device).view(1, -1, 1, 1) for v in (mean, std))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .. import imageops
 from ..engine.card import Card
-from ..engine.checks import check_positive, check_spatial
+from ..engine.checks import check_normalisation, check_positive, check_spatial, per_channel
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.mixer import Mixer
 from ..functional import sample_beta
@@ -137,16 +137,11 @@ class AugMix(Mixer):
             raise ValueError(
                 f"depth must be 1, 2 or 3 operations per chain, or -1 (1 to 3 at random), got {depth!r}"
             )
-        if (mean is None) != (std is None):
-            raise ValueError("mean and std are given together (the input's normalisation), or neither")
-        if std is not None and any(s <= 0 for s in std):
-            raise ValueError(f"std must be > 0 per channel, got {list(std)}")
         if not isinstance(all_ops, bool):
             raise ValueError(f"all_ops must be True or False, got {all_ops!r}")
         self.severity, self.width, self.depth, self.all_ops = severity, width, depth, all_ops
         self.jsd = float(jsd) if jsd == 0 else check_positive("jsd", jsd)
-        self.mean = None if mean is None else [float(v) for v in mean]
-        self.std = None if std is None else [float(v) for v in std]
+        self.mean, self.std = check_normalisation(mean, std)
 
     def use(self, *policies) -> AugMix:
         if policies:
@@ -174,12 +169,8 @@ class AugMix(Mixer):
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         h = check_spatial("AugMix", spec, leaves)
-        if self.mean is not None and len(self.mean) not in (1, h.shape[1]):
-            raise ValueError(
-                f"AugMix: mean/std have {len(self.mean)} values for an input of {h.shape[1]} channels"
-            )
         if isinstance(h, torch.Tensor) and h.numel():
-            pixels = self._pixels(h)
+            pixels = self._pixels(h)  # (mean/std of one value or one per channel, else refused there)
             low, high = float(pixels.min()), float(pixels.max())
             if low < -1e-6 or high > 1 + 1e-6:
                 given = "x * std + mean" if self.mean is not None else "the input (no mean/std given)"
@@ -193,14 +184,12 @@ class AugMix(Mixer):
         x = h.detach().to(torch.promote_types(h.dtype, torch.float32))
         if self.mean is None:
             return x
-        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+        mean, std = per_channel("AugMix", x, self.mean, self.std)
         return x * std + mean
 
     def _normalised(self, u: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         if self.mean is not None:
-            mean = torch.tensor(self.mean, dtype=u.dtype, device=u.device).view(1, -1, 1, 1)
-            std = torch.tensor(self.std, dtype=u.dtype, device=u.device).view(1, -1, 1, 1)
+            mean, std = per_channel("AugMix", u, self.mean, self.std)
             u = (u - mean) / std
         return u.to(like.dtype)
 

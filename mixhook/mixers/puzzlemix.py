@@ -18,7 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.card import Card
-from ..engine.checks import check_non_negative, check_positive, check_spatial
+from ..engine.checks import (
+    check_non_negative,
+    check_normalisation,
+    check_spatial,
+    per_channel,
+)
 from ..engine.contract import Draw, Mixed
 from ..engine.graphcut import min_labelling
 from ..engine.regions import RegionMixer
@@ -272,10 +277,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
         self.beta, self.gamma = check_non_negative("beta", beta), check_non_negative("gamma", gamma)
         self.eta, self.t_eps = check_non_negative("eta", eta), check_non_negative("t_eps", t_eps)
         self.neigh_size, self.transport, self.t_size = neigh_size, bool(transport), t_size
-        if (mean is None) != (std is None):
-            raise ValueError("mean and std are given together (the input's normalisation), or neither")
-        self.mean = None if mean is None else tuple(float(m) for m in mean)
-        self.std = None if std is None else tuple(check_positive("std", s) for s in std)
+        self.mean, self.std = check_normalisation(mean, std)
         if self.transport:  # moved blocks carry their labels away: no per-position labels to follow
             self.dense_targets = (
                 "moves blocks by its transport: dense targets would not follow (transport=False)"
@@ -403,12 +405,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
         if at_input:
             if self.mean is None:
                 return h
-            if len(self.mean) not in (1, h.shape[1]):
-                raise ValueError(
-                    f"PuzzleMix: mean/std have {len(self.mean)} values for an input of {h.shape[1]} channels"
-                )
-            mean = torch.tensor(self.mean, dtype=h.dtype, device=h.device).view(1, -1, 1, 1)
-            std = torch.tensor(self.std, dtype=h.dtype, device=h.device).view(1, -1, 1, 1)
+            mean, std = per_channel("PuzzleMix", h, self.mean, self.std)
             return h * std + mean
         low, high = h.amin(), h.amax()
         return (h - low) / (high - low).clamp_min(torch.finfo(h.dtype).tiny)

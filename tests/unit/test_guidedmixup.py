@@ -4,7 +4,6 @@ map, checkpoint replay, the zero-saliency guard and the refusals."""
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mixhook import GuidedMixup
 from mixhook.engine.saliency import gaussian_blur
+from tests.guidedmixup_reference import distance_function, onecycle_cover
 from tests.helpers import SmallCNN
 
 tv_functional = pytest.importorskip("torchvision.transforms.functional")
@@ -26,35 +26,10 @@ def per_sample_ce(logits, y):
     return F.cross_entropy(logits, y, reduction="none")
 
 
-# From 3neutronstar/GuidedMixup (2a09e97): FGVC/Implementor/pairing.pyx's onecycle_cover as Python (the
-# .pyx types dropped), mixup.py's distance_function for 'l2', and the guided branch of mixup.py's
-# mixup_process / FGVC/Implementor/guidedmixup.py's _train (blur, 'sumto1', pairing, 'saliency_label'),
-# with `grad` the saliency passed in and `mask_a` stacked over the map's channels instead of 3.
-def onecycle_cover(distance_matrix):
-    row = col = idx = 0
-    np.fill_diagonal(distance_matrix, -np.inf)
-    max_idx = np.argmax(distance_matrix)
-    sorted_indices = np.zeros(distance_matrix.shape[0], dtype=np.int32)
-    row, col = max_idx // distance_matrix.shape[0], max_idx % distance_matrix.shape[0]
-    first_row = row
-    sorted_indices[row] = col
-    distance_matrix[:, row] = -np.inf
-    while idx < distance_matrix.shape[0] - 2:
-        idx += 1
-        row = col
-        col = np.argmax(distance_matrix[row])
-        sorted_indices[row] = col
-        distance_matrix[:, row] = -np.inf
-    sorted_indices[col] = first_row
-    return sorted_indices
-
-
-def distance_function(a, b):
-    ra = a.view(a.shape[0], -1).unsqueeze(1)
-    rb = b.view(b.shape[0], -1).unsqueeze(0)
-    return ((ra - rb).norm(dim=-1)).view(a.shape[0], b.shape[0])
-
-
+# From 3neutronstar/GuidedMixup (2a09e97): the guided branch of mixup.py's mixup_process /
+# FGVC/Implementor/guidedmixup.py's _train (blur, 'sumto1', pairing, 'saliency_label'), with `grad` the
+# saliency passed in and `mask_a` stacked over the map's channels instead of 3 (their pairing:
+# tests/guidedmixup_reference.py).
 def guided_mixup_process(out, target_reweighted, grad):
     sc_a = grad
     sc_a = tv_functional.gaussian_blur(sc_a, (7, 7), (3, 3))

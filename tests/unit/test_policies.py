@@ -31,6 +31,7 @@ from mixhook.policies import (
 )
 from mixhook.policies.lam import warp_parameters
 from mixhook.policies.partners import gradient_saliency
+from tests.guidedmixup_reference import distance_function, onecycle_cover
 
 scipy_special = pytest.importorskip("scipy.special")
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -532,33 +533,6 @@ def test_a_recomputation_of_the_whole_model_with_a_partner_batch_is_refused():
 # ------------------------------------------------------------------------------------ GuidedMixup
 
 
-# From 3neutronstar/GuidedMixup FGVC/Implementor/pairing.pyx (73494e1), onecycle_cover as Python, and
-# mixup.py's distance_function for 'l2'.
-def onecycle_cover(distance_matrix):
-    row = col = idx = 0
-    np.fill_diagonal(distance_matrix, -np.inf)
-    max_idx = np.argmax(distance_matrix)
-    sorted_indices = np.zeros(distance_matrix.shape[0], dtype=np.int32)
-    row, col = max_idx // distance_matrix.shape[0], max_idx % distance_matrix.shape[0]
-    first_row = row
-    sorted_indices[row] = col
-    distance_matrix[:, row] = -np.inf
-    while idx < distance_matrix.shape[0] - 2:
-        idx += 1
-        row = col
-        col = np.argmax(distance_matrix[row])
-        sorted_indices[row] = col
-        distance_matrix[:, row] = -np.inf
-    sorted_indices[col] = first_row
-    return sorted_indices
-
-
-def distance_l2(a, b):
-    ra = a.view(a.shape[0], -1).unsqueeze(1)
-    rb = b.view(b.shape[0], -1).unsqueeze(0)
-    return (ra - rb).norm(dim=-1).view(a.shape[0], b.shape[0])
-
-
 def test_the_greedy_cycle_is_the_authors_onecycle_cover():
     rng = np.random.default_rng(0)
     for n in [1, 2, 3, 5, 16, 64, *rng.integers(4, 40, 40).tolist()]:
@@ -581,7 +555,7 @@ def test_the_pairing_compares_the_authors_blurred_normalised_saliency_maps():
     policy = SaliencyPairing()
     flat = policy.maps(maps)
     mine = greedy_cycle(torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist"))
-    assert mine.tolist() == onecycle_cover(distance_l2(theirs, theirs).numpy()).tolist()
+    assert mine.tolist() == onecycle_cover(distance_function(theirs, theirs).numpy()).tolist()
 
 
 @pytest.mark.parametrize(

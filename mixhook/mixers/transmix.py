@@ -26,18 +26,33 @@ from .cutmix import CutMix
 
 
 def class_attention(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    """The class token's attention over every token, averaged over heads, ``(B, T)``, recomputed (without
-    gradients) from the inputs an attention module was called with: timm's ``Attention`` (its ``qkv``,
-    ``q_norm``/``k_norm``, ``scale``; fused or not), HuggingFace's ViT attention (``q_proj``/``k_proj``,
-    whatever attention implementation is set) or ``nn.MultiheadAttention`` (batch first or not)."""
+    """The class token's attention over every token, averaged over heads, ``(B, T)``: the first row of
+    :func:`attention_weights`."""
+    return attention_weights(module, args, kwargs, first=True)[:, 0]
+
+
+def attention_weights(module: nn.Module, args: tuple, kwargs: dict, first: bool = False) -> torch.Tensor:
+    """The attention weights of every query over every token, averaged over heads, ``(B, T, T)`` (with
+    ``first``, of the first query only, ``(B, 1, T)``), recomputed (without gradients) from the inputs an
+    attention module was called with: timm's ``Attention`` (its ``qkv``, ``q_norm``/``k_norm``,
+    ``scale``; fused or not), HuggingFace's ViT attention (``q_proj``/``k_proj``, whatever attention
+    implementation is set) or ``nn.MultiheadAttention`` (batch first or not, called again in eval mode:
+    its weights before attention dropout, and no draw from the global random state). The softmax is taken
+    in float32 at least (as HuggingFace's eager attention does), so a bfloat16 forward reads its weights
+    at float32 precision."""
     kind = _attention_kind(module)
     if kind == "mha":
         inputs = Inputs(module, args, kwargs)
         query, key = inputs.get("query"), inputs.get("key")
         value = inputs.get("value")
         masks = {k: inputs.get(k) for k in ("key_padding_mask", "attn_mask") if inputs.get(k) is not None}
-        _, weights = module(query, key, value, need_weights=True, average_attn_weights=True, **masks)
-        return weights[:, 0]  # (B, L, S) whatever the layout: the first query's row
+        training = module.training
+        module.training = False  # (its dropout would drop weights, and draw from the global generator)
+        try:
+            _, weights = module(query, key, value, need_weights=True, average_attn_weights=True, **masks)
+        finally:
+            module.training = training
+        return weights[:, :1] if first else weights  # (B, L, S) whatever the layout
     x = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
     b, t, _ = x.shape
     if kind == "timm":
@@ -47,8 +62,9 @@ def class_attention(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tenso
         q = module.q_proj(x).view(b, t, -1, module.head_dim).transpose(1, 2)
         k = module.k_proj(x).view(b, t, -1, module.head_dim).transpose(1, 2)
         scale = module.scaling
-    scores = (q[:, :, :1] * scale) @ k.transpose(-2, -1)  # (B, heads, 1, T)
-    return scores.softmax(dim=-1).mean(1)[:, 0]
+    q = q[:, :, :1] if first else q
+    scores = (q * scale) @ k.transpose(-2, -1)  # (B, heads, 1 or T, T)
+    return scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).mean(1)
 
 
 def _attention_kind(module: nn.Module) -> str | None:

@@ -8,6 +8,7 @@ map it is a permutation of; and what cannot be told is refused in one line.
 """
 
 import copy
+import inspect
 from collections import OrderedDict
 from functools import partial
 
@@ -175,7 +176,8 @@ LAYOUT_AWARE = {
     name: (lambda cls=cls: cls("features.2", generator=gen(5)))
     for name, cls in METHODS.items()
     if getattr(cls, "layout_aware", False)
-    and name not in ("TransMix", "MixPro", "OneOf", "SnapMix", "PuzzleMix", "AutoMix", "SAMix", "AdAutoMix")
+    and name not in ("OneOf", "SnapMix", "PuzzleMix", "AutoMix", "SAMix", "AdAutoMix")
+    and "attention" not in inspect.signature(cls).parameters  # (a ViT's attention: test_transmix, test_tla)
     and name != "AugMix"  # (the model's input only: no hidden map)
 }
 LAYOUT_AWARE.update({

@@ -44,7 +44,7 @@ REGION_MIXERS = sorted(
 def test_the_region_mixers_all_take_a_token_grid():
     assert REGION_MIXERS == [
         "AttentiveCutMix", "CutMix", "FMix", "GridMix", "GuidedMixup", "MixPro", "PatchUp", "ResizeMix",
-        "SaliencyMix", "SmoothMix", "TokenMix", "TransMix",
+        "SaliencyMix", "SmoothMix", "TLA", "TokenMix", "TransMix",
     ]  # fmt: skip
 
 
@@ -122,7 +122,9 @@ def test_fmix_on_a_torchvision_vit_layer_keeps_the_class_token_with_prefix_keep(
     assert float(mix.last.lam) == 0.75
 
 
-@pytest.mark.parametrize("name", [n for n in REGION_MIXERS if n not in ("TransMix", "MixPro")])  # (attention)
+@pytest.mark.parametrize(
+    "name", [n for n in REGION_MIXERS if n not in ("TransMix", "MixPro", "TLA")]
+)  # (attention)
 def test_every_region_mixer_mixes_tokens_as_it_mixes_the_same_map(name):
     """The same mixer, the same seed: its tokens' patch part equals its mix of the (B, D, gh, gw) map the
     tokens are, and the leading tokens are blended with the lam the targets get."""

@@ -61,7 +61,7 @@ if [ "$PART" = 2 ]; then
     say "benchmarks, part 2"
     quick=${QUICK:+--quick}
     timeout -k 10 300 python3 benchmarks/run.py --device "$DEVICE" $quick --reps 7 --budget 260 --suffix gpu2 \
-        --cases memory,compiled,recompiles,imagenet,augmix --out "$OUT" >"$OUT/benchmarks2.log" 2>&1 </dev/null
+        --cases memory,compiled,recompiles,imagenet,augmix,vit --out "$OUT" >"$OUT/benchmarks2.log" 2>&1 </dev/null
     say "benchmarks, part 2: exit $?"
     grep -v '^USDT' "$OUT/benchmarks2.log" | tail -n 120
     say "done"

@@ -277,6 +277,23 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _vit(v: dict) -> list[str]:
+    """The ViT section: the attention methods' training step against none and CutMix."""
+    lines = [
+        "",
+        f"## ViT methods: training step, {v['model']}, batch {v['batch']}, "
+        f"{v['image_size']}x{v['image_size']}",
+        "",
+        "| method | s/step | vs none | vs CutMix |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, sec in v["seconds_per_step"].items():
+        rel = fmt(v["vs_none"][name]) if name in v["vs_none"] else "1"
+        cut = fmt(v["vs_cutmix"][name]) if name in v["vs_cutmix"] else ("1" if name == "CutMix" else "")
+        lines.append(f"| {name} | {sec:.4f} | {rel} | {cut} |")
+    return lines
+
+
 def _augmix(a: dict) -> list[str]:
     """The AugMix section: the hook's two views of a batch against timm's loader AugMix in one worker."""
     lines = [
@@ -715,4 +732,5 @@ SECTIONS = (
     ("memory", _memory),
     ("language_model", _language_model),
     ("augmix", _augmix),
+    ("vit", _vit),
 )  # (after the training steps, in this order)

@@ -25,8 +25,9 @@ imagefolder loader's images/s (and torchvision's decode_jpeg on the device); 9. 
 CIFAR-10 recipe through the app's loop, mixup against none, and its 1,200 epochs projected; 10. llm: a Llama's
 training step with NEFTune against HuggingFace's NEFTune and none, with Manifold Mixup against none and a
 hand-written blend hook (transformers where installed); 11. augmix: AugMix's views of a batch made by the
-hook on the device against timm's data-loader AugMix in one worker (where timm is installed). Each case is
-a module of ``benchmarks/cases/``;
+hook on the device against timm's data-loader AugMix in one worker (where timm is installed); 12. vit: the
+methods that read a ViT's attention (TransMix, MixPro, TL-Align) in a training step of timm's ViT-Tiny against
+none and CutMix. Each case is a module of ``benchmarks/cases/``;
 ``timing.py`` times variants side by side, ``report.py`` turns results into goals and Markdown, and
 this file is the runner: the plan per device, the order, the files.
 """
@@ -65,13 +66,14 @@ from benchmarks.cases.peers import peers  # noqa: E402
 from benchmarks.cases.recipe import data_pipelines, recipe  # noqa: E402
 from benchmarks.cases.recompiles import recompiles  # noqa: E402
 from benchmarks.cases.training_step import VARIANTS, training_steps  # noqa: E402
+from benchmarks.cases.vit import vit_methods  # noqa: E402
 from benchmarks.report import device_name, device_slug, goals, markdown  # noqa: E402
 from benchmarks.timing import Timer  # noqa: E402
 from mixhook.app.records import torch_messages_to_log  # noqa: E402
 
 CASES = (
     "eager", "compiled", "bf16", "peers", "methods", "dispatch", "host", "blend", "recompiles", "memory",
-    "data", "imagenet", "recipe", "llm", "augmix",
+    "data", "imagenet", "recipe", "llm", "augmix", "vit",
 )  # fmt: skip
 OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
 
@@ -210,6 +212,12 @@ def _augmix(c: Case) -> dict:
     return augmix(c.device, c.timer, c.reps, *c.size((8, 16), (128, 32), (32, 32)))
 
 
+def _vit(c: Case) -> dict:
+    c.log("ViT: the attention methods' training step ...")
+    sizes = c.size((4, 16, 2), (128, 32, 12), (16, 32, 6))  # batch, image side, blocks
+    return vit_methods(c.device, c.timer, c.reps, c.inner, *sizes)
+
+
 def _peers(c: Case) -> dict:
     c.log("peers ...")
     sizes = c.size((8, 16), (128, 32), (16, 32))
@@ -326,6 +334,7 @@ RUNNERS = {
     "recipe": ("recipe", _recipe),
     "llm": ("language_model", _llm),
     "augmix": ("augmix", _augmix),
+    "vit": ("vit", _vit),
 }
 
 

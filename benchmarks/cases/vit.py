@@ -1,0 +1,66 @@
+"""Case 12, vit: the methods that read a ViT's attention (TransMix, MixPro, TL-Align), in a training step
+(forward, ``loss``, backward, SGD) of timm's ViT-Tiny, against no mixing and against CutMix, side by side in
+one process. Their attention reads recompute the query and key projections without gradients: one block's
+for TransMix and MixPro (the paper's: the last), every block's for TL-Align (its labels go through all of
+them), so TL-Align's cost grows with the depth."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.timing import ratio
+
+
+def vit_methods(device, timer, reps: int, inner: int, batch: int, size: int, depth: int) -> dict:
+    import timm
+
+    from mixhook import TLA, CutMix, MixPro, TransMix
+
+    torch.manual_seed(0)
+    base = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=size, patch_size=4, depth=depth
+    ).to(device).train()  # fmt: skip
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    last = f"blocks.{depth - 1}.attn"
+    makers = {
+        "none": None,
+        "CutMix": lambda: CutMix("input"),
+        "TransMix": lambda: TransMix("input", attention=last),
+        "MixPro": lambda: MixPro("input", attention=last),
+        "TLA": lambda: TLA("input", attention="blocks.*.attn"),
+    }
+
+    def per_sample_ce(logits, target):
+        return F.cross_entropy(logits, target, reduction="none")
+
+    steps = {}
+    for name, make in makers.items():
+        model = copy.deepcopy(base)
+        mixer = make() if make is not None else None
+        if mixer is not None:
+            mixer.attach(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step(model=model, opt=opt, mixer=mixer):
+            logits = model(x)
+            loss = (mixer.loss(per_sample_ce, logits, y) if mixer else per_sample_ce(logits, y)).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        steps[name] = step
+    times = timer.side_by_side(steps, reps=reps, inner=inner, warmup=2)
+    return {
+        "model": f"timm vit_tiny_patch16_224, {depth} blocks, 4-pixel patches",
+        "batch": batch,
+        "image_size": size,
+        "depth": depth,
+        "seconds_per_step": {k: statistics.median(v) for k, v in times.items()},
+        "vs_none": {k: ratio(times, k, "none") for k in times if k != "none"},
+        "vs_cutmix": {k: ratio(times, k, "CutMix") for k in times if k not in ("none", "CutMix")},
+    }

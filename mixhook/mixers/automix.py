@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import recompute
@@ -23,6 +22,7 @@ from ..engine.card import Card
 from ..engine.checks import check_fraction, check_non_negative, check_one_map, check_positive
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.mixer import Mixer
+from ..engine.own_parameters import average_over_ranks
 from ..engine.tokens import token_grid
 from ..functional import sample_lam
 from ..layers import resolve_layer
@@ -388,21 +388,8 @@ class AutoMix(Mixer):
         each backward accumulates them, as DDP averages the model's (OpenMixup's Mix Block is inside its
         DDP model), while :attr:`average_over_ranks`; a rank's momentum copy follows its own model, the same
         on every rank under DDP."""
-        if (
-            self._averaging
-            or not (dist.is_available() and dist.is_initialized())
-            or dist.get_world_size() < 2
-        ):
-            return
-
-        def average(p: torch.Tensor) -> None:
-            if self.average_over_ranks:
-                dist.all_reduce(p.grad)
-                p.grad.div_(dist.get_world_size())
-
-        for p in self.mix_block.parameters():
-            p.register_post_accumulate_grad_hook(average)
-        self._averaging = True
+        if not self._averaging:
+            self._averaging = average_over_ranks(self.mix_block.parameters(), lambda: self.average_over_ranks)
 
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         check_one_map(type(self).__name__, spec, leaves, "mixes one map")

@@ -216,17 +216,22 @@ from tests.conftest import write_cifar
         ),
         (
             ["mixup=transmix"],
-            "error: mixup.attention: TransMix weighs its labels by a ViT's attention "
+            "error: mixup.attention: TransMix reads a ViT's attention "
             "('blocks.11.attn'), and PreActResNet has no attention module; train a ViT: "
             "experiment=vit_digits",
         ),
         (
             ["mixup=mixpro"],
-            "error: mixup.attention: MixPro weighs its labels by a ViT's attention",
+            "error: mixup.attention: MixPro reads a ViT's attention",
         ),
         (
             ["mixup=tla"],
-            "error: mixup.attention: TLA weighs its labels by a ViT's attention ('blocks.*.attn'), and "
+            "error: mixup.attention: TLA reads a ViT's attention ('blocks.*.attn'), and "
+            "PreActResNet has no attention module; train a ViT: experiment=vit_digits",
+        ),
+        (
+            ["mixup=smmix"],
+            "error: mixup.attention: SMMix reads a ViT's attention ('blocks.11.attn'), and "
             "PreActResNet has no attention module; train a ViT: experiment=vit_digits",
         ),
         (

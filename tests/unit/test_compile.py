@@ -172,10 +172,11 @@ def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["TransMix", "TLA"])
+@pytest.mark.parametrize("name", ["TransMix", "TLA", "SMMix"])
 def test_attention_methods_on_a_vit_compute_the_same_compiled(name):
-    """TransMix and TLA on a timm ViT, attached then compiled: the eager run's per-sample label weights,
-    losses and gradients (the attention read recomputes the qkv projection under no_grad)."""
+    """TransMix, TLA and SMMix on a timm ViT, attached then compiled: the eager run's label weights,
+    losses and gradients (the attention read recomputes the qkv projection under no_grad; SMMix's
+    motivating forward runs the compiled model once more)."""
     import timm
 
     import mixhook
@@ -188,8 +189,12 @@ def test_attention_methods_on_a_vit_compute_the_same_compiled(name):
             "vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=16, patch_size=4, embed_dim=12,
             depth=2, num_heads=2,
         ).train()  # fmt: skip
-        attention = "blocks.1.attn" if name == "TransMix" else "blocks.*.attn"
-        mix = getattr(mixhook, name)("input", attention=attention, generator=torch.Generator().manual_seed(3))
+        options = {
+            "TransMix": {"attention": "blocks.1.attn"},
+            "TLA": {"attention": "blocks.*.attn"},
+            "SMMix": {"attention": "blocks.1.attn", "features": "norm", "classifier": "head"},
+        }[name]
+        mix = getattr(mixhook, name)("input", generator=torch.Generator().manual_seed(3), **options)
         mix.attach(model)
         net = torch.compile(model, backend="eager") if compiled else model
         x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 5, (6,))
@@ -203,7 +208,7 @@ def test_attention_methods_on_a_vit_compute_the_same_compiled(name):
         mix.remove()
         results.append(steps)
     for (lam, loss, grads), (lam_c, loss_c, grads_c) in zip(*results, strict=True):
-        assert lam.shape == (6,)
+        assert lam.shape == ((6,) if name != "SMMix" else ())  # (SMMix: one lam, the patches kept)
         torch.testing.assert_close(lam_c, lam)
         torch.testing.assert_close(loss_c, loss)
         torch.testing.assert_close(grads_c, grads)

@@ -26,8 +26,8 @@ CIFAR-10 recipe through the app's loop, mixup against none, and its 1,200 epochs
 training step with NEFTune against HuggingFace's NEFTune and none, with Manifold Mixup against none and a
 hand-written blend hook (transformers where installed); 11. augmix: AugMix's views of a batch made by the
 hook on the device against timm's data-loader AugMix in one worker (where timm is installed); 12. vit: the
-methods that read a ViT's attention (TransMix, MixPro, TL-Align) in a training step of timm's ViT-Tiny against
-none and CutMix. Each case is a module of ``benchmarks/cases/``;
+methods that read a ViT's attention (TransMix, MixPro, TL-Align, SMMix) in a training step of timm's
+ViT-Tiny against none and CutMix. Each case is a module of ``benchmarks/cases/``;
 ``timing.py`` times variants side by side, ``report.py`` turns results into goals and Markdown, and
 this file is the runner: the plan per device, the order, the files.
 """

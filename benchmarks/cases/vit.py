@@ -1,8 +1,9 @@
-"""Case 12, vit: the methods that read a ViT's attention (TransMix, MixPro, TL-Align), in a training step
-(forward, ``loss``, backward, SGD) of timm's ViT-Tiny, against no mixing and against CutMix, side by side in
-one process. Their attention reads recompute the query and key projections without gradients: one block's
+"""Case 12, vit: the methods that read a ViT's attention (TransMix, MixPro, TL-Align, SMMix), in a training
+step (forward, ``loss``, backward, SGD) of timm's ViT-Tiny, against no mixing and against CutMix, side by side
+in one process. Their attention reads recompute the query and key projections without gradients: one block's
 for TransMix and MixPro (the paper's: the last), every block's for TL-Align (its labels go through all of
-them), so TL-Align's cost grows with the depth."""
+them), so TL-Align's cost grows with the depth; SMMix runs the model once more, without gradients, on the
+unmixed batch (its motivating forward), and its token head."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from benchmarks.timing import ratio
 def vit_methods(device, timer, reps: int, inner: int, batch: int, size: int, depth: int) -> dict:
     import timm
 
-    from mixhook import TLA, CutMix, MixPro, TransMix
+    from mixhook import TLA, CutMix, MixPro, SMMix, TransMix
 
     torch.manual_seed(0)
     base = timm.create_model(
@@ -33,6 +34,7 @@ def vit_methods(device, timer, reps: int, inner: int, batch: int, size: int, dep
         "TransMix": lambda: TransMix("input", attention=last),
         "MixPro": lambda: MixPro("input", attention=last),
         "TLA": lambda: TLA("input", attention="blocks.*.attn"),
+        "SMMix": lambda: SMMix("input", attention=last, features="norm", classifier="head"),
     }
 
     def per_sample_ce(logits, target):
@@ -44,7 +46,8 @@ def vit_methods(device, timer, reps: int, inner: int, batch: int, size: int, dep
         mixer = make() if make is not None else None
         if mixer is not None:
             mixer.attach(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        own = list(mixer.parameters()) if mixer is not None else []  # (SMMix's token head)
+        opt = torch.optim.SGD([*model.parameters(), *own], lr=1e-3, momentum=0.9)
 
         def step(model=model, opt=opt, mixer=mixer):
             logits = model(x)

@@ -180,6 +180,11 @@ class SMMix(RegionMixer):
     # ------------------------------------------------------------------------------------- attaching
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        if self._clean:
+            raise ValueError(
+                "SMMix trains on its mix alone (the authors' loss): clean=True would put the clean batch "
+                "beside it, whose rows its token head's and consistency terms do not read; leave clean=False"
+            )
         _, attention = resolve_layer(model, self.attention, "attention")
         check_attention("SMMix", self.attention, attention)
         _, features = resolve_layer(model, self.features, "features")

@@ -242,6 +242,10 @@ def test_refusals_are_one_line():
         smmix(min_side=0.8, max_side=0.5)
     with pytest.raises(RuntimeError, match="^SMMix: the token head is made at attach"):
         list(smmix().parameters())
+    doubled = smmix()
+    doubled.clean = True
+    with pytest.raises(ValueError, match="^SMMix trains on its mix alone .*; leave clean=False$"):
+        doubled.attach(model)
     mix = smmix(features="blocks.0")  # (a block before the mixed input's tokens: it runs after the mix)
     with mix.attach(model):
         mix.pin(side=5)

@@ -57,22 +57,23 @@ def setting(where: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def train(name: str, where: tuple[str, ...], out: Path, epochs: int | None, threads: int) -> dict:
-    """One config's run with ``where`` (reused where its summary exists): its summary, or its last line
-    on failure."""
+    """One config's run with ``where`` (reused where its summary exists: then ``"reused": True``): its
+    summary, or its last line on failure."""
     run = out / "-".join([name, *(w.split("=")[-1].replace("/", "_") for w in where)])
     summary = run / "summary.json"
-    if not summary.exists():
-        command = [
-            sys.executable, str(ROOT / "train.py"), f"mixup={name}", *where,
-            "trainer.progress_bar=false", f"trainer.threads={threads}", f"hydra.run.dir={run}",
-            *([f"trainer.epochs={epochs}"] if epochs else []),
-        ]  # fmt: skip
-        started = time.perf_counter()
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        if result.returncode != 0 or not summary.exists():
-            lines = result.stderr.strip().splitlines() or ["(no output)"]
-            seconds = time.perf_counter() - started
-            return {"name": name, "where": where, "failed": lines[-1], "seconds": seconds}
+    if summary.exists():
+        return {"name": name, "where": where, "reused": True, **json.loads(summary.read_text())}
+    command = [
+        sys.executable, str(ROOT / "train.py"), f"mixup={name}", *where,
+        "trainer.progress_bar=false", f"trainer.threads={threads}", f"hydra.run.dir={run}",
+        *([f"trainer.epochs={epochs}"] if epochs else []),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0 or not summary.exists():
+        lines = result.stderr.strip().splitlines() or ["(no output)"]
+        seconds = time.perf_counter() - started
+        return {"name": name, "where": where, "failed": lines[-1], "seconds": seconds}
     return {"name": name, "where": where, **json.loads(summary.read_text())}
 
 
@@ -187,6 +188,18 @@ def rerun_header(earlier: str, updated: tuple[str, ...], on: str) -> str:
     )
 
 
+def merged(kept: list[dict], results: list[dict], whole: set) -> tuple[list[dict], tuple[str, ...]]:
+    """``--update``'s rows and the configs it ran: the rows of ``results`` it made (run now, or reused
+    from a run directory where the committed table has no row of them yet) beside the table's ``kept``
+    rows of the rest of the ``whole`` plan. A run reused where the table has its row keeps that row and
+    the day the table gives it (the run beside a method, TokenMix beside TLA, is the earlier run's)."""
+    shown = {(r["name"], r["where"]) for r in kept}
+    made = [r for r in results if not (r.get("reused") and (r["name"], r["where"]) in shown)]
+    mine = {(r["name"], r["where"]) for r in made}
+    rows = [r for r in kept if (r["name"], r["where"]) in whole - mine] + made
+    return rows, tuple(" ".join((f"mixup={r['name']}", *r["where"])) for r in made)
+
+
 def table(results: list[dict], epochs: int | None, earlier: str = "", updated: tuple[str, ...] = ()) -> str:
     """docs/configs.md from ``results``; ``earlier`` (the words :func:`measured` read) and ``updated`` (the
     configs run again) when rows of two days are shown."""
@@ -258,10 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         results = list(pool.map(lambda job: train(*job, out, args.epochs, threads), runs))
     if args.update:
         kept, earlier = measured(TABLE.read_text())
-        fresh, whole = set(runs), set(plan(configs()))  # (a row no longer in the whole table's plan goes)
-        results = [r for r in kept if (r["name"], r["where"]) in whole - fresh] + results
-        rerun = tuple(" ".join((f"mixup={name}", *where)) for name, where in runs)
-        text = table(results, None, earlier, rerun)
+        results, rerun = merged(kept, results, set(plan(configs())))  # (a row not in the plan goes)
+        text = table(results, None, earlier, rerun) if rerun else TABLE.read_text()
     else:
         text = table(results, args.epochs)
     print(text, end="")

@@ -107,3 +107,26 @@ def test_a_second_update_moves_the_rows_it_reran_to_its_own_day():
     assert configs.rerun_header(second, ("mixup=a", "mixup=b x=1", "mixup=c"), "d") == (
         "2026-01-01 (cpu); the rows of `mixup=a`, `mixup=b x=1`, `mixup=c` on d"
     )
+
+
+def test_an_update_keeps_the_day_of_a_row_it_reused_from_an_earlier_run():
+    """``--only tla --update`` plans CutMix beside TLA: a CutMix run reused from its run directory, whose
+    row the table holds, keeps that row and its day; only what was run (or is new to the table) moves."""
+    row = {"test_acc": 0.8, "best_test_acc": 0.8, "test_ece": 0.1, "seconds": 9.0}
+    vit = ("experiment=vit_digits",)
+    kept = [{"name": "cutmix", "where": vit, **row, "seconds": 1.0}, {"name": "input", "where": (), **row}]
+    results = [
+        {"name": "tla", "where": vit, **row},  # (run now)
+        {"name": "cutmix", "where": vit, "reused": True, **row},  # (the table's row: kept as it is)
+        {"name": "none", "where": vit, "reused": True, **row},  # (reused, but new to the table)
+    ]
+    whole = {("tla", vit), ("cutmix", vit), ("none", vit), ("input", ())}
+    rows, rerun = configs.merged(kept, results, whole)
+    assert rerun == ("mixup=tla experiment=vit_digits", "mixup=none experiment=vit_digits")
+    assert [(r["name"], r["seconds"]) for r in rows] == [
+        ("cutmix", 1.0),
+        ("input", 9.0),
+        ("tla", 9.0),
+        ("none", 9.0),
+    ]
+    assert configs.merged(kept, [results[1]], whole) == (kept, ())  # (nothing new: the table as it is)

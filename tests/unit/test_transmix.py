@@ -229,3 +229,32 @@ def test_a_vit_held_by_another_module_states_its_grid_to_the_attention_around_it
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
         torch.testing.assert_close(states[0].lam, states[1].lam, rtol=0, atol=0)
         assert states[0].info.keys() == states[1].info.keys()
+
+
+def test_with_attention_dropout_the_weights_are_read_before_it_and_draw_nothing():
+    """nn.MultiheadAttention is called again to read its weights: in eval mode, so they are the softmax
+    before its dropout, and the call draws nothing from the global generator that the forward's own
+    dropout draws from (the logits equal an unhooked run's on the mixed batch, from the same seed)."""
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(
+        image_size=16, patch_size=4, num_layers=2, num_heads=2, hidden_dim=12, mlp_dim=24, num_classes=3,
+        attention_dropout=0.5, dropout=0.2,
+    ).double().train()  # fmt: skip
+    unhooked = copy.deepcopy(model)
+    layer = model.encoder.layers.encoder_layer_1.self_attention
+    seen = []
+    layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    x = torch.randn(4, 3, 16, 16, dtype=torch.double)
+    mix = TransMix("input", attention="encoder.layers.encoder_layer_1.self_attention")
+    with mix.attach(model):
+        mix.pin(box=(0, 8, 0, 8), index=[1, 0, 3, 2])
+        torch.manual_seed(5)
+        logits = model(x)
+    mixed = x.clone()
+    mixed[:, :, 0:8, 0:8] = x[[1, 0, 3, 2], :, 0:8, 0:8]
+    torch.manual_seed(5)
+    torch.testing.assert_close(logits, unhooked(mixed), rtol=0, atol=0)
+    layer.eval()
+    with torch.no_grad():
+        _, weights = layer(seen[0], seen[0], seen[0], need_weights=True)
+    torch.testing.assert_close(mix.last.info["attention"], weights[:, 0, 1:], rtol=1e-12, atol=1e-14)

@@ -398,7 +398,7 @@ class SMMix(RegionMixer):
         pasted = inputs["pasted"].to(tokens.dtype)  # (B, N): 1 where the partner's window went
         patches = tokens[:, tokens.shape[1] - pasted.shape[1] :]
         kept = 1 - pasted
-        head = self._classifier if self.head is None else self.head
+        head = self._classifier if self.head is None else self._following(self.head)
         own = head((patches * kept[..., None]).sum(1) / kept.sum(1, keepdim=True))
         theirs = head((patches * pasted[..., None]).sum(1) / pasted.sum(1, keepdim=True))
         partners = target[to_device(last.index, target.device)]
@@ -408,6 +408,15 @@ class SMMix(RegionMixer):
         consistency = (wanted.exp() * (wanted - F.log_softmax(logits.to(dtype), dim=1))).sum(1)
         consistency = consistency.mean() if loss.ndim == 0 else consistency
         return loss + self.fine * fine + self.consistency * consistency.to(loss.dtype)
+
+    def _following(self, head: nn.Linear) -> nn.Linear:
+        """The token head on the classifier's device and dtype, moved there (its parameters the same
+        objects) where the model was moved or cast after attach (``model.float()``), as a head made now
+        would be."""
+        like = None if self._classifier is None else self._classifier.weight
+        if like is not None and (head.weight.dtype, head.weight.device) != (like.dtype, like.device):
+            head.to(device=like.device, dtype=like.dtype)
+        return head
 
     def targets(self, *args, **kwargs):
         """Refused: SMMix's loss is no criterion of mixed targets (its token head's and consistency terms);

@@ -102,6 +102,12 @@ class MixState:
             rows; more where the method's mix put rows of its own before them (:attr:`Mixed.before`:
             AdAutoMix's three-sample forwards, its plain mixup's rows then its mask mix's). The logits then
             have ``(1 + groups) * B`` rows; ``lam``, ``index`` and ``weights`` describe the last group.
+        mixture: a mix of more than two samples per row, ``(indices, weights)``: ``indices`` ``(K, B)``
+            int64, row ``i`` mixes samples ``indices[k, i]``, with label weights ``weights`` ``(K,)`` (one
+            per term, for every row) or ``(K, B)`` (per row), float64, each row's summing to one; ``loss``
+            is then ``sum_k weights[k] * criterion(logits, target[indices[k]])`` and ``targets`` alike
+            (AdAutoMix's three-sample mixes). ``lam`` and ``index`` then describe its first two terms, for
+            a reader that shows one pair. ``None``: the pair ``(index, lam)``.
         loss_inputs: what the method's own loss terms take with gradients, by name (AutoMix's Mix Block
             logits and mask: pieces of the autograd graph), as :attr:`Mixed.loss_inputs` gave them. Only the
             state the forward's output carries to ``loss()`` has them; what the mixer keeps (``.last``, the
@@ -120,6 +126,7 @@ class MixState:
     clean: bool = False
     partner_lam: torch.Tensor | None = None
     groups: int = 1
+    mixture: tuple[torch.Tensor, torch.Tensor] | None = None
     loss_inputs: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @cached
@@ -234,6 +241,9 @@ class Mixed:
             mask), by name: carried to ``loss()`` by the forward's output and never kept by the mixer
             (:attr:`MixState.loss_inputs`). ``info`` is kept (``.last``): put nothing with a ``grad_fn``
             there.
+        mixture: for a mix of more than two samples per row, ``(indices, weights)`` as
+            :attr:`MixState.mixture` takes them (``lam`` and ``index`` then its first two terms'); ``None``:
+            a pair.
     """
 
     tensors: dict
@@ -244,6 +254,34 @@ class Mixed:
     partner_lam: torch.Tensor | None = None
     before: dict | None = None
     loss_inputs: Mapping[str, Any] | None = None
+    mixture: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def checked_mixture(spec: str, mixture, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A method's :attr:`Mixed.mixture` for ``n`` mixed rows as :attr:`MixState.mixture` holds it:
+    ``indices`` an int64 ``(K, n)`` tensor, ``weights`` float64 ``(K,)`` or ``(K, n)``, ``K >= 2``, the
+    weights summing to one for every row (checked where they are on the CPU: read on a GPU, they would
+    stall the step); else a one-line ``ValueError``."""
+    indices, weights = mixture
+    indices = torch.as_tensor(indices)
+    weights = torch.as_tensor(weights, dtype=torch.float64)
+    k = indices.shape[0] if indices.ndim == 2 else 0
+    if (
+        indices.ndim != 2
+        or indices.dtype.is_floating_point
+        or k < 2
+        or indices.shape[1] != n
+        or weights.shape not in ((k,), (k, n))
+    ):
+        raise ValueError(
+            f"mix() at {spec!r} returned a mixture of indices {tuple(indices.shape)} and weights "
+            f"{tuple(weights.shape)}: it takes (K, {n}) integer indices, K >= 2, and (K,) or (K, {n}) weights"
+        )
+    if weights.device.type == "cpu" and not torch.allclose(
+        weights.sum(0), torch.ones((), dtype=torch.float64)
+    ):
+        raise ValueError(f"mix() at {spec!r} returned mixture weights that do not sum to one for every row")
+    return indices.to(torch.int64), weights
 
 
 class ForeignLogitsError(RuntimeError):

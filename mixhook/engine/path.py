@@ -44,7 +44,7 @@ from ..layouts import CHANNELS_LAST, channels_first, channels_last
 from ..sharding import sharded
 from ..sites import INPUT, Inputs, Leaf, rebuild_inputs, replace_leaves
 from .binding import Forwards
-from .contract import Draw, Mixed, MixState
+from .contract import Draw, Mixed, MixState, checked_mixture
 from .forward import NO_PINS, Forward, Pins
 from .gradient_pass import GradientPass
 from .leaves import SiteLeaves
@@ -754,10 +754,14 @@ class Path:
         weight = draw.weight if own else given  # (one lam on the CPU as a float: what loss() weighs by)
         if type(weight) is not float:
             weight = weight_of(lam)
+        index = draw.index if mixed.index is None else mixed.index
+        mixture = mixed.mixture
+        if mixture is not None:
+            mixture = checked_mixture(spec, mixture, index.shape[0])
         state = MixState(
             spec,
             lam,
-            draw.index if mixed.index is None else mixed.index,
+            index,
             dict(mixed.info) if mixed.info else {},
             names,
             dims,
@@ -765,6 +769,7 @@ class Path:
             shapes,
             clean,
             mixed.partner_lam,
+            mixture=mixture,
             loss_inputs=mixed.loss_inputs,
         )
         state.__dict__["weight"] = weight  # (MixState.weight, made with lam: no read of it again)

@@ -163,6 +163,31 @@ def soft_targets(target: torch.Tensor, num_classes: int | None, smoothing: float
     return one_hot
 
 
+def weighed_labels(criterion: Callable, logits: torch.Tensor, target: torch.Tensor, indices, weights):
+    """``sum_k weights[k] * criterion(logits, target[indices[k]])``: the criterion under a mix of ``K``
+    samples per row (:attr:`MixState.mixture`), ``indices`` ``(K, B)``, ``weights`` one per term (numbers,
+    or a ``(K,)`` tensor) or ``(K, B)`` per row (the criterion must then return one loss per sample),
+    weighed in float32 at least and rounded once to the criterion's dtype."""
+    loss = None
+    for k in range(len(indices)):
+        rows = indices[k]
+        term = criterion(logits, target.index_select(0, to_device(torch.as_tensor(rows), target.device)))
+        work = _at_least_float32(term)
+        weight = weights[k]
+        if isinstance(weight, torch.Tensor):
+            if weight.ndim and (work.ndim == 0 or work.shape[0] != weight.shape[0]):
+                raise ValueError(
+                    f"loss(): the mix weighs each of its {len(indices)} labels by one weight per sample, so "
+                    "the criterion must return one loss per sample (reduction='none'), but it returned "
+                    f"shape {tuple(term.shape)}"
+                )
+            weight = to_device(weight, work.device, work.dtype)
+            weight = weight.view(-1, *[1] * (work.ndim - 1)) if weight.ndim else weight
+        part = weight * work
+        loss = part if loss is None else loss + part
+    return loss.to(term.dtype)
+
+
 class LossAndTargets:
     """``loss`` and ``targets`` of a :class:`~mixhook.engine.mixer.Mixer`: the criterion, or the soft
     targets, under the mix of the forward that produced the logits (found by ``_bound_state``)."""
@@ -280,6 +305,10 @@ class LossAndTargets:
         one; a user calls :meth:`loss`): the criterion of ``logits`` under the mix ``last`` (its mixed rows
         only), ``lam * criterion(logits, target) + (1 - lam) * criterion(logits, target[index])``; with
         ``own_terms`` (``loss``, not ``weigh``), a loss policy's weights and terms too."""
+        if last.mixture is not None:
+            return weighed_labels(
+                criterion, logits, self._mixture_targets(last, target, "loss"), *last.mixture
+            )
         if self._policies is not None and self._policies.on_loss:
             partner = self._partners_of(last, target, "loss")
             return self._policies.mixed_loss(criterion, logits, target, partner, last, own_terms)
@@ -378,6 +407,16 @@ class LossAndTargets:
     def _mixed_targets(self, last: MixState, target, labels, own, partner, num_classes: int | None):
         """The soft targets ``own`` of the samples and ``partner`` of their partners mixed as ``last``
         weighs them (``labels``: the partners' labels, for a target policy)."""
+        if last.mixture is not None:  # (K samples per row: own is each label's soft target, in order)
+            target = self._mixture_targets(last, target, "targets")
+            indices, weights = last.mixture
+            mixed = None
+            for k in range(indices.shape[0]):
+                soft = own.index_select(0, to_device(indices[k], own.device))
+                weight = to_device(weights[k], own.device, own.dtype)
+                part = (weight.view(-1, *[1] * (own.ndim - 1)) if weight.ndim else weight) * soft
+                mixed = part if mixed is None else mixed + part
+            return mixed
         policies = self._policies
         if policies is not None and policies.on_loss:
             if policies.changes_loss:
@@ -399,6 +438,29 @@ class LossAndTargets:
             lam = weight if type(weight) is float else per_sample(last.lam, own)
             return torch.lerp(partner, own, lam)
         return torch.lerp(partner, own, to_device(weights, own.device, own.dtype).unsqueeze(1))
+
+    def _mixture_targets(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor:
+        """``target``, checked to be labels a mix of more than two samples per row weighs as a whole (one
+        weight per label: no loss policy's two-label weights, no dense map's per-position ones, the
+        batch's own rows)."""
+        kind, k = type(self).__name__, last.mixture[0].shape[0]
+        if self._policies is not None and self._policies.on_loss:
+            names = ", ".join(type(p).__name__ for p in self._policies.all)
+            raise ValueError(
+                f"{what}(): {kind} mixed {k} samples per row, which the two-label weights of {names} cannot "
+                "describe; use it with a mix of two"
+            )
+        if positions(target) > 0:
+            raise ValueError(
+                f"{what}(): {kind} mixed {k} samples per row with one weight per label: dense targets "
+                f"{tuple(target.shape)} have no per-position weights under it"
+            )
+        if target.shape[0] != last.mixture[0].shape[1] or last.info.get("partners") in ("global", "batch"):
+            raise ValueError(
+                f"{what}(): target has {target.shape[0]} rows, and {kind}'s mix of {k} samples per row "
+                f"takes the {last.mixture[0].shape[1]} labels of the batch it mixed"
+            )
+        return target
 
     def _target_weights(self, last: MixState, target: torch.Tensor, what: str) -> torch.Tensor | None:
         """Per-position own weights ``(B, H, W)`` for a dense ``target`` under a region mix, else ``None``

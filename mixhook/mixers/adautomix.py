@@ -19,6 +19,7 @@ from ..engine.card import Card
 from ..engine.checks import check_fraction
 from ..engine.contract import Draw, Mixed, MixState
 from ..engine.mixer import extending
+from ..engine.targets import weighed_labels
 from ..functional import sample_lam
 from ..transfer import to_device
 from .automix import AutoMix
@@ -368,9 +369,13 @@ class AdAutoMix(AutoMix):
             info = {"mask": shares, "co_lams": co, "block_indices": pinned["block_indices"]}
             info["mix_indices"] = indices
             block = {"block": (logits, mask, co[0], pinned["block_indices"][0])}  # (with gradients: not kept)
+            mixture = (
+                torch.stack([torch.as_tensor(p) for p in indices]),
+                torch.tensor(co, dtype=torch.float64),
+            )
             mixed = Mixed(
                 {path: _weighed(h, indices, parts)}, lam=co[0], info=info, index=indices[0], before=before,
-                loss_inputs=block,
+                loss_inputs=block, mixture=mixture,
             )  # fmt: skip
         mixed.info.update(
             adversarial=pinned["adversarial"], k_clean=pinned["k_clean"], samples=pinned["samples"]
@@ -386,31 +391,22 @@ class AdAutoMix(AutoMix):
         if last.groups != 2:
             return super().clean_loss(criterion, clean, mixed, target, last)
         n, r = clean.shape[0], self.mixup_ratio
-        plain = self._labels_weighed(
-            criterion, mixed[:n], target, last.info["mix_indices"], last.info["co_lams"]
-        )
+        plain = weighed_labels(criterion, mixed[:n], target, *last.mixture)  # (the plain mixup's rows)
         one = (1 - r) * criterion(clean, target) + r * plain
         return self.clean_weight * one + self.mixed_loss(criterion, mixed[n:], target, last)
 
     def mixed_loss(self, criterion, logits, target, last: MixState, own_terms: bool = True) -> torch.Tensor:
-        """Three or more samples: ``sum_i lam_i * l(logits, y[p_i])`` over the model's permutations (and,
-        with ``own_terms``, the Mix Block's term); two: AutoMix's. (``weigh`` gives it the rows after the
-        clean ones: on a forward with the plain mixup's rows, both groups' values.)"""
-        if last.info["samples"] == 2:
-            return super().mixed_loss(criterion, logits, target, last, own_terms)
-        if self._policies is not None and self._policies.on_loss:
-            raise ValueError(
-                f"loss(): {type(self).__name__} mixes {last.info['samples']} samples, which a loss policy's "
-                "two-label weights cannot describe; use mix_samples=2 with it"
-            )
-        weighed = self._labels_weighed
-        indices, co, n = last.info["mix_indices"], last.info["co_lams"], target.shape[0]
+        """AutoMix's: the criterion under the mix (three or more samples: ``sum_i lam_i * l(logits,
+        y[p_i])`` over the model's permutations, :attr:`MixState.mixture`) and, with ``own_terms``, the
+        Mix Block's term. (``weigh`` gives it the rows after the clean ones: on a forward with the plain
+        mixup's rows, both groups' values.)"""
+        n = target.shape[0]
         if not own_terms and last.groups == 2 and logits.shape[0] == 2 * n:  # (weigh: both groups)
+            base = super().mixed_loss
             return torch.cat(
-                [weighed(criterion, rows, target, indices, co) for rows in (logits[:n], logits[n:])]
+                [base(criterion, rows, target, last, False) for rows in (logits[:n], logits[n:])]
             )
-        loss = weighed(criterion, logits, target, indices, co)
-        return loss + self.block_loss(criterion, target, last) if own_terms else loss
+        return super().mixed_loss(criterion, logits, target, last, own_terms)
 
     def block_loss(self, criterion: Callable, target: torch.Tensor, last: MixState) -> torch.Tensor | float:
         """The Mix Block's term: ``block_weight * (-beta * l_mix(k) + (1 - beta) * cos)`` on an adversarial
@@ -424,7 +420,7 @@ class AdAutoMix(AutoMix):
             loss = self.copy_mixed_loss(criterion, block_logits, target, lam_mb, index_mb)
         else:
             indices, lams = last.info["block_indices"], last.info["co_lams"]
-            loss = self._labels_weighed(criterion, block_logits, target, indices, lams)
+            loss = weighed_labels(criterion, block_logits, target, indices, lams)
         if last.info["adversarial"]:
             clean = last.info["k_clean"]
             cos = None
@@ -433,15 +429,6 @@ class AdAutoMix(AutoMix):
                 cos = term if cos is None else cos + term
             loss = -self.beta * loss + (1 - self.beta) * (cos if loss.ndim else cos.mean())
         return self.block_weight * loss
-
-    @staticmethod
-    def _labels_weighed(criterion: Callable, logits, target, indices, lams) -> torch.Tensor:
-        """``sum_i lams[i] * criterion(logits, target[indices[i]])`` (the authors' ``co_loss``)."""
-        loss = None
-        for p, lam in zip(indices, lams, strict=True):
-            term = criterion(logits, target[to_device(p, target.device)]) * lam
-            loss = term if loss is None else loss + term
-        return loss
 
     def targets(self, *args, **kwargs):
         """Refused: AdAutoMix's loss is no criterion of mixed targets (its Mix Block's term, and mixes of

@@ -6,8 +6,9 @@ the ``<stem>.md`` the benchmark wrote beside it), so they cannot be copied by ha
 - ``_generated/goals.md``: every goal of every whole-suite run (``<device>-<date>.json``), side by side;
 - ``_generated/runs.md``: one row per results file (device, date, command, goals met and missed);
 - ``_generated/results/<stem>.md``: each results file's own Markdown, under its file name;
-- ``_generated/costs.md``: the catalogue's cost of every method (the latest ``*-methods`` run) and of the
-  scaling hooks (the latest whole-suite CPU run);
+- ``_generated/costs.md``: the catalogue's cost of every method (the latest ``*-methods`` run; the methods
+  that need a ViT, the latest run of the ``vit`` case) and of the scaling hooks (the latest whole-suite CPU
+  run);
 - ``_generated/methods-table.md``, ``_generated/methods.md``, ``_generated/api-methods.md``: the catalogue's
   table of the methods, their sections and the API page's list, read from each method's card
   (``mixhook.Card``; its ``mixup=`` configs from the app's group), so a new method's module is all it takes;
@@ -142,6 +143,14 @@ def costs_table(results: dict[str, dict]) -> str:
         versus = run.get("vs_manifold", {}).get(name) if on_cpu else None
         versus = _fmt(versus) if versus else ""
         lines.append(f"| `{label}` | {ratio} | {versus} | {on_gpu} | {link}: {where} |")
+    vits = [s for s in results if s.startswith("cpu-") and "vit" in results[s]]
+    if vits:  # (the methods that need a ViT: the latest run of the vit case, on timm's ViT-Tiny)
+        stem = max(vits, key=lambda s: re.search(r"\d{4}-\d{2}-\d{2}", s).group())
+        run = results[stem]["vit"]
+        for name, ratio in run["vs_none"].items():
+            if name not in rows:
+                where = f"{run['model']}, batch {run['batch']} (beside CutMix: its file)"
+                lines.append(f"| `{name}` | {_fmt(ratio)} | | | {_link(stem)}: {where} |")
     if suites:
         steps, link = results[suites[-1]]["training_step"][0], _link(suites[-1])
         for name, key in (("InputScale", "inputscale_layer2"), ("GradScale", "gradscale_layer3")):

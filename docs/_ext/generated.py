@@ -106,6 +106,22 @@ def gpu_costs(results: dict[str, dict]) -> dict[str, tuple[dict, str]]:
     return found
 
 
+def vit_costs(results: dict[str, dict], shown: set[str]) -> list[str]:
+    """The cost rows of the methods that need a ViT (those not in ``shown``): their step over a plain one
+    in the latest CPU run of the ``vit`` case, on timm's ViT-Tiny."""
+    vits = [s for s in results if s.startswith("cpu-") and "vit" in results[s]]
+    if not vits:
+        return []
+    stem = max(vits, key=lambda s: re.search(r"\d{4}-\d{2}-\d{2}", s).group())
+    run = results[stem]["vit"]
+    where = f"{run['model']}, batch {run['batch']} (beside CutMix: its file)"
+    return [
+        f"| `{name}` | {_fmt(ratio)} | | | {_link(stem)}: {where} |"
+        for name, ratio in run["vs_none"].items()
+        if name not in shown
+    ]
+
+
 def costs_table(results: dict[str, dict]) -> str:
     """Each method's training step over a plain one and over Manifold Mixup's (the latest methods run, and
     the methods only a subset run measured), the latter on a GPU too (the latest GPU run that measured
@@ -143,14 +159,7 @@ def costs_table(results: dict[str, dict]) -> str:
         versus = run.get("vs_manifold", {}).get(name) if on_cpu else None
         versus = _fmt(versus) if versus else ""
         lines.append(f"| `{label}` | {ratio} | {versus} | {on_gpu} | {link}: {where} |")
-    vits = [s for s in results if s.startswith("cpu-") and "vit" in results[s]]
-    if vits:  # (the methods that need a ViT: the latest run of the vit case, on timm's ViT-Tiny)
-        stem = max(vits, key=lambda s: re.search(r"\d{4}-\d{2}-\d{2}", s).group())
-        run = results[stem]["vit"]
-        for name, ratio in run["vs_none"].items():
-            if name not in rows:
-                where = f"{run['model']}, batch {run['batch']} (beside CutMix: its file)"
-                lines.append(f"| `{name}` | {_fmt(ratio)} | | | {_link(stem)}: {where} |")
+    lines += vit_costs(results, set(rows))
     if suites:
         steps, link = results[suites[-1]]["training_step"][0], _link(suites[-1])
         for name, key in (("InputScale", "inputscale_layer2"), ("GradScale", "gradscale_layer3")):

@@ -297,3 +297,20 @@ def test_under_activation_checkpointing_the_labels_and_gradients_are_a_plain_run
     torch.testing.assert_close(a.lam, b.lam, rtol=0, atol=0)
     for ga, gb in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-14)
+
+
+def test_with_the_clean_batch_kept_the_labels_follow_the_mixed_rows():
+    """clean=True doubles the batch before the attention layers: the labels are carried through the mixed
+    rows' attention, as without the clean rows."""
+    kept, alone = tiny_vit(), tiny_vit()
+    x = torch.randn(4, 3, 16, 16, dtype=torch.double)
+    found = []
+    for model, clean in ((kept, True), (alone, False)):
+        mix = TLA("input", attention="blocks.*.attn")
+        mix.clean = clean
+        with mix.attach(model):
+            mix.pin(box=(1, 3, 0, 2), index=[3, 2, 1, 0])
+            assert model(x).shape[0] == (8 if clean else 4)
+        found.append(mix.last)
+    assert found[0].lam.shape == (4,) and found[0].info["aligned"] == 3
+    torch.testing.assert_close(found[0].lam, found[1].lam, rtol=1e-12, atol=1e-14)

@@ -214,7 +214,7 @@ def _augmix(c: Case) -> dict:
 
 def _vit(c: Case) -> dict:
     c.log("ViT: the attention methods' training step ...")
-    sizes = c.size((4, 16, 2), (128, 32, 12), (16, 32, 6))  # batch, image side, blocks
+    sizes = c.size((4, 32, 2), (128, 32, 12), (16, 32, 6))  # batch, image side (MixPro: 2x2 cells), blocks
     return vit_methods(c.device, c.timer, c.reps, c.inner, *sizes)
 
 

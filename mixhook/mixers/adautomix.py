@@ -431,14 +431,13 @@ class AdAutoMix(AutoMix):
         return self.block_weight * loss
 
     def targets(self, *args, **kwargs):
-        """Refused: AdAutoMix's loss is no criterion of mixed targets (its Mix Block's term, and mixes of
-        several samples); train with :meth:`loss`."""
+        """Refused: AdAutoMix's loss is no criterion of mixed targets (its Mix Block's term; its mixes of
+        several samples alone would be, :attr:`MixState.mixture`); train with :meth:`loss`."""
         raise ValueError(f"targets(): {type(self).__name__} {self.targets_refused()}; train with its loss()")
 
     def targets_refused(self) -> str:
         return (
-            "trains its Mix Block by a loss of its own beside the model's, and mixes several samples' "
-            "labels, which mixed targets of two cannot carry"
+            "trains its Mix Block by a loss of its own beside the model's, which mixed targets cannot carry"
         )
 
     # ---------------------------------------------------------------------------------- the state

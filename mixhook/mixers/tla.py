@@ -47,8 +47,9 @@ class TLA(CutMix):
 
     ``.last.info``: ``"box"`` (the box on the patch grid, ``(y1, y2, x1, x2)`` in patches: the authors'
     ``rand_token_bbox``, CutMix's box drawn on that grid), ``"area_lam"`` (the patches kept: CutMix's
-    lam), ``"token_labels"`` (``(B, T)`` float64, each token's partner share after the last attention layer)
-    and ``"aligned"`` (the attention layers the labels went through).
+    lam), ``"token_labels"`` (``(B, T)`` float64, each token's partner share after the last attention layer),
+    ``"prefix"`` (the leading tokens among them) and ``"aligned"`` (the attention layers the labels went
+    through).
 
     Args:
         layer: ``"input"`` (the paper: the box on the model's patch grid, pasted in pixels) or a block

@@ -108,6 +108,10 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     # Whether the method's loss is the mixed criterion (mixed_loss), which target, weights and loss
     # policies (Remix, LocalWeights, DecoupledLoss) change; False for a method with a loss of its own.
     takes_loss_policies: ClassVar[bool] = True
+    # The most samples one mixed row may mix (2: a sample and its partner; more for a method that states a
+    # Mixed.mixture, AdAutoMix): a target, weights or loss policy (two labels per row) refuses one over 2
+    # when it is used, before training.
+    samples_per_row: int = 2
     # The values before_forward/before_mix compute anew at every training forward, a repeat's included (they
     # do not reuse a pinned one): the record pin_last repeats leaves them out (AutoMix: its momentum copy's
     # features and its Mix Block's forward, a (B, C, h, w) map), so no mixer keeps between steps what a repeat

@@ -133,11 +133,18 @@ class Policy:
 
 def refuse_own_loss(policy: Policy, mixer: MixingHook) -> None:
     """A target, weights or loss policy changes the mixed criterion: refuse a mixer whose loss is its own
-    (``takes_loss_policies = False``: RankMixup)."""
+    (``takes_loss_policies = False``: RankMixup), and one that may mix more than two samples per row
+    (``samples_per_row``: AdAutoMix's three-sample mixes), whose labels two weights cannot describe."""
     if not type(mixer).takes_loss_policies:
         raise TypeError(
             f"{type(policy).__name__} changes the mixed loss, which {type(mixer).__name__}'s own loss "
             "does not use"
+        )
+    many = getattr(mixer, "samples_per_row", 2)
+    if many > 2:
+        raise TypeError(
+            f"{type(policy).__name__} weighs two labels per row, and {type(mixer).__name__} mixes up to "
+            f"{many} samples per row; use it with a mix of two"
         )
 
 

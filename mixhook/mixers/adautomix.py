@@ -266,6 +266,11 @@ class AdAutoMix(AutoMix):
         self.margin_rule = margin_rule
         self.iteration = 0  # the training forwards counted so far (the authors' self.iter)
 
+    @property
+    def samples_per_row(self) -> int:
+        """The most samples a mixed row mixes, ``mix_samples``."""
+        return self.mix_samples
+
     # AutoMix's arguments but its mask loss (the shares sum to one by construction), with the authors' CUB
     # config's alpha, end momentum and lam margin; then AdAutoMix's own (_own)
     __init__ = extending(

@@ -536,3 +536,13 @@ def test_rows_before_the_mix_without_the_clean_rows_are_refused_in_one_line():
     with mix.attach(model):
         mix.pin(samples=3)
         assert model(batch()[0].float()).shape == (6, 5) and mix.last.groups == 1
+
+
+def test_a_loss_policy_is_refused_when_used_with_mixes_of_three():
+    from mixhook.policies import DecoupledLoss, Remix
+
+    with pytest.raises(
+        TypeError, match="^Remix weighs two labels per row, and AdAutoMix mixes up to 3 samples"
+    ):
+        AdAutoMix("input", features="0").use(Remix(counts=[5, 3, 2]))
+    assert AdAutoMix("input", features="0", mix_samples=2).use(DecoupledLoss()).policies

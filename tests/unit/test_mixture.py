@@ -102,7 +102,15 @@ def test_refusals_are_one_line():
             ValueError, match=r"^targets\(\): ThreeWay mixed 3 samples per row with one weight"
         ):
             mix.targets(torch.zeros(4, 2, 2, dtype=torch.int64), 3, logits=logits)
-    weighted = ThreeWay().use(LocalWeights(sigma=1.0))
+
+    class Declared(ThreeWay):
+        samples_per_row = 3
+
+    with pytest.raises(
+        TypeError, match="^LocalWeights weighs two labels per row, and Declared mixes up to 3"
+    ):
+        Declared().use(LocalWeights(sigma=1.0))  # (declared: refused when used, before training)
+    weighted = ThreeWay().use(LocalWeights(sigma=1.0))  # (undeclared: refused at the loss)
     with weighted.attach(model):
         weighted.use_features(X)
         logits = model(X)

@@ -135,7 +135,6 @@ class MixPro(ReadsAttention, RegionMixer):
         if smoothing >= 1:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
         self.attention, self.cell, self.smoothing = attention, cell, smoothing
-        self._reading = False
 
     def __repr__(self) -> str:
         return (

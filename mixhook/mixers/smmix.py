@@ -27,13 +27,13 @@ from ..engine.tokens import model_grid
 from ..layers import resolve_layer
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import attention_grid, attention_weights, check_attention
+from .transmix import ReadsAttention, attention_grid, check_attention
 
 SCORES = ("patches", "class")
 HEADS = ("own", "shared")
 
 
-class SMMix(RegionMixer):
+class SMMix(ReadsAttention, RegionMixer):
     """SMMix (Chen et al. 2023): on a ViT (at the input, or on a block's tokens with ``tokens``), each
     image's least attended ``s x s`` window of patches is replaced by its partner's most attended window
     (taken from wherever it is), the attention read from the model itself on the unmixed batch; the loss
@@ -168,7 +168,6 @@ class SMMix(RegionMixer):
         self._averaging = False
         self._pending: Mapping | None = None  # a state loaded before attach
         self._recording: list | None = None  # the attention weights, during the motivating forward
-        self._reading = False
         self._classifier: nn.Linear | None = None
 
     def __repr__(self) -> str:
@@ -304,12 +303,7 @@ class SMMix(RegionMixer):
     def _score_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if self._recording is None or self._reading:
             return
-        self._reading = True  # (nn.MultiheadAttention is called again to read its weights)
-        try:
-            weights = attention_weights(module, args, kwargs)  # (the motivating forward: without gradients)
-        finally:
-            self._reading = False
-        self._recording.append(weights)
+        self._recording.append(self._read(module, args, kwargs))
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path

@@ -24,12 +24,12 @@ from ..layers import resolve_layers
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
 from .cutmix import CutMix, draw_region, pasted
-from .transmix import attention_grid, attention_weights, check_attention
+from .transmix import ReadsAttention, attention_grid, check_attention
 
 READOUTS = ("auto", "class", "mean")
 
 
-class TLA(CutMix):
+class TLA(ReadsAttention, CutMix):
     """TL-Align (Xiao et al. 2023): CutMix of a ViT's patches (at the input, the box drawn on the patch grid;
     or on a block's tokens with ``tokens``) whose labels follow the tokens through the attention layers.
 
@@ -130,7 +130,6 @@ class TLA(CutMix):
             )
         self.attention = attention if isinstance(attention, str) else tuple(names)
         self.readout = readout
-        self._reading = False
         self._pool: str | None = None  # the readout the attached model states ("class" or "mean")
         self._within: str | None = None  # the first attention layer's real name (where a grid is looked for)
         self._grid: tuple[int, int] | None = None  # the patch grid of each mix (set by the mix)
@@ -230,13 +229,7 @@ class TLA(CutMix):
             draw, last = self.current, self.last
             if draw is None or not draw.done or last is None:  # (no mix, or the mix is yet to come)
                 return
-            self._reading = True  # (nn.MultiheadAttention is called again to read its weights)
-            try:
-                with torch.no_grad():
-                    weights = attention_weights(module, args, kwargs)
-            finally:
-                self._reading = False
-            self.last = self._carried(model, last, weights)
+            self.last = self._carried(model, last, self._read(module, args, kwargs))
 
         return hook
 

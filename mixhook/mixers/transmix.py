@@ -112,8 +112,22 @@ def check_attention(kind: str, name: str, module: nn.Module) -> None:
 
 
 class ReadsAttention:
-    """What TransMix and MixPro share (listed before their mixer base): the forward hook on their
-    ``attention`` layer that reads the class token's attention once per training forward that mixed."""
+    """What the methods that read a ViT's attention share (listed before their mixer base): reading an
+    attention layer's weights from inside a hook on it (:meth:`_read`), and TransMix's and MixPro's forward
+    hook that reads the class token's attention once per training forward that mixed."""
+
+    _reading = False  # (True while this mixer reads a layer's weights: the layer may be called again)
+
+    def _read(self, module: nn.Module, args: tuple, kwargs: dict, read=attention_weights):
+        """``read(module, args, kwargs)`` without gradients, from a hook on ``module``, with
+        :attr:`_reading` set meanwhile: ``nn.MultiheadAttention`` is called again to give its weights,
+        and this mixer's hooks on it, called with it, return at once while it is set."""
+        self._reading = True
+        try:
+            with torch.no_grad():
+                return read(module, args, kwargs)
+        finally:
+            self._reading = False
 
     def _attention_reader(self, model: nn.Module, recorded: str, labelled):
         """The hook that, once per training forward that mixed, after the mix, reads the class token's
@@ -133,13 +147,7 @@ class ReadsAttention:
                 )
             if draw is None or last is None or recorded in last.info:  # no mix, or a second call
                 return
-            self._reading = True  # (nn.MultiheadAttention is called again to read its weights)
-            try:
-                with torch.no_grad():
-                    weights = class_attention(module, args, kwargs)
-            finally:
-                self._reading = False
-            self.last = labelled(model, last, weights)
+            self.last = labelled(model, last, self._read(module, args, kwargs, class_attention))
 
         return hook
 
@@ -228,7 +236,6 @@ class TransMix(ReadsAttention, CutMix):
             raise ValueError(f"attention must be the name of an attention module, got {attention!r}")
         self.attention = attention
         self.ratio = check_fraction("ratio", ratio)
-        self._reading = False
         self._map_size: tuple[int, int] | None = None  # the cut map's (H, W), set by each mix
 
     def __repr__(self) -> str:

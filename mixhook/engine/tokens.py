@@ -62,11 +62,25 @@ def model_grid(model: nn.Module | None, within: str | None = None) -> ModelGrid 
     module's name in ``model``, such as an attention layer), a model that states nothing is looked into:
     the innermost module around ``within`` that states one (the ViT a LightningModule, a DDP or a wrapper
     for the HuggingFace Trainer holds)."""
+    found = _stating(model, within)
+    return None if found is None else found[0]
+
+
+def grid_holder(model: nn.Module | None, within: str | None = None) -> nn.Module | None:
+    """The module whose patch grid :func:`model_grid` reads (``model``, or the innermost module around
+    ``within`` that states one), where a method reads more of what it states (its head's pooling); else
+    ``None``."""
+    found = _stating(model, within)
+    return None if found is None else found[1]
+
+
+def _stating(model: nn.Module | None, within: str | None) -> tuple[ModelGrid, nn.Module] | None:
+    """:func:`model_grid`'s grid and the module that states it."""
     if model is None:
         return None
     found = _stated_grid(model)
     if found is not None or not within:
-        return found
+        return None if found is None else (found, model)
     parts = within.split(".")
     for end in range(len(parts) - 1, 0, -1):
         try:
@@ -75,7 +89,7 @@ def model_grid(model: nn.Module | None, within: str | None = None) -> ModelGrid 
             continue
         found = _stated_grid(inner)
         if found is not None:
-            return found
+            return found, inner
     return None
 
 

@@ -23,11 +23,10 @@ from ..engine.checks import check_fraction, check_non_negative, check_spatial
 from ..engine.contract import Deferred, Draw, Mixed, MixState
 from ..engine.own_parameters import average_over_ranks
 from ..engine.regions import RegionMixer
-from ..engine.tokens import model_grid
 from ..layers import resolve_layer
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import ReadsAttention, attention_grid, check_attention
+from .transmix import ReadsAttention, attention_grid, check_attention, stated_grid
 
 SCORES = ("patches", "class")
 HEADS = ("own", "shared")
@@ -333,12 +332,7 @@ class SMMix(ReadsAttention, RegionMixer):
         is the grid; at the input, the model's grid (whole patches of pixels)."""
         if self.sites[spec].layer != INPUT:
             return height, width, 1
-        stated = model_grid(self._model, within=self.attention)
-        if stated is None:
-            raise TypeError(
-                f"SMMix: {type(self._model).__name__} does not state its patch grid; use a timm, torchvision "
-                "or HuggingFace ViT, or mix its tokens with tokens=(rows, columns)"
-            )
+        stated = stated_grid("SMMix", self._model, self.attention)
         rows, cols = stated.rows, stated.cols
         if height % rows or width % cols or height // rows != width // cols:
             raise ValueError(

@@ -18,13 +18,13 @@ from torch.utils.hooks import RemovableHandle
 from .. import recompute
 from ..engine.card import Card
 from ..engine.contract import Draw, Mixed, MixState
-from ..engine.tokens import model_grid
+from ..engine.tokens import grid_holder
 from ..geometry import box_slices
 from ..layers import resolve_layers
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
 from .cutmix import CutMix, draw_region, pasted
-from .transmix import ReadsAttention, attention_grid, check_attention
+from .transmix import ReadsAttention, attention_grid, check_attention, stated_grid
 
 READOUTS = ("auto", "class", "mean")
 
@@ -160,13 +160,7 @@ class TLA(ReadsAttention, CutMix):
         ViTs' class token; else a one-line error."""
         if self.readout != "auto":
             return self.readout
-        holder = model
-        parts = attention.split(".")
-        for end in range(len(parts) - 1, -1, -1):  # (the innermost module around the attention that states)
-            inner = model.get_submodule(".".join(parts[:end])) if end else model
-            if model_grid(inner) is not None:
-                holder = inner
-                break
+        holder = grid_holder(model, attention)  # (the ViT that states the grid: its head's pooling)
         pool = getattr(holder, "global_pool", None)
         if isinstance(pool, str):
             if pool in ("token", "avg"):
@@ -175,7 +169,7 @@ class TLA(ReadsAttention, CutMix):
                 f"TLA: {type(holder).__name__} pools its tokens with global_pool={pool!r}, whose label TLA "
                 "cannot carry (it carries the class token's, 'token', or the patch tokens' mean, 'avg')"
             )
-        if model_grid(holder) is not None:
+        if holder is not None:
             return "class"  # (torchvision's and HuggingFace's ViTs: the head reads the class token)
         raise ValueError(
             f"TLA: {type(model).__name__} does not state which token its head reads; pass readout='class' "
@@ -205,12 +199,7 @@ class TLA(ReadsAttention, CutMix):
         if self.token_grid is not None and self.token_grid.grid is not None:
             rows, cols = self.token_grid.grid
         else:
-            stated = model_grid(self._model, within=self._within)
-            if stated is None:
-                raise TypeError(
-                    f"TLA: {type(self._model).__name__} does not state its patch grid; use a timm, "
-                    "torchvision or HuggingFace ViT, or give it with tokens=(rows, columns)"
-                )
+            stated = stated_grid("TLA", self._model, self._within)
             rows, cols = stated.rows, stated.cols
         if height % rows or width % cols:
             raise ValueError(

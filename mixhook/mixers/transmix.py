@@ -77,6 +77,18 @@ def _attention_kind(module: nn.Module) -> str | None:
     return None
 
 
+def stated_grid(kind: str, model: nn.Module, within: str):
+    """The patch grid ``model`` states (:func:`~mixhook.engine.tokens.model_grid`, looking into the modules
+    around ``within``, an attention layer's name), or a one-line ``TypeError`` naming the method ``kind``."""
+    stated = model_grid(model, within=within)
+    if stated is None:
+        raise TypeError(
+            f"{kind}: {type(model).__name__} does not state its patch grid; use a timm, torchvision or "
+            "HuggingFace ViT, or mix its tokens with tokens=(rows, columns)"
+        )
+    return stated
+
+
 def attention_grid(mixer, model: nn.Module, count: int) -> tuple[int, int, int]:
     """The patch grid ``(rows, columns)`` and the number of leading tokens of the ``count`` tokens the
     attention layer ``mixer.attention`` attends over: from ``mixer.token_grid`` (``tokens=``), else from
@@ -85,12 +97,7 @@ def attention_grid(mixer, model: nn.Module, count: int) -> tuple[int, int, int]:
     if mixer.token_grid is not None and mixer.token_grid.grid is not None:
         rows, cols = mixer.token_grid.grid
         return rows, cols, count - rows * cols
-    stated = model_grid(model, within=mixer.attention)
-    if stated is None:
-        raise TypeError(
-            f"{kind}: {type(model).__name__} does not state its patch grid; use a timm, torchvision or "
-            "HuggingFace ViT, or mix its tokens with tokens=(rows, columns)"
-        )
+    stated = stated_grid(kind, model, mixer.attention)
     prefix = count - stated.rows * stated.cols
     if prefix < 0 or (stated.prefix is not None and prefix != stated.prefix):
         raise ValueError(

@@ -15,6 +15,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from benchmarks import cases
 from benchmarks.timing import ratio
@@ -80,6 +81,37 @@ def method_variants() -> dict:
     return makers
 
 
+def training_steps(base: nn.Module, makers: dict, x: torch.Tensor, y: torch.Tensor, before=None) -> dict:
+    """name -> one training step (forward, the mixer's ``loss`` of the per-sample cross-entropy, backward,
+    SGD) of a copy of ``base`` with ``makers[name]()`` attached (``None``: no mixer), its own parameters
+    (AutoMix's Mix Block, SMMix's token head) in the optimizer; ``before(mixer)`` runs before each
+    forward."""
+
+    def per_sample_ce(logits, target):
+        return F.cross_entropy(logits, target, reduction="none")
+
+    steps = {}
+    for name, make in makers.items():
+        model = copy.deepcopy(base)
+        mixer = make() if make is not None else None
+        if mixer is not None:
+            mixer.attach(model)
+        own = list(mixer.parameters()) if mixer is not None else []
+        opt = torch.optim.SGD([*model.parameters(), *own], lr=1e-3, momentum=0.9)
+
+        def step(model=model, opt=opt, mixer=mixer):
+            if mixer is not None and before is not None:
+                before(mixer)
+            logits = model(x)
+            loss = (mixer.loss(per_sample_ce, logits, y) if mixer else per_sample_ce(logits, y)).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        steps[name] = step
+    return steps
+
+
 def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
     torch.manual_seed(0)
     base = cases.preact_resnet18().to(device).train()
@@ -89,30 +121,13 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
     makers = method_variants()
     names = ["none", *(n for n in makers if wanted is None or n in wanted)]
 
-    def per_sample_ce(logits, target):
-        return F.cross_entropy(logits, target, reduction="none")
+    def before(mixer):  # C-Mixup pairs by regression labels: the class numbers serve as such
+        mixer.use_targets(y.double() if isinstance(mixer, CMixup) else y)
+        if any(p.needs_partner_batch for p in getattr(mixer, "policies", ())):
+            mixer.use_partners(*partners)
 
-    steps = {}
-    for name in names:
-        model = copy.deepcopy(base)
-        mixer = None if name == "none" else makers[name]()
-        if mixer is not None:
-            mixer.attach(model)
-        own = list(mixer.parameters()) if mixer is not None else []  # (AutoMix's Mix Block)
-        opt = torch.optim.SGD([*model.parameters(), *own], lr=1e-3, momentum=0.9)
-
-        def step(model=model, opt=opt, mixer=mixer):
-            if mixer is not None:  # C-Mixup pairs by regression labels: the class numbers serve as such
-                mixer.use_targets(y.double() if isinstance(mixer, CMixup) else y)
-                if any(p.needs_partner_batch for p in getattr(mixer, "policies", ())):
-                    mixer.use_partners(*partners)
-            logits = model(x)
-            loss = (mixer.loss(per_sample_ce, logits, y) if mixer else per_sample_ce(logits, y)).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        steps[name] = step
+    chosen = {name: None if name == "none" else makers[name] for name in names}
+    steps = training_steps(base, chosen, x, y, before)
     times = timer.side_by_side(steps, reps=reps, inner=inner, warmup=2)
     return {
         "model": "preact_resnet18",

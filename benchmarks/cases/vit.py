@@ -7,12 +7,11 @@ unmixed batch (its motivating forward), and its token head."""
 
 from __future__ import annotations
 
-import copy
 import statistics
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.cases.methods import training_steps
 from benchmarks.timing import ratio
 
 
@@ -37,26 +36,7 @@ def vit_methods(device, timer, reps: int, inner: int, batch: int, size: int, dep
         "SMMix": lambda: SMMix("input", attention=last, features="norm", classifier="head"),
     }
 
-    def per_sample_ce(logits, target):
-        return F.cross_entropy(logits, target, reduction="none")
-
-    steps = {}
-    for name, make in makers.items():
-        model = copy.deepcopy(base)
-        mixer = make() if make is not None else None
-        if mixer is not None:
-            mixer.attach(model)
-        own = list(mixer.parameters()) if mixer is not None else []  # (SMMix's token head)
-        opt = torch.optim.SGD([*model.parameters(), *own], lr=1e-3, momentum=0.9)
-
-        def step(model=model, opt=opt, mixer=mixer):
-            logits = model(x)
-            loss = (mixer.loss(per_sample_ce, logits, y) if mixer else per_sample_ce(logits, y)).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        steps[name] = step
+    steps = training_steps(base, makers, x, y)
     times = timer.side_by_side(steps, reps=reps, inner=inner, warmup=2)
     return {
         "model": f"timm vit_tiny_patch16_224, {depth} blocks, 4-pixel patches",

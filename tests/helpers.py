@@ -134,3 +134,19 @@ class Lazy:
         if attr.startswith("_"):  # pytest's collection asks every module attribute for _pytest* and __test__
             raise AttributeError(attr)
         return getattr(importlib.import_module(self._name), attr)
+
+
+def attending_vit(**kwargs) -> nn.Module:
+    """A 3-block timm ViT (float64, training mode) on 16x16 images, a 4x4 grid of 4-pixel patches, whose
+    attention is far from uniform: at timm's initialisation every token attends nearly evenly, and what
+    the attention weighs (TL-Align's labels, SMMix's scores) would hardly depend on it. ``kwargs``: timm's
+    (``class_token=False, global_pool="avg"``)."""
+    torch.manual_seed(0)
+    model = importlib.import_module("timm").create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=16, patch_size=4, embed_dim=12,
+        depth=3, num_heads=2, **kwargs,
+    ).double().train()  # fmt: skip
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight.normal_(0, 0.6)
+    return model

@@ -10,21 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixhook import SMMix
-from tests.helpers import Lazy
-
-timm = Lazy("timm")  # imported when a test first uses it, not at collection
+from tests.helpers import attending_vit
 
 
 def tiny_vit():
-    """A 3-block ViT on a 4x4 patch grid whose attention is far from uniform."""
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=16, patch_size=4, embed_dim=12,
-        depth=3, num_heads=2,
-    ).double().train()  # fmt: skip
+    """:func:`~tests.helpers.attending_vit` with a head far from timm's zeros (its logits then tell the
+    samples apart: the consistency term's targets)."""
+    model = attending_vit()
     with torch.no_grad():
-        for block in model.blocks:
-            block.attn.qkv.weight.normal_(0, 0.6)
         model.head.weight.normal_(0, 0.5)
     return model
 

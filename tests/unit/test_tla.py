@@ -10,27 +10,14 @@ import torchvision
 from torch import nn
 
 from mixhook import TLA
-from tests.helpers import Lazy
-
-timm = Lazy("timm")  # imported when a test first uses it, not at collection
+from tests.helpers import attending_vit
 
 
 def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-def tiny_vit(**kwargs):
-    """A 3-block ViT on a 4x4 patch grid whose attention is far from uniform (at timm's initialisation every
-    token attends nearly evenly, and labels carried by an even average hardly move)."""
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=16, patch_size=4, embed_dim=12,
-        depth=3, num_heads=2, **kwargs,
-    ).double().train()  # fmt: skip
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.qkv.weight.normal_(0, 0.6)
-    return model
+tiny_vit = attending_vit  # (labels carried by an even average would hardly move)
 
 
 # From Euphoria16/TL-Align, tla.py: one_hot, mixup_target and token_label (device="cpu", and one_hot's

@@ -26,7 +26,7 @@ from ..engine.regions import RegionMixer
 from ..layers import resolve_layer
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import ReadsAttention, attention_grid, check_attention, stated_grid
+from .transmix import ReadsAttention, attention_grid, check_attention
 
 SCORES = ("patches", "class")
 HEADS = ("own", "shared")
@@ -166,7 +166,6 @@ class SMMix(ReadsAttention, RegionMixer):
         self.average_over_ranks = True
         self._averaging = False
         self._pending: Mapping | None = None  # a state loaded before attach
-        self._recording: list | None = None  # the attention weights, during the motivating forward
         self._classifier: nn.Linear | None = None
 
     def __repr__(self) -> str:
@@ -194,7 +193,7 @@ class SMMix(ReadsAttention, RegionMixer):
             )
         self._classifier = classifier
         super()._register(model, modules, handles)
-        handles.append(attention.register_forward_hook(recompute.hook(self._score_hook), with_kwargs=True))
+        handles.append(attention.register_forward_hook(recompute.hook(self._recorder), with_kwargs=True))
         handles.append(features.register_forward_hook(recompute.hook(self._features_hook(model))))
 
     def attach(self, model: nn.Module):
@@ -277,32 +276,19 @@ class SMMix(ReadsAttention, RegionMixer):
         logits and each patch's score (a recomputation and ``pin_last`` reuse them)."""
         if "motivation" in pinned:
             return {}
-        self._recording = []
-        try:
-            output = self.unmixed_forward(model, args, kwargs)
-            recorded = self._recording
-        finally:
-            self._recording = None
-        if not recorded:
-            raise RuntimeError(f"SMMix: attention={self.attention!r} did not run in the model's forward")
+        output, weights = self._unmixed_attention(model, args, kwargs)  # weights: (B, T, T), heads averaged
         logits = _logits(output)
         if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
             raise TypeError(
                 f"SMMix needs the model's (B, classes) logits from its motivating forward, got "
                 f"{type(output).__name__}"
             )
-        weights = recorded[-1]  # (B, T, T): every query's attention over the tokens, heads averaged
         _, _, prefix = attention_grid(self, model, weights.shape[1])
         if self.score == "patches":  # (the attention paid to each patch, averaged over the query patches)
             scores = weights[:, prefix:, prefix:].mean(1)
         else:  # (the class token's)
             scores = weights[:, 0, prefix:]
         return {"motivation": logits.detach(), "scores": scores}
-
-    def _score_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        if self._recording is None or self._reading:
-            return
-        self._recording.append(self._read(module, args, kwargs))
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:
         h, path = leaves[0].tensor, leaves[0].path
@@ -328,18 +314,14 @@ class SMMix(ReadsAttention, RegionMixer):
         return Mixed({path: mixed}, lam=lam, info=info, weights=weights, loss_inputs=inputs)
 
     def _grid(self, spec: str, height: int, width: int) -> tuple[int, int, int]:
-        """The patch grid of the mixed map, and the positions a patch spans: on a block's tokens, the map
-        is the grid; at the input, the model's grid (whole patches of pixels)."""
-        if self.sites[spec].layer != INPUT:
-            return height, width, 1
-        stated = stated_grid("SMMix", self._model, self.attention)
-        rows, cols = stated.rows, stated.cols
-        if height % rows or width % cols or height // rows != width // cols:
+        """The patch grid of the mixed map and the positions a square patch spans (:meth:`_patch_grid`)."""
+        rows, cols, step, across = self._patch_grid(spec, height, width)
+        if step != across:
             raise ValueError(
                 f"SMMix at 'input': the {height}x{width} input is not a grid of square patches on the "
                 f"model's {rows}x{cols} patch grid"
             )
-        return rows, cols, height // rows
+        return rows, cols, step
 
     def _side(self, rows: int, cols: int, draw: Draw) -> int:
         """The window side: pinned, or drawn uniformly from ``int(side * min_side)`` to

@@ -21,7 +21,7 @@ from ..engine.checks import check_fraction
 from ..engine.tokens import model_grid
 from ..geometry import boxes_mask
 from ..layers import resolve_layer
-from ..sites import Inputs
+from ..sites import INPUT, Inputs
 from .cutmix import CutMix
 
 
@@ -124,6 +124,7 @@ class ReadsAttention:
     hook that reads the class token's attention once per training forward that mixed."""
 
     _reading = False  # (True while this mixer reads a layer's weights: the layer may be called again)
+    _recording: list | None = None  # (the weights read while :meth:`_unmixed_attention` runs the model)
 
     def _read(self, module: nn.Module, args: tuple, kwargs: dict, read=attention_weights):
         """``read(module, args, kwargs)`` without gradients, from a hook on ``module``, with
@@ -135,6 +136,49 @@ class ReadsAttention:
                 return read(module, args, kwargs)
         finally:
             self._reading = False
+
+    def _recorder(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """The forward hook (``with_kwargs``) on ``attention`` that records its weights while
+        :meth:`_unmixed_attention` runs the model; it does nothing otherwise."""
+        if self._recording is None or self._reading:
+            return
+        self._recording.append(self._read(module, args, kwargs))
+
+    def _unmixed_attention(self, model: nn.Module, args: tuple, kwargs: dict):
+        """The model once more on the unmixed batch, in eval mode without gradients
+        (:meth:`~mixhook.engine.mixer.Mixer.unmixed_forward`), and the weights ``(B, T, T)`` of the last
+        call of ``attention`` in it (read by :meth:`_recorder`, registered on it); a one-line error where
+        it did not run."""
+        self._recording = []
+        try:
+            output = self.unmixed_forward(model, args, kwargs)
+            recorded = self._recording
+        finally:
+            self._recording = None
+        if not recorded:
+            raise RuntimeError(
+                f"{type(self).__name__}: attention={self.attention!r} did not run in the model's forward"
+            )
+        return output, recorded[-1]
+
+    def _patch_grid(self, spec: str, height: int, width: int) -> tuple[int, int, int, int]:
+        """The patch grid of a ``height x width`` map mixed at ``spec``, and the positions a patch spans:
+        on a block's tokens the map is the grid, ``(height, width, 1, 1)``; at the input, the grid of
+        ``tokens=`` or the model's (:func:`stated_grid`), whole patches of pixels, or a one-line error
+        where the input is not a whole number of them."""
+        if self.sites[spec].layer != INPUT:
+            return height, width, 1, 1
+        if self.token_grid is not None and self.token_grid.grid is not None:
+            rows, cols = self.token_grid.grid
+        else:
+            stated = stated_grid(type(self).__name__, self._model, self.attention)
+            rows, cols = stated.rows, stated.cols
+        if height % rows or width % cols:
+            raise ValueError(
+                f"{type(self).__name__} at 'input': the {height}x{width} input is not a whole number of "
+                f"patches of the model's {rows}x{cols} patch grid"
+            )
+        return rows, cols, height // rows, width // cols
 
     def _attention_reader(self, model: nn.Module, recorded: str, labelled):
         """The hook that, once per training forward that mixed, after the mix, reads the class token's

@@ -1,9 +1,10 @@
-"""Case 12, vit: the methods that read a ViT's attention (TransMix, MixPro, TL-Align, SMMix), in a training
-step (forward, ``loss``, backward, SGD) of timm's ViT-Tiny, against no mixing and against CutMix, side by side
-in one process. Their attention reads recompute the query and key projections without gradients: one block's
-for TransMix and MixPro (the paper's: the last), every block's for TL-Align (its labels go through all of
-them), so TL-Align's cost grows with the depth; SMMix runs the model once more, without gradients, on the
-unmixed batch (its motivating forward), and its token head."""
+"""Case 12, vit: the methods that read a ViT's attention (TransMix, MixPro, TL-Align, SMMix, MergeMix), in a
+training step (forward, ``loss``, backward, SGD) of timm's ViT-Tiny, against no mixing and against CutMix,
+side by side in one process. Their attention reads recompute the query and key projections without
+gradients: one block's for TransMix and MixPro (the paper's: the last), every block's for TL-Align (its
+labels go through all of them), so TL-Align's cost grows with the depth; SMMix runs the model once more,
+without gradients, on the unmixed batch (its motivating forward), and its token head; MergeMix runs that
+forward too, for its scores."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from benchmarks.timing import ratio
 def vit_methods(device, timer, reps: int, inner: int, batch: int, size: int, depth: int) -> dict:
     import timm
 
-    from mixhook import TLA, CutMix, MixPro, SMMix, TransMix
+    from mixhook import TLA, CutMix, MergeMix, MixPro, SMMix, TransMix
 
     torch.manual_seed(0)
     base = timm.create_model(
@@ -34,6 +35,7 @@ def vit_methods(device, timer, reps: int, inner: int, batch: int, size: int, dep
         "MixPro": lambda: MixPro("input", attention=last),
         "TLA": lambda: TLA("input", attention="blocks.*.attn"),
         "SMMix": lambda: SMMix("input", attention=last, features="norm", classifier="head"),
+        "MergeMix": lambda: MergeMix("input", attention=last),
     }
 
     steps = training_steps(base, makers, x, y)

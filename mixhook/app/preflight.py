@@ -82,8 +82,8 @@ def _has_attention(model: nn.Module) -> bool:
 
 
 def _needs_attention(hook, model: nn.Module, data: Data) -> str:
-    """What a method that reads a ViT's attention (TransMix, MixPro, TLA, SMMix) says on a model without any:
-    the model option that has one, sized for this data's images."""
+    """What a method that reads a ViT's attention (TransMix, MixPro, TLA, SMMix, MergeMix) says on a model
+    without any: the model option that has one, sized for this data's images."""
     side = data.image_size
     patch = 2 if side <= 16 else 4  # digits' 8x8: a 4x4 grid of patches; CIFAR's 32x32: 8x8
     vit = (  # (on digits, the app's ViT recipe: the ViT with the optimizer that trains it)

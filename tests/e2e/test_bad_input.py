@@ -235,6 +235,11 @@ from tests.conftest import write_cifar
             "PreActResNet has no attention module; train a ViT: experiment=vit_digits",
         ),
         (
+            ["mixup=mergemix"],
+            "error: mixup.attention: MergeMix reads a ViT's attention ('blocks.11.attn'), and "
+            "PreActResNet has no attention module; train a ViT: experiment=vit_digits",
+        ),
+        (
             [
                 "mixup=transmix",
                 "model=timm",

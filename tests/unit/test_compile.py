@@ -172,11 +172,11 @@ def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["TransMix", "TLA", "SMMix"])
+@pytest.mark.parametrize("name", ["TransMix", "TLA", "SMMix", "MergeMix"])
 def test_attention_methods_on_a_vit_compute_the_same_compiled(name):
-    """TransMix, TLA and SMMix on a timm ViT, attached then compiled: the eager run's label weights,
-    losses and gradients (the attention read recomputes the qkv projection under no_grad; SMMix's
-    motivating forward runs the compiled model once more)."""
+    """TransMix, TLA, SMMix and MergeMix on a timm ViT, attached then compiled: the eager run's label
+    weights, losses and gradients (the attention read recomputes the qkv projection under no_grad; SMMix's
+    and MergeMix's unmixed forward runs the compiled model once more)."""
     import timm
 
     import mixhook
@@ -193,6 +193,7 @@ def test_attention_methods_on_a_vit_compute_the_same_compiled(name):
             "TransMix": {"attention": "blocks.1.attn"},
             "TLA": {"attention": "blocks.*.attn"},
             "SMMix": {"attention": "blocks.1.attn", "features": "norm", "classifier": "head"},
+            "MergeMix": {"attention": "blocks.1.attn"},
         }[name]
         mix = getattr(mixhook, name)("input", generator=torch.Generator().manual_seed(3), **options)
         mix.attach(model)
@@ -208,7 +209,7 @@ def test_attention_methods_on_a_vit_compute_the_same_compiled(name):
         mix.remove()
         results.append(steps)
     for (lam, loss, grads), (lam_c, loss_c, grads_c) in zip(*results, strict=True):
-        assert lam.shape == ((6,) if name != "SMMix" else ())  # (SMMix: one lam, the patches kept)
+        assert lam.shape == ((6,) if name in ("TransMix", "TLA") else ())  # (one lam: the patches kept)
         torch.testing.assert_close(lam_c, lam)
         torch.testing.assert_close(loss_c, loss)
         torch.testing.assert_close(grads_c, grads)

@@ -43,8 +43,8 @@ REGION_MIXERS = sorted(
 
 def test_the_region_mixers_all_take_a_token_grid():
     assert REGION_MIXERS == [
-        "AttentiveCutMix", "CutMix", "FMix", "GridMix", "GuidedMixup", "MixPro", "PatchUp", "ResizeMix",
-        "SMMix", "SaliencyMix", "SmoothMix", "TLA", "TokenMix", "TransMix",
+        "AttentiveCutMix", "CutMix", "FMix", "GridMix", "GuidedMixup", "MergeMix", "MixPro", "PatchUp",
+        "ResizeMix", "SMMix", "SaliencyMix", "SmoothMix", "TLA", "TokenMix", "TransMix",
     ]  # fmt: skip
 
 
@@ -123,7 +123,7 @@ def test_fmix_on_a_torchvision_vit_layer_keeps_the_class_token_with_prefix_keep(
 
 
 @pytest.mark.parametrize(
-    "name", [n for n in REGION_MIXERS if n not in ("TransMix", "MixPro", "TLA", "SMMix")]
+    "name", [n for n in REGION_MIXERS if n not in ("TransMix", "MixPro", "TLA", "SMMix", "MergeMix")]
 )  # (attention)
 def test_every_region_mixer_mixes_tokens_as_it_mixes_the_same_map(name):
     """The same mixer, the same seed: its tokens' patch part equals its mix of the (B, D, gh, gw) map the

@@ -125,7 +125,10 @@ SECTIONS = {
         "weighs them by area. Its own terms are not the cause (one run each: 73.1% without the consistency "
         "term, `mixup.consistency=0`; 73.3% without the token head's, `mixup.fine=0`), nor is the authors' "
         "switch with input mixup on half the batches (75.0%, `OneOf`, where input mixup alone reaches "
-        "85.0%); its equality with the authors' lines is tested (tests/unit/test_smmix.py).",
+        "85.0%); its equality with the authors' lines is tested (tests/unit/test_smmix.py). MergeMix's row "
+        "is its mix alone: the authors' step adds a second forward of plain input mixup (alpha 0.8), which "
+        "the app's one-forward step does not run (a `OneOf` pinned to each in turn is that step in a loop "
+        "of your own; tests/unit/test_mergemix.py).",
     ),
 }
 
@@ -174,7 +177,8 @@ def measured(text: str) -> tuple[list[dict], str]:
 
 def rerun_header(earlier: str, updated: tuple[str, ...], on: str) -> str:
     """The header's "on ..." words after ``--update`` reran the rows ``updated`` ``on`` a day: the first
-    run's, then each later run's rows that it still holds (a row run again moves to the newest)."""
+    run's, then each later run's rows that it still holds (a row run again moves to the newest; rows run
+    on the day and machine of the newest run join its group)."""
     base, *parts = earlier.split("; the rows of ")
     runs = []
     for part in parts:
@@ -182,7 +186,10 @@ def rerun_header(earlier: str, updated: tuple[str, ...], on: str) -> str:
         left = [row for row in re.findall(r"`([^`]+)`", rows) if row not in updated]
         if left:
             runs.append((left, when))
-    runs.append((list(updated), on))
+    if runs and runs[-1][1] == on:  # (the same day and machine as the newest run: one group)
+        runs[-1] = ([*runs[-1][0], *updated], on)
+    else:
+        runs.append((list(updated), on))
     return base + "".join(
         f"; the rows of {', '.join(f'`{r}`' for r in rows)} on {when}" for rows, when in runs
     )

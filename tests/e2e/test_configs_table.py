@@ -93,7 +93,7 @@ def test_update_reads_the_committed_table_back_as_it_was_written():
         f"`python -m tools.configs` on {earlier.split('; the rows of ')[0]}; the rows of "
     )
     assert header.count("`mixup=transmix experiment=vit_digits`") == 1  # (moved to the newest run's rows)
-    assert "; the rows of `mixup=transmix experiment=vit_digits` on " in header
+    assert "`mixup=transmix experiment=vit_digits`" in header.rsplit("; the rows of ", 1)[1]  # (the newest)
 
 
 def test_a_second_update_moves_the_rows_it_reran_to_its_own_day():
@@ -106,6 +106,11 @@ def test_a_second_update_moves_the_rows_it_reran_to_its_own_day():
     )
     assert configs.rerun_header(second, ("mixup=a", "mixup=b x=1", "mixup=c"), "d") == (
         "2026-01-01 (cpu); the rows of `mixup=a`, `mixup=b x=1`, `mixup=c` on d"
+    )
+    # a later update on the newest run's day and machine joins its group, rather than repeating the day
+    assert configs.rerun_header(second, ("mixup=d",), "2026-03-03 (gpu)") == (
+        "2026-01-01 (cpu); the rows of `mixup=b x=1` on 2026-02-02 (cpu); the rows of `mixup=a`, `mixup=c`, "
+        "`mixup=d` on 2026-03-03 (gpu)"
     )
 
 

@@ -309,3 +309,22 @@ def test_the_authors_lam_draw_is_beta_alpha_alpha():
             model(x)
             shares.append(float(mix.last.lam))
     assert float(np.std(shares)) > 0.2 and all(s in {k / 16 for k in range(17)} for s in shares)
+
+
+def test_with_the_clean_batch_kept_the_mixed_rows_are_the_mix_alone():
+    """clean=True: the scores come from the unmixed forward of the B samples, and the logits' mixed rows
+    equal a forward without the clean rows on the same draws (the clean rows: the unmixed batch's)."""
+    x, index = torch.randn(4, 3, 16, 16, dtype=torch.double), [3, 2, 1, 0]
+    found = []
+    for clean in (True, False):
+        model, mix = attending_vit(), mergemix()
+        mix.clean = clean
+        with mix.attach(model):
+            mix.pin(lam=0.55, index=index)
+            found.append((model(x).detach(), mix.last))
+        plain = model.eval()(x).detach()
+    (doubled, kept), (alone, last) = found
+    assert doubled.shape[0] == 8 and kept.clean and kept.info["kept"].tolist() == [8] * 4
+    torch.testing.assert_close(doubled[4:], alone, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(doubled[:4], plain, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(kept.info["scores"], last.info["scores"], rtol=0, atol=0)

@@ -58,7 +58,8 @@ def model_grid(model: nn.Module | None, within: str | None = None) -> ModelGrid 
     """The patch grid ``model`` states, where it is a plain ViT that states one at a fixed image size:
     timm's ``VisionTransformer`` and ``Eva`` (``patch_embed.grid_size``, ``num_prefix_tokens``),
     torchvision's ``VisionTransformer`` (``image_size // patch_size``, one class token), a HuggingFace
-    ViT-style model (``config.image_size // config.patch_size``); else ``None``. With ``within`` (a
+    ViT-style model (``config.image_size // config.patch_size``, one class token; DeiT's a distillation
+    token too); else ``None``. With ``within`` (a
     module's name in ``model``, such as an attention layer), a model that states nothing is looked into:
     the innermost module around ``within`` that states one (the ViT a LightningModule, a DDP or a wrapper
     for the HuggingFace Trainer holds)."""
@@ -111,7 +112,8 @@ def _stated_grid(model: nn.Module) -> ModelGrid | None:
         size, patch = config.image_size, config.patch_size
         size = (size, size) if isinstance(size, int) else tuple(size)
         patch = (patch, patch) if isinstance(patch, int) else tuple(patch)
-        return ModelGrid(size[0] // patch[0], size[1] // patch[1], None, "config image_size // patch_size")
+        prefix = 2 if config.model_type == "deit" else 1  # (the class token; DeiT's distillation token too)
+        return ModelGrid(size[0] // patch[0], size[1] // patch[1], prefix, "config image_size // patch_size")
     return None
 
 

@@ -24,7 +24,7 @@ from ..engine.regions import RegionMixer
 from ..layers import resolve_layer
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import ReadsAttention, attention_grid, check_attention
+from .transmix import ReadsAttention, attention_grid, check_attention, check_class_token
 
 # What ranks the patches, from the attention weights A (B, T, T) of `attention` (query rows, key columns)
 SCORES = ("to_class", "from_class", "patches", "first_patch")
@@ -51,13 +51,21 @@ class MergeMix(ReadsAttention, RegionMixer):
     - ``"first_patch"``: ``A[:, patches, patches][:, :, 0]``, the attention each patch pays the first patch:
       OpenMixup's ``attn_based="topk"`` as written (its class column dropped before the column is taken).
 
-    The authors' runs merge tokens in that read-only forward (ToMe: ``merge_num``), which edits the blocks'
-    forward and is not built; ``pin(scores=...)`` takes scores of your own, ``(B, N)``, such as a merged
-    forward's recovered attention. Their step also adds the loss of a second forward of plain input mixup
-    (``Beta(0.8, 0.8)``, their ``switch_off < 0``): ``OneOf([MergeMix(...), ManifoldMixup("input",
-    alpha=0.8)])`` with ``pin(choice=1)`` then ``pin(choice=0)`` before two forwards, the two losses summed,
-    is their step (tests/unit/test_mergemix.py); their ``switch_off > 0``, one of the two per batch, is that
-    ``OneOf`` drawn. Equal to their lines on the same lam, partners and attention layer.
+    Patches of equal score are ranked by position (the first kept first). The authors' runs merge tokens
+    in that forward (ToMe: ``merge_num``; with their ``tome_in_mix=False`` in the training forwards too),
+    which edits the blocks' forward and is not built; ``pin(scores=...)`` takes scores of your own,
+    ``(B, N)``, such as a merged forward's recovered attention. Their ``lam_scale`` (most of their configs)
+    replaces the label weight ``k / N`` by normal draws min-max normalised over the batch, which depend
+    neither on ``k`` nor on the merging, and is not built. Their scoring forward runs in training mode
+    (with drop-path: scores of a random sub-network); here it runs in eval mode, so the two agree on a model
+    without dropout or drop-path. Their partners are a permutation redrawn (up to ten times) to avoid
+    fixed points; here ``index`` is drawn as every mixer's (or pinned). Their step also adds the loss of a
+    second forward of plain input mixup (``Beta(0.8, 0.8)``, their ``switch_off < 0``):
+    ``OneOf([MergeMix(...), ManifoldMixup("input", alpha=0.8)])`` with ``pin(choice=1)`` then
+    ``pin(choice=0)`` before two forwards, the two losses summed, is their step
+    (tests/unit/test_mergemix.py); their ``switch_off > 0`` (plain mixup with that probability) is that
+    ``OneOf`` drawn with ``p=[1 - switch_off, switch_off]``.
+    Equal to their lines on the same lam, partners, attention layer and scores.
 
     ``.last.info``: ``"scores"`` (``(B, N)``, float64) and ``"kept"`` (``(B,)``: the patches each image
     kept). Dense targets take each position's own share (its patch kept or not).
@@ -65,7 +73,7 @@ class MergeMix(ReadsAttention, RegionMixer):
     Args:
         layer: ``"input"`` (the paper: whole patches of pixels) or a block with ``tokens``.
         attention: the attention module whose weights score the patches (the authors' configs: the last
-            block's, or the ninth of twelve).
+            block's, the ninth of twelve, the sixth of eight, the eighteenth of twenty-four).
         alpha: the Beta concentration of lam, > 0 (the authors: 1).
         score: ``"to_class"`` (the authors'), ``"from_class"``, ``"patches"`` or ``"first_patch"``.
         prob, generator, batch_dim, padding, tokens, prefix, layout: as :class:`~mixhook.CutMix`.
@@ -150,11 +158,8 @@ class MergeMix(ReadsAttention, RegionMixer):
             return {}
         _, weights = self._unmixed_attention(model, args, kwargs)  # (B, T, T), heads averaged
         _, _, prefix = attention_grid(self, model, weights.shape[1])
-        if prefix == 0 and self.score in ("to_class", "from_class"):
-            raise ValueError(
-                f"MergeMix: attention={self.attention!r} attends over patches alone (no class token), so "
-                f"score={self.score!r} has no class token to read; use score='patches'"
-            )
+        if self.score in ("to_class", "from_class"):
+            check_class_token(self, model, prefix, f"score={self.score!r} reads it; use score='patches'")
         if self.score == "to_class":
             scores = weights[:, prefix:, 0]
         elif self.score == "from_class":

@@ -27,7 +27,7 @@ from ..functional import sample_lam, smooth_one_hot
 from ..layers import resolve_layer
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import ReadsAttention, TransMix, attention_grid, check_attention
+from .transmix import ReadsAttention, TransMix, attention_grid, check_attention, check_class_token
 
 
 class MixPro(ReadsAttention, RegionMixer):
@@ -199,6 +199,7 @@ class MixPro(ReadsAttention, RegionMixer):
         if last.clean:
             weights = weights[last.index.shape[0] :]
         patch_rows, patch_cols, prefix = attention_grid(self, model, weights.shape[1])
+        check_class_token(self, model, prefix, "MixPro weighs the labels by the class token's attention")
         height, width = last.info["map"]
         patch, cell = height // patch_rows, last.info["cell"]
         if height % patch_rows or width % patch_cols or width // patch_cols != patch or cell % patch:

@@ -26,7 +26,7 @@ from ..engine.regions import RegionMixer
 from ..layers import resolve_layer
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
-from .transmix import ReadsAttention, attention_grid, check_attention
+from .transmix import ReadsAttention, attention_grid, check_attention, check_class_token
 
 SCORES = ("patches", "class")
 HEADS = ("own", "shared")
@@ -287,6 +287,7 @@ class SMMix(ReadsAttention, RegionMixer):
         if self.score == "patches":  # (the attention paid to each patch, averaged over the query patches)
             scores = weights[:, prefix:, prefix:].mean(1)
         else:  # (the class token's)
+            check_class_token(self, model, prefix, "score='class' reads the class token's attention")
             scores = weights[:, 0, prefix:]
         return {"motivation": logits.detach(), "scores": scores}
 

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import recompute
 from ..engine.card import Card
 from ..engine.checks import check_fraction
-from ..engine.tokens import model_grid
+from ..engine.tokens import grid_holder, model_grid
 from ..geometry import boxes_mask
 from ..layers import resolve_layer
 from ..sites import INPUT, Inputs
@@ -105,6 +105,19 @@ def attention_grid(mixer, model: nn.Module, count: int) -> tuple[int, int, int]:
             f"model's {stated.rows}x{stated.cols} patches and {stated.prefix} leading tokens"
         )
     return stated.rows, stated.cols, prefix
+
+
+def check_class_token(mixer, model: nn.Module, prefix: int, reads: str) -> None:
+    """A one-line ``ValueError`` where the tokens ``mixer.attention`` attends over have no class token first
+    (no leading token, or a model that states it has none, timm's ``class_token=False`` with registers),
+    for a method that ``reads`` it: it would read a patch's or a register's attention without a word."""
+    stated = getattr(grid_holder(model, mixer.attention), "has_class_token", None)
+    if prefix == 0 or stated is False:
+        what = "its leading tokens are registers" if prefix else "it attends over patches alone"
+        raise ValueError(
+            f"{type(mixer).__name__}: attention={mixer.attention!r} has no class token ({what}), and "
+            f"{reads}; train a ViT with a class token"
+        )
 
 
 def check_attention(kind: str, name: str, module: nn.Module) -> None:
@@ -307,6 +320,7 @@ class TransMix(ReadsAttention, CutMix):
         if last.clean:  # (the clean batch kept: its mixed rows follow the clean ones)
             weights = weights[last.index.shape[0] :]
         rows, cols, prefix = self._grid(model, weights.shape[1])
+        check_class_token(self, model, prefix, "TransMix weighs the labels by the class token's attention")
         attention = weights[:, prefix:].to("cpu", torch.float64)
         box = torch.as_tensor(last.info["box"]).view(1, 4)
         height, width = self._map_size

@@ -280,7 +280,9 @@ def test_refusals_are_one_line():
     pooled, x = attending_vit(class_token=False, global_pool="avg"), torch.randn(2, 3, 16, 16).double()
     mix = mergemix()
     with mix.attach(pooled):
-        refused = r"^MergeMix: .*\(no class token\), so score='to_class' .*'patches'$"
+        refused = (
+            r"^MergeMix: .* has no class token \(it attends over patches alone\), and .*'patches'; train"
+        )
         with pytest.raises(ValueError, match=refused):
             pooled(x)
     with mergemix(score="patches").attach(pooled):
@@ -328,3 +330,46 @@ def test_with_the_clean_batch_kept_the_mixed_rows_are_the_mix_alone():
     torch.testing.assert_close(doubled[4:], alone, rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(doubled[:4], plain, rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(kept.info["scores"], last.info["scores"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["MergeMix", "TransMix", "SMMix"])
+def test_registers_without_a_class_token_are_not_read_as_one(name):
+    """timm's class_token=False with two registers: two leading tokens, none of them a class token; a
+    method that reads the class token's attention refuses in one line (it read register 0's)."""
+    import mixhook
+
+    model = attending_vit(class_token=False, reg_tokens=2, global_pool="avg")
+    options = {"MergeMix": {}, "TransMix": {}, "SMMix": {"features": "norm", "classifier": "head"}}[name]
+    extra = {"score": "class"} if name == "SMMix" else {}
+    mix = getattr(mixhook, name)("input", attention="blocks.2.attn", **options, **extra)
+    with mix.attach(model):
+        with pytest.raises(
+            ValueError, match=rf"^{name}: .* has no class token \(its leading tokens are registers"
+        ):
+            model(torch.randn(2, 3, 16, 16, dtype=torch.double))
+    with mergemix(score="patches").attach(model):
+        model(
+            torch.randn(2, 3, 16, 16, dtype=torch.double)
+        )  # (the patches' attention: the registers left out)
+
+
+def test_a_huggingface_vit_on_a_larger_input_is_refused_not_read_on_the_wrong_tokens():
+    """A HuggingFace ViT states its grid at config.image_size; with interpolate_pos_encoding on a larger
+    input its attention has more tokens: refused in one line (the leading-token count it states, one class
+    token, does not fit), where the extra tokens had been taken for leading ones."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=16, patch_size=4, hidden_size=12, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, num_labels=3, attn_implementation="eager",
+    )  # fmt: skip
+    model = ViTForImageClassification(config).double().train()
+    mix = MergeMix("input", "vit.layers.1.attention")
+    with mix.attach(model):
+        model(torch.randn(2, 3, 16, 16, dtype=torch.double))  # (at its size: read)
+        assert mix.last.info["scores"].shape == (2, 16)
+        with pytest.raises(
+            ValueError, match=r"has 65 tokens, which do not fit the model's 4x4 patches and 1 "
+        ):
+            model(torch.randn(2, 3, 32, 32, dtype=torch.double), interpolate_pos_encoding=True)

@@ -24,7 +24,7 @@ from ..layers import resolve_layers
 from ..sites import INPUT, Leaf
 from ..transfer import to_device
 from .cutmix import CutMix, draw_region, pasted
-from .transmix import ReadsAttention, attention_grid, check_attention, stated_grid
+from .transmix import ReadsAttention, attention_grid, check_attention, check_class_token, stated_grid
 
 READOUTS = ("auto", "class", "mean")
 
@@ -247,6 +247,8 @@ class TLA(ReadsAttention, CutMix):
         box, 0 on the others; the leading tokens ``1 - lam`` (the mixed target; with ``prefix="keep"`` on
         a block's tokens, 0), and the number of leading tokens."""
         rows, cols, prefix = attention_grid(self, model, weights.shape[1])
+        if self._pool == "class":
+            check_class_token(self, model, prefix, "readout='class' reads its label", self._within)
         if (rows, cols) != self._grid:
             raise ValueError(
                 f"TLA: the attention layers see a {rows}x{cols} patch grid, the mix cut a "

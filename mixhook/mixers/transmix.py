@@ -107,11 +107,12 @@ def attention_grid(mixer, model: nn.Module, count: int) -> tuple[int, int, int]:
     return stated.rows, stated.cols, prefix
 
 
-def check_class_token(mixer, model: nn.Module, prefix: int, reads: str) -> None:
-    """A one-line ``ValueError`` where the tokens ``mixer.attention`` attends over have no class token first
-    (no leading token, or a model that states it has none, timm's ``class_token=False`` with registers),
-    for a method that ``reads`` it: it would read a patch's or a register's attention without a word."""
-    stated = getattr(grid_holder(model, mixer.attention), "has_class_token", None)
+def check_class_token(mixer, model: nn.Module, prefix: int, reads: str, within: str | None = None) -> None:
+    """A one-line ``ValueError`` where the tokens ``mixer.attention`` (or the attention layer ``within``)
+    attends over have no class token first (no leading token, or a model that states it has none, timm's
+    ``class_token=False`` with registers), for a method that ``reads`` it: it would read a patch's or a
+    register's attention without a word."""
+    stated = getattr(grid_holder(model, within or mixer.attention), "has_class_token", None)
     if prefix == 0 or stated is False:
         what = "its leading tokens are registers" if prefix else "it attends over patches alone"
         raise ValueError(

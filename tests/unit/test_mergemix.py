@@ -373,3 +373,65 @@ def test_a_huggingface_vit_on_a_larger_input_is_refused_not_read_on_the_wrong_to
             ValueError, match=r"has 65 tokens, which do not fit the model's 4x4 patches and 1 "
         ):
             model(torch.randn(2, 3, 32, 32, dtype=torch.double), interpolate_pos_encoding=True)
+
+
+@pytest.mark.parametrize("score", ["to_class", "from_class", "patches", "first_patch"])
+def test_behind_a_class_token_and_registers_each_score_reads_the_patches(score):
+    """timm's ViT with a class token and two registers (three leading tokens): each score reads the patch
+    tokens' rows or columns, and the class token's, never a register's."""
+    model = attending_vit(reg_tokens=2)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.double)
+    mix = mergemix(score=score)
+    with mix.attach(model):
+        mix.pin(lam=0.5, index=[1, 0])
+        model(x)
+    a = attention_of(copy.deepcopy(model).eval(), x).mean(1)  # (B, 19, 19): class, 2 registers, 16 patches
+    expected = {
+        "to_class": a[:, 3:, 0], "from_class": a[:, 0, 3:], "patches": a[:, 3:, 3:].mean(1),
+        "first_patch": a[:, 3:, 3],
+    }[score]  # fmt: skip
+    torch.testing.assert_close(mix.last.info["scores"], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_on_a_grid_of_more_rows_than_columns_the_scores_map_row_major():
+    """A 16x8 image of 4-pixel patches (a 4x2 grid): patch p is row p // 2, column p % 2."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=(16, 8), patch_size=4, embed_dim=12,
+        depth=2, num_heads=2,
+    ).double().train()  # fmt: skip
+    seen, x = captured_input(model), torch.randn(2, 3, 16, 8, dtype=torch.double)
+    scores = torch.tensor([[7.0, 6, 5, 4, 3, 2, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.double)
+    mix = MergeMix("input", "blocks.1.attn")
+    with mix.attach(model):
+        mix.pin(scores=scores, lam=0.5, index=[1, 0])
+        model(x)
+    mixed = seen["x"]
+    torch.testing.assert_close(mixed[0, :, :8], x[0, :, :8])  # (its top 4: patches 0-3, the first two rows)
+    torch.testing.assert_close(mixed[0, :, 8:], x[1, :, 8:])
+    torch.testing.assert_close(mixed[1, :, 8:], x[1, :, 8:])  # (its top 4: patches 4-7, the last two rows)
+    torch.testing.assert_close(mixed[1, :, :8], x[0, :, :8])
+
+
+def test_on_a_blocks_tokens_under_activation_checkpointing_with_per_sample_lams():
+    """The mix on a checkpointed block's output (recomputed in backward from the pinned scores and draws):
+    loss and gradients equal a plain run's; per-sample lams keep their own counts."""
+    plain, checkpointed = attending_vit(), attending_vit()
+    checkpointed.set_grad_checkpointing(True)
+    x, y = torch.randn(4, 3, 16, 16, dtype=torch.double), torch.tensor([0, 1, 2, 1])
+    found = []
+    for model in (plain, checkpointed):
+        mix = mergemix(layer="blocks.1", tokens="auto")
+        with mix.attach(model):
+            mix.pin(lam=[0.2, 0.5, 0.7, 1.0], index=[3, 2, 1, 0])
+            loss = mix.loss(lambda o, t: F.cross_entropy(o, t, reduction="none"), model(x), y).mean()
+            loss.backward()
+        found.append((loss.detach(), [p.grad for p in model.parameters()], mix.last))
+    (a, grads_a, last), (b, grads_b, _) = found
+    assert last.info["kept"].tolist() == [3, 8, 11, 16]
+    torch.testing.assert_close(last.lam, torch.tensor([3, 8, 11, 16], dtype=torch.double) / 16)
+    torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-14)

@@ -260,6 +260,12 @@ def test_refusals_are_one_line():
     with mix.attach(net):
         net(torch.randn(3, 5, 8))  # declared tokens: 1 leading token and a 2x2 grid
     assert mix.last.lam.shape == (3,) and mix.last.info["aligned"] == 1  # (layer 0's ran before the mix)
+    registers = tiny_vit(class_token=False, reg_tokens=2, global_pool="avg")  # (two leading registers)
+    with TLA("input", attention="blocks.*.attn", readout="class").attach(registers):
+        with pytest.raises(
+            ValueError, match=r"^TLA: .* has no class token \(its leading tokens are registers"
+        ):
+            registers(torch.randn(2, 3, 16, 16, dtype=torch.double))
     model.eval()
     with TLA("input", attention="blocks.*.attn").attach(model):
         model(torch.randn(2, 3, 16, 16, dtype=torch.double))  # an eval forward: nothing mixed, no refusal

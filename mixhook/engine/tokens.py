@@ -59,10 +59,9 @@ def model_grid(model: nn.Module | None, within: str | None = None) -> ModelGrid 
     timm's ``VisionTransformer`` and ``Eva`` (``patch_embed.grid_size``, ``num_prefix_tokens``),
     torchvision's ``VisionTransformer`` (``image_size // patch_size``, one class token), a HuggingFace
     ViT-style model (``config.image_size // config.patch_size``, one class token; DeiT's a distillation
-    token too); else ``None``. With ``within`` (a
-    module's name in ``model``, such as an attention layer), a model that states nothing is looked into:
-    the innermost module around ``within`` that states one (the ViT a LightningModule, a DDP or a wrapper
-    for the HuggingFace Trainer holds)."""
+    token too); else ``None``. With ``within`` (a module's name in ``model``, such as an attention layer),
+    a model that states nothing is looked into: the innermost module around ``within`` that states one
+    (the ViT a LightningModule, a DDP or a wrapper for the HuggingFace Trainer holds)."""
     found = _stating(model, within)
     return None if found is None else found[0]
 

@@ -134,8 +134,10 @@ def check_attention(kind: str, name: str, module: nn.Module) -> None:
 
 class ReadsAttention:
     """What the methods that read a ViT's attention share (listed before their mixer base): reading an
-    attention layer's weights from inside a hook on it (:meth:`_read`), and TransMix's and MixPro's forward
-    hook that reads the class token's attention once per training forward that mixed."""
+    attention layer's weights from inside a hook on it (:meth:`_read`), reading them in a forward of the
+    unmixed batch (:meth:`_unmixed_attention`: SMMix, MergeMix), the patch grid of the mixed map
+    (:meth:`_patch_grid`), and TransMix's and MixPro's forward hook that reads the class token's attention
+    once per training forward that mixed."""
 
     _reading = False  # (True while this mixer reads a layer's weights: the layer may be called again)
     _recording: list | None = None  # (the weights read while :meth:`_unmixed_attention` runs the model)

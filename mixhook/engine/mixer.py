@@ -161,6 +161,32 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     def _register(self, model: nn.Module, modules: dict[str, nn.Module], handles: list) -> None:
         self._path.register(model, modules, handles, self._dims, self._policies)
+        if self._policies is not None:  # (a policy's own hooks: SUMix's on the classifier)
+            self._policies.register(self, model, handles)
+
+    def parameters(self):
+        """The trainable parameters of the mixer's policies (SUMix's uncertainty layer), for the optimizer
+        that steps the model; a method with parameters of its own (AutoMix) yields those."""
+        return iter(()) if self._policies is None else self._policies.parameters()
+
+    def state_dict(self) -> dict:
+        """As every hook's (:meth:`~mixhook.hooks.LayerHook.state_dict`), with its policies' state
+        (``"policies"``) where one keeps any (SUMix's uncertainty layer)."""
+        state = super().state_dict()
+        kept = {} if self._policies is None else self._policies.state_dict()
+        if kept:
+            state["policies"] = kept
+        return state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        super().load_state_dict(state)
+        if "policies" in state:
+            if self._policies is None:
+                raise ValueError(
+                    f"load_state_dict(): the state holds policies' ({', '.join(state['policies'])}), and "
+                    f"{type(self).__name__} uses none; use() the policies it was saved with"
+                )
+            self._policies.load_state_dict(state["policies"])
 
     def _reset(self) -> None:
         self._path.reset()

@@ -194,7 +194,7 @@ class Path:
             if spec not in self._inputs:
                 handles.append(module.register_forward_hook(self._layer_hook(spec)))
         takes_masks = self._padding == "union" and self._masks.register(model, handles)
-        if self._clean and mixer.batch_norm_apart:
+        if self._clean and (mixer.batch_norm_apart or (policies is not None and policies.batch_norm_apart)):
             self._norms.register(model, handles)
         handles.append(model.register_forward_hook(recompute.own_code(self._on_model_output)))
         self.traced = mixer.traceable and not takes_masks

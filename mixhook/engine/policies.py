@@ -16,7 +16,13 @@ travels (:class:`Policies`, which the :class:`~mixhook.engine.mixer.Mixer` holds
   dropped);
 - ``loss()``/``targets()`` (:meth:`Policies.mixed_loss`, :meth:`Policies.target_lam`):
   :meth:`Policy.target_lam` (the label's weight), :meth:`Policy.pair_weights` (each pair's share of the
-  loss), :meth:`Policy.extra_loss` (a term of the method's own).
+  loss), :meth:`Policy.extra_loss` (a term of the method's own); after a clean+mixed forward, a loss
+  policy that reads the clean rows (:attr:`Policy.takes_clean`) gives the whole loss
+  (:meth:`Policy.clean_loss`: SUMix).
+
+A policy may also hook the model when its mixer is attached (:meth:`Policy.register`: a module whose output
+its loss reads) and train parameters of its own (:meth:`Policy.parameters`, saved with the mixer's state:
+SUMix's uncertainty layer); its mixer's ``parameters()`` and ``state_dict()`` include them.
 
 Everything a policy computes in a forward runs on the activations' device without a host read; what it
 computes once per forward (a saliency map, the partner batch) joins the forward's pinned values, so that a
@@ -57,6 +63,11 @@ class Policy:
     changes_loss: ClassVar[bool] = False
     # Whether it takes distances between the rows mixed (refused where padding makes them meaningless).
     takes_distances: ClassVar[bool] = False
+    # Whether its loss reads the clean rows beside the mixed ones (the mixer's clean=True): loss() is then
+    # its clean_loss() (SUMix's); and whether batch norm then normalises the two halves apart, as its
+    # authors' two forwards do (mixhook.engine.norms).
+    takes_clean: ClassVar[bool] = False
+    batch_norm_apart: ClassVar[bool] = False
 
     def check_mixer(self, mixer: MixingHook) -> None:
         """Refuse, in one line, a mixer this policy cannot act through (at ``use()``)."""
@@ -75,6 +86,24 @@ class Policy:
             )
 
     why_classes: ClassVar[str] = "is defined for classification"
+
+    # ----------------------------------------------------------------------- attached, and its parameters
+    def register(self, mixer: MixingHook, model, handles: list) -> None:
+        """When ``mixer`` is attached to ``model``, after its own hooks: hooks of the policy's own on the
+        model (appended to ``handles``, removed with the mixer's), and a one-line refusal of what it
+        cannot act through there. Nothing by default."""
+
+    def parameters(self):
+        """The policy's own trainable parameters (made at :meth:`register`), which its mixer's
+        ``parameters()`` yields for the optimizer; none by default."""
+        return iter(())
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the policy (its parameters' values); nothing by default."""
+        return {}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from :meth:`state_dict` (given before or after :meth:`register`)."""
 
     # ------------------------------------------------------------------------------- the forward
     def begin(
@@ -128,6 +157,12 @@ class Policy:
 
     def extra_loss(self, logits, target, partner, lam) -> torch.Tensor:
         """A per-sample term added to the mixed loss."""
+        raise NotImplementedError
+
+    def clean_loss(self, criterion, clean, mixed, target, partner, last: MixState) -> torch.Tensor:
+        """With :attr:`takes_clean`: the whole loss of a clean+mixed forward, from the ``clean`` and
+        ``mixed`` logits (``B`` rows each), the labels of the samples and of their partners, and the mix
+        ``last`` (with what the policy's hooks put in its ``loss_inputs``)."""
         raise NotImplementedError
 
 
@@ -200,6 +235,40 @@ class Policies:
     def check_targets(self, target: torch.Tensor) -> None:
         for policy in self.all:
             policy.check_targets(self.kind, target)
+
+    @property
+    def batch_norm_apart(self) -> bool:
+        return any(p.batch_norm_apart for p in self.all)
+
+    def register(self, mixer: MixingHook, model, handles: list) -> None:
+        for policy in self.all:
+            policy.register(mixer, model, handles)
+
+    def parameters(self):
+        for policy in self.all:
+            yield from policy.parameters()
+
+    def state_dict(self) -> dict:
+        """Each policy's state that is not empty, by knob."""
+        return {p.knob: s for p in self.all if (s := p.state_dict())}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        for knob, value in state.items():
+            policy = self.by_knob.get(knob)
+            if policy is None:
+                raise ValueError(
+                    f"load_state_dict(): the state holds a {knob} policy's, and {self.kind} uses none; use "
+                    "the policies it was saved with"
+                )
+            policy.load_state_dict(value)
+
+    def clean_loss(self, criterion, clean, mixed, target, partner, last: MixState):
+        """The loss policy's whole loss of a clean+mixed forward where it reads the clean rows, else
+        ``None``."""
+        policy = self.by_knob.get("loss")
+        if policy is None or not policy.takes_clean:
+            return None
+        return policy.clean_loss(criterion, clean, mixed, target, partner, last)
 
     # ------------------------------------------------------------------------------- the forward
     def begin(

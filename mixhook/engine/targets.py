@@ -290,7 +290,13 @@ class LossAndTargets:
     ) -> torch.Tensor:
         """An extension point (a method with ``keeps_clean`` overrides it; a user calls :meth:`loss`): the
         loss of a clean+mixed forward from its ``clean`` and ``mixed`` logits (``B`` rows each) and the mix
-        ``last``; by default the mean over the doubled batch, with :meth:`mixed_loss` the mixed rows'."""
+        ``last``; by default the mean over the doubled batch, with :meth:`mixed_loss` the mixed rows', or
+        a loss policy's that reads the clean rows (SUMix: :meth:`~.policies.Policy.clean_loss`)."""
+        if self._policies is not None and self._policies.on_loss:
+            partner = self._partners_of(last, target, "loss")
+            own = self._policies.clean_loss(criterion, clean, mixed, target, partner, last)
+            if own is not None:
+                return own
         return per_row(criterion(clean, target), self.mixed_loss(criterion, mixed, target, last))
 
     def mixed_loss(

@@ -11,7 +11,8 @@ able to take it uses, at the input or at any layer, composable one per knob (the
 - **lam**: :class:`KernelWarping` (SK-Mixup: lam warped per pair by a kernel of the pair's distance).
 - **weights**: :class:`LocalWeights` (Local Mixup: each pair's loss weighted by its distance).
 - **target**: :class:`Remix` (the label goes to the minority class of an imbalanced pair).
-- **loss**: :class:`DecoupledLoss` (DecoupleMix's decoupled cross-entropy).
+- **loss**: :class:`DecoupledLoss` (DecoupleMix's decoupled cross-entropy), :class:`SUMix` (SUMix's
+  semantic label weights and uncertainty term, with the clean batch beside the mix).
 
 For example, Remix with SK-Mixup's warping at a hidden layer::
 
@@ -22,6 +23,7 @@ from ..engine.policies import KNOBS, Policy
 from ..engine.saliency import greedy_cycle
 from .lam import KernelWarping, LocalWeights, symmetric_beta_cdf
 from .partners import BalancedMixup, PartnerBatch, SaliencyPairing
+from .sumix import SUMix
 from .targets import DecoupledLoss, Remix, remix_lam
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "PartnerBatch",
     "Policy",
     "Remix",
+    "SUMix",
     "SaliencyPairing",
     "greedy_cycle",
     "remix_lam",

@@ -144,10 +144,16 @@ def methods() -> list[Method]:
     ]
 
 
+def _sumix(prefix: str):
+    """SUMix's loss on input mixup (its uncertainty layer on the classifier, named under ``prefix``)."""
+    return mixhook.ManifoldMixup("input", alpha=1.0, generator=_gen()).use(policies.SUMix(f"{prefix}fc"))
+
+
 POLICIES: list[Method] = [
     Method("Balanced-MixUp", _with(policies.BalancedMixup), app="balanced"),
     Method("Remix", _with(policies.Remix), app="remix"),
     Method("DecoupledLoss", _with(policies.DecoupledLoss), app="decouplemix"),
+    Method("SUMix", _sumix, app="sumix"),
     Method("KernelWarping", _with(policies.KernelWarping), app="skmixup"),
     Method("LocalWeights", _with(lambda: policies.LocalWeights(sigma=0.5)), app="localmixup"),
     Method("SaliencyPairing", _with(policies.SaliencyPairing), app="guided_pairing"),

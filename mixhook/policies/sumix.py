@@ -1,0 +1,261 @@
+"""SUMix's loss: the labels of any two-sample mix re-weighted by how much of each class the mixed sample's
+prediction holds beside the clean samples', and an uncertainty term, trained with the clean batch beside
+the mix.
+
+Paper: Qin, Jin, Zhu, Liao, El-Yacoubi, Gao. "SUMix: Mixup with Semantic and Uncertain Information." ECCV
+2024. https://arxiv.org/abs/2407.07805. Authors' code: github.com/JinXins/SUMix
+(``openmixup/models/heads/cls_mixup_head.py``: ``ClsUncertainMixupHead``, its ``forward_head`` and
+``IN_loss``; ``openmixup/models/classifiers/mixup_classification.py``: the ``is_IN`` clean forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import recompute
+from ..engine.checks import check_non_negative
+from ..engine.contract import MixState
+from ..engine.mixer import Mixer
+from ..engine.own_parameters import average_over_ranks
+from ..engine.policies import Policy, refuse_global_partners, refuse_own_loss
+from ..layers import resolve_layer
+from ..transfer import to_device
+
+UNCERTAINTIES = ("own", "logits")
+REDUCTIONS = ("authors", "per_sample")
+
+
+class SUMix(Policy):
+    """SUMix's loss (Qin et al. 2024) for any mixer of two samples per row: ``mixer.use(SUMix("fc"))``.
+
+    The mixer emits the clean batch beside its mix (``use()`` sets its ``clean=True``; batch norm then
+    normalises the two halves apart, as the authors' two forwards do), and the loss reads both. With
+    ``p`` the softmax of the clean logits and ``q`` of the mixed ones (without gradients), ``y`` the
+    sample's label and ``y'`` its partner's:
+
+    - the semantic distances ``a = B * l2(softmax(q - p_{y'=0}))`` and ``a' = B * l2(softmax(q -
+      p[index]_{y=0}))`` (``p`` with the partner's class zeroed; the partner's with the sample's;
+      ``l2`` normalises each row; ``B`` the batch);
+    - the label weights ``lam_a ∝ lam * exp(-a)[y]`` and ``lam_b ∝ (1 - lam) * exp(-a')[y']``,
+      normalised to sum to one;
+    - the uncertainty ``u = l2(softmax(U(f)))`` of the classifier's input ``f`` by a Linear ``U`` of the
+      policy's own, sized as the classifier (``uncertainty="own"``: the authors' ``is_norm=True``; or the
+      logits themselves, ``"logits"``: their ``is_norm=False``), ``b = u_clean + u_mixed`` and ``b' =
+      u_clean[index] + u_mixed``;
+
+    ``loss = lam_a * l(y) + lam_b * l(y') + gamma * (lam * l(exp(-(b + a)), y) + (1 - lam) *
+    l(exp(-(b' + a')), y'))``, ``l`` the criterion given to ``loss`` (of the mixed logits in the first two
+    terms), the criterion taking ``exp(-(b + a))`` as logits, as the authors' does. With
+    ``reduce="authors"`` (default) ``lam_a`` and ``lam_b`` enter by their batch means, as the authors'
+    head multiplies its batch-mean cross-entropy by each sample's weight before the mean; ``"per_sample"``
+    weighs each sample's loss by its own (the paper's formula). The clean rows' logits enter only through
+    ``p`` (no criterion of their own); their gradients come from the uncertainty term. Equal to the
+    authors' ``IN_loss`` on the same mix (loss and the gradients of the model and of ``U``, float64).
+
+    ``U`` is made when its mixer is attached (``Linear(D, C)``, the authors' ``normal(0, 0.01)`` weights
+    and zero bias, from the mixer's seed), on the classifier's device and dtype (following it where the
+    model is cast later); ``mixer.parameters()`` yields it for the optimizer, its gradients averaged over
+    the ranks under ``torch.distributed`` (the authors' head is inside their DDP model), and the mixer's
+    ``state_dict()`` keeps it. ``targets()`` is refused (the loss is no criterion of mixed targets).
+
+    Args:
+        classifier: the model's classifier, a Linear (``"fc"``, timm's ``"head"``): ``U`` reads its input.
+        gamma: the uncertainty term's weight, >= 0 (the authors' ``gama``: 0.5 on CIFAR, 1.0 on Tiny).
+        uncertainty: ``"own"`` (the authors' CIFAR configs) or ``"logits"`` (their ImageNet config).
+        reduce: ``"authors"`` or ``"per_sample"`` (a per-sample criterion, ``reduction="none"``).
+    """
+
+    knob = "loss"
+    needs_classes = True
+    changes_loss = True
+    takes_clean = True
+    batch_norm_apart = True  # (the authors' clean forward and mixed forward: two calls of the backbone)
+    why_classes = "weighs each label by the predictions' probability of its class"
+
+    def __init__(
+        self, classifier: str, gamma: float = 0.5, uncertainty: str = "own", reduce: str = "authors"
+    ):
+        if not isinstance(classifier, str) or not classifier:
+            raise ValueError(
+                f"classifier must be the name of the model's Linear classifier, got {classifier!r}"
+            )
+        if uncertainty not in UNCERTAINTIES:
+            raise ValueError(f"uncertainty must be one of {', '.join(UNCERTAINTIES)}, got {uncertainty!r}")
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {', '.join(REDUCTIONS)}, got {reduce!r}")
+        self.classifier, self.gamma = classifier, check_non_negative("gamma", gamma)
+        self.uncertainty, self.reduce = uncertainty, reduce
+        self.layer: nn.Linear | None = None  # U (uncertainty="own"), made at register
+        self._like: nn.Linear | None = None  # the classifier U follows
+        self._pending: Mapping | None = None  # a state loaded before register
+        self._averaging = False
+        # Under torch.distributed, whether each backward averages U's gradients over the ranks.
+        self.average_over_ranks = True
+
+    def __repr__(self) -> str:
+        return (
+            f"SUMix(classifier={self.classifier!r}, gamma={self.gamma}, uncertainty={self.uncertainty!r}, "
+            f"reduce={self.reduce!r})"
+        )
+
+    def __getstate__(self) -> dict:  # (a copy of the mixer, EMA or pickling: the model's classifier stays)
+        return {**self.__dict__, "_like": None}
+
+    # ------------------------------------------------------------------------------------- attaching
+    def check_mixer(self, mixer: Mixer) -> None:
+        refuse_own_loss(self, mixer)
+        if type(mixer).keeps_clean:
+            raise TypeError(
+                f"SUMix reads the clean rows beside the mix, and {type(mixer).__name__}'s loss of them is "
+                "its own; use SUMix with a mixer that trains on its mix (CutMix, ManifoldMixup, ...)"
+            )
+        if type(mixer).parameters is not Mixer.parameters:
+            raise TypeError(
+                f"SUMix trains an uncertainty layer of its own, and {type(mixer).__name__} trains parameters "
+                "of its own beside the model: the two are not combined; use a mixer without parameters"
+            )
+        refuse_global_partners(self, mixer, "reads each partner's clean prediction, which another rank holds")
+        mixer.clean = True  # (the clean batch beside the mix: the authors' clean forward)
+
+    def register(self, mixer: Mixer, model: nn.Module, handles: list) -> None:
+        if not mixer.clean:
+            raise ValueError(
+                f"SUMix reads the clean rows beside the mix, and {type(mixer).__name__}.clean is False; "
+                "leave it True (use() set it)"
+            )
+        batch = next((p for p in mixer.policies if p.needs_partner_batch), None)
+        if batch is not None:
+            raise ValueError(
+                f"SUMix reads each partner's clean prediction among the batch's, and {type(batch).__name__} "
+                "draws the partners from a second batch; use SUMix with the batch's own partners"
+            )
+        _, classifier = resolve_layer(model, self.classifier, "classifier")
+        if not isinstance(classifier, nn.Linear):
+            raise TypeError(
+                f"SUMix: classifier={self.classifier!r} is a {type(classifier).__name__}, not the Linear "
+                "that gives the logits ('fc', timm's 'head')"
+            )
+        self._like = classifier
+        if self.uncertainty == "own":
+            shape = (classifier.in_features, classifier.out_features)
+            if self.layer is None or (self.layer.in_features, self.layer.out_features) != shape:
+                self.layer = _made(*shape, mixer.generator.initial_seed())
+            self._following()  # (before a state loaded earlier: its values at the classifier's dtype)
+            if self._pending is not None:
+                self.layer.load_state_dict(self._pending)
+                self._pending = None
+            if not self._averaging:
+                self._averaging = average_over_ranks(self.layer.parameters(), lambda: self.average_over_ranks)
+        handles.append(classifier.register_forward_hook(recompute.hook(self._reader(mixer, model))))
+
+    def _following(self) -> nn.Linear:
+        """U on the classifier's device and dtype (moved there, its parameters the same objects, where the
+        model was moved or cast after attach)."""
+        like = self._like.weight if self._like is not None else None
+        if like is not None and (self.layer.weight.dtype, self.layer.weight.device) != (
+            like.dtype,
+            like.device,
+        ):
+            self.layer.to(device=like.device, dtype=like.dtype)
+        return self.layer
+
+    def parameters(self):
+        return iter(()) if self.layer is None else self.layer.parameters()
+
+    def state_dict(self) -> dict:
+        return {} if self.layer is None else {"uncertainty": self.layer.state_dict()}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if "uncertainty" in state:
+            if self.layer is None:
+                self._pending = state["uncertainty"]  # (U is made at register: loaded there)
+            else:
+                self.layer.load_state_dict(state["uncertainty"])
+
+    # ----------------------------------------------------------------------------- the forward
+    def _reader(self, mixer: Mixer, model: nn.Module):
+        """The forward hook on the classifier that, in a training forward after the mix, computes the
+        uncertainty of its ``2B`` rows (the clean ones, then the mixed) with gradients, for the loss (the
+        mix's ``loss_inputs``: carried by the forward's output, never kept by the mixer)."""
+
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            if not model.training:
+                return
+            draw, last = mixer.current, mixer.last
+            if draw is None or not draw.done or last is None or not last.clean:  # (no mix yet, or none)
+                return
+            inputs = dict(last.loss_inputs or {})
+            if "uncertainty" in inputs:  # (a second call of the classifier in the forward)
+                return
+            if self.uncertainty == "logits":
+                inputs["uncertainty"] = output
+            else:
+                inputs["uncertainty"] = _l2(F.softmax(self._following()(args[0]), dim=-1))
+            mixer.last = dataclasses.replace(last, loss_inputs=inputs)
+
+        return hook
+
+    # ----------------------------------------------------------------------------------- the loss
+    def clean_loss(self, criterion, clean, mixed, target, partner, last: MixState) -> torch.Tensor:
+        n = target.shape[0]
+        u = (last.loss_inputs or {}).get("uncertainty")
+        if not isinstance(u, torch.Tensor) or u.shape[0] != 2 * n:
+            raise RuntimeError(
+                f"loss(): SUMix reads the input of classifier={self.classifier!r} on the clean and the mixed "
+                "rows, and that layer did not run after the mix in this forward; name the model's classifier"
+            )
+        if clean.ndim != 2:
+            raise ValueError(f"loss(): SUMix takes logits (B, C), got {tuple(clean.shape)}")
+        work = torch.promote_types(clean.dtype, torch.float32)  # (the semantic weights in float32 at least)
+        index = to_device(last.index, clean.device)
+        lam = to_device(last.lam, clean.device, work)
+        lam = lam.view(-1, 1) if lam.ndim else lam
+        p = F.softmax(clean.detach().to(work), dim=1)
+        q = F.softmax(mixed.detach().to(work), dim=1)
+        own = p.scatter(1, partner.view(-1, 1), 0.0)  # (the sample's prediction, its partner's class zeroed)
+        theirs = p[index].scatter(1, target.view(-1, 1), 0.0)
+        a, a_partner = (_l2(F.softmax(q - s, dim=1)) * n for s in (own, theirs))
+        lam_a = lam * torch.exp(-a).gather(1, target.view(-1, 1))
+        lam_b = (1 - lam) * torch.exp(-a_partner).gather(1, partner.view(-1, 1))
+        lam_a = (lam_a / (lam_a + lam_b)).flatten()
+        u_clean, u_mixed = u[:n], u[n:]
+        f_a = torch.exp(-(u_clean + u_mixed + a.to(u.dtype)))
+        f_b = torch.exp(-(u_clean[index] + u_mixed + a_partner.to(u.dtype)))
+        loss_a, loss_b = criterion(mixed, target), criterion(mixed, partner)
+        term_a, term_b = criterion(f_a, target), criterion(f_b, partner)
+        per_sample = self.reduce == "per_sample" or lam.ndim
+        if per_sample and (loss_a.ndim == 0 or term_a.ndim == 0):
+            why = "reduce='per_sample'" if self.reduce == "per_sample" else "lam has one value per sample"
+            raise ValueError(
+                f"loss(): SUMix with {why} weighs each sample's loss by its own weight, so the criterion "
+                f"must return one loss per sample (reduction='none'), but it returned shape "
+                f"{tuple(loss_a.shape)}"
+            )
+        if self.reduce == "authors":
+            w_a = lam_a.mean()
+        else:
+            w_a = lam_a
+        w_a = w_a.to(loss_a.dtype)
+        lam = lam.flatten().to(term_a.dtype) if lam.ndim else lam.to(term_a.dtype)
+        return w_a * loss_a + (1 - w_a) * loss_b + self.gamma * (lam * term_a + (1 - lam) * term_b)
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    """Each row over its L2 norm (the authors' ``l2_norm``)."""
+    return x / x.square().sum(1, keepdim=True).sqrt()
+
+
+def _made(features: int, classes: int, seed: int) -> nn.Linear:
+    """The authors' uncertainty layer: ``Linear(features, classes)``, weights ``normal(0, 0.01)`` and a zero
+    bias (their head's ``init_weights``), drawn from a generator seeded with the mixer's."""
+    layer = nn.Linear(features, classes)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.copy_(torch.empty(classes, features).normal_(0, 0.01, generator=g))
+        layer.bias.zero_()
+    return layer

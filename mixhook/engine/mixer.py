@@ -146,6 +146,10 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         self._site_weights: tuple[float, ...] | None = None  # the same, per site resolved (_bind)
         self._clean = type(self).keeps_clean
         self._policies: Policies | None = None  # use(): the partners, lam and target policies
+        # Under torch.distributed, whether each backward averages the gradients of the method's own
+        # parameters and its policies' (AutoMix's Mix Block, SUMix's uncertainty layer) over the ranks, as
+        # DDP averages the model's; False: they are left to you (one process replaying the ranks' batches).
+        self.average_over_ranks = True
 
     _hooks_model = True  # its own hooks on the model (see LayerHook)
     _TRANSIENT = ("_path",)  # all of an attachment's state: a copy starts detached, with a path of its own

@@ -249,10 +249,8 @@ class AutoMix(Mixer):
         self._block_options = {"reduction": reduction, "upsampling": upsampling, **self.block_options}
         self._make_block(2)  # (refuses bad options now, in one line)
         self.mix_block: MixBlock | None = None if channels is None else self._make_block(channels)
-        # Under torch.distributed, whether each backward averages the Mix Block's gradients over the ranks
-        # (every rank must then run it, as under DDP); False: they are left to you (a replay on one rank,
-        # a Mix Block you put inside your own DDP module).
-        self.average_over_ranks = True
+        # (self.average_over_ranks, the Mixer's: whether each backward averages the Mix Block's gradients
+        # over the ranks; False: a replay on one rank, a Mix Block you put inside your own DDP module)
         self._pending: Mapping | None = None  # a state loaded before attach
 
     def _make_block(self, channels: int) -> MixBlock:

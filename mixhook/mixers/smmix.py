@@ -161,9 +161,6 @@ class SMMix(ReadsAttention, RegionMixer):
             check_non_negative("consistency", consistency),
         )
         self.head: nn.Linear | None = None  # the token head (token_head="own": made at attach)
-        # Under torch.distributed, whether each backward averages the head's gradients over the ranks (as DDP
-        # averages the model's); False: they are left to you.
-        self.average_over_ranks = True
         self._averaging = False
         self._pending: Mapping | None = None  # a state loaded before attach
         self._classifier: nn.Linear | None = None

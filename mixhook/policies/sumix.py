@@ -60,7 +60,8 @@ class SUMix(Policy):
     ``U`` is made when its mixer is attached (``Linear(D, C)``, the authors' ``normal(0, 0.01)`` weights
     and zero bias, from the mixer's seed), on the classifier's device and dtype (following it where the
     model is cast later); ``mixer.parameters()`` yields it for the optimizer, its gradients averaged over
-    the ranks under ``torch.distributed`` (the authors' head is inside their DDP model), and the mixer's
+    the ranks under ``torch.distributed`` while ``mixer.average_over_ranks`` (the authors' head is inside
+    their DDP model), and the mixer's
     ``state_dict()`` keeps it. ``targets()`` is refused (the loss is no criterion of mixed targets).
 
     Args:
@@ -94,8 +95,6 @@ class SUMix(Policy):
         self._like: nn.Linear | None = None  # the classifier U follows
         self._pending: Mapping | None = None  # a state loaded before register
         self._averaging = False
-        # Under torch.distributed, whether each backward averages U's gradients over the ranks.
-        self.average_over_ranks = True
 
     def __repr__(self) -> str:
         return (
@@ -149,8 +148,10 @@ class SUMix(Policy):
             if self._pending is not None:
                 self.layer.load_state_dict(self._pending)
                 self._pending = None
-            if not self._averaging:
-                self._averaging = average_over_ranks(self.layer.parameters(), lambda: self.average_over_ranks)
+            if not self._averaging:  # (while the mixer's average_over_ranks says so)
+                self._averaging = average_over_ranks(
+                    self.layer.parameters(), lambda: mixer.average_over_ranks
+                )
         handles.append(classifier.register_forward_hook(recompute.hook(self._reader(mixer, model))))
 
     def _following(self) -> nn.Linear:

@@ -108,10 +108,12 @@ class SUMix(Policy):
     # ------------------------------------------------------------------------------------- attaching
     def check_mixer(self, mixer: Mixer) -> None:
         refuse_own_loss(self, mixer)
-        if type(mixer).keeps_clean:
+        own = [n for n in ("clean_loss", "mixed_loss") if getattr(type(mixer), n) is not getattr(Mixer, n)]
+        if own:  # (its terms would be dropped: SUMix's loss replaces the whole loss)
             raise TypeError(
-                f"SUMix reads the clean rows beside the mix, and {type(mixer).__name__}'s loss of them is "
-                "its own; use SUMix with a mixer that trains on its mix (CutMix, ManifoldMixup, ...)"
+                f"SUMix's loss replaces the whole loss, and {type(mixer).__name__}'s has terms of its own "
+                f"({own[0]}); use SUMix with a mixer whose loss is the mixed criterion (CutMix, "
+                "ManifoldMixup, ...)"
             )
         if type(mixer).parameters is not Mixer.parameters:
             raise TypeError(

@@ -238,7 +238,7 @@ def test_a_copy_of_the_mixer_keeps_no_model():
 
 def test_refusals_are_one_line():
     model = net()
-    with pytest.raises(TypeError, match="^SUMix reads the clean rows beside the mix, and RegMixup's loss"):
+    with pytest.raises(TypeError, match="^SUMix's loss replaces the whole loss, and RegMixup's has terms"):
         RegMixup("input").use(SUMix("fc"))
     with pytest.raises(TypeError, match="^SUMix: classifier='bn2' is a BatchNorm2d, not the Linear"):
         CutMix("input").use(SUMix("bn2")).attach(model)
@@ -267,5 +267,5 @@ def test_refusals_are_one_line():
         ValueError, match="^SUMix reads each partner's clean prediction, which another rank holds"
     ):
         ManifoldMixup("input", partners="global").use(SUMix("fc"))
-    with pytest.raises(TypeError, match="^SUMix trains an uncertainty layer of its own, and AutoMix"):
+    with pytest.raises(TypeError, match="^SUMix's loss replaces the whole loss, and AutoMix's has terms"):
         __import__("mixhook").AutoMix("input").use(SUMix("fc"))

@@ -195,6 +195,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     def _reset(self) -> None:
         self._path.reset()
         self.last_forward = None
+        if self._policies is not None:
+            self._policies.reset()
         unclaim(self)
 
     # The settings what is worked out at attach depends on (the sites' layouts, the padding-mask hooks):

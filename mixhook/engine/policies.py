@@ -93,6 +93,10 @@ class Policy:
         model (appended to ``handles``, removed with the mixer's), and a one-line refusal of what it
         cannot act through there. Nothing by default."""
 
+    def reset(self) -> None:
+        """When its mixer is removed: let go of what :meth:`register` held of the model (nothing of the
+        model outlives ``remove()``). Nothing by default."""
+
     def parameters(self):
         """The policy's own trainable parameters (made at :meth:`register`), which its mixer's
         ``parameters()`` yields for the optimizer; none by default."""
@@ -243,6 +247,10 @@ class Policies:
     def register(self, mixer: MixingHook, model, handles: list) -> None:
         for policy in self.all:
             policy.register(mixer, model, handles)
+
+    def reset(self) -> None:
+        for policy in self.all:
+            policy.reset()
 
     def parameters(self):
         for policy in self.all:

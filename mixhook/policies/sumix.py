@@ -156,6 +156,9 @@ class SUMix(Policy):
                 )
         handles.append(classifier.register_forward_hook(recompute.hook(self._reader(mixer, model))))
 
+    def reset(self) -> None:
+        self._like = None  # (the model's classifier: not kept after remove())
+
     def _following(self) -> nn.Linear:
         """U on the classifier's device and dtype (moved there, its parameters the same objects, where the
         model was moved or cast after attach)."""

@@ -225,15 +225,21 @@ def test_the_uncertainty_layer_is_saved_loaded_and_made_from_the_mixers_seed():
         CutMix("input").load_state_dict(state)
 
 
-def test_a_copy_of_the_mixer_keeps_no_model():
-    """A deep copy or a pickle of a mixer with SUMix (an EMA copy of a training setup) holds the
-    uncertainty layer but not the model's classifier."""
+def test_a_copy_of_the_mixer_and_a_removed_one_keep_no_model():
+    """A pickle of a mixer with SUMix (an EMA copy of a training setup) holds the uncertainty layer but not
+    the model's classifier; nor does the policy once its mixer is removed (the model can be freed)."""
+    import gc
     import pickle
+    import weakref
 
-    mix = sumix()
-    with mix.attach(net()):
-        copied = pickle.loads(pickle.dumps(mix.policies[0]))
-    assert copied._like is None and copied.layer is not None
+    mix, model = sumix(), net()
+    with mix.attach(model):
+        copied = pickle.loads(pickle.dumps(mix))
+    assert copied.policies[0]._like is None and copied.policies[0].layer is not None
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and mix.policies[0]._like is None and mix.policies[0].layer is not None
 
 
 def test_refusals_are_one_line():

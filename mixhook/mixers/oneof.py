@@ -204,9 +204,15 @@ class OneOf(LayerHook, MixingHook):
             mixer.check_targets(target)
 
     def parameters(self):
-        """Every regularizer's own trainable parameters (each AutoMix's Mix Block)."""
+        """Every regularizer's own trainable parameters (each AutoMix's Mix Block), each once (a policy
+        every regularizer uses, SUMix's uncertainty layer, is one: an optimizer given it twice would step
+        it twice)."""
+        seen = set()
         for mixer in self.mixers:
-            yield from mixer.parameters()
+            for p in mixer.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
 
     def parameter_options(self) -> dict:
         """Its regularizers' options for their parameters, where they agree (one group holds them all)."""

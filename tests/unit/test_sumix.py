@@ -275,3 +275,23 @@ def test_refusals_are_one_line():
         ManifoldMixup("input", partners="global").use(SUMix("fc"))
     with pytest.raises(TypeError, match="^SUMix's loss replaces the whole loss, and AutoMix's has terms"):
         __import__("mixhook").AutoMix("input").use(SUMix("fc"))
+
+
+def test_a_oneof_shares_one_uncertainty_layer_between_its_mixers():
+    """``OneOf([...]).use(SUMix(...))``: every mixer takes the same policy, so one uncertainty layer, given
+    once by the OneOf's parameters(); each forward's loss is its chosen mixer's, finite, and trains it."""
+    from mixhook import OneOf
+
+    model, x, y = net(), torch.randn(6, 3, 8, 8, dtype=torch.double), torch.tensor([0, 1, 2, 3, 1, 0])
+    policy = SUMix("fc")
+    both = OneOf([CutMix("input"), ManifoldMixup("conv2")], generator=torch.Generator().manual_seed(0))
+    both.use(policy)
+    with both.attach(model):
+        params = list(both.parameters())
+        assert len(params) == 2 and all(any(p is q for q in policy.layer.parameters()) for p in params)
+        for choice in (0, 1):
+            both.pin(choice=choice)
+            loss = both.loss(F.cross_entropy, model(x), y)
+            loss.backward()
+            assert torch.isfinite(loss) and policy.layer.weight.grad.abs().sum() > 0
+            policy.layer.zero_grad()

@@ -146,6 +146,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         self._site_weights: tuple[float, ...] | None = None  # the same, per site resolved (_bind)
         self._clean = type(self).keeps_clean
         self._policies: Policies | None = None  # use(): the partners, lam and target policies
+        self._clean_before_policies = self._clean  # (what `clean` was before a policy that reads it)
         # Under torch.distributed, whether each backward averages the gradients of the method's own
         # parameters and its policies' (AutoMix's Mix Block, SUMix's uncertainty layer) over the ranks, as
         # DDP averages the model's; False: they are left to you (one process replaying the ranks' batches).
@@ -183,14 +184,17 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
-        super().load_state_dict(state)
-        if "policies" in state:
+        kept = state.get("policies")
+        if kept is not None:  # (checked before anything is loaded: a refused state changes nothing)
             if self._policies is None:
                 raise ValueError(
-                    f"load_state_dict(): the state holds policies' ({', '.join(state['policies'])}), and "
+                    f"load_state_dict(): the state holds policies' ({', '.join(kept)}), and "
                     f"{type(self).__name__} uses none; use() the policies it was saved with"
                 )
-            self._policies.load_state_dict(state["policies"])
+            self._policies.check_state(kept)
+        super().load_state_dict(state)
+        if kept is not None:
+            self._policies.load_state_dict(kept)
 
     def _reset(self) -> None:
         self._path.reset()
@@ -456,12 +460,20 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         (:data:`mixhook.engine.policies.KNOBS`). ``use()`` with none removes them. Set them before
         attaching. A mixer with policies runs its hooks between graphs under ``torch.compile`` (not traced)
         and takes the engine's general path. Returns the mixer, so ``ManifoldMixup("layer2").use(Remix())``
-        builds one in a line. A policy refuses, in one line, a mixer it cannot act through."""
+        builds one in a line. A policy refuses, in one line, a mixer it cannot act through. A loss
+        policy that reads the clean rows (SUMix) turns ``clean`` on while it is used, and back to what it
+        was when it no longer is."""
         if self._model is not None:
             raise RuntimeError(f"{type(self).__name__}.use(): set the policies before attach()")
         chosen = Policies(type(self).__name__, policies) if policies else None
         for policy in () if chosen is None else chosen.all:
             policy.check_mixer(self)
+        takes = chosen is not None and any(p.takes_clean for p in chosen.all)
+        had = self._policies is not None and any(p.takes_clean for p in self._policies.all)
+        if takes and not had:
+            self._clean_before_policies, self.clean = self._clean, True
+        elif had and not takes:
+            self.clean = self._clean_before_policies
         self._policies = chosen
         return self
 

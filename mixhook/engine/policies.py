@@ -49,7 +49,8 @@ class Policy:
     """One knob of a mix (:data:`KNOBS`), for any mixer that can take it. A subclass sets ``knob`` and
     implements the hooks of that knob; every hook does nothing by default. Policies hold configuration
     only (per-forward values travel in the forward's pinned values), so one policy object may serve
-    several mixers (:class:`~mixhook.OneOf`'s). The ``mixer`` the hooks are given is the
+    several mixers (:class:`~mixhook.OneOf`'s); one with parameters of its own (SUMix's) serves the
+    mixers of one model (a OneOf's), which share them. The ``mixer`` the hooks are given is the
     :class:`~mixhook.engine.mixer.Mixer` that uses the policy (its ``layers``, ``sample_lam``,
     ``gradient_at``, ...), typed by its contract: the engine imports its modules one way only."""
 
@@ -63,9 +64,9 @@ class Policy:
     changes_loss: ClassVar[bool] = False
     # Whether it takes distances between the rows mixed (refused where padding makes them meaningless).
     takes_distances: ClassVar[bool] = False
-    # Whether its loss reads the clean rows beside the mixed ones (the mixer's clean=True): loss() is then
-    # its clean_loss() (SUMix's); and whether batch norm then normalises the two halves apart, as its
-    # authors' two forwards do (mixhook.engine.norms).
+    # Whether its loss reads the clean rows beside the mixed ones: loss() is then its clean_loss() (SUMix's)
+    # and the mixer's use() turns clean on while it is used; and whether batch norm then normalises the two
+    # halves apart, as its authors' two forwards do (mixhook.engine.norms).
     takes_clean: ClassVar[bool] = False
     batch_norm_apart: ClassVar[bool] = False
 
@@ -257,18 +258,24 @@ class Policies:
             yield from policy.parameters()
 
     def state_dict(self) -> dict:
-        """Each policy's state that is not empty, by knob."""
-        return {p.knob: s for p in self.all if (s := p.state_dict())}
+        """Each policy's state that is not empty, by knob, with the policy's name (checked on loading)."""
+        return {p.knob: {**s, "policy": type(p).__name__} for p in self.all if (s := p.state_dict())}
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def check_state(self, state: Mapping) -> None:
+        """Refuse, in one line, a state saved with other policies (before anything of it is loaded)."""
         for knob, value in state.items():
             policy = self.by_knob.get(knob)
-            if policy is None:
+            name = None if policy is None else type(policy).__name__
+            if name != value.get("policy"):
                 raise ValueError(
-                    f"load_state_dict(): the state holds a {knob} policy's, and {self.kind} uses none; use "
-                    "the policies it was saved with"
+                    f"load_state_dict(): the state holds a {value.get('policy')} policy's ({knob}), and "
+                    f"{self.kind} uses {name or 'none'} there; use the policies it was saved with"
                 )
-            policy.load_state_dict(value)
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.check_state(state)
+        for knob, value in state.items():
+            self.by_knob[knob].load_state_dict({k: v for k, v in value.items() if k != "policy"})
 
     def clean_loss(self, criterion, clean, mixed, target, partner, last: MixState):
         """The loss policy's whole loss of a clean+mixed forward where it reads the clean rows, else

@@ -33,8 +33,9 @@ REDUCTIONS = ("authors", "per_sample")
 class SUMix(Policy):
     """SUMix's loss (Qin et al. 2024) for any mixer of two samples per row: ``mixer.use(SUMix("fc"))``.
 
-    The mixer emits the clean batch beside its mix (``use()`` sets its ``clean=True``; batch norm then
-    normalises the two halves apart, as the authors' two forwards do), and the loss reads both. With
+    The mixer emits the clean batch beside its mix (``use()`` turns its ``clean`` on, and back when
+    SUMix is no longer used; batch norm after the mix normalises the two halves apart: at the input, what
+    the authors' two forwards do), and the loss reads both. With
     ``p`` the softmax of the clean logits and ``q`` of the mixed ones (without gradients), ``y`` the
     sample's label and ``y'`` its partner's:
 
@@ -55,7 +56,13 @@ class SUMix(Policy):
     head multiplies its batch-mean cross-entropy by each sample's weight before the mean; ``"per_sample"``
     weighs each sample's loss by its own (the paper's formula). The clean rows' logits enter only through
     ``p`` (no criterion of their own); their gradients come from the uncertainty term. Equal to the
-    authors' ``IN_loss`` on the same mix (loss and the gradients of the model and of ``U``, float64).
+    authors' ``IN_loss`` on the same mix (loss and the gradients of the model and of ``U``, float64); the
+    weights are computed as a sigmoid of their log-ratio, the same value where the authors' is finite and
+    no NaN where both of its exponentials underflow (a large batch over few classes). A lam per sample
+    (Manifold Mixup's ``mode="elem"``, TransMix's) weighs each sample by its own, where the authors' loop
+    draws one per batch. Refused in one line: a mixer whose loss has terms of its own, a target or weights
+    policy beside it (its loss does not use theirs), a partner batch, and a classifier inside an
+    activation checkpoint.
 
     ``U`` is made when its mixer is attached (``Linear(D, C)``, the authors' ``normal(0, 0.01)`` weights
     and zero bias, from the mixer's seed), on the classifier's device and dtype (following it where the
@@ -102,8 +109,9 @@ class SUMix(Policy):
             f"reduce={self.reduce!r})"
         )
 
-    def __getstate__(self) -> dict:  # (a copy of the mixer, EMA or pickling: the model's classifier stays)
-        return {**self.__dict__, "_like": None}
+    def __getstate__(self) -> dict:  # (a copy of the mixer, EMA or pickling: the model's classifier stays,
+        # and the copy's layer averages its gradients over the ranks once attached, as its own)
+        return {**self.__dict__, "_like": None, "_averaging": False}
 
     # ------------------------------------------------------------------------------------- attaching
     def check_mixer(self, mixer: Mixer) -> None:
@@ -121,7 +129,6 @@ class SUMix(Policy):
                 "of its own beside the model: the two are not combined; use a mixer without parameters"
             )
         refuse_global_partners(self, mixer, "reads each partner's clean prediction, which another rank holds")
-        mixer.clean = True  # (the clean batch beside the mix: the authors' clean forward)
 
     def register(self, mixer: Mixer, model: nn.Module, handles: list) -> None:
         if not mixer.clean:
@@ -135,11 +142,22 @@ class SUMix(Policy):
                 f"SUMix reads each partner's clean prediction among the batch's, and {type(batch).__name__} "
                 "draws the partners from a second batch; use SUMix with the batch's own partners"
             )
+        other = next((p for p in mixer.policies if p.knob in ("target", "weights")), None)
+        if other is not None:  # (its loss replaces the mixed criterion they change: they would do nothing)
+            raise ValueError(
+                f"SUMix weighs the labels itself, and {type(other).__name__} changes the mixed loss's "
+                f"{other.knob}, which SUMix's loss does not use; use one of the two"
+            )
         _, classifier = resolve_layer(model, self.classifier, "classifier")
         if not isinstance(classifier, nn.Linear):
             raise TypeError(
                 f"SUMix: classifier={self.classifier!r} is a {type(classifier).__name__}, not the Linear "
                 "that gives the logits ('fc', timm's 'head')"
+            )
+        if self._like is not None and self._like is not classifier:
+            raise ValueError(
+                "SUMix is attached through another mixer to another classifier, and its uncertainty layer "
+                "is one: give each model's mixer its own SUMix"
             )
         self._like = classifier
         if self.uncertainty == "own":
@@ -171,17 +189,34 @@ class SUMix(Policy):
         return self.layer
 
     def parameters(self):
-        return iter(()) if self.layer is None else self.layer.parameters()
+        """U's parameters (``uncertainty="own"``), for the optimizer that steps the model; refused before
+        its mixer is attached (U is made then, sized as the classifier)."""
+        if self.uncertainty == "logits":
+            return iter(())
+        if self.layer is None:
+            raise RuntimeError(
+                "SUMix: the uncertainty layer is made when its mixer is attached (sized as the classifier); "
+                "attach first, then give mix.parameters() to the optimizer"
+            )
+        return self.layer.parameters()
 
     def state_dict(self) -> dict:
-        return {} if self.layer is None else {"uncertainty": self.layer.state_dict()}
+        if self.layer is not None:
+            return {"uncertainty": self.layer.state_dict()}
+        return {} if self._pending is None else {"uncertainty": self._pending}
 
     def load_state_dict(self, state: Mapping) -> None:
-        if "uncertainty" in state:
-            if self.layer is None:
-                self._pending = state["uncertainty"]  # (U is made at register: loaded there)
-            else:
-                self.layer.load_state_dict(state["uncertainty"])
+        if "uncertainty" not in state:
+            return
+        if self.uncertainty == "logits":
+            raise ValueError(
+                "SUMix.load_state_dict(): the state holds an uncertainty layer, and this SUMix reads the "
+                "logits (uncertainty='logits'); use uncertainty='own' as it was saved"
+            )
+        if self.layer is None:
+            self._pending = state["uncertainty"]  # (U is made at register: loaded there)
+        else:
+            self.layer.load_state_dict(state["uncertainty"])
 
     # ----------------------------------------------------------------------------- the forward
     def _reader(self, mixer: Mixer, model: nn.Module):
@@ -195,6 +230,12 @@ class SUMix(Policy):
             draw, last = mixer.current, mixer.last
             if draw is None or not draw.done or last is None or not last.clean:  # (no mix yet, or none)
                 return
+            if recompute.may_be_recomputed():
+                raise RuntimeError(
+                    f"SUMix: classifier={self.classifier!r} runs inside an activation checkpoint, and SUMix "
+                    "reads its input with gradients, which a recomputation would not read again; leave the "
+                    "classifier out of the checkpoint"
+                )
             inputs = dict(last.loss_inputs or {})
             if "uncertainty" in inputs:  # (a second call of the classifier in the forward)
                 return
@@ -226,12 +267,13 @@ class SUMix(Policy):
         own = p.scatter(1, partner.view(-1, 1), 0.0)  # (the sample's prediction, its partner's class zeroed)
         theirs = p[index].scatter(1, target.view(-1, 1), 0.0)
         a, a_partner = (_l2(F.softmax(q - s, dim=1)) * n for s in (own, theirs))
-        lam_a = lam * torch.exp(-a).gather(1, target.view(-1, 1))
-        lam_b = (1 - lam) * torch.exp(-a_partner).gather(1, partner.view(-1, 1))
-        lam_a = (lam_a / (lam_a + lam_b)).flatten()
-        u_clean, u_mixed = u[:n], u[n:]
-        f_a = torch.exp(-(u_clean + u_mixed + a.to(u.dtype)))
-        f_b = torch.exp(-(u_clean[index] + u_mixed + a_partner.to(u.dtype)))
+        # lam_a = lam e^-a[y] / (lam e^-a[y] + (1 - lam) e^-a'[y']), as a sigmoid of the log-ratio: the same
+        # value where the authors' is finite, and no 0/0 where both exponentials underflow (a large batch)
+        ratio = torch.log(lam) - torch.log1p(-lam) - a.gather(1, target.view(-1, 1))
+        lam_a = torch.sigmoid(ratio + a_partner.gather(1, partner.view(-1, 1))).flatten()
+        u_clean, u_mixed = u[:n].to(work), u[n:].to(work)  # (the exponent in float32 at least)
+        f_a = torch.exp(-(u_clean + u_mixed + a))
+        f_b = torch.exp(-(u_clean[index] + u_mixed + a_partner))
         loss_a, loss_b = criterion(mixed, target), criterion(mixed, partner)
         term_a, term_b = criterion(f_a, target), criterion(f_b, partner)
         per_sample = self.reduce == "per_sample" or lam.ndim

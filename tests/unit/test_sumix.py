@@ -295,3 +295,112 @@ def test_a_oneof_shares_one_uncertainty_layer_between_its_mixers():
             loss.backward()
             assert torch.isfinite(loss) and policy.layer.weight.grad.abs().sum() > 0
             policy.layer.zero_grad()
+
+
+def test_at_a_hidden_layer_it_equals_the_authors_loss_on_the_hand_split_forward():
+    """Manifold Mixup at conv2 with SUMix: the layers before the mix run once on the batch; after it, the
+    clean and mixed rows apart (bn2 normalises each by its own statistics, updated by the clean then the
+    mixed). The authors' IN_loss on those two halves, computed by hand: loss, gradients, running stats."""
+    model, x, y = net(), torch.randn(6, 3, 8, 8, dtype=torch.double), torch.tensor([0, 1, 2, 3, 1, 0])
+    plain = copy.deepcopy(model)
+    mix = ManifoldMixup("conv2", generator=torch.Generator().manual_seed(1)).use(SUMix("fc"))
+    with mix.attach(model):
+        uncertain = copy.deepcopy(mix.policies[0].layer)
+        mix.pin(lam=0.3, index=INDEX)
+        loss = mix.loss(F.cross_entropy, model(x), y)
+    loss.backward()
+    h = plain.conv2(F.relu(plain.bn1(plain.conv1(x))))
+    mixed = 0.3 * h + 0.7 * h[INDEX]
+    pooled = [F.relu(plain.bn2(t)).mean((2, 3)) for t in (h, mixed)]  # (bn2 apart: clean, then mixed)
+    outs = [forward_head(plain.fc, uncertain, f) for f in pooled]
+    expected = IN_loss(outs, (y, y[INDEX], 0.3), INDEX, 0.5)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-13)
+    for (name, a), b in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+    for name in ("bn1", "bn2"):
+        torch.testing.assert_close(getattr(model, name).running_var, getattr(plain, name).running_var)
+
+
+def test_use_turns_clean_on_and_back_and_keeps_a_clean_set_before():
+    mix = CutMix("input").use(SUMix("fc"))
+    assert mix.clean
+    mix.use()
+    assert not mix.clean  # (SUMix gone: the mixer trains on its mix alone again)
+    kept = ManifoldMixup("input")
+    kept.clean = True
+    kept.use(SUMix("fc"))
+    kept.use()
+    assert kept.clean  # (what it was before SUMix)
+
+
+def test_a_large_batch_over_few_classes_gives_finite_weights():
+    """At 512 samples over 4 confident classes the authors' two exponentials underflow to 0 (their weight
+    0/0, NaN) for some samples; the log-ratio gives a finite loss."""
+    torch.manual_seed(0)
+    model = Net().train()
+    with torch.no_grad():
+        model.fc.weight.normal_(0, 4.0)
+    x, y = torch.randn(512, 3, 8, 8), torch.randint(0, 4, (512,))
+    mix = CutMix("input", generator=torch.Generator().manual_seed(0)).use(SUMix("fc"))
+    with mix.attach(model):
+        mix.pin(box=BOX, index=torch.randperm(512))
+        loss = mix.loss(F.cross_entropy, model(x), y)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_classifier_inside_an_activation_checkpoint_is_refused_in_one_line(reentrant):
+    """Its uncertainty layer reads the classifier's input with gradients: a reentrant checkpoint runs the
+    classifier without them (the term would train nothing), a non-reentrant one recomputes it without the
+    read."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Wrapped(Net):
+        def forward(self, x):
+            return checkpoint(self.fc, self.features(x), use_reentrant=reentrant)
+
+    torch.manual_seed(0)
+    model, x = Wrapped().double().train(), torch.randn(6, 3, 8, 8, dtype=torch.double).requires_grad_()
+    with sumix().attach(model):
+        with pytest.raises(
+            RuntimeError, match="^SUMix: classifier='fc' runs inside an activation checkpoint"
+        ):
+            model(x)
+
+
+def test_more_refusals_from_the_review():
+    from mixhook.policies import DecoupledLoss, LocalWeights, Remix
+
+    model = net()
+    for other in (Remix([1, 1, 1, 1]), LocalWeights(sigma=0.5)):
+        name = type(other).__name__
+        with pytest.raises(
+            ValueError, match=f"^SUMix weighs the labels itself, and {name} changes the mixed"
+        ):
+            CutMix("input").use(SUMix("fc"), other).attach(model)
+    with pytest.raises(
+        RuntimeError, match="^SUMix: the uncertainty layer is made when its mixer is attached"
+    ):
+        list(sumix().parameters())
+    assert list(sumix(uncertainty="logits").parameters()) == []
+    policy, other_model = SUMix("fc"), net()
+    with CutMix("input").use(policy).attach(model):
+        with pytest.raises(
+            ValueError, match="^SUMix is attached through another mixer to another classifier"
+        ):
+            CutMix("input").use(policy).attach(other_model)
+    state = sumix()
+    with state.attach(net()):
+        saved = state.state_dict()
+    with pytest.raises(
+        ValueError, match="^SUMix.load_state_dict\\(\\): the state holds an uncertainty layer"
+    ):
+        sumix(uncertainty="logits").load_state_dict(saved)
+    decoupled = CutMix("input", generator=torch.Generator().manual_seed(0)).use(DecoupledLoss())
+    refused = (
+        r"^load_state_dict\(\): the state holds a SUMix policy's \(loss\), and CutMix uses DecoupledLoss"
+    )
+    with pytest.raises(ValueError, match=refused):
+        decoupled.load_state_dict(saved)

@@ -184,7 +184,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
-        kept = state.get("policies")
+        kept = state.get("policies") if isinstance(state, Mapping) else None  # (not a dict: refused below)
         if kept is not None:  # (checked before anything is loaded: a refused state changes nothing)
             if self._policies is None:
                 raise ValueError(

@@ -61,8 +61,8 @@ class SUMix(Policy):
     no NaN where both of its exponentials underflow (a large batch over few classes). A lam per sample
     (Manifold Mixup's ``mode="elem"``, TransMix's) weighs each sample by its own, where the authors' loop
     draws one per batch. Refused in one line: a mixer whose loss has terms of its own, a target or weights
-    policy beside it (its loss does not use theirs), a partner batch, and a classifier inside an
-    activation checkpoint.
+    policy beside it (its loss does not use theirs), a partner batch, and a classifier inside a reentrant
+    activation checkpoint (inside a non-reentrant one, the uncertainty's graph keeps what it saves).
 
     ``U`` is made when its mixer is attached (``Linear(D, C)``, the authors' ``normal(0, 0.01)`` weights
     and zero bias, from the mixer's seed), on the classifier's device and dtype (following it where the
@@ -172,7 +172,7 @@ class SUMix(Policy):
                 self._averaging = average_over_ranks(
                     self.layer.parameters(), lambda: mixer.average_over_ranks
                 )
-        handles.append(classifier.register_forward_hook(recompute.hook(self._reader(mixer, model))))
+        handles.append(classifier.register_forward_hook(self._reader(mixer, model)))
 
     def reset(self) -> None:
         self._like = None  # (the model's classifier: not kept after remove())
@@ -222,30 +222,29 @@ class SUMix(Policy):
     def _reader(self, mixer: Mixer, model: nn.Module):
         """The forward hook on the classifier that, in a training forward after the mix, computes the
         uncertainty of its ``2B`` rows (the clean ones, then the mixed) with gradients, for the loss (the
-        mix's ``loss_inputs``: carried by the forward's output, never kept by the mixer)."""
+        mix's ``loss_inputs``: carried by the forward's output, never kept by the mixer). Inside a
+        non-reentrant activation checkpoint, what its graph saves is kept as it is (identity saved-tensor
+        hooks), so a recomputation of the classifier has nothing of it to redo."""
 
-        def hook(module: nn.Module, args: tuple, output) -> None:
+        def act(module: nn.Module, args: tuple, output) -> None:
             if not model.training:
                 return
             draw, last = mixer.current, mixer.last
             if draw is None or not draw.done or last is None or not last.clean:  # (no mix yet, or none)
                 return
-            if recompute.may_be_recomputed():
-                raise RuntimeError(
-                    f"SUMix: classifier={self.classifier!r} runs inside an activation checkpoint, and SUMix "
-                    "reads its input with gradients, which a recomputation would not read again; leave the "
-                    "classifier out of the checkpoint"
-                )
             inputs = dict(last.loss_inputs or {})
             if "uncertainty" in inputs:  # (a second call of the classifier in the forward)
                 return
-            if self.uncertainty == "logits":
-                inputs["uncertainty"] = output
-            else:
-                inputs["uncertainty"] = _l2(F.softmax(self._following()(args[0]), dim=-1))
+            with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+                inputs["uncertainty"] = self._uncertainty(args, output)
             mixer.last = dataclasses.replace(last, loss_inputs=inputs)
 
-        return hook
+        return recompute.hook(act)
+
+    def _uncertainty(self, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if self.uncertainty == "logits":
+            return output
+        return _l2(F.softmax(self._following()(args[0]), dim=-1))
 
     # ----------------------------------------------------------------------------------- the loss
     def clean_loss(self, criterion, clean, mixed, target, partner, last: MixState) -> torch.Tensor:
@@ -258,6 +257,12 @@ class SUMix(Policy):
             )
         if clean.ndim != 2:
             raise ValueError(f"loss(): SUMix takes logits (B, C), got {tuple(clean.shape)}")
+        if torch.is_grad_enabled() and mixed.requires_grad and not u.requires_grad:
+            raise RuntimeError(
+                f"loss(): SUMix's uncertainty was computed without gradients while the logits have them: "
+                f"classifier={self.classifier!r} runs inside a reentrant activation checkpoint, whose "
+                "forward runs without them; checkpoint with use_reentrant=False, or leave the classifier out"
+            )
         work = torch.promote_types(clean.dtype, torch.float32)  # (the semantic weights in float32 at least)
         index = to_device(last.index, clean.device)
         lam = to_device(last.lam, clean.device, work)
@@ -291,6 +296,11 @@ class SUMix(Policy):
         w_a = w_a.to(loss_a.dtype)
         lam = lam.flatten().to(term_a.dtype) if lam.ndim else lam.to(term_a.dtype)
         return w_a * loss_a + (1 - w_a) * loss_b + self.gamma * (lam * term_a + (1 - lam) * term_b)
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """A saved tensor as it is (neither packed by an activation checkpoint nor recomputed)."""
+    return t
 
 
 def _l2(x: torch.Tensor) -> torch.Tensor:

@@ -350,11 +350,7 @@ def test_a_large_batch_over_few_classes_gives_finite_weights():
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_a_classifier_inside_an_activation_checkpoint_is_refused_in_one_line(reentrant):
-    """Its uncertainty layer reads the classifier's input with gradients: a reentrant checkpoint runs the
-    classifier without them (the term would train nothing), a non-reentrant one recomputes it without the
-    read."""
+def _checkpointed_net(reentrant):
     from torch.utils.checkpoint import checkpoint
 
     class Wrapped(Net):
@@ -362,12 +358,39 @@ def test_a_classifier_inside_an_activation_checkpoint_is_refused_in_one_line(ree
             return checkpoint(self.fc, self.features(x), use_reentrant=reentrant)
 
     torch.manual_seed(0)
-    model, x = Wrapped().double().train(), torch.randn(6, 3, 8, 8, dtype=torch.double).requires_grad_()
-    with sumix().attach(model):
-        with pytest.raises(
-            RuntimeError, match="^SUMix: classifier='fc' runs inside an activation checkpoint"
-        ):
-            model(x)
+    model = Wrapped().double().train()
+    with torch.no_grad():
+        model.fc.weight.normal_(0, 1.0)
+    return model
+
+
+def test_a_classifier_inside_a_non_reentrant_checkpoint_computes_what_a_plain_one_does():
+    """The classifier recomputed in backward: the uncertainty layer's computation runs again with it (the
+    tensors its graph saved), and the loss and every gradient equal the run without the checkpoint."""
+    x, y = torch.randn(6, 3, 8, 8, dtype=torch.double), torch.tensor([0, 1, 2, 3, 1, 0])
+    found = []
+    for model in (net(), _checkpointed_net(False)):
+        mix = sumix()
+        with mix.attach(model):
+            mix.pin(box=BOX, index=INDEX)
+            loss = mix.loss(F.cross_entropy, model(x), y)
+            loss.backward()
+            found.append((loss.detach(), [p.grad for p in (*model.parameters(), *mix.parameters())]))
+    (a, grads_a), (b, grads_b) = found
+    torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-14)
+
+
+def test_a_classifier_inside_a_reentrant_checkpoint_is_refused_in_one_line():
+    """A reentrant checkpoint runs the classifier without gradients: the uncertainty term would train
+    nothing, without a word."""
+    model, x = _checkpointed_net(True), torch.randn(6, 3, 8, 8, dtype=torch.double).requires_grad_()
+    mix = sumix()
+    with mix.attach(model):
+        logits = model(x)
+        with pytest.raises(RuntimeError, match="^loss\\(\\): SUMix's uncertainty was computed without grad"):
+            mix.loss(F.cross_entropy, logits, torch.tensor([0, 1, 2, 3, 1, 0]))
 
 
 def test_more_refusals_from_the_review():

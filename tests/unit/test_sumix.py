@@ -343,11 +343,22 @@ def test_a_large_batch_over_few_classes_gives_finite_weights():
         model.fc.weight.normal_(0, 4.0)
     x, y = torch.randn(512, 3, 8, 8), torch.randint(0, 4, (512,))
     mix = CutMix("input", generator=torch.Generator().manual_seed(0)).use(SUMix("fc"))
+    index = torch.randperm(512)
     with mix.attach(model):
-        mix.pin(box=BOX, index=torch.randperm(512))
-        loss = mix.loss(F.cross_entropy, model(x), y)
+        mix.pin(box=BOX, index=index)
+        logits = model(x)
+        loss = mix.loss(F.cross_entropy, logits, y)
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    with torch.no_grad():  # (the authors' weights on the same predictions: IN_loss's lines)
+        p, q, rows = F.softmax(logits[:512], 1), F.softmax(logits[512:], 1), torch.arange(512)
+        s_a, s_b = p.clone(), p[index].clone()
+        s_a[rows, y[index]] = 0
+        s_b[rows, y] = 0
+        a, b = l2_norm(F.softmax(q - s_a, 1)) * 512, l2_norm(F.softmax(q - s_b, 1)) * 512
+        lam = 1 - 4 * 5 / 64
+        w_a, w_b = lam * torch.exp(-a)[rows, y], (1 - lam) * torch.exp(-b)[rows, y[index]]
+    assert torch.isnan(w_a / (w_a + w_b)).any()
 
 
 def _checkpointed_net(reentrant):

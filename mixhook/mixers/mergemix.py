@@ -22,7 +22,7 @@ from ..engine.checks import check_spatial
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
 from ..layers import resolve_layer
-from ..sites import INPUT, Leaf
+from ..sites import Leaf
 from ..transfer import to_device
 from .transmix import ReadsAttention, attention_grid, check_attention, check_class_token
 
@@ -128,12 +128,7 @@ class MergeMix(ReadsAttention, RegionMixer):
             raise ValueError(f"attention must be the name of a module, got {attention!r}")
         if score not in SCORES:
             raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
-        hidden = [s for s in self.specs if self.sites[s].layer != INPUT]
-        if hidden and self.token_grid is None:
-            raise ValueError(
-                f"MergeMix at {hidden[0]!r}: it keeps a ViT's most attended patches, so it mixes at 'input' "
-                "or on a block's tokens; pass tokens='auto' or tokens=(rows, columns)"
-            )
+        self._check_patch_sites("it keeps a ViT's most attended patches")
         self.attention, self.score = attention, score
 
     def __repr__(self) -> str:

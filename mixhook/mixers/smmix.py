@@ -24,7 +24,7 @@ from ..engine.contract import Deferred, Draw, Mixed, MixState
 from ..engine.own_parameters import average_over_ranks
 from ..engine.regions import RegionMixer
 from ..layers import resolve_layer
-from ..sites import INPUT, Leaf
+from ..sites import Leaf
 from ..transfer import to_device
 from .transmix import ReadsAttention, attention_grid, check_attention, check_class_token
 
@@ -148,12 +148,7 @@ class SMMix(ReadsAttention, RegionMixer):
             raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
         if token_head not in HEADS:
             raise ValueError(f"token_head must be one of {', '.join(HEADS)}, got {token_head!r}")
-        hidden = [s for s in self.specs if self.sites[s].layer != INPUT]
-        if hidden and self.token_grid is None:
-            raise ValueError(
-                f"SMMix at {hidden[0]!r}: it moves windows of a ViT's patches, so it mixes at 'input' or on "
-                "a block's tokens; pass tokens='auto' or tokens=(rows, columns)"
-            )
+        self._check_patch_sites("it moves windows of a ViT's patches")
         self.attention, self.features, self.classifier = attention, features, classifier
         self.score, self.token_head = score, token_head
         self.fine, self.consistency = (

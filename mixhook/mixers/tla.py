@@ -122,12 +122,7 @@ class TLA(ReadsAttention, CutMix):
             )
         if readout not in READOUTS:
             raise ValueError(f"readout must be one of {', '.join(READOUTS)}, got {readout!r}")
-        hidden = [s for s in self.specs if self.sites[s].layer != INPUT]
-        if hidden and self.token_grid is None:
-            raise ValueError(
-                f"TLA at {hidden[0]!r}: its labels follow a ViT's tokens, so it mixes at 'input' (the box on "
-                "the patch grid) or on a block's tokens; pass tokens='auto' or tokens=(rows, columns)"
-            )
+        self._check_patch_sites("its labels follow a ViT's tokens", "'input' (the box on the patch grid)")
         self.attention = attention if isinstance(attention, str) else tuple(names)
         self.readout = readout
         self._pool: str | None = None  # the readout the attached model states ("class" or "mean")

@@ -177,6 +177,16 @@ class ReadsAttention:
             )
         return output, recorded[-1]
 
+    def _check_patch_sites(self, why: str, at_input: str = "'input'") -> None:
+        """At construction: a one-line refusal of a hidden layer named without ``tokens=`` (the method
+        works on a ViT's patches: ``why``), for the methods that mix at the input or on a block's tokens."""
+        hidden = [s for s in self.specs if self.sites[s].layer != INPUT]
+        if hidden and self.token_grid is None:
+            raise ValueError(
+                f"{type(self).__name__} at {hidden[0]!r}: {why}, so it mixes at {at_input} or on a block's "
+                "tokens; pass tokens='auto' or tokens=(rows, columns)"
+            )
+
     def _patch_grid(self, spec: str, height: int, width: int) -> tuple[int, int, int, int]:
         """The patch grid of a ``height x width`` map mixed at ``spec``, and the positions a patch spans:
         on a block's tokens the map is the grid, ``(height, width, 1, 1)``; at the input, the grid of

@@ -21,7 +21,7 @@ from .. import recompute
 from ..engine.card import Card
 from ..engine.checks import check_fraction, check_non_negative, check_spatial
 from ..engine.contract import Deferred, Draw, Mixed, MixState
-from ..engine.own_parameters import average_over_ranks
+from ..engine.own_parameters import average_over_ranks, following
 from ..engine.regions import RegionMixer
 from ..layers import resolve_layer
 from ..sites import Leaf
@@ -200,7 +200,7 @@ class SMMix(ReadsAttention, RegionMixer):
                     c.out_features,
                 ):
                     self.head = self._make_head(c.in_features, c.out_features)
-                self.head.to(device=c.weight.device, dtype=c.weight.dtype)
+                following(self.head, c)
                 if self._pending is not None:
                     self.head.load_state_dict(self._pending)
                     self._pending = None
@@ -361,7 +361,7 @@ class SMMix(ReadsAttention, RegionMixer):
         pasted = inputs["pasted"].to(tokens.dtype)  # (B, N): 1 where the partner's window went
         patches = tokens[:, tokens.shape[1] - pasted.shape[1] :]
         kept = 1 - pasted
-        head = self._classifier if self.head is None else self._following(self.head)
+        head = self._classifier if self.head is None else following(self.head, self._classifier)
         own = head((patches * kept[..., None]).sum(1) / kept.sum(1, keepdim=True))
         theirs = head((patches * pasted[..., None]).sum(1) / pasted.sum(1, keepdim=True))
         partners = target[to_device(last.index, target.device)]
@@ -371,15 +371,6 @@ class SMMix(ReadsAttention, RegionMixer):
         consistency = (wanted.exp() * (wanted - F.log_softmax(logits.to(dtype), dim=1))).sum(1)
         consistency = consistency.mean() if loss.ndim == 0 else consistency
         return loss + self.fine * fine + self.consistency * consistency.to(loss.dtype)
-
-    def _following(self, head: nn.Linear) -> nn.Linear:
-        """The token head on the classifier's device and dtype, moved there (its parameters the same
-        objects) where the model was moved or cast after attach (``model.float()``), as a head made now
-        would be."""
-        like = None if self._classifier is None else self._classifier.weight
-        if like is not None and (head.weight.dtype, head.weight.device) != (like.dtype, like.device):
-            head.to(device=like.device, dtype=like.dtype)
-        return head
 
     def targets(self, *args, **kwargs):
         """Refused: SMMix's loss is no criterion of mixed targets (its token head's and consistency terms);

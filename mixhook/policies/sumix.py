@@ -21,7 +21,7 @@ from .. import recompute
 from ..engine.checks import check_non_negative
 from ..engine.contract import MixState
 from ..engine.mixer import Mixer
-from ..engine.own_parameters import average_over_ranks
+from ..engine.own_parameters import average_over_ranks, following
 from ..engine.policies import Policy, refuse_global_partners, refuse_own_loss
 from ..layers import resolve_layer
 from ..transfer import to_device
@@ -164,7 +164,9 @@ class SUMix(Policy):
             shape = (classifier.in_features, classifier.out_features)
             if self.layer is None or (self.layer.in_features, self.layer.out_features) != shape:
                 self.layer = _made(*shape, mixer.generator.initial_seed())
-            self._following()  # (before a state loaded earlier: its values at the classifier's dtype)
+            following(
+                self.layer, self._like
+            )  # (before a state loaded earlier: its values at the classifier's dtype)
             if self._pending is not None:
                 self.layer.load_state_dict(self._pending)
                 self._pending = None
@@ -176,17 +178,6 @@ class SUMix(Policy):
 
     def reset(self) -> None:
         self._like = None  # (the model's classifier: not kept after remove())
-
-    def _following(self) -> nn.Linear:
-        """U on the classifier's device and dtype (moved there, its parameters the same objects, where the
-        model was moved or cast after attach)."""
-        like = self._like.weight if self._like is not None else None
-        if like is not None and (self.layer.weight.dtype, self.layer.weight.device) != (
-            like.dtype,
-            like.device,
-        ):
-            self.layer.to(device=like.device, dtype=like.dtype)
-        return self.layer
 
     def parameters(self):
         """U's parameters (``uncertainty="own"``), for the optimizer that steps the model; refused before
@@ -244,7 +235,7 @@ class SUMix(Policy):
     def _uncertainty(self, args: tuple, output: torch.Tensor) -> torch.Tensor:
         if self.uncertainty == "logits":
             return output
-        return _l2(F.softmax(self._following()(args[0]), dim=-1))
+        return _l2(F.softmax(following(self.layer, self._like)(args[0]), dim=-1))
 
     # ----------------------------------------------------------------------------------- the loss
     def clean_loss(self, criterion, clean, mixed, target, partner, last: MixState) -> torch.Tensor:

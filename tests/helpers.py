@@ -136,6 +136,15 @@ class Lazy:
         return getattr(importlib.import_module(self._name), attr)
 
 
+def assert_same_step(first: tuple, second: tuple) -> None:
+    """Two runs of one training step, each ``(loss, gradients)``, equal in float64: a plain run and one
+    whose forward is recomputed in backward (activation checkpointing)."""
+    (a, grads_a), (b, grads_b) = first, second
+    torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-14)
+
+
 def attending_vit(**kwargs) -> nn.Module:
     """A 3-block timm ViT (float64, training mode) on 16x16 images, a 4x4 grid of 4-pixel patches, whose
     attention is far from uniform: at timm's initialisation every token attends nearly evenly, and what

@@ -25,6 +25,7 @@ from mixhook import (
     AugMix,
     AutoMix,
     CMixup,
+    CoMixup,
     ManifoldMixup,
     PuzzleMix,
     SaliencyMix,
@@ -63,6 +64,7 @@ def method_variants() -> dict:
     makers["SaliencyMix_layer1_activation"] = lambda: SaliencyMix(LAYER, saliency_layer="layer1")
     makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")
     makers["PuzzleMix_input"] = lambda: PuzzleMix("input")  # the paper's place (the authors: 1.47x a step)
+    makers["CoMixup_input"] = lambda: CoMixup("input")  # the paper's place
     makers["SnapMix"] = lambda: SnapMix(LAYER, features="layer4", classifier="linear")  # the CNN's own
     makers["AutoMix_input"] = lambda: AutoMix("input")  # OpenMixup's place (features: layer3)
     makers["SAMix_input"] = lambda: SAMix("input")

@@ -12,7 +12,9 @@ own content at each position of a 16x16 feature map (AlignMix's: 8x8) when it mi
 (``MixState.weights``; a method that blends every position alike has ``lam`` everywhere). The titles give
 lam, the weight of sample 0's own label. Every draw comes from a seeded generator, with partners pinned to
 ``[1, 0]``. A method that mixes no pair (its card's ``drawn`` says ``views``: AugMix) is shown by the views
-it makes of each image at the input instead.
+it makes of each image at the input instead; one that mixes several samples per row (``parts``: Co-Mixup)
+by four inputs (the two images and their mirror images, their saliency pinned to their edge strength) and
+the four rows it makes of them at the input.
 """
 
 from __future__ import annotations
@@ -80,11 +82,22 @@ def vit() -> nn.Module:
     )
 
 
+PICTURE_KEYS = (
+    "input",
+    "hidden",
+    "seed",
+    "size",
+    "note",
+    "views",
+    "parts",
+)  # (a card's drawn: not arguments)
+
+
 def method(name: str, layer: str, hidden: bool):
     """The method ``name`` at ``layer`` with its defaults and what its card says the picture takes (its
     ``drawn``: arguments on these models, a seed)."""
     drawn = METHODS[name].card.drawn
-    kwargs = {k: v for k, v in drawn.items() if k not in ("input", "hidden", "seed", "size", "note", "views")}
+    kwargs = {k: v for k, v in drawn.items() if k not in PICTURE_KEYS}
     kwargs.update(drawn.get("hidden" if hidden else "input", {}))
     kwargs["generator"] = torch.Generator().manual_seed(drawn.get("seed", SEED))
     return METHODS[name](layer, **kwargs)
@@ -172,6 +185,61 @@ def figure_views(name: str, drawn: dict):
     return fig
 
 
+def draw_parts(name: str) -> dict:
+    """What a method that mixes several samples per row makes at the input of four: the two images and
+    their mirror images, their saliency pinned to their :func:`edges`; its rows and, for each, the inputs
+    it mixes and their weights (:attr:`~mixhook.MixState.mixture`)."""
+    x = images(SIZE)
+    x = torch.cat([x, x.flip(-1)])
+    model = convnet()
+    seen = {}
+    model.image.register_forward_pre_hook(lambda module, args: seen.__setitem__("rows", args[0].detach()))
+    mixer = method(name, "input", hidden=False)
+    with mixer.attach(model), torch.no_grad():
+        model.train()
+        mixer.pin(saliency=edges(x))  # (an untrained network's gradient saliency is nearly flat)
+        model(x)
+    indices, weights = mixer.last.mixture
+    return {"images": x, "rows": seen["rows"].clamp(0, 1), "indices": indices, "weights": weights}
+
+
+def edges(x: torch.Tensor) -> torch.Tensor:
+    """The images' edge strength (Sobel's gradient magnitude of their grey levels): ``(B, H, W)``."""
+    grey = x.mean(1, keepdim=True)
+    sobel = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]])
+    gx = F.conv2d(grey, sobel.view(1, 1, 3, 3), padding=1)
+    gy = F.conv2d(grey, sobel.T.reshape(1, 1, 3, 3), padding=1)
+    return (gx.square() + gy.square()).sqrt()[:, 0]
+
+
+def figure_parts(name: str, drawn: dict):
+    """The picture of a method that mixes several samples per row: the four inputs above, its four rows
+    below, each titled by the inputs it mixes and their weights."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10.4, 5.4))
+    axes = fig.subplots(2, 4)
+    for i in range(4):
+        mirrored = " (mirrored)" if i > 1 else ""
+        terms = [
+            f"{float(w):.2f}·in {int(k)}"
+            for k, w in zip(drawn["indices"][:, i], drawn["weights"][:, i], strict=True)
+            if w > 0
+        ]
+        for ax, image, title in (
+            (axes[0, i], drawn["images"][i], f"input {i}{mirrored}"),
+            (axes[1, i], drawn["rows"][i], f"row {i}: " + " + ".join(terms)),
+        ):
+            ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
+            ax.set_title(title, fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+    fig.suptitle(name, fontsize=12, fontweight="bold", x=0.02, ha="left")
+    fig.text(0.98, 0.97, "saliency: the images' edge strength, pinned", fontsize=9, ha="right", va="top")
+    fig.tight_layout()
+    return fig
+
+
 def figure(name: str, drawn: dict):
     """The method's picture: a matplotlib ``Figure`` of its own (no pyplot state to close)."""
     from matplotlib.figure import Figure
@@ -210,8 +278,13 @@ def render(out: Path) -> list[Path]:
         if name in NOT_DRAWN:
             continue
         path = out / f"{name}.png"
-        views = METHODS[name].card.drawn.get("views")
-        fig = figure_views(name, draw_views(name)) if views else figure(name, draw(name))
+        drawn = METHODS[name].card.drawn
+        if drawn.get("views"):
+            fig = figure_views(name, draw_views(name))
+        elif drawn.get("parts"):
+            fig = figure_parts(name, draw_parts(name))
+        else:
+            fig = figure(name, draw(name))
         fig.savefig(path, dpi=80, metadata={"Software": None})
         paths.append(path)
     return paths

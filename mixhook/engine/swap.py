@@ -76,8 +76,11 @@ def swap_labelling(unary, smooth, w_v, w_h):
     nbr, weight = grid_neighbours(height, width, w_v, w_h)
     if (weight < 0).any():
         raise ValueError("swap_labelling: a negative edge weight")
-    bound = np.abs(unary).max() * height * width + weight.max() * np.abs(smooth).max() * 4 * height * width
-    if bound >= 2**62:
+    bound = (
+        int(np.abs(unary).max()) * height * width
+        + int(weight.max()) * int(np.abs(smooth).max()) * 4 * height * width
+    )
+    if bound >= 2**62:  # (Python integers: the bound itself cannot wrap around)
         raise ValueError(f"swap_labelling: terms up to {bound} could overflow 64-bit energies")
     labels = _kernels().swap(np.ascontiguousarray(unary.reshape(-1, n_labels)), smooth, nbr, weight)
     return labels.reshape(height, width)

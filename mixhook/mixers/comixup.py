@@ -96,6 +96,11 @@ def graphcut(cost: torch.Tensor, beta: float, n_label: int = 0, add_idx=None) ->
         pairwise[:-3, -3:][add_idx, :] = quarters
     cost_v = beta * np.ones(shape=[height - 1, width], dtype=np.float32)
     cost_h = beta * np.ones(shape=[height, width - 1], dtype=np.float32)
+    if np.abs(unary).max() * UNARY * 2 + beta * PAIRWISE * SMOOTH * 8 >= 2**31:
+        raise ValueError(
+            f"CoMixup: its graph cut's costs reach {np.abs(unary).max():.4g}, beyond the 32-bit integers GCO "
+            "takes them as (x 100000); lower gamma, tau's share or beta"
+        )
     labels = swap_labelling(
         (unary * UNARY).astype(np.intc),
         (pairwise * SMOOTH).astype(np.intc),
@@ -201,11 +206,15 @@ class CoMixup(SaliencyGuided, RegionMixer):
     and the label weights, float32 as theirs, and the loss and gradients through it in float64). Their
     graph cuts call GCO's alpha-beta swap (research-only); :mod:`mixhook.engine.swap` runs the same moves
     and ends with GCO's labels, checked against GCO on recorded and, where ``gco-wrapper`` is installed,
-    live problems. The labelling runs on the host in float32 whatever the model's dtype and device (the
-    authors': on the model's device, where the graph cuts copy each output's costs to the host); one copy
-    of the saliency there and of the weights back per step. A sample whose saliency is zero everywhere (a
-    saturated loss's gradient) is taken as equally salient everywhere, where the authors' costs are NaN;
-    a saliency that is not finite is refused in one line.
+    live problems. The labelling runs on the host in float32 whatever the model's dtype and device: it
+    equals the authors' code run on the CPU (theirs runs its float32 ops on the model's device, where a
+    GPU's last bits, or its ties in ``topk``, may move a cost across an integer of GCO's and so a label);
+    one copy of the saliency to the host and of the weights back per step. Costs beyond the 32-bit
+    integers GCO takes are refused in one line (an extreme ``gamma``), as is a saliency that is not finite;
+    a sample whose saliency is zero everywhere (a saturated loss's gradient) is taken as equally salient
+    everywhere, where the authors' costs are NaN; where a part's most salient windows are all at one place
+    (maps of at most ``compat_size``) the compatibility is left out (``A = (1 - omega) I``), where theirs
+    is NaN.
 
     **Saliency**: at the input, as the authors, the gradient of the label loss (``saliency="gradient"``:
     one more forward and backward in eval mode, ``use_targets(y)`` before each forward); at a hidden layer
@@ -218,8 +227,8 @@ class CoMixup(SaliencyGuided, RegionMixer):
         layer: ``"input"`` (the paper) or a layer with a square ``(B, C, W, W)`` output; each grid side
             must divide ``W``.
         alpha: the Dirichlet concentration of the prior over a part's inputs, > 0 (the authors': 2.0).
-        grids: the grid side ``n``, or the sides drawn from uniformly (the authors: 4; their ``-1``: 2, 4,
-            8, 16).
+        grids: the grid side ``n``, or the sides drawn from uniformly, one per batch (the authors: 4; their
+            ``-1``: 2, 4, 8, 16, one per batch, or per part in their parallel workers).
         part: the samples labelled together, > 1 (the authors' ``m_part``: 20; the last part takes what
             is left, and a part of one sample stays as it is).
         beta: label smoothness (0.32); gamma: the diversity's weight (1.0); tau: the share of blocks above
@@ -367,25 +376,41 @@ class CoMixup(SaliencyGuided, RegionMixer):
         )  # fmt: skip
 
     def _draws(self, draw: Draw, n: int, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each part's Dirichlet draw ``(B,)`` and initial labels ``(B, n, n)``, pinned or drawn (the authors'
-        order: the prior, then the labels, part by part), on the host."""
-        prior, init = draw.pinned.get("prior"), draw.pinned.get("init")
-        if prior is not None and init is not None:
-            prior, init = torch.as_tensor(prior).float().cpu(), torch.as_tensor(init).long().cpu()
-            if prior.shape != (n,) or init.shape != (n, grid, grid):
-                raise ValueError(
-                    f"pinned prior {tuple(prior.shape)} and init {tuple(init.shape)}: they must be ({n},) "
-                    f"and ({n}, {grid}, {grid}) for a batch of {n} on a {grid}x{grid} grid"
-                )
-            return prior, init
+        """Each part's Dirichlet draw ``(B,)`` and initial labels ``(B, n, n)`` on the host: drawn (the
+        authors' order: the prior, then the labels, part by part), each replaced by its pinned value where
+        one is pinned (checked: one line where it does not fit)."""
         gen, device = draw.generator, draw.generator.device
-        priors, inits = [], []
+        priors, inits, sizes = [], [], []
         for start in range(0, n, self.part):
             size = min(self.part, n - start)
             concentration = torch.full((size,), float(self.alpha), device=device)
             priors.append(torch._sample_dirichlet(concentration, generator=gen))
             inits.append(torch.randint(size, (size, grid, grid), generator=gen, device=device))
-        return torch.cat(priors).float().cpu(), torch.cat(inits).cpu()
+            sizes += [size] * size
+        prior, init = torch.cat(priors).float().cpu(), torch.cat(inits).cpu()
+        pinned = draw.pinned.get("prior")
+        if pinned is not None:
+            prior = torch.as_tensor(pinned).detach().float().cpu()
+            if prior.shape != (n,) or not (torch.isfinite(prior) & (prior > 0)).all():
+                raise ValueError(
+                    f"pinned prior of shape {tuple(prior.shape)}: it must be ({n},) positive weights (each "
+                    "part's Dirichlet draw)"
+                )
+        pinned = draw.pinned.get("init")
+        if pinned is not None:
+            init = torch.as_tensor(pinned).detach().cpu()
+            limit = torch.tensor(sizes).view(-1, 1, 1)
+            if (
+                init.shape != (n, grid, grid)
+                or init.is_floating_point()
+                or ((init < 0) | (init >= limit)).any()
+            ):
+                raise ValueError(
+                    f"pinned init of shape {tuple(init.shape)}: it must be ({n}, {grid}, {grid}) labels, "
+                    f"each row's counted from 0 within its part of at most part={self.part} samples"
+                )
+            init = init.long()
+        return prior, init
 
     def masks(
         self, saliency: torch.Tensor, prior: torch.Tensor, init: torch.Tensor, grid: int
@@ -421,13 +446,25 @@ class CoMixup(SaliencyGuided, RegionMixer):
 
     def _apply(self, h: torch.Tensor, mask: torch.Tensor, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``mix_input``: each output ``sum_i M[o, i] * h_i`` over its part, the mask upsampled to the map
-        (nearest), and the label weights ``(B, part)`` float64: each input's share of the output's blocks."""
+        (nearest), and the label weights ``(B, part)`` float64: each input's share of the output's blocks.
+        A part of one sample (``topk`` of one input) keeps it."""
         n, width = h.shape[0], h.shape[-1]
         mixed = []
         for start in range(0, n, self.part):
             stop = min(start + self.part, n)
             m = mask[start:stop, ..., : stop - start].permute(0, 3, 1, 2)
             m = F.interpolate(m, size=width, mode="nearest").to(h.dtype)
-            mixed.append(torch.einsum("oihw,ichw->ochw", m, h[start:stop]))
+            if stop - start == 1:
+                mixed.append(h[start:stop] * m)
+                continue
+            # at most two inputs share a block (one, or halves of two): their two products and one sum, as
+            # exact as the authors' sum over every input (no matmul, whose TF32 would round the map)
+            shares, which = m.topk(2, dim=1)  # (outputs, 2, W, W)
+            inputs = h[start:stop].unsqueeze(0).expand(stop - start, -1, -1, -1, -1)
+            first, second = (
+                inputs.gather(1, which[:, k, None, None].expand(-1, 1, h.shape[1], -1, -1))[:, 0]
+                for k in (0, 1)
+            )
+            mixed.append(shares[:, :1] * first + shares[:, 1:] * second)
         weights = mask.to("cpu", torch.float64).sum((1, 2)) / (grid * grid)
         return torch.cat(mixed), weights

@@ -407,3 +407,39 @@ def test_with_the_clean_rows_kept_the_mixed_rows_are_the_same_mix():
     )
     expected = torch.cat([F.cross_entropy(logits[True][:5], y, reduction="none"), mixed])
     torch.testing.assert_close(loss, expected, rtol=1e-14, atol=1e-15)
+
+
+def test_a_prior_or_init_pinned_alone_is_used_and_the_other_drawn_as_usual():
+    model = Square().train()
+    x, sc = torch.rand(6, 3, 8, 8), torch.rand(6, 8, 8)
+    runs = {}
+    for pins in ({}, {"prior": torch.tensor([0.7, 0.1, 0.1, 0.1, 0.5, 0.5])}, {"init": torch.zeros(6, 2, 2)}):
+        mix = CoMixup("input", grids=2, part=4, generator=gen(3))
+        with mix.attach(model):
+            mix.pin(saliency=sc, **{k: v.long() if k == "init" else v for k, v in pins.items()})
+            model(x)
+        runs[tuple(pins)] = mix.last.info
+    drawn, prior, init = runs[()], runs[("prior",)], runs[("init",)]
+    assert torch.equal(prior["prior"], torch.tensor([0.7, 0.1, 0.1, 0.1, 0.5, 0.5]))
+    assert torch.equal(prior["init"], drawn["init"])  # (the other: the draw it would have been)
+    assert torch.equal(init["init"], torch.zeros(6, 2, 2, dtype=torch.long))
+    assert torch.equal(init["prior"], drawn["prior"])
+    mix = CoMixup("input", grids=2, part=4)
+    bad = torch.zeros(6, 2, 2, dtype=torch.long)
+    bad[5, 0, 0] = 2  # (row 5 is in the last part, of two samples: labels 0 and 1)
+    with mix.attach(model), pytest.raises(ValueError, match="pinned init of shape") as e:
+        mix.pin(saliency=sc, init=bad)
+        model(x)
+    assert "\n" not in str(e.value)
+    with mix.attach(model), pytest.raises(ValueError, match="pinned prior of shape"):
+        mix.pin(saliency=sc, prior=torch.zeros(6))
+        model(x)
+
+
+def test_costs_beyond_gcos_integers_are_refused_and_the_swaps_bound_cannot_wrap():
+    cost, a, prior, init = part_problem(0, 6, 4)
+    with pytest.raises(ValueError, match="beyond the 32-bit integers GCO takes"):
+        labelling(cost * 1e5, a, prior, init, 0.32, 1.0, 0.05, 0.83, "hard", True, 2)
+    huge = np.full((2, 2, 2), 2**61, np.int64)
+    with pytest.raises(ValueError, match="could overflow 64-bit energies"):
+        swap_labelling(huge, 1 - np.eye(2, dtype=np.int64), np.ones((1, 2)), np.ones((2, 1)))

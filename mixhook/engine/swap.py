@@ -26,14 +26,10 @@ from __future__ import annotations
 
 
 def _kernels():
-    """The compiled kernels (:mod:`.swap_kernels`), imported when first solving."""
-    try:
-        from . import swap_kernels
-    except ImportError:  # pragma: no cover - numba is a dependency of the dev and app installs
-        raise ImportError(
-            "Co-Mixup's labelling (GCO's alpha-beta swap) is compiled by numba: "
-            "pip install 'mixhook[comixup]'"
-        ) from None
+    """The compiled kernels (:mod:`.swap_kernels`), imported when first solving: without numba, one
+    ImportError naming the extra that installs it."""
+    from . import swap_kernels
+
     return swap_kernels
 
 

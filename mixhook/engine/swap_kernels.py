@@ -4,8 +4,13 @@ per problem and handed down."""
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+try:
+    import numpy as np
+    from numba import njit
+except ImportError as error:  # pragma: no cover - the comixup extra (in the app's and dev installs) has them
+    raise ImportError(
+        "Co-Mixup's labelling (GCO's alpha-beta swap) is compiled by numba: pip install 'mixhook[comixup]'"
+    ) from error
 
 
 @njit(cache=True)

@@ -22,8 +22,13 @@ pytestmark = pytest.mark.process  # each test's property is a fresh interpreter 
 BLOCKED = ("hydra", "omegaconf", "torchvision", "sklearn", "matplotlib", "tqdm", "yaml", "numpy", "scipy",
            "timm", "transformers", "tensorboard", "optuna", "submitit", "lightning",
            "accelerate")  # fmt: skip
-# the trainer adapters that import their framework: without it, one ImportError naming the extra
-ADAPTERS = ("mixhook.integrations.lightning", "mixhook.integrations.transformers")
+# the modules that import what an extra installs (the trainer adapters their framework, Co-Mixup's kernels
+# numba): without it, one ImportError naming the extra
+ADAPTERS = {
+    "mixhook.integrations.lightning": "integrations",
+    "mixhook.integrations.transformers": "integrations",
+    "mixhook.engine.swap_kernels": "comixup",
+}
 
 BLOCKER = f"""
 import importlib.abc, sys, warnings
@@ -39,16 +44,16 @@ CORE_USE = """
 import pkgutil, importlib, sys, torch, torch.nn.functional as F
 from torch import nn
 import mixhook
-core = []
+core, adapters = [], {adapters!r}
 def walk(package):  # every module of the core, the app's package never entered
     for m in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
         if m.name == "mixhook.app" or m.name.endswith("__main__"):
             continue
-        if m.name in {adapters!r}:
+        if m.name in adapters:
             try:
                 importlib.import_module(m.name)
             except ImportError as error:
-                assert "pip install 'mixhook[integrations]'" in str(error), error
+                assert f"pip install 'mixhook[{adapters[m.name]}]'" in str(error), error
             else:
                 raise AssertionError(m.name + " imported without its framework")
             continue

@@ -552,3 +552,120 @@ class NoiseFiTLoss:
             )
         loss, outputs = found[0].loss(model, inputs)
         return (loss, outputs) if return_outputs else loss
+
+
+# ------------------------------------------------------------------------------------ SFTMix's data side
+
+REFERENCE = "reference.json"  # the list of a reference run's checkpoints, in its directory
+CONFIDENT = "sftmix_confident"  # the data set's column of the split (mixhook.confidence.split)
+
+
+class ReferenceCheckpoints(TrainerCallback):
+    """SFTMix's reference run: the model's weights saved ``count`` times, evenly over the run (after steps
+    ``round(k * max_steps / count)``, ``k = 1..count``), each with ``save_pretrained`` into
+    ``directory/step-<step>`` (an adapter's alone for a PEFT model), listed in ``directory/reference.json``
+    (by the main process only: a model whole on each process, not FSDP's shards, refused in one line). A
+    resumed run keeps the checkpoints saved before it and saves the rest.
+    :func:`reference_models` loads them for :func:`mixhook.confidence.confidence`.
+
+    Args:
+        directory: where the checkpoints go (default: ``<output_dir>/reference``).
+        count: how many (the paper does not say; 3 by default).
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, count: int = 3):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"ReferenceCheckpoints: count must be an int >= 1, got {count!r}")
+        self.directory, self.count, self._steps = directory, count, frozenset()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if getattr(args, "fsdp", None):
+            raise ValueError(
+                "ReferenceCheckpoints saves the model of the main process, and under FSDP that process "
+                "holds a shard of it; run the reference fine-tuning with DDP or on one device"
+            )
+        if state.max_steps < self.count:
+            raise ValueError(
+                f"ReferenceCheckpoints: {self.count} checkpoints over a run of {state.max_steps} steps; "
+                "give count <= the run's steps"
+            )
+        self._steps = frozenset(round(k * state.max_steps / self.count) for k in range(1, self.count + 1))
+        if self.directory is None:
+            self.directory = os.path.join(args.output_dir, "reference")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step not in self._steps or not state.is_world_process_zero:
+            return
+        import json
+
+        path = os.path.join(self.directory, f"step-{state.global_step}")
+        model.save_pretrained(path)  # (the Trainer hands callbacks its model, not a DDP wrapper)
+        listing = os.path.join(self.directory, REFERENCE)
+        saved = []
+        if os.path.exists(listing):
+            with open(listing) as f:
+                saved = [p for p in json.load(f)["checkpoints"] if p != path]
+        with open(listing + ".tmp", "w") as f:
+            json.dump({"checkpoints": sorted([*saved, path], key=_step_of)}, f, indent=1)
+        os.replace(listing + ".tmp", listing)  # (never a half-written list)
+
+
+def _step_of(path: str) -> int:
+    return int(path.rsplit("step-", 1)[1])
+
+
+def reference_models(
+    directory: str | os.PathLike, loader: Callable | None = None, **kwargs
+) -> list[Callable]:
+    """The reference run's checkpoints (``directory``, :class:`ReferenceCheckpoints`'), as functions that
+    each load one when called (:func:`mixhook.confidence.confidence` loads them one at a time): with
+    ``loader`` (``loader(path)``), else ``AutoModelForCausalLM.from_pretrained(path, **kwargs)``, or PEFT's
+    ``AutoPeftModelForCausalLM`` for an adapter's. One line where the directory lists none."""
+    import json
+
+    listing = os.path.join(directory, REFERENCE)
+    if not os.path.exists(listing):
+        raise FileNotFoundError(
+            f"reference_models: no {REFERENCE} in {directory} (ReferenceCheckpoints writes it)"
+        )
+    with open(listing) as f:
+        paths = json.load(f)["checkpoints"]
+
+    def load(path):
+        if loader is not None:
+            return loader(path)
+        if os.path.exists(os.path.join(path, "adapter_config.json")):
+            from peft import AutoPeftModelForCausalLM
+
+            return AutoPeftModelForCausalLM.from_pretrained(path, **kwargs)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+    return [lambda path=path: load(path) for path in paths]
+
+
+class PairedBatches:
+    """A mixin for the Trainer (TRL's ``SFTTrainer`` too) whose training batches are SFTMix's: each half
+    confident, half unconfident examples, paired row ``k`` with row ``k + B // 2``
+    (:class:`mixhook.confidence.PairedSampler`, seeded by ``TrainingArguments.seed``), from the training
+    set's ``sftmix_confident`` column (:func:`mixhook.confidence.split`'s flags)::
+
+        class SFTMixTrainer(PairedBatches, SFTTrainer):
+            pass
+
+    Each micro-batch of a gradient accumulation and each process's batch under DDP holds its own pairs; a
+    resumed epoch draws the uninterrupted one's batches. Refused in one line: no such column, or an odd
+    ``per_device_train_batch_size``."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        from ..confidence import PairedSampler
+
+        data = self.train_dataset
+        columns = getattr(data, "column_names", None) or []
+        if CONFIDENT not in columns:
+            raise ValueError(
+                f"PairedBatches: the training set has no {CONFIDENT!r} column (columns: {columns}); add "
+                "mixhook.confidence.split's flags with dataset.add_column"
+            )
+        return PairedSampler(list(data[CONFIDENT]), self._train_batch_size, seed=self.args.seed)

@@ -258,14 +258,14 @@ def test_the_first_example_trains_with_a_mix_and_the_method_count_is_the_cards()
 @pytest.mark.process
 @pytest.mark.slow
 def test_the_language_models_page_runs_as_written(tmp_path):
-    """Its examples (a hand loop, the Trainer, TRL's SFTTrainer and its subclass, NoiseFiT, PEFT) run in
-    order as one script, and print what the page says they print: no noise on padding, NoiseFiT's chosen
-    block, the merged model refused."""
+    """Its examples (a hand loop, the Trainer, TRL's SFTTrainer and its subclass, NoiseFiT, SFTMix's data,
+    PEFT) run in order as one script, and print what the page says they print: no noise on padding,
+    NoiseFiT's chosen block, a paired batch, the merged model refused."""
     pytest.importorskip("trl")
     pytest.importorskip("peft")
     page = (DOCS / "language-models.md").read_text()
     blocks = re.findall(r"```python\n(.*?)\n```", page, flags=re.S)
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(blocks))
     result = subprocess.run(
@@ -276,6 +276,7 @@ def test_the_language_models_page_runs_as_written(tmp_path):
     steps = [line for line in lines if re.match(r"\d \d", line)]
     assert len(steps) == 3 and all(line.endswith(f"[{5 / 320**0.5}, 0.0]") for line in steps), steps
     assert "called on its own, not through the PeftModel" in lines[-1]
+    assert "[True, True, False, False]" in lines  # (SFTMix's paired batch: its confident half first)
     assert any(re.fullmatch(r"\('model\.layers\.[01]',\) \d+\.\d+", line) for line in lines), lines
 
 

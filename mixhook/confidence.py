@@ -29,28 +29,36 @@ MASKS = ("completion_mask", "assistant_masks")
 IGNORE = -100
 
 
-def response_mask(row: Mapping) -> tuple[list[int], list[bool]]:
-    """An example's token ids and, for each token, whether it is a response token (one line where the
-    example says neither)."""
+def response_mask(row: Mapping, i: int = 0) -> tuple[list[int], list[bool]]:
+    """Example ``i``'s token ids and, for each token, whether it is a response token (one line where the
+    example says neither, marks a different number of tokens, or is padded: an ``attention_mask`` with
+    zeros, whose pads would be scored as text)."""
     ids = row.get("input_ids") if isinstance(row, Mapping) else None
     if ids is None:
-        raise KeyError(
-            f"an example needs input_ids, got the keys {sorted(row) if isinstance(row, Mapping) else row!r}"
-        )
-    ids = [int(t) for t in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+        keys = sorted(row) if isinstance(row, Mapping) else row
+        raise KeyError(f"example {i} needs input_ids, got {keys!r}")
+    ids = [int(t) for t in _listed(ids)]
+    attention = row.get("attention_mask")
+    if attention is not None and not all(_listed(attention)):
+        raise ValueError(f"example {i} is padded (its attention_mask has zeros): give it unpadded")
     for key in MASKS:
         if row.get(key) is not None:
-            mask = row[key]
-            return ids, [bool(m) for m in (mask.tolist() if isinstance(mask, torch.Tensor) else mask)]
-    if row.get("labels") is not None:
-        labels = row["labels"]
-        return ids, [
-            int(t) != IGNORE for t in (labels.tolist() if isinstance(labels, torch.Tensor) else labels)
-        ]
-    raise KeyError(
-        f"an example needs its response tokens marked: one of {', '.join(MASKS)} or labels (-100 elsewhere); "
-        f"got the keys {sorted(row)}"
-    )
+            mask = [bool(m) for m in _listed(row[key])]
+            break
+    else:
+        if row.get("labels") is None:
+            raise KeyError(
+                f"example {i} needs its response tokens marked: one of {', '.join(MASKS)} or labels (-100 "
+                f"elsewhere); got the keys {sorted(row)}"
+            )
+        key, mask = "labels", [int(t) != IGNORE for t in _listed(row["labels"])]
+    if len(mask) != len(ids):
+        raise ValueError(f"example {i}: {key} marks {len(mask)} tokens, its input_ids has {len(ids)}")
+    return ids, mask
+
+
+def _listed(values) -> list:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
 def _predicted(mask: list[bool]) -> list[bool]:
@@ -68,14 +76,16 @@ def response_perplexity(
     ``(N,)`` float64. Batched ``batch_size`` at a time, the examples ordered by length (padded on the right
     with ``pad_id`` under an attention mask), and returned in their own order. An example without a
     response token is refused in one line."""
-    rows = [response_mask(row) for row in examples]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"response_perplexity: batch_size must be an int >= 1, got {batch_size!r}")
+    rows = [response_mask(row, i) for i, row in enumerate(examples)]
     for i, (_, mask) in enumerate(rows):
         if not any(_predicted(mask)):
             raise ValueError(f"example {i} has no response token after its first position: nothing to score")
     device = next(model.parameters()).device
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     out = torch.empty(len(rows), dtype=torch.float64)
-    training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # (each module's own mode, given back after)
     model.eval()
     try:
         for start in range(0, len(order), batch_size):
@@ -90,8 +100,7 @@ def response_perplexity(
                 attention[k, : len(tokens)] = 1
                 scored[k, : len(tokens)] = torch.tensor(_predicted(mask))
             ids, attention, scored = ids.to(device), attention.to(device), scored.to(device)
-            out_ = model(input_ids=ids, attention_mask=attention)
-            logits = out_.logits if hasattr(out_, "logits") else out_
+            logits = _logits(model(input_ids=ids, attention_mask=attention))
             if logits.dtype in (torch.float16, torch.bfloat16):  # (half precision's log-softmax in float32)
                 logits = logits.float()
             nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
@@ -100,8 +109,20 @@ def response_perplexity(
             mean = nll.sum(1) / scored[:, 1:].sum(1)
             out[torch.tensor(chosen)] = mean.exp().cpu()
     finally:
-        model.train(training)
+        for module, training in modes:
+            module.training = training
     return out
+
+
+def _logits(out) -> torch.Tensor:
+    """The logits of a model's output: ``.logits``, ``["logits"]``, the first of a tuple, or the tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        return out["logits"]
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0]
 
 
 def confidence(
@@ -129,8 +150,11 @@ def split(confidence: torch.Tensor) -> torch.Tensor:
     equal confidences by their order, the earlier first), ``False`` for the others (one more of them where
     ``N`` is odd)."""
     confidence = torch.as_tensor(confidence)
-    if confidence.ndim != 1 or not torch.isfinite(confidence).all():
-        raise ValueError(f"split: one finite confidence per example, got {tuple(confidence.shape)}")
+    if confidence.ndim != 1:
+        raise ValueError(f"split: one confidence per example, got the shape {tuple(confidence.shape)}")
+    bad = (~torch.isfinite(confidence)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"split: the confidence of examples {bad[:8]} is not finite")
     order = torch.sort(confidence, descending=True, stable=True).indices
     confident = torch.zeros(confidence.shape[0], dtype=torch.bool)
     confident[order[: confidence.shape[0] // 2]] = True

@@ -564,9 +564,11 @@ class ReferenceCheckpoints(TrainerCallback):
     """SFTMix's reference run: the model's weights saved ``count`` times, evenly over the run (after steps
     ``round(k * max_steps / count)``, ``k = 1..count``), each with ``save_pretrained`` into
     ``directory/step-<step>`` (an adapter's alone for a PEFT model), listed in ``directory/reference.json``
-    (by the main process only: a model whole on each process, not FSDP's shards, refused in one line). A
-    resumed run keeps the checkpoints saved before it and saves the rest.
-    :func:`reference_models` loads them for :func:`mixhook.confidence.confidence`.
+    with the run's ``max_steps`` and ``count``, by the main process only (a model whole on each process:
+    FSDP's shards and DeepSpeed ZeRO-3's partitions are refused in one line). A fresh run starts a new
+    list; a resumed one keeps the checkpoints saved before its step and saves the rest (a list of another
+    run's settings is refused). :func:`reference_models` loads them for
+    :func:`mixhook.confidence.confidence`.
 
     Args:
         directory: where the checkpoints go (default: ``<output_dir>/reference``).
@@ -579,11 +581,7 @@ class ReferenceCheckpoints(TrainerCallback):
         self.directory, self.count, self._steps = directory, count, frozenset()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if getattr(args, "fsdp", None):
-            raise ValueError(
-                "ReferenceCheckpoints saves the model of the main process, and under FSDP that process "
-                "holds a shard of it; run the reference fine-tuning with DDP or on one device"
-            )
+        _refuse_sharded(args)
         if state.max_steps < self.count:
             raise ValueError(
                 f"ReferenceCheckpoints: {self.count} checkpoints over a run of {state.max_steps} steps; "
@@ -592,26 +590,64 @@ class ReferenceCheckpoints(TrainerCallback):
         self._steps = frozenset(round(k * state.max_steps / self.count) for k in range(1, self.count + 1))
         if self.directory is None:
             self.directory = os.path.join(args.output_dir, "reference")
+        if not state.is_world_process_zero:
+            return
+        listed = _listing(self.directory)
+        if listed is not None and state.global_step == 0:  # (a fresh run: a new list)
+            os.remove(os.path.join(self.directory, REFERENCE))
+        elif listed is not None and (listed["max_steps"], listed["count"]) != (state.max_steps, self.count):
+            raise ValueError(
+                f"ReferenceCheckpoints: {self.directory} lists the checkpoints of a run of "
+                f"{listed['max_steps']} steps and count {listed['count']}; this one resumes with "
+                f"{state.max_steps} and {self.count}"
+            )
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step not in self._steps or not state.is_world_process_zero:
             return
         import json
 
-        path = os.path.join(self.directory, f"step-{state.global_step}")
-        model.save_pretrained(path)  # (the Trainer hands callbacks its model, not a DDP wrapper)
+        name = f"step-{state.global_step}"
+        model.save_pretrained(os.path.join(self.directory, name))  # (callbacks get the model, not DDP's)
+        listed = _listing(self.directory) or {}
+        saved = [n for n in listed.get("checkpoints", []) if _step_of(n) < state.global_step]
         listing = os.path.join(self.directory, REFERENCE)
-        saved = []
-        if os.path.exists(listing):
-            with open(listing) as f:
-                saved = [p for p in json.load(f)["checkpoints"] if p != path]
         with open(listing + ".tmp", "w") as f:
-            json.dump({"checkpoints": sorted([*saved, path], key=_step_of)}, f, indent=1)
+            json.dump({"checkpoints": [*saved, name], "max_steps": state.max_steps, "count": self.count}, f)
         os.replace(listing + ".tmp", listing)  # (never a half-written list)
 
 
-def _step_of(path: str) -> int:
-    return int(path.rsplit("step-", 1)[1])
+def _refuse_sharded(args) -> None:
+    """One line where the main process would hold a part of the model: FSDP, DeepSpeed ZeRO-3."""
+    sharded = bool(getattr(args, "fsdp", None))
+    try:
+        from accelerate.state import AcceleratorState, DistributedType
+
+        sharded |= AcceleratorState._shared_state.get("distributed_type") == DistributedType.FSDP
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        sharded |= bool(is_deepspeed_zero3_enabled())
+    except ImportError:  # pragma: no cover - accelerate comes with the Trainer
+        pass
+    if sharded:
+        raise ValueError(
+            "ReferenceCheckpoints saves the model of the main process, which under FSDP or DeepSpeed ZeRO-3 "
+            "holds a part of it; run the reference fine-tuning with DDP or on one device"
+        )
+
+
+def _listing(directory) -> dict | None:
+    import json
+
+    path = os.path.join(directory, REFERENCE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _step_of(name: str) -> int:
+    return int(name.rsplit("step-", 1)[1])
 
 
 def reference_models(
@@ -620,16 +656,14 @@ def reference_models(
     """The reference run's checkpoints (``directory``, :class:`ReferenceCheckpoints`'), as functions that
     each load one when called (:func:`mixhook.confidence.confidence` loads them one at a time): with
     ``loader`` (``loader(path)``), else ``AutoModelForCausalLM.from_pretrained(path, **kwargs)``, or PEFT's
-    ``AutoPeftModelForCausalLM`` for an adapter's. One line where the directory lists none."""
-    import json
-
-    listing = os.path.join(directory, REFERENCE)
-    if not os.path.exists(listing):
+    ``AutoPeftModelForCausalLM`` for an adapter's (each by its absolute path: a local directory, never a
+    Hub name). One line where the directory lists none."""
+    listed = _listing(directory)
+    if listed is None:
         raise FileNotFoundError(
             f"reference_models: no {REFERENCE} in {directory} (ReferenceCheckpoints writes it)"
         )
-    with open(listing) as f:
-        paths = json.load(f)["checkpoints"]
+    paths = [os.path.abspath(os.path.join(directory, name)) for name in listed["checkpoints"]]
 
     def load(path):
         if loader is not None:
@@ -648,19 +682,48 @@ def reference_models(
 class PairedBatches:
     """A mixin for the Trainer (TRL's ``SFTTrainer`` too) whose training batches are SFTMix's: each half
     confident, half unconfident examples, paired row ``k`` with row ``k + B // 2``
-    (:class:`mixhook.confidence.PairedSampler`, seeded by ``TrainingArguments.seed``), from the training
-    set's ``sftmix_confident`` column (:func:`mixhook.confidence.split`'s flags)::
+    (:class:`mixhook.confidence.PairedSampler`, seeded by ``TrainingArguments.data_seed``, else ``seed``),
+    from the training set's ``sftmix_confident`` column (:func:`mixhook.confidence.split`'s flags)::
 
         class SFTMixTrainer(PairedBatches, SFTTrainer):
             pass
 
-    Each micro-batch of a gradient accumulation and each process's batch under DDP holds its own pairs; a
-    resumed epoch draws the uninterrupted one's batches. Refused in one line: no such column, or an odd
-    ``per_device_train_batch_size``."""
+    Each micro-batch of a gradient accumulation and each process's batch under DDP holds its own pairs (a
+    process is handed whole batches); each epoch is shuffled anew, and a resumed epoch, on any number of
+    processes, draws the uninterrupted one's batches. Refused in one line: no such column, an odd
+    ``per_device_train_batch_size``, a data set without a length (a stream, which no sampler orders), a
+    ``train_sampling_strategy`` other than ``"random"`` (the pairing replaces it), and a batch that is cut
+    between processes or devices (``accelerator_config.split_batches``, ``DataParallel`` over several
+    GPUs: each part would hold one half)."""
+
+    _paired = None  # (the sampler of the training loader, whose epoch _run_epoch sets)
+
+    def get_train_dataloader(self):
+        from collections.abc import Sized
+
+        if not isinstance(self.train_dataset, Sized):
+            raise ValueError(
+                "PairedBatches: the training set has no length (a stream); SFTMix's paired batches need a "
+                "data set (datasets.Dataset, or one with __len__)"
+            )
+        return super().get_train_dataloader()
 
     def _get_train_sampler(self, train_dataset=None):
         from ..confidence import PairedSampler
 
+        args = self.args
+        if args.train_sampling_strategy != "random":
+            raise ValueError(
+                f"PairedBatches: train_sampling_strategy={args.train_sampling_strategy!r} would be replaced "
+                "by SFTMix's pairing; leave it 'random'"
+            )
+        split = getattr(getattr(args, "accelerator_config", None), "split_batches", False)
+        if split or args.n_gpu > 1:
+            why = "accelerator_config.split_batches" if split else f"DataParallel over {args.n_gpu} GPUs"
+            raise ValueError(
+                f"PairedBatches: {why} cuts each batch between devices, and each part would hold one half of "
+                "its pairs; run one process per device (torchrun, accelerate launch) without split_batches"
+            )
         data = self.train_dataset
         columns = getattr(data, "column_names", None) or []
         if CONFIDENT not in columns:
@@ -668,4 +731,14 @@ class PairedBatches:
                 f"PairedBatches: the training set has no {CONFIDENT!r} column (columns: {columns}); add "
                 "mixhook.confidence.split's flags with dataset.add_column"
             )
-        return PairedSampler(list(data[CONFIDENT]), self._train_batch_size, seed=self.args.seed)
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        self._paired = PairedSampler(list(data[CONFIDENT]), self._train_batch_size, seed=seed)
+        return self._paired
+
+    def _run_epoch(self, *args, **kwargs):
+        # (the Trainer sets the epoch through the loader, which a resumed epoch's skip_first_batches wraps
+        # beyond its reach on several processes: set it on the sampler itself)
+        epoch = kwargs["epoch"] if "epoch" in kwargs else args[1]
+        if self._paired is not None:
+            self._paired.set_epoch(epoch)
+        return super()._run_epoch(*args, **kwargs)

@@ -60,8 +60,35 @@ def test_the_perplexity_is_each_responses_alone_batched_and_padded_in_any_order(
     assert model.training  # (its mode is given back)
     with pytest.raises(ValueError, match="example 1 has no response token"):
         response_perplexity(model, [rows[0], {"input_ids": [5, 6, 7], "completion_mask": [1, 0, 0]}])
-    with pytest.raises(KeyError, match="needs its response tokens marked"):
+    with pytest.raises(KeyError, match="example 0 needs its response tokens marked"):
         response_perplexity(model, [{"input_ids": [5, 6, 7]}])
+
+
+def test_bad_examples_are_refused_in_one_line_and_each_modules_mode_is_given_back():
+    model = tiny_llama()
+    model.model.layers[0].eval()  # (a module the user put in eval mode stays so)
+    row = {"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]}
+    for bad, message in (
+        ({**row, "attention_mask": [0, 1, 1, 1]}, "example 0 is padded"),
+        ({**row, "completion_mask": [0, 1, 1]}, "completion_mask marks 3 tokens, its input_ids has 4"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            response_perplexity(model, [bad])
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        response_perplexity(model, [row], batch_size=0)
+    response_perplexity(model, [row])
+    assert model.training and not model.model.layers[0].training
+
+    class Tuple(torch.nn.Module):  # (a model that returns a tuple: its first element is the logits)
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_llama()
+
+        def forward(self, **kwargs):
+            return (self.inner(**kwargs).logits,)
+
+    wrapped = Tuple()
+    torch.testing.assert_close(response_perplexity(wrapped, [row]), response_perplexity(wrapped.inner, [row]))
 
 
 def test_the_confidence_is_minus_the_mean_perplexity_over_checkpoints_loaded_one_at_a_time():
@@ -89,7 +116,7 @@ def test_the_split_is_at_the_median_with_ties_in_order():
     c = torch.tensor([0.3, -1.0, 2.0, 0.3, 5.0, -7.0, 0.3])
     assert split(c).tolist() == [True, False, True, False, True, False, False]  # (3 of 7; the first 0.3)
     assert split(torch.tensor([1.0, 2.0])).tolist() == [False, True]
-    with pytest.raises(ValueError, match="one finite confidence per example"):
+    with pytest.raises(ValueError, match=r"the confidence of examples \[1\] is not finite"):
         split(torch.tensor([1.0, float("nan")]))
 
 
@@ -136,7 +163,9 @@ def trainer(net, out, callbacks=(), cls=None, data=None, **options):
 
 
 @pytest.mark.slow
-def test_the_reference_run_saves_its_checkpoints_evenly_and_they_score_as_the_models_did(tmp_path):
+def test_the_reference_run_saves_its_checkpoints_evenly_and_they_score_as_the_models_did(
+    tmp_path, monkeypatch
+):
     from tests.unit.test_integrations_trl import dataset, llama
 
     net = llama()
@@ -151,7 +180,7 @@ def test_the_reference_run_saves_its_checkpoints_evenly_and_they_score_as_the_mo
     run = trainer(net, tmp_path, [Snapshot(count=3)], max_steps=7)
     run.train()
     listing = json.loads((tmp_path / "reference" / "reference.json").read_text())
-    steps = [int(p.rsplit("-", 1)[1]) for p in listing["checkpoints"]]
+    steps = [int(name.removeprefix("step-")) for name in listing["checkpoints"]]
     assert steps == [2, 5, 7] == sorted(seen)  # (round(k * 7 / 3))
     rows = [dict(r) for r in dataset()]
     loaded = adapter.reference_models(tmp_path / "reference", torch_dtype=torch.float64)
@@ -163,6 +192,12 @@ def test_the_reference_run_saves_its_checkpoints_evenly_and_they_score_as_the_mo
     assert not torch.equal(per[0], per[2])  # (the run trained between them)
     with pytest.raises(FileNotFoundError, match="ReferenceCheckpoints writes it"):
         adapter.reference_models(tmp_path)
+    # a fresh run in the same directory lists its own checkpoints only (the earlier run's were 2, 5, 7)
+    trainer(llama(), tmp_path, [adapter.ReferenceCheckpoints(count=2)], max_steps=4).train()
+    listing = json.loads((tmp_path / "reference" / "reference.json").read_text())
+    assert listing == {"checkpoints": ["step-2", "step-4"], "max_steps": 4, "count": 2}
+    monkeypatch.chdir(tmp_path.parent)  # (the list's names are found from anywhere)
+    assert len(adapter.reference_models(tmp_path / "reference")) == 2
     with pytest.raises(ValueError, match="3 checkpoints over a run of 2 steps"):
         trainer(llama(), tmp_path / "short", [adapter.ReferenceCheckpoints(count=3)], max_steps=2).train()
 
@@ -195,3 +230,69 @@ def test_the_trainers_batches_are_paired_halves_under_accumulation(tmp_path):
     assert not torch.equal(firsts[0], firsts[1])
     with pytest.raises(ValueError, match="no 'sftmix_confident' column"):
         trainer(llama(), tmp_path, cls=Paired).get_train_dataloader()
+    for options, message in (
+        ({"train_sampling_strategy": "group_by_length"}, "would be replaced by SFTMix's pairing"),
+        ({"accelerator_config": {"split_batches": True}}, "split_batches cuts each batch between devices"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            trainer(llama(), tmp_path, cls=Paired, data=data, **options).get_train_dataloader()
+    stream = trainer(llama(), tmp_path, cls=Paired, data=data)
+    stream.train_dataset = stream.train_dataset.to_iterable_dataset()
+    with pytest.raises(ValueError, match="the training set has no length"):
+        stream.get_train_dataloader()
+
+
+@pytest.mark.slow
+def test_each_epoch_is_set_on_the_sampler_itself_so_a_resumed_epoch_on_two_processes_is_the_same(tmp_path):
+    """The Trainer sets the epoch through its loader, which on several processes a resumed epoch's
+    skip_first_batches wraps beyond its reach (the sampler stayed at epoch 0): PairedBatches sets it on the
+    sampler at each epoch; accelerate's loader for process 1 of 2, resumed after 2 batches, then draws the
+    uninterrupted epoch's batches."""
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+    from torch.utils.data import DataLoader
+
+    from tests.unit.test_integrations_trl import dataset, llama
+
+    data = dataset(16).add_column("sftmix_confident", [i % 2 == 0 for i in range(16)])
+
+    class Paired(adapter.PairedBatches, trl.SFTTrainer):
+        pass
+
+    epochs = []
+
+    class Seen(transformers_callback()):
+        def on_step_begin(self, args, state, control, **kwargs):
+            epochs.append(run._paired.epoch)
+
+    run = trainer(llama(), tmp_path, [Seen()], cls=Paired, data=data, num_train_epochs=2)
+    run.train()
+    assert epochs == [0, 0, 0, 0, 1, 1, 1, 1]
+
+    flags = torch.tensor([i % 2 == 0 for i in range(16)])
+
+    def loader():
+        plain = DataLoader(list(range(16)), batch_size=4, sampler=PairedSampler(flags, 4, seed=1))
+        return prepare_data_loader(
+            plain, torch.device("cpu"), num_processes=2, process_index=1, put_on_device=False
+        )
+
+    def epoch(
+        dl, sampler, reach
+    ):  # the Trainer's set_epoch on the loader, then PairedBatches' on the sampler
+        dl.set_epoch(1)
+        if reach:
+            sampler.set_epoch(1)
+        return [b.tolist() for b in dl]
+
+    first = loader()
+    uninterrupted = epoch(first, first.batch_sampler.batch_sampler.sampler, reach=True)
+    for reach in (False, True):
+        resumed = skip_first_batches(loader(), 1)
+        sampler = resumed.batch_sampler.batch_sampler.batch_sampler.sampler
+        assert (epoch(resumed, sampler, reach) == uninterrupted[1:]) == reach  # (without it: epoch 0's)
+
+
+def transformers_callback():
+    import transformers
+
+    return transformers.TrainerCallback

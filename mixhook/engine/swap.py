@@ -72,10 +72,11 @@ def swap_labelling(unary, smooth, w_v, w_h):
     nbr, weight = grid_neighbours(height, width, w_v, w_h)
     if (weight < 0).any():
         raise ValueError("swap_labelling: a negative edge weight")
-    bound = (
-        int(np.abs(unary).max()) * height * width
-        + int(weight.max()) * int(np.abs(smooth).max()) * 4 * height * width
-    )
+
+    def largest(a):  # (as Python integers: np.abs of int64's least value is negative)
+        return max(abs(int(a.max())), abs(int(a.min())))
+
+    bound = largest(unary) * height * width + largest(weight) * largest(smooth) * 4 * height * width
     if bound >= 2**62:  # (Python integers: the bound itself cannot wrap around)
         raise ValueError(f"swap_labelling: terms up to {bound} could overflow 64-bit energies")
     labels = _kernels().swap(np.ascontiguousarray(unary.reshape(-1, n_labels)), smooth, nbr, weight)

@@ -447,7 +447,7 @@ class CoMixup(SaliencyGuided, RegionMixer):
     def _apply(self, h: torch.Tensor, mask: torch.Tensor, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``mix_input``: each output ``sum_i M[o, i] * h_i`` over its part, the mask upsampled to the map
         (nearest), and the label weights ``(B, part)`` float64: each input's share of the output's blocks.
-        A part of one sample (``topk`` of one input) keeps it."""
+        A part of one sample keeps it."""
         n, width = h.shape[0], h.shape[-1]
         mixed = []
         for start in range(0, n, self.part):

@@ -29,6 +29,7 @@ from .noisefit import NoiseFiT
 from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
 from .scaling import InputScale
 from .schedule import MixSchedule, Ramp
+from .sftmix import SFTMix
 
 __all__ = [
     "INPUT",
@@ -44,6 +45,7 @@ __all__ = [
     "NEFTune",
     "NoiseFiT",
     "Ramp",
+    "SFTMix",
     "ShapeTrace",
     "UnknownLayerError",
     "attach",

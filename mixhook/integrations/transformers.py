@@ -538,19 +538,50 @@ class NoiseFiTLoss:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         from ..noisefit import NoiseFiT
 
-        found = [
-            hook
-            for callback in self.callback_handler.callbacks
-            if isinstance(callback, HookCallback)
-            for hook in callback.hooks
-            if isinstance(hook, NoiseFiT)
-        ]
-        if len(found) != 1:
-            raise ValueError(
-                f"NoiseFiTLoss: the trainer's HookCallbacks hold {len(found)} NoiseFiT hooks; give it one, "
-                "callbacks=[HookCallback(NoiseFiT(...))]"
-            )
-        loss, outputs = found[0].loss(model, inputs)
+        loss, outputs = _the_hook(self, NoiseFiT, "NoiseFiTLoss").loss(model, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+
+def _the_hook(trainer, cls: type, where: str):
+    """The one ``cls`` hook of the trainer's HookCallbacks (one line where there is none, or more)."""
+    found = [
+        hook
+        for callback in trainer.callback_handler.callbacks
+        if isinstance(callback, HookCallback)
+        for hook in callback.hooks
+        if isinstance(hook, cls)
+    ]
+    if len(found) != 1:
+        name = cls.__name__
+        raise ValueError(
+            f"{where}: the trainer's HookCallbacks hold {len(found)} {name} hooks; give it one, "
+            f"callbacks=[HookCallback({name}(...))]"
+        )
+    return found[0]
+
+
+class SFTMixLoss:
+    """A mixin for the Trainer (TRL's ``SFTTrainer`` too) whose loss is SFTMix's (:class:`mixhook.SFTMix`):
+    its ``compute_loss`` runs :meth:`~mixhook.SFTMix.loss`, one forward with the mixed rows after the clean
+    ones, ``l_NTP + mu * l_mixup``; with :class:`PairedBatches`, its batches are SFTMix's pairs::
+
+        class SFTMixTrainer(SFTMixLoss, PairedBatches, SFTTrainer):
+            pass
+
+        trainer = SFTMixTrainer(model=model, args=args, train_dataset=data,  # data: its sftmix_confident
+                                callbacks=[HookCallback(SFTMix("model.norm"))])
+
+    Under ``gradient_accumulation_steps`` each micro-batch's loss (its means) is divided by the step's
+    micro-batches, so the gradient is their mean, as :class:`NoiseFiTLoss`'s. An evaluation forward is the
+    plain loss. With TRL's ``SFTTrainer`` its own loss, and the token metrics it logs, are replaced.
+    Refused in one line: no ``SFTMix`` in the trainer's ``HookCallback`` callbacks, or more than one."""
+
+    loss_is_scaled_for_ga = False  # (the Trainer divides each micro-batch's loss by the steps)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        from ..sftmix import SFTMix
+
+        loss, outputs = _the_hook(self, SFTMix, "SFTMixLoss").loss(model, inputs)
         return (loss, outputs) if return_outputs else loss
 
 

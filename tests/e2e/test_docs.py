@@ -258,9 +258,9 @@ def test_the_first_example_trains_with_a_mix_and_the_method_count_is_the_cards()
 @pytest.mark.process
 @pytest.mark.slow
 def test_the_language_models_page_runs_as_written(tmp_path):
-    """Its examples (a hand loop, the Trainer, TRL's SFTTrainer and its subclass, NoiseFiT, SFTMix's data,
-    PEFT) run in order as one script, and print what the page says they print: no noise on padding,
-    NoiseFiT's chosen block, a paired batch, the merged model refused."""
+    """Its examples (a hand loop, the Trainer, TRL's SFTTrainer and its subclass, NoiseFiT, SFTMix, PEFT) run
+    in order as one script, and print what the page says they print: no noise on padding, NoiseFiT's chosen
+    block, a paired batch and SFTMix's rows, the merged model refused."""
     pytest.importorskip("trl")
     pytest.importorskip("peft")
     page = (DOCS / "language-models.md").read_text()
@@ -277,6 +277,7 @@ def test_the_language_models_page_runs_as_written(tmp_path):
     assert len(steps) == 3 and all(line.endswith(f"[{5 / 320**0.5}, 0.0]") for line in steps), steps
     assert "called on its own, not through the PeftModel" in lines[-1]
     assert "[True, True, False, False]" in lines  # (SFTMix's paired batch: its confident half first)
+    assert "clean rows 4 mixed tokens 24" in lines  # (SFTMix's loss: the clean rows' logits, 6 slots a row)
     assert any(re.fullmatch(r"\('model\.layers\.[01]',\) \d+\.\d+", line) for line in lines), lines
 
 

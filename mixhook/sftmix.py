@@ -1,0 +1,299 @@
+"""SFTMix: confident and relatively unconfident examples paired in each batch, their last hidden states mixed
+position by position from their responses' first tokens, and a mixup loss beside next-token prediction.
+
+Paper: Xiao, Zhang, Zhou, Ghassemi, Zhao. "SFTMix: Elevating Language Model Instruction Tuning with Mixup
+Recipe." ACL 2026. https://arxiv.org/abs/2410.05248. No code is public; the method as far as it is known is
+in ../shared/research/sftmix.md (read from a detailed paper note and public reviews: the paper's own method
+section could not be checked). Its data side (the reference run, the confidence, the split and the paired
+batches) is :mod:`mixhook.confidence`; this module is the mix and its loss.
+
+For the pairs ``(c, u)`` of a batch (rows ``k`` and ``k + B // 2``, as
+:class:`~mixhook.confidence.PairedSampler` makes them) and ``lam ~ Beta(alpha, alpha)``, at the input of the
+LM head (a decoder's final norm's output)::
+
+    Z~_n = lam * Z^c_n + (1 - lam) * Z^u_n,   n < min(N^c, N^u)
+    l = l_NTP + mu * mean_n [lam * CE(W Z~_n, y^c_n) + (1 - lam) * CE(W Z~_n, y^u_n)]
+
+``Z_n`` the state that predicts response token ``n`` (``y_n``, counted from the response's first labelled
+token; a causal model's state at the position before it), ``l_NTP`` the usual mean cross-entropy of the
+labelled tokens of every example. The LM head runs once on the clean and the mixed rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import recompute
+from .engine.card import HookCard
+from .engine.checks import check_non_negative, check_positive
+from .functional import sample_beta
+from .hooks import LayerHook
+from .noise import put_back, sequence_of
+from .packing import PackedBatchError, packing
+
+IGNORE = -100
+LAMS = ("pair", "batch")
+REDUCES = ("token", "sequence")
+RESPONSES = ("all", "first", "last")
+
+
+def partners(n: int, device=None) -> torch.Tensor:
+    """Row ``k``'s partner: ``k + n // 2`` for the first half, ``k - n // 2`` for the second."""
+    return torch.arange(n, device=device).roll(n // 2)
+
+
+def response_positions(labels: torch.Tensor, response: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's labelled positions in order, then the others (``(B, T)``, a permutation per row), and how
+    many are labelled (``(B,)``); a label at position 0, which no token predicts, is not counted.
+    ``response``: every labelled token (``"all"``), or the first or last run of them (a conversation's first
+    or last answer). Device ops only."""
+    mask = labels != IGNORE
+    mask[:, 0] = False
+    if response != "all":
+        starts = mask & ~F.pad(mask[:, :-1], (1, 0))
+        span = starts.cumsum(1)
+        chosen = torch.ones_like(span) if response == "first" else span.amax(1, keepdim=True)
+        mask = mask & (span == chosen)
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    return order, mask.sum(1)
+
+
+class SFTMix(LayerHook):
+    """SFTMix (Xiao et al. 2026) at the input of a causal language model's LM head: the hook and its loss.
+
+    Attach it to the module whose output the LM head takes (``"model.norm"`` of a Llama, Qwen2, Mistral or
+    Gemma; ``"transformer.ln_f"`` of GPT-2). :meth:`loss` runs one forward of the batch, in which that
+    module's ``(B, T, D)`` output is followed by ``B`` mixed rows (each row mixed with its partner
+    :func:`partners`, ``lam`` for the one, ``1 - lam`` for the other: each pair's mix twice, the loss the
+    mean over both, which is the pair's), and returns ``l_NTP + mu * l_mixup`` and the forward's outputs
+    with the clean rows' logits::
+
+        mix = SFTMix("model.norm")
+        with mix.attach(model):
+            loss, outputs = mix.loss(model, batch)  # batch: input_ids, attention_mask, labels (-100)
+            loss.backward()
+
+    The batch's rows are paired ``k`` with ``k + B // 2``: feed it
+    :class:`~mixhook.confidence.PairedSampler`'s batches (confident rows first) so that the pairs are
+    SFTMix's; an odd batch is refused. Outside :meth:`loss` the hook does nothing (an evaluation forward,
+    generation), and in an evaluation (the model in eval mode, or no gradients) :meth:`loss` is the plain
+    ``l_NTP``. A packed batch (several sequences in a row) is refused in one line, as is a batch whose
+    labels are missing. Inside activation checkpointing the recomputation mixes the same rows again.
+
+    The points no source states are arguments, each with the reading chosen as default (see
+    docs/language-models.md): ``lam`` per pair (``"pair"``) or one per batch (``"batch"``); the mixup loss
+    averaged per mixed token (``"token"``) or per sequence (``"sequence"``: each pair's mean, then their
+    mean); gradients through the mixed states into the body (``detach=False``) or not; which answer of a
+    conversation is mixed (``response``: ``"all"`` labelled tokens in order, the ``"first"`` or ``"last"``
+    run of them). ``l_NTP`` is the mean cross-entropy of the batch's labelled tokens (the model's own loss);
+    under gradient accumulation each micro-batch's loss is a mean of its own (the trainer mixin divides by
+    the micro-batches). A batch with no token to mix has ``l_mixup = 0``.
+
+    ``.last``: ``lam`` (``(B,)``), ``"tokens"`` (the mixed tokens, each pair's counted twice) and the two
+    losses, detached.
+
+    Args:
+        layer: the LM head's input (one module).
+        alpha: ``lam ~ Beta(alpha, alpha)`` (the paper: 0.5).
+        mu: the mixup loss's weight (the paper: 0.2).
+        lam, reduce, detach, response: see above.
+        generator: as :class:`~mixhook.ManifoldMixup`.
+    """
+
+    card = HookCard(
+        signature='SFTMix(layer, alpha=0.5, mu=0.2, lam="pair", reduce="token")',
+        hook="a forward hook at the LM head's input (the final norm), in the one forward of `mix.loss`",
+        formula=(
+            "each pair's (rows `k`, `k + B/2`) response states `lam·Z^c_n + (1-lam)·Z^u_n` from their first "
+            "labelled tokens; loss `l_NTP + mu·mean[lam·CE(y^c_n) + (1-lam)·CE(y^u_n)]`"
+        ),
+        paper="Xiao et al. 2026",
+        commands=(
+            "none yet: [Language models](language-models.md#sftmix-confidence-from-a-reference-run-paired-"
+            "batches-and-the-mix)"
+        ),
+        members="loss",
+    )
+
+    _TRANSIENT = ("_plan",)
+
+    def __init__(
+        self,
+        layer: str | Sequence[str],
+        alpha: float = 0.5,
+        mu: float = 0.2,
+        lam: str = "pair",
+        reduce: str = "token",
+        detach: bool = False,
+        response: str = "all",
+        generator: torch.Generator | None = None,
+        batch_dim: int | dict | None = None,
+    ):
+        super().__init__(layer, batch_dim)
+        self.alpha, self.mu = check_positive("alpha", alpha), check_non_negative("mu", mu)
+        for name, value, choices in (
+            ("lam", lam, LAMS),
+            ("reduce", reduce, REDUCES),
+            ("response", response, RESPONSES),
+        ):
+            if value not in choices:
+                raise ValueError(f"SFTMix: {name} must be one of {', '.join(choices)}, got {value!r}")
+        self.lam, self.reduce, self.detach, self.response = lam, reduce, bool(detach), response
+        self._draw_from(generator)
+        self.last: dict | None = None
+
+    def _fresh(self) -> None:
+        super()._fresh()
+        self._plan = None
+
+    def __repr__(self) -> str:
+        return (
+            f"SFTMix(layer={self._layer_spec!r}, alpha={self.alpha}, mu={self.mu}, lam={self.lam!r}, "
+            f"reduce={self.reduce!r}, detach={self.detach}, response={self.response!r})"
+        )
+
+    def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
+        if len(modules) != 1:
+            raise ValueError(f"SFTMix mixes at one layer, the LM head's input; got {sorted(modules)}")
+        for spec, module in modules.items():
+            handles.append(module.register_forward_hook(recompute.hook(self._hook(spec), self._again(spec))))
+
+    def _hook(self, spec: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output):
+            plan = self._plan
+            self._note(spec, plan)  # (an activation-checkpoint recomputation mixes the same again)
+            return None if plan is None else self._with_mixed(spec, output, plan)
+
+        return hook
+
+    def _again(self, spec: str) -> Callable:
+        def again(module: nn.Module, args: tuple, output):
+            plan = self._replayed(spec)
+            return None if plan is None else self._with_mixed(spec, output, plan)
+
+        return again
+
+    def _with_mixed(self, spec: str, output, plan: Mapping):
+        """``output`` with its ``(B, T, D)`` tensor followed by the ``B`` mixed rows."""
+        leaf, h = sequence_of(
+            output, self.sites[spec], self._dims[spec], f"SFTMix at {spec!r}",
+            "SFTMix mixes the (B, T, D) input of the LM head: name the final norm",
+        )  # fmt: skip
+        if h.shape[:2] != plan["labels"].shape:
+            raise ValueError(
+                f"SFTMix at {spec!r}: its output has {tuple(h.shape[:2])} rows and positions, the batch's "
+                f"labels {tuple(plan['labels'].shape)}"
+            )
+        return put_back(output, leaf, torch.cat([h, self._mixed(h, plan)]))
+
+    def _mixed(self, h: torch.Tensor, plan: Mapping) -> torch.Tensor:
+        """The ``B`` mixed rows: row ``i``'s slot ``n`` at the position before its ``n``-th response token,
+        ``lam_i * h_i + (1 - lam_i) * h_p`` of the states before their ``n``-th ones; zeros elsewhere."""
+        source = h.detach() if self.detach else h
+        index, own, other, valid = plan["index"], plan["own"], plan["other"], plan["valid"]
+        d = h.shape[-1]
+        lam = plan["lam"].to(h.dtype)[:, None, None]
+        mine = source.gather(1, own[..., None].expand(-1, -1, d))
+        theirs = source[index].gather(1, other[..., None].expand(-1, -1, d))
+        blend = (lam * mine + (1 - lam) * theirs) * valid[..., None].to(h.dtype)
+        return torch.zeros_like(h).scatter_add(1, own[..., None].expand(-1, -1, d), blend)
+
+    def _planned(self, labels: torch.Tensor) -> dict:
+        """The pairs, their lams (from the hook's generator) and the aligned positions and targets."""
+        n, length = labels.shape
+        index = partners(n, labels.device)
+        positions, counts = response_positions(labels, self.response)
+        slots = torch.minimum(counts, counts[index])
+        valid = torch.arange(length, device=labels.device)[None] < slots[:, None]
+        own = (positions - 1).clamp(min=0)
+        other = (positions[index] - 1).clamp(min=0)
+        targets = torch.full_like(labels, IGNORE)
+        own_y = targets.scatter(1, positions, torch.where(valid, labels.gather(1, positions), IGNORE))
+        partner_y = targets.scatter(
+            1, positions, torch.where(valid, labels[index].gather(1, positions[index]), IGNORE)
+        )
+        self._seed_for_rank()
+        half = n // 2
+        first = sample_beta(self.alpha, self.alpha, self.generator, None if self.lam == "batch" else half)
+        first = first.expand(half) if first.ndim == 0 else first
+        lam = torch.cat([first, 1 - first]).to(labels.device, torch.float64)
+        return {"labels": labels, "index": index, "own": own, "other": other, "valid": valid,
+                "own_y": own_y, "partner_y": partner_y, "lam": lam}  # fmt: skip
+
+    def loss(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, object]:
+        """One forward of ``inputs`` (``labels`` taken out, ``-100`` where there is no loss) with the mixed
+        rows after the clean ones; ``l_NTP + mu * l_mixup`` and the outputs, their logits the clean rows'."""
+        if self._model is None:
+            raise RuntimeError("SFTMix.loss(): attach the hook to the model first (mix.attach(model))")
+        labels = inputs.get("labels")
+        if not isinstance(labels, torch.Tensor) or labels.ndim != 2 or labels.is_floating_point():
+            raise ValueError(
+                "SFTMix.loss(): the inputs need labels, (B, T) token ids with -100 where no loss"
+            )
+        if labels.shape[0] < 2 or labels.shape[0] % 2:
+            raise ValueError(
+                f"SFTMix.loss(): a batch of {labels.shape[0]} rows; it pairs row k with row k + B/2, so it "
+                "needs an even batch (PairedSampler's)"
+            )
+        rest = {k: v for k, v in inputs.items() if k != "labels"}
+        packed = packing(model, (), rest)
+        if packed is not None:
+            raise PackedBatchError(
+                f"SFTMix.loss(): a packed batch ({packed}); it pairs whole rows, so give it padded batches "
+                "(TRL: packing=False, padding_free=False)"
+            )
+        n = labels.shape[0]
+        if not (model.training and torch.is_grad_enabled()):  # (an evaluation: the plain loss)
+            outputs = model(**rest)
+            logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+            ntp = _token_ce(logits, labels).sum() / (labels[:, 1:] != IGNORE).sum().clamp(min=1)
+            return ntp, outputs
+        self._plan = self._planned(labels)
+        try:
+            outputs = model(**rest)
+        finally:
+            plan, self._plan = self._plan, None
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        if logits.shape[0] != 2 * n:
+            raise RuntimeError(
+                f"SFTMix.loss(): the forward gave {logits.shape[0]} rows of logits, not the {2 * n} of the "
+                "clean and mixed rows: the hooked layer did not run in it, or the model did not keep its rows"
+            )
+        clean, mixed = logits[:n], logits[n:]
+        ntp = _token_ce(clean, labels)
+        ntp = ntp.sum() / (labels[:, 1:] != IGNORE).sum().clamp(min=1)
+        mix, tokens = self._mixup(mixed, plan)
+        total = ntp + self.mu * mix
+        self.last = {"lam": plan["lam"], "tokens": tokens, "ntp": ntp.detach(), "mixup": mix.detach()}
+        if isinstance(outputs, Mapping):
+            outputs["logits"] = clean
+        return total, outputs
+
+    def _mixup(self, mixed: torch.Tensor, plan: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+        lam = plan["lam"].to(mixed.dtype if mixed.dtype == torch.float64 else torch.float32)[:, None]
+        own, partner = _token_ce(mixed, plan["own_y"]), _token_ce(mixed, plan["partner_y"])
+        each = lam * own + (1 - lam) * partner  # (B, T - 1): zero where no slot
+        slots = (plan["own_y"][:, 1:] != IGNORE).to(each.dtype)
+        tokens = slots.sum()
+        if self.reduce == "token":
+            return each.sum() / tokens.clamp(min=1), tokens
+        per_row = slots.sum(1)
+        rows = per_row > 0
+        means = each.sum(1) / per_row.clamp(min=1)
+        return (means * rows).sum() / rows.sum().clamp(min=1), tokens
+
+
+def _token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of each position's prediction of the next label, ``(B, T - 1)``, 0 where it is
+    ``-100`` (half-precision logits in float32)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    flat = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="none"
+    )
+    return flat.view(labels.shape[0], -1)

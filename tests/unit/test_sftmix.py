@@ -1,0 +1,228 @@
+"""SFTMix's mix and loss against a hand-written computation in float64 on a tiny Llama (the loss and every
+gradient): padded batches with completion-only -100 labels, responses of different lengths, lam per pair
+and per batch, the mixup loss per token and per sequence, detached mixed states, the first or last answer
+of a conversation; the evaluation loss is the model's own; activation checkpointing changes nothing; and
+the refusals."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixhook import SFTMix
+from mixhook.packing import PackedBatchError
+from tests.helpers import tiny_llama
+
+T = 12
+
+
+def batch(seed=0, spans=False):
+    """Four rows: a prompt of 2 to 4 tokens (-100), then a response, then right padding (-100, masked);
+    ``spans``: each response cut in two answers by two -100 tokens (a conversation)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 64, (4, T), generator=g)
+    mask, labels = torch.ones_like(ids), ids.clone()
+    for i, (prompt, length) in enumerate([(2, 12), (3, 9), (4, 11), (2, 7)]):
+        mask[i, length:] = 0
+        labels[i, :prompt] = -100
+        labels[i, length:] = -100
+        if spans:
+            labels[i, prompt + 2 : prompt + 4] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def by_hand(model, inputs, lam, mu=0.2, reduce="token", detach=False, response="all"):
+    """The loss written out: the clean states, each row's labelled positions, the mixed states placed one by
+    one, the LM head on both, the cross-entropies summed position by position."""
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    h = model.model(input_ids=ids, attention_mask=inputs["attention_mask"]).last_hidden_state
+    source = h.detach() if detach else h
+    n = ids.shape[0]
+    spans = []
+    for i in range(n):
+        labelled = [t for t in range(1, T) if labels[i, t] != -100]
+        runs, run = [], []
+        for t in labelled:
+            if run and t != run[-1] + 1:
+                runs.append(run)
+                run = []
+            run.append(t)
+        runs.append(run)
+        spans.append({"all": labelled, "first": runs[0], "last": runs[-1]}[response])
+    mixed = torch.zeros_like(h)
+    rows = []
+    for i in range(n):
+        p = (i + n // 2) % n
+        count = min(len(spans[i]), len(spans[p]))
+        for k in range(count):
+            a, b = spans[i][k], spans[p][k]
+            mixed[i, a - 1] = lam[i] * source[i, a - 1] + (1 - lam[i]) * source[p, b - 1]
+            rows.append((i, a - 1, labels[i, a], labels[p, b]))
+    logits = model.lm_head(torch.cat([h, mixed]))
+    terms = [
+        F.cross_entropy(logits[i, t - 1], labels[i, t])
+        for i in range(n)
+        for t in range(1, T)
+        if labels[i, t] != -100
+    ]
+    ntp = sum(terms) / len(terms)
+    each = {}
+    for i, q, own, other in rows:
+        term = lam[i] * F.cross_entropy(logits[n + i, q], own) + (1 - lam[i]) * F.cross_entropy(
+            logits[n + i, q], other
+        )
+        each.setdefault(i, []).append(term)
+    if reduce == "token":
+        mix = sum(sum(v) for v in each.values()) / sum(len(v) for v in each.values())
+    else:
+        mix = sum(sum(v) / len(v) for v in each.values()) / len(each)
+    return ntp + mu * mix, logits[:n]
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"lam": "batch"},
+        {"reduce": "sequence"},
+        {"detach": True},
+        {"response": "first", "spans": True},
+        {"response": "last", "spans": True},
+        {"response": "all", "spans": True},
+    ],
+)
+def test_the_loss_and_every_gradient_are_the_hand_written_ones(options):
+    options = dict(options)
+    spans = options.pop("spans", False)
+    inputs = batch(spans=spans)
+    model, hand = tiny_llama(), tiny_llama()
+    mix = SFTMix("model.norm", generator=torch.Generator().manual_seed(1), **options)
+    with mix.attach(model):
+        loss, outputs = mix.loss(model, inputs)
+        loss.backward()
+    lam = mix.last["lam"]
+    assert (lam[:2] + lam[2:] == 1).all() and ((lam[0] == lam[1]) == (options.get("lam") == "batch"))
+    expected, clean = by_hand(hand, inputs, lam, **{k: v for k, v in options.items() if k != "lam"})
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(outputs.logits, clean, rtol=0, atol=1e-14)
+    for a, b in zip(grads(model), grads(hand), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+    plain = tiny_llama()(**inputs).loss  # (the model's own loss: l_NTP, beside which the mix weighs)
+    torch.testing.assert_close(mix.last["ntp"], plain.detach().double(), rtol=1e-6, atol=0)  # (HF: float32)
+    assert abs(float(loss.detach()) - float(plain.detach())) > 1e-3  # (the mix changes the loss)
+
+
+def test_an_evaluation_is_the_plain_loss_and_a_forward_outside_loss_is_unmixed():
+    inputs = batch()
+    model = tiny_llama()
+    mix = SFTMix("model.norm")
+    with mix.attach(model):
+        model.eval()
+        with torch.no_grad():
+            loss, outputs = mix.loss(model, inputs)
+            assert outputs.logits.shape[0] == 4
+            torch.testing.assert_close(
+                loss, model(**inputs).loss.double(), rtol=1e-6, atol=0
+            )  # (its loss: float32)
+        model.train()
+        assert model(input_ids=inputs["input_ids"]).logits.shape[0] == 4
+
+
+def test_activation_checkpointing_changes_nothing():
+    inputs = batch(3)
+    runs = []
+    for checkpointing in (False, True):
+        model = tiny_llama()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mix = SFTMix("model.norm", generator=torch.Generator().manual_seed(2))
+        with mix.attach(model):
+            loss, _ = mix.loss(model, inputs)
+            loss.backward()
+        runs.append((loss, grads(model)))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-13, atol=0)
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+
+
+def test_bad_batches_and_arguments_are_refused_in_one_line():
+    model, inputs = tiny_llama(), batch()
+    mix = SFTMix("model.norm")
+    with pytest.raises(RuntimeError, match="attach the hook to the model first"):
+        mix.loss(model, inputs)
+    with mix.attach(model):
+        for bad, error, message in (
+            ({**inputs, "labels": None}, ValueError, "need labels"),
+            ({k: v[:3] for k, v in inputs.items()}, ValueError, "a batch of 3 rows"),
+            (
+                {**inputs, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]] * 4)},
+                PackedBatchError,
+                "packed batch",
+            ),
+        ):
+            with pytest.raises(error, match=message) as e:
+                mix.loss(model, bad)
+            assert "\n" not in str(e.value)
+    for kwargs, message in (
+        ({"lam": "token"}, "lam must be one of pair, batch"),
+        ({"reduce": "row"}, "reduce must be one of"),
+        ({"response": "middle"}, "response must be one of"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SFTMix("model.norm", **kwargs)
+    with pytest.raises(ValueError, match="one layer"):
+        SFTMix(["model.norm", "model.layers.0"]).attach(model)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand_loop(tmp_path):
+    """TRL's SFTTrainer with SFTMixLoss, PairedBatches and the hook in a HookCallback (completion-only
+    labels, right padding, two micro-batches per step): its weights after two steps are the hand loop's on
+    the Trainer's own batches, the draws reseeded per step from (seed, rank, step)."""
+    import trl
+
+    from mixhook.integrations.draws import reseed
+    from mixhook.integrations.transformers import HookCallback, PairedBatches, SFTMixLoss
+    from tests.unit.test_integrations_trl import dataset, llama, tokenizer
+
+    class SFTMixTrainer(SFTMixLoss, PairedBatches, trl.SFTTrainer):
+        pass
+
+    data = dataset(16).add_column("sftmix_confident", [i % 2 == 0 for i in range(16)])
+    trained, hand = llama(), llama()
+    settings = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
+        report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0, weight_decay=0.0,
+        seed=7, completion_only_loss=True,
+    )  # fmt: skip
+    trainer = SFTMixTrainer(
+        model=trained, args=trl.SFTConfig(**settings), train_dataset=data, processing_class=tokenizer(),
+        callbacks=[HookCallback(SFTMix("model.norm", alpha=0.5))],
+    )  # fmt: skip
+    batches = list(trainer.get_train_dataloader())[:4]
+    trainer.train()
+
+    mix, opt = SFTMix("model.norm", alpha=0.5), torch.optim.SGD(hand.parameters(), lr=0.1)
+    with mix.attach(hand):
+        for step in range(2):
+            reseed(mix, 7, 0, step, HookCallback._FIRST_PART)
+            for micro in range(2):
+                batch = batches[2 * step + micro]
+                inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+                loss, _ = mix.loss(hand, inputs)
+                (loss / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(trained.named_parameters(), hand.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+    assert not torch.equal(next(trained.parameters()), next(llama().parameters()))  # (it trained)
+    with pytest.raises(ValueError, match="HookCallbacks hold 0 SFTMix hooks"):
+        SFTMixTrainer(
+            model=llama(), args=trl.SFTConfig(**settings), train_dataset=data, processing_class=tokenizer()
+        ).compute_loss(hand, inputs)

@@ -264,15 +264,18 @@ class SFTMix(LayerHook):
                 f"SFTMix.loss(): the forward gave {logits.shape[0]} rows of logits, not the {2 * n} of the "
                 "clean and mixed rows: the hooked layer did not run in it, or the model did not keep its rows"
             )
+        if logits.shape[1] != labels.shape[1]:
+            raise ValueError(
+                f"SFTMix.loss(): the logits cover {logits.shape[1]} positions, the labels {labels.shape[1]}; "
+                "leave logits_to_keep unset (every position's prediction is needed)"
+            )
         clean, mixed = logits[:n], logits[n:]
         ntp = _token_ce(clean, labels)
         ntp = ntp.sum() / (labels[:, 1:] != IGNORE).sum().clamp(min=1)
         mix, tokens = self._mixup(mixed, plan)
         total = ntp + self.mu * mix
         self.last = {"lam": plan["lam"], "tokens": tokens, "ntp": ntp.detach(), "mixup": mix.detach()}
-        if isinstance(outputs, Mapping):
-            outputs["logits"] = clean
-        return total, outputs
+        return total, _clean_rows(outputs, n)
 
     def _mixup(self, mixed: torch.Tensor, plan: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
         lam = plan["lam"].to(mixed.dtype if mixed.dtype == torch.float64 else torch.float32)[:, None]
@@ -286,6 +289,24 @@ class SFTMix(LayerHook):
         rows = per_row > 0
         means = each.sum(1) / per_row.clamp(min=1)
         return (means * rows).sum() / rows.sum().clamp(min=1), tokens
+
+
+def _clean_rows(outputs, n: int):
+    """The forward's outputs with every tensor of the ``2n`` clean and mixed rows cut to the ``n`` clean ones
+    (the logits, the last hidden states), in a mapping (a ``ModelOutput``, changed in place) or a tuple."""
+
+    def cut(value):
+        if isinstance(value, torch.Tensor):
+            return value[:n] if value.ndim and value.shape[0] == 2 * n else value
+        if isinstance(value, tuple):
+            return tuple(cut(v) for v in value)
+        return value
+
+    if isinstance(outputs, Mapping):
+        for key in list(outputs.keys()):
+            outputs[key] = cut(outputs[key])
+        return outputs
+    return cut(outputs)
 
 
 def _token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

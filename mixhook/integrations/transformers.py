@@ -581,6 +581,7 @@ class SFTMixLoss:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         from ..sftmix import SFTMix
 
+        inputs = {**inputs, "use_cache": False}  # (a training forward builds no key-value cache)
         loss, outputs = _the_hook(self, SFTMix, "SFTMixLoss").loss(model, inputs)
         return (loss, outputs) if return_outputs else loss
 

@@ -226,3 +226,16 @@ def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand
         SFTMixTrainer(
             model=llama(), args=trl.SFTConfig(**settings), train_dataset=data, processing_class=tokenizer()
         ).compute_loss(hand, inputs)
+
+
+def test_the_outputs_hold_the_clean_rows_only_and_logits_to_keep_is_refused():
+    inputs = batch()
+    model = tiny_llama()
+    mix = SFTMix("model.norm")
+    with mix.attach(model):
+        _, outputs = mix.loss(model, {**inputs, "output_hidden_states": True})
+        assert outputs.logits.shape[0] == 4 and outputs.hidden_states[-1].shape[0] == 4
+        _, as_tuple = mix.loss(model, {**inputs, "return_dict": False})
+        assert as_tuple[0].shape[0] == 4
+        with pytest.raises(ValueError, match="leave logits_to_keep unset"):
+            mix.loss(model, {**inputs, "logits_to_keep": 3})

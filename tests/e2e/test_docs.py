@@ -265,7 +265,7 @@ def test_the_language_models_page_runs_as_written(tmp_path):
     pytest.importorskip("peft")
     page = (DOCS / "language-models.md").read_text()
     blocks = re.findall(r"```python\n(.*?)\n```", page, flags=re.S)
-    assert len(blocks) == 7
+    assert len(blocks) == 8
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(blocks))
     result = subprocess.run(
@@ -278,6 +278,7 @@ def test_the_language_models_page_runs_as_written(tmp_path):
     assert "called on its own, not through the PeftModel" in lines[-1]
     assert "[True, True, False, False]" in lines  # (SFTMix's paired batch: its confident half first)
     assert "clean rows 4 mixed tokens 24" in lines  # (SFTMix's loss: the clean rows' logits, 6 slots a row)
+    assert "SFTMix trained 18 steps" in lines  # (its pipeline in TRL: reference run, split, paired batches)
     assert any(re.fullmatch(r"\('model\.layers\.[01]',\) \d+\.\d+", line) for line in lines), lines
 
 

@@ -239,3 +239,47 @@ def test_the_outputs_hold_the_clean_rows_only_and_logits_to_keep_is_refused():
         assert as_tuple[0].shape[0] == 4
         with pytest.raises(ValueError, match="leave logits_to_keep unset"):
             mix.loss(model, {**inputs, "logits_to_keep": 3})
+
+
+def test_a_lora_model_is_mixed_as_its_hand_edited_forward_and_only_the_adapters_train():
+    """PEFT's LoRA: the hook at the wrapped model's final norm (its name under base_model.model); the loss
+    and the adapters' gradients are the hand-written ones on the inner model, the base weights frozen."""
+    peft = pytest.importorskip("peft")
+    inputs = batch(4)
+
+    def lora():
+        net = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+        for name, p in net.named_parameters():  # (LoRA's B starts at zero: move it, so that it counts)
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(0))
+        return net
+
+    model, hand = lora(), lora()
+    mix = SFTMix("base_model.model.model.norm", generator=torch.Generator().manual_seed(5))
+    with mix.attach(model):
+        loss, _ = mix.loss(model, inputs)
+        loss.backward()
+    expected, _ = by_hand(hand.base_model.model, inputs, mix.last["lam"])
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-13, atol=1e-14)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n, _ in trained)
+    for (name, p), q in zip(trained, [q for q in hand.parameters() if q.requires_grad], strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-11, atol=1e-13, msg=name)
+
+
+def test_under_bf16_autocast_the_mix_keeps_the_layers_dtype_and_matches_the_hand_written_loss():
+    inputs = batch(5)
+    model, hand = tiny_llama().float(), tiny_llama().float()
+    mix = SFTMix("model.norm", generator=torch.Generator().manual_seed(6))
+    seen = {}
+    model.lm_head.register_forward_pre_hook(lambda m, a: seen.__setitem__("dtype", a[0].dtype))
+    with mix.attach(model), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = mix.loss(model, inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, _ = by_hand(hand, inputs, mix.last["lam"])
+        dtype = hand.model(input_ids=inputs["input_ids"]).last_hidden_state.dtype
+    assert seen["dtype"] == dtype  # (the clean and mixed rows in the norm's own dtype)
+    torch.testing.assert_close(loss, expected.to(loss.dtype), rtol=2e-2, atol=0)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -77,20 +77,25 @@ def problems(method: Method) -> list[str]:
     run = _Run(method).steps(WARM)
     early = run.kept()
     out += [f"after a step, a tensor with a grad_fn: {path}" for path in early.graph]
-    live = _live_tensors()  # (held here until the count: no new tensor can take one's id)
-    before = {id(t) for t in live}
-    later = run.steps(MORE).kept()
-    if later.total(records=False) != early.total(records=False):
-        out.append(
-            f"keeps more with more steps: {early.bytes} after {WARM}, {later.bytes} after {WARM + MORE}"
-        )
-    # the tensors made in those steps and alive after them, beside what the mixer records of the last one
-    # (counted as made and still alive, not as a total: other tests' tensors may die meanwhile)
-    new = [t for t in _live_tensors() if id(t) not in before and id(t) not in later.records]
+    # every object alive now set aside (gc.freeze): gc.get_objects() then lists only what is made after,
+    # without a scan of the whole process before and after (which took most of this test's time)
+    gc.collect()
+    gc.freeze()
+    try:
+        later = run.steps(MORE).kept()
+        if later.total(records=False) != early.total(records=False):
+            out.append(
+                f"keeps more with more steps: {early.bytes} after {WARM}, {later.bytes} after {WARM + MORE}"
+            )
+        # the tensors made in those steps and alive after them, beside what the mixer records of the last
+        # one (counted as made and still alive, not as a total: other tests' tensors may die meanwhile)
+        new = [t for t in _live_tensors() if id(t) not in later.records]
+    finally:
+        gc.unfreeze()
     if new:
         shapes = ", ".join(str(tuple(t.shape)) for t in new[:4])
         out.append(f"{len(new)} more live tensors after {MORE} more steps (beside the records): {shapes}")
-    del live, new
+    del new
     wider = _Run(method, 2 * BATCH).steps(3).kept()
     if wider.total(records=False) != early.total(records=False):
         out.append(f"keeps more with a larger batch: {early.bytes} at {BATCH}, {wider.bytes} at {2 * BATCH}")
@@ -139,12 +144,25 @@ class _KeepsEveryLam(ManifoldMixup):
         return super().mix(leaves, draw)
 
 
+_LEAKED: list = []
+
+
+class _LeaksATensorEachStep(ManifoldMixup):
+    """Manifold Mixup that leaves a tensor of each step alive outside itself (a mutant: a leak only the
+    process's live tensors show)."""
+
+    def mix(self, leaves, draw):
+        _LEAKED.append(torch.zeros(3))
+        return super().mix(leaves, draw)
+
+
 @pytest.mark.parametrize(
     ("kind", "expected"),
     [
         (_KeepsTheMap, "after remove(), activation is alive"),
         (_RecordsTheMixedMap, "after a step, a tensor with a grad_fn: .last"),
         (_KeepsEveryLam, "keeps more with more steps"),
+        (_LeaksATensorEachStep, f"{MORE} more live tensors after {MORE} more steps"),
     ],
 )
 def test_the_checks_fail_a_kept_map_a_kept_graph_and_a_history(kind, expected):

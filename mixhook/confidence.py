@@ -100,12 +100,8 @@ def response_perplexity(
                 attention[k, : len(tokens)] = 1
                 scored[k, : len(tokens)] = torch.tensor(_predicted(mask))
             ids, attention, scored = ids.to(device), attention.to(device), scored.to(device)
-            logits = _logits(model(input_ids=ids, attention_mask=attention))
-            if logits.dtype in (torch.float16, torch.bfloat16):  # (half precision's log-softmax in float32)
-                logits = logits.float()
-            nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-            nll = nll.view(len(chosen), -1)
-            nll = torch.where(scored[:, 1:], nll.double(), 0.0)
+            logits = logits_of(model(input_ids=ids, attention_mask=attention))
+            nll = next_token_losses(logits, torch.where(scored, ids, IGNORE)).double()
             mean = nll.sum(1) / scored[:, 1:].sum(1)
             out[torch.tensor(chosen)] = mean.exp().cpu()
     finally:
@@ -114,7 +110,7 @@ def response_perplexity(
     return out
 
 
-def _logits(out) -> torch.Tensor:
+def logits_of(out) -> torch.Tensor:
     """The logits of a model's output: ``.logits``, ``["logits"]``, the first of a tuple, or the tensor."""
     if isinstance(out, torch.Tensor):
         return out
@@ -123,6 +119,18 @@ def _logits(out) -> torch.Tensor:
     if hasattr(out, "logits"):
         return out.logits
     return out[0]
+
+
+def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of each position's prediction of the next label (a causal model's: position
+    ``t``'s logits predict label ``t + 1``), ``(B, T - 1)``, 0 where that label is ``-100``; half-precision
+    logits in float32. Shared by the perplexity here and SFTMix's loss (:mod:`mixhook.sftmix`)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    flat = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="none"
+    )
+    return flat.view(labels.shape[0], -1)
 
 
 def confidence(

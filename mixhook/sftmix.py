@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import recompute
+from .confidence import IGNORE, logits_of, next_token_losses
 from .engine.card import HookCard
 from .engine.checks import check_non_negative, check_positive
 from .functional import sample_beta
@@ -36,7 +37,6 @@ from .hooks import LayerHook
 from .noise import put_back, sequence_of
 from .packing import PackedBatchError, packing
 
-IGNORE = -100
 LAMS = ("pair", "batch")
 REDUCES = ("token", "sequence")
 RESPONSES = ("all", "first", "last")
@@ -250,15 +250,13 @@ class SFTMix(LayerHook):
         n = labels.shape[0]
         if not (model.training and torch.is_grad_enabled()):  # (an evaluation: the plain loss)
             outputs = model(**rest)
-            logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-            ntp = _token_ce(logits, labels).sum() / (labels[:, 1:] != IGNORE).sum().clamp(min=1)
-            return ntp, outputs
+            return _ntp(logits_of(outputs), labels), outputs
         self._plan = self._planned(labels)
         try:
             outputs = model(**rest)
         finally:
             plan, self._plan = self._plan, None
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        logits = logits_of(outputs)
         if logits.shape[0] != 2 * n:
             raise RuntimeError(
                 f"SFTMix.loss(): the forward gave {logits.shape[0]} rows of logits, not the {2 * n} of the "
@@ -270,8 +268,7 @@ class SFTMix(LayerHook):
                 "leave logits_to_keep unset (every position's prediction is needed)"
             )
         clean, mixed = logits[:n], logits[n:]
-        ntp = _token_ce(clean, labels)
-        ntp = ntp.sum() / (labels[:, 1:] != IGNORE).sum().clamp(min=1)
+        ntp = _ntp(clean, labels)
         mix, tokens = self._mixup(mixed, plan)
         total = ntp + self.mu * mix
         self.last = {"lam": plan["lam"], "tokens": tokens, "ntp": ntp.detach(), "mixup": mix.detach()}
@@ -279,7 +276,7 @@ class SFTMix(LayerHook):
 
     def _mixup(self, mixed: torch.Tensor, plan: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
         lam = plan["lam"].to(mixed.dtype if mixed.dtype == torch.float64 else torch.float32)[:, None]
-        own, partner = _token_ce(mixed, plan["own_y"]), _token_ce(mixed, plan["partner_y"])
+        own, partner = next_token_losses(mixed, plan["own_y"]), next_token_losses(mixed, plan["partner_y"])
         each = lam * own + (1 - lam) * partner  # (B, T - 1): zero where no slot
         slots = (plan["own_y"][:, 1:] != IGNORE).to(each.dtype)
         tokens = slots.sum()
@@ -309,12 +306,6 @@ def _clean_rows(outputs, n: int):
     return cut(outputs)
 
 
-def _token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The cross-entropy of each position's prediction of the next label, ``(B, T - 1)``, 0 where it is
-    ``-100`` (half-precision logits in float32)."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    flat = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="none"
-    )
-    return flat.view(labels.shape[0], -1)
+def _ntp(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``l_NTP``: the mean cross-entropy of the batch's labelled tokens (the model's own loss)."""
+    return next_token_losses(logits, labels).sum() / (labels[:, 1:] != IGNORE).sum().clamp(min=1)

@@ -283,3 +283,27 @@ def test_under_bf16_autocast_the_mix_keeps_the_layers_dtype_and_matches_the_hand
     torch.testing.assert_close(loss, expected.to(loss.dtype), rtol=2e-2, atol=0)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_a_model_that_returns_its_logits_as_a_tensor_is_read_as_one():
+    """A model of one's own returning the logits tensor itself (not a ModelOutput or a tuple): its rows are
+    the logits' rows, not the first row taken for a tuple's first element."""
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_llama()
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs).logits
+
+    inputs = batch(6)
+    wrapped, hf = Plain(), tiny_llama()
+    losses = []
+    for model, layer in ((wrapped, "inner.model.norm"), (hf, "model.norm")):
+        mix = SFTMix(layer, generator=torch.Generator().manual_seed(7))
+        with mix.attach(model):
+            loss, outputs = mix.loss(model, inputs)
+        losses.append(loss)
+    assert outputs.logits.shape[0] == 4
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)

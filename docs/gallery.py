@@ -152,14 +152,23 @@ def draw_views(name: str) -> dict:
     """What a method that mixes no pair makes of the images at the input: the rows its layer emits (the
     clean images, then each of its views of them)."""
     x = images(SIZE)
+    rows, _ = rows_at_input(name, x)
+    return {"images": x, "rows": rows}
+
+
+def rows_at_input(name: str, x: torch.Tensor, **pins) -> tuple[torch.Tensor, object]:
+    """The rows ``name`` at the input emits for the images ``x`` (one training forward of the convnet,
+    ``pins`` pinned), clamped to [0, 1], and its ``.last``."""
     model = convnet()
     seen = {}
     model.image.register_forward_pre_hook(lambda module, args: seen.__setitem__("rows", args[0].detach()))
     mixer = method(name, "input", hidden=False)
     with mixer.attach(model), torch.no_grad():
         model.train()
+        if pins:
+            mixer.pin(**pins)
         model(x)
-    return {"images": x, "rows": seen["rows"].clamp(0, 1)}
+    return seen["rows"].clamp(0, 1), mixer.last
 
 
 def figure_views(name: str, drawn: dict):
@@ -191,16 +200,11 @@ def draw_parts(name: str) -> dict:
     it mixes and their weights (:attr:`~mixhook.MixState.mixture`)."""
     x = images(SIZE)
     x = torch.cat([x, x.flip(-1)])
-    model = convnet()
-    seen = {}
-    model.image.register_forward_pre_hook(lambda module, args: seen.__setitem__("rows", args[0].detach()))
-    mixer = method(name, "input", hidden=False)
-    with mixer.attach(model), torch.no_grad():
-        model.train()
-        mixer.pin(saliency=edges(x))  # (an untrained network's gradient saliency is nearly flat)
-        model(x)
-    indices, weights = mixer.last.mixture
-    return {"images": x, "rows": seen["rows"].clamp(0, 1), "indices": indices, "weights": weights}
+    rows, last = rows_at_input(
+        name, x, saliency=edges(x)
+    )  # (an untrained network's gradient saliency is flat)
+    indices, weights = last.mixture
+    return {"images": x, "rows": rows, "indices": indices, "weights": weights}
 
 
 def edges(x: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ def response_perplexity(
             raise ValueError(f"example {i} has no response token after its first position: nothing to score")
     device = next(model.parameters()).device
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-    out = torch.empty(len(rows), dtype=torch.float64)
+    means = []  # (each batch's, on the device: one copy to the host at the end, no sync per batch)
     modes = [(m, m.training) for m in model.modules()]  # (each module's own mode, given back after)
     model.eval()
     try:
@@ -102,11 +102,13 @@ def response_perplexity(
             ids, attention, scored = ids.to(device), attention.to(device), scored.to(device)
             logits = logits_of(model(input_ids=ids, attention_mask=attention))
             nll = next_token_losses(logits, torch.where(scored, ids, IGNORE)).double()
-            mean = nll.sum(1) / scored[:, 1:].sum(1)
-            out[torch.tensor(chosen)] = mean.exp().cpu()
+            means.append(nll.sum(1) / scored[:, 1:].sum(1))
     finally:
         for module, training in modes:
             module.training = training
+    out = torch.empty(len(rows), dtype=torch.float64)
+    if means:
+        out[torch.tensor(order, dtype=torch.long)] = torch.cat(means).exp().cpu()
     return out
 
 

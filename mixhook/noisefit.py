@@ -184,6 +184,8 @@ class NoiseFiT(LayerHook):
             "signal-to-noise-ratio)"
         ),
         members="noisy, loss",
+        example={"layer": ["model.layers.0", "model.layers.1"], "noise_std": 0.5},
+        trainer=("NoiseFiTLoss",),
     )
 
     _TRANSIENT = ("_noisy",)

@@ -118,6 +118,8 @@ class SFTMix(LayerHook):
             "batches-and-the-mix)"
         ),
         members="loss",
+        example={"layer": "model.norm"},
+        trainer=("SFTMixLoss", "PairedBatches"),
     )
 
     _TRANSIENT = ("_plan",)

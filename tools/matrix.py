@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 
 from tests.matrix.cells import WORKFLOWS, Cell, run
-from tests.matrix.methods import BY_NAME, METHODS
+from tests.matrix.language import HOOK_ROWS
+from tests.matrix.methods import METHODS
+
+ROWS = [*METHODS, *HOOK_ROWS]  # every mixer and policy, then the hooks with a loss of their own
+BY_NAME = {m.name: m for m in ROWS}
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("ddp", "fsdp")
@@ -82,7 +86,11 @@ def markdown(cells: list[Cell], seconds: float) -> str:
         "process replaying both ranks' batches (a mixer that counts its training forwards, AdAutoMix, "
         "counting each rank's own); *resume* kills the app's `train.py` (SIGKILL) after a random number "
         "(1 to 8) of its checkpoints and resumes it with `trainer.resume=auto`: exact when its metrics and "
-        "summary equal an uninterrupted run's.",
+        "summary equal an uninterrupted run's. The last rows are the hooks with a loss of their own "
+        "(`hook.loss(model, inputs)`, each from its card's example, `tests/matrix/language.py`) on a tiny "
+        "Llama: padded prompt-and-response rows, SFTMix's batches half confident and half unconfident from "
+        "`PairedSampler`; *HF Trainer* and *TRL* make the trainer's class of the Trainer mixins the card "
+        "names, the hook in a `HookCallback`.",
         "",
         "| method | " + " | ".join(COLUMNS[c] for c in columns) + " |",
         "| --- | " + " | ".join("---" for _ in columns) + " |",
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     table = args.out or (None if partial else str(ROOT / "docs" / "matrix.md"))
     if table is None:  # (a partial table over the whole one would drop every other row)
         print("a partial run: docs/matrix.md is kept and the cells printed; pass --out to write their table")
-    methods = [BY_NAME[n] for n in args.methods] if args.methods else METHODS
+    methods = [BY_NAME[n] for n in args.methods] if args.methods else ROWS
     started, cells = time.time(), []
     for method in methods:
         for workflow in (w for w in WORKFLOWS if w in args.workflows):

@@ -174,6 +174,13 @@ class HookCard:
         paper: the paper it follows ("" for none).
         commands: the app's overrides that use it, or where it is documented when the app has none.
         members: the members the API page shows beside the class's docstring ("" for its default).
+        example: for a hook with a loss of its own (``hook.loss(model, inputs)``: NoiseFiT, SFTMix), its
+            constructor's arguments on the matrix's language model, which makes its row of the matrix
+            (``tests/matrix/language.py``: a tiny Llama, its decoder layers ``model.layers.0`` and
+            ``model.layers.1``, its final norm ``model.norm``, the LM head's input); ``None`` for the others.
+        trainer: the Trainer mixins of :mod:`mixhook.integrations.transformers` it trains with, by name
+            (``("SFTMixLoss", "PairedBatches")``): the matrix's HF Trainer and TRL cells make the trainer's
+            class of them.
     """
 
     signature: str
@@ -182,6 +189,8 @@ class HookCard:
     paper: str = ""
     commands: str = ""
     members: str = ""
+    example: dict[str, Any] | None = None
+    trainer: tuple[str, ...] = ()
 
     def __set_name__(self, owner: type, name: str) -> None:
         if name == "card" and not owner.__name__.startswith("_"):

@@ -83,7 +83,7 @@ STRATEGIES = {
     "fsdp": ["trainer.strategy=fsdp", "trainer.fsdp_units=[layer1,layer2,layer3,layer4]"],
     "ddp": [],
 }
-MATRIX = ["SaliencyMix", "SnapMix", "Balanced-MixUp", "TransMix", "RegMixup", "AutoMix"]
+MATRIX = ["SaliencyMix", "SnapMix", "Balanced-MixUp", "TransMix", "RegMixup", "AutoMix", "SFTMix"]
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +278,8 @@ def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch
 def test_ddp_and_fsdp_equal_one_process_replaying_each_ranks_batch(launch):
     """The matrix's DDP and FSDP2 cells (tests/matrix/distributed.py) of a sample of methods: each the
     methods that need what a data-parallel job must give them (a policy's gradient pass, the labels before
-    the forward, a partner batch, a ViT's grid, the clean batch, a learned mixer)."""
+    the forward, a partner batch, a ViT's grid, the clean batch, a learned mixer, a language model's hook
+    with a loss of its own: SFTMix's pairs and its mixed rows after the clean ones)."""
     cells = launch[1]["matrix"]
     assert {(n, m): cells[n][m][0] for n in MATRIX for m in ("ddp", "fsdp")} == {
         (n, m): "exact" for n in MATRIX for m in ("ddp", "fsdp")

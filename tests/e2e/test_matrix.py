@@ -8,12 +8,13 @@ launch its other data-parallel scenarios share."""
 import pytest
 
 from tests.matrix.cells import run
-from tests.matrix.methods import BY_NAME, METHODS
+from tools.matrix import BY_NAME, ROWS
 
 
-@pytest.mark.parametrize("method", [m.name for m in METHODS])
+@pytest.mark.parametrize("method", [m.name for m in ROWS])
 def test_every_method_trains_the_same_twice_in_the_hand_loop(method):
-    """The hand loop every other cell is compared with: deterministic on its draws, for every method."""
+    """The hand loop every other cell is compared with: deterministic on its draws, for every method (and
+    every hook with a loss of its own)."""
     cell = run(BY_NAME[method], "own")
     assert cell.outcome == "exact", cell.line()
 
@@ -32,6 +33,9 @@ SAMPLE = [
     ("MixPro", "timm", "exact"),
     ("ManifoldMixup", "trl", "exact"),
     ("RegMixup", "trl", "refused"),  # TRL's token metrics read B rows
+    ("SFTMix", "hf", "exact"),  # its loss's mixin, the paired batches, the hook in a HookCallback
+    ("SFTMix", "trl", "exact"),
+    ("NoiseFiT", "trl", "exact"),  # three forwards a micro-batch
 ]
 
 
@@ -65,7 +69,7 @@ def test_the_committed_table_has_every_method_and_no_failing_cell():
     from tools.matrix import ROOT
 
     table = (ROOT / "docs" / "matrix.md").read_text()
-    for method in METHODS:
+    for method in ROWS:
         assert f"| `{method.name}` |" in table, method.name
     assert "| fails" not in table and ", 0 fails**" in table
 
@@ -75,10 +79,26 @@ def test_every_mixer_and_policy_has_a_row():
     import mixhook.policies
     from mixhook.engine.contract import members
 
-    made = [m.make("") for m in METHODS]
+    made = [m.make("") for m in ROWS if m.kind != "lm"]
     mixers = {type(h).__name__ for hook in made for h in members(hook)}
     assert set(mixhook.mixers.METHODS) <= mixers, set(mixhook.mixers.METHODS) - mixers
     policies = {type(p).__name__ for hook in made for h in members(hook) for p in getattr(h, "policies", ())}
     shipped = {n for n in mixhook.policies.__all__ if isinstance(getattr(mixhook.policies, n), type)}
     shipped -= {"Policy"}
     assert shipped - {"PartnerBatch"} <= policies, shipped - policies  # (BalancedMixup is a PartnerBatch)
+
+
+def test_every_hook_with_a_loss_of_its_own_has_a_row_from_its_card():
+    """A hook that trains with a loss of its own (``hook.loss(model, inputs)``) states its matrix example,
+    and the Trainer mixins its card names exist: a new one is in the matrix with its module."""
+    import mixhook
+    from mixhook.engine.card import HOOKS
+    from mixhook.integrations import transformers as adapter
+
+    for name in mixhook.__all__:  # (every hook exported, each module's card registered)
+        getattr(mixhook, name)
+    with_loss = {n for n, cls in HOOKS.items() if callable(getattr(cls, "loss", None))}
+    assert with_loss >= {"NoiseFiT", "SFTMix"}
+    assert with_loss == {m.name for m in ROWS if m.kind == "lm"}
+    for name in with_loss:
+        assert HOOKS[name].card.trainer and all(hasattr(adapter, t) for t in HOOKS[name].card.trainer)

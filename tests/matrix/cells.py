@@ -392,6 +392,8 @@ def run(method: Method, workflow: str) -> Cell:
 
 
 def _judged(method: Method, workflow: str) -> Cell:
+    if method.kind == "lm":
+        return _language(method, workflow)
     if workflow in ("app", "resume"):
         if method.app is None:
             return Cell(method.name, workflow, "n/a", "no shipped config")
@@ -412,6 +414,23 @@ def _judged(method: Method, workflow: str) -> Cell:
     diff = _difference(got, expected)
     fresh = list(model(method.kind).parameters())
     changed = _difference(_listed(got)[: len(fresh)], fresh) if workflow != "trl" else 1.0
+    if diff <= TOLERANCE and changed > 0:
+        return Cell(method.name, workflow, "exact", f"{diff:.1e}")
+    return Cell(method.name, workflow, "fails", f"differs from the hand loop by {diff:.2e}")
+
+
+def _language(method: Method, workflow: str) -> Cell:
+    """A cell of a hook with a loss of its own (:mod:`.language`)."""
+    from . import language
+
+    if workflow == "own":
+        got = language.own_loop(method)
+        same = _difference(got, language.own_loop(method)) == 0
+        return Cell(method.name, workflow, "exact" if same else "fails", "")
+    if workflow not in ("hf", "trl"):
+        return Cell(method.name, workflow, "n/a", language.NOT_HERE)
+    got, expected = (language.hf if workflow == "hf" else language.trl)(method)
+    diff, changed = _difference(got, expected), _difference(got, language.model())
     if diff <= TOLERANCE and changed > 0:
         return Cell(method.name, workflow, "exact", f"{diff:.1e}")
     return Cell(method.name, workflow, "fails", f"differs from the hand loop by {diff:.2e}")

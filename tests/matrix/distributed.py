@@ -10,7 +10,9 @@ rank, step)`` (its partner batch, for Balanced-MixUp, from ``PartnerStream`` wit
 criterion's mean under the mix, SGD; rank 0 then replays both ranks' batches in one process (the gradients
 averaged, as both reduce them) and compares the weights (a learned mixer's Mix Block and momentum copy
 too): ``exact`` within 1e-12, ``refused`` (one line before the first step), ``fails`` otherwise. Rank 0
-writes every cell to OUT.json.
+writes every cell to OUT.json. The hooks with a loss of their own (NoiseFiT, SFTMix) train their language
+model the same way (:func:`tests.matrix.language.distributed`: each rank on its own batches, SFTMix's
+pairs within each).
 """
 
 import json
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.matrix import language
 from tests.matrix.cells import BATCH, LR, STEPS, TOLERANCE, hand_setup, hand_step
 from tests.matrix.methods import BY_NAME, Method, criterion, model
 
@@ -91,8 +94,9 @@ def replayed(method: Method) -> list[torch.Tensor]:
 
 
 def cell(method: Method, mode: str, rank: int) -> tuple[str, str]:
+    lm = method.kind == "lm"  # (a hook with a loss of its own: tests/matrix/language.py)
     try:
-        weights = trained(method, mode, rank)
+        weights = language.distributed(method, mode, rank, WORLD) if lm else trained(method, mode, rank)
     except (TypeError, ValueError, RuntimeError) as error:
         text = str(error)
         if text and "\n" not in text.strip():
@@ -100,7 +104,7 @@ def cell(method: Method, mode: str, rank: int) -> tuple[str, str]:
         return "fails", f"{type(error).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
     if rank != 0:
         return "", ""
-    expected = replayed(method)
+    expected = language.replayed(method, WORLD) if lm else replayed(method)
     diff = max(float((a - b).detach().abs().max()) for a, b in zip(weights, expected, strict=True))
     if diff <= TOLERANCE:
         return "exact", f"{diff:.1e}"
@@ -113,7 +117,7 @@ def cells(names: list[str], modes: tuple[str, ...]) -> dict:
     rank, found = dist.get_rank(), {}
     for name in names:
         for mode in modes:
-            outcome = cell(BY_NAME[name], mode, rank)
+            outcome = cell(BY_NAME.get(name) or language.BY_NAME[name], mode, rank)
             found.setdefault(name, {})[mode] = outcome
             dist.barrier()
     return found

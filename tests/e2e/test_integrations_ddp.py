@@ -1,7 +1,8 @@
 """The trainer adapters under DDP on CPU with gloo, two processes: Lightning's ddp_spawn (the mixer is
 pickled to the workers detached and attached there) and the HuggingFace Trainer under accelerate launch,
 each against a one-process replay of both ranks (each rank's own draws from (seed, rank, step), the
-gradients combined as DDP combines them)."""
+gradients combined as DDP combines them); SFTMix's Trainer mixins (its paired batches and loss) under
+accelerate, resumed mid-epoch."""
 
 import copy
 import os
@@ -96,14 +97,7 @@ def test_hf_trainer_under_accelerate_two_processes_equals_ddp_by_hand(tmp_path):
     process draws its own mixes from (seed, rank, step)
     and normalizes by the num_items_in_batch of both processes' batches; the trained weights equal a
     one-process replay of the batches each process saw, with each rank's draws, summed."""
-    result = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         str(ROOT / "tests" / "e2e" / "hf_accelerate_worker.py"), str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    _launch("hf_accelerate_worker.py", tmp_path)
     records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert records[0]["world"] == 2
     model = bert()
@@ -132,3 +126,74 @@ def test_hf_trainer_under_accelerate_two_processes_equals_ddp_by_hand(tmp_path):
     for name, p in model.named_parameters():
         torch.testing.assert_close(trained[name], p.detach(), rtol=0, atol=1e-13)
     assert {lam for rank, lam in drew if rank == 0}.isdisjoint({lam for rank, lam in drew if rank == 1})
+
+
+def _launch(worker: str, out) -> None:
+    """``worker`` under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo), writing to ``out``."""
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         str(ROOT / "tests" / "e2e" / worker), str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sftmix_in_the_hf_trainer_on_two_processes_pairs_each_ranks_batches_and_resumes_exactly(tmp_path):
+    """SFTMixLoss and PairedBatches in the Trainer under accelerate (two processes, two micro-batches a
+    step, six steps over two epochs): every micro-batch of every process is half confident rows then half
+    unconfident ones, the processes' batches of an epoch are disjoint, and the weights equal a one-process
+    replay of the batches each process saw with its own draws (the micro-batches' losses divided by their
+    count, the processes' gradients averaged); resumed from the checkpoint after step 4 (mid-way through
+    the second epoch, whose shuffle the resumed processes must set themselves), each
+    process draws the uninterrupted run's batches and the weights end the same."""
+    from mixhook import SFTMix
+    from mixhook.integrations.transformers import HookCallback
+    from tests.e2e.sftmix_accelerate_worker import ROWS
+    from tests.matrix.language import data, model
+
+    _launch("sftmix_accelerate_worker.py", tmp_path)
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert records[0]["world"] == 2
+    rows, flags = data(ROWS)
+    index = {tuple(ids.tolist()): i for i, ids in enumerate(rows["input_ids"])}
+    epochs: dict = {}
+    for rank, record in enumerate(records):
+        steps = [step for step, _ in record["whole"]]
+        assert steps == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5], steps
+        for step, batch in record["whole"]:
+            which = [index[tuple(ids.tolist())] for ids in batch["input_ids"]]
+            assert [flags[i] for i in which] == [True, True, False, False], (rank, step)
+            epochs.setdefault(step // 3, []).extend(which)
+        resumed = [(s, b["input_ids"]) for s, b in record["resumed"]]
+        assert [s for s, _ in resumed] == [4, 4, 5, 5]
+        for (s, ids), (t, batch) in zip(resumed, record["whole"][8:], strict=True):
+            assert s == t and torch.equal(ids, batch["input_ids"]), (rank, s)
+    for epoch in (0, 1):  # (every row once an epoch: 3 steps x 2 processes x 2 micro-batches x 4 rows)
+        assert sorted(epochs[epoch]) == list(range(ROWS)), epoch
+    assert epochs[0] != epochs[1]  # (each epoch shuffled anew)
+
+    net, mix = model(), SFTMix("model.norm")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with mix.attach(net):
+        for step in range(6):
+            grads = []
+            for rank, record in enumerate(records):
+                reseed(mix, 7, rank, step, HookCallback._FIRST_PART)
+                for s, batch in record["whole"]:
+                    if s == step:
+                        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+                        (mix.loss(net, inputs)[0] / 2).backward()
+                grads.append([p.grad.clone() for p in net.parameters()])
+                opt.zero_grad()
+            for p, *gs in zip(net.parameters(), *grads, strict=True):
+                p.grad = sum(gs) / 2
+            opt.step()
+            opt.zero_grad()
+    trained = torch.load(tmp_path / "models.pt", weights_only=True)
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(trained["whole"][name], p.detach(), rtol=0, atol=1e-12, msg=name)
+        torch.testing.assert_close(trained["resumed"][name], p.detach(), rtol=0, atol=1e-12, msg=name)
+    assert not torch.equal(trained["whole"]["lm_head.weight"], model().lm_head.weight)

@@ -305,3 +305,54 @@ def test_a_model_that_returns_its_logits_as_a_tensor_is_read_as_one():
         losses.append(loss)
     assert outputs.logits.shape[0] == 4
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["merge_and_unload", "unload"])
+def test_a_merged_or_unloaded_lora_model_is_mixed_as_its_own_hand_edited_forward(how):
+    """SFTMix on a LoRA model, then merge_and_unload() or unload(): the inner model they return holds the
+    hooked norm itself, so mix.loss on it (or on the PeftModel) is the hand-written loss of that model (the
+    merged one's equal to the LoRA model's: the same function), not an unmixed one."""
+    peft = pytest.importorskip("peft")
+    inputs = batch(7)
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_llama(), lora)
+    mix = SFTMix("base_model.model.model.norm", generator=torch.Generator().manual_seed(8))
+    with mix.attach(model):
+        before, _ = mix.loss(model, inputs)
+        inner = getattr(model, how)()
+        for net in (inner, model):
+            mix.generator.manual_seed(8)
+            loss, _ = mix.loss(net, inputs)
+            expected, _ = by_hand(inner, inputs, mix.last["lam"])
+            torch.testing.assert_close(loss, expected, rtol=1e-13, atol=1e-14)
+            assert mix.last["tokens"] > 0
+    if how == "merge_and_unload":
+        torch.testing.assert_close(loss, before, rtol=1e-12, atol=1e-13)
+    else:
+        assert abs(loss.item() - before.item()) > 1e-4  # (the adapters gone: another function)
+
+
+def test_a_copy_of_the_hooked_model_is_the_plain_model_and_its_loss_is_refused_in_one_line():
+    """An EMA's deepcopy or a pickle of the hooked model runs the plain model (its mixhook hooks detached),
+    and SFTMix.loss on such a copy says the hooked layer did not run; a copy of the hook comes detached and
+    mixes the model it is attached to as the original does, on the same draws."""
+    import copy
+    import pickle
+
+    inputs = batch(8)
+    model, plain = tiny_llama(), tiny_llama()
+    tokens = {k: inputs[k] for k in ("input_ids", "attention_mask")}
+    mix = SFTMix("model.norm", generator=torch.Generator().manual_seed(9))
+    with mix.attach(model):
+        expected, _ = mix.loss(model, inputs)
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            torch.testing.assert_close(twin(**tokens).logits, plain(**tokens).logits, rtol=0, atol=0)
+            with pytest.raises(RuntimeError, match="the hooked layer did not run in it") as refused:
+                mix.loss(twin, inputs)
+            assert "\n" not in str(refused.value)
+        twin_mix = copy.deepcopy(mix)
+    assert twin_mix._model is None
+    twin_mix.generator.manual_seed(9)
+    with twin_mix.attach(plain):
+        loss, _ = twin_mix.loss(plain, inputs)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)

@@ -31,6 +31,7 @@ GOALS = {
     "host_reads_per_step": 0,
     "neftune_vs_hf_neftune": 1.02,  # a Llama step with mixhook's NEFTune (per sequence) / HuggingFace's
     "llm_mixup_vs_hand": 1.02,  # ... with Manifold Mixup at a decoder layer / a hand-written blend hook
+    "sftmix_vs_hand": 1.02,  # issue 85: a Llama step with SFTMix's loss / a minimal hand-written SFTMix's
     # issue 81: the peak memory of a Manifold Mixup step at layer2 / the hand-edited forward's (CUDA); the
     # tensors with a grad_fn a mixer keeps between steps (that what else it keeps neither grows with the
     # steps nor with the batch is tests/unit/test_retention.py's to hold: one run cannot tell)
@@ -191,6 +192,12 @@ def _language_model_goals(lm: dict, add, device) -> None:
         add("llm_mixup_vs_hand", lm["manifold_vs_hand"]["median"], GOALS["llm_mixup_vs_hand"], where)
 
 
+def _sftmix_goals(r: dict, add, device) -> None:
+    if "seconds_per_step" in r:
+        where = f"{r['model']}, batch {r['batch']}, length {r['length']}"
+        add("sftmix_vs_hand", r["sftmix_vs_hand"], GOALS["sftmix_vs_hand"], where)
+
+
 def _blend_goals(b: dict, add, device) -> None:
     if device.type == "cuda":
         limit = GOALS["blend_vs_copy_bandwidth"]
@@ -232,6 +239,7 @@ GOALS_OF = (
     ("methods", _method_goals),
     ("recipe", _recipe_goals),
     ("language_model", _language_model_goals),
+    ("sftmix", _sftmix_goals),
     ("blend", _blend_goals),
     ("memory", _memory_goals),
 )  # (in the order the goals table lists them)
@@ -643,6 +651,32 @@ def _language_model(lm: dict) -> list[str]:
     return lines
 
 
+def _sftmix(r: dict) -> list[str]:
+    """The SFTMix case's section: its step against the hand-written one's and plain NTP's, the aten ops of
+    each step, and the scoring's cost."""
+    if "note" in r:
+        return ["", "## SFTMix", "", r["note"]]
+    s = r["scoring"]
+    return [
+        "",
+        f"## SFTMix: training step, {r['model']}, batch {r['batch']}, length {r['length']}",
+        "",
+        "| variant | s/step | vs none | aten ops a step |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {k} | {v:.4f} | {fmt(r['vs_none'][k]) if k != 'none' else '1'} | {r['aten_ops'][k]} |"
+            for k, v in r["seconds_per_step"].items()
+        ),
+        "",
+        f"sftmix / hand: {fmt(r['sftmix_vs_hand'])}",
+        "",
+        f"The scoring of {s['examples']} examples (one batch): `response_perplexity` "
+        f"{s['seconds']['response_perplexity']:.4f} s, a hand-batched forward under no_grad "
+        f"{s['seconds']['hand']:.4f} s ({fmt(s['vs_hand'])}), a plain training step on them "
+        f"{s['seconds']['train_step']:.4f} s (scoring / step: {fmt(s['vs_train_step'])}).",
+    ]
+
+
 def _training_steps(results: dict) -> list[str]:
     """The training-step sections: eager, compiled and bf16, a table per model."""
     lines: list[str] = []
@@ -731,6 +765,7 @@ SECTIONS = (
     ("recipe", _recipe),
     ("memory", _memory),
     ("language_model", _language_model),
+    ("sftmix", _sftmix),
     ("augmix", _augmix),
     ("vit", _vit),
 )  # (after the training steps, in this order)

@@ -65,6 +65,7 @@ from benchmarks.cases.methods import methods  # noqa: E402
 from benchmarks.cases.peers import peers  # noqa: E402
 from benchmarks.cases.recipe import data_pipelines, recipe  # noqa: E402
 from benchmarks.cases.recompiles import recompiles  # noqa: E402
+from benchmarks.cases.sftmix import sftmix  # noqa: E402
 from benchmarks.cases.training_step import VARIANTS, training_steps  # noqa: E402
 from benchmarks.cases.vit import vit_methods  # noqa: E402
 from benchmarks.report import device_name, device_slug, goals, markdown  # noqa: E402
@@ -73,7 +74,7 @@ from mixhook.app.records import torch_messages_to_log  # noqa: E402
 
 CASES = (
     "eager", "compiled", "bf16", "peers", "methods", "dispatch", "host", "blend", "recompiles", "memory",
-    "data", "imagenet", "recipe", "llm", "augmix", "vit",
+    "data", "imagenet", "recipe", "llm", "sftmix", "augmix", "vit",
 )  # fmt: skip
 OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
 
@@ -319,6 +320,11 @@ def _llm(c: Case) -> dict:
     )
 
 
+def _sftmix(c: Case) -> dict:
+    c.log("SFTMix: its step against a hand-written one, and the scoring ...")
+    return sftmix(c.device, c.timer, c.reps, c.inner, *c.size((4, 32, 64), (16, 512, 512), (8, 128, 128)))
+
+
 # each case after the training steps: its key in the results and its runner, in the order they run
 RUNNERS = {
     "peers": ("peers", _peers),
@@ -333,6 +339,7 @@ RUNNERS = {
     "imagenet": ("imagenet", _imagenet),
     "recipe": ("recipe", _recipe),
     "llm": ("language_model", _llm),
+    "sftmix": ("sftmix", _sftmix),
     "augmix": ("augmix", _augmix),
     "vit": ("vit", _vit),
 }

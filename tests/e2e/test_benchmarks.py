@@ -122,7 +122,14 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert all(k["other"] == 0 and k["graph"] == 0 for k in kept.values())
     assert kept["PuzzleMix_input"]["last"] > 0 and kept["AutoMix_input"]["learned"] > 0
     assert "kept_graph_tensors" in {g["goal"] for g in data["goals"]}
+    sftmix = data["sftmix"]  # issue 85: its step against a hand-written SFTMix's, and the scoring
+    assert set(sftmix["seconds_per_step"]) == {"none", "hand", "sftmix"} == set(sftmix["aten_ops"])
+    assert sftmix["aten_ops"]["hand"] > sftmix["aten_ops"]["none"]  # (the mixed rows' ops: counted)
+    assert sftmix["scoring"]["vs_train_step"]["n"] >= 5 and "sftmix_vs_hand" in {
+        g["goal"] for g in data["goals"]
+    }
     markdown = json_file.with_suffix(".md").read_text()
+    assert "## SFTMix: training step" in markdown
     assert "## Memory: what a mixer keeps between steps" in markdown
     assert "## Goals" in markdown and "| mixup_vs_hand |" in markdown and "## Host cost" in markdown
     assert "## Verma et al. 2019 CIFAR-10 recipe" in markdown and "## CIFAR data pipelines" in markdown

@@ -90,9 +90,11 @@ class SFTMix(LayerHook):
     averaged per mixed token (``"token"``) or per sequence (``"sequence"``: each pair's mean, then their
     mean); gradients through the mixed states into the body (``detach=False``) or not; which answer of a
     conversation is mixed (``response``: ``"all"`` labelled tokens in order, the ``"first"`` or ``"last"``
-    run of them). ``l_NTP`` is the mean cross-entropy of the batch's labelled tokens (the model's own loss);
-    under gradient accumulation each micro-batch's loss is a mean of its own (the trainer mixin divides by
-    the micro-batches). A batch with no token to mix has ``l_mixup = 0``.
+    run of them). ``l_NTP`` is the mean cross-entropy of the batch's labelled tokens (the model's own loss),
+    ``l_mixup`` the mean over its mixed tokens; under gradient accumulation and DDP the means are the
+    step's (``counts=``, :meth:`counts` added over the step's micro-batches and processes: the trainer
+    mixin does it as the Trainer counts ``num_items_in_batch``), so that with ``mu=0`` SFTMix trains as
+    the Trainer's own loss does. A batch with no token to mix has ``l_mixup = 0``.
 
     ``.last``: ``lam`` (``(B,)``), ``"tokens"`` (the mixed tokens, each pair's counted twice) and the two
     losses, detached.
@@ -227,9 +229,24 @@ class SFTMix(LayerHook):
         return {"labels": labels, "index": index, "own": own, "other": other, "valid": valid,
                 "own_y": own_y, "partner_y": partner_y, "lam": lam}  # fmt: skip
 
-    def loss(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, object]:
+    def counts(self, labels: torch.Tensor) -> torch.Tensor:
+        """What divides the two sums of the loss of a batch of ``labels``, ``(2,)`` on their device: its
+        labelled tokens (``l_NTP``'s) and its mixed tokens (``l_mixup``'s, each pair's counted twice; with
+        ``reduce="sequence"``, its rows with a token to mix). A trainer adds them over a step's micro-batches
+        and processes and hands the sums to :meth:`loss` (``counts=``), so that the step's loss is its
+        tokens' mean, as the Trainer's own causal LM loss is (``num_items_in_batch``)."""
+        _, each = response_positions(labels, self.response)
+        slots = torch.minimum(each, each[partners(len(each), labels.device)])
+        mixed = slots.sum() if self.reduce == "token" else (slots > 0).sum()
+        return torch.stack([(labels[:, 1:] != IGNORE).sum(), mixed])
+
+    def loss(
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, object]:
         """One forward of ``inputs`` (``labels`` taken out, ``-100`` where there is no loss) with the mixed
-        rows after the clean ones; ``l_NTP + mu * l_mixup`` and the outputs, their logits the clean rows'."""
+        rows after the clean ones; ``l_NTP + mu * l_mixup`` and the outputs, their logits the clean rows'.
+        ``counts``: the divisors of the two sums (:meth:`counts`, added over a step's batches); by default
+        this batch's own, so that each term is its mean."""
         if self._model is None:
             raise RuntimeError("SFTMix.loss(): attach the hook to the model first (mix.attach(model))")
         labels = inputs.get("labels")
@@ -249,10 +266,15 @@ class SFTMix(LayerHook):
                 f"SFTMix.loss(): a packed batch ({packed}); it pairs whole rows, so give it padded batches "
                 "(TRL: packing=False, padding_free=False)"
             )
+        if counts is not None and (not isinstance(counts, torch.Tensor) or counts.shape != (2,)):
+            raise ValueError(
+                f"SFTMix.loss(): counts must be a (2,) tensor (SFTMix.counts), got {counts!r:.80}"
+            )
+        ntp_count, mixed_count = (None, None) if counts is None else counts
         n = labels.shape[0]
         if not (model.training and torch.is_grad_enabled()):  # (an evaluation: the plain loss)
             outputs = model(**rest)
-            return _ntp(logits_of(outputs), labels), outputs
+            return _ntp(logits_of(outputs), labels, ntp_count), outputs
         self._plan = self._planned(labels)
         try:
             outputs = model(**rest)
@@ -270,24 +292,24 @@ class SFTMix(LayerHook):
                 "leave logits_to_keep unset (every position's prediction is needed)"
             )
         clean, mixed = logits[:n], logits[n:]
-        ntp = _ntp(clean, labels)
-        mix, tokens = self._mixup(mixed, plan)
+        ntp = _ntp(clean, labels, ntp_count)
+        mix, tokens = self._mixup(mixed, plan, mixed_count)
         total = ntp + self.mu * mix
         self.last = {"lam": plan["lam"], "tokens": tokens, "ntp": ntp.detach(), "mixup": mix.detach()}
         return total, _clean_rows(outputs, n)
 
-    def _mixup(self, mixed: torch.Tensor, plan: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mixup(self, mixed: torch.Tensor, plan: Mapping, count=None) -> tuple[torch.Tensor, torch.Tensor]:
         lam = plan["lam"].to(mixed.dtype if mixed.dtype == torch.float64 else torch.float32)[:, None]
         own, partner = next_token_losses(mixed, plan["own_y"]), next_token_losses(mixed, plan["partner_y"])
         each = lam * own + (1 - lam) * partner  # (B, T - 1): zero where no slot
         slots = (plan["own_y"][:, 1:] != IGNORE).to(each.dtype)
         tokens = slots.sum()
         if self.reduce == "token":
-            return each.sum() / tokens.clamp(min=1), tokens
+            return each.sum() / (tokens if count is None else count).clamp(min=1), tokens
         per_row = slots.sum(1)
         rows = per_row > 0
         means = each.sum(1) / per_row.clamp(min=1)
-        return (means * rows).sum() / rows.sum().clamp(min=1), tokens
+        return (means * rows).sum() / (rows.sum() if count is None else count).clamp(min=1), tokens
 
 
 def _clean_rows(outputs, n: int):
@@ -308,6 +330,8 @@ def _clean_rows(outputs, n: int):
     return cut(outputs)
 
 
-def _ntp(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``l_NTP``: the mean cross-entropy of the batch's labelled tokens (the model's own loss)."""
-    return next_token_losses(logits, labels).sum() / (labels[:, 1:] != IGNORE).sum().clamp(min=1)
+def _ntp(logits: torch.Tensor, labels: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+    """``l_NTP``: the cross-entropy of the batch's labelled tokens summed, divided by ``count`` (by default
+    their number: the model's own loss)."""
+    count = (labels[:, 1:] != IGNORE).sum() if count is None else count
+    return next_token_losses(logits, labels).sum() / count.clamp(min=1)

@@ -571,18 +571,40 @@ class SFTMixLoss:
         trainer = SFTMixTrainer(model=model, args=args, train_dataset=data,  # data: its sftmix_confident
                                 callbacks=[HookCallback(SFTMix("model.norm"))])
 
-    Under ``gradient_accumulation_steps`` each micro-batch's loss (its means) is divided by the step's
-    micro-batches, so the gradient is their mean, as :class:`NoiseFiTLoss`'s. An evaluation forward is the
-    plain loss. With TRL's ``SFTTrainer`` its own loss, and the token metrics it logs, are replaced.
-    Refused in one line: no ``SFTMix`` in the trainer's ``HookCallback`` callbacks, or more than one."""
+    The loss's two means are the step's, as the Trainer's own causal LM loss is (``num_items_in_batch``):
+    each micro-batch's sums are divided by the labelled and the mixed tokens of all the step's micro-batches
+    (:meth:`mixhook.SFTMix.counts`), of every process where ``average_tokens_across_devices`` (the default;
+    the loss then multiplied by the processes, which DDP's mean divides again), so that with ``mu=0`` the
+    weights are those the Trainer's own loss trains. An evaluation forward is the plain loss (the batch's
+    mean). With TRL's ``SFTTrainer`` its own loss, and the token metrics it logs, are replaced. Refused in
+    one line: no ``SFTMix`` in the trainer's ``HookCallback`` callbacks, or more than one."""
 
-    loss_is_scaled_for_ga = False  # (the Trainer divides each micro-batch's loss by the steps)
+    loss_is_scaled_for_ga = True  # (each micro-batch's loss divided by the step's counts)
+    _sftmix_counts = None  # (the step's: get_batch_samples)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        from ..sftmix import SFTMix
+
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        mix = _the_hook(self, SFTMix, "SFTMixLoss")
+        counts = sum(
+            (mix.counts(b["labels"].to(device)) for b in batches if "labels" in b),
+            torch.zeros(2, dtype=torch.long, device=device),
+        )
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            counts = self.accelerator.gather(counts).view(-1, 2).sum(0)
+        self._sftmix_counts = counts
+        return batches, items
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         from ..sftmix import SFTMix
 
         inputs = {**inputs, "use_cache": False}  # (a training forward builds no key-value cache)
-        loss, outputs = _the_hook(self, SFTMix, "SFTMixLoss").loss(model, inputs)
+        training = model.training and torch.is_grad_enabled() and self._sftmix_counts is not None
+        counts = self._sftmix_counts if training else None
+        loss, outputs = _the_hook(self, SFTMix, "SFTMixLoss").loss(model, inputs, counts)
+        if training and self.args.average_tokens_across_devices and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes  # (DDP averages the processes' gradients)
         return (loss, outputs) if return_outputs else loss
 
 

@@ -145,8 +145,9 @@ def test_sftmix_in_the_hf_trainer_on_two_processes_pairs_each_ranks_batches_and_
     """SFTMixLoss and PairedBatches in the Trainer under accelerate (two processes, two micro-batches a
     step, six steps over two epochs): every micro-batch of every process is half confident rows then half
     unconfident ones, the processes' batches of an epoch are disjoint, and the weights equal a one-process
-    replay of the batches each process saw with its own draws (the micro-batches' losses divided by their
-    count, the processes' gradients averaged); resumed from the checkpoint after step 4 (mid-way through
+    replay of the batches each process saw with its own draws (each micro-batch's sums divided by the
+    tokens of the step's micro-batches on both processes, times the processes, whose gradients DDP
+    averages); resumed from the checkpoint after step 4 (mid-way through
     the second epoch, whose shuffle the resumed processes must set themselves), each
     process draws the uninterrupted run's batches and the weights end the same."""
     from mixhook import SFTMix
@@ -180,12 +181,13 @@ def test_sftmix_in_the_hf_trainer_on_two_processes_pairs_each_ranks_batches_and_
     with mix.attach(net):
         for step in range(6):
             grads = []
-            for rank, record in enumerate(records):
+            micro = [[b for s, b in record["whole"] if s == step] for record in records]
+            counts = sum(mix.counts(b["labels"]) for batches in micro for b in batches)  # (the step's)
+            for rank, batches in enumerate(micro):
                 reseed(mix, 7, rank, step, HookCallback._FIRST_PART)
-                for s, batch in record["whole"]:
-                    if s == step:
-                        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
-                        (mix.loss(net, inputs)[0] / 2).backward()
+                for batch in batches:
+                    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+                    (mix.loss(net, inputs, counts)[0] * 2).backward()  # (x processes: DDP's mean)
                 grads.append([p.grad.clone() for p in net.parameters()])
                 opt.zero_grad()
             for p, *gs in zip(net.parameters(), *grads, strict=True):

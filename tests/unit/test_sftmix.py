@@ -181,7 +181,8 @@ def test_bad_batches_and_arguments_are_refused_in_one_line():
 def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand_loop(tmp_path):
     """TRL's SFTTrainer with SFTMixLoss, PairedBatches and the hook in a HookCallback (completion-only
     labels, right padding, two micro-batches per step): its weights after two steps are the hand loop's on
-    the Trainer's own batches, the draws reseeded per step from (seed, rank, step)."""
+    the Trainer's own batches, the draws reseeded per step from (seed, rank, step), each micro-batch's sums
+    divided by the step's counts."""
     import trl
 
     from mixhook.integrations.draws import reseed
@@ -210,11 +211,12 @@ def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand
     with mix.attach(hand):
         for step in range(2):
             reseed(mix, 7, 0, step, HookCallback._FIRST_PART)
-            for micro in range(2):
-                batch = batches[2 * step + micro]
+            micro = batches[2 * step : 2 * step + 2]
+            counts = sum(mix.counts(batch["labels"]) for batch in micro)  # (the step's tokens)
+            for batch in micro:
                 inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
-                loss, _ = mix.loss(hand, inputs)
-                (loss / 2).backward()
+                loss, _ = mix.loss(hand, inputs, counts)
+                loss.backward()
             opt.step()
             opt.zero_grad()
     for (name, p), q in zip(trained.named_parameters(), hand.parameters(), strict=True):
@@ -224,6 +226,50 @@ def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand
         SFTMixTrainer(
             model=llama(), args=trl.SFTConfig(**settings), train_dataset=data, processing_class=tokenizer()
         ).compute_loss(hand, inputs)
+
+
+@pytest.mark.slow
+def test_with_mu_zero_sftmixs_trainer_trains_as_the_trainers_own_loss_under_gradient_accumulation(tmp_path):
+    """SFTMix's l_NTP is the Trainer's own causal LM loss over the step (the sum over its tokens divided by
+    num_items_in_batch, every micro-batch's), not each micro-batch's mean: with mu=0, the Trainer with
+    SFTMixLoss trains the weights the model's own loss trains (to float32's rounding: the model's loss
+    upcasts to it), two micro-batches of different token counts a step. Each micro-batch's mean divided by
+    the micro-batches (as NoiseFiT's authors) would differ by 6e-3."""
+    import datasets
+    import transformers
+
+    from mixhook.integrations.transformers import HookCallback, PairedBatches, SFTMixLoss
+    from tests.matrix.language import CONFIDENT, data, model
+
+    class Plain(PairedBatches, transformers.Trainer):
+        pass
+
+    class SFTMixTrainer(SFTMixLoss, PairedBatches, transformers.Trainer):
+        pass
+
+    rows, flags = data(32)
+    table = datasets.Dataset.from_dict({**{k: v.tolist() for k, v in rows.items()}, CONFIDENT: flags})
+    trained = {}
+    for name, cls, callbacks in (
+        ("plain", Plain, []),
+        ("sftmix", SFTMixTrainer, [HookCallback(SFTMix("model.norm", mu=0.0))]),
+    ):
+        net = model()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            max_steps=3, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0,
+            weight_decay=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=7, logging_strategy="no",
+            disable_tqdm=True,
+        )  # fmt: skip
+        trainer = cls(model=net, args=args, train_dataset=table, callbacks=callbacks)
+        micro = list(trainer.get_train_dataloader())[:2]
+        trainer.train()
+        trained[name] = dict(net.named_parameters())
+    tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
+    assert tokens[0] != tokens[1], tokens  # (a mean per micro-batch would weigh their tokens unequally)
+    for name, p in trained["plain"].items():
+        torch.testing.assert_close(trained["sftmix"][name], p, rtol=0, atol=1e-7, msg=name)
+    assert not torch.equal(trained["plain"]["lm_head.weight"], model().lm_head.weight)
 
 
 def test_the_outputs_hold_the_clean_rows_only_and_logits_to_keep_is_refused():

@@ -165,6 +165,8 @@ def test_bad_batches_and_arguments_are_refused_in_one_line():
             with pytest.raises(error, match=message) as e:
                 mix.loss(model, bad)
             assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match="counts must be a \\(2,\\) tensor"):
+            mix.loss(model, inputs, torch.tensor(5))
     for kwargs, message in (
         ({"lam": "token"}, "lam must be one of pair, batch"),
         ({"reduce": "row"}, "reduce must be one of"),
@@ -174,6 +176,26 @@ def test_bad_batches_and_arguments_are_refused_in_one_line():
             SFTMix("model.norm", **kwargs)
     with pytest.raises(ValueError, match="one layer"):
         SFTMix(["model.norm", "model.layers.0"]).attach(model)
+
+
+@pytest.mark.parametrize("reduce", ["token", "sequence"])
+def test_counts_are_the_batchs_tokens_and_divide_the_loss_sums(reduce):
+    """counts(labels): the labelled tokens (after position 0) and the mixed ones (each row's slots, the
+    shorter of its and its partner's responses; per sequence, the rows with one), written out; the loss with
+    counts divides each term's sum by them: twice the counts, half the loss, on the same draw."""
+    inputs = batch(9, spans=True)
+    labels = inputs["labels"]
+    lengths = [int((labels[i, 1:] != -100).sum()) for i in range(4)]
+    slots = [min(lengths[i], lengths[(i + 2) % 4]) for i in range(4)]
+    model = tiny_llama()
+    mix = SFTMix("model.norm", reduce=reduce, generator=torch.Generator().manual_seed(4))
+    expected = [sum(lengths), sum(slots) if reduce == "token" else sum(s > 0 for s in slots)]
+    assert mix.counts(labels).tolist() == expected
+    with mix.attach(model):
+        own, _ = mix.loss(model, inputs)
+        mix.generator.manual_seed(4)
+        halved, _ = mix.loss(model, inputs, 2 * mix.counts(labels))
+    torch.testing.assert_close(halved, own / 2, rtol=1e-14, atol=0)
 
 
 @pytest.mark.slow

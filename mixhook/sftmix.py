@@ -97,7 +97,8 @@ class SFTMix(LayerHook):
     the Trainer's own loss does. A batch with no token to mix has ``l_mixup = 0``.
 
     ``.last``: ``lam`` (``(B,)``), ``"tokens"`` (the mixed tokens, each pair's counted twice) and the two
-    losses, detached.
+    terms of the loss, detached (``"ntp"`` and ``"mixup"``: with ``counts`` given, this batch's shares of
+    the step's means).
 
     Args:
         layer: the LM head's input (one module).
@@ -254,11 +255,6 @@ class SFTMix(LayerHook):
             raise ValueError(
                 "SFTMix.loss(): the inputs need labels, (B, T) token ids with -100 where no loss"
             )
-        if labels.shape[0] < 2 or labels.shape[0] % 2:
-            raise ValueError(
-                f"SFTMix.loss(): a batch of {labels.shape[0]} rows; it pairs row k with row k + B/2, so it "
-                "needs an even batch (PairedSampler's)"
-            )
         rest = {k: v for k, v in inputs.items() if k != "labels"}
         packed = packing(model, (), rest)
         if packed is not None:
@@ -275,6 +271,11 @@ class SFTMix(LayerHook):
         if not (model.training and torch.is_grad_enabled()):  # (an evaluation: the plain loss)
             outputs = model(**rest)
             return _ntp(logits_of(outputs), labels, ntp_count), outputs
+        if n < 2 or n % 2:
+            raise ValueError(
+                f"SFTMix.loss(): a batch of {n} rows; it pairs row k with row k + B/2, so it needs an even "
+                "batch (PairedSampler's)"
+            )
         self._plan = self._planned(labels)
         try:
             outputs = model(**rest)

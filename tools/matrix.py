@@ -88,9 +88,10 @@ def markdown(cells: list[Cell], seconds: float) -> str:
         "(1 to 8) of its checkpoints and resumes it with `trainer.resume=auto`: exact when its metrics and "
         "summary equal an uninterrupted run's. The last rows are the hooks with a loss of their own "
         "(`hook.loss(model, inputs)`, each from its card's example, `tests/matrix/language.py`) on a tiny "
-        "Llama: padded prompt-and-response rows, SFTMix's batches half confident and half unconfident from "
-        "`PairedSampler`; *HF Trainer* and *TRL* make the trainer's class of the Trainer mixins the card "
-        "names, the hook in a `HookCallback`.",
+        "Llama: padded prompt-and-response rows, two micro-batches of four a step (gradient accumulation), "
+        "SFTMix's half confident and half unconfident from `PairedSampler` and its loss over the step's "
+        "tokens on every process (as its Trainer mixin's); *HF Trainer* and *TRL* make the trainer's class "
+        "of the Trainer mixins the card names, the hook in a `HookCallback`.",
         "",
         "| method | " + " | ".join(COLUMNS[c] for c in columns) + " |",
         "| --- | " + " | ".join("---" for _ in columns) + " |",

@@ -530,7 +530,10 @@ class NoiseFiTLoss:
     subclass of the Trainer: ``class NoiseFiTSFTTrainer(NoiseFiTLoss, SFTTrainer)``) the weights are the
     hand loop's on its collator's batches (completion-only labels, padding, accumulation); its own loss and
     token metrics are replaced. Refused in one line: no
-    ``NoiseFiT`` in the trainer's ``HookCallback`` callbacks, or more than one.
+    ``NoiseFiT`` in the trainer's ``HookCallback`` callbacks, or more than one; a setting the replaced loss
+    would drop (``label_smoothing_factor``, ``compute_loss_func``, TRL's ``loss_type`` other than
+    ``"nll"``, a router's auxiliary loss, ``use_liger_kernel``); tensor, context or sequence parallelism
+    and ``DataParallel``.
     """
 
     loss_is_scaled_for_ga = False  # (the Trainer divides each micro-batch's loss by the steps)
@@ -538,8 +541,41 @@ class NoiseFiTLoss:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         from ..noisefit import NoiseFiT
 
+        _refuse_what_the_loss_drops(self, "NoiseFiTLoss")
         loss, outputs = _the_hook(self, NoiseFiT, "NoiseFiTLoss").loss(model, inputs)
         return (loss, outputs) if return_outputs else loss
+
+
+def _refuse_what_the_loss_drops(trainer, where: str) -> None:
+    """One line where the trainer is set to shape its loss in a way a mixin's own loss (NoiseFiT's,
+    SFTMix's) would drop without a word, or to cut each batch between devices in a way it does not read."""
+    args = trainer.args
+    dropped = []
+    if getattr(args, "label_smoothing_factor", 0.0):
+        dropped.append(f"label_smoothing_factor={args.label_smoothing_factor}")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        dropped.append("compute_loss_func")
+    if getattr(args, "loss_type", "nll") not in ("nll", "chunked_nll"):  # (TRL's SFTConfig)
+        dropped.append(f"loss_type={args.loss_type!r}")
+    if getattr(trainer, "aux_loss_enabled", False):
+        dropped.append("the router's auxiliary loss (router_aux_loss_coef)")
+    if getattr(args, "use_liger_kernel", False):
+        dropped.append("use_liger_kernel")
+    if dropped:
+        raise ValueError(
+            f"{where} replaces the trainer's loss, so {', '.join(dropped)} would be dropped; unset it, or "
+            "train without the mixin"
+        )
+    sizes = {
+        name: int(getattr(trainer, f"get_{name}_size", lambda: 1)()) for name in ("tp", "cp", "sp")
+    }  # fmt: skip
+    cut = {name: size for name, size in sizes.items() if size > 1}
+    if cut or args.n_gpu > 1:
+        why = ", ".join(f"{n}_size={v}" for n, v in cut.items()) or f"DataParallel over {args.n_gpu} GPUs"
+        raise ValueError(
+            f"{where}: {why} cuts each batch between devices, which its loss does not read; train with one "
+            "process per device (DDP, FSDP) without tensor, context or sequence parallelism"
+        )
 
 
 def _the_hook(trainer, cls: type, where: str):
@@ -575,12 +611,16 @@ class SFTMixLoss:
     each micro-batch's sums are divided by the labelled and the mixed tokens of all the step's micro-batches
     (:meth:`mixhook.SFTMix.counts`), of every process where ``average_tokens_across_devices`` (the default;
     the loss then multiplied by the processes, which DDP's mean divides again), so that with ``mu=0`` the
-    weights are those the Trainer's own loss trains. An evaluation forward is the plain loss (the batch's
-    mean). With TRL's ``SFTTrainer`` its own loss, and the token metrics it logs, are replaced. Refused in
-    one line: no ``SFTMix`` in the trainer's ``HookCallback`` callbacks, or more than one."""
+    weights are those the Trainer's own loss trains; a call outside a step's micro-batches (after
+    ``train()``) is the batch's own mean. An evaluation forward is the plain loss, divided by the Trainer's
+    ``num_items_in_batch`` where it counts one, as its own. With TRL's ``SFTTrainer`` its own loss, and the
+    token metrics it logs, are replaced. Refused in one line: no ``SFTMix`` in the trainer's
+    ``HookCallback`` callbacks, or more than one; a setting the replaced loss would drop
+    (``label_smoothing_factor``, ``compute_loss_func``, TRL's ``loss_type`` other than ``"nll"``, a router's
+    auxiliary loss, ``use_liger_kernel``); tensor, context or sequence parallelism and ``DataParallel``."""
 
     loss_is_scaled_for_ga = True  # (each micro-batch's loss divided by the step's counts)
-    _sftmix_counts = None  # (the step's: get_batch_samples)
+    _sftmix_step = None  # (the step's counts and how many of its micro-batches are still to come)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         from ..sftmix import SFTMix
@@ -591,19 +631,27 @@ class SFTMixLoss:
             (mix.counts(b["labels"].to(device)) for b in batches if "labels" in b),
             torch.zeros(2, dtype=torch.long, device=device),
         )
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+        if self._across_devices():
             counts = self.accelerator.gather(counts).view(-1, 2).sum(0)
-        self._sftmix_counts = counts
+        self._sftmix_step = [counts, len(batches)]
         return batches, items
+
+    def _across_devices(self) -> bool:
+        return bool(self.args.average_tokens_across_devices) and self.args.world_size > 1
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         from ..sftmix import SFTMix
 
+        _refuse_what_the_loss_drops(self, "SFTMixLoss")
         inputs = {**inputs, "use_cache": False}  # (a training forward builds no key-value cache)
-        training = model.training and torch.is_grad_enabled() and self._sftmix_counts is not None
-        counts = self._sftmix_counts if training else None
+        step, counts = self._sftmix_step, None
+        if model.training and torch.is_grad_enabled() and step is not None and step[1] > 0:
+            counts, step[1] = step[0], step[1] - 1  # (one of the step's micro-batches: its counts)
+        elif not model.training and num_items_in_batch is not None:  # (an evaluation: as the Trainer's)
+            items = torch.as_tensor(num_items_in_batch).reshape(())
+            counts = torch.stack([items, torch.ones_like(items)])
         loss, outputs = _the_hook(self, SFTMix, "SFTMixLoss").loss(model, inputs, counts)
-        if training and self.args.average_tokens_across_devices and self.args.world_size > 1:
+        if counts is not None and self._across_devices():
             loss = loss * self.accelerator.num_processes  # (DDP averages the processes' gradients)
         return (loss, outputs) if return_outputs else loss
 

@@ -36,16 +36,24 @@ class Trainer(SFTMixLoss, PairedBatches, transformers.Trainer):
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-def trainer(out: str) -> Trainer:
+def table():
     rows, flags = data(ROWS)
-    table = datasets.Dataset.from_dict({**{k: v.tolist() for k, v in rows.items()}, CONFIDENT: flags})
-    args = transformers.TrainingArguments(
+    return datasets.Dataset.from_dict({**{k: v.tolist() for k, v in rows.items()}, CONFIDENT: flags})
+
+
+def arguments(out: str) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=6,
         optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0, weight_decay=0.0,
         report_to=[], save_strategy="steps", save_steps=4, save_only_model=False, use_cpu=True, seed=7,
-        logging_strategy="no", disable_tqdm=True, ddp_backend="gloo",
+        logging_strategy="no", disable_tqdm=True, ddp_backend="gloo", per_device_eval_batch_size=5,
     )  # fmt: skip
-    return Trainer(model=model(), args=args, train_dataset=table, callbacks=[Recording(SFTMix("model.norm"))])
+
+
+def trainer(out: str) -> Trainer:
+    return Trainer(
+        model=model(), args=arguments(out), train_dataset=table(), callbacks=[Recording(SFTMix("model.norm"))]
+    )
 
 
 if __name__ == "__main__":
@@ -56,8 +64,17 @@ if __name__ == "__main__":
     whole, seen = seen, []
     second = trainer(f"{out}/run")  # (the same output directory: its checkpoint-4)
     second.train(resume_from_checkpoint=f"{out}/run/checkpoint-4")
+    # the evaluation loss over both processes' batches (odd ones too), as the Trainer's own loss gives it
+    odd = table().select(range(13))
+    losses = {
+        "sftmix": first.evaluate(eval_dataset=odd)["eval_loss"],
+        "plain": transformers.Trainer(model=first.model, args=arguments(f"{out}/plain")).evaluate(odd)[
+            "eval_loss"
+        ],
+    }
     rank = first.args.process_index
-    torch.save({"whole": whole, "resumed": seen, "world": first.args.world_size}, f"{out}/rank{rank}.pt")
+    record = {"whole": whole, "resumed": seen, "world": first.args.world_size, "eval": losses}
+    torch.save(record, f"{out}/rank{rank}.pt")
     if rank == 0:
         torch.save(
             {"whole": first.model.state_dict(), "resumed": second.model.state_dict()}, f"{out}/models.pt"

@@ -149,7 +149,8 @@ def test_sftmix_in_the_hf_trainer_on_two_processes_pairs_each_ranks_batches_and_
     tokens of the step's micro-batches on both processes, times the processes, whose gradients DDP
     averages); resumed from the checkpoint after step 4 (mid-way through
     the second epoch, whose shuffle the resumed processes must set themselves), each
-    process draws the uninterrupted run's batches and the weights end the same."""
+    process draws the uninterrupted run's batches and the weights end the same. The evaluation loss of odd
+    batches over both processes is the Trainer's own."""
     from mixhook import SFTMix
     from mixhook.integrations.transformers import HookCallback
     from tests.e2e.sftmix_accelerate_worker import ROWS
@@ -158,6 +159,8 @@ def test_sftmix_in_the_hf_trainer_on_two_processes_pairs_each_ranks_batches_and_
     _launch("sftmix_accelerate_worker.py", tmp_path)
     records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert records[0]["world"] == 2
+    losses = records[0]["eval"]  # (odd batches: no pairs to refuse; the tokens' mean over both processes)
+    assert losses["sftmix"] == pytest.approx(losses["plain"], rel=1e-6), losses
     rows, flags = data(ROWS)
     index = {tuple(ids.tolist()): i for i, ids in enumerate(rows["input_ids"])}
     epochs: dict = {}

@@ -5,11 +5,14 @@ that train a language model with such a loss: the hand loop, the HuggingFace Tra
 ``SFTTrainer`` (the trainer's class made of the Trainer mixins its card names, the hook in a
 ``HookCallback``), and the hand loop under DDP and FSDP2 (:mod:`.distributed`).
 
-The hand loop (:func:`own_loop`) is what the Trainer promises: the batches in the order its loader gives
-them (SFTMix's from :class:`~mixhook.confidence.PairedSampler`, seeded as ``PairedBatches`` seeds it, half
-confident and half unconfident rows; the others in order), per step the hook's draws reseeded from
-``(seed, rank, step)`` as ``HookCallback`` reseeds them, the loss ``hook.loss`` returns, SGD. The other
-workflows (Lightning, timm, the app) are not for them: ``n/a`` with why.
+The hand loop (:func:`own_loop`) is what the Trainer promises: two micro-batches of four rows a step
+(gradient accumulation), in the order its loader gives them (SFTMix's from
+:class:`~mixhook.confidence.PairedSampler`, seeded as ``PairedBatches`` seeds it, half confident and half
+unconfident rows; the others in order), per step the hook's draws reseeded from ``(seed, rank, step)`` as
+``HookCallback`` reseeds them, the loss ``hook.loss`` returns (SFTMix's sums over the step's tokens on
+every process, :func:`step_counts`, as its mixin and the Trainer's own loss; NoiseFiT's each micro-batch's
+mean over the micro-batches, as its authors'), SGD. The other workflows (Lightning, timm, the app) are not
+for them: ``n/a`` with why.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .cells import BATCH, LR, SEED, STEPS
 from .methods import Method
 
 VOCAB, LENGTH = 64, 10
+MICRO, ACCUMULATE = BATCH // 2, 2  # a step: two micro-batches of 4 rows (SFTMix's: 2 confident, 2 not)
 CONFIDENT = "sftmix_confident"
 NOT_HERE = (
     "a hook with a loss of its own, for language models: hook.loss in a loop, or its Trainer mixin (HF, TRL)"
@@ -70,15 +74,15 @@ def paired(method: Method) -> bool:
 
 
 def batches(method: Method, n: int) -> list[dict[str, torch.Tensor]]:
-    """The ``n`` rows' batches of ``BATCH``, in the order the Trainer's loader gives them (epoch 0)."""
+    """The ``n`` rows' micro-batches of ``MICRO``, in the order the Trainer's loader gives them (epoch 0)."""
     from mixhook.confidence import PairedSampler
 
     rows, flags = data(n)
     if paired(method):
-        order = torch.tensor(list(PairedSampler(flags, BATCH, seed=SEED)))
+        order = torch.tensor(list(PairedSampler(flags, MICRO, seed=SEED)))
     else:
         order = torch.arange(n)
-    return [{k: v[order[b : b + BATCH]] for k, v in rows.items()} for b in range(0, len(order), BATCH)]
+    return [{k: v[order[b : b + MICRO]] for k, v in rows.items()} for b in range(0, len(order), MICRO)]
 
 
 def reseeded(hook, rank: int, step: int) -> None:
@@ -88,19 +92,42 @@ def reseeded(hook, rank: int, step: int) -> None:
     reseed(hook, SEED, rank, step, HookCallback._FIRST_PART)
 
 
-def hand_step(hook, net, batch: dict, rank: int, step: int) -> None:
+def step_counts(hook, micro: list[dict]) -> torch.Tensor | None:
+    """What divides the loss's sums over a step (its micro-batches on every process): a hook that counts
+    them (SFTMix.counts: the step's token means, as its Trainer mixin and the Trainer's own loss); ``None``
+    for one whose loss is each micro-batch's mean (NoiseFiT's, divided by the micro-batches)."""
+    counts = getattr(hook, "counts", None)
+    return None if counts is None else sum(counts(b["labels"]) for b in micro)
+
+
+def hand_step(hook, net, micro: list[dict], rank: int, step: int, counts=None, world: int = 1) -> None:
+    """One step's forwards and backwards on this process's micro-batches: each loss over the step's
+    ``counts`` times the processes (whose gradients DDP averages), or each micro-batch's mean over their
+    number."""
     reseeded(hook, rank, step)
-    loss, _ = hook.loss(net, batch)
-    loss.backward()
+    for batch in micro:
+        if counts is not None:
+            loss = hook.loss(net, batch, counts)[0] * world
+        else:
+            loss = hook.loss(net, batch)[0] / len(micro)
+        loss.backward()
 
 
-def own_loop(method: Method, steps: list[dict] | None = None) -> list[torch.Tensor]:
-    """The hand loop on ``steps`` (one batch a step; default: its own batches)."""
+def mine(drawn: list[dict], step: int, rank: int, world: int) -> list[dict]:
+    """Rank ``rank``'s micro-batches of step ``step`` (accelerate hands the processes whole batches in
+    turn)."""
+    return [drawn[(step * ACCUMULATE + m) * world + rank] for m in range(ACCUMULATE)]
+
+
+def own_loop(method: Method, drawn: list[dict] | None = None) -> list[torch.Tensor]:
+    """The hand loop on ``drawn`` (the micro-batches in order; default: its own)."""
     net, hook = model(), method.make("")
+    drawn = drawn or batches(method, STEPS * BATCH)
     with hook.attach(net):
         opt = torch.optim.SGD(net.parameters(), lr=LR)
-        for step, batch in enumerate(steps or batches(method, STEPS * BATCH)):
-            hand_step(hook, net, batch, 0, step)
+        for step in range(STEPS):
+            micro = mine(drawn, step, 0, 1)
+            hand_step(hook, net, micro, 0, step, step_counts(hook, micro))
             opt.step()
             opt.zero_grad()
     return list(net.parameters())
@@ -115,7 +142,8 @@ def _trainer_class(method: Method, base: type) -> type:
 
 def _settings(out: str, method: Method) -> dict:
     return dict(
-        output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, optim="sgd", learning_rate=LR,
+        output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATE,
+        max_steps=STEPS, optim="sgd", learning_rate=LR,
         lr_scheduler_type="constant", max_grad_norm=0, weight_decay=0.0, report_to=[], save_strategy="no",
         use_cpu=True, seed=SEED, logging_strategy="no", disable_tqdm=True,
         train_sampling_strategy="random" if paired(method) else "sequential",
@@ -165,7 +193,7 @@ def trl(method: Method) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             train_dataset=datasets.Dataset.from_list(listed), processing_class=tokenizer(),
             callbacks=[HookCallback(method.make(""))],
         )  # fmt: skip
-        drawn = list(trainer.get_train_dataloader())[:STEPS]
+        drawn = list(trainer.get_train_dataloader())[: STEPS * ACCUMULATE]
         trainer.train()
     keys = ("input_ids", "attention_mask", "labels")
     return list(net.parameters()), own_loop(method, [{k: b[k] for k in keys} for b in drawn])
@@ -176,7 +204,8 @@ def trl(method: Method) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def distributed(method: Method, mode: str, rank: int, world: int) -> list[torch.Tensor]:
     """This rank's hand loop under ``mode`` (``"ddp"``, or ``"fsdp"``: each decoder layer sharded, then the
-    model) on batch ``step * world + rank`` of each step (accelerate's order): the full weights."""
+    model) on its micro-batches of each step (:func:`mine`), SFTMix's sums over the step's counts on every
+    process (as its Trainer mixin gathers them): the full weights."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -193,7 +222,9 @@ def distributed(method: Method, mode: str, rank: int, world: int) -> list[torch.
     with hook.attach(net):
         opt = torch.optim.SGD(net.parameters(), lr=LR)
         for step in range(STEPS):
-            hand_step(hook, wrapped, drawn[step * world + rank], rank, step)
+            every = [b for r in range(world) for b in mine(drawn, step, r, world)]
+            counts = step_counts(hook, every)  # (every process's: as SFTMixLoss gathers them)
+            hand_step(hook, wrapped, mine(drawn, step, rank, world), rank, step, counts, world)
             opt.step()
             opt.zero_grad()
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in net.parameters()]
@@ -207,8 +238,9 @@ def replayed(method: Method, world: int) -> list[torch.Tensor]:
         opt = torch.optim.SGD(net.parameters(), lr=LR)
         for step in range(STEPS):
             grads = []
+            counts = step_counts(hook, [b for r in range(world) for b in mine(drawn, step, r, world)])
             for rank in range(world):
-                hand_step(hook, net, drawn[step * world + rank], rank, step)
+                hand_step(hook, net, mine(drawn, step, rank, world), rank, step, counts, world)
                 grads.append([p.grad.clone() for p in net.parameters()])
                 opt.zero_grad()
             for p, *gs in zip(net.parameters(), *grads, strict=True):

@@ -248,6 +248,11 @@ def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand
         SFTMixTrainer(
             model=llama(), args=trl.SFTConfig(**settings), train_dataset=data, processing_class=tokenizer()
         ).compute_loss(hand, inputs)
+    with pytest.raises(ValueError, match="so loss_type='dft' would be dropped"):  # (TRL's other loss)
+        SFTMixTrainer(
+            model=llama(), args=trl.SFTConfig(**{**settings, "loss_type": "dft"}), train_dataset=data,
+            processing_class=tokenizer(), callbacks=[HookCallback(SFTMix("model.norm"))],
+        ).train()  # fmt: skip
 
 
 @pytest.mark.slow
@@ -271,7 +276,7 @@ def test_with_mu_zero_sftmixs_trainer_trains_as_the_trainers_own_loss_under_grad
 
     rows, flags = data(32)
     table = datasets.Dataset.from_dict({**{k: v.tolist() for k, v in rows.items()}, CONFIDENT: flags})
-    trained = {}
+    trained, evaluated, after = {}, {}, {}
     for name, cls, callbacks in (
         ("plain", Plain, []),
         ("sftmix", SFTMixTrainer, [HookCallback(SFTMix("model.norm", mu=0.0))]),
@@ -281,17 +286,79 @@ def test_with_mu_zero_sftmixs_trainer_trains_as_the_trainers_own_loss_under_grad
             output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
             max_steps=3, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0,
             weight_decay=0.0, report_to=[], save_strategy="no", use_cpu=True, seed=7, logging_strategy="no",
-            disable_tqdm=True,
+            disable_tqdm=True, per_device_eval_batch_size=5,
         )  # fmt: skip
         trainer = cls(model=net, args=args, train_dataset=table, callbacks=callbacks)
         micro = list(trainer.get_train_dataloader())[:2]
         trainer.train()
         trained[name] = dict(net.named_parameters())
+        # an odd evaluation batch is no pair to refuse: the plain loss, the Trainer's own (5 rows a batch)
+        evaluated[name] = trainer.evaluate(eval_dataset=table.select(range(13)))["eval_loss"]
+        # after train(), a training-mode call is the batch's own mean, not a share of the last step's
+        net.train()  # (as train() leaves it; evaluate() left it in eval mode)
+        after[name] = float(trainer.compute_loss(net, {k: v for k, v in micro[0].items()}))
     tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
     assert tokens[0] != tokens[1], tokens  # (a mean per micro-batch would weigh their tokens unequally)
     for name, p in trained["plain"].items():
         torch.testing.assert_close(trained["sftmix"][name], p, rtol=0, atol=1e-7, msg=name)
     assert not torch.equal(trained["plain"]["lm_head.weight"], model().lm_head.weight)
+    assert evaluated["sftmix"] == pytest.approx(evaluated["plain"], rel=1e-6)
+    assert after["sftmix"] == pytest.approx(after["plain"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1 would be dropped"),
+        ({"compute_loss_func": True}, "compute_loss_func would be dropped"),
+        ({"cp_size": 2}, "cp_size=2 cuts each batch between devices"),
+    ],
+    ids=["label_smoothing", "compute_loss_func", "context_parallel"],
+)
+@pytest.mark.parametrize("mixin", ["SFTMixLoss", "NoiseFiTLoss"])
+def test_what_a_mixins_own_loss_would_drop_is_refused_in_one_line_before_a_step(
+    tmp_path, mixin, setting, message
+):
+    """The mixins replace the Trainer's loss: a setting that shapes it (label smoothing, a compute_loss_func)
+    would be dropped, and a batch cut along its sequence (context parallelism: its size stated here, as no
+    CPU can run it) would be mixed and counted wrong; each is refused before the first step."""
+    import datasets
+    import transformers
+
+    from mixhook import NoiseFiT
+    from mixhook.integrations import transformers as adapter
+    from tests.matrix.language import CONFIDENT, data, model
+
+    hook = SFTMix("model.norm") if mixin == "SFTMixLoss" else NoiseFiT("model.layers.0")
+    extra = (adapter.PairedBatches,) if mixin == "SFTMixLoss" else ()
+    cls = type("T", (getattr(adapter, mixin), *extra, transformers.Trainer), {})
+    rows, flags = data(16)
+    table = datasets.Dataset.from_dict({**{k: v.tolist() for k, v in rows.items()}, CONFIDENT: flags})
+    options = {k: v for k, v in setting.items() if k == "label_smoothing_factor"}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, **options,
+    )  # fmt: skip
+    net = model()
+    before = [p.clone() for p in net.parameters()]
+    func = (
+        (lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum())
+        if "compute_loss_func" in setting
+        else None
+    )
+    trainer = cls(
+        model=net,
+        args=args,
+        train_dataset=table,
+        callbacks=[adapter.HookCallback(hook)],
+        compute_loss_func=func,
+    )
+    if "cp_size" in setting:
+        trainer.get_cp_size = lambda: setting["cp_size"]
+    with pytest.raises(ValueError, match=message) as refused:
+        trainer.train()
+    assert "\n" not in str(refused.value) and mixin in str(refused.value)
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before, strict=True))
 
 
 def test_the_outputs_hold_the_clean_rows_only_and_logits_to_keep_is_refused():

@@ -211,9 +211,7 @@ class SFTMix(LayerHook):
     def _planned(self, labels: torch.Tensor) -> dict:
         """The pairs, their lams (from the hook's generator) and the aligned positions and targets."""
         n, length = labels.shape
-        index = partners(n, labels.device)
-        positions, counts = response_positions(labels, self.response)
-        slots = torch.minimum(counts, counts[index])
+        index, positions, slots = self._aligned(labels)
         valid = torch.arange(length, device=labels.device)[None] < slots[:, None]
         own = (positions - 1).clamp(min=0)
         other = (positions[index] - 1).clamp(min=0)
@@ -230,14 +228,20 @@ class SFTMix(LayerHook):
         return {"labels": labels, "index": index, "own": own, "other": other, "valid": valid,
                 "own_y": own_y, "partner_y": partner_y, "lam": lam}  # fmt: skip
 
+    def _aligned(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's partner, its response positions in order (:func:`response_positions`) and its slots:
+        how many of them are mixed (the shorter of its and its partner's responses)."""
+        index = partners(labels.shape[0], labels.device)
+        positions, each = response_positions(labels, self.response)
+        return index, positions, torch.minimum(each, each[index])
+
     def counts(self, labels: torch.Tensor) -> torch.Tensor:
         """What divides the two sums of the loss of a batch of ``labels``, ``(2,)`` on their device: its
         labelled tokens (``l_NTP``'s) and its mixed tokens (``l_mixup``'s, each pair's counted twice; with
         ``reduce="sequence"``, its rows with a token to mix). A trainer adds them over a step's micro-batches
         and processes and hands the sums to :meth:`loss` (``counts=``), so that the step's loss is its
         tokens' mean, as the Trainer's own causal LM loss is (``num_items_in_batch``)."""
-        _, each = response_positions(labels, self.response)
-        slots = torch.minimum(each, each[partners(len(each), labels.device)])
+        _, _, slots = self._aligned(labels)
         mixed = slots.sum() if self.reduce == "token" else (slots > 0).sum()
         return torch.stack([(labels[:, 1:] != IGNORE).sum(), mixed])
 

@@ -404,16 +404,26 @@ def _judged(method: Method, workflow: str) -> Cell:
             return Cell(method.name, workflow, "n/a", "shown on images here (TRL trains language models)")
         got, expected = found
     elif workflow == "own":
-        got, expected = own_loop(method), None
-        twice = own_loop(method)  # the hand loop is deterministic: the reference of every other cell
-        return Cell(method.name, workflow, "exact" if _difference(got, twice) == 0 else "fails", "")
+        return _deterministic(method, own_loop)
     else:
         runner = {"lightning": lightning, "hf": hf, "timm": timm_script}[workflow]
         got = runner(method)
         expected = own_loop(method, reseeded=workflow != "timm")
+    fresh = list(model(method.kind).parameters()) if workflow != "trl" else None
+    return _verdict(method, workflow, got, expected, fresh)
+
+
+def _deterministic(method: Method, loop) -> Cell:
+    """The hand loop run twice: the same weights (it is the reference of every other cell)."""
+    same = _difference(loop(method), loop(method)) == 0
+    return Cell(method.name, "own", "exact" if same else "fails", "")
+
+
+def _verdict(method: Method, workflow: str, got, expected, fresh: list | None) -> Cell:
+    """``exact`` where the workflow's weights equal the hand loop's (to ``TOLERANCE``) and differ from the
+    untrained ``fresh`` ones (``None``: not compared), else ``fails``."""
     diff = _difference(got, expected)
-    fresh = list(model(method.kind).parameters())
-    changed = _difference(_listed(got)[: len(fresh)], fresh) if workflow != "trl" else 1.0
+    changed = _difference(_listed(got)[: len(fresh)], fresh) if fresh is not None else 1.0
     if diff <= TOLERANCE and changed > 0:
         return Cell(method.name, workflow, "exact", f"{diff:.1e}")
     return Cell(method.name, workflow, "fails", f"differs from the hand loop by {diff:.2e}")
@@ -424,13 +434,8 @@ def _language(method: Method, workflow: str) -> Cell:
     from . import language
 
     if workflow == "own":
-        got = language.own_loop(method)
-        same = _difference(got, language.own_loop(method)) == 0
-        return Cell(method.name, workflow, "exact" if same else "fails", "")
+        return _deterministic(method, language.own_loop)
     if workflow not in ("hf", "trl"):
         return Cell(method.name, workflow, "n/a", language.NOT_HERE)
     got, expected = (language.hf if workflow == "hf" else language.trl)(method)
-    diff, changed = _difference(got, expected), _difference(got, language.model())
-    if diff <= TOLERANCE and changed > 0:
-        return Cell(method.name, workflow, "exact", f"{diff:.1e}")
-    return Cell(method.name, workflow, "fails", f"differs from the hand loop by {diff:.2e}")
+    return _verdict(method, workflow, got, expected, list(language.model().parameters()))

@@ -26,19 +26,33 @@ def _causal(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
+VOCAB = 2048
+
+
+def llama(device, hidden: int, length: int) -> torch.nn.Module:
+    """The cases' Llama (4 layers of width ``hidden``, a vocabulary of ``VOCAB``), its weights drawn after
+    ``torch.manual_seed(0)``, in train mode: :func:`llama_name` names it."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(length, 64), pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).to(device).train()
+
+
+def llama_name(hidden: int) -> str:
+    return f"Llama, hidden {hidden}, 4 layers"
+
+
 def language_model(device, timer, reps, inner, batch, length, hidden) -> dict:
     try:
-        import transformers
         from transformers.integrations.neftune import neftune_post_forward_hook
     except ImportError:
         return {"note": "transformers is not installed (pip install -e '.[dev]')"}
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=2048, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(length, 64), pad_token_id=0,
-    )  # fmt: skip
-    base = transformers.LlamaForCausalLM(config).to(device).train()
-    ids = torch.randint(3, 2048, (batch, length), device=device)
+    base = llama(device, hidden, length)
+    ids = torch.randint(3, VOCAB, (batch, length), device=device)
     mask = torch.ones(batch, length, dtype=torch.long, device=device)
     for i in range(batch):  # right padding: every sequence its own length
         mask[i, length - (i * length) // (2 * batch) :] = 0
@@ -93,7 +107,7 @@ def language_model(device, timer, reps, inner, batch, length, hidden) -> dict:
     }
     times = timer.side_by_side(variants, reps=reps, inner=inner, warmup=2)
     return {
-        "model": f"Llama, hidden {hidden}, 4 layers",
+        "model": llama_name(hidden),
         "batch": batch,
         "length": length,
         "seconds_per_step": {k: statistics.median(v) for k, v in times.items()},

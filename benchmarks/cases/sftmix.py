@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.cases.host import Census
+from benchmarks.cases.language_model import VOCAB, llama, llama_name
 from benchmarks.timing import ratio
 from mixhook import SFTMix
 from mixhook.confidence import response_perplexity
@@ -86,17 +87,11 @@ def _hand(model, labels, alpha: float = 0.5, mu: float = 0.2):
 
 def sftmix(device, timer, reps, inner, batch, length, hidden) -> dict:
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError:
         return {"note": "transformers is not installed (pip install -e '.[dev]')"}
-    torch.manual_seed(0)
-    vocab = 2048
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(length, 64), pad_token_id=0,
-    )  # fmt: skip
-    base = transformers.LlamaForCausalLM(config).to(device).train()
-    ids, mask, labels = _batch(batch, length, vocab, device)
+    base = llama(device, hidden, length)
+    ids, mask, labels = _batch(batch, length, VOCAB, device)
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     tokens = {"input_ids": ids, "attention_mask": mask}
 
@@ -139,7 +134,7 @@ def sftmix(device, timer, reps, inner, batch, length, hidden) -> dict:
             step()
         census[name] = sum(seen.ops.values())
     return {
-        "model": f"Llama, hidden {hidden}, 4 layers",
+        "model": llama_name(hidden),
         "batch": batch,
         "length": length,
         "seconds_per_step": {k: statistics.median(v) for k, v in times.items()},

@@ -1,3 +1,4 @@
+import gzip
 import os
 import pickle
 from pathlib import Path
@@ -59,6 +60,39 @@ def write_cifar(root: Path, name: str = "cifar10", per_file: int = 8, seed: int 
         with open(root / folder / file, "wb") as f:
             pickle.dump(entry, f)
         out[file] = (images, np.asarray(labels))
+    return out
+
+
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def write_idx(
+    root: Path, n_train: int = 30, n_test: int = 10, seed: int = 0, gzipped: bool = False, labels: int = 10,
+    side: int = 28, only: str | None = None,
+) -> dict:  # fmt: skip
+    """Write the MNIST family's four IDX files (LeCun's format: a big-endian header, then uint8 data) into
+    ``root``, gzipped or not: random ``side x side`` images, labels ``0 .. labels - 1`` as evenly as the
+    count allows, shuffled. ``only``: write only the files whose names start with it. Returns ``{"train":
+    (images (N, side, side), labels), "test": ...}`` for the test to compare against."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        images = rng.integers(0, 256, size=(n, side, side), dtype=np.uint8)
+        classes = rng.permutation(np.arange(n) % labels).astype(np.uint8)
+        out[split] = (images, classes.astype(np.int64))
+        for name, array, magic in zip(IDX_FILES[split], (images, classes), (0x0803, 0x0801), strict=True):
+            if only is not None and not name.startswith(only):
+                continue
+            header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+            raw = header + array.tobytes()
+            for stale in (root / name, root / f"{name}.gz"):
+                stale.unlink(missing_ok=True)
+            path = root / (f"{name}.gz" if gzipped else name)
+            path.write_bytes(gzip.compress(raw) if gzipped else raw)
     return out
 
 

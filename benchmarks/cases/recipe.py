@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from benchmarks import cases
 from benchmarks.timing import ratio
 from mixhook import ManifoldMixup
-from mixhook.app.data import _CIFAR, CifarImages, DeviceBatches, EpochSampler, SeededSamples
+from mixhook.app.data import _CIFAR, DeviceBatches, EpochSampler, SeededSamples, SmallImages
 from mixhook.app.training.evaluation import evaluate
 from mixhook.app.training.finite import LAZY_EVERY, FiniteCheck
 from mixhook.app.training.loop import Training, train_one_epoch
@@ -33,11 +33,11 @@ from mixhook.app.training.task import Classification
 PAPER_EPOCHS, TRAIN_IMAGES, TEST_IMAGES = 1200, 50_000, 10_000
 
 
-def synthetic_cifar(images: int, augment: bool, seed: int = 0) -> CifarImages:
+def synthetic_cifar(images: int, augment: bool, seed: int = 0) -> SmallImages:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 256, (images, 3, 32, 32), dtype=torch.uint8, generator=g)
     spec = _CIFAR["cifar10"]
-    return CifarImages(x, torch.randint(0, 10, (images,), generator=g), spec["mean"], spec["std"], augment)
+    return SmallImages(x, torch.randint(0, 10, (images,), generator=g), spec["mean"], spec["std"], augment)
 
 
 def data_pipelines(

@@ -116,6 +116,13 @@ class SvhnConfig(CifarConfig):  # CIFAR's keys and pipelines, and the extra spli
 
 
 @dataclass
+class MnistConfig(CifarConfig):  # CIFAR's keys and pipelines; the files looked for where root is null
+    name: str = MISSING
+    root: str | None = None
+    flip: bool = False
+
+
+@dataclass
 class ImageFolderConfig:
     name: str = "imagefolder"
     root: str = "data/imagenet"
@@ -206,6 +213,7 @@ def register() -> None:
     store.store(group="data", name="cifar_schema", node=CifarConfig)
     store.store(group="data", name="diabetes_schema", node=DiabetesConfig)
     store.store(group="data", name="svhn_schema", node=SvhnConfig)
+    store.store(group="data", name="mnist_schema", node=MnistConfig)
     store.store(group="data", name="imagefolder_schema", node=ImageFolderConfig)
 
 

@@ -41,9 +41,9 @@ def test_the_digits_split_is_pinned_by_its_digest(tmp_path):
 
 def test_bad_data_options_are_refused():
     with pytest.raises(
-        ValueError, match="data.name='mnist' is not a data set; valid: digits, cifar10, cifar100"
+        ValueError, match="data.name='emnist' is not a data set; valid: digits, cifar10, cifar100"
     ):
-        build_data("mnist", batch_size=8)
+        build_data("emnist", batch_size=8)
     with pytest.raises(ValueError, match="trainer.batch_size must be a positive integer, got 0"):
         build_data("digits", batch_size=0)
     with pytest.raises(ValueError, match=r"data.test_size must be in \(0, 1\)"):
@@ -178,11 +178,11 @@ def test_augmented_batches_depend_on_seed_and_epoch_only(cifar10_root, workers):
 
 
 def cifar(images, augment=True, padding=4):
-    from mixhook.app.data import _CIFAR, CifarImages
+    from mixhook.app.data import _CIFAR, SmallImages
 
     spec = _CIFAR["cifar10"]
     labels = torch.arange(len(images)) % 10
-    return CifarImages(images, labels, spec["mean"], spec["std"], augment=augment, padding=padding)
+    return SmallImages(images, labels, spec["mean"], spec["std"], augment=augment, padding=padding)
 
 
 def test_a_batch_is_cropped_and_flipped_as_torchvision_crops_and_flips_each_image():

@@ -1,17 +1,18 @@
 """Data sets for the experiment app: scikit-learn's digits (offline, the default), CIFAR-10/100, SVHN,
-ImageNet-format image folders (ImageNet, Tiny-ImageNet, any ``root/train/<class>/`` tree), and
-scikit-learn's diabetes data (offline), a regression task.
+MNIST, Fashion-MNIST and KMNIST, ImageNet-format image folders (ImageNet, Tiny-ImageNet, any
+``root/train/<class>/`` tree), and scikit-learn's diabetes data (offline), a regression task.
 
 :func:`build_data` returns a :class:`Data` bundle: train and test loaders and what the model needs to
 know (channels, classes, image size).
 
 One module per family: :mod:`.tabular` (digits, diabetes), :mod:`.cifar` (CIFAR's and SVHN's files),
-:mod:`.folders` (image folders); beneath them :mod:`.images` (32x32 images per sample and per batch on the
-device, the normalisation), :mod:`.augment` (the augmentations the app computes itself) and
-:mod:`.sampling` (the training order, each sample's augmentation seed, the subsets). The training order
-and the random augmentation are functions of (seed, epoch, position), not of a stream that the run
-consumes (:mod:`.sampling`): the same seed gives the same batches, whatever the number of loader workers,
-and a run resumed at step k of an epoch sees exactly the batches it would have seen.
+:mod:`.mnist` (the MNIST family's IDX files), :mod:`.folders` (image folders); beneath them :mod:`.images`
+(small images held as one uint8 tensor, per sample and per batch on the device, the normalisation),
+:mod:`.augment` (the augmentations the app computes itself) and :mod:`.sampling` (the training order,
+each sample's augmentation seed, the subsets). The training order and the random augmentation are
+functions of (seed, epoch, position), not of a stream that the run consumes (:mod:`.sampling`): the same
+seed gives the same batches, whatever the number of loader workers, and a run resumed at step k of an
+epoch sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader, Subset
 from mixhook.policies.partners import class_balanced_weights
 
 from ..errors import DataNotFoundError
-from . import cifar, folders, tabular
+from . import cifar, folders, mnist, tabular
 from .augment import (
     IMAGENET_EIGVAL,
     IMAGENET_EIGVEC,
@@ -45,18 +46,19 @@ from .folders import (
     DeviceNormalized,
     FolderImages,
 )
-from .images import CifarImages, DeviceBatches, normalization
+from .images import DeviceBatches, SmallImages, normalization, small_images
+from .mnist import read_idx
 from .sampling import EpochSampler, SeededSamples, long_tail_subset, per_class_subset
 
 SAMPLERS = ("random", "balanced")  # data.sampler: each epoch a permutation, or classes drawn equally often
-PIPELINES = ("auto", "device", "workers")  # data.pipeline: where CIFAR batches are made (see build_data)
+PIPELINES = ("auto", "device", "workers")  # data.pipeline: where small images' batches are made (build_data)
 
 
 @dataclass
 class Data:
     """Loaders plus the shape facts a model is built from. ``train`` and ``test`` are ``DataLoader``s or,
-    for CIFAR with ``pipeline="device"``, :class:`DeviceBatches` (the same interface: batches,
-    ``len``, ``batch_size``, the training ``sampler``)."""
+    for small images (CIFAR, SVHN, the MNIST family) with ``pipeline="device"``, :class:`DeviceBatches`
+    (the same interface: batches, ``len``, ``batch_size``, the training ``sampler``)."""
 
     name: str
     train: DataLoader | DeviceBatches
@@ -113,18 +115,18 @@ def build_data(
     sampler: str = "random",
     **options,
 ) -> Data:
-    """Build the data set ``name`` (``digits``, ``cifar10``, ``cifar100``, ``svhn``, ``imagefolder`` or
-    ``diabetes``) with its ``options``.
+    """Build the data set ``name`` (``digits``, ``cifar10``, ``cifar100``, ``svhn``, ``mnist``,
+    ``fashion_mnist``, ``kmnist``, ``imagefolder`` or ``diabetes``) with its ``options``.
 
     With ``world_size`` > 1 (data-parallel training) the loaders hold rank ``rank``'s share: every
     ``world_size``-th sample of each epoch's order for training, and a disjoint shard of the test set
     (the ranks' test metrics sum to the whole set's).
 
-    ``pipeline`` (CIFAR, SVHN): ``"device"`` holds the images on ``device`` as one uint8 tensor and crops,
-    flips and normalises each batch there (:class:`DeviceBatches`); ``"workers"`` augments sample by
-    sample in DataLoader workers; ``"auto"`` is ``"device"`` (faster on CPU too: see the README's
-    Performance section). Both draw a sample's augmentation from its (seed, epoch) seed, and both follow
-    the same order.
+    ``pipeline`` (CIFAR, SVHN, the MNIST family): ``"device"`` holds the images on ``device`` as one
+    uint8 tensor and crops, flips and normalises each batch there (:class:`DeviceBatches`); ``"workers"``
+    augments sample by sample in DataLoader workers; ``"auto"`` is ``"device"`` (faster on CPU too: see
+    the README's Performance section). Both draw a sample's augmentation from its (seed, epoch) seed,
+    and both follow the same order.
 
     ``sampler``: ``"random"`` (each epoch a permutation of the training set) or ``"balanced"`` (each epoch
     as many samples, drawn with replacement so that every class comes equally often: a class-balanced
@@ -132,6 +134,7 @@ def build_data(
     step."""
     builders = {
         "digits": tabular.digits, "cifar10": cifar.cifar, "cifar100": cifar.cifar, "svhn": cifar.svhn,
+        "mnist": mnist.mnist, "fashion_mnist": mnist.mnist, "kmnist": mnist.mnist,
         "imagefolder": folders.imagefolder, "diabetes": tabular.diabetes,
     }  # fmt: skip
     _check_choices(name, builders, batch_size, eval_batch_size, pipeline, sampler)
@@ -152,7 +155,7 @@ def build_data(
         )  # fmt: skip
 
     pin = torch.device(device).type == "cuda"  # page-locked batches: their copy to the GPU is queued
-    device_batches = isinstance(train_set, CifarImages) and pipeline in ("auto", "device")
+    device_batches = isinstance(train_set, SmallImages) and pipeline in ("auto", "device")
 
     def training(order: EpochSampler):
         if device_batches:
@@ -193,8 +196,8 @@ def build_data(
 
 __all__ = [
     "CROPS", "IMAGE_EXTENSIONS", "IMAGENET_EIGVAL", "IMAGENET_EIGVEC", "IMAGENET_MEAN", "IMAGENET_STD",
-    "NORMALIZE", "PIPELINES", "SAMPLERS", "CifarImages", "Data", "DataNotFoundError", "DeviceBatches",
-    "DeviceNormalized", "EpochSampler", "FolderImages", "ResNetColor", "SeededSamples", "augmentation_draws",
+    "NORMALIZE", "PIPELINES", "SAMPLERS", "Data", "DataNotFoundError", "DeviceBatches", "DeviceNormalized",
+    "EpochSampler", "FolderImages", "ResNetColor", "SeededSamples", "SmallImages", "augmentation_draws",
     "build_data", "crop_and_flip", "jitter", "load_cifar_files", "load_svhn_file", "long_tail_subset",
-    "normalization", "pca_lighting", "per_class_subset",
+    "normalization", "pca_lighting", "per_class_subset", "read_idx", "small_images",
 ]  # fmt: skip

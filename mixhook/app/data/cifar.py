@@ -1,7 +1,7 @@
 """CIFAR-10/100 and SVHN from their files (CIFAR's python-format batches, torchvision's SVHN ``.mat``
-files), downloaded on request, as 32x32 :class:`~mixhook.app.data.images.CifarImages`: cut to fewer
-images of each class or to a long tail, normalised, augmented with a padded crop (and a flip, but for
-SVHN)."""
+files), downloaded on request, as 32x32 :class:`~mixhook.app.data.images.SmallImages`
+(:func:`~mixhook.app.data.images.small_images`): cut to fewer images of each class or to a long tail,
+normalised, augmented with a padded crop (and a flip, but for SVHN)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import DataNotFoundError
-from ..provenance import digest
-from .images import CifarImages, normalization
-from .sampling import long_tail_subset, per_class_subset
+from .images import small_images
 
 _CIFAR = {
     "cifar10": {
@@ -50,7 +48,8 @@ def cifar(
     num_workers: int = 2,
     **images,
 ):
-    """CIFAR-10/100's python-format files under ``root``; ``images``: :func:`_small_images`' options."""
+    """CIFAR-10/100's python-format files under ``root``; ``images``: the options of
+    :func:`~mixhook.app.data.images.small_images`."""
     spec = _CIFAR[name]
     folder = os.path.join(root, spec["folder"])
     missing = [f for f in spec["train"] + spec["test"] if not os.path.isfile(os.path.join(folder, f))]
@@ -65,41 +64,7 @@ def cifar(
     train_x, train_y = load_cifar_files(folder, spec["train"], spec["label_key"])
     test_x, test_y = load_cifar_files(folder, spec["test"], spec["label_key"])
     own = (spec["mean"], spec["std"])
-    return _small_images((train_x, train_y), (test_x, test_y), own, spec["num_classes"], augment, **images)
-
-
-def _small_images(
-    train: tuple,
-    test: tuple,
-    own: tuple,
-    num_classes: int,
-    augment: bool,
-    flip: bool = True,
-    padding: int = 4,
-    per_class: int | None = None,
-    subset_seed: int = 0,
-    mean: list | None = None,
-    std: list | None = None,
-    imbalance_ratio: float | None = None,
-):
-    """The training and test :class:`CifarImages` of 32x32 ``(images, labels)`` sets (CIFAR, SVHN) and
-    their info: normalised with the set's ``own`` mean and std or the given ``mean``/``std``, the
-    training set cut to ``per_class`` images of each class (drawn with ``subset_seed``) and then to a long
-    tail (``imbalance_ratio``: :func:`long_tail_subset`, drawn with ``subset_seed``) before its digest,
-    augmented (``augment``) with a ``padding``-pixel padded crop and, with ``flip``, a flip."""
-    norm = normalization(*own, mean, std)
-    train_x, train_y = train
-    if per_class is not None:
-        keep = per_class_subset(train_y, per_class, subset_seed)
-        train_x, train_y = train_x[keep], train_y[keep]
-    if imbalance_ratio is not None:
-        keep = long_tail_subset(train_y, imbalance_ratio, subset_seed, num_classes)
-        train_x, train_y = train_x[keep], train_y[keep]
-    info = {"in_channels": 3, "num_classes": num_classes, "image_size": 32, "train_labels": train_y}
-    info["normalization"] = tuple(list(v) for v in norm)
-    info["split_hash"] = digest(train_x, train_y, *test)
-    training = CifarImages(train_x, train_y, *norm, augment=augment, flip=flip, padding=padding)
-    return training, CifarImages(*test, *norm, flip=flip), info
+    return small_images((train_x, train_y), (test_x, test_y), own, spec["num_classes"], augment, **images)
 
 
 def _download(name: str, root: str) -> None:
@@ -152,7 +117,7 @@ def svhn(
     """SVHN's cropped digits (torchvision's files: ``train_32x32.mat``, ``test_32x32.mat`` and, with
     ``extra``, ``extra_32x32.mat`` joined to the training set), label 10 read as the digit 0, as
     torchvision reads it. ``augment``: the padded random crop, never a flip (a mirrored digit is another
-    glyph); ``images``: :func:`_small_images`' options."""
+    glyph); ``images``: the options of :func:`~mixhook.app.data.images.small_images`."""
     splits_ = ["train", "test", *(["extra"] if extra else [])]
     paths = {split: os.path.join(root, _SVHN["files"][split]) for split in splits_}
     missing = [path for path in paths.values() if not os.path.isfile(path)]
@@ -170,7 +135,7 @@ def svhn(
     if extra:
         train_x, train_y = torch.cat([train_x, loaded["extra"][0]]), torch.cat([train_y, loaded["extra"][1]])
     own = (_SVHN["mean"], _SVHN["std"])
-    return _small_images((train_x, train_y), loaded["test"], own, 10, augment, flip=False, **images)
+    return small_images((train_x, train_y), loaded["test"], own, 10, augment, flip=False, **images)
 
 
 def load_svhn_file(path: str) -> tuple[torch.Tensor, torch.Tensor]:

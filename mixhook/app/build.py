@@ -79,6 +79,7 @@ def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
         check_finite_every=check_finite_every,
         warmup_epochs=trainer.warmup_epochs,
         warmup_start_factor=trainer.warmup_start_factor,
+        eval_every=trainer.eval_every,
     )
     summary = {
         "mixup": OmegaConf.to_container(cfg.mixup, resolve=True),

@@ -65,6 +65,7 @@ class TrainerConfig:
     warmup_epochs: int = _at_least(0, 0)  # a linear warm-up of the learning rate (training.warmup)
     warmup_start_factor: float = field(default=0.1, metadata={"closed": (0.0, 1.0)})
     checkpoint_every: int = _at_least(0, 0)
+    eval_every: int = _at_least(1, 1)  # test every this many epochs, and after the last
     check_finite_every: int | None = _at_least(1, None)
     resume: str | None = None
     threads: int | None = _at_least(1, None)  # torch's intra-op threads (null: training.threads.default)

@@ -207,7 +207,10 @@ def train(
             row = {"epoch": epoch, "train_loss": train_loss, "lr": lr}
             if run.scheduler is not None:
                 run.scheduler.step()
-            found = task.evaluate(row, net, data, run.device, opts, dist, train_acc)
+            if tested(epoch, opts):
+                found = task.evaluate(row, net, data, run.device, opts, dist, train_acc)
+            else:  # (trainer.eval_every: the test columns of this epoch's row stay empty)
+                row["train_acc"] = train_acc
             row["seconds"] = time.perf_counter() - t0
             writer.writerow(row)
             f.flush()
@@ -216,6 +219,11 @@ def train(
             if dist.any(bool(stop[0])) and epoch < opts.epochs:
                 raise Interrupted(stop[0] or signal.SIGTERM, saves.path, epoch, 0)
     return task.summary(run, state, out_dir, net, found, saves.start, dist)
+
+
+def tested(epoch: int, opts: Settings) -> bool:
+    """Whether epoch ``epoch`` ends with a test: every ``opts.eval_every``-th epoch, and the last."""
+    return epoch % opts.eval_every == 0 or epoch == opts.epochs
 
 
 class EpochSteps:
@@ -304,6 +312,12 @@ def _kept(run: Run, state: RunState, row: dict, out_dir: Path, logger, dist: Dis
             run.model, run.mixup, layers, batch.to(run.device), folder / f"epoch{row['epoch']:03d}",
             pause=probes, targets=labels.to(run.device),
         )  # fmt: skip
+    if not tested(row["epoch"], run.settings):  # (trainer.eval_every: no test figures to keep or log)
+        log.info(
+            "epoch %d/%d  train_loss %.4f  lr %.4g  %.1fs  (tested every %d epochs)", row["epoch"],
+            run.settings.epochs, row["train_loss"], row["lr"], row["seconds"], run.settings.eval_every,
+        )  # fmt: skip
+        return
     score = run.task.score(row)
     if score > state.best[0] or state.best[1] == 0:
         state.best = (score, row["epoch"])

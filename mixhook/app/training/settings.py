@@ -28,6 +28,7 @@ class Settings:
     check_finite_every: int | None = None  # host reads of the finite check (finite.check_every)
     warmup_epochs: int = 0  # a linear warm-up of the learning rate over these first epochs (warmup.Warmup)
     warmup_start_factor: float = 1.0  # its first step's rate over the scheduled one
+    eval_every: int = 1  # test every this many epochs, and after the last (loop.train)
 
 
 @dataclass

@@ -10,6 +10,7 @@ The library core imports torch only::
 
 from . import mixers, policies
 from .compose import attach
+from .erasing import Cutout, RandomErasing
 from .gradients import GradClip, GradScale
 from .hooks import HookHandle, LayerHook
 from .layers import (
@@ -34,6 +35,7 @@ from .sftmix import SFTMix
 __all__ = [
     "INPUT",
     "ActivationStats",
+    "Cutout",
     "FeatureRecorder",
     "GradClip",
     "GradScale",
@@ -45,6 +47,7 @@ __all__ = [
     "NEFTune",
     "NoiseFiT",
     "Ramp",
+    "RandomErasing",
     "SFTMix",
     "ShapeTrace",
     "UnknownLayerError",

@@ -32,6 +32,8 @@ from .training.task import task_for
 
 log = logging.getLogger("mixhook")
 
+ERASING_SEED = 1_000_003  # erasing's generator: seed + this (the hooks list's are seed + 4 + i)
+
 
 def build(cfg: DictConfig, dist: Dist | None = None) -> Run:
     """Turn the config into checked objects. Raises :class:`ConfigError` for anything a user set wrong.
@@ -325,14 +327,17 @@ def probe_layers(cfg: DictConfig) -> list[str]:
 
 
 def build_hooks(cfg: DictConfig, seed: int) -> list[tuple[str, object]]:
-    """Every configured hook with the config key it came from: ``mixup``, ``input_scale``,
-    ``grad_scale``, ``grad_clip`` (``_target_`` nodes, each off while its ``layer`` is null), the
-    probes and the ``hooks`` list. A hook whose constructor takes a ``generator`` and is not given one
-    gets its own, seeded from ``seed`` and its place (so that ``seed`` changes every hook's draws)."""
+    """Every configured hook with the config key it came from: ``mixup``, ``erasing`` (off as
+    ``erasing=none``), ``input_scale``, ``grad_scale``, ``grad_clip`` (``_target_`` nodes, each off while
+    its ``layer`` is null), the probes and the ``hooks`` list. A hook whose constructor takes a
+    ``generator`` and is not given one gets its own, seeded from ``seed`` and its place (so that ``seed``
+    changes every hook's draws)."""
     hooks: list[tuple[str, object]] = []
     patterns = allowed_targets(cfg)
     if cfg.mixup.get("_target_"):
         hooks.append(("mixup", build_hook(cfg.mixup, "mixup", seed, patterns)))
+    if cfg.get("erasing") and cfg.erasing.get("_target_"):
+        hooks.append(("erasing", build_hook(cfg.erasing, "erasing", seed + ERASING_SEED, patterns)))
     for offset, key in enumerate(("input_scale", "grad_scale", "grad_clip"), start=1):
         if cfg[key].get("layer") is not None:
             hooks.append((key, build_hook(cfg[key], key, seed + offset, patterns)))

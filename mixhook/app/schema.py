@@ -190,6 +190,7 @@ class Config:
     data: Any = MISSING
     model: Any = MISSING
     mixup: Any = MISSING
+    erasing: Any = field(default_factory=dict)  # (erasing=none: {})
     optim: Any = MISSING
     scheduler: Any = MISSING
     input_scale: InputScaleConfig = field(default_factory=InputScaleConfig)

@@ -375,3 +375,30 @@ def test_a_mix_schedule_and_a_warmup_resume_exactly_after_sigkill(tmp_path, unin
     assert not (out / "summary.json").exists()
     app.main(config(*SMALL, *SCHEDULED, "trainer.resume=auto"), out_dir=str(out))
     assert results(out) == expected
+
+
+ERASED = ["erasing=random", "erasing.layer=[input,layer1]", "trainer.eval_every=3"]
+
+
+@pytest.mark.process
+def test_erasing_and_a_test_every_third_epoch_resume_exactly_after_sigkill(tmp_path, uninterrupted):
+    """Random Erasing's draws are in the checkpoint (its generator, as every hook's), and trainer.eval_every
+    leaves the untested epochs' test columns empty, the best epoch the best of those tested: a run killed at
+    a random step and resumed ends identical to the same run uninterrupted."""
+    reference = tmp_path / "reference"
+    app.main(config(*SMALL, *ERASED), out_dir=str(reference))
+    rows, summary = expected = results(reference)
+    assert [r["test_acc"] != "" for r in rows] == [False, False, True, True]  # epochs 3 and 4 (the last)
+    assert summary["best_epoch"] in (3, 4) and summary["best_test_acc"] == max(
+        float(r["test_acc"]) for r in rows[2:]
+    )
+    assert "RandomErasing(layer=['input', 'layer1'], p=0.5" in summary["hooks"]["erasing"]
+    assert rows[0]["train_loss"] != uninterrupted[0][0]["train_loss"]  # (the erasing changed the training)
+    out = tmp_path / "run"
+    proc = start(out, *ERASED)
+    wait_for_checkpoint(out, proc, at_random())
+    proc.kill()
+    proc.wait()
+    assert not (out / "summary.json").exists()
+    app.main(config(*SMALL, *ERASED, "trainer.resume=auto"), out_dir=str(out))
+    assert results(out) == expected

@@ -206,3 +206,88 @@ def test_resnet32_is_the_ldam_drw_codes_network():
         from mixhook.app.models import CifarResNet
 
         CifarResNet(33)
+
+
+# zhunzhong07/Random-Erasing at ed05424, models/fashion/resnet.py: its BasicBlock and ResNet (below depth 44,
+# where it builds bottlenecks), the lines a forward needs; `(depth - 2) / 6` there is `//` here (their
+# float count of blocks fails in today's Python), `fc` kept as their name for the classifier.
+class _ErasingBlock(torch.nn.Module):
+    def __init__(self, inplanes, planes, stride=1, downsample=None):
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(inplanes, planes, kernel_size=3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x):
+        residual = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            residual = self.downsample(x)
+        out += residual
+        return self.relu(out)
+
+
+class _ErasingResNet(torch.nn.Module):
+    def __init__(self, depth, num_classes=10):
+        super().__init__()
+        nn = torch.nn
+        n = (depth - 2) // 6
+        self.inplanes = 16
+        self.conv1 = nn.Conv2d(1, 16, kernel_size=3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = self._make_layer(16, n)
+        self.layer2 = self._make_layer(32, n, stride=2)
+        self.layer3 = self._make_layer(64, n, stride=2)
+        self.avgpool = nn.AvgPool2d(7)
+        self.fc = nn.Linear(64, num_classes)
+
+    def _make_layer(self, planes, blocks, stride=1):
+        nn = torch.nn
+        downsample = None
+        if stride != 1 or self.inplanes != planes:
+            downsample = nn.Sequential(
+                nn.Conv2d(self.inplanes, planes, kernel_size=1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes),
+            )
+        layers = [_ErasingBlock(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes
+        layers += [_ErasingBlock(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(self.avgpool(x).view(x.size(0), -1))
+
+
+@pytest.mark.parametrize("depth", [20, 32])
+def test_the_projection_resnet_is_the_random_erasing_codes_network(depth):
+    """CifarResNet(shortcut="projection") is the network of Random Erasing's Fashion-MNIST script: the
+    same parameters (their `fc` is our `linear`), the same outputs in training and evaluation on 28x28
+    images, and their initialisation (convolutions N(0, 2 / (9 * out_channels)), batch norm 1 and 0)."""
+    from mixhook.app.models import CifarResNet
+
+    torch.manual_seed(0)
+    ours, theirs = CifarResNet(depth, 1, 10, "projection").double(), _ErasingResNet(depth).double()
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert sum(p.numel() for p in CifarResNet(20, 1, 10, "projection").parameters()) == 272_186
+    theirs.load_state_dict({k.replace("linear.", "fc."): v for k, v in ours.state_dict().items()})
+    x = torch.randn(4, 1, 28, 28, dtype=torch.float64)
+    for mode in ("train", "eval"):
+        getattr(ours, mode)(), getattr(theirs, mode)()
+        torch.testing.assert_close(ours(x), theirs(x))
+    conv = ours.layer3[0].conv2.weight.detach()
+    assert (
+        abs(float(conv.std()) - (2 / (9 * 64)) ** 0.5) < 0.01
+        and ours.layer2[0].downsample[1].weight.eq(1).all()
+    )
+    with pytest.raises(ValueError, match="depth=44 with shortcut=projection: the Random Erasing code builds"):
+        CifarResNet(44, shortcut="projection")
+    with pytest.raises(ValueError, match="shortcut='B' is not a shortcut; valid: zeros, projection"):
+        CifarResNet(20, shortcut="B")

@@ -86,8 +86,11 @@ def main(argv: list[str]) -> int:
             if (sweep / "summary.md").read_text() != (report / "summary.md").read_text():
                 stale.append(report)
             if not check:
-                for name in ("summary.csv", "summary.md", "summary.png"):
-                    shutil.copyfile(sweep / name, report / name)
+                for name in ("summary.csv", "summary.md", "summary.png", "paired.png"):
+                    if (sweep / name).exists():
+                        shutil.copyfile(sweep / name, report / name)
+                    elif (report / name).exists():  # (a picture the report no longer draws)
+                        (report / name).unlink()
     for report in stale:
         name = f"{report.relative_to(DOCS.parent)}/summary.md"
         if check:

@@ -15,7 +15,11 @@ writes into ``<sweep_dir>``:
   failed runs listed below;
 - ``summary.png``: per group, each run's test error, the mean ± std at the last epoch, the mean at the
   best epoch and the paper's figure, beside the test ECE; the title says what was swept and how many
-  runs failed.
+  runs failed;
+- where the sweep holds a baseline (the one group whose every swept choice is ``none``: ``mixup=none``)
+  and its runs share seeds with the others: each group's mean with its 95% interval, and its paired
+  difference from the baseline over the seeds both ran (test error, NLL and ECE, each with its 95%
+  interval, and whether the interval excludes 0), in ``summary.md`` and ``paired.png``.
 
 :class:`ReportCallback` (configured in ``conf/config.yaml``) writes the report after every job of a
 multirun and at its end, so a sweep in which some runs crashed is still reported.
@@ -240,15 +244,124 @@ def _pm(mean: float, std: float, digits: int) -> str:
 
 
 def write_report(sweep_dir: str | os.PathLike) -> dict:
-    """Write ``summary.csv``, ``summary.md`` and ``summary.png`` into ``sweep_dir``; return the data."""
+    """Write ``summary.csv``, ``summary.md`` and ``summary.png`` (and, with a baseline, ``paired.png``)
+    into ``sweep_dir``; return the data."""
     sweep_dir = Path(sweep_dir)
     rows = [read_run(d) for d in run_dirs(sweep_dir)]
     varying = _varying_keys(rows)
     grouped = groups(rows, varying)
+    compared = paired(rows, grouped, varying)
     _write_csv(sweep_dir / "summary.csv", rows)
-    _write_atomic(sweep_dir / "summary.md", _markdown(sweep_dir, rows, grouped, varying))
+    _write_atomic(sweep_dir / "summary.md", _markdown(sweep_dir, rows, grouped, varying, compared))
     _plot(sweep_dir / "summary.png", grouped, sweep_dir, varying, rows)
-    return {"rows": rows, "groups": grouped}
+    if compared is not None:
+        _plot_paired(sweep_dir / "paired.png", compared, sweep_dir)
+    return {"rows": rows, "groups": grouped, "paired": compared}
+
+
+PAIRED = (
+    ("test_error", "test error %", 1.0),
+    ("test_nll", "test NLL", 1.0),
+    ("test_ece", "test ECE %", 100.0),
+)
+
+
+def interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """The mean of ``values`` and the half-width of its ``level`` Student-t interval (``nan`` for fewer
+    than two values)."""
+    if not values:
+        return math.nan, math.nan
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    from scipy.stats import t
+
+    quantile = float(t.ppf(0.5 + level / 2, len(values) - 1))
+    return mean, quantile * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def paired(rows: list[dict], grouped: list[dict], varying: set[str]) -> dict | None:
+    """Each group against the sweep's baseline, seed by seed: ``None`` where there is no baseline (the one
+    finished group whose every swept choice is ``none``, as ``mixup=none``) or no other group shares two
+    of its seeds. For each group: its runs' mean and 95% interval of test error (%), NLL and ECE (%), and
+    its paired differences from the baseline (group minus baseline, over the seeds both finished) with
+    their 95% intervals."""
+    candidates = [
+        g for g in grouped if g["n"] and g["group"] != "(all runs)"
+        and all(value == "none" for value in _items(g["group"]).values())
+    ]  # fmt: skip
+    if len(candidates) != 1 or any(_metric(r) != "test_error" for r in rows if r["status"] == "ok"):
+        return None
+    base = candidates[0]["group"]
+    by_group: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        seed = _parse_overrides(row["overrides"].split(" ")).get("seed")
+        if row["status"] == "ok" and seed is not None:
+            by_group.setdefault(_group_key(row, varying), {})[seed] = row
+    reference = by_group.get(base, {})
+    out = []
+    for g in grouped:
+        runs = by_group.get(g["group"], {})
+        seeds = sorted(set(runs) & set(reference), key=lambda s: (len(s), s))
+        entry = {"group": g["group"], "n": len(runs), "pairs": len(seeds), "baseline": g["group"] == base}
+        for key, _, scale in PAIRED:
+            own = [scale * r[key] for r in runs.values() if key in r]
+            entry[key] = interval(own) if len(own) == len(runs) else (math.nan, math.nan)
+            diffs = [
+                scale * (runs[s][key] - reference[s][key])
+                for s in seeds
+                if key in runs[s] and key in reference[s]
+            ]
+            entry[f"{key}_diff"] = interval(diffs) if len(diffs) == len(seeds) else (math.nan, math.nan)
+        if g["n"]:
+            out.append(entry)
+    if not any(e["pairs"] >= 2 and not e["baseline"] for e in out):
+        return None
+    return {"baseline": base, "groups": out}
+
+
+def _items(group: str) -> dict[str, str]:
+    return dict(item.partition("=")[::2] for item in group.split(" "))
+
+
+def resolved(mean: float, half: float) -> str:
+    """Whether a paired difference's interval excludes 0, and which way."""
+    if math.isnan(half):
+        return "—"
+    if mean - half > 0:
+        return "higher"
+    return "lower" if mean + half < 0 else "no"
+
+
+def _paired_lines(compared: dict) -> list[str]:
+    base = compared["baseline"]
+    lines = [
+        "", f"## Paired differences from `{base}`", "",
+        f"Each group's mean with its 95% Student-t interval over its runs, and its paired difference from "
+        f"`{base}` (the group's figure minus the baseline's, seed by seed over the seeds both finished) with "
+        "its 95% interval; *resolved*: the interval excludes 0 (*lower* or *higher* than the baseline), "
+        "else *no*. Last epoch, on the whole test set.", "",
+        "| group | n | pairs | test error % | Δ test error | resolved | test NLL | Δ NLL | resolved "
+        "| test ECE % | Δ ECE | resolved |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for e in compared["groups"]:
+        cells = [f"`{e['group']}`" + (" (baseline)" if e["baseline"] else ""), str(e["n"]), str(e["pairs"])]
+        for key, digits in (("test_error", 2), ("test_nll", 4), ("test_ece", 2)):
+            cells.append(_ci(*e[key], digits))
+            if e["baseline"]:
+                cells += ["", ""]
+            else:
+                cells += [_ci(*e[f"{key}_diff"], digits, signed=True), resolved(*e[f"{key}_diff"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ci(mean: float, half: float, digits: int, signed: bool = False) -> str:
+    if math.isnan(mean):
+        return "—"
+    text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
+    return text + ("" if math.isnan(half) else f" ± {half:.{digits}f}")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -266,7 +379,9 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
     _write_atomic(path, text.getvalue())
 
 
-def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: set[str]) -> str:
+def _markdown(
+    sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: set[str], compared: dict | None = None
+) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "incomplete")}
     common = sorted({f"{k}={v}" for r in rows for k, v in _override_items(r) if k not in varying})
     regression = _regression(grouped)
@@ -326,6 +441,8 @@ def _markdown(sweep_dir: Path, rows: list[dict], grouped: list[dict], varying: s
             + f"{paper} |"
         )
     lines += _spec_by_model(rows, varying, regression)
+    if compared is not None:
+        lines += _paired_lines(compared)
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", "## Runs without a result", "", "| job | overrides | status | error |"]
@@ -414,6 +531,41 @@ def _plot(path: Path, grouped: list[dict], sweep_dir: Path, varying: set[str], r
         f"swept: {swept}" + (f"; seeds {', '.join(seeds)}" if seeds else "")
         + f"\n{len(rows)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['incomplete']} "
         f"incomplete   ({sweep_dir})", fontsize=9,
+    )  # fmt: skip
+    fig.tight_layout()
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)
+
+
+def _plot_paired(path: Path, compared: dict, sweep_dir: Path) -> None:
+    """Three panels (test error, NLL, ECE): each group's paired difference from the baseline with its 95%
+    interval, one row per group in the report's order, 0 (the baseline) marked; a resolved difference
+    filled, an unresolved one hollow."""
+    from .plots import pyplot
+
+    plt = pyplot()
+    others = [e for e in compared["groups"] if not e["baseline"]]
+    fig, axes = plt.subplots(
+        1, 3, figsize=(12, 1.4 + 0.38 * max(len(others), 1)), dpi=120, sharey=True
+    )  # fmt: skip
+    y = list(range(len(others)))
+    for ax, (key, label, _) in zip(axes, PAIRED, strict=True):
+        ax.axvline(0, color="#777777", lw=1)
+        for yi, e in zip(y, others, strict=True):
+            mean, half = e[f"{key}_diff"]
+            if math.isnan(mean):
+                continue
+            filled = resolved(mean, half) in ("lower", "higher")
+            ax.errorbar(mean, yi, xerr=0 if math.isnan(half) else half, fmt="o", capsize=3, color="#4C72B0",
+                        mfc="#4C72B0" if filled else "white")  # fmt: skip
+        ax.set_xlabel(f"Δ {label}\n(group − {compared['baseline']})")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(y, [f"{_short(e['group'])}  (pairs={e['pairs']})" for e in others])
+    axes[0].set_ylim(len(others) - 0.5, -0.6)
+    fig.suptitle(
+        f"paired differences from {compared['baseline']}: mean and 95% interval over seeds "
+        f"(filled: the interval excludes 0)\n({sweep_dir})", fontsize=9,
     )  # fmt: skip
     fig.tight_layout()
     with atomic_write(path, "wb") as f:

@@ -4,6 +4,7 @@ callback, a failed run, Optuna, the submitit local launcher)."""
 import csv
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -80,6 +81,53 @@ def test_report_groups_by_overrides_other_than_seed(tmp_path):
     assert "2.95 ± 0.05 (Verma et al. 2019)" in md
     assert "| 3 | mixup.alpha=2 seed=1 | failed | ValueError: boom |" in md
     assert matplotlib.image.imread(tmp_path / "summary.png").shape[2] in (3, 4)
+
+
+def test_groups_are_compared_with_the_baseline_seed_by_seed(tmp_path):
+    """Two sweeps in one directory (a mixup sweep and an erasing one, as the Fashion-MNIST study runs them):
+    each group's mean and 95% interval, and its paired difference from mixup=none over the seeds both
+    finished, with its interval and whether it excludes 0."""
+    accs = {
+        "mixup=none": [0.90, 0.91, 0.92],
+        "mixup=input": [0.92, 0.925, 0.935],
+        "erasing=random": [0.91, 0.90, 0.93],
+    }
+    job = 0
+    for group, values in accs.items():
+        for seed, acc in enumerate(values):
+            fake_run(
+                tmp_path / group.split("=")[0],
+                job,
+                [group, f"seed={seed}"],
+                acc=acc,
+                nll=1 - acc,
+                ece=0.05 + seed / 100,
+            )
+            job += 1
+    fake_run(
+        tmp_path / "mixup", 99, ["mixup=input", "seed=7"], acc=0.5, nll=0.5, ece=0.1
+    )  # (no partner seed)
+    data = write_report(tmp_path)
+    compared = data["paired"]
+    assert compared["baseline"] == "mixup=none"
+    by = {e["group"]: e for e in compared["groups"]}
+    t = 4.302652729911275  # scipy.stats.t.ppf(0.975, 2)
+    diffs = [-2.0, -1.5, -1.5]  # input's error minus none's, per seed, in points: 8-10, 7.5-9, 6.5-8
+    mean, half = by["mixup=input"]["test_error_diff"]
+    assert mean == pytest.approx(-5 / 3) and half == pytest.approx(t * statistics.stdev(diffs) / math.sqrt(3))
+    assert by["mixup=input"]["pairs"] == 3 and by["mixup=input"]["n"] == 4
+    assert by["erasing=random"]["test_error_diff"][0] == pytest.approx(-1 / 3)  # 9-10, 10-9, 7-8
+    assert by["mixup=none"]["baseline"] and by["mixup=none"]["pairs"] == 3
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Paired differences from `mixup=none`" in md
+    assert "| `erasing=random` | 3 | 3 | 8.67 ± " in md and "| -0.33 ± 2.87 | no |" in md
+    assert "| `mixup=input` | 4 | 3 |" in md and "| -1.67 ± 0.72 | lower |" in md
+    assert matplotlib.image.imread(tmp_path / "paired.png").shape[2] in (3, 4)
+    # no baseline (nothing swept is none): no section, no picture
+    other = tmp_path / "other"
+    fake_run(other, 0, ["mixup=input", "seed=0"], acc=0.9, nll=0.1)
+    fake_run(other, 1, ["mixup=cutmix", "seed=0"], acc=0.9, nll=0.1)
+    assert write_report(other)["paired"] is None and not (other / "paired.png").exists()
 
 
 def test_report_cli_refuses_a_directory_without_runs(tmp_path, capsys):

@@ -303,7 +303,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
         """The grid sides drawn from on a ``width x width`` map at ``spec``: ``grids``, checked to fit it
         (one line where one does not), or with ``grids="auto"`` the authors' sides that fit (logged); worked
         out once per map side and settings (``check_leaves`` and ``mix`` both ask)."""
-        key = (width, self.grids, self.transport, self.t_size)  # (settings changed after a forward: anew)
+        key = (width, self.grids, self.transport, self.t_size, self.neigh_size)  # (settings changed: anew)
         found = self._fitting.get(key)
         if found is not None:
             return found
@@ -312,7 +312,8 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
             if not found:
                 raise ValueError(
                     f"PuzzleMix at {spec!r}: none of the grid sides {GRIDS} fits its {width}x{width} map "
-                    f"(with t_size={self.t_size}); choose an earlier layer, or grids that divide {width}"
+                    f"(with neigh_size={self.neigh_size}, t_size={self.t_size}); choose an earlier layer, or "
+                    f"grids that divide {width}"
                 )
             log.info("PuzzleMix at %r: grids auto -> %s on its %dx%d map", spec, found, width, width)
         else:
@@ -333,6 +334,11 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
                 f"{fits}); choose grids among those, or grids='auto'"
             )
         block = width // g
+        if block % min(self.neigh_size, block):  # (the smoothness's pooled cells must tile each block)
+            return (
+                f"neigh_size {self.neigh_size} does not divide the {block}-position blocks of a {g}x{g} grid "
+                f"on its {width}x{width} map; choose a neigh_size that divides each block size"
+            )
         if self.transport and self.t_size is not None and block % min(self.t_size, block):
             return (
                 f"t_size {self.t_size} does not divide the {block}-position blocks of a {g}x{g} grid on its "

@@ -418,6 +418,18 @@ def test_bad_arguments_and_maps_are_refused_in_one_line():
     mix = PuzzleMix("conv1", grids=(2,), t_size=3, saliency="activation")
     with mix.attach(model), pytest.raises(ValueError, match="t_size 3 does not divide the 4-position blocks"):
         model(torch.randn(2, 3, 8, 8))
+    # a 28x28 map (Fashion-MNIST's): blocks of 14 and 7, which the default neigh_size 4 does not tile (its
+    # data smoothness would pool 7x7 cells against a 4x4 grid: a shape error mid-step, before this check)
+    mix = PuzzleMix("conv1", grids=(4,), t_size=7, saliency="activation")
+    with (
+        mix.attach(model),
+        pytest.raises(ValueError, match="neigh_size 4 does not divide the 7-position blocks"),
+    ):
+        model(torch.randn(2, 3, 28, 28))
+    mix = PuzzleMix("conv1", grids=(2, 4), t_size=7, neigh_size=7, saliency="activation")
+    with mix.attach(model):
+        model(torch.randn(2, 3, 28, 28))
+    assert mix.last.info["grid"] in (2, 4)
     with pytest.raises(ValueError, match="saliency='activation': the input is mixed before any layer"):
         PuzzleMix("input", saliency="activation")
 

@@ -28,6 +28,11 @@ data set when training starts: Remix's class counts (where not given) and, for a
 regularizer's settings go into Lightning's checkpoint and come back on resume. Validation, test and
 predict loops run in eval mode: nothing is mixed, and :func:`mixed_loss` is then the plain criterion.
 
+:class:`HookCallback` does the same for the hooks that are not mixers (:class:`~mixhook.RandomErasing`,
+:class:`~mixhook.Cutout`, :class:`~mixhook.InputScale`, ...): attached for ``fit``, their draws from
+``(seed, rank, step)``, beside a ``MixupCallback`` (erased before mixed) or alone; the loss needs nothing of
+them.
+
 Lightning's callbacks cannot change the loss ``training_step`` returns, so the loss is taken in
 ``training_step``, in one line: :func:`mixed_loss` (or the regularizer's own ``loss``/``targets``). A
 training step whose mixed forward had its loss taken some other way (a plain criterion on mixed logits)
@@ -49,9 +54,9 @@ except ImportError as error:  # pragma: no cover - the integrations extra instal
     ) from error
 
 from ..copies import own
-from ..engine.contract import MixingHook
-from ..hooks import without_rank
-from ..layers import resolve_layer
+from ..engine.contract import MixingHook, members
+from ..hooks import LayerHook, without_rank
+from ..layers import INPUT, resolve_layer
 from ..schedule import MixSchedule
 from .draws import (
     PartnerStream,
@@ -254,6 +259,105 @@ class MixupCallback(Callback):
                 "mixed: use the targets themselves"
             )
         return self.mixer.targets(target, num_classes, **kwargs)
+
+
+class HookCallback(Callback):
+    """Attach mixhook's hooks that are not mixers (:class:`~mixhook.RandomErasing`, :class:`~mixhook.Cutout`,
+    :class:`~mixhook.InputScale`, :class:`~mixhook.GradScale`, :class:`~mixhook.GradClip`) to the
+    ``LightningModule`` while ``trainer.fit`` trains it, their draws keyed by ``(seed, rank, step)`` as
+    :class:`MixupCallback`'s (every rank its own; a resumed run draws what the uninterrupted one drew; your
+    own loop draws the same with ``reseed(hook, seed, rank, step_key(epoch, i), HookCallback.FIRST_PART +
+    k)`` for the ``k``-th hook). Beside a ``MixupCallback`` or alone::
+
+        erasing = HookCallback(RandomErasing("layer2"), module="net")
+        L.Trainer(callbacks=[MixupCallback(mixer), erasing]).fit(Lit(), loader)
+
+    Args:
+        hooks: the hooks, not attached; their layers named from ``module``.
+        module: the submodule ``training_step`` calls (``"net"`` for ``self.net(x)``); ``None``: the
+            ``LightningModule`` itself. A hook at ``"input"`` needs it: Lightning's DDP, FSDP and DeepSpeed
+            strategies call ``training_step`` through the ``LightningModule``'s ``__call__``, whose input is
+            then the whole batch (:class:`MixupCallback` tells the two calls apart for its mixer), so
+            ``"input"`` of the ``LightningModule`` is refused in one line.
+        seed: the draws' seed; ``None``: the first hook's generator's seed.
+    """
+
+    FIRST_PART = 1 << 20  # the generators' parts in step_seed: none shared with a MixupCallback's
+
+    def __init__(self, *hooks: LayerHook, module: str | None = None, seed: int | None = None):
+        if not hooks or not all(isinstance(h, LayerHook) and not isinstance(h, MixingHook) for h in hooks):
+            raise TypeError(
+                "HookCallback needs mixhook hooks that are not mixers (RandomErasing, InputScale, GradScale, "
+                f"...), got {hooks!r:.120}; a mixer goes in a MixupCallback"
+            )
+        if module is not None and (not isinstance(module, str) or not module or module == INPUT):
+            raise ValueError(f"HookCallback(module=...) must be a submodule's name, got {module!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"HookCallback(seed=...) must be an int, got {seed!r}")
+        if module is None:
+            at_input = [type(h).__name__ for h in hooks if INPUT in h.specs]
+            if at_input:
+                raise ValueError(
+                    f"HookCallback: {at_input[0]} at 'input' of the LightningModule would act on the whole "
+                    "batch where Lightning's DDP, FSDP and DeepSpeed strategies call training_step through "
+                    "its __call__; name the network training_step calls: HookCallback(..., module='net')"
+                )
+        for h in hooks:
+            check_unattached(h)
+        drawn = [g for h in hooks for g in generators(h)]
+        self.hooks, self.module = hooks, module
+        self.seed = int(seed) if seed is not None else (drawn[0].initial_seed() if drawn else 0)
+        self._handles: list = []
+
+    def __repr__(self) -> str:
+        return f"HookCallback({', '.join(map(repr, self.hooks))}, module={self.module!r}, seed={self.seed})"
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        target = pl_module if self.module is None else resolve_layer(pl_module, self.module, "module")[1]
+        self._check_order(trainer)
+        for h in self.hooks:
+            check_unattached(h)
+        self._handles = [h.attach(target) for h in self.hooks]
+
+    def _check_order(self, trainer) -> None:
+        """Refuse a ``MixupCallback`` that would mix the input before these hooks act on it: one at the
+        ``LightningModule``'s input while they act at the input of its ``module`` (its mix would be
+        erased, not its erased samples mixed)."""
+        ours = [type(h).__name__ for h in self.hooks if INPUT in h.specs]
+        for callback in trainer.callbacks:
+            outer = callback.module if isinstance(callback, MixupCallback) else "-"
+            if outer == "-" or not ours or outer == self.module:
+                continue
+            inside = outer is None or (self.module or "").startswith(f"{outer}.")
+            if inside and any(INPUT in h.specs for h in members(callback.mixer)):
+                where = "the LightningModule" if outer is None else repr(outer)
+                raise ValueError(
+                    f"HookCallback: the MixupCallback mixes the input of {where} before {ours[0]} acts on "
+                    f"the input of {self.module!r} inside it, so the mix would be erased, not the erased "
+                    "samples mixed; give both callbacks the same module= "
+                    f"(MixupCallback(mixer, module={self.module!r}))"
+                )
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        step = step_key(trainer.current_epoch, batch_idx)
+        for k, hook in enumerate(self.hooks):
+            reseed(hook, self.seed, trainer.global_rank, step, self.FIRST_PART + k)
+
+    def state_dict(self) -> dict:
+        """The draws' seed (each step's draws come from it, the rank and the step)."""
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = int(state["seed"])
 
 
 def callback_of(pl_module, what: str = "mixed_loss") -> MixupCallback:

@@ -36,6 +36,9 @@ SAMPLE = [
     ("SFTMix", "hf", "exact"),  # its loss's mixin, the paired batches, the hook in a HookCallback
     ("SFTMix", "trl", "exact"),
     ("NoiseFiT", "trl", "exact"),  # three forwards a micro-batch
+    ("RandomErasing", "lightning", "exact"),  # a HookCallback beside the MixupCallback, erased then mixed
+    ("Cutout", "hf", "exact"),  # the Trainer's HookCallback, at the wrapper's keyword input
+    ("RandomErasing", "timm", "exact"),  # attached by hand beside MixupFn, its own stream
 ]
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
+import mixhook
 from mixhook.integrations.draws import PartnerStream, count_classes, reseed
 from tests.app_helpers import results
 
@@ -65,10 +66,18 @@ def hand_setup(method: Method, n: int = STEPS * BATCH) -> tuple:
     return x, y, mixer, stream
 
 
-def hand_step(mixer, stream, forward, xb, yb, loss_of, rank: int, step: int, reseeded: bool = True) -> None:
-    """One step's forward and backward of the hand loop (the optimizer's step is the caller's)."""
+FIRST_PART = 1 << 20  # the trainers' HookCallbacks draw the hooks beside a mixer from parts of their own
+
+
+def hand_step(
+    mixer, stream, forward, xb, yb, loss_of, rank: int, step: int, reseeded: bool = True, hooks=()
+) -> None:
+    """One step's forward and backward of the hand loop (the optimizer's step is the caller's); the
+    ``hooks`` beside the mixer reseeded as the trainers' ``HookCallback`` reseeds them."""
     if reseeded:
         reseed(mixer, SEED, rank, step)
+        for k, hook in enumerate(hooks):
+            reseed(hook, SEED, rank, step, FIRST_PART + k)
     mixer.use_targets(yb)
     if stream is not None:
         mixer.use_partners(*stream.like(xb, rank, step))  # (on the batch's device, as the adapters')
@@ -105,12 +114,13 @@ def own_loop(method: Method, reseeded: bool = True) -> list[torch.Tensor]:
     net = model(method.kind)
     x, y, mixer, stream = hand_setup(method)
     loss_of = criterion(method.kind)
-    with mixer.attach(net):
+    hooks = method.hooks("")
+    with mixhook.attach(net, *hooks, mixer):
         # the model's and a learned mixer's own parameters (AutoMix's Mix Block, made at attach)
         opt = torch.optim.SGD([*net.parameters(), *mixer.parameters()], lr=LR)
         for step in range(STEPS):
             xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
-            hand_step(mixer, stream, net, xb, yb, loss_of, 0, step, reseeded)
+            hand_step(mixer, stream, net, xb, yb, loss_of, 0, step, reseeded, hooks)
             opt.step()
             opt.zero_grad()
     return weights(net, mixer)
@@ -141,7 +151,7 @@ def _loader(method: Method) -> DataLoader:
 def lightning(method: Method) -> list[torch.Tensor]:
     import lightning as L
 
-    from mixhook.integrations.lightning import MixupCallback, mixed_loss
+    from mixhook.integrations.lightning import HookCallback, MixupCallback, mixed_loss
 
     loss_of = criterion(method.kind)
 
@@ -160,11 +170,20 @@ def lightning(method: Method) -> list[torch.Tensor]:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR)
 
-    lit, mixer = Lit(), method.make("net.")
+    hooks = method.hooks("")  # (named from the network training_step calls: HookCallback(module="net"))
+    if hooks:  # (the mixer at the same module's input, so that it mixes the erased samples)
+        lit, mixer = Lit(), method.make("")
+        callbacks = [
+            MixupCallback(mixer, module="net", seed=SEED),
+            HookCallback(*hooks, module="net", seed=SEED),
+        ]
+    else:
+        lit, mixer = Lit(), method.make("net.")
+        callbacks = [MixupCallback(mixer, seed=SEED)]
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[MixupCallback(mixer, seed=SEED)],
+        callbacks=callbacks,
     )  # fmt: skip
     trainer.fit(lit, _loader(method))
     return weights(lit.net, mixer)
@@ -184,7 +203,7 @@ class _Outputs(torch.nn.Module):
 def hf(method: Method) -> list[torch.Tensor]:
     import transformers
 
-    from mixhook.integrations.transformers import MixupCallback
+    from mixhook.integrations.transformers import HookCallback, MixupCallback
 
     x, y = data(method.kind)
     rows = [{"pixel_values": a, "labels": b} for a, b in zip(x, y, strict=True)]
@@ -192,6 +211,8 @@ def hf(method: Method) -> list[torch.Tensor]:
     loss_of = criterion(method.kind)
     mixer = method.make("net.")
     callback = MixupCallback(mixer, criterion=loss_of if method.kind == "mlp" else None)
+    hooks = method.hooks("net.")
+    beside = [HookCallback(*hooks)] if hooks else []  # (its seed: TrainingArguments.seed, SEED)
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, optim="sgd",
@@ -200,7 +221,7 @@ def hf(method: Method) -> list[torch.Tensor]:
             logging_strategy="no", disable_tqdm=True,
         )  # fmt: skip
         transformers.Trainer(
-            model=wrapped, args=args, train_dataset=rows, callbacks=[callback],
+            model=wrapped, args=args, train_dataset=rows, callbacks=[callback, *beside],
             compute_loss_func=callback.compute_loss,
         ).train()  # fmt: skip
     return weights(wrapped.net, mixer)
@@ -217,6 +238,9 @@ def timm_script(method: Method) -> list[torch.Tensor]:
     mixer = method.make("")
     count_classes(mixer, _labels(method.kind, y), "timm's script")  # (its script gives no counts)
     opt = torch.optim.SGD(net.parameters(), lr=LR)  # (timm's train.py: the optimizer, then the mixup)
+    handles = [
+        h.attach(net) for h in method.hooks("")
+    ]  # (attached by hand; their own streams, as the mixer's)
     mixup_fn = MixupFn(net, mixer, opt)
     base = torch.nn.CrossEntropyLoss() if method.kind != "mlp" else criterion("mlp")
     task = ClassificationTask(net, criterion=mixup_fn.loss(base), verbose=False)
@@ -227,6 +251,8 @@ def timm_script(method: Method) -> list[torch.Tensor]:
         opt.step()
         opt.zero_grad()
     mixup_fn.remove()
+    for handle in handles:
+        handle.remove()
     return weights(net, mixer)
 
 
@@ -309,21 +335,27 @@ def app(method: Method) -> Cell:
         err = io.StringIO()
         with tempfile.TemporaryDirectory() as out, contextlib.redirect_stderr(err):
             try:
-                _app(f"mixup={method.app}", out=out)
+                _app(f"mixup={method.app}", *method.app_beside, out=out)
                 return Cell(method.name, "app", "fails", "the default data took it: drop where=")
             except SystemExit:
                 refusal = err.getvalue().strip().splitlines()[-1] + "; "
     with tempfile.TemporaryDirectory() as out:
-        _app(f"mixup={method.app}", *method.where, out=out)
+        _app(f"mixup={method.app}", *method.app_beside, *method.where, out=out)
         trained = json.loads((Path(out) / "summary.json").read_text())
-    where = " ".join((f"mixup={method.app}", *method.where))
+    where = " ".join((f"mixup={method.app}", *method.app_beside, *method.where))
     return Cell(method.name, "app", "trains", f"{refusal}{where}: {len(trained) and 'summary written'}")
 
 
 def resume(method: Method) -> Cell:
     """``train.py`` with the method killed (SIGKILL) after a random number (1 to 8) of its checkpoints, then
     ``trainer.resume=auto``: the metrics and summary equal an uninterrupted run's."""
-    settings = [f"mixup={method.app}", *method.where, "trainer.checkpoint_every=1", "seed=3"]
+    settings = [
+        f"mixup={method.app}",
+        *method.app_beside,
+        *method.where,
+        "trainer.checkpoint_every=1",
+        "seed=3",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         reference, killed = Path(tmp) / "reference", Path(tmp) / "killed"
         _app(*settings, out=str(reference))

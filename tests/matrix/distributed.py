@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+import mixhook
 from tests.matrix import language
 from tests.matrix.cells import BATCH, LR, STEPS, TOLERANCE, hand_setup, hand_step
 from tests.matrix.methods import BY_NAME, Method, criterion, model
@@ -50,12 +51,13 @@ def trained(method: Method, mode: str, rank: int) -> list[torch.Tensor]:
         wrapped = net
     else:  # "fsdp_late": attached first (as the app and Lightning do), then one unit, the root
         wrapped = net
-    with mixer.attach(net):
+    hooks = method.hooks("")
+    with mixhook.attach(net, *hooks, mixer):
         if mode == "fsdp_late":
             fully_shard(net)
         opt = torch.optim.SGD([*net.parameters(), *mixer.parameters()], lr=LR)
         for step in range(STEPS):
-            hand_step(mixer, stream, wrapped, *shard(step, rank, x, y), loss_of, rank, step)
+            hand_step(mixer, stream, wrapped, *shard(step, rank, x, y), loss_of, rank, step, hooks=hooks)
             opt.step()
             opt.zero_grad()
     weights = [*net.parameters(), *mixer.parameters(), *_copy_of(mixer)]
@@ -75,7 +77,8 @@ def replayed(method: Method) -> list[torch.Tensor]:
     x, y, mixer, stream = hand_setup(method, n=STEPS * BATCH * WORLD)
     loss_of = criterion(method.kind)
     mixer.average_over_ranks = False  # (rank 0 replays alone: its Mix Block's gradients averaged below)
-    with mixer.attach(net):
+    hooks = method.hooks("")
+    with mixhook.attach(net, *hooks, mixer):
         params = [*net.parameters(), *mixer.parameters()]  # (the Mix Block's averaged too, as DDP's)
         opt = torch.optim.SGD(params, lr=LR)
         for step in range(STEPS):
@@ -83,7 +86,7 @@ def replayed(method: Method) -> list[torch.Tensor]:
             for rank in range(WORLD):
                 if count is not None:  # (a mixer that counts its training forwards, AdAutoMix's turns: each
                     mixer.iteration = count  # rank counts its own, one per step here)
-                hand_step(mixer, stream, net, *shard(step, rank, x, y), loss_of, rank, step)
+                hand_step(mixer, stream, net, *shard(step, rank, x, y), loss_of, rank, step, hooks=hooks)
                 grads.append([p.grad.clone() for p in params])
                 opt.zero_grad()
             for p, *gs in zip(params, *grads, strict=True):

@@ -92,6 +92,14 @@ class Method:
     kind: str = "cnn"
     app: str | None = None
     where: tuple[str, ...] = ()  # the app's overrides where the default data or model cannot take it
+    # hooks that are not mixers, beside the mixer (their layers named under the prefix), and the app's
+    # overrides that add them: the erasing rows, each with a mixer at the same input
+    beside: Callable[[str], list] | None = None
+    app_beside: tuple[str, ...] = ()
+
+    def hooks(self, prefix: str) -> list:
+        """The hooks beside the mixer, built afresh (their layers named under ``prefix``)."""
+        return [] if self.beside is None else self.beside(prefix)
 
     @property
     def needs_partners(self) -> bool:
@@ -133,14 +141,15 @@ def _card(name: str, cls: type, config: str) -> Method:
 
 
 def methods() -> list[Method]:
-    """Every catalogued method (in the catalogue's order, with its first ``mixup=`` config) and every
-    policy, as the matrix shows them."""
+    """Every catalogued method (in the catalogue's order, with its first ``mixup=`` config), every policy
+    and the erasing hooks beside a mixer, as the matrix shows them."""
     from mixhook.app.methods import configs_of
 
     configs = configs_of()
     return [
         *(_card(name, METHODS_BY_CARD[name], configs[name][0]) for name in catalogue_order()),
         *POLICIES,
+        *ERASING,
     ]
 
 
@@ -158,6 +167,24 @@ POLICIES: list[Method] = [
     Method("LocalWeights", _with(lambda: policies.LocalWeights(sigma=0.5)), app="localmixup"),
     Method("SaliencyPairing", _with(policies.SaliencyPairing), app="guided_pairing"),
 ]
+
+
+def _erasing(cls, **kwargs):
+    """``cls`` (a hook that is not a mixer) at the input and at ``conv1``, named under the prefix it is
+    given, with a fixed generator: erased before input mixup mixes the same input."""
+
+    def make(prefix: str) -> list:
+        return [cls(["input", f"{prefix}conv1"], generator=_gen(6), **kwargs)]
+
+    return make
+
+
+ERASING: list[Method] = [  # (input mixup at the same input: erased, then mixed)
+    Method("RandomErasing", _with(), app="input", beside=_erasing(mixhook.RandomErasing, p=0.75),
+           app_beside=("erasing=random", "erasing.layer=[input,layer1]")),
+    Method("Cutout", _with(), app="input", beside=_erasing(mixhook.Cutout, size=3, holes=2),
+           app_beside=("erasing=cutout", "erasing.size=0.5", "erasing.layer=[input,layer1]")),
+]  # fmt: skip
 
 METHODS: list[Method] = methods()
 BY_NAME = {m.name: m for m in METHODS}

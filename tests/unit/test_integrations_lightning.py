@@ -394,3 +394,74 @@ def test_a_resumed_automix_fit_continues_its_mix_block_and_copy(tmp_path):
     assert len(straight) == len(resumed) > len(list(model("cnn").parameters())) * 2
     for a, b in zip(straight, resumed, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_hook_callback_erases_as_the_hand_loop_does_beside_a_mixer_and_resumes(tmp_path):
+    """HookCallback: Random Erasing at the network's input and a hidden layer, drawn from (seed, rank, step)
+    as the hand loop reseeds it, beside a MixupCallback at the same module's input (erased, then mixed):
+    the weights of the hand loop bit for bit; resumed from a checkpoint, the uninterrupted run's."""
+    from mixhook import RandomErasing
+    from mixhook.integrations.lightning import HookCallback
+
+    loader = data()
+
+    def fit(epochs, ckpt=None, root=None, seed=7):
+        lit = Lit("inner").double()
+        mixer = ManifoldMixup("input", alpha=1.0, generator=torch.Generator().manual_seed(seed))
+        erasing = RandomErasing(["input", "1"], p=0.75, generator=torch.Generator().manual_seed(seed + 1))
+        every = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True) if root else None
+        callbacks = [MixupCallback(mixer, module="net"), HookCallback(erasing, module="net")]
+        t = trainer(root, max_epochs=epochs, callbacks=callbacks + ([every] if every else []),
+                    enable_checkpointing=root is not None)  # fmt: skip
+        t.fit(lit, loader, ckpt_path=ckpt)
+        return lit
+
+    straight = fit(2)
+    hand = net().double()
+    mixer = ManifoldMixup("input", alpha=1.0)
+    erasing = RandomErasing(["input", "1"], p=0.75)
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    with mixhook_attach(hand, mixer, erasing):
+        for epoch in range(2):
+            for i, (x, y) in enumerate(loader):
+                step = integration.step_key(epoch, i)
+                reseed(mixer, 7, 0, step)
+                reseed(
+                    erasing, 8, 0, step, integration.HookCallback.FIRST_PART
+                )  # (its seed: its generator's)
+                mixer.loss(F.cross_entropy, hand(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    for a, b in zip(straight.net.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)
+    fit(1, root=tmp_path)
+    resumed = fit(2, ckpt=str(tmp_path / "last.ckpt"), seed=50)  # (the seeds come from the checkpoint)
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def mixhook_attach(model, *hooks):
+    import mixhook
+
+    return mixhook.attach(model, *hooks)
+
+
+def test_what_a_hook_callback_refuses_is_one_line():
+    from mixhook import RandomErasing
+    from mixhook.integrations.lightning import HookCallback
+
+    with pytest.raises(TypeError, match="HookCallback needs mixhook hooks that are not mixers"):
+        HookCallback(ManifoldMixup("net.0"))
+    with pytest.raises(ValueError) as error:
+        HookCallback(RandomErasing("input"))
+    assert one_line(error).startswith(
+        "HookCallback: RandomErasing at 'input' of the LightningModule would act"
+    )
+    mixer = MixupCallback(ManifoldMixup("input", alpha=1.0))  # (the LightningModule's input)
+    with pytest.raises(ValueError) as error:
+        trainer(max_epochs=1, callbacks=[mixer, HookCallback(RandomErasing("input"), module="net")]).fit(
+            Lit("inner").double(), data()
+        )
+    assert "the MixupCallback mixes the input of the LightningModule before RandomErasing acts" in one_line(
+        error
+    )

@@ -61,10 +61,10 @@ class _Erasing(LayerHook):
         """``h`` (``(B, C, H, W)``) with each sample's rectangle of ``boxes`` (``(B, 4)``) set to the values,
         on ``h``'s device and in its dtype; the gradient of an erased element is zero."""
         device = h.device
-        top, left, rows, cols = (to_device(c, device)[:, None, None, None] for c in boxes.unbind(1))
-        y = torch.arange(h.shape[2], device=device).view(1, 1, -1, 1)
-        x = torch.arange(h.shape[3], device=device).view(1, 1, 1, -1)
-        inside = (y >= top) & (y < top + rows) & (x >= left) & (x < left + cols)
+        top, left, rows, cols = to_device(boxes, device).view(-1, 4, 1, 1, 1).unbind(1)  # (one copy)
+        y = torch.arange(h.shape[2], device=device).view(-1, 1)
+        x = torch.arange(h.shape[3], device=device)
+        inside = (y >= top) & (y < top + rows) & (x >= left) & (x < left + cols)  # (B, 1, H, W)
         if self.value == "random":
             noise = generator_on(device, generator)
             values = torch.randn(h.shape, generator=noise, device=device, dtype=h.dtype)
@@ -279,24 +279,23 @@ class RandomErasing(_Erasing):
         areas and aspect ratios, its place), so a seed gives the same rectangles on any map."""
         g, k = generator, self.attempts
         uniform = lambda *size: torch.rand(size, generator=g, device=g.device, dtype=torch.float64)  # noqa: E731
-        chosen = uniform(n) < self.p
-        u_area, u_ratio, u_top, u_left = uniform(n, k), uniform(n, k), uniform(n), uniform(n)
+        chosen = uniform(n, 1) < self.p
+        u_area, u_ratio, u_top, u_left = uniform(n, k), uniform(n, k), uniform(n, 1), uniform(n, 1)
         (s_low, s_high), (r_low, r_high) = self.scale, self.ratio
-        area = (s_low + (s_high - s_low) * u_area) * (height * width)
+        area = (u_area * (s_high - s_low) + s_low) * (height * width)  # (the authors' arithmetic, in float64)
         if self.aspect == "uniform":
-            ratio = r_low + (r_high - r_low) * u_ratio
+            ratio = u_ratio * (r_high - r_low) + r_low
         else:
-            ratio = torch.exp(math.log(r_low) + (math.log(r_high) - math.log(r_low)) * u_ratio)
-        rows = torch.round(torch.sqrt(area * ratio)).to(torch.int64)  # (round half to even, as Python's)
-        cols = torch.round(torch.sqrt(area / ratio)).to(torch.int64)
+            ratio = torch.exp(u_ratio * (math.log(r_high) - math.log(r_low)) + math.log(r_low))
+        rows = torch.sqrt(area * ratio).round_().long()  # (round half to even, as Python's round)
+        cols = torch.sqrt(area / ratio).round_().long()
         fits = (rows < height) & (cols < width)
-        first = fits.to(torch.int8).argmax(1)  # the first attempt that fits (0 where none does)
-        chosen &= fits.any(1)
-        rows = rows.gather(1, first[:, None])[:, 0]
-        cols = cols.gather(1, first[:, None])[:, 0]
-        top = torch.floor(u_top * (height - rows + 1)).to(torch.int64)
-        left = torch.floor(u_left * (width - cols + 1)).to(torch.int64)
-        return torch.stack([top, left, rows, cols], 1) * chosen[:, None]
+        first = fits.byte().argmax(1, keepdim=True)  # the first attempt that fits (0 where none does)
+        rows, cols = rows.gather(1, first), cols.gather(1, first)
+        chosen &= fits.any(1, keepdim=True)
+        top = (u_top * (height + 1 - rows)).long()  # (uniform over the places where it lies whole)
+        left = (u_left * (width + 1 - cols)).long()
+        return torch.cat([top, left, rows, cols], 1) * chosen
 
 
 class Cutout(_Erasing):

@@ -10,8 +10,9 @@ launch-bound GPU step pays. Timed side by side: the forward alone (the hooks' ca
 call, at the model's level), the forward with its loss, and the whole step (with backward); the figure is
 the mix's time over the plain model's, divided by the hand-written hook's: the ratio of the two median
 added times (:func:`ratio_of_medians`; a ratio per repetition would divide by a noise-sized time). The same
-for input mixup (a hand-written pre-hook on the model against ``ManifoldMixup("input")``) and for CutMix at
-a convolution's map (a hand-written box paste against ``CutMix``): ``scenarios``.
+for input mixup (a hand-written pre-hook on the model against ``ManifoldMixup("input")``), for CutMix at
+a convolution's map (a hand-written box paste against ``CutMix``) and for Random Erasing there (a
+hand-written erasing hook against ``RandomErasing``, each with a plain loss): ``scenarios``.
 Counted in the same step under a dispatch mode: aten ops, copies from the CPU to another device (one per
 mix at most: the partner index), and reads of a device tensor's value on the host (each a sync: none)."""
 
@@ -27,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.timing import median_interval
-from mixhook import CutMix, ManifoldMixup
+from mixhook import CutMix, ManifoldMixup, RandomErasing
 from mixhook.functional import beta_value
 
 HOST_READS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.equal.default"}
@@ -83,6 +84,37 @@ class HandCutMix(HandMix):
         mixed[:, :, y1:y2, x1:x2] = out[self.index, :, y1:y2, x1:x2]
         self.lam = 1.0 - (y2 - y1) * (x2 - x1) / (height * width)
         return mixed
+
+
+class HandErasing:
+    """Random Erasing written by hand as a forward hook on a ``(B, C, H, W)`` map, over the whole batch at
+    once as a careful user would: each sample's chance, ``attempts`` areas and aspect ratios drawn from its
+    own generator, the first rectangle that fits at a uniform place, ``N(0, 1)`` values, one ``where``."""
+
+    def __init__(self, p: float = 0.5, attempts: int = 100):
+        self.generator = torch.Generator().manual_seed(0)
+        self.p, self.attempts = p, attempts
+
+    def __call__(self, module, args, out):
+        n, _, height, width = out.shape
+        g = self.generator
+        chosen = torch.rand(n, generator=g, dtype=torch.float64) < self.p
+        area = (0.02 + 0.38 * torch.rand(n, self.attempts, generator=g, dtype=torch.float64)) * height * width
+        ratio = 0.3 + (1 / 0.3 - 0.3) * torch.rand(n, self.attempts, generator=g, dtype=torch.float64)
+        rows, cols = torch.sqrt(area * ratio).round().long(), torch.sqrt(area / ratio).round().long()
+        fits = (rows < height) & (cols < width)
+        first = fits.byte().argmax(1, keepdim=True)
+        rows, cols = rows.gather(1, first)[:, 0], cols.gather(1, first)[:, 0]
+        top = (torch.rand(n, generator=g, dtype=torch.float64) * (height - rows + 1)).long()
+        left = (torch.rand(n, generator=g, dtype=torch.float64) * (width - cols + 1)).long()
+        chosen &= fits.any(1)
+        y = torch.arange(height).view(1, -1, 1)
+        x = torch.arange(width).view(1, 1, -1)
+        inside = (y >= top.view(-1, 1, 1)) & (y < (top + rows).view(-1, 1, 1)) & (x >= left.view(-1, 1, 1))
+        inside &= (x < (left + cols).view(-1, 1, 1)) & chosen.view(-1, 1, 1)
+        inside = inside.to(out.device)[:, None]
+        values = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+        return torch.where(inside, values, out)
 
 
 class Floor:
@@ -162,7 +194,8 @@ def ratio_of_medians(a: list[float], b: list[float]) -> dict:
     }
 
 
-SCENARIOS = ("layer", "input", "cutmix")  # Manifold Mixup at a hidden layer, input mixup, CutMix at a map
+# Manifold Mixup at a hidden layer, input mixup, CutMix at a map, Random Erasing at a map
+SCENARIOS = ("layer", "input", "cutmix", "erasing")
 
 
 def _variant(name: str, device, width: int, scenario: str = "layer") -> tuple[nn.Module, object]:
@@ -171,11 +204,17 @@ def _variant(name: str, device, width: int, scenario: str = "layer") -> tuple[nn
     Identity, Linear on ``(B, width)``; ``cutmix``: a 3x3 convolution to 4 channels of a ``(B, 3, 8, 8)``
     image, Identity, a Linear head (the map is cut at the Identity)."""
     torch.manual_seed(0)
-    if scenario == "cutmix":
+    if scenario in ("cutmix", "erasing"):
         model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Identity(), nn.Flatten(), nn.Linear(256, 4))
     else:
         model = nn.Sequential(nn.Linear(width, width), nn.Identity(), nn.Linear(width, 4))
     model = model.to(device).train()
+    if scenario == "erasing" and name in ("hand", "mixhook"):  # (the labels untouched: a plain loss)
+        if name == "hand":
+            model[1].register_forward_hook(HandErasing())
+        else:
+            RandomErasing("1", generator=torch.Generator().manual_seed(0)).attach(model)
+        return model, F.cross_entropy
     if name == "hand":
         if scenario == "input":
             hand = HandInputMix(device)
@@ -218,7 +257,7 @@ def host(device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) 
 
 def scenario(kind: str, device, timer, reps: int, calls: int, batch: int = 8, width: int = 16) -> dict:
     """One scenario (:data:`SCENARIOS`): the added times, the census and the path of mixhook's forward."""
-    shape = (batch, 3, 8, 8) if kind == "cutmix" else (batch, width)
+    shape = (batch, 3, 8, 8) if kind in ("cutmix", "erasing") else (batch, width)
     x = torch.randn(*shape, device=device)
     y = torch.randint(0, 4, (batch,), device=device)
     names = ("none", "hand", "mixhook", "floor") if kind == "layer" else ("none", "hand", "mixhook")

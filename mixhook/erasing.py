@@ -78,6 +78,14 @@ class _Erasing(LayerHook):
             values = torch.tensor(fill, dtype=h.dtype, device=device).view(1, -1, 1, 1)
         return torch.where(inside, values, h)
 
+    def check_output(self, spec: str, output, batch: int, model_input=None) -> None:
+        """Refuse, in one line, what this hook cannot erase at site ``spec``: its erasing run once on
+        ``output`` (what the site gave for a sample batch: the model's first argument at ``"input"``) with
+        draws of its own, the hook's generator left as it is. The app's check before training calls it."""
+        if isinstance(model_input, torch.Tensor) and model_input.ndim >= 3:
+            self._grid = (model_input.ndim, model_input.shape[-2], model_input.shape[-1])
+        self._erased(spec, output, torch.Generator().manual_seed(0))
+
     # ---------------------------------------------------------------------------------- the hooks
 
     def _register(self, model: nn.Module, modules: dict, handles: list[RemovableHandle]) -> None:
@@ -368,6 +376,12 @@ class Cutout(_Erasing):
         map's edges (zeros for a sample left as it is): the authors' ``y1 = clip(y - size // 2, 0, h)``,
         ``y2 = clip(y + size // 2, 0, h)``, each centre uniform over the map."""
         g, side = generator, self.side(height, width)
+        if side // 2 >= height and side // 2 >= width:
+            raise _WholeMap(
+                f"its {side}-pixel square covers the whole {height}x{width} map wherever it is centred, so "
+                f"every sample would be erased whole; choose a size below {2 * max(height, width)} (or a "
+                "fraction of the map's side: size=0.5)"
+            )
         chosen = torch.rand(n, generator=g, device=g.device, dtype=torch.float64) < self.p
         centre_y = torch.randint(height, (n, self.holes), generator=g, device=g.device)
         centre_x = torch.randint(width, (n, self.holes), generator=g, device=g.device)
@@ -382,8 +396,15 @@ class Cutout(_Erasing):
         return h
 
     def _erased(self, spec: str, value, generator: torch.Generator):
-        erased, boxes = super()._erased(spec, value, generator)
+        try:
+            erased, boxes = super()._erased(spec, value, generator)
+        except _WholeMap as err:
+            raise ValueError(f"Cutout at {spec!r}: {err}") from None
         return erased, boxes[:, 0]
+
+
+class _WholeMap(ValueError):
+    """A Cutout square that would erase the whole map (said with its site by ``Cutout._erased``)."""
 
 
 def _probability(kind: str, p) -> float:

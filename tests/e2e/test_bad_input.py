@@ -313,6 +313,31 @@ from tests.conftest import write_cifar
             ["mixup=specmix", "mixup.layer=linear"],
             "error: mixup.layer: SpecMix at 'linear' needs a (B, C, H, W) map",
         ),
+        (  # CIFAR's 16 pixels on digits' 8x8 images: every sample erased whole
+            ["erasing=cutout"],
+            "error: erasing.layer: Cutout at 'input': its 16-pixel square covers the whole 8x8 map wherever "
+            "it is centred, so every sample would be erased whole; choose a size below 16",
+        ),
+        (
+            ["erasing=random", "erasing.layer=linear"],
+            "error: erasing.layer: RandomErasing at 'linear' erases a rectangle of one (B, C, H, W) map, and "
+            "the output is a tensor of shape (2, 10)",
+        ),
+        (
+            ["erasing=random", "erasing.p=1.5"],
+            "error: erasing: RandomErasing: p must be a probability in [0, 1]",
+        ),
+        (
+            ["erasing=random", "erasing.value=noise"],
+            "error: erasing: RandomErasing: value must be 'random', a finite number or one finite number per "
+            "channel, got 'noise'",
+        ),
+        (
+            ["data=fashion_mnist", "data.root=/nonexistent/fm"],
+            "error: Fashion-MNIST not found (looked in /nonexistent/fm, /nonexistent/fm/FashionMNIST/raw); "
+            "get it: apt-get install dataset-fashion-mnist",
+        ),
+        (["trainer.eval_every=0"], "error: trainer.eval_every must be an integer >= 1, got 0"),
         (
             ["mixup=cutmix", "mixup.tokens=auto"],
             "error: mixup.layer: CutMix at 'input': tokens='auto' but PreActResNet does not state a fixed "

@@ -389,3 +389,10 @@ def test_cutout_is_the_authors_code_on_the_same_centres():
             assert boxes[i, k].tolist() == [y1, x1, y2 - y1, x2 - x1]
         assert torch.equal(seen[0][i], img[i] * mask.expand_as(img[i]))
     assert Cutout(size=0.5).side(28, 20) == 10 and Cutout(size=14).side(7, 7) == 14
+    # CIFAR's 16 pixels on digits' 8x8 images: every square would cover the whole image, wherever centred
+    net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1)).train()
+    with Cutout(size=16).attach(net), pytest.raises(ValueError) as info:
+        net(torch.randn(2, 1, 8, 8))
+    assert str(info.value).startswith("Cutout at 'input': its 16-pixel square covers the whole 8x8 map")
+    with Cutout(size=15, generator=_gen()).attach(net):  # (centred at the far corner it leaves a row)
+        net(torch.randn(2, 1, 8, 8))

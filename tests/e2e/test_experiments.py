@@ -15,6 +15,7 @@ from mixhook import (
     MixupE,
     NoisyFeatureMixup,
     OneOf,
+    RandomErasing,
     RankMixup,
     RegMixup,
     SAMix,
@@ -22,7 +23,7 @@ from mixhook import (
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
 from tests.app_helpers import config, run_app
-from tests.conftest import write_cifar
+from tests.conftest import write_cifar, write_idx
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
@@ -117,6 +118,12 @@ OPENMIXUP = {  # OpenMixup's CIFAR-100 AutoMix and SAMix configs (Westlake-AI/op
     "scheduler": {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "eta_min": 0.05},
     "trainer": {"epochs": 400, "batch_size": 100, "loss": "ce"},
 }  # fmt: skip
+ZHONG = {  # Random Erasing's Fashion-MNIST script (zhunzhong07/Random-Erasing, fashionmnist.py)
+    "optim": {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
+              "nesterov": False},
+    "scheduler": {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [150, 225], "gamma": 0.1},
+    "trainer": {"epochs": 300, "batch_size": 128, "loss": "ce"},
+}  # fmt: skip
 AUTOMIX = {"_target_": "mixhook.AutoMix", "layer": "input", "features": "layer3", "alpha": 2.0,
            "momentum": 0.999, "end_momentum": 0.999999, "mask_loss": 0.1, "mask_loss_mode": "L1",
            "mask_margin": 0.1, "lam_margin": 0.08, "mask_adjust": 0.0, "upsampling": "nearest",
@@ -148,6 +155,11 @@ NFM = {"_target_": "mixhook.NoisyFeatureMixup", "layer": ["input", "layer1", "la
 PREACT = {"_target_": "mixhook.app.models.PreActResNet18"}
 RESNET50 = {"_target_": "mixhook.app.models.torchvision_model", "name": "resnet50"}
 NFM_NET = {**PREACT, "shortcut": "activated", "width": 1}
+
+
+def resnet(depth: int) -> dict:  # the Random Erasing code's CIFAR ResNet (projection shortcuts)
+    return {"_target_": "mixhook.app.models.CifarResNet", "depth": depth, "shortcut": "projection"}
+
 
 # name: (recipe, data, mixup keys, paper test error, its std[, model])
 EXPECTED = {
@@ -195,6 +207,20 @@ EXPECTED = {
     "chou2020_cifar100_lt_remix": (CAO, "cifar100", REMIX, None, None, RESNET32),
     "liu2022_cifar100_automix": (OPENMIXUP, "cifar100", AUTOMIX, None, None),
     "li2021_cifar100_samix": (OPENMIXUP, "cifar100", SAMIX, None, None),
+    "zhong2020_fashion_mnist_resnet20": (ZHONG, "fashion_mnist", {}, 4.39, None, resnet(20)),
+    "zhong2020_fashion_mnist_resnet20_erasing": (ZHONG, "fashion_mnist", {}, 4.02, None, resnet(20)),
+    "zhong2020_fashion_mnist_resnet32": (ZHONG, "fashion_mnist", {}, 4.16, None, resnet(32)),
+    "zhong2020_fashion_mnist_resnet32_erasing": (ZHONG, "fashion_mnist", {}, 3.80, None, resnet(32)),
+    "clanuwat2018_kmnist_none": (VERMA, "kmnist", {}, 2.18, None),
+    "clanuwat2018_kmnist_input": (VERMA, "kmnist", INPUT, 1.59, None),
+    "clanuwat2018_kmnist_manifold": (VERMA, "kmnist", MANIFOLD, 1.17, None),
+    "clanuwat2018_mnist_none": (VERMA, "mnist", {}, 0.44, None),
+    "clanuwat2018_mnist_input": (VERMA, "mnist", INPUT, 0.46, None),
+    "clanuwat2018_mnist_manifold": (VERMA, "mnist", MANIFOLD, 0.46, None),
+}  # fmt: skip
+ERASING = {  # the Random Erasing recipes' hook, with the values of the authors' Fashion-MNIST script
+    "_target_": "mixhook.RandomErasing", "layer": "input", "p": 0.5, "scale": [0.02, 0.4],
+    "ratio": [0.3, 1 / 0.3], "value": [0.4914], "aspect": "uniform", "attempts": 100,
 }  # fmt: skip
 REPOSITORIES = {
     "verma2019": "vikasverma1077/manifold_mixup at 870ef77",  # (SVHN; the CIFAR rows carry figures)
@@ -211,6 +237,12 @@ UNVERIFIED = [name for name in EXPECTED if name.startswith(tuple(REPOSITORIES)) 
 
 # Recipes that are no paper's: name -> what they compose to (docs/configs.md shows them train)
 RECIPES = {
+    "fashion_mnist_study": {  # docs/fashion_mnist_study: its setting
+        "model": {"_target_": "mixhook.app.models.PreActResNet18", "width": 0.25, "stride": 2},
+        "optim": {"_target_": "torch.optim.SGD", "lr": 0.1},
+        "trainer": {"epochs": 12, "batch_size": 128, "eval_every": 12, "threads": 1},
+        "data": {"name": "fashion_mnist", "per_class": 1000, "padding": 0, "flip": True},
+    },
     "vit_digits": {
         "model": {"_target_": "mixhook.app.models.timm_model", "name": "vit_tiny_patch16_224", "img_size": 8,
                   "patch_size": 2},
@@ -243,6 +275,7 @@ def test_experiment_sets_the_papers_hyperparameters_and_figure(name):
     for group in ("optim", "scheduler", "trainer"):
         assert {k: cfg[group][k] for k in recipe[group]} == recipe[group]
     assert {k: cfg["mixup"][k] for k in mixup} == mixup and (mixup or cfg["mixup"] == {})
+    assert cfg["erasing"] == (ERASING if name.endswith("_erasing") else {})
     assert cfg["paper"]["metric"] == "test_error"
     assert cfg["paper"].get("value") == value and cfg["paper"].get("std") == std
     papers = (
@@ -258,6 +291,8 @@ def test_experiment_sets_the_papers_hyperparameters_and_figure(name):
         "Chou et al. 2020",
         "Liu et al. 2022",
         "Li et al. 2021",
+        "Zhong et al. 2020",
+        "Clanuwat et al. 2018",
     )
     assert cfg["paper"]["source"].startswith(papers)
 
@@ -322,6 +357,46 @@ def test_experiment_builds_on_cifar_format_files(tmp_path, name):
     finally:
         if run.mixup is not None:
             run.mixup.remove()
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in EXPECTED.items() if "mnist" in e[1]))
+def test_the_mnist_family_recipes_build_on_idx_files(tmp_path, name):
+    """Random Erasing's Fashion-MNIST recipes and Clanuwat et al.'s KMNIST and MNIST ones, on IDX files the
+    test writes: the authors' model (the Random Erasing code's ResNet with projection shortcuts, or
+    PreActResNet-18), their normalisation, crop and flip, and the erasing hook with their values."""
+    recipe, data, mixup, value, std, *model = EXPECTED[name]
+    write_idx(tmp_path, n_train=20, n_test=10)
+    cfg = config(f"experiment={name}", f"data.root={tmp_path}")
+    run = app.build(cfg)
+    try:
+        assert (
+            run.data.in_channels == 1
+            and run.data.image_size == 28
+            and run.settings.epochs == recipe["trainer"]["epochs"]
+        )
+        assert run.data.train.flip is (data == "fashion_mnist")
+        if name.startswith("zhong2020"):
+            depth = model[0]["depth"]
+            assert len(run.model.layer1) == (depth - 2) // 6 and run.model.layer2[0].downsample is not None
+            assert run.data.normalization == ([0.1307], [0.3081]) and run.data.train.padding == 4
+        else:
+            assert run.model.linear.in_features == 512 and run.data.train.padding == 2
+        erasing = [h for h in run.hooks if isinstance(h, RandomErasing)]
+        if name.endswith("_erasing"):
+            (hook,) = erasing
+            assert (hook.p, hook.scale, hook.ratio, hook.value) == (
+                0.5,
+                (0.02, 0.4),
+                (0.3, 1 / 0.3),
+                (0.4914,),
+            )
+            assert hook.aspect == "uniform" and hook.attempts == 100
+        else:
+            assert not erasing
+        assert run.summary["paper"]["value"] == value
+    finally:
+        for handle in run.handles:
+            handle.remove()
 
 
 def written_labels(written: dict):

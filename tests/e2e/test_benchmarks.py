@@ -7,6 +7,7 @@ not depend on timing (the compiled model does not recompile after warm-up) and t
 
 import json
 import math
+import subprocess
 import sys
 
 import pytest
@@ -226,3 +227,40 @@ def test_every_method_the_full_run_measures_can_be_built():
     variants = method_variants()
     left = [n for n, cls in sorted(METHODS.items()) if needs_more_than_a_layer(cls) and n not in variants]
     assert left == ["MergeMix", "MixPro", "SMMix", "TLA", "TransMix"]
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_a_papers_table_runs_its_recipes_at_once_and_sets_them_beside_the_papers_figures(tmp_path):
+    """benchmarks/paper_table.py on the CPU (a device's job shortened to one epoch on 40 written images):
+    each recipe and seed a train.py run, two at a time, the schedule scaled to the epochs, the table beside
+    the paper's figures and Random Erasing's paired difference; the runs' own sweep report beside it."""
+    from tests.conftest import ROOT, write_idx
+
+    data = tmp_path / "fashion-mnist"
+    write_idx(data, n_train=40, n_test=20)
+    recipes = "zhong2020_fashion_mnist_resnet20,zhong2020_fashion_mnist_resnet20_erasing"
+    command = [
+        sys.executable, "benchmarks/paper_table.py", "--recipes", recipes, "--seeds", "0,1", "--epochs", "2",
+        "--jobs", "2", "--device", "cpu", "--data-root", str(data), "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (md,) = (tmp_path / "out").glob("cpu-*-paper-table.md")
+    data = json.loads(md.with_suffix(".json").read_text())
+    base, erased = (data["recipes"][r] for r in recipes.split(","))
+    assert base["seeds"] == erased["seeds"] == [0, 1] and base["epochs"] == [2] and base["paper"] == 4.39
+    assert (
+        erased["paper"] == 4.02
+        and data["pairs"]["zhong2020_fashion_mnist_resnet20_erasing"]["paper"] == "-0.37"
+    )
+    text = md.read_text()
+    assert (
+        "shortened to 2 epochs (milestones scaled)" in text
+        and "| `zhong2020_fashion_mnist_resnet20` | 2 | 2 |" in text
+    )
+    run = tmp_path / "out" / "paper-table" / "zhong2020_fashion_mnist_resnet20_erasing" / "1"
+    overrides = (run / ".hydra" / "overrides.yaml").read_text()
+    assert "scheduler.milestones=[1]" in overrides and "trainer.epochs=2" in overrides  # 150 of 300 -> 1 of 2
+    assert "RandomErasing" in json.loads((run / "summary.json").read_text())["hooks"]["erasing"]
+    assert (tmp_path / "out" / "paper-table" / "summary.md").exists()

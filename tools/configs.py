@@ -1,4 +1,6 @@
-"""Every shipped ``mixup=`` config on the README's default run, and its table: ``python -m tools.configs``.
+"""Every shipped ``mixup=`` config on the README's default run, and its table: ``python -m tools.configs``;
+and on the Fashion-MNIST study's setting beside ERM's seed spread: ``python -m tools.configs
+--fashion-mnist``.
 
 Each config of ``mixhook/app/conf/mixup/`` trains as ``python train.py mixup=<name>`` trains it (15 epochs of
 PreActResNet-18 on digits), or, for a config the default data or model cannot take, with the overrides its
@@ -12,6 +14,12 @@ last line. ``--epochs``/``--only`` make a quick partial table (not written to do
 ``--only ... --update`` runs those configs (and their settings' baselines) and puts their rows into the
 committed table, keeping every other row as it was measured (:func:`measured`), the header saying which
 rows are of which day.
+
+``--fashion-mnist`` runs each config once (seed 0) on the setting of docs/fashion_mnist_study
+(``experiment=fashion_mnist_study``), reusing the study's own runs where it has the config, and writes the
+section of docs/configs.md between its markers: each config's test error, NLL and ECE beside ERM's five
+seeds (their mean, spread and seed 0's), and whether it lies outside their spread. A config this setting
+cannot take (a ViT's attention, regression targets) or that would not end in hours here is listed with why.
 """
 
 from __future__ import annotations
@@ -247,6 +255,149 @@ def table(results: list[dict], epochs: int | None, earlier: str = "", updated: t
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------ the Fashion-MNIST section
+
+STUDY = ROOT / "multirun" / "fashion_mnist_study"  # docs/fashion_mnist_study/run.sh's sweep
+FASHION = ("experiment=fashion_mnist_study",)
+# What a shipped config needs to run on 28x28 images, as the study runs it: PuzzleMix's CIFAR cells (4
+# pixels) do not tile its 14- and 7-pixel blocks
+FASHION_FIXES = {"puzzlemix": ("mixup.neigh_size=7", "mixup.t_size=7")}
+# Configs not run on this setting, and why (a step measured on it, 2026-12-07: mixup=none takes 0.2 s)
+FASHION_NOT_RUN = {
+    "comixup": "not run: 7 s a training step here (35 times mixup=none: about 2 hours a run on one thread), "
+    "its labelling over 28x28 images; it trains on digits above",
+}
+BEGIN, END = (
+    "<!-- fashion-mnist: written by python -m tools.configs --fashion-mnist -->",
+    "<!-- fashion-mnist end -->",
+)
+
+
+def study_runs(study: Path = STUDY) -> list[dict]:
+    """The study's finished runs: each one's overrides (but its seed and experiment), seed and summary."""
+    import yaml
+
+    found = []
+    for path in sorted(study.glob("**/summary.json")):
+        overrides = yaml.safe_load((path.parent / ".hydra" / "overrides.yaml").read_text())
+        seed = next((int(o.split("=")[1]) for o in overrides if o.startswith("seed=")), 0)
+        rest = tuple(o for o in overrides if not o.startswith(("seed=", "experiment=")))
+        found.append({"overrides": rest, "seed": seed, **json.loads(path.read_text())})
+    return found
+
+
+def erasing_configs() -> list[str]:
+    """The shipped ``erasing=`` configs but ``none``."""
+    return sorted(p.stem for p in (CONF.parent / "erasing").glob("*.yaml") if p.stem != "none")
+
+
+def fashion_plan(names: list[str]) -> list[tuple[str, tuple[str, ...] | None, str]]:
+    """Each config's run on the study's setting: ``(name, its overrides, "")`` (``erasing=<name>`` beside
+    ``mixup=none`` for the erasing configs), or ``(name, None, why)`` for one this setting cannot take or
+    that is not run."""
+    plan = []
+    for name in names:
+        where = setting(overrides(name))
+        if name.startswith("erasing="):
+            plan.append(("none", (name,), ""))
+        elif "experiment=vit_digits" in where:
+            plan.append((name, None, "n/a: it reads a ViT's attention, and the setting's model is a CNN"))
+        elif "data=diabetes" in where:
+            plan.append((name, None, "n/a: it mixes regression targets, and Fashion-MNIST has classes"))
+        elif name in FASHION_NOT_RUN:
+            plan.append((name, None, FASHION_NOT_RUN[name]))
+        else:
+            plan.append((name, FASHION_FIXES.get(name, ()), ""))
+    return plan
+
+
+def fashion_result(name: str, extra: tuple[str, ...], studied: list[dict], out: Path, threads: int) -> dict:
+    """Seed 0 of ``mixup=<name>`` with ``extra``: the study's run where it has one (the study runs the
+    erasing configs without a mixup override), else a run of its own."""
+    wanted = set(extra) | ({f"mixup={name}"} if not (name == "none" and extra) else set())
+    for run in studied:
+        if run["seed"] == 0 and set(run["overrides"]) == wanted:
+            return {**run, "name": name, "where": extra, "from_study": True}
+    return train(name, (*FASHION, "seed=0", *extra), out, None, threads) | {"where": extra}
+
+
+def fashion_section(plan: list, results: dict, baseline: list[dict]) -> str:
+    """The section: ERM's spread, then one row per config (its seed-0 run, or why there is none)."""
+    import statistics
+
+    errors = [100 * (1 - r["test_acc"]) for r in sorted(baseline, key=lambda r: r["seed"])]
+    mean, std = statistics.fmean(errors), statistics.stdev(errors)
+    seed0 = next(100 * (1 - r["test_acc"]) for r in baseline if r["seed"] == 0)
+    lines = [
+        BEGIN, "", "## Fashion-MNIST, the study's setting", "",
+        f"`python -m tools.configs --fashion-mnist` on {date.today()}: each shipped config once (seed 0) on "
+        "the setting of the [Fashion-MNIST study](fashion_mnist_study/README.md) "
+        "(`experiment=fashion_mnist_study`: PreActResNet-18 a quarter wide, 1,000 training images of each "
+        "class, 12 epochs, the whole 10,000-image test set; the study's own runs where it has the config), "
+        f"beside ERM's five seeds: test error {mean:.2f} ± {std:.2f} % (mean ± std; {min(errors):.2f} to "
+        f"{max(errors):.2f}; seed 0: {seed0:.2f}). "
+        "One seed says where a config lands, not whether it helps: a difference from ERM within two of its "
+        "standard deviations is *within ERM's spread*; the study's paired differences over five seeds are "
+        "what resolves one. Test error, NLL and ECE of the last epoch; *seconds*: the run's wall time beside "
+        "another run on the two cores.", "",
+        "| config | test error % | against ERM (seed 0) | test NLL | test ECE % | seconds | |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]  # fmt: skip
+    for name, fixes, why in plan:
+        shown = [*(() if fixes and fixes[0].startswith("erasing=") else (f"mixup={name}",)), *(fixes or ())]
+        command = f"`{' '.join(shown)}`"
+        if fixes is None:
+            lines.append(f"| {command} | | | | | | {why} |")
+            continue
+        found = results[(name, fixes)]
+        if "failed" in found:
+            lines.append(f"| {command} | | | | | {found['seconds']:.0f} | **failed**: {found['failed']} |")
+            continue
+        error = 100 * (1 - found["test_acc"])
+        side = "below" if error < mean else "above"
+        verdict = "ERM, seed 0" if name == "none" and not fixes else (
+            "within ERM's spread" if abs(error - mean) <= 2 * std
+            else f"**{side} ERM's spread** ({error - mean:+.2f} from its mean)"
+        )  # fmt: skip
+        lines.append(
+            f"| {command} | {error:.2f} | {error - seed0:+.2f} | {found['test_nll']:.4f} | "
+            f"{100 * found['test_ece']:.2f} | {found['seconds']:.0f} | {verdict} |"
+        )
+    return "\n".join([*lines, "", END]) + "\n"
+
+
+def with_section(text: str, section: str) -> str:
+    """docs/configs.md's ``text`` with its Fashion-MNIST section replaced by ``section`` (appended where it
+    has none)."""
+    if BEGIN in text:
+        head, _, rest = text.partition(BEGIN)
+        return head + section + rest.partition(END)[2].lstrip("\n")
+    return text.rstrip("\n") + "\n\n" + section
+
+
+def fashion_mnist(args, threads: int) -> int:
+    """``--fashion-mnist``: run what the section needs (``--jobs`` at a time) and write it."""
+    studied = study_runs(args.study)
+    baseline = [r for r in studied if r["overrides"] == ("mixup=none",)]
+    if len({r["seed"] for r in baseline}) < 5:
+        print(f"--fashion-mnist needs the study's five mixup=none runs in {args.study} "
+              "(bash docs/fashion_mnist_study/run.sh)", file=sys.stderr)  # fmt: skip
+        return 2
+    names = [*configs(), *(f"erasing={e}" for e in erasing_configs())]
+    plan = fashion_plan(names if not args.only else [n for n in names if n in args.only.split(",")])
+    out = args.out / "fashion_mnist"
+    runs = [(name, fixes) for name, fixes, _ in plan if fixes is not None]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        found = list(pool.map(lambda job: fashion_result(*job, studied, out, threads), runs))
+    results = {(r["name"], tuple(r["where"])): r for r in found}
+    section = fashion_section(plan, results, baseline)
+    print(section, end="")
+    if not args.only or args.write:
+        TABLE.write_text(with_section(TABLE.read_text(), section))
+        print(f"wrote {TABLE.relative_to(ROOT)}", file=sys.stderr)
+    return 1 if any("failed" in r for r in found) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.configs", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "multirun" / "configs", help="run directories")
@@ -257,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--update", action="store_true", help="with --only: put those configs' rows into docs/configs.md"
     )
+    parser.add_argument(
+        "--fashion-mnist",
+        action="store_true",
+        help="on the Fashion-MNIST study's setting, beside ERM's seeds",
+    )
+    parser.add_argument("--study", type=Path, default=STUDY, help="the study's sweep directory")
     args = parser.parse_args(argv)
     if args.update and (not args.only or args.epochs):
         parser.error(
@@ -272,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     threads = max((os.cpu_count() or 1) // args.jobs, 1)
+    if args.fashion_mnist:
+        return fashion_mnist(args, threads)
     out = args.out / (f"epochs{args.epochs}" if args.epochs else "default")
     runs = plan(names)
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -284,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         text = table(results, args.epochs)
     print(text, end="")
     if args.write or args.update or (not args.epochs and not args.only):
+        earlier = TABLE.read_text()
+        if BEGIN in earlier:  # (the Fashion-MNIST section is --fashion-mnist's: kept as it is)
+            text = with_section(text, BEGIN + earlier.partition(BEGIN)[2].partition(END)[0] + END + "\n")
         TABLE.write_text(text)
         print(f"wrote {TABLE.relative_to(ROOT)}", file=sys.stderr)
     return 1 if any("failed" in r for r in results) else 0

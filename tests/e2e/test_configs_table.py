@@ -135,3 +135,53 @@ def test_an_update_keeps_the_day_of_a_row_it_reused_from_an_earlier_run():
         ("none", 9.0),
     ]
     assert configs.merged(kept, [results[1]], whole) == (kept, ())  # (nothing new: the table as it is)
+
+
+def test_the_fashion_mnist_section_sets_each_config_beside_erms_seeds_and_keeps_the_rest(tmp_path):
+    """``--fashion-mnist``: each config's seed-0 run (the study's where it has one) beside ERM's five seeds,
+    a config outside two of their standard deviations said to be, the ones the setting cannot take said
+    why; the section replaces its earlier self between its markers, and a rewrite of the digits table
+    keeps it."""
+    import json
+
+    import yaml
+
+    def study_run(folder, overrides, seed, acc):
+        run = tmp_path / "study" / folder / str(seed)
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"seed={seed}", *overrides]))
+        summary = {"test_acc": acc, "test_nll": 0.3, "test_ece": 0.05, "seconds": 200.0}
+        (run / "summary.json").write_text(json.dumps(summary))
+
+    for seed, acc in enumerate([0.887, 0.889, 0.885, 0.886, 0.888]):
+        study_run("mixup", ["mixup=none", "experiment=fashion_mnist_study"], seed, acc)
+    study_run("puzzlemix", ["mixup=puzzlemix", "mixup.neigh_size=7", "mixup.t_size=7"], 0, 0.905)
+    study_run("erasing", ["erasing=random"], 0, 0.8865)
+    studied = configs.study_runs(tmp_path / "study")
+    baseline = [r for r in studied if r["overrides"] == ("mixup=none",)]
+    assert len(baseline) == 5 and {r["seed"] for r in baseline} == set(range(5))
+    plan = configs.fashion_plan(["none", "puzzlemix", "transmix", "cmixup", "comixup", "erasing=random"])
+    assert plan[2][1] is None and "ViT's attention" in plan[2][2] and "regression" in plan[3][2]
+    assert plan[4][1] is None and plan[4][2].startswith("not run:")
+    found = {
+        (name, extra): configs.fashion_result(name, extra, studied, tmp_path / "runs", 1)
+        for name, extra, _ in plan
+        if extra is not None
+    }
+    assert all(r.get("from_study") for r in found.values())  # (nothing run: the study has them all)
+    section = configs.fashion_section(plan, found, baseline)
+    rows = {line.split(" | ")[0]: line for line in section.splitlines() if line.startswith("| `")}
+    assert "test error 11.30 ± 0.16 % (mean ± std; 11.10 to 11.50; seed 0: 11.30)" in section
+    assert rows["| `mixup=none`"].endswith("| 11.30 | +0.00 | 0.3000 | 5.00 | 200 | ERM, seed 0 |")
+    assert rows["| `mixup=puzzlemix mixup.neigh_size=7 mixup.t_size=7`"].endswith(
+        "| **below ERM's spread** (-1.80 from its mean) |"
+    )
+    assert rows["| `erasing=random`"].endswith("| within ERM's spread |")
+    assert rows["| `mixup=transmix`"].endswith("the setting's model is a CNN |")
+    text = "# Every shipped config\n\n| a | table |\n"
+    once = configs.with_section(text, section)
+    assert once.startswith(text) and once.count(configs.BEGIN) == 1
+    again = configs.with_section(once, section.replace("11.30", "11.31"))
+    assert (
+        again.count(configs.BEGIN) == 1 and "11.31" in again and once.split(configs.BEGIN)[0] == text + "\n"
+    )

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
 from . import recompute
 from .engine.card import HookCard
+from .engine.contract import members, mixing_of
 from .functional import generator_on
 from .hooks import LayerHook, Planned
 from .layouts import NCHW, NHWC, SiteLayout, check_layout, site_layout
@@ -161,9 +163,27 @@ class _Erasing(LayerHook):
         _args, output = call
         return self._erased(spec, output, generator)
 
+    def _refuse_renormalised(self, spec: str) -> None:
+        """Refuse, in one line, erasing a batch-norm layer's output that a mixer on the model computes again
+        (AutoMix, SAMix, AdAutoMix, a SUMix policy: their clean and mixed rows normalised apart, the layer's
+        output replaced after its hooks' own, which would drop the erasing silently)."""
+        if spec == INPUT or not isinstance(self._model.get_submodule(self.sites[spec].layer), _BatchNorm):
+            return
+        mixer = mixing_of(self._model)
+        for m in members(mixer) if mixer is not None else ():
+            apart = [type(p).__name__ for p in getattr(m, "policies", ()) if p.batch_norm_apart]
+            if getattr(m, "batch_norm_apart", False) or apart:
+                who = type(m).__name__ + (f" with {apart[0]}" if apart else "")
+                raise ValueError(
+                    f"{type(self).__name__} at {spec!r}: {who} normalises its clean and mixed rows apart at "
+                    "each batch-norm layer, computing the layer's output again after its hooks, which would "
+                    "drop the erasing; erase the layer after it (its activation, or the block's output)"
+                )
+
     def _erased(self, spec: str, value, generator: torch.Generator):
         """``value`` (a site's output or the model's first argument) with its map erased."""
         kind = type(self).__name__
+        self._refuse_renormalised(spec)
         leaves, n = batch_leaves(value, self.sites[spec], self._dims[spec], kind, inputs=spec == INPUT)
         if len(leaves) != 1 or leaves[0].tensor.ndim != 4 or leaves[0].dim != 0:
             found = describe(value)

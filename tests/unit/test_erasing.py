@@ -396,3 +396,44 @@ def test_cutout_is_the_authors_code_on_the_same_centres():
     assert str(info.value).startswith("Cutout at 'input': its 16-pixel square covers the whole 8x8 map")
     with Cutout(size=15, generator=_gen()).attach(net):  # (centred at the far corner it leaves a row)
         net(torch.randn(2, 1, 8, 8))
+
+
+def test_a_batch_norm_that_a_mixer_normalises_apart_is_refused_in_either_order():
+    """AutoMix and a SUMix policy normalise their clean and mixed rows apart at every batch-norm layer,
+    computing its output again after the layer's hooks: erasing that output would be dropped (silently, in
+    one attach order): refused in one line, whatever the order; the layer after it is erased as usual."""
+    from mixhook import CutMix
+    from mixhook.policies import SUMix
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.act, self.fc = (
+                nn.Conv2d(3, 4, 3, padding=1),
+                nn.BatchNorm2d(4),
+                nn.ReLU(),
+                nn.Linear(4, 3),
+            )
+
+        def forward(self, x):
+            return self.fc(self.act(self.bn(self.conv(x))).mean((2, 3)))
+
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 0])
+    for first in (True, False):
+        net = Net().train()
+        mixer = CutMix("input", generator=_gen()).use(SUMix("fc"))
+        erasing = RandomErasing("bn", p=1.0, generator=_gen())
+        with (
+            mixhook.attach(net, *((erasing, mixer) if first else (mixer, erasing))),
+            pytest.raises(ValueError) as info,
+        ):
+            mixer.use_targets(y)
+            net(x)
+        assert str(info.value).startswith(
+            "RandomErasing at 'bn': CutMix with SUMix normalises its clean and mixed rows apart at each"
+        )
+    net = Net().train()
+    mixer = CutMix("input", generator=_gen()).use(SUMix("fc"))
+    with mixhook.attach(net, mixer, RandomErasing("act", p=1.0, generator=_gen())):
+        mixer.use_targets(y)
+        net(x)

@@ -152,7 +152,7 @@ def test_the_long_tail_and_the_balanced_sampler_as_cifar_has_them(tmp_path):
 def test_the_real_fashion_mnist_from_debians_package():
     """Found without a setting (data.root=null, no data/ here), 60,000 + 10,000 images, 6,000 and 1,000 of
     each class, the training set's own mean and std; the files' digest pinned (the 2020 release)."""
-    assert find("fashion_mnist", None) in (DEBIAN, "data")
+    assert find("fashion_mnist", None) == DEBIAN  # (no data/FashionMNIST/raw/ or data/fashion_mnist/ here)
     data = build_data("fashion_mnist", batch_size=512, root=DEBIAN, augment=False)
     assert len(data.train.images) == 60_000 and len(data.test.images) == 10_000
     assert data.class_counts == [6000] * 10
@@ -170,3 +170,38 @@ def test_labels_and_images_of_another_size_are_refused(tmp_path):
     ):
         build_data("mnist", batch_size=2, root=str(tmp_path))
     assert np.array_equal(read_idx(str(tmp_path / "t10k-labels-idx1-ubyte"), LABELS).shape, (4,))
+
+
+def test_without_a_root_each_set_has_folders_of_its_own_and_another_sets_files_are_refused(
+    tmp_path, monkeypatch
+):
+    """The three sets' files have the same names: with data.root null each set is looked for in folders of
+    its own (data/<torchvision's name>/raw/, data/<name>/), never a shared data/; and a whole training set
+    whose mean pixel is another set's is refused as that set's files."""
+    from mixhook.app.data import mnist
+
+    monkeypatch.chdir(tmp_path)
+    write_idx(tmp_path / "data")  # (a shared folder: read by none of them)
+    assert find("mnist", None) is None and find("kmnist", None) is None
+    write_idx(tmp_path / "data" / "kmnist")
+    write_idx(tmp_path / "data" / "MNIST" / "raw", gzipped=True)
+    assert find("kmnist", None) == "data/kmnist" and find("mnist", None) == "data/MNIST/raw"
+    # random pixels average about 0.5, nearest Fashion-MNIST's 0.2860: a "whole" set of them (here 30
+    # images) given as KMNIST is refused as Fashion-MNIST's
+    monkeypatch.setattr(mnist, "WHOLE", 30)
+    with pytest.raises(ValueError) as info:
+        build_data("kmnist", batch_size=8)
+    assert str(info.value).startswith(
+        "data/kmnist holds Fashion-MNIST's training images, not Kuzushiji-MNIST's"
+    )
+    assert build_data("fashion_mnist", batch_size=8, root="data/kmnist").num_classes == 10  # (the nearest)
+
+
+def test_images_that_are_not_square_are_refused(tmp_path):
+    images = tmp_path / "train-images-idx3-ubyte"
+    write_idx(tmp_path, n_train=4, n_test=4)
+    raw = bytearray(images.read_bytes())
+    raw[8:16] = (14).to_bytes(4, "big") + (56).to_bytes(4, "big")  # (4, 14, 56): the same bytes, not square
+    images.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"its images are \(14, 56\), not square"):
+        build_data("mnist", batch_size=2, root=str(tmp_path))

@@ -4,17 +4,19 @@
 fewer images of each class or to a long tail, normalised, augmented with a padded crop (and, for
 Fashion-MNIST, a flip) on the training device.
 
-Where the files are looked for, in order (the first folder that holds all four is read):
-
-1. ``data.root`` (default ``data``), holding ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
-   ``t10k-images-idx3-ubyte`` and ``t10k-labels-idx1-ubyte``, each gzipped (``.gz``) or not;
-2. torchvision's layout under it, ``<root>/<FashionMNIST|MNIST|KMNIST>/raw/``, where
-   ``data.download=true`` (torchvision's dataset class) puts them;
-3. for Fashion-MNIST, Debian's package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``),
-   found without any setting where it is installed.
+The four files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``,
+``t10k-labels-idx1-ubyte``, each gzipped or not) are looked for in the first folder that holds all four:
+``data.root`` itself, then torchvision's layout under it (``<root>/<FashionMNIST|MNIST|KMNIST>/raw/``,
+where ``data.download=true`` puts them). With ``data.root`` left null, each set has folders of its own
+(the three sets' files have the same names, so a shared folder would give one set's images to another):
+``data/<FashionMNIST|MNIST|KMNIST>/raw/``, ``data/<fashion_mnist|mnist|kmnist>/``, and for Fashion-MNIST
+Debian's package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``), found without any
+setting where it is installed.
 
 Each file is checked as it is read (its magic number, its size against its header, image and label
-counts, labels in 0-9): a file that is not what its name says is refused in one line naming it.
+counts, labels in 0-9, square images): a file that is not what its name says is refused in one line
+naming it; and a whole training set (60,000 images) whose mean pixel is another set's (MNIST 0.1307,
+Fashion-MNIST 0.2860, KMNIST 0.1918) is refused as that set's files.
 """
 
 from __future__ import annotations
@@ -36,16 +38,18 @@ _FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-_SETS = {
-    "mnist": {"title": "MNIST", "folder": "MNIST", "debian": None},
+_SETS = {  # ("mean": the whole training set's mean pixel, in [0, 1]: what tells the three sets' files apart)
+    "mnist": {"title": "MNIST", "folder": "MNIST", "debian": None, "mean": 0.1307},
     "fashion_mnist": {
         "title": "Fashion-MNIST",
         "folder": "FashionMNIST",
         "debian": "/usr/share/datasets/fashion-mnist",
         "package": "dataset-fashion-mnist",
-    },  # fmt: skip
-    "kmnist": {"title": "Kuzushiji-MNIST", "folder": "KMNIST", "debian": None},
+        "mean": 0.2860,
+    },
+    "kmnist": {"title": "Kuzushiji-MNIST", "folder": "KMNIST", "debian": None, "mean": 0.1918},
 }
+WHOLE = 60_000  # the training images of each of the three sets
 CLASSES = 10
 
 log = logging.getLogger("mixhook")
@@ -119,6 +123,11 @@ def mnist(
         raise DataNotFoundError(_not_found(name, root))
     train = _split(folder, "train")
     test = _split(folder, "test")
+    if train[0].shape[-1] != train[0].shape[-2]:
+        raise ValueError(
+            f"{spec['title']} in {folder}: its images are {tuple(train[0].shape[-2:])}, not square; the "
+            "MNIST family's are 28x28"
+        )
     if train[0].shape[1:] != test[0].shape[1:]:
         raise ValueError(
             f"{spec['title']} in {folder}: the training images are {tuple(train[0].shape[2:])} and the test "
@@ -126,6 +135,7 @@ def mnist(
         )
     pixels = train[0].to(torch.float64) / 255.0  # (the full training split's, before any subset)
     own = ((pixels.mean().item(),), (pixels.std().item(),))
+    _check_which(name, folder, len(train[0]), own[0][0])
     log.info("data: %s from %s", spec["title"], folder)
     return small_images(train, test, own, CLASSES, augment, flip=flip, **images)
 
@@ -139,10 +149,27 @@ def find(name: str, root: str | None) -> str | None:
 
 
 def _folders(name: str, root: str | None) -> list[str]:
+    """Where data set ``name``'s files are looked for, in order (see the module)."""
     spec = _SETS[name]
-    base = root or "data"
-    found = [base, os.path.join(base, spec["folder"], "raw")]
-    return found + ([spec["debian"]] if root is None and spec["debian"] else [])
+    if root is not None:
+        return [root, os.path.join(root, spec["folder"], "raw")]
+    found = [os.path.join("data", spec["folder"], "raw"), os.path.join("data", name)]
+    return found + ([spec["debian"]] if spec["debian"] else [])
+
+
+def _check_which(name: str, folder: str, count: int, mean: float) -> None:
+    """Refuse a whole training set whose mean pixel is another set's (its files put where ``name``'s were
+    looked for: the three sets' files have the same names)."""
+    if count != WHOLE:
+        return
+    nearest = min(_SETS, key=lambda other: abs(_SETS[other]["mean"] - mean))
+    if nearest != name:
+        spec, other = _SETS[name], _SETS[nearest]
+        raise ValueError(
+            f"{folder} holds {other['title']}'s training images, not {spec['title']}'s (their mean pixel is "
+            f"{mean:.4f}: {other['title']}'s is {other['mean']}, {spec['title']}'s {spec['mean']}); put "
+            f"{spec['title']}'s files in a folder of their own and name it with data.root"
+        )
 
 
 def _file(folder: str, stem: str) -> str | None:
@@ -172,7 +199,7 @@ def _not_found(name: str, root: str | None) -> str:
     """Where data set ``name`` was looked for, and every way to get it, in one line."""
     spec = _SETS[name]
     looked = ", ".join(_folders(name, root))
-    where = f"data.root={root!r}" if root is not None else "data/ (or data.root=<folder>)"
+    where = f"data.root={root!r}" if root is not None else f"data/{name}/ (or data.root=<folder>)"
     ways = [f"put its four IDX files (train-images-idx3-ubyte, ..., gzipped or not) in {where}"]
     if spec["debian"]:
         ways.insert(0, f"apt-get install {spec['package']} (Debian's, found in {spec['debian']})")

@@ -27,7 +27,7 @@ from mixhook.app.report import read_resolved, write_report
 DOCS = Path(__file__).resolve().parent
 SUMMARY_KEYS = (  # what summary.json holds that the report reads
     "test_acc", "test_nll", "test_ece", "test_balanced_acc", "best_test_acc", "epochs", "seconds",
-    "test_rmse", "best_test_rmse", "test_mse",
+    "test_rmse", "best_test_rmse", "test_mse", "seed",
 )  # fmt: skip
 
 

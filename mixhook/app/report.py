@@ -293,31 +293,40 @@ def paired(rows: list[dict], grouped: list[dict], varying: set[str]) -> dict | N
     if len(candidates) != 1 or any(_metric(r) != "test_error" for r in rows if r["status"] == "ok"):
         return None
     base = candidates[0]["group"]
-    by_group: dict[str, dict[str, dict]] = {}
+    members: dict[str, list[dict]] = {}  # each group's finished runs
+    by_seed: dict[str, dict[str, dict]] = {}  # and its run of each seed (a seed run twice: the last)
+    twice: list[str] = []
     for row in rows:
-        seed = _parse_overrides(row["overrides"].split(" ")).get("seed")
-        if row["status"] == "ok" and seed is not None:
-            by_group.setdefault(_group_key(row, varying), {})[seed] = row
-    reference = by_group.get(base, {})
+        seed = row.get("seed", _parse_overrides(row["overrides"].split(" ")).get("seed"))
+        if row["status"] != "ok":
+            continue
+        key = _group_key(row, varying)
+        members.setdefault(key, []).append(row)
+        seeds = by_seed.setdefault(key, {})
+        if seed is not None and str(seed) in seeds:  # (a rerun in the same directory)
+            twice.append(f"`{key}` seed {seed}")
+        if seed is not None:
+            seeds[str(seed)] = row
+    reference = by_seed.get(base, {})
     out = []
     for g in grouped:
-        runs = by_group.get(g["group"], {})
-        seeds = sorted(set(runs) & set(reference), key=lambda s: (len(s), s))
+        runs, paired_runs = members.get(g["group"], []), by_seed.get(g["group"], {})
+        seeds = sorted(set(paired_runs) & set(reference), key=lambda s: (len(s), s))
         entry = {"group": g["group"], "n": len(runs), "pairs": len(seeds), "baseline": g["group"] == base}
         for key, _, scale in PAIRED:
-            own = [scale * r[key] for r in runs.values() if key in r]
+            own = [scale * r[key] for r in runs if key in r]
             entry[key] = interval(own) if len(own) == len(runs) else (math.nan, math.nan)
             diffs = [
-                scale * (runs[s][key] - reference[s][key])
+                scale * (paired_runs[s][key] - reference[s][key])
                 for s in seeds
-                if key in runs[s] and key in reference[s]
+                if key in paired_runs[s] and key in reference[s]
             ]
             entry[f"{key}_diff"] = interval(diffs) if len(diffs) == len(seeds) else (math.nan, math.nan)
         if g["n"]:
             out.append(entry)
     if not any(e["pairs"] >= 2 and not e["baseline"] for e in out):
         return None
-    return {"baseline": base, "groups": out}
+    return {"baseline": base, "groups": out, "twice": twice}
 
 
 def _items(group: str) -> dict[str, str]:
@@ -354,6 +363,9 @@ def _paired_lines(compared: dict) -> list[str]:
             else:
                 cells += [_ci(*e[f"{key}_diff"], digits, signed=True), resolved(*e[f"{key}_diff"])]
         lines.append("| " + " | ".join(cells) + " |")
+    if compared.get("twice"):
+        lines += ["", "Run more than once (each group's mean counts every run; the pairs take the last): "
+                  + ", ".join(compared["twice"]) + "."]  # fmt: skip
     return lines
 
 

@@ -107,6 +107,7 @@ def test_groups_are_compared_with_the_baseline_seed_by_seed(tmp_path):
     fake_run(
         tmp_path / "mixup", 99, ["mixup=input", "seed=7"], acc=0.5, nll=0.5, ece=0.1
     )  # (no partner seed)
+    fake_run(tmp_path / "rerun", 0, ["mixup=input", "seed=0"], acc=0.92, nll=0.08, ece=0.05)  # (seed 0 again)
     data = write_report(tmp_path)
     compared = data["paired"]
     assert compared["baseline"] == "mixup=none"
@@ -115,13 +116,15 @@ def test_groups_are_compared_with_the_baseline_seed_by_seed(tmp_path):
     diffs = [-2.0, -1.5, -1.5]  # input's error minus none's, per seed, in points: 8-10, 7.5-9, 6.5-8
     mean, half = by["mixup=input"]["test_error_diff"]
     assert mean == pytest.approx(-5 / 3) and half == pytest.approx(t * statistics.stdev(diffs) / math.sqrt(3))
-    assert by["mixup=input"]["pairs"] == 3 and by["mixup=input"]["n"] == 4
+    assert by["mixup=input"]["pairs"] == 3 and by["mixup=input"]["n"] == 5
+    assert compared["twice"] == ["`mixup=input` seed 0"]
     assert by["erasing=random"]["test_error_diff"][0] == pytest.approx(-1 / 3)  # 9-10, 10-9, 7-8
     assert by["mixup=none"]["baseline"] and by["mixup=none"]["pairs"] == 3
     md = (tmp_path / "summary.md").read_text()
     assert "## Paired differences from `mixup=none`" in md
     assert "| `erasing=random` | 3 | 3 | 8.67 ± " in md and "| -0.33 ± 2.87 | no |" in md
-    assert "| `mixup=input` | 4 | 3 |" in md and "| -1.67 ± 0.72 | lower |" in md
+    assert "| `mixup=input` | 5 | 3 |" in md and "| -1.67 ± 0.72 | lower |" in md
+    assert "the pairs take the last): `mixup=input` seed 0." in md
     assert matplotlib.image.imread(tmp_path / "paired.png").shape[2] in (3, 4)
     # no baseline (nothing swept is none): no section, no picture
     other = tmp_path / "other"

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from . import recompute
 from .engine.card import HookCard
 from .engine.contract import members, mixing_of
-from .functional import generator_on
+from .functional import DeviceNoise
 from .hooks import LayerHook, Planned
 from .layouts import NCHW, NHWC, SiteLayout, check_layout, site_layout
 from .sites import INPUT, Inputs, batch_leaves, describe, replace_leaves
@@ -67,9 +67,8 @@ class _Erasing(LayerHook):
         y = torch.arange(h.shape[2], device=device).view(-1, 1)
         x = torch.arange(h.shape[3], device=device)
         inside = (y >= top) & (y < top + rows) & (x >= left) & (x < left + cols)  # (B, 1, H, W)
-        if self.value == "random":
-            noise = generator_on(device, generator)
-            values = torch.randn(h.shape, generator=noise, device=device, dtype=h.dtype)
+        if self.value == "random":  # (where the map is: a generator already there draws itself, no host sync)
+            values = DeviceNoise(generator).normal_(torch.empty(h.shape, device=device, dtype=h.dtype))
         else:
             fill = self.value if len(self.value) > 1 else self.value * h.shape[1]
             if len(fill) != h.shape[1]:

@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,11 +83,13 @@ def command(recipe: str, seed: int, extra: list[str], run_dir: Path, args, threa
     ]  # fmt: skip
 
 
-def summaries(runs: Path) -> dict[str, dict[int, dict]]:
-    """Each finished run's summary, by recipe and seed."""
+def summaries(runs: Path, wanted: set[tuple[str, int]]) -> dict[str, dict[int, dict]]:
+    """The summaries of this call's finished runs (``wanted``: its recipes and seeds), by recipe and seed."""
     found: dict[str, dict[int, dict]] = {}
-    for path in sorted(runs.glob("*/*/summary.json")):
-        found.setdefault(path.parent.parent.name, {})[int(path.parent.name)] = json.loads(path.read_text())
+    for recipe, seed in sorted(wanted):
+        path = runs / recipe / str(seed) / "summary.json"
+        if path.exists():
+            found.setdefault(recipe, {})[seed] = json.loads(path.read_text())
     return found
 
 
@@ -174,6 +177,7 @@ class Runs:
             "schedule": schedule,
         }  # fmt: skip
         self.queue = [(r, s) for s in seeds for r in recipes]
+        self.wanted = set(self.queue)
         self.running: list[tuple] = []  # (process, its log file, recipe, seed)
         self.failed: list[str] = []
         self.started = time.perf_counter()
@@ -185,6 +189,7 @@ class Runs:
         """Start runs while fewer than ``jobs`` run and the budget lasts."""
         while self.queue and len(self.running) < self.args.jobs and self.elapsed() < self.args.budget:
             recipe, seed = self.queue.pop(0)
+            shutil.rmtree(self.dir / recipe / str(seed), ignore_errors=True)  # (an earlier call's run of it)
             log = open(self.dir / f"{recipe}-{seed}.log", "w")  # noqa: SIM115  (closed when the run ends)
             extra = shortened(self.configs[recipe], self.args.epochs)
             line = command(recipe, seed, extra, self.dir / recipe / str(seed), self.args, self.threads)
@@ -209,7 +214,7 @@ class Runs:
     def write(self) -> None:
         meta = {**self.meta, "seconds": self.elapsed(), "failed": self.failed}
         meta["not_started"] = [f"{r} seed {s}" for r, s in self.queue]
-        text, data = table(summaries(self.dir), self.recipes, meta)
+        text, data = table(summaries(self.dir, self.wanted), self.recipes, meta)
         text += "".join(f"\n- failed: {f}" for f in self.failed)
         text += "".join(f"\n- not started (the budget was spent): {r} seed {s}" for r, s in self.queue)
         self.stem.with_suffix(".md").write_text(text)
@@ -257,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     from mixhook.app.report import write_report
 
     if any(runs.dir.glob("*/*/.hydra/overrides.yaml")):
-        write_report(runs.dir)
+        write_report(runs.dir)  # (every run under the folder, this call's and any earlier one's)
     print(runs.stem.with_suffix(".md").read_text())
     return 1 if runs.failed else 0
 

@@ -392,7 +392,7 @@ def fashion_mnist(args, threads: int) -> int:
     results = {(r["name"], tuple(r["where"])): r for r in found}
     section = fashion_section(plan, results, baseline)
     print(section, end="")
-    if not args.only or args.write:
+    if not args.only:
         TABLE.write_text(with_section(TABLE.read_text(), section))
         print(f"wrote {TABLE.relative_to(ROOT)}", file=sys.stderr)
     return 1 if any("failed" in r for r in found) else 0
@@ -419,7 +419,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--update puts whole runs of the configs --only names into the table: give --only, not --epochs"
         )
-    names = configs()
+    names = (
+        configs() if not args.fashion_mnist else [*configs(), *(f"erasing={e}" for e in erasing_configs())]
+    )
+    if args.fashion_mnist and (args.epochs or args.update or (args.only and args.write)):
+        parser.error(
+            "--fashion-mnist runs the study's setting as it is and writes its whole section: not with "
+            "--epochs, --update, or --write beside --only (a partial section is printed only)"
+        )
     if args.only:
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - set(names))

@@ -34,6 +34,10 @@ GOALS = {
     "neftune_vs_hf_neftune": 1.02,  # a Llama step with mixhook's NEFTune (per sequence) / HuggingFace's
     "llm_mixup_vs_hand": 1.02,  # ... with Manifold Mixup at a decoder layer / a hand-written blend hook
     "sftmix_vs_hand": 1.02,  # issue 85: a Llama step with SFTMix's loss / a minimal hand-written SFTMix's
+    # issue 96: the peak memory of an SFTMix step at Llama-3.1-8B's vocabulary, 4 rows of 2,048 tokens (a
+    # GPU), / plain fine-tuning's and / the minimal hand-written SFTMix's
+    "peak_sftmix_vs_none": 1.3,
+    "peak_sftmix_vs_hand": 1.0,
     # issue 81: the peak memory of a Manifold Mixup step at layer2 / the hand-edited forward's (CUDA); the
     # tensors with a grad_fn a mixer keeps between steps (that what else it keeps neither grows with the
     # steps nor with the batch is tests/unit/test_retention.py's to hold: one run cannot tell)
@@ -201,6 +205,14 @@ def _sftmix_goals(r: dict, add, device) -> None:
         add("sftmix_vs_hand", r["sftmix_vs_hand"], GOALS["sftmix_vs_hand"], where)
 
 
+def _sftmix_memory_goals(r: dict, add, device) -> None:
+    if "peak_MiB" in r and r["length"] >= 2048:  # (the goals' shapes: a GPU's run)
+        for dtype in r["peak_MiB"]:
+            where = f"{r['model']}, {r['batch']} x {r['length']} tokens, {dtype}"
+            add("peak_sftmix_vs_none", r["sftmix_vs_none"][dtype], GOALS["peak_sftmix_vs_none"], where)
+            add("peak_sftmix_vs_hand", r["sftmix_vs_hand"][dtype], GOALS["peak_sftmix_vs_hand"], where)
+
+
 def _blend_goals(b: dict, add, device) -> None:
     if device.type == "cuda":
         limit = GOALS["blend_vs_copy_bandwidth"]
@@ -243,6 +255,7 @@ GOALS_OF = (
     ("recipe", _recipe_goals),
     ("language_model", _language_model_goals),
     ("sftmix", _sftmix_goals),
+    ("sftmix_memory", _sftmix_memory_goals),
     ("blend", _blend_goals),
     ("memory", _memory_goals),
 )  # (in the order the goals table lists them)
@@ -681,6 +694,29 @@ def _sftmix(r: dict) -> list[str]:
     ]
 
 
+def _sftmix_memory(r: dict) -> list[str]:
+    """The SFTMix memory case's section: each step's peak, by weights' dtype, and the ratios."""
+    if "note" in r:
+        return ["", "## SFTMix: peak memory", "", r["note"]]
+    lines = [
+        "",
+        f"## SFTMix: peak memory of a training step, {r['model']}, {r['batch']} x {r['length']} tokens",
+        "",
+        f"Peak above what was allocated before the step ({r['how']}); one copy of the float32 logits is "
+        f"{r['logits_MiB']:.0f} MiB.",
+        "",
+        "| weights | none (plain fine-tuning) MiB | hand-written SFTMix MiB | SFTMix MiB | SFTMix / none | "
+        "SFTMix / hand |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for dtype, p in r["peak_MiB"].items():
+        lines.append(
+            f"| {dtype} | {p['none']:.0f} | {p['hand']:.0f} | {p['sftmix']:.0f} | "
+            f"{r['sftmix_vs_none'][dtype]:.3f} | {r['sftmix_vs_hand'][dtype]:.3f} |"
+        )
+    return lines
+
+
 def _training_steps(results: dict) -> list[str]:
     """The training-step sections: eager, compiled and bf16, a table per model."""
     lines: list[str] = []
@@ -770,6 +806,7 @@ SECTIONS = (
     ("memory", _memory),
     ("language_model", _language_model),
     ("sftmix", _sftmix),
+    ("sftmix_memory", _sftmix_memory),
     ("augmix", _augmix),
     ("vit", _vit),
 )  # (after the training steps, in this order)

@@ -65,7 +65,7 @@ from benchmarks.cases.methods import methods  # noqa: E402
 from benchmarks.cases.peers import peers  # noqa: E402
 from benchmarks.cases.recipe import data_pipelines, recipe  # noqa: E402
 from benchmarks.cases.recompiles import recompiles  # noqa: E402
-from benchmarks.cases.sftmix import sftmix  # noqa: E402
+from benchmarks.cases.sftmix import sftmix, sftmix_memory  # noqa: E402
 from benchmarks.cases.training_step import VARIANTS, training_steps  # noqa: E402
 from benchmarks.cases.vit import vit_methods  # noqa: E402
 from benchmarks.report import device_name, device_slug, goals, markdown  # noqa: E402
@@ -74,7 +74,7 @@ from mixhook.app.records import torch_messages_to_log  # noqa: E402
 
 CASES = (
     "eager", "compiled", "bf16", "peers", "methods", "dispatch", "host", "blend", "recompiles", "memory",
-    "data", "imagenet", "recipe", "llm", "sftmix", "augmix", "vit",
+    "data", "imagenet", "recipe", "llm", "sftmix", "sftmix_memory", "augmix", "vit",
 )  # fmt: skip
 OPT_IN = ("baseline",)  # run only when named (it needs --baseline)
 
@@ -325,6 +325,12 @@ def _sftmix(c: Case) -> dict:
     return sftmix(c.device, c.timer, c.reps, c.inner, *c.size((4, 32, 64), (16, 512, 512), (8, 128, 128)))
 
 
+def _sftmix_memory(c: Case) -> dict:
+    c.log("SFTMix: the peak memory of its step at Llama-3.1-8B's vocabulary ...")
+    # (batch, tokens: Llama-3.1-8B's 4 rows of 2,048 on a GPU; a CPU's peaks are a quarter of the tokens)
+    return sftmix_memory(c.device, *c.size((4, 64, 64, 4096), (4, 2048), (4, 512)))
+
+
 # each case after the training steps: its key in the results and its runner, in the order they run
 RUNNERS = {
     "peers": ("peers", _peers),
@@ -340,6 +346,7 @@ RUNNERS = {
     "recipe": ("recipe", _recipe),
     "llm": ("language_model", _llm),
     "sftmix": ("sftmix", _sftmix),
+    "sftmix_memory": ("sftmix_memory", _sftmix_memory),
     "augmix": ("augmix", _augmix),
     "vit": ("vit", _vit),
 }

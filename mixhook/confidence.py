@@ -129,10 +129,10 @@ def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     logits in float32. Shared by the perplexity here and SFTMix's loss (:mod:`mixhook.sftmix`)."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    flat = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="none"
-    )
-    return flat.view(labels.shape[0], -1)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # (the labels moved, not the logits: no copy of
+    # the (B, T, V) logits, as the HuggingFace causal LM loss does)
+    flat = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE, reduction="none")
+    return flat.view(labels.shape[0], -1)[:, :-1]
 
 
 def confidence(

@@ -16,7 +16,10 @@ LM head (a decoder's final norm's output)::
 
 ``Z_n`` the state that predicts response token ``n`` (``y_n``, counted from the response's first labelled
 token; a causal model's state at the position before it), ``l_NTP`` the usual mean cross-entropy of the
-labelled tokens of every example. The LM head runs once on the clean and the mixed rows.
+labelled tokens of every example. The LM head runs once on the clean rows and on each pair's mixed row (the
+mix of ``(u, c)`` with ``1 - lam`` is the same state and its loss the same terms: computed once, counted for
+both rows); one softmax of each mixed position serves both its targets, and the logits' gradient is
+computed in the forward (:func:`token_losses`), so that a step holds about as much as plain fine-tuning's.
 """
 
 from __future__ import annotations
@@ -68,10 +71,10 @@ class SFTMix(LayerHook):
 
     Attach it to the module whose output the LM head takes (``"model.norm"`` of a Llama, Qwen2, Mistral or
     Gemma; ``"transformer.ln_f"`` of GPT-2). :meth:`loss` runs one forward of the batch, in which that
-    module's ``(B, T, D)`` output is followed by ``B`` mixed rows (each row mixed with its partner
-    :func:`partners`, ``lam`` for the one, ``1 - lam`` for the other: each pair's mix twice, the loss the
-    mean over both, which is the pair's), and returns ``l_NTP + mu * l_mixup`` and the forward's outputs
-    with the clean rows' logits::
+    module's ``(B, T, D)`` output is followed by ``B // 2`` mixed rows, one per pair (row ``k`` and its
+    partner ``k + B // 2``, :func:`partners`: ``lam`` for the one and ``1 - lam`` for the other, the pair's
+    mix and its loss the same from either side, so each is computed once and counted for both rows), and
+    returns ``l_NTP + mu * l_mixup`` and the forward's outputs with the clean rows' logits::
 
         mix = SFTMix("model.norm")
         with mix.attach(model):
@@ -86,7 +89,8 @@ class SFTMix(LayerHook):
     labels are missing. Inside activation checkpointing the recomputation mixes the same rows again.
 
     The points no source states are arguments, each with the reading chosen as default (see
-    docs/language-models.md): ``lam`` per pair (``"pair"``) or one per batch (``"batch"``); the mixup loss
+    docs/language-models.md): ``lam`` per pair (``"pair"``) or one per batch (``"batch"``: one per call of
+    :meth:`loss`, so one per micro-batch and process, not one per optimizer step); the mixup loss
     averaged per mixed token (``"token"``) or per sequence (``"sequence"``: each pair's mean, then their
     mean); gradients through the mixed states into the body (``detach=False``) or not; which answer of a
     conversation is mixed (``response``: ``"all"`` labelled tokens in order, the ``"first"`` or ``"last"``
@@ -94,7 +98,10 @@ class SFTMix(LayerHook):
     ``l_mixup`` the mean over its mixed tokens; under gradient accumulation and DDP the means are the
     step's (``counts=``, :meth:`counts` added over the step's micro-batches and processes: the trainer
     mixin does it as the Trainer counts ``num_items_in_batch``), so that with ``mu=0`` SFTMix trains as
-    the Trainer's own loss does. A batch with no token to mix has ``l_mixup = 0``.
+    the Trainer's own loss does. A batch with no token to mix has ``l_mixup = 0``. The mix is computed in
+    float32 at least (float64 states in float64) with the lam the label weights use, then cast to the
+    states' dtype: under bf16 the mix and its targets weigh by the same lam; the slots a pair does not mix
+    are selected out, not multiplied by 0 (a non-finite state there spreads nothing).
 
     ``.last``: ``lam`` (``(B,)``), ``"tokens"`` (the mixed tokens, each pair's counted twice) and the two
     terms of the loss, detached (``"ntp"`` and ``"mixup"``: with ``counts`` given, this batch's shares of
@@ -184,7 +191,7 @@ class SFTMix(LayerHook):
         return again
 
     def _with_mixed(self, spec: str, output, plan: Mapping):
-        """``output`` with its ``(B, T, D)`` tensor followed by the ``B`` mixed rows."""
+        """``output`` with its ``(B, T, D)`` tensor followed by the ``B // 2`` mixed rows."""
         leaf, h = sequence_of(
             output, self.sites[spec], self._dims[spec], f"SFTMix at {spec!r}",
             "SFTMix mixes the (B, T, D) input of the LM head: name the final norm",
@@ -197,16 +204,19 @@ class SFTMix(LayerHook):
         return put_back(output, leaf, torch.cat([h, self._mixed(h, plan)]))
 
     def _mixed(self, h: torch.Tensor, plan: Mapping) -> torch.Tensor:
-        """The ``B`` mixed rows: row ``i``'s slot ``n`` at the position before its ``n``-th response token,
-        ``lam_i * h_i + (1 - lam_i) * h_p`` of the states before their ``n``-th ones; zeros elsewhere."""
+        """The ``B // 2`` mixed rows, one per pair: row ``i``'s slot ``n`` (``i < B // 2``) at the position
+        before its ``n``-th response token, ``lam_i * h_i + (1 - lam_i) * h_p`` of the states before their
+        ``n``-th ones, computed in float32 at least and cast to ``h``'s dtype; zeros elsewhere."""
         source = h.detach() if self.detach else h
-        index, own, other, valid = plan["index"], plan["own"], plan["other"], plan["valid"]
+        half = h.shape[0] // 2
+        own, other, valid = plan["own"][:half], plan["other"][:half], plan["valid"][:half]
         d = h.shape[-1]
-        lam = plan["lam"].to(h.dtype)[:, None, None]
-        mine = source.gather(1, own[..., None].expand(-1, -1, d))
-        theirs = source[index].gather(1, other[..., None].expand(-1, -1, d))
-        blend = (lam * mine + (1 - lam) * theirs) * valid[..., None].to(h.dtype)
-        return torch.zeros_like(h).scatter_add(1, own[..., None].expand(-1, -1, d), blend)
+        wide = torch.promote_types(h.dtype, torch.float32)
+        lam = plan["lam"][:half].to(wide)[:, None, None]
+        mine = source[:half].gather(1, own[..., None].expand(-1, -1, d)).to(wide)
+        theirs = source[half:].gather(1, other[..., None].expand(-1, -1, d)).to(wide)
+        blend = torch.where(valid[..., None], lam * mine + (1 - lam) * theirs, 0).to(h.dtype)
+        return h.new_zeros((half, *h.shape[1:])).scatter_add(1, own[..., None].expand(-1, -1, d), blend)
 
     def _planned(self, labels: torch.Tensor) -> dict:
         """The pairs, their lams (from the hook's generator) and the aligned positions and targets."""
@@ -286,44 +296,117 @@ class SFTMix(LayerHook):
         finally:
             plan, self._plan = self._plan, None
         logits = logits_of(outputs)
-        if logits.shape[0] != 2 * n:
+        if logits.shape[0] != n + n // 2:
             raise RuntimeError(
-                f"SFTMix.loss(): the forward gave {logits.shape[0]} rows of logits, not the {2 * n} of the "
-                "clean and mixed rows: the hooked layer did not run in it, or the model did not keep its rows"
+                f"SFTMix.loss(): the forward gave {logits.shape[0]} rows of logits, not the {n + n // 2} of "
+                "the clean and mixed rows: the hooked layer did not run in it, or the model did not keep its "
+                "rows"
             )
         if logits.shape[1] != labels.shape[1]:
             raise ValueError(
                 f"SFTMix.loss(): the logits cover {logits.shape[1]} positions, the labels {labels.shape[1]}; "
                 "leave logits_to_keep unset (every position's prediction is needed)"
             )
-        clean, mixed = logits[:n], logits[n:]
-        ntp = _ntp(clean, labels, ntp_count)
-        mix, tokens = self._mixup(mixed, plan, mixed_count)
+        losses, slots = self._losses(logits, labels, plan)
+        labelled = (labels[:, 1:] != IGNORE).sum() if ntp_count is None else ntp_count
+        ntp = losses[:n].sum() / labelled.clamp(min=1)
+        mix, tokens = self._mixup(losses[n:], slots, mixed_count)
         total = ntp + self.mu * mix
         self.last = {"lam": plan["lam"], "tokens": tokens, "ntp": ntp.detach(), "mixup": mix.detach()}
-        return total, _clean_rows(outputs, n)
+        return total, _clean_rows(outputs, n, n + n // 2)
 
-    def _mixup(self, mixed: torch.Tensor, plan: Mapping, count=None) -> tuple[torch.Tensor, torch.Tensor]:
-        lam = plan["lam"].to(mixed.dtype if mixed.dtype == torch.float64 else torch.float32)[:, None]
-        own, partner = next_token_losses(mixed, plan["own_y"]), next_token_losses(mixed, plan["partner_y"])
-        each = lam * own + (1 - lam) * partner  # (B, T - 1): zero where no slot
-        slots = (plan["own_y"][:, 1:] != IGNORE).to(each.dtype)
-        tokens = slots.sum()
-        if self.reduce == "token":
-            return each.sum() / (tokens if count is None else count).clamp(min=1), tokens
+    def _losses(self, logits: torch.Tensor, labels: torch.Tensor, plan: Mapping):
+        """Each position's loss, ``(B + B // 2, T)``, 0 where none: a clean row's cross-entropy of its next
+        label, a pair's ``lam * CE(y^c) + (1 - lam) * CE(y^u)``; in one :func:`token_losses` over the clean
+        and mixed logits together (one softmax of each position serving both of a pair's targets); and the
+        pairs' slots, ``(B // 2, T)``."""
+        n, length = labels.shape
+        half = n // 2
+        wide = torch.promote_types(logits.dtype, torch.float32)
+
+        def ahead(y):  # (position t's target: the label at t + 1)
+            return F.pad(y[:, 1:], (0, 1), value=IGNORE)
+
+        clean, own, partner = ahead(labels), ahead(plan["own_y"][:half]), ahead(plan["partner_y"][:half])
+        slots = own != IGNORE
+        lam = plan["lam"][:half].to(wide)[:, None].expand(-1, length)
+        labelled = (clean != IGNORE).to(wide)
+        targets = torch.cat([torch.stack([clean, clean], -1), torch.stack([own, partner], -1)]).clamp(min=0)
+        weights = torch.cat([
+            torch.stack([labelled, torch.zeros_like(labelled)], -1),
+            torch.stack([torch.where(slots, lam, 0), torch.where(slots, 1 - lam, 0)], -1),
+        ])  # fmt: skip
+        each = token_losses(logits.flatten(0, 1), targets.flatten(0, 1), weights.flatten(0, 1))
+        return each.view(n + half, length), slots
+
+    def _mixup(
+        self, each: torch.Tensor, slots: torch.Tensor, count=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``l_mixup`` from the pairs' losses (``(B // 2, T)``, 0 where no slot), each pair's terms counted
+        for both its rows, as the mean over the ``B`` rows counts them; and the mixed tokens (each pair's
+        twice)."""
         per_row = slots.sum(1)
-        rows = per_row > 0
+        tokens = 2 * per_row.sum()
+        if self.reduce == "token":
+            return 2 * each.sum() / (tokens if count is None else count).clamp(min=1), tokens
+        rows = 2 * (per_row > 0).sum()
         means = each.sum(1) / per_row.clamp(min=1)
-        return (means * rows).sum() / (rows.sum() if count is None else count).clamp(min=1), tokens
+        return 2 * means.sum() / (rows if count is None else count).clamp(min=1), tokens
 
 
-def _clean_rows(outputs, n: int):
-    """The forward's outputs with every tensor of the ``2n`` clean and mixed rows cut to the ``n`` clean ones
-    (the logits, the last hidden states), in a mapping (a ``ModelOutput``, changed in place) or a tuple."""
+CHUNK = 1 << 22  # token_losses' working set: rows of logits of at most this many numbers at a time
+
+
+class _TokenLosses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, weights):
+        rows, vocab = logits.shape
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        losses = logits.new_empty(rows, dtype=wide)
+        grad = torch.empty_like(logits)
+        step = max(1, CHUNK // max(1, vocab))
+        for start in range(0, rows, step):
+            z = logits[start : start + step].to(wide)
+            y, w = targets[start : start + step], weights[start : start + step].to(wide)
+            total = w.sum(-1)
+            used = total != 0  # (a position without a target: selected out, whatever its logits hold)
+            lse = torch.logsumexp(z, -1)
+            losses[start : start + step] = torch.where(used, total * lse - (w * z.gather(-1, y)).sum(-1), 0)
+            g = torch.softmax(z, -1).mul_(total[:, None]).scatter_add_(-1, y, -w)
+            grad[start : start + step] = g.masked_fill_(~used[:, None], 0)
+        ctx.save_for_backward(grad)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        if torch.is_grad_enabled():  # (a backward with create_graph: its second order would be lost)
+            raise RuntimeError(
+                "SFTMix's loss has no second derivative (its gradient is computed in the forward): "
+                "differentiate it without create_graph=True"
+            )
+        (grad,) = ctx.saved_tensors
+        return grad * grad_losses[:, None].to(grad.dtype), None, None
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``-sum_k weights[:, k] * log_softmax(logits)[targets[:, k]]`` for each row of ``logits`` ``(R, V)``
+    (``targets`` ``(R, K)`` ids, ``weights`` ``(R, K)``; a row whose weights are all 0 is 0, whatever its
+    logits hold): ``(R,)``, in float32 at least. The gradient of the logits is computed in the forward, a
+    chunk of rows at a time, and kept in the logits' dtype for the backward: no log-softmax of the
+    ``(R, V)`` logits, nor a float32 copy of bf16 ones, is kept, so a step holds about two copies of the
+    logits where a cross-entropy holds three (Liger-Kernel's cross-entropy does the same). Its gradient is
+    not differentiable again: a backward with ``create_graph=True`` is refused in one line."""
+    return _TokenLosses.apply(logits, targets, weights)
+
+
+def _clean_rows(outputs, n: int, rows: int):
+    """The forward's outputs with every tensor of the ``rows`` clean and mixed rows cut to the ``n`` clean
+    ones (the logits, the last hidden states), in a mapping (a ``ModelOutput``, changed in place) or a
+    tuple."""
 
     def cut(value):
         if isinstance(value, torch.Tensor):
-            return value[:n] if value.ndim and value.shape[0] == 2 * n else value
+            return value[:n] if value.ndim and value.shape[0] == rows else value
         if isinstance(value, tuple):
             return tuple(cut(v) for v in value)
         return value

@@ -14,6 +14,9 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from benchmarks.cases.host import Census
 from benchmarks.cases.language_model import VOCAB, llama, llama_name
@@ -180,3 +183,106 @@ def scoring(model, ids, mask, labels, timer, reps, inner, train_step) -> dict:
         "vs_hand": ratio(times, "response_perplexity", "hand"),
         "vs_train_step": ratio(times, "response_perplexity", "train_step"),
     }
+
+
+# ------------------------------------------------------------------------------- peak memory at 8B's shapes
+
+LLAMA3_VOCAB = 128_256  # Llama-3.1-8B's vocabulary (its config's vocab_size)
+
+
+class LiveTensors(TorchDispatchMode):
+    """The bytes of the tensor storages that ops made and that are still alive, and their peak: on a CPU,
+    where the allocator keeps no statistics, a step's peak memory above what was there before it (each
+    op's outputs counted once per storage, a storage let go when nothing holds it; read after each op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.live or self.live[key][0].expired():
+                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _peak_bytes(step, device) -> int:
+    """One call of ``step`` (a training step's forward and backward): its peak memory above what was
+    allocated before it, in bytes (CUDA: the allocator's peak; a CPU: :class:`LiveTensors`)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with LiveTensors() as seen:
+        step()
+    return seen.peak
+
+
+def sftmix_memory(device, batch: int, length: int, hidden: int = 64, vocab: int = LLAMA3_VOCAB) -> dict:
+    """The peak memory of one training step (forward and backward, gradients set to None before it) of a
+    Llama narrow in its body and of Llama-3.1-8B's vocabulary (the LM head's logits dominate: ``batch *
+    length * vocab`` floats a copy), on a right-padded batch with completion-only labels: plain fine-tuning
+    (the model's own loss, the Trainer's), SFTMix's (``mix.loss``) and the minimal hand-written SFTMix of
+    :func:`_hand` (``B`` mixed rows, two cross-entropies); float32 weights, and bf16 weights on CUDA."""
+    try:
+        import transformers
+    except ImportError:
+        return {"note": "transformers is not installed (pip install -e '.[dev]')"}
+    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    ids, mask, labels = _batch(batch, length, vocab, device)
+    out = {"model": f"Llama, hidden {hidden}, 1 layer, vocabulary {vocab}", "batch": batch, "length": length,
+           "logits_MiB": batch * length * vocab * 4 / 2**20, "peak_MiB": {}, "sftmix_vs_none": {},
+           "sftmix_vs_hand": {}, "how": "CUDA: the allocator's peak" if device.type == "cuda" else
+           "a CPU: the peak of the live bytes of the storages the step's ops made (LiveTensors)"}  # fmt: skip
+    for dtype in dtypes:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=length, pad_token_id=0,
+        )  # fmt: skip
+        base = transformers.LlamaForCausalLM(config).to(device, dtype).train()
+        peaks = {}
+        for kind in ("none", "hand", "sftmix"):
+            model = copy.deepcopy(base)
+            if kind == "sftmix":
+                mix = SFTMix("model.norm", generator=torch.Generator().manual_seed(0))
+                mix.attach(model)
+
+                def loss(model=model, mix=mix):
+                    return mix.loss(model, {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                                            "use_cache": False})[0]  # fmt: skip
+
+            elif kind == "hand":
+                plan, of = _hand(model, labels)
+
+                def loss(model=model, plan=plan, of=of):
+                    plan()
+                    return of(model(input_ids=ids, attention_mask=mask, use_cache=False).logits)
+
+            else:
+
+                def loss(model=model):
+                    return model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+
+            def step(model=model, loss=loss):
+                model.zero_grad(set_to_none=True)
+                loss().backward()
+
+            step()  # (a first step: what it allocates once, the gradients' buffers, is not the step's peak)
+            peaks[kind] = _peak_bytes(step, device) / 2**20
+            del model, step, loss
+        name = str(dtype).removeprefix("torch.")
+        out["peak_MiB"][name] = peaks
+        out["sftmix_vs_none"][name] = peaks["sftmix"] / peaks["none"]
+        out["sftmix_vs_hand"][name] = peaks["sftmix"] / peaks["hand"]
+    return out

@@ -129,7 +129,11 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert sftmix["scoring"]["vs_train_step"]["n"] >= 5 and "sftmix_vs_hand" in {
         g["goal"] for g in data["goals"]
     }
+    peak = data["sftmix_memory"]  # issue 96: the peak of its step, beside plain fine-tuning's and the hand's
+    assert set(peak["peak_MiB"]["float32"]) == {"none", "hand", "sftmix"}
+    assert peak["sftmix_vs_hand"]["float32"] < 1  # (the hand-written SFTMix's B mixed rows: half as many)
     markdown = json_file.with_suffix(".md").read_text()
+    assert "## SFTMix: peak memory" in markdown
     assert "## SFTMix: training step" in markdown
     assert "## Memory: what a mixer keeps between steps" in markdown
     assert "## Goals" in markdown and "| mixup_vs_hand |" in markdown and "## Host cost" in markdown

@@ -491,3 +491,133 @@ def test_a_copy_of_the_hooked_model_is_the_plain_model_and_its_loss_is_refused_i
     with twin_mix.attach(plain):
         loss, _ = twin_mix.loss(plain, inputs)
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+
+
+def test_a_trainer_without_paired_batches_is_refused_before_its_first_step(tmp_path):
+    """SFTMixLoss alone (the mutant that drops PairedBatches) would pair row k with row k + B/2 of a shuffled
+    batch, plain random-pair mixup without a word: refused in one line before a weight moves."""
+    import datasets
+    import transformers
+
+    from mixhook.integrations.transformers import HookCallback, SFTMixLoss
+    from tests.matrix.language import CONFIDENT, data, model
+
+    class Unpaired(SFTMixLoss, transformers.Trainer):
+        pass
+
+    rows, flags = data(16)
+    table = datasets.Dataset.from_dict({**{k: v.tolist() for k, v in rows.items()}, CONFIDENT: flags})
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
+        save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    net = model()
+    before = [p.clone() for p in net.parameters()]
+    trainer = Unpaired(
+        model=net, args=args, train_dataset=table, callbacks=[HookCallback(SFTMix("model.norm"))]
+    )
+    with pytest.raises(ValueError, match="not SFTMix's pairs .* put PairedBatches") as refused:
+        trainer.train()
+    assert "\n" not in str(refused.value)
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before, strict=True))
+
+
+def test_in_bf16_the_mix_and_its_label_weights_use_one_lam():
+    """A bf16 model: each mixed slot is lam * a + (1 - lam) * b computed in float32 with the float32 lam the
+    label weights use, rounded once to bf16 (a mix with lam rounded to bf16 would weigh the states by
+    another lam than the targets)."""
+    inputs = batch(8)
+    model = tiny_llama().to(torch.bfloat16)
+    mix = SFTMix("model.norm", generator=torch.Generator().manual_seed(3))
+    seen = {}
+    model.model.norm.register_forward_hook(lambda m, a, out: seen.__setitem__("h", out.detach().clone()))
+    model.lm_head.register_forward_pre_hook(lambda m, a: seen.__setitem__("head", a[0].detach().clone()))
+    with mix.attach(model):
+        mix.loss(model, inputs)
+    h, head, lam = seen["h"], seen["head"], mix.last["lam"].float()
+    labels = inputs["labels"]
+    assert head.dtype == torch.bfloat16 and head.shape[0] == 6  # (4 clean rows, then one per pair)
+    for i in range(2):
+        p = i + 2
+        mine = [t for t in range(1, T) if labels[i, t] != -100]
+        theirs = [t for t in range(1, T) if labels[p, t] != -100]
+        count = min(len(mine), len(theirs))  # (the shorter response's slots)
+        for a, b in zip(mine[:count], theirs[:count], strict=True):
+            want = (lam[i] * h[i, a - 1].float() + (1 - lam[i]) * h[p, b - 1].float()).to(torch.bfloat16)
+            assert torch.equal(head[4 + i, a - 1], want)
+    assert float(lam[0]) != float(lam[0].to(torch.bfloat16))  # (the draw is not a bf16 number itself)
+
+
+def test_a_non_finite_state_where_no_pair_mixes_spreads_nothing():
+    """A padded position's state that is not finite (the model's business: no label reads it) stays out of
+    the mixed rows, which select their slots rather than multiply the others by 0 (inf * 0 is NaN, and its
+    gradient would reach the partner's states the unused slot had gathered): the loss is the hand-written
+    one, and the gradient at the norm's output is finite at every other position."""
+    inputs = batch(2)
+    model, hand = tiny_llama(), tiny_llama()
+    kept = {}
+
+    def poison(module, args, out):
+        out = out.clone()
+        out[3, 10] = float("inf")  # (row 3 is 7 tokens long: position 10 is padding)
+        out.retain_grad()
+        kept["h"] = out
+        return out
+
+    for net in (model, hand):
+        net.model.norm.register_forward_hook(poison)
+    mix = SFTMix("model.norm", generator=torch.Generator().manual_seed(9))
+    with mix.attach(model):
+        loss, _ = mix.loss(model, inputs)
+    expected, _ = by_hand(hand, inputs, mix.last["lam"])
+    torch.testing.assert_close(loss, expected, rtol=1e-13, atol=1e-14)
+    with mix.attach(model):  # (again, its norm output kept: the hand-written forward's was kept last)
+        loss, _ = mix.loss(model, inputs)
+        h = kept["h"]
+        loss.backward()
+    elsewhere = torch.ones(h.shape[:2], dtype=torch.bool)
+    elsewhere[3, 10] = False
+    assert torch.isfinite(loss) and torch.isfinite(h.grad[elsewhere]).all()
+
+
+def test_token_losses_are_weighted_cross_entropies_with_their_gradient_in_float64_and_bf16(monkeypatch):
+    """token_losses (SFTMix's one pass over the clean and mixed logits) against F.cross_entropy written out
+    per target in float64, the loss and the gradient, over several chunks of rows; bf16 logits get a bf16
+    gradient near float32's; a row without weight is 0 with a 0 gradient even where its logits are not
+    finite; and a backward that would differentiate its gradient again is refused."""
+    from mixhook import sftmix
+
+    monkeypatch.setattr(sftmix, "CHUNK", 3 * 11)  # (three rows of 11 a chunk: 7 rows in three chunks)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (7, 2), generator=g)
+    weights = torch.rand(7, 2, generator=g, dtype=torch.float64)
+    weights[2] = 0
+    scale = torch.rand(7, generator=g, dtype=torch.float64)
+    got = sftmix.token_losses(logits, targets, weights)
+    (got * scale).sum().backward()
+    mine = logits.grad.clone()
+    logits.grad = None
+    want = sum(weights[:, k] * F.cross_entropy(logits, targets[:, k], reduction="none") for k in range(2))
+    (want * scale).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(mine, logits.grad, rtol=1e-13, atol=1e-15)
+    assert got[2] == 0 and (mine[2] == 0).all()
+
+    half = logits.detach().to(torch.bfloat16).requires_grad_()
+    poisoned = half.detach().clone()
+    poisoned[2] = float("nan")  # (row 2 has no weight)
+    poisoned.requires_grad_()
+    sftmix.token_losses(poisoned, targets, weights).sum().backward()
+    sftmix.token_losses(half, targets, weights).sum().backward()
+    assert half.grad.dtype == torch.bfloat16 and (poisoned.grad[2] == 0).all()
+    assert torch.isfinite(poisoned.grad).all()
+    wide = half.detach().float().requires_grad_()
+    sum(weights[:, k].float() * F.cross_entropy(wide, targets[:, k], reduction="none") for k in range(2)).sum(
+    ).backward()  # fmt: skip
+    torch.testing.assert_close(half.grad.float(), wide.grad, rtol=1e-2, atol=1e-2)
+
+    again = logits.detach().clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="no second derivative") as refused:
+        torch.autograd.grad(sftmix.token_losses(again, targets, weights).sum(), again, create_graph=True)
+    assert "\n" not in str(refused.value)

@@ -614,7 +614,9 @@ class SFTMixLoss:
     weights are those the Trainer's own loss trains; a call outside a step's micro-batches (after
     ``train()``) is the batch's own mean. An evaluation forward is the plain loss, divided by the Trainer's
     ``num_items_in_batch`` where it counts one, as its own. With TRL's ``SFTTrainer`` its own loss, and the
-    token metrics it logs, are replaced. Refused in one line: no ``SFTMix`` in the trainer's
+    token metrics it logs, are replaced. Refused in one line: a trainer whose training batches are not
+    :class:`PairedBatches`' (without it, row ``k`` would be mixed with row ``k + B // 2`` of a shuffled
+    batch: random pairs, not SFTMix's), before its first step; no ``SFTMix`` in the trainer's
     ``HookCallback`` callbacks, or more than one; a setting the replaced loss would drop
     (``label_smoothing_factor``, ``compute_loss_func``, TRL's ``loss_type`` other than ``"nll"``, a router's
     auxiliary loss, ``use_liger_kernel``); tensor, context or sequence parallelism and ``DataParallel``."""
@@ -623,8 +625,15 @@ class SFTMixLoss:
     _sftmix_step = None  # (the step's counts and how many of its micro-batches are still to come)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        from ..confidence import PairedSampler
         from ..sftmix import SFTMix
 
+        if not isinstance(getattr(self, "_paired", None), PairedSampler):  # (before the step's first batch)
+            raise ValueError(
+                "SFTMixLoss: the trainer's training batches are not SFTMix's pairs (PairedBatches' "
+                "confident and unconfident halves), so it would mix random pairs of each batch; put "
+                "PairedBatches in the trainer's class: class T(SFTMixLoss, PairedBatches, Trainer)"
+            )
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         mix = _the_hook(self, SFTMix, "SFTMixLoss")
         counts = sum(

@@ -24,13 +24,11 @@ from .layers import (
     resolve_layer,
     resolve_layers,
 )
+from .lm import LossHook, LossState, NEFTune, NoiseFiT, SFTMix
 from .mixers import *  # noqa: F403  (every mixer, found in mixhook/mixers/, and the contract)
-from .noise import NEFTune
-from .noisefit import NoiseFiT
 from .probes import ActivationStats, FeatureRecorder, GradStats, ShapeTrace
 from .scaling import InputScale
 from .schedule import MixSchedule, Ramp
-from .sftmix import SFTMix
 
 __all__ = [
     "INPUT",
@@ -43,6 +41,8 @@ __all__ = [
     "HookHandle",
     "InputScale",
     "LayerHook",
+    "LossHook",
+    "LossState",
     "MixSchedule",
     "NEFTune",
     "NoiseFiT",

@@ -3,7 +3,7 @@ completion-only labels: SFTMix's (``mix.loss``: one forward, the ``B`` mixed row
 the final norm, ``l_NTP + mu * l_mixup``) against a minimal hand-written SFTMix (the same mix in a plain
 forward hook at the norm and the same loss, its lams drawn from ``torch.distributions.Beta``: what a
 researcher writes for one model, without checks) and against plain next-token prediction; the aten ops of
-each step. And the scoring of SFTMix's data side: ``mixhook.confidence.response_perplexity`` over the
+each step. And the scoring of SFTMix's data side: ``mixhook.lm.confidence.response_perplexity`` over the
 batch's examples against a hand-batched scoring of the same padded batch (one forward under ``no_grad``,
 its cross-entropy), and against a plain training step on them."""
 
@@ -22,7 +22,7 @@ from benchmarks.cases.host import Census
 from benchmarks.cases.language_model import VOCAB, llama, llama_name
 from benchmarks.timing import ratio
 from mixhook import SFTMix
-from mixhook.confidence import response_perplexity
+from mixhook.lm.confidence import response_perplexity
 
 IGNORE = -100
 

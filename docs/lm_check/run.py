@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mixhook import NEFTune, NoiseFiT, SFTMix  # noqa: E402
-from mixhook.confidence import PairedSampler, confidence, split  # noqa: E402
-from mixhook.noisefit import choose_layers  # noqa: E402
+from mixhook.lm.confidence import PairedSampler, confidence, split  # noqa: E402
+from mixhook.lm.noisefit import choose_layers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 VOCAB, PAD, BOS, SEP, EOS, REVERSE, SORT = 48, 0, 1, 2, 3, 4, 5

@@ -178,7 +178,7 @@ class HookCard:
             constructor's arguments on the matrix's language model, which makes its row of the matrix
             (``tests/matrix/language.py``: a tiny Llama, its decoder layers ``model.layers.0`` and
             ``model.layers.1``, its final norm ``model.norm``, the LM head's input); ``None`` for the others.
-        trainer: the Trainer mixins of :mod:`mixhook.integrations.transformers` it trains with, by name
+        trainer: the Trainer mixins of :mod:`mixhook.integrations.lm` it trains with, by name
             (``("SFTMixLoss", "PairedBatches")``): the matrix's HF Trainer and TRL cells make the trainer's
             class of them.
     """

@@ -96,7 +96,7 @@ def test_every_hook_with_a_loss_of_its_own_has_a_row_from_its_card():
     and the Trainer mixins its card names exist: a new one is in the matrix with its module."""
     import mixhook
     from mixhook.engine.card import HOOKS
-    from mixhook.integrations import transformers as adapter
+    from mixhook.integrations import lm as adapter
 
     for name in mixhook.__all__:  # (every hook exported, each module's card registered)
         getattr(mixhook, name)

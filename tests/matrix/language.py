@@ -7,7 +7,7 @@ that train a language model with such a loss: the hand loop, the HuggingFace Tra
 
 The hand loop (:func:`own_loop`) is what the Trainer promises: two micro-batches of four rows a step
 (gradient accumulation), in the order its loader gives them (SFTMix's from
-:class:`~mixhook.confidence.PairedSampler`, seeded as ``PairedBatches`` seeds it, half confident and half
+:class:`~mixhook.lm.confidence.PairedSampler`, seeded as ``PairedBatches`` seeds it, half confident and half
 unconfident rows; the others in order), per step the hook's draws reseeded from ``(seed, rank, step)`` as
 ``HookCallback`` reseeds them, the loss ``hook.loss`` returns (SFTMix's sums over the step's tokens on
 every process, :func:`step_counts`, as its mixin and the Trainer's own loss; NoiseFiT's each micro-batch's
@@ -21,8 +21,8 @@ import tempfile
 
 import torch
 
-import mixhook.noisefit  # noqa: F401  (its card in HOOKS)
-import mixhook.sftmix  # noqa: F401
+import mixhook.lm.noisefit  # noqa: F401  (its card in HOOKS)
+import mixhook.lm.sftmix  # noqa: F401
 from mixhook.engine.card import HOOKS, build
 from mixhook.integrations.draws import reseed
 from tests.helpers import tiny_llama
@@ -75,7 +75,7 @@ def paired(method: Method) -> bool:
 
 def batches(method: Method, n: int) -> list[dict[str, torch.Tensor]]:
     """The ``n`` rows' micro-batches of ``MICRO``, in the order the Trainer's loader gives them (epoch 0)."""
-    from mixhook.confidence import PairedSampler
+    from mixhook.lm.confidence import PairedSampler
 
     rows, flags = data(n)
     if paired(method):
@@ -93,11 +93,13 @@ def reseeded(hook, rank: int, step: int) -> None:
 
 
 def step_counts(hook, micro: list[dict]) -> torch.Tensor | None:
-    """What divides the loss's sums over a step (its micro-batches on every process): a hook that counts
-    them (SFTMix.counts: the step's token means, as its Trainer mixin and the Trainer's own loss); ``None``
-    for one whose loss is each micro-batch's mean (NoiseFiT's, divided by the micro-batches)."""
-    counts = getattr(hook, "counts", None)
-    return None if counts is None else sum(counts(b["labels"]) for b in micro)
+    """What divides the loss's sums over a step (its micro-batches on every process): the counts of a hook
+    whose means are the step's (``hook.counts``: SFTMix's, NoiseFiT's with ``mean="step"``, as their
+    Trainer mixins and the Trainer's own loss); ``None`` for one whose loss is each micro-batch's mean
+    (NoiseFiT's by default, the authors', divided by the micro-batches)."""
+    if getattr(hook, "mean", "step") != "step":
+        return None
+    return sum(hook.counts(b["labels"]) for b in micro)
 
 
 def hand_step(hook, net, micro: list[dict], rank: int, step: int, counts=None, world: int = 1) -> None:
@@ -134,7 +136,7 @@ def own_loop(method: Method, drawn: list[dict] | None = None) -> list[torch.Tens
 
 
 def _trainer_class(method: Method, base: type) -> type:
-    from mixhook.integrations import transformers as adapter
+    from mixhook.integrations import lm as adapter
 
     mixins = tuple(getattr(adapter, name) for name in HOOKS[method.name].card.trainer)
     return type(f"{method.name}Trainer", (*mixins, base), {})

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixhook.confidence import PairedSampler, confidence, response_perplexity, split
+from mixhook.lm.confidence import PairedSampler, confidence, response_perplexity, split
 from tests.helpers import Lazy, tiny_llama
 
-adapter = Lazy("mixhook.integrations.transformers")
+adapter = Lazy("mixhook.integrations.lm")
 trl = Lazy("trl")
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

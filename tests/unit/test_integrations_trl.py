@@ -14,6 +14,7 @@ from mixhook.packing import PackedBatchError
 from tests.helpers import Lazy, tiny_llama
 
 adapter = Lazy("mixhook.integrations.transformers")  # imports transformers: when a test first uses it
+lm_adapter = Lazy("mixhook.integrations.lm")
 
 transformers = Lazy("transformers")
 trl = Lazy("trl")
@@ -229,7 +230,7 @@ def test_noisefits_loss_in_the_sft_trainer_trains_as_the_hand_loop(tmp_path):
     draws (each micro-batch's NoiseFiT loss, a mean over its labelled tokens, divided by the steps)."""
     from mixhook import NoiseFiT
 
-    class NoiseFiTSFTTrainer(adapter.NoiseFiTLoss, trl.SFTTrainer):
+    class NoiseFiTSFTTrainer(lm_adapter.NoiseFiTLoss, trl.SFTTrainer):
         pass
 
     layers = ["model.layers.0", "model.layers.1"]

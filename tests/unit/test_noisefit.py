@@ -1,4 +1,4 @@
-"""NoiseFiT (mixhook.noisefit) against the authors' code on the same draws, in float64 on a tiny Llama: the
+"""NoiseFiT (mixhook.lm.noisefit) against the authors' code on the same draws, in float64 on a tiny Llama: the
 adaptive noise, the layer choice by signal-to-noise ratio, and the training loss over one clean and two noisy
 forwards (loss and every gradient), under activation checkpointing too; and what it refuses."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mixhook.noisefit import NoiseFiT, adaptive_noise, blocks_of, choose_layers
+from mixhook.lm.noisefit import NoiseFiT, adaptive_noise, blocks_of, choose_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,7 +178,7 @@ def test_the_loss_and_every_gradient_are_the_authors():
     torch.testing.assert_close(loss, expected, rtol=1e-7, atol=0)  # (their float32 scale: see above)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-10, msg=name)
-    assert set(nf.last) == set(names) and outputs.logits.shape == (3, 7, 40)
+    assert set(nf.last.draws) == set(names) and outputs.logits.shape == (3, 7, 40)
     # without noise (noise_std 0) both KL terms vanish: the loss is hybrid_alpha * CE, which the noise raised
     quiet = NoiseFiT(names[0], noise_std=0.0, generator=gen())
     with quiet.attach(model):
@@ -263,8 +263,13 @@ def test_bad_input_is_refused_in_one_line():
     nf = NoiseFiT("model.layers.0")
     with pytest.raises(RuntimeError, match=r"attach the hook to the model first"):
         nf.loss(model, inputs)
-    with nf.attach(model), pytest.raises(ValueError, match=r"the inputs have no labels"):
-        nf.loss(model, {k: v for k, v in inputs.items() if k != "labels"})
+    with nf.attach(model):
+        with pytest.raises(ValueError, match=r"the inputs need labels, \(B, T\) token ids"):
+            nf.loss(model, {k: v for k, v in inputs.items() if k != "labels"})
+        with pytest.raises(ValueError, match=r"counts must be a \(2,\) tensor"):
+            nf.loss(model, inputs, torch.tensor(5))
+    with pytest.raises(ValueError, match=r"mean must be one of batch, step, got 'token'"):
+        NoiseFiT("model.layers.0", mean="token")
     rotary = NoiseFiT("model.rotary_emb")  # its output is a pair (cos, sin), no hidden state
     with (
         rotary.attach(model),
@@ -277,13 +282,15 @@ def test_bad_input_is_refused_in_one_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_the_trainer_with_noisefits_loss_trains_as_the_hand_loop(tmp_path, accumulation):
+@pytest.mark.parametrize("accumulation, mean", [(1, "batch"), (2, "batch"), (2, "step")])
+def test_the_trainer_with_noisefits_loss_trains_as_the_hand_loop(tmp_path, accumulation, mean):
     """The HuggingFace Trainer with NoiseFiTLoss and the hook in a HookCallback: its weights after two
     steps are the hand loop's (the same draws: reseeded per step from (seed, rank, step)); under gradient
-    accumulation the mean over the micro-batches."""
+    accumulation the mean over the micro-batches (the authors' means), or with mean="step" each
+    micro-batch's sums divided by the step's tokens (its micro-batches label different numbers of them)."""
     from mixhook.integrations.draws import reseed
-    from mixhook.integrations.transformers import HookCallback, NoiseFiTLoss
+    from mixhook.integrations.lm import NoiseFiTLoss
+    from mixhook.integrations.transformers import HookCallback
 
     class NoiseFiTTrainer(NoiseFiTLoss, transformers.Trainer):
         pass
@@ -293,14 +300,15 @@ def test_the_trainer_with_noisefits_loss_trains_as_the_hand_loop(tmp_path, accum
     ids = torch.randint(0, 40, (n, 7), generator=g)
     mask = torch.ones_like(ids)
     labels = ids.clone()
-    labels[:, :2] = -100
+    for i in range(n):
+        labels[i, : 2 + (i * 5) // n] = -100  # (prompts of 2 to 6 tokens: the micro-batches' counts differ)
     rows = [
         {"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels, strict=True)
     ]
     layers = ["model.layers.0", "model.layers.2"]
 
     trained = llama().float()
-    hook = NoiseFiT(layers, noise_std=0.5)
+    hook = NoiseFiT(layers, noise_std=0.5, mean=mean)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=accumulation,
         max_steps=2, optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0,
@@ -316,12 +324,18 @@ def test_the_trainer_with_noisefits_loss_trains_as_the_hand_loop(tmp_path, accum
     with nf.attach(hand):
         for step in range(2):
             reseed(nf, 11, 0, step, HookCallback._FIRST_PART)
-            for micro in range(accumulation):
-                start = (step * accumulation + micro) * 3
-                batch = {"input_ids": ids[start : start + 3], "attention_mask": mask[start : start + 3],
-                         "labels": labels[start : start + 3]}  # fmt: skip
-                loss, _ = nf.loss(hand, batch)
-                (loss / accumulation).backward()
+            first = step * accumulation * 3
+            micro = [slice(first + 3 * k, first + 3 * k + 3) for k in range(accumulation)]
+            counts = [nf.counts(labels[rows_]) for rows_ in micro]
+            assert accumulation == 1 or not torch.equal(counts[0], counts[1])
+            for rows_ in micro:
+                batch = {"input_ids": ids[rows_], "attention_mask": mask[rows_], "labels": labels[rows_]}
+                if mean == "step":
+                    loss, _ = nf.loss(hand, batch, sum(counts))  # (the step's tokens)
+                    loss.backward()
+                else:
+                    loss, _ = nf.loss(hand, batch)
+                    (loss / accumulation).backward()
             opt.step()
             opt.zero_grad()
     for (name, p), q in zip(trained.named_parameters(), hand.parameters(), strict=True):
@@ -330,7 +344,7 @@ def test_the_trainer_with_noisefits_loss_trains_as_the_hand_loop(tmp_path, accum
 
 
 def test_the_trainers_loss_needs_one_noisefit_hook(tmp_path):
-    from mixhook.integrations.transformers import NoiseFiTLoss
+    from mixhook.integrations.lm import NoiseFiTLoss
 
     class NoiseFiTTrainer(NoiseFiTLoss, transformers.Trainer):
         pass

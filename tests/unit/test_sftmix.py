@@ -103,7 +103,7 @@ def test_the_loss_and_every_gradient_are_the_hand_written_ones(options):
     with mix.attach(model):
         loss, outputs = mix.loss(model, inputs)
         loss.backward()
-    lam = mix.last["lam"]
+    lam = mix.last.draws["lam"]
     assert (lam[:2] + lam[2:] == 1).all() and ((lam[0] == lam[1]) == (options.get("lam") == "batch"))
     expected, clean = by_hand(hand, inputs, lam, **{k: v for k, v in options.items() if k != "lam"})
     expected.backward()
@@ -112,7 +112,9 @@ def test_the_loss_and_every_gradient_are_the_hand_written_ones(options):
     for a, b in zip(grads(model), grads(hand), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
     plain = tiny_llama()(**inputs).loss  # (the model's own loss: l_NTP, beside which the mix weighs)
-    torch.testing.assert_close(mix.last["ntp"], plain.detach().double(), rtol=1e-6, atol=0)  # (HF: float32)
+    torch.testing.assert_close(
+        mix.last.terms["ntp"], plain.detach().double(), rtol=1e-6, atol=0
+    )  # (HF: float32)
     assert abs(float(loss.detach()) - float(plain.detach())) > 1e-3  # (the mix changes the loss)
 
 
@@ -208,7 +210,8 @@ def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand
     import trl
 
     from mixhook.integrations.draws import reseed
-    from mixhook.integrations.transformers import HookCallback, PairedBatches, SFTMixLoss
+    from mixhook.integrations.lm import PairedBatches, SFTMixLoss
+    from mixhook.integrations.transformers import HookCallback
     from tests.unit.test_integrations_trl import dataset, llama, tokenizer
 
     class SFTMixTrainer(SFTMixLoss, PairedBatches, trl.SFTTrainer):
@@ -265,7 +268,8 @@ def test_with_mu_zero_sftmixs_trainer_trains_as_the_trainers_own_loss_under_grad
     import datasets
     import transformers
 
-    from mixhook.integrations.transformers import HookCallback, PairedBatches, SFTMixLoss
+    from mixhook.integrations.lm import PairedBatches, SFTMixLoss
+    from mixhook.integrations.transformers import HookCallback
     from tests.matrix.language import CONFIDENT, data, model
 
     class Plain(PairedBatches, transformers.Trainer):
@@ -326,7 +330,7 @@ def test_what_a_mixins_own_loss_would_drop_is_refused_in_one_line_before_a_step(
     import transformers
 
     from mixhook import NoiseFiT
-    from mixhook.integrations import transformers as adapter
+    from mixhook.integrations import lm as adapter
     from tests.matrix.language import CONFIDENT, data, model
 
     hook = SFTMix("model.norm") if mixin == "SFTMixLoss" else NoiseFiT("model.layers.0")
@@ -392,7 +396,7 @@ def test_a_lora_model_is_mixed_as_its_hand_edited_forward_and_only_the_adapters_
     with mix.attach(model):
         loss, _ = mix.loss(model, inputs)
         loss.backward()
-    expected, _ = by_hand(hand.base_model.model, inputs, mix.last["lam"])
+    expected, _ = by_hand(hand.base_model.model, inputs, mix.last.draws["lam"])
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-13, atol=1e-14)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -410,7 +414,7 @@ def test_under_bf16_autocast_the_mix_keeps_the_layers_dtype_and_matches_the_hand
     with mix.attach(model), torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _ = mix.loss(model, inputs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected, _ = by_hand(hand, inputs, mix.last["lam"])
+        expected, _ = by_hand(hand, inputs, mix.last.draws["lam"])
         dtype = hand.model(input_ids=inputs["input_ids"]).last_hidden_state.dtype
     assert seen["dtype"] == dtype  # (the clean and mixed rows in the norm's own dtype)
     torch.testing.assert_close(loss, expected.to(loss.dtype), rtol=2e-2, atol=0)
@@ -458,9 +462,9 @@ def test_a_merged_or_unloaded_lora_model_is_mixed_as_its_own_hand_edited_forward
         for net in (inner, model):
             mix.generator.manual_seed(8)
             loss, _ = mix.loss(net, inputs)
-            expected, _ = by_hand(inner, inputs, mix.last["lam"])
+            expected, _ = by_hand(inner, inputs, mix.last.draws["lam"])
             torch.testing.assert_close(loss, expected, rtol=1e-13, atol=1e-14)
-            assert mix.last["tokens"] > 0
+            assert mix.last.tokens > 0
     if how == "merge_and_unload":
         torch.testing.assert_close(loss, before, rtol=1e-12, atol=1e-13)
     else:
@@ -499,7 +503,8 @@ def test_a_trainer_without_paired_batches_is_refused_before_its_first_step(tmp_p
     import datasets
     import transformers
 
-    from mixhook.integrations.transformers import HookCallback, SFTMixLoss
+    from mixhook.integrations.lm import SFTMixLoss
+    from mixhook.integrations.transformers import HookCallback
     from tests.matrix.language import CONFIDENT, data, model
 
     class Unpaired(SFTMixLoss, transformers.Trainer):
@@ -534,7 +539,7 @@ def test_in_bf16_the_mix_and_its_label_weights_use_one_lam():
     model.lm_head.register_forward_pre_hook(lambda m, a: seen.__setitem__("head", a[0].detach().clone()))
     with mix.attach(model):
         mix.loss(model, inputs)
-    h, head, lam = seen["h"], seen["head"], mix.last["lam"].float()
+    h, head, lam = seen["h"], seen["head"], mix.last.draws["lam"].float()
     labels = inputs["labels"]
     assert head.dtype == torch.bfloat16 and head.shape[0] == 6  # (4 clean rows, then one per pair)
     for i in range(2):
@@ -569,7 +574,7 @@ def test_a_non_finite_state_where_no_pair_mixes_spreads_nothing():
     mix = SFTMix("model.norm", generator=torch.Generator().manual_seed(9))
     with mix.attach(model):
         loss, _ = mix.loss(model, inputs)
-    expected, _ = by_hand(hand, inputs, mix.last["lam"])
+    expected, _ = by_hand(hand, inputs, mix.last.draws["lam"])
     torch.testing.assert_close(loss, expected, rtol=1e-13, atol=1e-14)
     with mix.attach(model):  # (again, its norm output kept: the hand-written forward's was kept last)
         loss, _ = mix.loss(model, inputs)
@@ -585,16 +590,16 @@ def test_token_losses_are_weighted_cross_entropies_with_their_gradient_in_float6
     per target in float64, the loss and the gradient, over several chunks of rows; bf16 logits get a bf16
     gradient near float32's; a row without weight is 0 with a 0 gradient even where its logits are not
     finite; and a backward that would differentiate its gradient again is refused."""
-    from mixhook import sftmix
+    from mixhook.lm import tokens
 
-    monkeypatch.setattr(sftmix, "CHUNK", 3 * 11)  # (three rows of 11 a chunk: 7 rows in three chunks)
+    monkeypatch.setattr(tokens, "CHUNK", 3 * 11)  # (three rows of 11 a chunk: 7 rows in three chunks)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 11, generator=g, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (7, 2), generator=g)
     weights = torch.rand(7, 2, generator=g, dtype=torch.float64)
     weights[2] = 0
     scale = torch.rand(7, generator=g, dtype=torch.float64)
-    got = sftmix.token_losses(logits, targets, weights)
+    got = tokens.token_losses(logits, targets, weights)
     (got * scale).sum().backward()
     mine = logits.grad.clone()
     logits.grad = None
@@ -608,8 +613,8 @@ def test_token_losses_are_weighted_cross_entropies_with_their_gradient_in_float6
     poisoned = half.detach().clone()
     poisoned[2] = float("nan")  # (row 2 has no weight)
     poisoned.requires_grad_()
-    sftmix.token_losses(poisoned, targets, weights).sum().backward()
-    sftmix.token_losses(half, targets, weights).sum().backward()
+    tokens.token_losses(poisoned, targets, weights).sum().backward()
+    tokens.token_losses(half, targets, weights).sum().backward()
     assert half.grad.dtype == torch.bfloat16 and (poisoned.grad[2] == 0).all()
     assert torch.isfinite(poisoned.grad).all()
     wide = half.detach().float().requires_grad_()
@@ -619,5 +624,5 @@ def test_token_losses_are_weighted_cross_entropies_with_their_gradient_in_float6
 
     again = logits.detach().clone().requires_grad_()
     with pytest.raises(RuntimeError, match="no second derivative") as refused:
-        torch.autograd.grad(sftmix.token_losses(again, targets, weights).sum(), again, create_graph=True)
+        torch.autograd.grad(tokens.token_losses(again, targets, weights).sum(), again, create_graph=True)
     assert "\n" not in str(refused.value)

@@ -2,9 +2,9 @@
 relatively unconfident half, and batches that pair them.
 
 Paper: Xiao, Zhang, Zhou, Ghassemi, Zhao. "SFTMix: Elevating Language Model Instruction Tuning with Mixup
-Recipe." ACL 2026. https://arxiv.org/abs/2410.05248 (no code is public; ../shared/research/sftmix.md gives
-the method as far as it is known). A reference model is fine-tuned with plain next-token prediction on the
-same data, saving ``C`` checkpoints (:class:`~mixhook.integrations.transformers.ReferenceCheckpoints`);
+Recipe." ACL 2026. https://arxiv.org/abs/2410.05248 (no code is public; docs/language-models.md gives the
+method as far as it is known). A reference model is fine-tuned with plain next-token prediction on the
+same data, saving ``C`` checkpoints (:class:`~mixhook.integrations.lm.ReferenceCheckpoints`);
 each example's confidence is the negative mean, over the checkpoints, of the perplexity of its response
 given its instruction (:func:`confidence`); the examples are split at the median (:func:`split`); and
 each training batch holds as many of each half, each confident example paired with an unconfident one at
@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Sampler
 
+from .tokens import IGNORE, logits_of, next_token_losses
+
 MASKS = ("completion_mask", "assistant_masks")
-IGNORE = -100
 
 
 def response_mask(row: Mapping, i: int = 0) -> tuple[list[int], list[bool]]:
@@ -110,29 +110,6 @@ def response_perplexity(
     if means:
         out[torch.tensor(order, dtype=torch.long)] = torch.cat(means).exp().cpu()
     return out
-
-
-def logits_of(out) -> torch.Tensor:
-    """The logits of a model's output: ``.logits``, ``["logits"]``, the first of a tuple, or the tensor."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, Mapping):
-        return out["logits"]
-    if hasattr(out, "logits"):
-        return out.logits
-    return out[0]
-
-
-def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The cross-entropy of each position's prediction of the next label (a causal model's: position
-    ``t``'s logits predict label ``t + 1``), ``(B, T - 1)``, 0 where that label is ``-100``; half-precision
-    logits in float32. Shared by the perplexity here and SFTMix's loss (:mod:`mixhook.sftmix`)."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # (the labels moved, not the logits: no copy of
-    # the (B, T, V) logits, as the HuggingFace causal LM loss does)
-    flat = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE, reduction="none")
-    return flat.view(labels.shape[0], -1)[:, :-1]
 
 
 def confidence(

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import packing, recompute
-from .engine.card import HookCard
-from .functional import generator_on
-from .hooks import LayerHook, guard_unwrapped
-from .sites import Inputs, batch_leaves, describe, replace_leaves
+from .. import packing, recompute
+from ..engine.card import HookCard
+from ..functional import generator_on
+from ..hooks import LayerHook, guard_unwrapped
+from ..sites import Inputs
+from .tokens import put_back, sequence_of
 
 LENGTHS = ("sequence", "padded")
 
@@ -243,23 +244,6 @@ class NEFTune(LayerHook):
         # alpha / sqrt(L_i * d), and 0 on padding (a row of padding alone: L_i counted as 1, not a NaN)
         scale = (lengths * dim).clamp(min=1).double().rsqrt().mul(self.alpha)
         return scale.expand(batch, length) if real is None else scale * real
-
-
-def sequence_of(output, site, dims, where: str, hint: str) -> tuple:
-    """The one ``(B, L, d)`` tensor of a layer's ``output`` (its leaf, and the tensor batch first), or a
-    one-line ``TypeError`` (``where``: the hook and layer; ``hint``: what to name instead)."""
-    found, _ = batch_leaves(output, site, dims, where.split(" ")[0])
-    if len(found) != 1 or found[0].tensor.ndim != 3:
-        raise TypeError(f"{where}: the layer returned {describe(output)}; {hint}")
-    leaf = found[0]
-    return leaf, (leaf.tensor if leaf.dim == 0 else leaf.tensor.movedim(leaf.dim, 0))
-
-
-def put_back(output, leaf, h: torch.Tensor):
-    """``output`` with ``leaf``'s tensor replaced by ``h`` (batch first, as :func:`sequence_of` gave it)."""
-    if leaf.dim != 0:
-        h = h.movedim(0, leaf.dim)
-    return h if leaf.path == () else replace_leaves(output, {leaf.path: h})
 
 
 def _mask(inputs, name: str) -> torch.Tensor | None:

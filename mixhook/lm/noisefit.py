@@ -43,16 +43,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import recompute
-from .engine.card import HookCard
-from .engine.checks import check_fraction, check_non_negative, check_positive
-from .functional import generator_on
-from .hooks import LayerHook
-from .layers import portable_names
-from .noise import put_back, sequence_of
+from .. import recompute
+from ..engine.card import HookCard
+from ..engine.checks import check_fraction, check_non_negative, check_positive
+from ..functional import generator_on
+from ..hooks import LayerHook
+from ..layers import portable_names
+from .protocol import LossState
+from .tokens import IGNORE, next_token_losses, put_back, sequence_of
 
 EPSILON = 1e-6  # the authors' EPSILON
 SNR = ("largest", "lowest")
+MEANS = ("batch", "step")
 
 
 def adaptive_noise(
@@ -141,7 +143,7 @@ def choose_layers(
 
 class NoiseFiT(LayerHook):
     """NoiseFiT (Khadangi et al. 2025): adaptive Gaussian noise on chosen blocks' outputs, in the noisy
-    forwards of a loss over one clean and two noisy forwards (see :mod:`mixhook.noisefit`).
+    forwards of a loss over one clean and two noisy forwards (see :mod:`mixhook.lm.noisefit`).
 
     ``layer`` names the blocks (:func:`choose_layers` picks them by signal-to-noise ratio, as the authors
     do at the start of training). Attached, the hook adds noise only inside ``with nf.noisy():`` and only
@@ -154,8 +156,18 @@ class NoiseFiT(LayerHook):
 
     The noise's scale is ``noise_std ** 2 * std(h)`` per forward and block (the authors' hook; no host
     read), its draws from the hook's generator (``state_dict()`` holds it; an activation-checkpoint
-    recomputation adds the same noise again). ``.last``: each noised block's scale in the last noisy
-    forward, by name.
+    recomputation adds the same noise again). ``.last``: a :class:`~mixhook.lm.protocol.LossState` after
+    each training :meth:`loss`: ``draws``, each noised block's scale in its last noisy forward, by name;
+    ``terms``, the cross-entropy (``"ce"``), the soft-target KL (``"soft"``) and the consistency KL
+    (``"consistency"``), detached; ``tokens``, the batch's labelled tokens.
+
+    Its means are the authors' by default: each batch's own (``mean="batch"``; under gradient
+    accumulation the Trainer then averages the micro-batches' losses, so a short micro-batch's tokens weigh
+    more). ``mean="step"`` asks its Trainer mixin for the step's token means instead (``counts``: each
+    micro-batch's :meth:`counts` added over the step's micro-batches and processes, as SFTMix's and the
+    Trainer's own causal LM loss count ``num_items_in_batch``); the cross-entropy is then the next-token
+    loss of the clean logits summed over the labelled tokens (a causal model's: the model's own ``loss``
+    is a mean and cannot be re-divided).
 
     Args:
         layer: the blocks to noise (names or specs, one or a list).
@@ -164,6 +176,7 @@ class NoiseFiT(LayerHook):
         temperature: of the soft targets (1.0).
         hybrid_alpha: the cross-entropy's share of the hybrid loss (0.5).
         consistency: the consistency term's weight (``lambda_consistency``, 0.1).
+        mean: ``"batch"`` (the authors') or ``"step"`` (see above).
         generator: as :class:`~mixhook.ManifoldMixup`.
         batch_dim: where mixhook cannot find the batch dimension itself.
     """
@@ -183,7 +196,7 @@ class NoiseFiT(LayerHook):
             "none yet: [Language models](language-models.md#noisefit-noise-on-the-blocks-with-the-highest-"
             "signal-to-noise-ratio)"
         ),
-        members="noisy, loss",
+        members="noisy, loss, counts",
         example={"layer": ["model.layers.0", "model.layers.1"], "noise_std": 0.5},
         trainer=("NoiseFiTLoss",),
     )
@@ -198,10 +211,14 @@ class NoiseFiT(LayerHook):
         temperature: float = 1.0,
         hybrid_alpha: float = 0.5,
         consistency: float = 0.1,
+        mean: str = "batch",
         generator: torch.Generator | None = None,
         batch_dim: int | dict | None = None,
     ):
         super().__init__(layer, batch_dim)
+        if mean not in MEANS:
+            raise ValueError(f"NoiseFiT: mean must be one of {', '.join(MEANS)}, got {mean!r}")
+        self.mean = mean
         self.noise_std, self.beta = (
             check_non_negative("noise_std", noise_std),
             check_non_negative("beta", beta),
@@ -210,7 +227,8 @@ class NoiseFiT(LayerHook):
         self.hybrid_alpha = check_fraction("hybrid_alpha", hybrid_alpha)
         self.consistency = check_non_negative("consistency", consistency)
         self._draw_from(generator)
-        self.last: dict[str, torch.Tensor] = {}
+        self.last: LossState | None = None
+        self._scales: dict[str, torch.Tensor] = {}
 
     def _fresh(self) -> None:
         super()._fresh()
@@ -220,7 +238,7 @@ class NoiseFiT(LayerHook):
         return (
             f"NoiseFiT(layer={self._layer_spec!r}, noise_std={self.noise_std}, beta={self.beta}, "
             f"temperature={self.temperature}, hybrid_alpha={self.hybrid_alpha}, "
-            f"consistency={self.consistency})"
+            f"consistency={self.consistency}, mean={self.mean!r})"
         )
 
     @contextlib.contextmanager
@@ -269,30 +287,56 @@ class NoiseFiT(LayerHook):
         )  # fmt: skip
         scale = self.noise_std * self.noise_std * h.detach().std()  # (the authors' noise_std twice)
         noised = adaptive_noise(h, scale, generator, self.beta)
-        self.last[spec] = scale
+        self._scales[spec] = scale
         return put_back(output, leaf, noised)
 
-    def loss(self, model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, object]:
+    def counts(self, labels: torch.Tensor) -> torch.Tensor:
+        """What divides the sums of the loss of a batch of ``labels``, ``(2,)`` on their device: the tokens
+        the cross-entropy predicts (labelled, after position 0) and those the two KL terms weigh (labelled:
+        the authors' mask, unshifted). Added over a step's micro-batches and processes, they make
+        :meth:`loss`'s means the step's (``mean="step"``)."""
+        return torch.stack([(labels[:, 1:] != IGNORE).sum(), (labels != IGNORE).sum()])
+
+    def loss(
+        self, model: nn.Module, inputs: Mapping[str, torch.Tensor], counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, object]:
         """The authors' ``compute_loss``: a clean forward (its ``loss``: the model's cross-entropy of
         ``inputs["labels"]``) and two noisy ones; the hybrid loss plus the consistency term. Returns the
-        loss and the clean forward's outputs."""
+        loss and the clean forward's outputs. ``counts`` (:meth:`counts`, added over a step's batches):
+        each term's sum divided by them, the cross-entropy's from the clean logits; by default the
+        authors' means of this batch."""
         if self._model is None:
             raise RuntimeError("NoiseFiT.loss(): attach the hook to the model first (nf.attach(model))")
-        if "labels" not in inputs:
+        labels = inputs.get("labels")
+        if not isinstance(labels, torch.Tensor) or labels.ndim != 2 or labels.is_floating_point():
             raise ValueError(
-                "NoiseFiT.loss(): the inputs have no labels (the clean forward's loss needs them)"
+                "NoiseFiT.loss(): the inputs need labels, (B, T) token ids with -100 where no loss (the "
+                "clean forward's loss needs them)"
             )
+        if counts is not None and (not isinstance(counts, torch.Tensor) or counts.shape != (2,)):
+            raise ValueError(
+                f"NoiseFiT.loss(): counts must be a (2,) tensor (NoiseFiT.counts), got {counts!r:.80}"
+            )
+        self._scales = {}
         outputs = model(**inputs)
         with self.noisy():
             noisy_1 = model(**inputs).logits
             noisy_2 = model(**inputs).logits
-        logits, mask = outputs.logits, (inputs["labels"] != -100).to(outputs.logits.dtype)
+        logits, mask = outputs.logits, (labels != IGNORE).to(outputs.logits.dtype)
+        weighed = mask.sum() if counts is None else counts[1].clamp(min=1)
         targets = F.softmax(logits / self.temperature, dim=-1)
         soft = 0.5 * sum(
             F.kl_div(F.log_softmax(n, dim=-1), targets, reduction="none").sum(-1) for n in (noisy_1, noisy_2)
         )
-        soft = (soft * mask).sum() / mask.sum()
+        soft = (soft * mask).sum() / weighed
         agree = F.kl_div(F.log_softmax(noisy_1, dim=-1), F.softmax(noisy_2, dim=-1), reduction="none").sum(-1)
-        agree = (agree * mask).sum() / mask.sum()
-        hybrid = self.hybrid_alpha * outputs.loss + (1 - self.hybrid_alpha) * soft
+        agree = (agree * mask).sum() / weighed
+        if counts is None:
+            ce = outputs.loss
+        else:
+            ce = next_token_losses(logits, labels).sum() / counts[0].clamp(min=1)
+        hybrid = self.hybrid_alpha * ce + (1 - self.hybrid_alpha) * soft
+        if model.training and torch.is_grad_enabled():
+            terms = {"ce": ce.detach(), "soft": soft.detach(), "consistency": agree.detach()}
+            self.last = LossState(terms, dict(self._scales), (labels != IGNORE).sum())
         return hybrid + self.consistency * agree, outputs

@@ -2,14 +2,15 @@
 position by position from their responses' first tokens, and a mixup loss beside next-token prediction.
 
 Paper: Xiao, Zhang, Zhou, Ghassemi, Zhao. "SFTMix: Elevating Language Model Instruction Tuning with Mixup
-Recipe." ACL 2026. https://arxiv.org/abs/2410.05248. No code is public; the method as far as it is known is
-in ../shared/research/sftmix.md (read from a detailed paper note and public reviews: the paper's own method
-section could not be checked). Its data side (the reference run, the confidence, the split and the paired
-batches) is :mod:`mixhook.confidence`; this module is the mix and its loss.
+Recipe." ACL 2026. https://arxiv.org/abs/2410.05248. No code is public; the method as far as it is known (from
+a detailed paper note and the public reviews: the paper's own method section could not be checked), and the
+readings chosen where no source says, are in docs/language-models.md. Its data side (the reference run, the
+confidence, the split and the paired batches) is :mod:`mixhook.lm.confidence`; this module is the mix and
+its loss.
 
 For the pairs ``(c, u)`` of a batch (rows ``k`` and ``k + B // 2``, as
-:class:`~mixhook.confidence.PairedSampler` makes them) and ``lam ~ Beta(alpha, alpha)``, at the input of the
-LM head (a decoder's final norm's output)::
+:class:`~mixhook.lm.confidence.PairedSampler` makes them) and ``lam ~ Beta(alpha, alpha)``, at the input of
+the LM head (a decoder's final norm's output)::
 
     Z~_n = lam * Z^c_n + (1 - lam) * Z^u_n,   n < min(N^c, N^u)
     l = l_NTP + mu * mean_n [lam * CE(W Z~_n, y^c_n) + (1 - lam) * CE(W Z~_n, y^u_n)]
@@ -31,14 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import recompute
-from .confidence import IGNORE, logits_of, next_token_losses
-from .engine.card import HookCard
-from .engine.checks import check_non_negative, check_positive
-from .functional import sample_beta
-from .hooks import LayerHook
-from .noise import put_back, sequence_of
-from .packing import PackedBatchError, packing
+from .. import recompute
+from ..engine.card import HookCard
+from ..engine.checks import check_non_negative, check_positive
+from ..functional import sample_beta
+from ..hooks import LayerHook
+from ..packing import PackedBatchError, packing
+from .protocol import LossState
+from .tokens import IGNORE, logits_of, next_token_losses, put_back, sequence_of, token_losses
 
 LAMS = ("pair", "batch")
 REDUCES = ("token", "sequence")
@@ -82,7 +83,7 @@ class SFTMix(LayerHook):
             loss.backward()
 
     The batch's rows are paired ``k`` with ``k + B // 2``: feed it
-    :class:`~mixhook.confidence.PairedSampler`'s batches (confident rows first) so that the pairs are
+    :class:`~mixhook.lm.confidence.PairedSampler`'s batches (confident rows first) so that the pairs are
     SFTMix's; an odd batch is refused. Outside :meth:`loss` the hook does nothing (an evaluation forward,
     generation), and in an evaluation (the model in eval mode, or no gradients) :meth:`loss` is the plain
     ``l_NTP``. A packed batch (several sequences in a row) is refused in one line, as is a batch whose
@@ -103,9 +104,10 @@ class SFTMix(LayerHook):
     states' dtype: under bf16 the mix and its targets weigh by the same lam; the slots a pair does not mix
     are selected out, not multiplied by 0 (a non-finite state there spreads nothing).
 
-    ``.last``: ``lam`` (``(B,)``), ``"tokens"`` (the mixed tokens, each pair's counted twice) and the two
-    terms of the loss, detached (``"ntp"`` and ``"mixup"``: with ``counts`` given, this batch's shares of
-    the step's means).
+    ``.last``: a :class:`~mixhook.lm.protocol.LossState` (the contract of the hooks with a loss of their
+    own): ``draws["lam"]`` (``(B,)``), ``tokens`` (the mixed tokens, each pair's for both its rows) and the
+    two terms of the loss, detached (``terms["ntp"]`` and ``terms["mixup"]``: with ``counts`` given, this
+    batch's shares of the step's means).
 
     Args:
         layer: the LM head's input (one module).
@@ -127,7 +129,7 @@ class SFTMix(LayerHook):
             "none yet: [Language models](language-models.md#sftmix-confidence-from-a-reference-run-paired-"
             "batches-and-the-mix)"
         ),
-        members="loss",
+        members="loss, counts",
         example={"layer": "model.norm"},
         trainer=("SFTMixLoss", "PairedBatches"),
     )
@@ -157,7 +159,7 @@ class SFTMix(LayerHook):
                 raise ValueError(f"SFTMix: {name} must be one of {', '.join(choices)}, got {value!r}")
         self.lam, self.reduce, self.detach, self.response = lam, reduce, bool(detach), response
         self._draw_from(generator)
-        self.last: dict | None = None
+        self.last: LossState | None = None
 
     def _fresh(self) -> None:
         super()._fresh()
@@ -312,7 +314,7 @@ class SFTMix(LayerHook):
         ntp = losses[:n].sum() / labelled.clamp(min=1)
         mix, tokens = self._mixup(losses[n:], slots, mixed_count)
         total = ntp + self.mu * mix
-        self.last = {"lam": plan["lam"], "tokens": tokens, "ntp": ntp.detach(), "mixup": mix.detach()}
+        self.last = LossState({"ntp": ntp.detach(), "mixup": mix.detach()}, {"lam": plan["lam"]}, tokens)
         return total, _clean_rows(outputs, n, n + n // 2)
 
     def _losses(self, logits: torch.Tensor, labels: torch.Tensor, plan: Mapping):
@@ -352,51 +354,6 @@ class SFTMix(LayerHook):
         rows = 2 * (per_row > 0).sum()
         means = each.sum(1) / per_row.clamp(min=1)
         return 2 * means.sum() / (rows if count is None else count).clamp(min=1), tokens
-
-
-CHUNK = 1 << 22  # token_losses' working set: rows of logits of at most this many numbers at a time
-
-
-class _TokenLosses(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, weights):
-        rows, vocab = logits.shape
-        wide = torch.promote_types(logits.dtype, torch.float32)
-        losses = logits.new_empty(rows, dtype=wide)
-        grad = torch.empty_like(logits)
-        step = max(1, CHUNK // max(1, vocab))
-        for start in range(0, rows, step):
-            z = logits[start : start + step].to(wide)
-            y, w = targets[start : start + step], weights[start : start + step].to(wide)
-            total = w.sum(-1)
-            used = total != 0  # (a position without a target: selected out, whatever its logits hold)
-            lse = torch.logsumexp(z, -1)
-            losses[start : start + step] = torch.where(used, total * lse - (w * z.gather(-1, y)).sum(-1), 0)
-            g = torch.softmax(z, -1).mul_(total[:, None]).scatter_add_(-1, y, -w)
-            grad[start : start + step] = g.masked_fill_(~used[:, None], 0)
-        ctx.save_for_backward(grad)
-        return losses
-
-    @staticmethod
-    def backward(ctx, grad_losses):
-        if torch.is_grad_enabled():  # (a backward with create_graph: its second order would be lost)
-            raise RuntimeError(
-                "SFTMix's loss has no second derivative (its gradient is computed in the forward): "
-                "differentiate it without create_graph=True"
-            )
-        (grad,) = ctx.saved_tensors
-        return grad * grad_losses[:, None].to(grad.dtype), None, None
-
-
-def token_losses(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``-sum_k weights[:, k] * log_softmax(logits)[targets[:, k]]`` for each row of ``logits`` ``(R, V)``
-    (``targets`` ``(R, K)`` ids, ``weights`` ``(R, K)``; a row whose weights are all 0 is 0, whatever its
-    logits hold): ``(R,)``, in float32 at least. The gradient of the logits is computed in the forward, a
-    chunk of rows at a time, and kept in the logits' dtype for the backward: no log-softmax of the
-    ``(R, V)`` logits, nor a float32 copy of bf16 ones, is kept, so a step holds about two copies of the
-    logits where a cross-entropy holds three (Liger-Kernel's cross-entropy does the same). Its gradient is
-    not differentiable again: a backward with ``create_graph=True`` is refused in one line."""
-    return _TokenLosses.apply(logits, targets, weights)
 
 
 def _clean_rows(outputs, n: int, rows: int):

@@ -26,6 +26,7 @@ computed in the forward (:func:`token_losses`), so that a step holds about as mu
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,25 @@ from .tokens import IGNORE, logits_of, next_token_losses, put_back, sequence_of,
 LAMS = ("pair", "batch")
 REDUCES = ("token", "sequence")
 RESPONSES = ("all", "first", "last")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One :meth:`SFTMix.loss` call's mix, made before its forward from the batch's labels (device tensors;
+    an activation-checkpoint recomputation mixes by it again): the batch's ``labels`` ``(B, T)``; each row's
+    partner ``index`` ``(B,)``; for each row's slots ``n`` (``(B, T)`` each), the positions of its own and
+    its partner's states (``own``, ``other``), whether the slot is mixed (``valid``), the targets there
+    (``own_y``, ``partner_y``, ``-100`` elsewhere, at the targets' positions); and ``lam`` ``(B,)``,
+    float64, ``1 - lam`` for a row's partner."""
+
+    labels: torch.Tensor
+    index: torch.Tensor
+    own: torch.Tensor
+    other: torch.Tensor
+    valid: torch.Tensor
+    own_y: torch.Tensor
+    partner_y: torch.Tensor
+    lam: torch.Tensor
 
 
 def partners(n: int, device=None) -> torch.Tensor:
@@ -192,35 +212,35 @@ class SFTMix(LayerHook):
 
         return again
 
-    def _with_mixed(self, spec: str, output, plan: Mapping):
+    def _with_mixed(self, spec: str, output, plan: Plan):
         """``output`` with its ``(B, T, D)`` tensor followed by the ``B // 2`` mixed rows."""
         leaf, h = sequence_of(
             output, self.sites[spec], self._dims[spec], f"SFTMix at {spec!r}",
             "SFTMix mixes the (B, T, D) input of the LM head: name the final norm",
         )  # fmt: skip
-        if h.shape[:2] != plan["labels"].shape:
+        if h.shape[:2] != plan.labels.shape:
             raise ValueError(
                 f"SFTMix at {spec!r}: its output has {tuple(h.shape[:2])} rows and positions, the batch's "
-                f"labels {tuple(plan['labels'].shape)}"
+                f"labels {tuple(plan.labels.shape)}"
             )
         return put_back(output, leaf, torch.cat([h, self._mixed(h, plan)]))
 
-    def _mixed(self, h: torch.Tensor, plan: Mapping) -> torch.Tensor:
+    def _mixed(self, h: torch.Tensor, plan: Plan) -> torch.Tensor:
         """The ``B // 2`` mixed rows, one per pair: row ``i``'s slot ``n`` (``i < B // 2``) at the position
         before its ``n``-th response token, ``lam_i * h_i + (1 - lam_i) * h_p`` of the states before their
         ``n``-th ones, computed in float32 at least and cast to ``h``'s dtype; zeros elsewhere."""
         source = h.detach() if self.detach else h
         half = h.shape[0] // 2
-        own, other, valid = plan["own"][:half], plan["other"][:half], plan["valid"][:half]
+        own, other, valid = plan.own[:half], plan.other[:half], plan.valid[:half]
         d = h.shape[-1]
         wide = torch.promote_types(h.dtype, torch.float32)
-        lam = plan["lam"][:half].to(wide)[:, None, None]
+        lam = plan.lam[:half].to(wide)[:, None, None]
         mine = source[:half].gather(1, own[..., None].expand(-1, -1, d)).to(wide)
         theirs = source[half:].gather(1, other[..., None].expand(-1, -1, d)).to(wide)
         blend = torch.where(valid[..., None], lam * mine + (1 - lam) * theirs, 0).to(h.dtype)
         return h.new_zeros((half, *h.shape[1:])).scatter_add(1, own[..., None].expand(-1, -1, d), blend)
 
-    def _planned(self, labels: torch.Tensor) -> dict:
+    def _planned(self, labels: torch.Tensor) -> Plan:
         """The pairs, their lams (from the hook's generator) and the aligned positions and targets."""
         n, length = labels.shape
         index, positions, slots = self._aligned(labels)
@@ -237,8 +257,7 @@ class SFTMix(LayerHook):
         first = sample_beta(self.alpha, self.alpha, self.generator, None if self.lam == "batch" else half)
         first = first.expand(half) if first.ndim == 0 else first
         lam = torch.cat([first, 1 - first]).to(labels.device, torch.float64)
-        return {"labels": labels, "index": index, "own": own, "other": other, "valid": valid,
-                "own_y": own_y, "partner_y": partner_y, "lam": lam}  # fmt: skip
+        return Plan(labels, index, own, other, valid, own_y, partner_y, lam)
 
     def _aligned(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's partner, its response positions in order (:func:`response_positions`) and its slots:
@@ -314,10 +333,10 @@ class SFTMix(LayerHook):
         ntp = losses[:n].sum() / labelled.clamp(min=1)
         mix, tokens = self._mixup(losses[n:], slots, mixed_count)
         total = ntp + self.mu * mix
-        self.last = LossState({"ntp": ntp.detach(), "mixup": mix.detach()}, {"lam": plan["lam"]}, tokens)
+        self.last = LossState({"ntp": ntp.detach(), "mixup": mix.detach()}, {"lam": plan.lam}, tokens)
         return total, _clean_rows(outputs, n, n + n // 2)
 
-    def _losses(self, logits: torch.Tensor, labels: torch.Tensor, plan: Mapping):
+    def _losses(self, logits: torch.Tensor, labels: torch.Tensor, plan: Plan):
         """Each position's loss, ``(B + B // 2, T)``, 0 where none: a clean row's cross-entropy of its next
         label, a pair's ``lam * CE(y^c) + (1 - lam) * CE(y^u)``; in one :func:`token_losses` over the clean
         and mixed logits together (one softmax of each position serving both of a pair's targets); and the
@@ -329,9 +348,9 @@ class SFTMix(LayerHook):
         def ahead(y):  # (position t's target: the label at t + 1)
             return F.pad(y[:, 1:], (0, 1), value=IGNORE)
 
-        clean, own, partner = ahead(labels), ahead(plan["own_y"][:half]), ahead(plan["partner_y"][:half])
+        clean, own, partner = ahead(labels), ahead(plan.own_y[:half]), ahead(plan.partner_y[:half])
         slots = own != IGNORE
-        lam = plan["lam"][:half].to(wide)[:, None].expand(-1, length)
+        lam = plan.lam[:half].to(wide)[:, None].expand(-1, length)
         labelled = (clean != IGNORE).to(wide)
         targets = torch.cat([torch.stack([clean, clean], -1), torch.stack([own, partner], -1)]).clamp(min=0)
         weights = torch.cat([

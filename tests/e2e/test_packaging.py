@@ -27,7 +27,8 @@ BLOCKED = ("hydra", "omegaconf", "torchvision", "sklearn", "matplotlib", "tqdm",
 ADAPTERS = {
     "mixhook.integrations.lightning": "integrations",
     "mixhook.integrations.transformers": "integrations",
-    "mixhook.engine.swap_kernels": "comixup",
+    "mixhook.integrations.lm": "integrations",
+    "mixhook.solvers.swap_kernels": "comixup",
 }
 
 BLOCKER = f"""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mixhook.engine.swap import swap_labelling
+from mixhook.solvers.swap import swap_labelling
 
 try:
     import gco

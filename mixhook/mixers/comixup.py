@@ -6,7 +6,7 @@ Paper: Kim, Choo, Jeong, Song. "Co-Mixup: Saliency Guided Joint Mixup with Super
 ``get_onehot_matrix``, ``graphcut_wrapper``, ``graphcut_multi``, ``obj_fn``, ``resolve_label``,
 ``mix_input``; ``mixup.py``: ``mixup_process``; ``main.py``: the saliency and the compatibility
 ``A_dist``), with the values of its README's CIFAR-100 command. Their labelling calls GCO (research-only
-license) through ``gco-wrapper``; :mod:`mixhook.engine.swap` runs GCO's alpha-beta swap move for move.
+license) through ``gco-wrapper``; :mod:`mixhook.solvers.swap` runs GCO's alpha-beta swap move for move.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from ..engine.checks import check_non_negative, check_positive, check_spatial
 from ..engine.contract import Draw, Mixed
 from ..engine.regions import RegionMixer
 from ..engine.saliency import Saliency, SaliencyGuided, pinned_saliency
-from ..engine.swap import swap_labelling
 from ..functional import without_autocast
 from ..sites import Leaf
+from ..solvers.swap import swap_labelling
 
 THRES_TYPES = ("hard", "soft")
 # gco-wrapper's conversion of float energies to GCO's integers (pygco.py: _UNARY_FLOAT_PRECISION,
@@ -81,7 +81,7 @@ def resolve_label(assigned: torch.Tensor) -> torch.Tensor:
 def graphcut(cost: torch.Tensor, beta: float, n_label: int = 0, add_idx=None) -> torch.Tensor:
     """``graphcut_multi``: the labels ``(H, W)`` of the ``(H, W, L)`` costs under the Potts smoothness
     ``beta`` (the extra labels of ``n_label`` 2 or 3, halves of two inputs ``add_idx``, a quarter of it to
-    those inputs), as GCO's swap ends with them from gco-wrapper's integers (:mod:`~mixhook.engine.swap`)."""
+    those inputs), as GCO's swap ends with them from gco-wrapper's integers (:mod:`~mixhook.solvers.swap`)."""
     import numpy as np
 
     height, width, n_input = cost.shape
@@ -204,7 +204,7 @@ class CoMixup(SaliencyGuided, RegionMixer):
 
     **Equal to the authors' code** on the same saliency and draws (tested: the labels, the mixed batch
     and the label weights, float32 as theirs, and the loss and gradients through it in float64). Their
-    graph cuts call GCO's alpha-beta swap (research-only); :mod:`mixhook.engine.swap` runs the same moves
+    graph cuts call GCO's alpha-beta swap (research-only); :mod:`mixhook.solvers.swap` runs the same moves
     and ends with GCO's labels, checked against GCO on recorded and, where ``gco-wrapper`` is installed,
     live problems. The labelling runs on the host in float32 whatever the model's dtype and device: it
     equals the authors' code run on the CPU (theirs runs its float32 ops on the model's device, where a

@@ -5,7 +5,7 @@ Paper: Kim, Choo, Song. "Puzzle Mix: Exploiting Saliency and Local Statistics fo
 2020. https://arxiv.org/abs/2009.06962. Authors' code: github.com/snu-mllab/PuzzleMix (``mixup.py``:
 ``mixup_graph``, ``graphcut_multi``, ``neigh_penalty``, ``mask_transport``, ``transport_image``; the
 saliency in ``main.py``). Their labelling calls GCO (research-only license) through ``gco-wrapper``; this
-one is solved exactly by :mod:`mixhook.engine.graphcut` (one minimum cut, SciPy's maximum flow).
+one is solved exactly by :mod:`mixhook.solvers.graphcut` (one minimum cut, SciPy's maximum flow).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from ..engine.checks import (
     per_channel,
 )
 from ..engine.contract import Draw, Mixed
-from ..engine.graphcut import min_labelling
 from ..engine.regions import RegionMixer
 from ..engine.saliency import Saliency, SaliencyGuided, pinned_saliency
 from ..functional import without_autocast
 from ..sites import INPUT, Leaf
+from ..solvers.graphcut import min_labelling
 from ..transfer import to_device
 
 GRIDS = (2, 4, 8, 16)  # the authors' 2 ** np.random.randint(1, 5)
@@ -90,7 +90,7 @@ def puzzle_terms(saliency, values, index, grid, beta, gamma, neigh_size):
 
 def quantized(own_u, partner_u, w_v, w_h, lam, beta, eta, n_labels, grid):
     """The integer energy the authors give GCO (``graphcut_multi``'s ``large_val`` scaling, truncated),
-    times ``(n_labels - 1)**2``, in :func:`~mixhook.engine.graphcut.min_labelling`'s form (int64 CPU
+    times ``(n_labels - 1)**2``, in :func:`~mixhook.solvers.graphcut.min_labelling`'s form (int64 CPU
     tensors, from float64 ones): label ``i`` of a block gives it the own-content weight
     ``1 - i / (n_labels - 1)``."""
     large = 1000 * grid**2
@@ -172,7 +172,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
 
     **The labelling is solved exactly**, by one minimum cut of the whole batch (Ishikawa's construction
     for ordered labels and a convex pairwise term; SciPy's maximum flow on the host: one copy of the
-    terms there and of the masks back per step, none per sample): :mod:`mixhook.engine.graphcut`. The
+    terms there and of the masks back per step, none per sample): :mod:`mixhook.solvers.graphcut`. The
     authors run GCO's alpha-beta swap, whose local minimum can be worse; on the same terms, the masks
     agree wherever the swap finds the optimum. Their energy is quantised to integers as theirs.
 

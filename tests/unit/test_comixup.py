@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixhook import CoMixup, CutMix
-from mixhook.engine.swap import swap_labelling
 from mixhook.mixers.comixup import compatibility, labelling
 from mixhook.policies import LocalWeights, SaliencyPairing
+from mixhook.solvers.swap import swap_labelling
 from tests import comixup_reference as ref
 from tests.helpers import assert_same_step
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixhook import PuzzleMix
-from mixhook.engine.graphcut import energy, min_labelling
 from mixhook.mixers.puzzlemix import puzzle_terms, quantized
+from mixhook.solvers.graphcut import energy, min_labelling
 from tests.helpers import SmallCNN
 
 # The reference: snu-mllab/PuzzleMix (e2dbf3a), mixup.py: cost_matrix, graphcut_multi, neigh_penalty,

@@ -1,4 +1,4 @@
-"""The compiled kernels of :mod:`mixhook.engine.swap` (numba; imported by it when it first solves, so that
+"""The compiled kernels of :mod:`mixhook.solvers.swap` (numba; imported by it when it first solves, so that
 the library's core imports torch only). Integer energies, int64 throughout; the work arrays are made once
 per problem and handed down."""
 
@@ -125,7 +125,7 @@ def reach_sink(cap, size, t, queue, reach):
 
 @njit(cache=True)
 def swap(unary, smooth, nbr, weight):
-    """GCO's ``swap()`` from all sites at label 0 (see :mod:`mixhook.engine.swap`): the labels."""
+    """GCO's ``swap()`` from all sites at label 0 (see :mod:`mixhook.solvers.swap`): the labels."""
     sites, n_labels = unary.shape
     labels = np.zeros(sites, np.int64)
     var, active = np.empty(sites, np.int64), np.empty(sites, np.int64)

@@ -7,6 +7,7 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 import mixhook
@@ -63,6 +64,7 @@ def test_the_cores_docstrings_cite_only_the_repository():
     assert not cited, cited
 
 
+@pytest.mark.slow
 def test_the_hooks_with_a_loss_of_their_own_keep_one_contract():
     """SFTMix and NoiseFiT are LossHooks: counts(labels) divide the sums of loss(model, inputs, counts),
     which returns (loss, outputs), and .last is a LossState of detached terms, draws and tokens."""

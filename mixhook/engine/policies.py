@@ -388,7 +388,8 @@ class Policies:
                     f"one loss per sample (reduction='none'), but it returned shape {tuple(value.shape)}"
                 )
             w = to_device(w, value.device, value.dtype)
-            value = value * (w * (w.shape[0] / w.sum().clamp_min(torch.finfo(value.dtype).tiny)))
+            # (w / sum(w) first: all-zero weights give 0, where B / tiny overflows float32 and 0 * inf is NaN)
+            value = value * (w / w.sum().clamp_min(torch.finfo(value.dtype).tiny) * w.shape[0])
         extra = self.by_knob.get("loss")
         if extra is not None:
             term = extra.extra_loss(logits, target, partner, label_lam).to(value.dtype)

@@ -234,6 +234,22 @@ def test_local_weights_are_the_authors_exponential_weights_and_the_papers_thresh
             mix.targets(y, 4, logits=logits)
 
 
+def test_a_batch_whose_pairs_are_all_too_far_apart_has_zero_loss_in_float32():
+    """Local Mixup's weights all 0 (every pair farther than epsilon): the loss is 0, as documented, with a
+    zero gradient; in float32 the normalisation had overflowed (0 * B / tiny is 0 * inf: NaN, which the
+    app reported as a NaN loss at the first step of Fashion-MNIST, whose pairs are farther apart than the
+    digits' epsilon)."""
+    model = mlp().float()
+    x, y = torch.randn(8, 5), torch.randint(0, 4, (8,))
+    mix = ManifoldMixup("input", alpha=1.0).use(LocalWeights(epsilon=1e-3))
+    with mix.attach(model):
+        mix.pin(lam=0.3, index=torch.tensor([4, 5, 6, 7, 0, 1, 2, 3]))  # (no row its own partner)
+        loss = mix.loss(per_sample_ce, model(x), y).mean()
+    assert loss.dtype == torch.float32 and loss.item() == 0.0
+    loss.backward()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
 # ------------------------------------------------------------------------------------ Remix
 
 

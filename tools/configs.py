@@ -163,7 +163,9 @@ HEADER = re.compile(r"^`python -m tools\.configs` on (?P<on>.*\)): `python train
 
 def measured(text: str) -> tuple[list[dict], str]:
     """The results a committed table shows (as :func:`train` returns them, to its rounding) and its
-    header's "on ... (machine)" words: what ``--update`` keeps of the rows it does not run again."""
+    header's "on ... (machine)" words: what ``--update`` keeps of the rows it does not run again. The
+    Fashion-MNIST section's rows (between its markers) are not the table's: left out."""
+    text = main_table(text)
     results = []
     for line in text.splitlines():
         found = ROW.match(line)
@@ -183,6 +185,15 @@ def measured(text: str) -> tuple[list[dict], str]:
         results.append(result)
     header = next((HEADER.match(line) for line in text.splitlines() if HEADER.match(line)), None)
     return results, "" if header is None else header["on"]
+
+
+def main_table(text: str) -> str:
+    """docs/configs.md's text without its Fashion-MNIST section (``--fashion-mnist``'s, between its
+    markers)."""
+    if BEGIN not in text:
+        return text
+    before, _, rest = text.partition(BEGIN)
+    return before + rest.partition(END)[2]
 
 
 def rerun_header(earlier: str, updated: tuple[str, ...], on: str) -> str:

@@ -86,7 +86,10 @@ def test_update_reads_the_committed_table_back_as_it_was_written():
     assert {r["name"] for r in results} >= {"none", "cutmix", "cmixup"}
     assert any(r.get("task") == "regression" for r in results)
     rendered = configs.table(results, None).splitlines()
-    body = [line for line in text.splitlines() if line.startswith("| `mixup=")]
+    body = [line for line in configs.main_table(text).splitlines() if line.startswith("| `mixup=")]
+    assert configs.BEGIN in text and len(body) < len(
+        [x for x in text.splitlines() if x.startswith("| `mixup=")]
+    )
     assert [line for line in rendered if line.startswith("| `mixup=")] == body
     header = configs.table(results, None, earlier, ("mixup=transmix experiment=vit_digits",)).splitlines()[2]
     assert header.startswith(

@@ -176,11 +176,13 @@ def test_the_fashion_mnist_section_sets_each_config_beside_erms_seeds_and_keeps_
     rows = {line.split(" | ")[0]: line for line in section.splitlines() if line.startswith("| `")}
     assert "test error 11.30 ± 0.16 % (mean ± std; 11.10 to 11.50; seed 0: 11.30)" in section
     assert rows["| `mixup=none`"].endswith("| 11.30 | +0.00 | 0.3000 | 5.00 | 200 | ERM, seed 0 |")
-    assert rows["| `mixup=puzzlemix mixup.neigh_size=7 mixup.t_size=7`"].endswith(
-        "| **below ERM's spread** (-1.80 from its mean) |"
+    assert rows["| `mixup=puzzlemix mixup.neigh_size=7 mixup.t_size=7`"].endswith("| **below** (-1.80) |")
+    assert rows["| `erasing=random`"].endswith("| within |")
+    assert rows["| `mixup=transmix`"].endswith("| n/a (below) |")
+    assert rows["| `mixup=comixup`"].endswith("| not run (below) |")
+    assert (
+        "\n- `mixup=transmix`: each reads a ViT's attention, and the setting's model is a CNN.\n" in section
     )
-    assert rows["| `erasing=random`"].endswith("| within ERM's spread |")
-    assert rows["| `mixup=transmix`"].endswith("the setting's model is a CNN |")
     text = "# Every shipped config\n\n| a | table |\n"
     once = configs.with_section(text, section)
     assert once.startswith(text) and once.count(configs.BEGIN) == 1

@@ -50,7 +50,7 @@ from ..functional import generator_on
 from ..hooks import LayerHook
 from ..layers import portable_names
 from .protocol import LossState
-from .tokens import IGNORE, next_token_losses, put_back, sequence_of
+from .tokens import IGNORE, next_token_losses, predicted_tokens, put_back, sequence_of
 
 EPSILON = 1e-6  # the authors' EPSILON
 SNR = ("largest", "lowest")
@@ -295,7 +295,7 @@ class NoiseFiT(LayerHook):
         the cross-entropy predicts (labelled, after position 0) and those the two KL terms weigh (labelled:
         the authors' mask, unshifted). Added over a step's micro-batches and processes, they make
         :meth:`loss`'s means the step's (``mean="step"``)."""
-        return torch.stack([(labels[:, 1:] != IGNORE).sum(), (labels != IGNORE).sum()])
+        return torch.stack([predicted_tokens(labels), (labels != IGNORE).sum()])
 
     def loss(
         self, model: nn.Module, inputs: Mapping[str, torch.Tensor], counts: torch.Tensor | None = None

@@ -40,7 +40,16 @@ from ..functional import sample_beta
 from ..hooks import LayerHook
 from ..packing import PackedBatchError, packing
 from .protocol import LossState
-from .tokens import IGNORE, logits_of, next_token_losses, put_back, sequence_of, token_losses
+from .tokens import (
+    IGNORE,
+    logits_of,
+    next_labels,
+    next_token_losses,
+    predicted_tokens,
+    put_back,
+    sequence_of,
+    token_losses,
+)
 
 LAMS = ("pair", "batch")
 REDUCES = ("token", "sequence")
@@ -274,7 +283,7 @@ class SFTMix(LayerHook):
         tokens' mean, as the Trainer's own causal LM loss is (``num_items_in_batch``)."""
         _, _, slots = self._aligned(labels)
         mixed = slots.sum() if self.reduce == "token" else (slots > 0).sum()
-        return torch.stack([(labels[:, 1:] != IGNORE).sum(), mixed])
+        return torch.stack([predicted_tokens(labels), mixed])
 
     def loss(
         self, model: nn.Module, inputs: Mapping[str, torch.Tensor], counts: torch.Tensor | None = None
@@ -329,7 +338,7 @@ class SFTMix(LayerHook):
                 "leave logits_to_keep unset (every position's prediction is needed)"
             )
         losses, slots = self._losses(logits, labels, plan)
-        labelled = (labels[:, 1:] != IGNORE).sum() if ntp_count is None else ntp_count
+        labelled = predicted_tokens(labels) if ntp_count is None else ntp_count
         ntp = losses[:n].sum() / labelled.clamp(min=1)
         mix, tokens = self._mixup(losses[n:], slots, mixed_count)
         total = ntp + self.mu * mix
@@ -344,11 +353,8 @@ class SFTMix(LayerHook):
         n, length = labels.shape
         half = n // 2
         wide = torch.promote_types(logits.dtype, torch.float32)
-
-        def ahead(y):  # (position t's target: the label at t + 1)
-            return F.pad(y[:, 1:], (0, 1), value=IGNORE)
-
-        clean, own, partner = ahead(labels), ahead(plan.own_y[:half]), ahead(plan.partner_y[:half])
+        clean, own = next_labels(labels), next_labels(plan.own_y[:half])
+        partner = next_labels(plan.partner_y[:half])
         slots = own != IGNORE
         lam = plan.lam[:half].to(wide)[:, None].expand(-1, length)
         labelled = (clean != IGNORE).to(wide)
@@ -397,5 +403,5 @@ def _clean_rows(outputs, n: int, rows: int):
 def _ntp(logits: torch.Tensor, labels: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
     """``l_NTP``: the cross-entropy of the batch's labelled tokens summed, divided by ``count`` (by default
     their number: the model's own loss)."""
-    count = (labels[:, 1:] != IGNORE).sum() if count is None else count
+    count = predicted_tokens(labels) if count is None else count
     return next_token_losses(logits, labels).sum() / count.clamp(min=1)

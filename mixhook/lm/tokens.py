@@ -26,15 +26,28 @@ def logits_of(out) -> torch.Tensor:
     return out[0]
 
 
+def next_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target, ``(B, T)``: the label at ``t + 1`` (a causal model's logits at ``t`` predict
+    it), ``-100`` at the last position. The labels are moved, not the logits: no copy of the ``(B, T, V)``
+    logits is made to score them, as the HuggingFace causal LM loss does."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many labelled tokens a causal model predicts (all but one at position 0, which no token
+    precedes): the count a next-token loss's mean divides by, 0-d on the labels' device."""
+    return (labels[:, 1:] != IGNORE).sum()
+
+
 def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The cross-entropy of each position's prediction of the next label (a causal model's: position
     ``t``'s logits predict label ``t + 1``), ``(B, T - 1)``, 0 where that label is ``-100``; half-precision
     logits in float32: the perplexity of :mod:`.confidence`, and SFTMix's evaluation loss."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # (the labels moved, not the logits: no copy of
-    # the (B, T, V) logits, as the HuggingFace causal LM loss does)
-    flat = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE, reduction="none")
+    flat = F.cross_entropy(
+        logits.flatten(0, 1), next_labels(labels).flatten(), ignore_index=IGNORE, reduction="none"
+    )
     return flat.view(labels.shape[0], -1)[:, :-1]
 
 

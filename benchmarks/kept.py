@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mixhook.engine.path import Path
+
 RECORDS = ("last", "last_forward")
 """The attributes whose size follows the batch by design: ``.last`` (what the last training forward mixed,
 documented per method) and the record ``pin_last`` repeats (the last forward's draws and what its method
@@ -79,9 +81,11 @@ def _filled(cell) -> bool:
 
 
 def _hook_attributes(obj) -> dict | None:
-    """The ``__dict__`` of a hook-like object (anything with ``_fresh``: a LayerHook), whose keys name
-    what hangs from it; ``None`` for other objects."""
-    return vars(obj) if hasattr(type(obj), "_fresh") and hasattr(obj, "__dict__") else None
+    """The ``__dict__`` of a hook-like object (anything with ``_fresh``: a LayerHook) or of a mixer's path
+    (:class:`~mixhook.engine.path.Path`, which holds the attachment's state: ``last``, ``last_forward``),
+    whose keys name what hangs from it; ``None`` for other objects."""
+    hook_like = hasattr(type(obj), "_fresh") or isinstance(obj, Path)
+    return vars(obj) if hook_like and hasattr(obj, "__dict__") else None
 
 
 def kept(root, stop: Iterable[nn.Module] = ()) -> Kept:

@@ -136,11 +136,6 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         if padding not in masks.PADDING:
             raise ValueError(f"padding must be one of {', '.join(masks.PADDING)}, got {padding!r}")
         self.padding = padding
-        self.last: MixState | None = None
-        self._pinned: Pins | None = None  # what pin(), pin_last() or skip_next() set for the next forward
-        # the last training forward that mixed (:class:`~mixhook.engine.forward.Forward`), what pin_last()
-        # repeats; None before one, or once a later forward began
-        self.last_forward: Forward | None = None
         self.token_grid: TokenGrid | None = None  # set by the region mixers given tokens=(gh, gw)
         self._layer_weights: tuple[float, ...] | None = None
         self._site_weights: tuple[float, ...] | None = None  # the same, per site resolved (_bind)
@@ -160,6 +155,20 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         # the path of its training forwards through its hooks, and the state of its attachment (Path);
         # handed what it needs of this mixer's machinery as a hook on some layers
         self._path = Path(self, self._note, self._replayed, self._seed_for_rank, self._site, self._per_layer)
+
+    def __getstate__(self) -> dict:
+        """As every hook's: a copy is detached, with a path of its own, which keeps what this one's holds
+        beyond its attachment (:meth:`~.path.Path.kept`: the next forward's pins, the last forward's
+        record)."""
+        state = super().__getstate__()
+        state["_kept"] = self._path.kept()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        kept = state.pop("_kept", None)
+        super().__setstate__(state)
+        if kept is not None:
+            self._path.keep(kept)
 
     def _check_attach(self, model: nn.Module) -> None:
         claim(model, self)
@@ -198,7 +207,6 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     def _reset(self) -> None:
         self._path.reset()
-        self.last_forward = None
         if self._policies is not None:
             self._policies.reset()
         unclaim(self)
@@ -363,13 +371,52 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             if lam.ndim > 1 or not bool(((lam >= 0) & (lam <= 1)).all()):
                 raise ValueError(f"pin(lam={lam.tolist()}): lam must be a number (or 1-D values) in [0, 1]")
         given = {} if index is None else given_index(index, "pin")
-        self._pinned = Pins(layer, lam, values={k: v for k, v in values.items() if v is not None}, **given)
+        self._path.pin(Pins(layer, lam, values={k: v for k, v in values.items() if v is not None}, **given))
 
     @property
     def pins(self) -> Pins | None:
         """What :meth:`pin`, :meth:`pin_last` or :meth:`skip_next` set for the next training forward
-        (:class:`~mixhook.engine.forward.Pins`), or ``None``."""
-        return self._pinned
+        (:class:`~mixhook.engine.forward.Pins`), or ``None``. Set, it pins a whole record: another mixer's
+        forward repeated here (``other.last_forward.repeat()``), or ``None`` (:meth:`unpin`)."""
+        return self._path.pins
+
+    @pins.setter
+    def pins(self, pins: Pins | None) -> None:
+        if pins is not None and not isinstance(pins, Pins):
+            kind = type(pins).__name__
+            raise TypeError(f"{type(self).__name__}.pins takes a Pins record or None, got {kind}")
+        self._path.pin(pins)
+
+    @property
+    def last(self) -> MixState | None:
+        """What the last training forward mixed (its :class:`~mixhook.engine.contract.MixState`, kept
+        without the loss's graph pieces), or ``None`` where it did not mix. A method that re-weighs its
+        record after its mix (TransMix's labels from the attention) sets it, before the model's output is
+        marked with it."""
+        return self._path.last
+
+    @last.setter
+    def last(self, state: MixState) -> None:
+        self._path.relabel(state)
+
+    @property
+    def last_forward(self) -> Forward | None:
+        """The last training forward that mixed (a :class:`~mixhook.engine.forward.Forward`), what
+        :meth:`pin_last` repeats; ``None`` before one, or once a later forward began."""
+        return self._path.last_forward
+
+    @property
+    def in_gradient_pass(self) -> bool:
+        """Whether :meth:`gradient_at`'s own pass is under way (a hook of the method's own skips it: that
+        pass neither mixes nor records)."""
+        return self._path.gradients.running
+
+    def layout_at(self, spec: str, ndim: int = 4) -> str:
+        """The layout of an ``ndim``-D map at ``spec`` (``"NCHW"`` or ``"NHWC"`` for 4-D; see
+        :mod:`mixhook.layouts`), as the site's is read for a region method: a method that mixes such a
+        map outside :meth:`mix` (AutoMix's Mix Block on its momentum copy) reads it here. One line where it
+        cannot be told."""
+        return self._attached("layout_at").layouts[spec, ndim].of(type(self).__name__, spec)
 
     @property
     def current(self) -> Forward | None:
@@ -381,12 +428,12 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
     def pinned(self) -> bool:
         """Whether :meth:`pin`, :meth:`pin_last` or :meth:`skip_next` set something the next training
         forward has not used yet."""
-        return self._pinned is not None
+        return self._path.pins is not None
 
     def unpin(self) -> None:
         """Forget what :meth:`pin`, :meth:`pin_last` or :meth:`skip_next` set for the next training
         forward, which then decides as any other (``prob``, fresh draws)."""
-        self._pinned = None
+        self._path.pin(None)
 
     def draw_for(
         self,
@@ -444,14 +491,14 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
         if self.last is None or self.last_forward is None:
             self.skip_next()
             return
-        self._pinned = self.last_forward.repeat()
+        self._path.pin(self.last_forward.repeat())
 
     def skip_next(self) -> None:
         """Make the next training forward not mix, whatever ``prob`` (nothing is drawn for it)."""
-        self._pinned = SKIP
+        self._path.pin(SKIP)
 
     def use_targets(self, target: torch.Tensor) -> None:
-        self._path.targets = target
+        self._path.use_targets(target)
 
     def use(self, *policies: Policy) -> Mixer:
         """Mix with these policies (:mod:`mixhook.policies`), replacing any used before: who is paired
@@ -492,7 +539,7 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             raise TypeError(
                 f"use_features() takes a tensor of one row per sample, got {type(features).__name__}"
             )
-        self._path.given["features"] = features
+        self._path.give("features", features)
 
     def use_partners(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> None:
         """The partner batch of the next training forward, for a ``PartnerBatch`` policy (Balanced-MixUp's
@@ -510,9 +557,9 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             targets is not None and not isinstance(targets, torch.Tensor)
         ):
             raise TypeError("use_partners(inputs, targets) takes tensors: the partner batch and its labels")
-        self._path.given["partner_inputs"] = inputs
+        self._path.give("partner_inputs", inputs)
         if targets is not None:
-            self._path.given["partner_targets"] = targets
+            self._path.give("partner_targets", targets)
 
     def check_targets(self, target: torch.Tensor) -> None:
         """Refuse, in one line, labels this mixer or one of its policies cannot train with."""
@@ -651,18 +698,29 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
             )
 
     def before_forward(
-        self, model: nn.Module, args: tuple, kwargs: dict, spec: str, pinned: Mapping, targets
+        self,
+        model: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        spec: str,
+        pinned: Mapping,
+        targets,
+        generator: torch.Generator,
     ) -> Mapping:
         """Called at the start of a training forward that will mix at ``spec``, with the model's
-        arguments, the values pinned so far and the labels given by :meth:`use_targets` (or ``None``);
-        what it returns joins the pinned values :meth:`mix` finds in ``draw.pinned`` (and that a
-        recomputation and ``pin_last`` reuse). Nothing by default; gradient saliency runs its pass here."""
+        arguments, the values pinned so far, the labels given by :meth:`use_targets` (or ``None``) and the
+        generator every draw it makes comes from (the mixer's); what it returns joins the pinned values
+        :meth:`mix` finds in ``draw.pinned`` (and that a recomputation and ``pin_last`` reuse). Nothing by
+        default; gradient saliency runs its pass here."""
         return {}
 
-    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
+    def before_mix(
+        self, spec: str, leaves: list[Leaf], pinned: Mapping, generator: torch.Generator
+    ) -> Mapping:
         """Called once per forward at the mixed layer, before the first :meth:`mix`, with the leaves
-        :meth:`mix` will get; what it returns joins the pinned values (so that a recomputation under
-        activation checkpointing reuses it rather than computing it again). Nothing by default."""
+        :meth:`mix` will get and the generator every draw it makes comes from; what it returns joins the
+        pinned values (so that a recomputation under activation checkpointing reuses it rather than
+        computing it again). Nothing by default."""
         return {}
 
     def mix(self, leaves: list[Leaf], draw: Draw) -> Mixed:

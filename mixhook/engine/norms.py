@@ -32,13 +32,13 @@ class NormsApart:
     """The batch-norm hooks of one mixer (:meth:`register`).
 
     Args:
-        mixer: the mixer whose forwards they follow (its public :attr:`~.mixer.Mixer.current` is read).
+        under_way: the training forward under way (:attr:`~.path.Path.current`), called at each layer's.
         note, replayed: the mixer's channel to activation-checkpoint replay
             (:meth:`~mixhook.hooks.LayerHook._note`, :meth:`~mixhook.hooks.LayerHook._replayed`).
     """
 
-    def __init__(self, mixer, note: Callable, replayed: Callable):
-        self._mixer, self._note, self._replayed = mixer, note, replayed
+    def __init__(self, under_way: Callable, note: Callable, replayed: Callable):
+        self._under_way, self._note, self._replayed = under_way, note, replayed
         self._saved: dict[nn.Module, list[torch.Tensor]] = {}  # running statistics before the whole call
 
     def register(self, model: nn.Module, handles: list[RemovableHandle]) -> None:
@@ -57,7 +57,7 @@ class NormsApart:
         normalises apart)."""
 
         def pre(module: nn.Module, args: tuple):
-            forward = self._mixer.current
+            forward = self._under_way()
             mixed = None if forward is None else forward.mixed
             apart = bool(
                 module.training

@@ -23,15 +23,16 @@ class PaddingMasks:
     input, asked for the model's arguments with their masks unioned (:meth:`at_input`).
 
     Args:
-        mixer: the mixer whose mixes they follow (its public :attr:`~.mixer.Mixer.current`, ``sites`` and
+        mixer: the mixer whose mixes they follow (its public ``sites`` and
             :meth:`~.mixer.Mixer.partner_pool` are read).
+        under_way: the training forward under way (:attr:`~.path.Path.current`), called at each module's.
         note, replayed: the mixer's channel to activation-checkpoint replay
             (:meth:`~mixhook.hooks.LayerHook._note`, :meth:`~mixhook.hooks.LayerHook._replayed`): a
             recomputation applies the same union again.
     """
 
-    def __init__(self, mixer, note: Callable, replayed: Callable):
-        self._mixer, self._note, self._replayed = mixer, note, replayed
+    def __init__(self, mixer, under_way: Callable, note: Callable, replayed: Callable):
+        self._mixer, self._under_way, self._note, self._replayed = mixer, under_way, note, replayed
         self.active = False  # whether some module of the model takes padding masks (set by register)
         self._regions: dict[str, str] = {}  # each hidden site's padding-mask region (mixhook.padding)
         self._stack: list[bool] = []  # per module call under way: whether it (or an outer one) got masks
@@ -82,7 +83,7 @@ class PaddingMasks:
         partners' masks that describe the mixed sequence, and the calls inside it get what it hands them."""
 
         def pre(module: nn.Module, args: tuple, kwargs: dict):
-            forward = self._mixer.current
+            forward = self._under_way()
             mixed = None if forward is None else forward.mixed
             if mixed is None or any(self._stack):
                 self._stack.append(False)

@@ -68,8 +68,11 @@ _REPLAY, _GRADIENTS, _TRACED, _BETWEEN = 1, 2, 3, 4
 # Mixer.overridden, or the mixer's own attribute, read when it is attached)
 SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix"))
 # What the path and its collaborators (the leaves, the padding masks, the norms, the traced path) read of a
-# mixer: their whole view of the method, public names only (tests/unit/test_style.py holds it). The settings
-# fixed while a mixer is attached (its setters refuse a change then) are read once, when it is attached.
+# mixer: their whole view of the method, public settings and extension points only, and nothing of it is
+# written (tests/unit/test_style.py holds both): the attachment's state (the next forward's pins, the forward
+# under way, the record of the last) is the path's own, which the mixer's user API reads and sets through
+# it. The settings fixed while a mixer is attached (its setters refuse a change then) are read once, when it
+# is attached.
 VIEW = {
     "settings": (
         "sites", "layers", "clean", "padding", "token_grid", "layout", "layout_aware",
@@ -80,8 +83,6 @@ VIEW = {
         "mix", "sample_lam", "draw_index", "partner_pool", "check_leaves", "before_forward", "before_mix",
         "agree", "traced_params", "draw_traced", "mix_traced",
     ),
-    # what the user API and the path share: the next forward's pins, the forward under way, the last one
-    "shared state": ("pins", "unpin", "current", "last", "last_forward"),
 }  # fmt: skip
 
 
@@ -102,9 +103,10 @@ class Path:
     under way, the record of recent forwards, the sites' plans and what was worked out when attached. The
     mixer holds it as one attribute, made anew for a copy (which starts detached).
 
-    It reads the method through :data:`VIEW` only: the mixer's public settings, its extension points and
-    the state its user API shares with the path (the pins of the next forward, the last forward's record);
-    the settings fixed while attached are read once, when attached (:meth:`register`). The mixer's own
+    It reads the method through :data:`VIEW` only, the mixer's public settings and its extension points,
+    and writes nothing of it: the pins of the next forward, the forward under way and the last forward's
+    record are its own (the mixer's ``pin()``, ``last`` and ``use_targets()`` read and set them here); the
+    settings fixed while attached are read once, when attached (:meth:`register`). The mixer's own
     machinery as a hook on some layers (the recompute notes, the reseed per rank, its per-layer arguments,
     the site a spec names) is handed to it here, by the mixer."""
 
@@ -114,13 +116,21 @@ class Path:
         self.kind = type(mixer).__name__
         self._note, self._replayed = note, replayed  # (recompute: what a recomputation must redo)
         self._seed, self._site, self._per_layer = seed, site, per_layer
+        # the attachment's state and record, which the mixer's user API reads and sets through the methods
+        # below (pin, use_targets, give, relabel): nothing of it lives on the mixer
+        self.pins: Pins | None = None  # what pin(), pin_last() or skip_next() set for the next forward
         self.current: Forward | None = None  # the training forward under way
+        self.last: MixState | None = None  # what the last training forward mixed (without the loss's pieces)
+        # the last training forward that mixed, what pin_last() repeats; None before one, or once a later
+        # forward began
+        self.last_forward: Forward | None = None
         self.targets: torch.Tensor | None = None  # use_targets(): the next forward's labels
         self.seen = Forwards(mixer)  # the recent forwards, and which one produced given logits
         self.given: dict = {}  # use_features() / use_partners(): the next training forward's
         # the collaborators: padding masks downstream of a mix, the gradient pass, the one-graph path
-        self._masks = PaddingMasks(mixer, note, replayed)
-        self._norms = NormsApart(mixer, note, replayed)
+        under_way = self._under_way
+        self._masks = PaddingMasks(mixer, under_way, note, replayed)
+        self._norms = NormsApart(under_way, note, replayed)
         self.gradients = GradientPass(self.kind, mixer.sites, self._captured_leaves, self._as_given)
         self._compiled = TracedPath(mixer, self._read_input, self._unplanned, self._restore, self._host_begin,
                                     self._host_draw)  # fmt: skip
@@ -203,10 +213,44 @@ class Path:
         """Removed: nothing of the model, its modules or a forward's tensors stays (the record of recent
         forwards does: a loss on logits of a forward made while attached still binds to its mix)."""
         self.current = None
+        self.last_forward = None
         self.model = None
         self.site_leaves = None
         self._modules = {}
         self.given, self.targets = {}, None
+
+    # --------------------------------------------------- the state the mixer's user API reads and sets
+
+    def pin(self, pins: Pins | None) -> None:
+        """What the next training forward uses (``pin()``, ``pin_last()``, ``skip_next()``; ``None``:
+        nothing, ``unpin()``)."""
+        self.pins = pins
+
+    def use_targets(self, targets: torch.Tensor | None) -> None:
+        """The next training forward's labels (``use_targets()``), forgotten when it starts."""
+        self.targets = targets
+
+    def give(self, name: str, value) -> None:
+        """A value the next training forward's policies read (``use_features()``, ``use_partners()``)."""
+        self.given[name] = value
+
+    def relabel(self, state: MixState) -> None:
+        """The last forward's record as a method re-weighs it after its mix, before the model's output is
+        marked with it (TransMix's labels from the attention, SUMix's uncertainty)."""
+        self.last = state
+
+    def kept(self) -> dict:
+        """What a copy of the mixer keeps of this path (a copy starts detached): the next forward's pins and
+        the last forward's record, not the forward under way, the model or the plans."""
+        return {"pins": self.pins, "last": self.last, "last_forward": self.last_forward}
+
+    def keep(self, kept: dict) -> None:
+        """A copy's path: what :meth:`kept` returned of the original's."""
+        self.pins, self.last, self.last_forward = kept["pins"], kept["last"], kept["last_forward"]
+
+    def _under_way(self) -> Forward | None:
+        """The training forward under way (what the padding masks and the norms follow)."""
+        return self.current
 
     # ------------------------------------------------------------- 1. the model's pre-hook: decide
 
@@ -293,9 +337,7 @@ class Path:
         if training:
             if _distributed():  # (a default generator, reseeded for its rank once)
                 self._seed()
-            pins = mixer.pins
-            if pins is not None:
-                mixer.unpin()
+            pins, self.pins = self.pins, None
             g = mixer.generator
             if pins is None and (
                 mixer.prob >= 1.0 or float(torch.rand((), generator=g, device=g.device)) < mixer.prob
@@ -308,8 +350,8 @@ class Path:
         seen = self.seen
         if seen.begun or seen.pending is not None:
             seen.settle()
-        mixer.last = None
-        mixer.last_forward = None  # (what pin_last would have repeated: no longer the last forward)
+        self.last = None
+        self.last_forward = None  # (what pin_last would have repeated: no longer the last forward)
         self.targets = None
         self.current = forward
         if self._masks.active:
@@ -335,7 +377,10 @@ class Path:
         gradient pass, a partner batch appended to the model's input): the model's changed arguments, or
         ``None``."""
         if forward is not None and self._before:
-            extra = self.mixer.before_forward(model, args, kwargs, forward.layer, forward.pins.given, targets)
+            mixer = self.mixer
+            extra = mixer.before_forward(
+                model, args, kwargs, forward.layer, forward.pins.given, targets, mixer.generator
+            )
             if extra:
                 forward.pins = forward.pins.joined(extra)
         if self._policies is None:
@@ -354,7 +399,7 @@ class Path:
         if self._positional[spec] and args and type(args[0]) is torch.Tensor:  # (the usual call)
             args = (self._mix(spec, args[0], forward)[0], *args[1:])
             if self._padding == "union" and (kwargs or len(args) > 1):  # (a lone input takes no mask)
-                return self._input_masks(model, args, kwargs, spec, self.mixer.last)
+                return self._input_masks(model, args, kwargs, spec, self.last)
             return args, kwargs
         inputs = Inputs(model, args, kwargs)
         value, state = self._mix(spec, inputs, forward)
@@ -389,7 +434,7 @@ class Path:
                 if self.model.training and _may_be_recomputed():
                     self._note(spec)  # (what a recomputation of this layer must know: it mixed nothing)
                 return None
-            return self._mix(spec, output, forward)[0]  # (self.mixer.last set)
+            return self._mix(spec, output, forward)[0]  # (self.last set)
 
         return recompute.own_code(hook, f"{self.kind}_layer_hook")
 
@@ -496,7 +541,7 @@ class Path:
         if forward.replay:
             return leaves
         if self._before_mix:
-            extra = self.mixer.before_mix(spec, leaves[2], forward.pins.given)
+            extra = self.mixer.before_mix(spec, leaves[2], forward.pins.given, self.mixer.generator)
             if extra:
                 forward.pins = forward.pins.joined(extra)
         if policies is not None:
@@ -563,12 +608,11 @@ class Path:
         in ``mixhook::draw`` for a forward a compiled graph began)."""
         if forward.replay:  # (a recomputation's mix was recorded by its forward)
             return
-        mixer = self.mixer
-        mixer.last_forward = forward
+        self.last_forward = forward
         forward.mixed = last
-        mixer.last = last
+        self.last = last
         if self.seen.begun:  # (a compiled forward: kept without the loss's graph pieces)
-            mixer.last = self.seen.mixed(last)
+            self.last = self.seen.mixed(last)
 
     # ------------------------------------------------------------ 3. the model's output hook: mark
 
@@ -587,14 +631,13 @@ class Path:
             return
         if forward.mixed is None:
             raise RuntimeError(self._did_not_run(model, forward.layer))
-        mixer = self.mixer
-        state = mixer.last  # (a method may re-weigh it after the mix: TransMix)
+        state = self.last  # (a method may re-weigh it after the mix: TransMix, relabel)
         if state.clean:
             _check_doubled(model, output, state)
-        # the output carries the whole state to loss(); the mixer keeps it without the loss's graph pieces
-        mixer.last = self.seen.record(output, state)
+        # the output carries the whole state to loss(); the path keeps it without the loss's graph pieces
+        self.last = self.seen.record(output, state)
         if state.loss_inputs is not None or self._recomputed:  # (what pin_last repeats, kept lean)
-            mixer.last_forward = forward.kept(self._recomputed)
+            self.last_forward = forward.kept(self._recomputed)
 
     def _did_not_run(self, model: nn.Module, spec: str) -> str:
         """Why layer ``spec`` did not run in a training forward that was to mix it (one line)."""
@@ -689,22 +732,26 @@ class Path:
     ):
         """The :class:`Draw` of a mix of ``n`` samples at ``spec`` and what ``method(leaves, draw)``
         returns (:meth:`mix`, or :meth:`draw_traced`), every draw from ``generator`` (``drawn``: the draw
-        of lam and the index, made already by :meth:`_repeatable`)."""
-        mixer = self.mixer
-        # (a mixer drawing from its own generator, not draw.generator, replays too)
-        saved, mixer.generator = mixer.generator, generator
-        try:
-            draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
-            if self._policies is None:
-                return draw, method(leaves, draw)
-            # lam warped per pair, pair weights: what the mix uses and records
+        of lam and the index, made already by :meth:`_repeatable`). Where ``generator`` is not the mixer's
+        own (a repeat's copy, ``draw_for``'s), a method that drew from its own instead is refused in one
+        line: its repeat would not draw the same."""
+        own = self.mixer.generator
+        before = None if generator is own else own.get_state()
+        draw = drawn if drawn is not None else self._draws(spec, n, pins, generator)
+        if self._policies is None:
+            mixed = method(leaves, draw)
+        else:  # lam warped per pair, pair weights: what the mix uses and records
             draw, info = self._policies.adjust(draw, leaves, self._masks.active)
             mixed = method(leaves, draw)
             if info:
                 mixed = dataclasses.replace(mixed, info={**mixed.info, **info})
-            return draw, mixed
-        finally:
-            mixer.generator = saved
+        if before is not None and not torch.equal(before, own.get_state()):
+            raise RuntimeError(
+                f"{self.kind}.{method.__name__}() at {spec!r} drew from the mixer's own generator, not "
+                "draw.generator: a repeat (pin_last, an activation-checkpoint recomputation, draw_for) would "
+                "not draw the same; draw every value from draw.generator"
+            )
+        return draw, mixed
 
     def _draws(self, spec: str, n: int, pins: Pins, generator: torch.Generator) -> Draw:
         """The :class:`Draw` of a mix of ``n`` samples at ``spec``: lam and the partner index (pinned, else
@@ -856,7 +903,7 @@ class Path:
             spec, n, forward.pins, generator, self.mixer.draw_traced, given, drawn
         )
         self._done(forward, self._state_of(spec, found, d, mixed))
-        return values, self.mixer.last
+        return values, self.last
 
 
 def _check_doubled(model: nn.Module, output, state: MixState) -> None:

@@ -135,12 +135,12 @@ class SaliencyGuided:
         super()._register(model, modules, handles)
         self.saliency.register(self, model, handles)
 
-    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets) -> Mapping:
+    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets, generator) -> Mapping:
         if not self.needs_saliency(pinned):
             return {}
         return self.saliency.before_forward(self, model, args, kwargs, spec, pinned, targets)
 
-    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
+    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping, generator) -> Mapping:
         return self.saliency.before_mix(spec, leaves, pinned) if self.needs_saliency(pinned) else {}
 
 

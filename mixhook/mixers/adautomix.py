@@ -291,7 +291,7 @@ class AdAutoMix(AutoMix):
 
     # ------------------------------------------------------------- the copy's pass, the turn, the draws
 
-    def copy_pass(self, k: nn.Module, args: tuple, kwargs: dict, pinned: Mapping) -> tuple:
+    def copy_pass(self, k: nn.Module, args: tuple, kwargs: dict, pinned: Mapping, generator) -> tuple:
         """The features; whether this forward's Mix Block term is adversarial (pinned, or this forward's
         turn: the authors' ``iter % 2 == 0``), on which ``k``'s whole clean forward runs and its logits are
         kept (the cosine term's); and the samples this forward mixes (pinned, or drawn)."""
@@ -300,7 +300,7 @@ class AdAutoMix(AutoMix):
             every = self.adversarial_every
             adversarial = bool(every) and self.iteration % every == 0
             self.iteration += 1
-        adversarial, g = bool(adversarial), self.generator
+        adversarial, g = bool(adversarial), generator
         samples = pinned.get("samples")
         if samples is None and pinned.get("lams") is not None:
             samples = len(pinned["lams"])

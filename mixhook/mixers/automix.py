@@ -403,12 +403,12 @@ class AutoMix(Mixer):
 
     # ----------------------------------------------------------------------- the forward's first part
 
-    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets) -> Mapping:
+    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets, generator) -> Mapping:
         k = self.copy.follow(model, self.mix_block)
         self._step_if_stepped(model)
-        features, extras = self.copy_pass(k, args, kwargs, pinned)
-        drawn = self.block_draws(features.shape[0], self.generator, {**pinned, **extras})
-        choices = self._choices(self.generator)
+        features, extras = self.copy_pass(k, args, kwargs, pinned, generator)
+        drawn = self.block_draws(features.shape[0], generator, {**pinned, **extras})
+        choices = self._choices(generator)
         logits, mask = self._block_forward(k, args, kwargs, spec, features, drawn, choices)
         return {**drawn, "features": features, "mb": (logits, mask, choices), **extras}
 
@@ -430,10 +430,10 @@ class AutoMix(Mixer):
         )
         return _blend(h, 1 - m, m, to_device(index, h.device)), m
 
-    def copy_pass(self, k: nn.Module, args: tuple, kwargs: dict, pinned: Mapping) -> tuple:
+    def copy_pass(self, k: nn.Module, args: tuple, kwargs: dict, pinned: Mapping, generator) -> tuple:
         """The momentum copy's pass on the clean batch: its ``features`` (:meth:`_features`), and what a
         method built on AutoMix takes from that pass beside them, by name (joined to the forward's pins;
-        AutoMix: nothing)."""
+        AutoMix: nothing), every draw from ``generator``."""
         return self._features(k, args, kwargs)[0], {}
 
     def _features(self, k: nn.Module, args: tuple, kwargs: dict, whole: bool = False) -> tuple:
@@ -504,7 +504,7 @@ class AutoMix(Mixer):
         def mixed(h: torch.Tensor) -> torch.Tensor:
             if not isinstance(h, torch.Tensor) or h.ndim != 4:
                 self._refuse_map(spec, h)
-            layout = self._path.site_leaves.layouts[spec, 4].of(type(self).__name__, spec)
+            layout = self.layout_at(spec, 4)
             h = channels_first(h, layout)  # (as the model's mix is given its map: mixhook.layouts)
             out, m = self.block_mix(h, features, drawn, choices)
             made.append(m)

@@ -103,13 +103,13 @@ class CMixup(ManifoldMixup):
         super().check_targets(target)  # (its policies')
 
     def before_forward(
-        self, model: nn.Module, args: tuple, kwargs: dict, spec: str, pinned: Mapping, targets
+        self, model: nn.Module, args: tuple, kwargs: dict, spec: str, pinned: Mapping, targets, generator
     ) -> Mapping:
         if "index" in pinned:
             return {}
         labels = check_regression_labels(type(self).__name__, targets)
         rates = partner_rates(labels, self.bandwidth)
-        g = self.generator
+        g = generator
         uniforms = torch.rand(labels.shape[0], generator=g, device=g.device, dtype=torch.float64)
         index = draw_partners(rates, uniforms.cpu())
         return {"index": index}  # drawn with replacement: not a permutation

@@ -131,8 +131,8 @@ class GuidedMixup(SaliencyGuided, RegionMixer):
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         check_spatial("GuidedMixup", spec, leaves)
 
-    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping) -> Mapping:
-        found = dict(super().before_mix(spec, leaves, pinned))
+    def before_mix(self, spec: str, leaves: list[Leaf], pinned: Mapping, generator) -> Mapping:
+        found = dict(super().before_mix(spec, leaves, pinned, generator))
         if self.pairing == "random" or "index" in pinned:
             return found
         saliency = found.get(KEY, pinned.get(KEY))

@@ -146,7 +146,7 @@ class MergeMix(ReadsAttention, RegionMixer):
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         check_spatial("MergeMix", spec, leaves)
 
-    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets) -> Mapping:
+    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets, generator) -> Mapping:
         """The unmixed forward's scores of the patches (a recomputation and ``pin_last`` reuse them; pinned
         scores skip it)."""
         if "scores" in pinned:

@@ -263,7 +263,7 @@ class SMMix(ReadsAttention, RegionMixer):
     def check_leaves(self, spec: str, leaves: list[Leaf]) -> None:
         check_spatial("SMMix", spec, leaves)
 
-    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets) -> Mapping:
+    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets, generator) -> Mapping:
         """The motivating forward: the model on the unmixed batch, in eval mode without gradients; its
         logits and each patch's score (a recomputation and ``pin_last`` reuse them)."""
         if "motivation" in pinned:
@@ -334,7 +334,7 @@ class SMMix(ReadsAttention, RegionMixer):
 
     def _features_hook(self, model: nn.Module):
         def hook(module: nn.Module, args: tuple, output) -> None:
-            if not model.training or self._path.gradients.running or self._recording is not None:
+            if not model.training or self.in_gradient_pass or self._recording is not None:
                 return
             draw, last = self.current, self.last
             if draw is None or not draw.done or last is None or last.loss_inputs is None:

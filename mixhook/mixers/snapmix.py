@@ -208,7 +208,7 @@ class SnapMix(RegionMixer):
                 "earlier layer"
             )
 
-    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets) -> Mapping:
+    def before_forward(self, model, args, kwargs, spec: str, pinned: Mapping, targets, generator) -> Mapping:
         if targets is None:
             raise RuntimeError(
                 "SnapMix weighs the labels by each image's class activation map for its own label: call "

@@ -208,7 +208,7 @@ class TLA(ReadsAttention, CutMix):
         labels through it."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-            if self._reading or not model.training or self._path.gradients.running:
+            if self._reading or not model.training or self.in_gradient_pass:
                 return
             draw, last = self.current, self.last
             if draw is None or not draw.done or last is None:  # (no mix, or the mix is yet to come)
@@ -259,7 +259,7 @@ class TLA(ReadsAttention, CutMix):
     def _check_aligned(self, model: nn.Module, args: tuple, output) -> None:
         """At the end of a training forward that mixed: refused in one line where no attention layer ran
         after the mix (its labels would be CutMix's, without a word)."""
-        if not model.training or self._path.gradients.running:
+        if not model.training or self.in_gradient_pass:
             return
         draw, last = self.current, self.last
         if draw is not None and draw.done and last is not None and "aligned" not in last.info:

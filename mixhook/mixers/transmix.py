@@ -214,7 +214,7 @@ class ReadsAttention:
         mixed layer is refused in one line."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-            if self._reading or not model.training or self._path.gradients.running:
+            if self._reading or not model.training or self.in_gradient_pass:
                 return
             draw, last = self.current, self.last
             if draw is not None and not draw.done:

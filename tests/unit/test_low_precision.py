@@ -91,7 +91,7 @@ def run(make, kind: str, site: str, mode: str, pins=None, value=None) -> dict:
         register(after)
         with handle, torch.autocast("cpu", AUTOCAST.get(mode, torch.bfloat16), enabled=mode in AUTOCAST):
             if pins is not None:
-                _inner(mixer)._pinned = pins
+                _inner(mixer).pins = pins
             mixer.use_targets(y)
             logits = net(x)
             loss = mixer.loss(criterion(kind), logits, y)

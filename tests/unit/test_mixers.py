@@ -3,6 +3,7 @@ in OneOf, replays under activation checkpointing and repeats with ``pin_last``, 
 ``mix()`` results that would leave something silently unmixed are refused; and every method in the package
 comes with its module, its test and its card."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -158,6 +159,33 @@ def test_a_mixer_of_our_own_replays_its_draws_under_activation_checkpointing():
         assert o1 == o2
         for name in g1:
             torch.testing.assert_close(g2[name], g1[name], rtol=1e-12, atol=1e-12)
+
+
+class OwnGeneratorSwap(ChannelSwap):
+    """ChannelSwap drawing its offset from the mixer's own generator instead of ``draw.generator``: what
+    the contract forbids, since a repeat draws from a copy of the generator's state."""
+
+    def mix(self, leaves, draw):
+        offset = int(torch.randint(2, (), generator=self.generator))
+        return super().mix(leaves, dataclasses.replace(draw, pinned={**draw.pinned, "offset": offset}))
+
+
+def test_a_mix_that_draws_from_its_own_generator_is_refused_where_a_repeat_would_differ():
+    """Issue 97: the path swaps nothing on the mixer for a repeat (it used to swap ``mixer.generator`` for
+    the length of a draw); a method that draws from ``self.generator`` rather than ``draw.generator`` is
+    refused in one line in the repeat (``pin_last``, a recomputation), which would otherwise draw anew."""
+    x, y = torch.randn(4, 3, 6, 6, dtype=torch.double), torch.tensor([0, 1, 2, 0])
+    model = convnet().train()
+    mix = OwnGeneratorSwap("0", generator=gen(5))
+    with mix.attach(model):
+        model(x)  # a first forward draws from the generator it is given, its own: nothing to refuse
+        mix.pin_last()
+        with pytest.raises(RuntimeError, match=r"OwnGeneratorSwap.mix\(\) at '0' drew from the mixer's own "):
+            model(x)
+    model, mix = Checkpointed(True).train(), OwnGeneratorSwap("net.0", generator=gen(5))
+    with mix.attach(model):
+        with pytest.raises(RuntimeError, match="draw every value from draw.generator"):
+            mix.loss(F.cross_entropy, model(x), y).backward()
 
 
 def every_kind():

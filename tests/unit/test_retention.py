@@ -160,7 +160,7 @@ class _LeaksATensorEachStep(ManifoldMixup):
     ("kind", "expected"),
     [
         (_KeepsTheMap, "after remove(), activation is alive"),
-        (_RecordsTheMixedMap, "after a step, a tensor with a grad_fn: .last"),
+        (_RecordsTheMixedMap, "after a step, a tensor with a grad_fn: ._path.last"),
         (_KeepsEveryLam, "keeps more with more steps"),
         (_LeaksATensorEachStep, f"{MORE} more live tensors after {MORE} more steps"),
     ],

@@ -308,3 +308,73 @@ def test_the_path_reads_the_method_through_its_public_view_only():
     for name in ("path.py", "leaves.py", "padding_masks.py", "norms.py", "traced.py"):
         used |= _reads(ast.parse((engine / name).read_text()), ("self.mixer", "self._mixer", "mixer")).keys()
     assert view <= used, f"VIEW names what nothing reads: {sorted(view - used)}"
+
+
+_COLLABORATORS = ("path.py", "leaves.py", "padding_masks.py", "norms.py", "traced.py")
+_MIXER = ("self.mixer", "self._mixer", "mixer")
+
+
+def _writes(tree: ast.AST, of: tuple[str, ...]) -> dict[str, int]:
+    """The attributes set in ``tree`` on the objects named ``of`` (an assignment, an augmented one, a
+    ``del``, or ``setattr(obj, ...)``): name -> the first line."""
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, (ast.Store, ast.Del))
+            and ast.unparse(node.value) in of
+        ):
+            found.setdefault(node.attr, node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("setattr", "delattr", "object.__setattr__")
+            and node.args
+            and ast.unparse(node.args[0]) in of
+        ):
+            found.setdefault(ast.unparse(node.args[1]) if len(node.args) > 1 else "?", node.lineno)
+    return found
+
+
+def _path_reads(tree: ast.AST) -> dict[str, int]:
+    """Where ``tree`` reaches a mixer's path (``self._path``, ``mixer._path``, ``getattr(m, "_path")``)."""
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "_path":
+            found.setdefault(ast.unparse(node), node.lineno)
+        elif isinstance(node, ast.Constant) and node.value == "_path":
+            found.setdefault(repr(node.value), node.lineno)
+    return found
+
+
+def test_the_path_owns_the_attachments_state():
+    """Issue 97: an attachment's state has one home, the path. ``VIEW`` is the method's settings and its
+    extension points only (no state shared through the mixer); the path and its collaborators write nothing
+    on the mixer (its ``last``, ``pins``, its generator swapped for a draw: none); and no method or policy
+    reaches into the path (``self._path``): what they need is public (``in_gradient_pass``,
+    ``layout_at``, ``current``, ``last``). Each check is shown able to fail on a line that breaks it."""
+    from mixhook.engine.path import VIEW
+
+    assert set(VIEW) == {"settings", "extension points"}, sorted(VIEW)
+    engine = ROOT / "mixhook" / "engine"
+    written = {}
+    for name in _COLLABORATORS:
+        tree = ast.parse((engine / name).read_text())
+        written.update({f"{name}:{line}: {attr}": attr for attr, line in _writes(tree, _MIXER).items()})
+    assert not written, f"writes on the mixer from the path: {sorted(written)}"
+    reached = {}
+    for folder in ("mixers", "policies", "lm"):
+        for path in sorted((ROOT / "mixhook" / folder).rglob("*.py")):
+            reads = _path_reads(ast.parse(path.read_text()))
+            reached.update({f"{path.relative_to(ROOT)}:{line}": what for what, line in reads.items()})
+    assert not reached, f"reads of a mixer's path: {sorted(reached)}"
+    # what each check would catch
+    broken = ast.parse(
+        "def _decide(self):\n"
+        "    mixer = self.mixer\n"
+        "    mixer.last = None\n"
+        "    self.mixer.generator, saved = g, self.mixer.generator\n"
+        "    setattr(mixer, 'last_forward', None)\n"
+    )
+    assert set(_writes(broken, _MIXER)) == {"last", "generator", "'last_forward'"}
+    reads = _path_reads(ast.parse("running = self._path.gradients.running\nx = getattr(m, '_path')\n"))
+    assert set(reads) == {"self._path", "'_path'"}

@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import cases
-from benchmarks.cases.methods import LAYER, method_variants
+from benchmarks.cases.methods import LAYER, method_variants, regression
 from benchmarks.cases.training_step import hand_edited_forward
 from benchmarks.kept import RECORDS, kept
-from mixhook import CMixup
 
 STEPS = 3  # steps before measuring: the first builds what a site plans once
 
@@ -45,7 +44,7 @@ def memory(device, batch: int, size: int, wanted=None, steps: int = STEPS) -> di
         opt = torch.optim.SGD([*model.parameters(), *mixer.parameters()], lr=1e-3)
 
         def step(model=model, mixer=mixer, opt=opt):
-            mixer.use_targets(y.double() if isinstance(mixer, CMixup) else y)
+            mixer.use_targets(y.double() if regression(mixer) else y)
             if any(p.needs_partner_batch for p in getattr(mixer, "policies", ())):
                 mixer.use_partners(*partners)
             logits = model(x)

@@ -24,7 +24,6 @@ from mixhook import (
     AttentiveCutMix,
     AugMix,
     AutoMix,
-    CMixup,
     CoMixup,
     ManifoldMixup,
     PuzzleMix,
@@ -52,14 +51,21 @@ def needs_more_than_a_layer(cls) -> bool:
     return any(p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
 
 
+def regression(mixer) -> bool:
+    """Whether ``mixer``'s method pairs by regression labels (its card's family, C-Mixup's): the benchmarks'
+    class numbers serve as such."""
+    return type(mixer).card.family == "regression"
+
+
 def method_variants() -> dict:
     """name -> a mixer at LAYER: every discovered method at its defaults, and the saliency variants."""
+    by_hand = {"AugMix": lambda: AugMix("input", mean=[0.5], std=[0.05])}  # (the input only; N(0, 1) pixels)
     makers = {
         name: (lambda cls=cls: cls(LAYER))
         for name, cls in sorted(METHODS.items())
-        if name not in ("OneOf", "AugMix") and not needs_more_than_a_layer(cls)
+        if cls.card.family != "composition" and name not in by_hand and not needs_more_than_a_layer(cls)
     }
-    makers["AugMix"] = lambda: AugMix("input", mean=[0.5], std=[0.05])  # (the input only; N(0, 1) as pixels)
+    makers.update(by_hand)
     makers["SaliencyMix_gradient"] = lambda: SaliencyMix(LAYER, saliency="gradient")
     makers["SaliencyMix_layer1_activation"] = lambda: SaliencyMix(LAYER, saliency_layer="layer1")
     makers["AttentiveCutMix_gradient"] = lambda: AttentiveCutMix(LAYER, saliency="gradient")
@@ -124,7 +130,7 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
     names = ["none", *(n for n in makers if wanted is None or n in wanted)]
 
     def before(mixer):  # C-Mixup pairs by regression labels: the class numbers serve as such
-        mixer.use_targets(y.double() if isinstance(mixer, CMixup) else y)
+        mixer.use_targets(y.double() if regression(mixer) else y)
         if any(p.needs_partner_batch for p in getattr(mixer, "policies", ())):
             mixer.use_partners(*partners)
 
@@ -146,6 +152,6 @@ def methods(device, timer, reps, inner, batch, size, wanted=None) -> dict:
         "not_measured": sorted(
             n
             for n, cls in METHODS.items()
-            if n not in makers and n != "OneOf" and needs_more_than_a_layer(cls)
+            if n not in makers and cls.card.family != "composition" and needs_more_than_a_layer(cls)
         ),
     }

@@ -13,10 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from mixhook.compose import mixers_of
+from mixhook.engine.card import traits_of
 from mixhook.engine.contract import members
 from mixhook.engine.partners import crosses_ranks
 from mixhook.layers import INPUT, fastai_layers
-from mixhook.policies import KNOBS, Remix
+from mixhook.policies import KNOBS
 from mixhook.probes import ActivationStats, GradStats
 
 from . import hydra_compat, schema
@@ -429,29 +430,31 @@ def _check_soft_targets(cfg: DictConfig, mixup) -> None:
 
 
 def _give_pixels(mixup, data: Data) -> None:
-    """A mixer whose operations read pixel values (``reads_pixels``: AugMix) and that was given no
-    ``mean``/``std`` gets the data's normalisation, logged (the one-line refusal of data that has none
-    stays its own)."""
+    """A mixer whose operations read pixel values (its card's trait ``"pixels"``: AugMix, PuzzleMix) and
+    that was given no ``mean``/``std`` gets the data's normalisation, logged (the one-line refusal of data
+    that has none stays its own)."""
     for mixer in members(mixup) if mixup is not None else []:
-        if getattr(mixer, "reads_pixels", False) and mixer.mean is None and data.normalization is not None:
+        if "pixels" in traits_of(mixer) and mixer.mean is None and data.normalization is not None:
             mixer.mean, mixer.std = (list(v) for v in data.normalization)
             log.info("mixup: %s reads pixels: mean=%s, std=%s (data=%s's normalisation)",
                      type(mixer).__name__, mixer.mean, mixer.std, data.name)  # fmt: skip
 
 
 def _feed_policies(cfg: DictConfig, mixup, data: Data) -> None:
-    """What the mixer's policies need from the data: Remix the training set's class counts (where not
-    given), a partner batch per step (:meth:`~mixhook.app.data.Data.partner_batches`)."""
-    policies = [
-        p for mixer in (members(mixup) if mixup is not None else []) for p in getattr(mixer, "policies", ())
-    ]
-    for policy in policies:
-        if isinstance(policy, Remix) and policy.counts is None:
+    """What the mixers and their policies need from the data: the training set's class counts (a method
+    whose card states ``"class_counts"``, a policy that ``needs_class_counts``: Remix) where not given, a
+    partner batch per step (:meth:`~mixhook.app.data.Data.partner_batches`)."""
+    mixers = members(mixup) if mixup is not None else []
+    policies = [p for mixer in mixers for p in getattr(mixer, "policies", ())]
+    counted = [(m, "mixup") for m in mixers if "class_counts" in traits_of(m)]
+    counted += [(p, "mixup.policies.target") for p in policies if p.needs_class_counts]
+    for holder, key in counted:
+        if holder.counts is None:
             if data.class_counts is None:
                 raise ConfigError(
-                    f"mixup.policies.target: Remix needs classes, and data={data.name} has none"
+                    f"{key}: {type(holder).__name__} needs classes, and data={data.name} has none"
                 )
-            policy.counts = data.class_counts
+            holder.counts = data.class_counts
     if any(policy.needs_partner_batch for policy in policies):
         if data.make_partners is None:
             raise ConfigError(

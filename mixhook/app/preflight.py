@@ -12,6 +12,8 @@ import re
 import torch
 from torch import nn
 
+from mixhook.engine.card import traits_of
+from mixhook.engine.contract import members
 from mixhook.layers import UnknownLayerError, trace_outputs
 from mixhook.mixers import MixingHook
 
@@ -63,8 +65,9 @@ def attach(model: nn.Module, key: str, hook, data: Data):
     try:
         return hook.attach(model)
     except UnknownLayerError as err:
-        if layer_key(hook, err) == "attention" and not _has_attention(model):
-            raise ConfigError(f"{key}.attention: {_needs_attention(hook, model, data)}") from err
+        readers = [m for m in members(hook) if "attention" in traits_of(m)]  # (its card's trait)
+        if readers and layer_key(hook, err) == "attention" and not _has_attention(model):
+            raise ConfigError(f"{key}.attention: {_needs_attention(readers[0], model, data)}") from err
         raise ConfigError(
             f"{key}.{layer_key(hook, err)}: {err}. `python -m mixhook.layers` with this run's model "
             "and data overrides lists every layer with its output and whether it can be mixed"
@@ -82,8 +85,8 @@ def _has_attention(model: nn.Module) -> bool:
 
 
 def _needs_attention(hook, model: nn.Module, data: Data) -> str:
-    """What a method that reads a ViT's attention (TransMix, MixPro, TLA, SMMix, MergeMix) says on a model
-    without any: the model option that has one, sized for this data's images."""
+    """What a method that reads a ViT's attention (its card's trait ``"attention"``) says on a model without
+    any: the model option that has one, sized for this data's images."""
     side = data.image_size
     patch = 2 if side <= 16 else 4  # digits' 8x8: a 4x4 grid of patches; CIFAR's 32x32: 8x8
     vit = (  # (on digits, the app's ViT recipe: the ViT with the optimizer that trains it)

@@ -12,6 +12,7 @@ mixer (a scaling, gradient or noise hook) states a :class:`HookCard` the same wa
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,27 @@ FAMILIES = (
     "learned",  # a mask made by a network trained beside the model
 )
 """The catalogue's order: its table lists the methods by family, then by year."""
+
+TRAITS = {
+    "tokens": "a region method that mixes a ViT's patch tokens as the map they are (tokens=(rows, columns))",
+    "attention": "reads a ViT's attention weights (attention=): shown on a ViT, refused before training on "
+    "a model without attention",
+    "pixels": "reads the input's pixel values and takes the data's normalisation as mean= and std=, which "
+    "the app fills from the data where they are not given",
+    "class_counts": "weighs by the training set's class counts, taken as counts=, which the app fills from "
+    "the data",
+    "clean": "trains on the clean batch beside its mix (keeps_clean: the mixed layer emits both, its "
+    "clean_loss takes both)",
+    "several": "mixes more than two samples into a row (samples_per_row > 2, Mixed.mixture): a target, "
+    "weights or loss policy of two labels per row refuses it",
+}
+"""What a method is beside its catalogue family, stated on its card (``traits``): every list of such methods
+(the tests', the benchmarks', the app's) is derived from the cards (:func:`methods_with`, :func:`traits_of`),
+and :func:`register` refuses a card whose traits its class contradicts (its signature's ``tokens``,
+``attention``, ``mean``/``std`` and ``counts``, its ``keeps_clean``). Needing a partner batch is a policy's
+(``Policy.needs_partner_batch``: ``PartnerBatch``, ``BalancedMixup``, the way any method mixes with one);
+class counts may be a method's trait or a policy's (``Policy.needs_class_counts``: ``Remix``), and the app
+gives both the data's."""
 
 SHOWN_ON = ("cnn", "vit", "mlp")
 """The matrix's reference models (``tests/matrix/methods.py``): ``cnn``: 8x8 one-channel images, layers
@@ -59,6 +81,9 @@ class Card:
             are the model's, ``"input"`` its input; a method that takes methods gives each as a dict with
             its class's name under ``"method"``): :func:`build` makes it (the matrix's cells).
         picture: whether the gallery draws it, or why not (a string: ``"a composition: ..."``).
+        traits: what it is beside its family, each one of :data:`TRAITS` (``("tokens",)``,
+            ``("tokens", "attention")``, ``("pixels", "clean")``): the lists of such methods are derived
+            from them.
         drawn: how the gallery (``docs/gallery.py``) draws it, beyond the layer: its arguments on the
             gallery's models (the CNN's layers ``image`` and ``features``, its classifier ``head.3``; the
             ViT's, for ``shown_on="vit"``: attention ``encoder.layers.encoder_layer_1.self_attention``),
@@ -81,8 +106,12 @@ class Card:
     example: dict[str, Any] = field(default_factory=lambda: {"layer": "input"})
     picture: bool | str = True
     drawn: dict[str, Any] = field(default_factory=dict)
+    traits: tuple[str, ...] = ()
 
     def __post_init__(self):
+        unknown = [t for t in self.traits if t not in TRAITS]
+        if unknown or not isinstance(self.traits, tuple):
+            raise ValueError(f"Card(traits={self.traits!r}): a tuple of {', '.join(TRAITS)}")
         if self.family not in FAMILIES:
             raise ValueError(f"Card(family={self.family!r}): one of {', '.join(FAMILIES)}")
         if self.shown_on not in SHOWN_ON:
@@ -108,6 +137,7 @@ def register(cls: type) -> None:
         return
     if not isinstance(card, Card):
         raise TypeError(f"{cls.__qualname__}.card is a {type(card).__name__}: a mixhook.Card")
+    _check_traits(cls, card)
     other = METHODS.get(cls.__name__)
     if other is not None and other.__qualname__ == cls.__qualname__ and other.__module__ == cls.__module__:
         METHODS[cls.__name__] = cls  # its module imported again (importlib.reload): the new class
@@ -115,6 +145,57 @@ def register(cls: type) -> None:
     if other is not None:
         raise TypeError(f"two methods named {cls.__name__}: {other.__module__} and {cls.__module__}")
     METHODS[cls.__name__] = cls
+
+
+# The traits a class's own code shows: (trait, what shows it, whether the class shows it)
+def _shown(cls: type) -> list[tuple[str, str, bool]]:
+    parameters = inspect.signature(cls).parameters
+    return [
+        ("tokens", "takes tokens=", "tokens" in parameters),
+        ("attention", "takes attention=", "attention" in parameters),
+        ("pixels", "takes mean= and std=", "mean" in parameters and "std" in parameters),
+        ("class_counts", "takes counts=", "counts" in parameters),
+        ("clean", "keeps_clean is True", bool(getattr(cls, "keeps_clean", False))),
+    ]
+
+
+def _check_traits(cls: type, card: Card) -> None:
+    """Refuse, in one line, a card whose traits the class's own code contradicts."""
+    for trait, shown_by, shown in _shown(cls):
+        if shown != (trait in card.traits):
+            said = "states" if trait in card.traits else "does not state"
+            does = "" if shown else "not "
+            raise TypeError(
+                f"{cls.__name__}.card {said} the trait {trait!r}, and the class {does}{shown_by}: "
+                f"{TRAITS[trait]}"
+            )
+
+
+def traits_of(hook) -> frozenset[str]:
+    """The traits of ``hook``'s method (a mixer, or its class), from its card (a subclass without a card of
+    its own has its base's); none for a hook without a card."""
+    cls = hook if isinstance(hook, type) else type(hook)
+    card = getattr(cls, "card", None)
+    return frozenset(card.traits) if isinstance(card, Card) else frozenset()
+
+
+def methods_with(
+    *traits: str, family: str | None = None, methods: dict[str, type] | None = None
+) -> list[str]:
+    """The names of the catalogued methods (:data:`METHODS`, in their order) whose cards state every one of
+    ``traits`` (:data:`TRAITS`), of ``family`` where given: the one way a list of such methods is made."""
+    unknown = [t for t in traits if t not in TRAITS]
+    if unknown or (family is not None and family not in FAMILIES):
+        raise ValueError(
+            f"methods_with({', '.join(map(repr, traits))}, family={family!r}): traits are "
+            f"{', '.join(TRAITS)}; families {', '.join(FAMILIES)}"
+        )
+    methods = METHODS if methods is None else methods
+    return [
+        name
+        for name, cls in methods.items()
+        if set(traits) <= set(cls.card.traits) and (family is None or cls.card.family == family)
+    ]
 
 
 def unregister(name: str) -> type | None:

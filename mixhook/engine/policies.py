@@ -60,6 +60,9 @@ class Policy:
     needs_classes: ClassVar[bool] = False
     # Whether the mixer needs use_partners(inputs, targets) before every training forward.
     needs_partner_batch: ClassVar[bool] = False
+    # Whether it reads the training set's class counts, as its ``counts`` (None until given: Remix); the app
+    # gives the data's, as it gives a method whose card states the trait "class_counts".
+    needs_class_counts: ClassVar[bool] = False
     # Whether loss() then adds a term or weights that targets() cannot express (targets() refuses).
     changes_loss: ClassVar[bool] = False
     # Whether it takes distances between the rows mixed (refused where padding makes them meaningless).

@@ -197,6 +197,7 @@ class AdAutoMix(AutoMix):
         mixes="AutoMix's learned masks over 3 samples; every other step, mixes made hard for the copy",
         where="as AutoMix",
         family="learned",
+        traits=("several",),
         signature=(
             'AdAutoMix(layer="input", features="layer3", alpha=1.0, beta=0.3, adversarial_every=2, '
             'mix_samples=3, mixup_ratio=0.5, lam_margin=0.03, margin_rule="authors", ...)'

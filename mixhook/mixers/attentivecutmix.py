@@ -83,6 +83,7 @@ class AttentiveCutMix(SaliencyGuided, RegionMixer):
         mixes="the partner's most attended cells",
         where="input, any map, ViT tokens",
         family="saliency",
+        traits=("tokens",),
         signature='AttentiveCutMix(layer, grid=7, top_k=6, saliency="activation", saliency_layer=None)',
         hook='forward, `(B,C,H,W)` outputs or ViT tokens (+ one forward/backward for `"gradient"`)',
         commands="`mixup=attentivecutmix`",

@@ -88,6 +88,7 @@ class AugMix(Mixer):
         mixes="two views of augmentation chains beside the clean batch (`3B` rows)",
         where="input; images in [0, 1] after `mean`/`std`",
         family="clean",
+        traits=("pixels", "clean"),
         signature='AugMix(layer="input", severity=3, width=3, depth=-1, alpha=1.0, jsd=12.0)',
         hook="forward, clean + two augmented views",
         commands="`mixup=augmix`",
@@ -106,7 +107,6 @@ class AugMix(Mixer):
     )
 
     keeps_clean = True
-    reads_pixels = True  # (an app gives it the data's normalisation where mean/std are not given)
     checks_by_signature = True  # (the pixel range is checked on a site's first batch)
     pin_keys = ("views",)
 

@@ -249,6 +249,7 @@ class CoMixup(SaliencyGuided, RegionMixer):
         mixes="each output from several samples of its part, its blocks labelled by graph cuts",
         where="input, square maps (+ a gradient pass)",
         family="saliency",
+        traits=("several",),
         signature=(
             "CoMixup(layer, alpha=2.0, grids=4, part=20, beta=0.32, gamma=1.0, tau=0.83, eta=0.05, "
             'omega=0.001, niter=4, saliency="gradient")'

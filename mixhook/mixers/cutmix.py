@@ -119,6 +119,7 @@ class CutMix(RegionMixer):
         mixes="a box of the partner pasted in",
         where="input, any map, ViT tokens",
         family="region",
+        traits=("tokens",),
         signature='CutMix(layer, alpha=1.0, prob=1.0, mode="batch", rounding="paper")',
         hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
         commands="`mixup=cutmix mixup.layer=layer2`, `mixup.mode=elem`",

@@ -65,6 +65,7 @@ class FMix(MaskMixer):
         mixes="a mask from low-frequency Fourier noise",
         where="input, any map, ViT tokens",
         family="region",
+        traits=("tokens",),
         signature="FMix(layer, alpha=1.0, decay_power=3.0, max_soft=0.0, spectrum=None)",
         hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
         commands="`mixup=fmix mixup.layer=layer1`",

@@ -59,6 +59,7 @@ class GridMix(MaskMixer):
         mixes="grid cells from either sample",
         where="input, any map, ViT tokens",
         family="region",
+        traits=("tokens",),
         signature="GridMix(layer, alpha=1.0, grid=4)",
         hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
         commands="`mixup=gridmix mixup.layer=layer1`",

@@ -71,6 +71,7 @@ class GuidedMixup(SaliencyGuided, RegionMixer):
         mixes="each position by the pair's saliency ratio",
         where="input, any map, ViT tokens (+ a gradient pass)",
         family="saliency",
+        traits=("tokens",),
         signature='GuidedMixup(layer, saliency="gradient", pairing="greedy", blur=7, sigma=3.0)',
         hook='forward, `(B,C,H,W)` outputs or ViT tokens (+ one forward/backward for `"gradient"`)',
         commands="`mixup=guidedmixup`, `mixup=guidedmixup mixup.layer=layer1 mixup.saliency=activation`",

@@ -86,6 +86,7 @@ class MergeMix(ReadsAttention, RegionMixer):
         mixes="each image's most attended patches kept, the rest its partner's",
         where="ViT input or tokens; needs attention (+ an unmixed forward)",
         family="attention",
+        traits=("tokens", "attention"),
         signature='MergeMix(layer, attention, alpha=1.0, score="to_class")',
         hook="forward, ViT inputs or tokens, + a forward hook on the attention layer",
         commands="`mixup=mergemix experiment=vit_digits` (the app's ViT recipe)",

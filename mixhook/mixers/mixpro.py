@@ -79,6 +79,7 @@ class MixPro(ReadsAttention, RegionMixer):
         mixes="random cells; labels moving to attention",
         where="ViT input or tokens; needs attention",
         family="attention",
+        traits=("tokens", "attention"),
         signature="MixPro(layer, attention, alpha=1.0, cell=None, smoothing=0.1)",
         hook="forward, ViT inputs or tokens, + a forward hook on the attention layer",
         commands="`mixup=mixpro`",

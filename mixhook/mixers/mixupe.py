@@ -48,6 +48,7 @@ class MixupE(CleanAndMixed):
         mixes="mixup's loss with its enhancement term",
         where="input, any layer; clean+mixed",
         family="clean",
+        traits=("clean",),
         signature="MixupE(layer, alpha=2.0, eta=0.001, threshold=1.0)",
         hook="forward, clean+mixed",
         commands="`mixup=mixupe`",

@@ -87,6 +87,7 @@ class PatchUp(RegionMixer):
         mixes="DropBlock patches swapped or blended",
         where="any map, ViT tokens",
         family="region",
+        traits=("tokens",),
         signature='PatchUp(layer, block_size=7, gamma=0.5, mode="soft")',
         hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
         commands="`mixup=patchup`",

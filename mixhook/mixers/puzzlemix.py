@@ -215,6 +215,7 @@ class PuzzleMix(SaliencyGuided, RegionMixer):
         mixes="blocks labelled by a graph cut on saliency, then moved",
         where="input, square maps (+ a gradient pass)",
         family="saliency",
+        traits=("pixels",),
         signature=(
             "PuzzleMix(layer, alpha=1.0, grids=(2, 4, 8, 16), n_labels=3, beta=1.2, gamma=0.5, eta=0.2, "
             'transport=True, t_size=4, saliency="gradient")'

@@ -50,6 +50,7 @@ class RankMixup(CleanAndMixed):
         mixes="ranks the mixed sample's confidence below the clean one's",
         where="input, any layer; clean+mixed",
         family="clean",
+        traits=("clean",),
         signature="RankMixup(layer, alpha=2.0, margin=2.0, weight=0.1)",
         hook="forward, clean+mixed",
         commands="`mixup=rankmixup`",

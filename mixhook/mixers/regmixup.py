@@ -42,6 +42,7 @@ class RegMixup(CleanAndMixed):
         mixes="mixup beside the clean batch (`2B` rows)",
         where="input, any layer; no padding masks",
         family="clean",
+        traits=("clean",),
         signature="RegMixup(layer, alpha=20.0, eta=1.0)",
         hook="forward, clean+mixed",
         commands="`mixup=regmixup`",

@@ -78,6 +78,7 @@ class ResizeMix(RegionMixer):
         mixes="the whole partner resized into a box",
         where="input, any map, ViT tokens",
         family="region",
+        traits=("tokens",),
         signature='ResizeMix(layer, scope=(0.1, 0.8), interpolation="nearest")',
         hook="forward, `(B,C,H,W)` outputs or ViT tokens",
         commands="`mixup=resizemix mixup.layer=layer1`",

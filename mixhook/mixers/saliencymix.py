@@ -70,6 +70,7 @@ class SaliencyMix(SaliencyGuided, RegionMixer):
         mixes="a box around the partner's salient peak",
         where="input, any map, ViT tokens (+ a gradient pass)",
         family="saliency",
+        traits=("tokens",),
         signature='SaliencyMix(layer, alpha=1.0, saliency="activation", saliency_layer=None, mode="batch")',
         hook='forward, `(B,C,H,W)` outputs or ViT tokens (+ one forward/backward for `"gradient"`)',
         commands="`mixup=saliencymix mixup.layer=layer1`, `mixup.saliency=gradient mixup.layer=input`",

@@ -84,6 +84,7 @@ class SMMix(ReadsAttention, RegionMixer):
         mixes="the partner's most attended window over the least attended one",
         where="ViT input or tokens; needs attention (+ an unmixed forward)",
         family="attention",
+        traits=("tokens", "attention"),
         signature='SMMix(layer, attention, features, classifier, score="patches", token_head="own")',
         hook="forward, ViT inputs or tokens, + forward hooks on the attention and features layers",
         commands="`mixup=smmix experiment=vit_digits` (the app's ViT recipe)",

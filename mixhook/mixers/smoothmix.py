@@ -60,6 +60,7 @@ class SmoothMix(MaskMixer):
         mixes="a soft Gaussian mask",
         where="input, any map, ViT tokens",
         family="region",
+        traits=("tokens",),
         signature="SmoothMix(layer, sigma=(0.25, 0.5))",
         hook="forward, `(B,C,H,W)` outputs (or `(B,C,L)`, `(B,C,D,H,W)`) or ViT tokens",
         commands="`mixup=smoothmix mixup.layer=layer1`",

@@ -75,6 +75,7 @@ class TLA(ReadsAttention, CutMix):
         mixes="CutMix on the patch grid, the labels carried through the attention",
         where="ViT input or tokens; needs attention",
         family="attention",
+        traits=("tokens", "attention"),
         signature='TLA(layer, attention, alpha=1.0, readout="auto")',
         hook="forward, ViT inputs or tokens, + forward hooks on the attention layers and the model",
         commands="`mixup=tla experiment=vit_digits` (the app's ViT recipe)",

@@ -65,6 +65,7 @@ class TokenMix(MaskMixer):
         mixes="a mask of whole cells or patch tokens",
         where="input, any map, ViT tokens",
         family="region",
+        traits=("tokens",),
         signature='TokenMix(layer, alpha=1.0, grid=None, mask_type="block", extra_tokens=0)',
         hook="forward, `(B,C,H,W)` outputs or ViT tokens",
         commands="`mixup=tokenmix mixup.layer=layer1`",

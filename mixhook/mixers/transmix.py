@@ -267,6 +267,7 @@ class TransMix(ReadsAttention, CutMix):
         mixes="CutMix labelled by the class token's attention",
         where="ViT input or tokens; needs attention",
         family="attention",
+        traits=("tokens", "attention"),
         signature="TransMix(layer, attention, alpha=1.0, ratio=0.5)",
         hook="forward, ViT inputs or tokens, + a forward hook on the attention layer",
         commands="`mixup=transmix experiment=vit_digits` (the app's ViT recipe)",

@@ -49,6 +49,7 @@ class Remix(Policy):
 
     knob = "target"
     needs_classes = True
+    needs_class_counts = True
     why_classes = "moves the label between classes by their sizes"
 
     def __init__(

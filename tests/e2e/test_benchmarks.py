@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from mixhook.engine.card import methods_with
 from tests.helpers import Lazy, run_bench
 
 bench = Lazy("benchmarks.run")  # imports torchvision's models: when a test first uses it, not at collection
@@ -81,16 +82,9 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
     assert set(augmix["images_per_second"]) == {"mixhook_hook", "timm_loader_worker"}
     assert augmix["workers_to_match_hook"] > 0 and augmix["hook_vs_timm_worker"]["n"] >= 5
     vit = data["vit"]  # issue 84: the methods that read a ViT's attention, against none and CutMix
-    assert set(vit["seconds_per_step"]) == {
-        "none",
-        "CutMix",
-        "TransMix",
-        "MixPro",
-        "TLA",
-        "SMMix",
-        "MergeMix",
-    }
-    assert set(vit["vs_cutmix"]) == {"TransMix", "MixPro", "TLA", "SMMix", "MergeMix"}
+    reading = set(methods_with("attention"))  # (the cards')
+    assert set(vit["seconds_per_step"]) == {"none", "CutMix", *reading} and len(reading) >= 5
+    assert set(vit["vs_cutmix"]) == reading
     assert vit["vs_none"]["TLA"]["n"] >= 5
     host = data["host"]  # counts, not times: the same on every machine
     assert host["extra_ops_vs_hand"] <= 2 and host["census"]["mixhook"]["host_reads"] == 0
@@ -223,14 +217,14 @@ def test_bad_arguments_are_refused(capsys):  # the runner's own parser, in this 
 def test_every_method_the_full_run_measures_can_be_built():
     """The quick run measures four methods; the full one builds every discovered method at layer2 of
     a CNN (SnapMix with the CNN's last map and classifier), and leaves out (and lists) the ones that need
-    more than a layer (MergeMix, MixPro, SMMix, TLA, TransMix: a ViT's attention)."""
+    more than a layer: those that read a ViT's attention (their cards' trait), measured by the vit case."""
     from benchmarks.cases.methods import METHODS, method_variants, needs_more_than_a_layer
 
     for name, make in method_variants().items():
         assert make().layers, name
     variants = method_variants()
     left = [n for n, cls in sorted(METHODS.items()) if needs_more_than_a_layer(cls) and n not in variants]
-    assert left == ["MergeMix", "MixPro", "SMMix", "TLA", "TransMix"]
+    assert left == sorted(methods_with("attention"))
 
 
 @pytest.mark.process

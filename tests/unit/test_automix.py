@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixhook import AdAutoMix, AutoMix, SAMix
+from mixhook.engine.card import METHODS, methods_with
 from mixhook.mixers.mixblock import MixBlock
 
 
@@ -430,7 +431,7 @@ def test_masks_gives_the_mask_a_training_forward_mixes_with():
         AutoMix("input", "layer3").masks(img, 0.4, index)
 
 
-@pytest.mark.parametrize("cls", [AutoMix, SAMix, AdAutoMix])
+@pytest.mark.parametrize("cls", [METHODS[name] for name in methods_with(family="learned")])
 def test_pin_last_repeats_the_mix_and_its_record_keeps_no_features_and_no_graph(cls):
     """pin_last repeats a forward's draws (lam, partners, the Mix Block's own), and its mix where the model
     and the copy did not change; what it keeps for that (between steps) holds neither the copy's features

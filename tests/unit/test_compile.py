@@ -4,14 +4,13 @@ Dynamo's own tracing and guards are what is tested; the "eager" backend runs the
 without code generation, so these tests take seconds.
 """
 
-import inspect
-
 import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
 
 from mixhook import ManifoldMixup
+from mixhook.engine.card import METHODS, build, methods_with, traits_of
 from tests.helpers import SmallCNN
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (tests/conftest.py)
@@ -85,9 +84,15 @@ def _every_hook():
         SaliencyMix,
         SnapMix,
     )
-    from mixhook.mixers import METHODS
 
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    by_hand = {  # (the methods that take more than a layer here)
+        "method-PuzzleMix": lambda: PuzzleMix("conv1", grids=(2, 4), saliency="activation", generator=g()),
+        "method-SnapMix": lambda: SnapMix("conv1", features="conv2", classifier="head", generator=g()),
+        "method-AugMix": lambda: AugMix(
+            mean=[0.5], std=[0.05], generator=g()
+        ),  # (the input's N(0, 1) as pixels)
+    }
     return {
         "manifold": lambda: ManifoldMixup(["input", "conv1", "conv2"], generator=g()),
         "cutmix": lambda: CutMix("conv1", generator=g()),
@@ -104,24 +109,18 @@ def _every_hook():
         **{  # every method of the package at its defaults, so a new one is checked compiled too
             f"method-{name}": (lambda cls=cls: cls("conv1", generator=g()))
             for name, cls in METHODS.items()
-            if name not in ("OneOf", "SnapMix", "PuzzleMix", "AugMix", *LEARNED)
-            and "attention" not in inspect.signature(cls).parameters
+            if cls.card.family not in ("composition", "learned")
+            and "attention" not in traits_of(cls)
+            and f"method-{name}" not in by_hand
         },  # (the methods that read a ViT's attention: below)
         **{  # (the learned methods read their features at conv2)
             f"method-{name}": (lambda name=name: METHODS[name]("conv1", features="conv2", generator=g()))
-            for name in LEARNED
+            for name in methods_with(family="learned")
         },
-        "method-PuzzleMix": lambda: PuzzleMix("conv1", grids=(2, 4), saliency="activation", generator=g()),
-        "method-SnapMix": lambda: SnapMix("conv1", features="conv2", classifier="head", generator=g()),
+        **by_hand,
         "cutmix-elem": lambda: CutMix("conv1", mode="elem", generator=g()),
-        "method-AugMix": lambda: AugMix(
-            mean=[0.5], std=[0.05], generator=g()
-        ),  # (the input's N(0, 1) as pixels)
         "saliencymix-gradient": lambda: SaliencyMix(["input", "conv2"], saliency="gradient", generator=g()),
     }
-
-
-LEARNED = ("AutoMix", "SAMix", "AdAutoMix")
 
 
 def _compiled_cases() -> list:
@@ -176,30 +175,23 @@ def test_every_regularizer_and_probe_computes_the_same_compiled(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["TransMix", "TLA", "SMMix", "MergeMix"])
+@pytest.mark.parametrize("name", methods_with("attention"))
 def test_attention_methods_on_a_vit_compute_the_same_compiled(name):
-    """TransMix, TLA, SMMix and MergeMix on a timm ViT, attached then compiled: the eager run's label
-    weights, losses and gradients (the attention read recomputes the qkv projection under no_grad; SMMix's
-    and MergeMix's unmixed forward runs the compiled model once more)."""
+    """Every method that reads a ViT's attention (its card's trait), as its card's example on a timm ViT
+    (the matrix's: ``blocks.1.attn``), attached then compiled: the eager run's label weights, losses and
+    gradients (the attention read recomputes the qkv projection under no_grad; SMMix's and MergeMix's
+    unmixed forward runs the compiled model once more)."""
     import timm
-
-    import mixhook
 
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = timm.create_model(
-            "vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=16, patch_size=4, embed_dim=12,
+            "vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=16, patch_size=2, embed_dim=12,
             depth=2, num_heads=2,
         ).train()  # fmt: skip
-        options = {
-            "TransMix": {"attention": "blocks.1.attn"},
-            "TLA": {"attention": "blocks.*.attn"},
-            "SMMix": {"attention": "blocks.1.attn", "features": "norm", "classifier": "head"},
-            "MergeMix": {"attention": "blocks.1.attn"},
-        }[name]
-        mix = getattr(mixhook, name)("input", generator=torch.Generator().manual_seed(3), **options)
+        mix = build(METHODS[name], generator=torch.Generator().manual_seed(3))
         mix.attach(model)
         net = torch.compile(model, backend="eager") if compiled else model
         x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 5, (6,))
@@ -213,7 +205,8 @@ def test_attention_methods_on_a_vit_compute_the_same_compiled(name):
         mix.remove()
         results.append(steps)
     for (lam, loss, grads), (lam_c, loss_c, grads_c) in zip(*results, strict=True):
-        assert lam.shape == ((6,) if name in ("TransMix", "TLA") else ())  # (one lam: the patches kept)
+        per_sample = name in ("TransMix", "TLA", "MixPro")  # (labels from each image's attention)
+        assert lam.shape == ((6,) if per_sample else ())  # (else one lam: the patches kept)
         torch.testing.assert_close(lam_c, lam)
         torch.testing.assert_close(loss_c, loss)
         torch.testing.assert_close(grads_c, grads)

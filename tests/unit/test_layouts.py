@@ -8,7 +8,6 @@ map it is a permutation of; and what cannot be told is refused in one line.
 """
 
 import copy
-import inspect
 from collections import OrderedDict
 from functools import partial
 
@@ -19,8 +18,6 @@ from torch import nn
 from torchvision.ops.misc import Permute
 
 from mixhook import (
-    AdAutoMix,
-    AutoMix,
     CutMix,
     FMix,
     ManifoldMixup,
@@ -28,9 +25,9 @@ from mixhook import (
     PuzzleMix,
     ResizeMix,
     SaliencyMix,
-    SAMix,
     SnapMix,
 )
+from mixhook.engine.card import methods_with, traits_of
 from mixhook.layouts import AmbiguousLayoutError
 from mixhook.mixers import METHODS
 from tests.helpers import set_module
@@ -172,20 +169,24 @@ class Maps(nn.Module):
         return self.head(self.back(self.features(x)).mean((2, 3)))
 
 
+BY_HAND = {  # (the methods that take more than a layer here)
+    "PuzzleMix": lambda: PuzzleMix("features.2", grids=(2, 4), saliency="activation", generator=gen(5)),
+    "SnapMix": lambda: SnapMix("features.2", features="back", classifier="head", generator=gen(5)),
+}
 LAYOUT_AWARE = {
     name: (lambda cls=cls: cls("features.2", generator=gen(5)))
     for name, cls in METHODS.items()
     if getattr(cls, "layout_aware", False)
-    and name not in ("OneOf", "SnapMix", "PuzzleMix", "AutoMix", "SAMix", "AdAutoMix")
-    and "attention" not in inspect.signature(cls).parameters  # (a ViT's attention: test_transmix, test_tla)
-    and name != "AugMix"  # (the model's input only: no hidden map)
+    and cls.card.family not in ("composition", "learned")  # (the learned ones read features: below)
+    and not traits_of(cls) & {"attention", "pixels"}  # (a ViT's: test_transmix; AugMix: the input only)
+    and name not in BY_HAND
 }
 LAYOUT_AWARE.update({
-    "AutoMix": lambda: AutoMix("features.2", features="features.0", generator=gen(5)),
-    "SAMix": lambda: SAMix("features.2", features="features.0", generator=gen(5)),
-    "AdAutoMix": lambda: AdAutoMix("features.2", features="features.0", generator=gen(5)),
-    "PuzzleMix": lambda: PuzzleMix("features.2", grids=(2, 4), saliency="activation", generator=gen(5)),
-    "SnapMix": lambda: SnapMix("features.2", features="back", classifier="head", generator=gen(5)),
+    **{  # (the learned methods, their features at an earlier layer)
+        name: (lambda cls=METHODS[name]: cls("features.2", features="features.0", generator=gen(5)))
+        for name in methods_with(family="learned")
+    },
+    **BY_HAND,
     "CutMix-elem": lambda: CutMix("features.2", mode="elem", generator=gen(5)),
     "SaliencyMix-gradient": lambda: SaliencyMix("features.2", saliency="gradient", generator=gen(5)),
     "SaliencyMix-saliency_layer": lambda: SaliencyMix(

@@ -378,3 +378,56 @@ def test_the_path_owns_the_attachments_state():
     assert set(_writes(broken, _MIXER)) == {"last", "generator", "'last_forward'"}
     reads = _path_reads(ast.parse("running = self._path.gradients.running\nx = getattr(m, '_path')\n"))
     assert set(reads) == {"self._path", "'_path'"}
+
+
+def _hand_lists(tree: ast.AST, names: set[str]) -> list[tuple[int, frozenset]]:
+    """The literal lists, tuples, sets and dict keys in ``tree`` of three or more method names (line, names),
+    by line."""
+    found = []
+    for node in ast.walk(tree):
+        items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+        if not isinstance(node, ast.List | ast.Tuple | ast.Set | ast.Dict) or not items:
+            continue
+        named = [i.value for i in items if isinstance(i, ast.Constant) and i.value in names]
+        if len(named) >= 3 and len(named) == len(items):
+            found.append((node.lineno, frozenset(named)))
+    return sorted(found, key=lambda hit: hit[0])
+
+
+def _hand_kept_families(tree: ast.AST) -> list[str]:
+    """Where ``tree`` spells out a family or a trait of methods by hand: a literal of method names equal to
+    the cards' members of a family or a trait, or to them less one."""
+    from mixhook.engine.card import FAMILIES, METHODS, TRAITS, methods_with
+
+    groups = {f"family {f}": methods_with(family=f) for f in FAMILIES}
+    groups |= {f"trait {t}": methods_with(t) for t in TRAITS}
+    groups = {k: frozenset(v) for k, v in groups.items() if len(v) >= 3}
+    out = []
+    for line, named in _hand_lists(tree, set(METHODS)):
+        for group, members in groups.items():
+            if named <= members and len(members - named) <= 1:
+                out.append(f"{line}: {sorted(named)} ({group}: methods_with)")
+                break
+    return out
+
+
+def test_no_family_of_methods_is_kept_by_hand():
+    """Issue 97: what a method is (its family, its traits) is stated on its card, and the lists of such
+    methods in tests/, benchmarks/, tools/ and the app are derived from the cards (``methods_with``,
+    ``traits_of``): a literal that spells a family or a trait out (or all of it but one) fails here, shown
+    able to fail on the lists these files kept before."""
+    found = []
+    for folder in ("tests", "benchmarks", "tools", "mixhook/app"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            found += [
+                f"{path.relative_to(ROOT)}:{hit}" for hit in _hand_kept_families(ast.parse(path.read_text()))
+            ]
+    assert not found, found
+    before = ast.parse(
+        'A = ("TransMix", "MixPro", "TLA", "SMMix", "MergeMix")\n'
+        'B = [n for n in names if n not in ("TransMix", "MixPro", "TLA", "SMMix")]\n'
+        "C = (RegMixup, RankMixup, MixupE)\n"  # (classes, not names: test_weigh's, which this cannot see)
+        'D = {"AutoMix": 1, "SAMix": 2, "AdAutoMix": 3}\n'
+        'E = ("CutMix", "TransMix", "AutoMix")\n'  # (a sample across families: allowed)
+    )
+    assert [hit.split(":")[0] for hit in _hand_kept_families(before)] == ["1", "2", "4"]

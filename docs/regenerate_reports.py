@@ -52,6 +52,7 @@ def rebuild(report: Path, scratch: Path) -> Path:
         (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(row["overrides"].split(" ")))
         if row["status"] == "ok":
             summary = {k: _number(row[k]) for k in SUMMARY_KEYS if row.get(k, "") != ""}
+            summary["task"] = row["task"]  # (the run's own, as its summary.json said)
             paper = {k[6:]: row[k] for k in row if k.startswith("paper_") and row[k] != ""}
             for key in ("value", "std"):
                 if key in paper:

@@ -159,3 +159,37 @@ def attending_vit(**kwargs) -> nn.Module:
         for block in model.blocks:
             block.attn.qkv.weight.normal_(0, 0.6)
     return model
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    """A CPU generator seeded with ``seed``: a pinned draw."""
+    return torch.Generator().manual_seed(seed)
+
+
+def per_sample_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per sample (``reduction="none"``): the criterion ``loss()`` takes."""
+    return torch.nn.functional.cross_entropy(logits, y, reduction="none")
+
+
+def exact(actual, expected, rtol: float = 1e-12, atol: float = 1e-12) -> None:
+    """Equal in float64 up to rounding (a file whose computation reorders sums states its own tolerance)."""
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def one_line(error) -> str:
+    """The message of a ``pytest.raises`` error, asserted to be one line."""
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+class StemHead(nn.Module):
+    """Linear(6, 8) - tanh - Linear(8, 4): a model whose layers ``stem`` and ``head`` a mix can name."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.stem(x)))

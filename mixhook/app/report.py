@@ -47,6 +47,8 @@ METRICS = [
 ]  # fmt: skip
 FAILED_DIR = ".failed"  # the sweep's failed jobs, one file each (mark_failed)
 REGRESSION_METRICS = ["test_rmse", "best_test_rmse", "test_mse", "epochs", "seconds"]
+# What a run's summary.json holds of its task (its "task": the app's Task names it) and what it is ranked by
+TASK_METRICS = {"classification": (METRICS, "test_error"), "regression": (REGRESSION_METRICS, "test_rmse")}
 
 
 def mark_failed(sweep_dir: str | os.PathLike, job: int, line: str) -> None:
@@ -79,8 +81,10 @@ def read_run(run_dir: Path) -> dict:
     if summary_file.exists():
         summary = json.loads(summary_file.read_text())
         row["status"], row["error"] = "ok", ""
-        regression = "test_rmse" in summary  # a regression task: RMSE stands where the error stands
-        for key in REGRESSION_METRICS if regression else METRICS:
+        row["task"] = task = summary.get("task", "classification")  # (written before the key: a classifier)
+        if task not in TASK_METRICS:
+            raise ValueError(f"{summary_file}: task {task!r} is not one of {', '.join(TASK_METRICS)}")
+        for key in TASK_METRICS[task][0]:
             if key == "test_error":
                 row[key] = 100.0 * (1.0 - summary["test_acc"])
             elif key in summary:  # as summary.json has it (test_acc, test_ece: fractions)
@@ -225,8 +229,9 @@ def groups(rows: list[dict], varying: set[str] | None = None) -> list[dict]:
 
 
 def _metric(row: dict) -> str:
-    """What a run is ranked by: ``test_error`` (%), or ``test_rmse`` for a regression run."""
-    return "test_rmse" if "test_rmse" in row else "test_error"
+    """What a run is ranked by, by its task (:data:`TASK_METRICS`): ``test_error`` (%), or ``test_rmse`` for
+    a regression run."""
+    return TASK_METRICS[row.get("task") or "classification"][1]
 
 
 def _score(row: dict, prefix: str = "") -> float:

@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
@@ -23,10 +22,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import checkpoint
 
 from mixhook import GradClip, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup
-
-
-def per_sample_ce(logits, y):
-    return F.cross_entropy(logits, y, reduction="none")
+from tests.helpers import per_sample_ce
 
 
 def net() -> nn.Sequential:

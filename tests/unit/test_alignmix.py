@@ -1,6 +1,8 @@
 """AlignMix against its authors' code on the same draws (shashankvkt/AlignMixup_CVPR22): the Sinkhorn plan,
 both alignment directions, logits and gradients in float64; what it refuses."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,11 +10,10 @@ from torch import nn
 
 from mixhook import AlignMix
 from mixhook.mixers.alignmix import sinkhorn_plan
+from tests.helpers import exact as helpers_exact
 from tests.helpers import grads
 
-
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+exact = partial(helpers_exact, rtol=1e-10, atol=1e-12)  # (this file's tolerance)
 
 
 # shashankvkt/AlignMixup_CVPR22, cifar10_100/utils/OT.py: SinkhornDistance.forward, with .cuda() dropped

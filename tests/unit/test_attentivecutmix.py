@@ -10,15 +10,7 @@ import torchvision
 
 from mixhook import AttentiveCutMix
 from mixhook.mixers.attentivecutmix import cell_scores
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-def per_sample_ce(logits, y):
-    return F.cross_entropy(logits, y, reduction="none")
+from tests.helpers import SmallCNN, gen, per_sample_ce
 
 
 # From Westlake-AI/openmixup, openmixup/models/augments/attentivemix.py: the top-k selection and the

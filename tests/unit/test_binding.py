@@ -12,11 +12,7 @@ from torch import nn
 
 from mixhook import CutMix, ManifoldMixup, OneOf
 from mixhook.engine.contract import ForeignLogitsError
-from tests.helpers import mlp
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import gen, mlp
 
 
 def hand(model, x, layer_index, lam, index):

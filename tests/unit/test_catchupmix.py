@@ -12,11 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixhook import CatchUpMix, CutMix
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen
 
 
 def rule(h, index, lam):

@@ -4,6 +4,7 @@ set_grad_checkpointing, HuggingFace's gradient_checkpointing_enable) gives the g
 without checkpointing, in float64, for every kind of hook; what cannot be made exact is refused."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from mixhook import (
 )
 from mixhook.recompute import RecomputeError
 from tests.helpers import Lazy, grads, hook_count
+from tests.helpers import exact as helpers_exact
 
 timm = Lazy("timm")  # imported when a test first uses it, not at collection
 transformers = Lazy("transformers")
@@ -43,8 +45,7 @@ def replays(monkeypatch):
     return calls
 
 
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+exact = partial(helpers_exact, rtol=1e-10, atol=1e-12)  # (this file's tolerance)
 
 
 def gen(seed=3):

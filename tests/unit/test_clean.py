@@ -14,15 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mixhook import CutMix, ManifoldMixup, MixupE, OneOf, RankMixup, RegMixup
 from mixhook.padding import PaddingPolicyError
-from tests.helpers import SmallCNN, grads
-
-
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, exact, gen, grads
 
 
 def per_sample(logits, target):

@@ -10,13 +10,9 @@ from torch import nn
 from mixhook import CMixup
 from mixhook.functional import sample_lam
 from mixhook.mixers.cmixup import draw_partners, partner_rates
-from tests.helpers import Lazy, grads
+from tests.helpers import Lazy, exact, grads
 
 neighbors = Lazy("sklearn.neighbors")  # imported by the test that uses it, not at collection
-
-
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
 # huaxiuyao/C-Mixup, src/algorithm.py: get_mixup_sample_rate's kde branch (args.kde_type "gaussian")

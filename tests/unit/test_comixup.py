@@ -20,13 +20,9 @@ from mixhook.mixers.comixup import compatibility, labelling
 from mixhook.policies import LocalWeights, SaliencyPairing
 from mixhook.solvers.swap import swap_labelling
 from tests import comixup_reference as ref
-from tests.helpers import assert_same_step
+from tests.helpers import assert_same_step, gen
 
 RECORDED = Path(__file__).resolve().parent.parent / "recorded" / "gco_swap.npz"
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
 
 
 def recorded_problems():

@@ -25,11 +25,7 @@ from mixhook import (
     attach,
 )
 from mixhook.engine.contract import ForeignLogitsError
-from tests.helpers import hook_count
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import gen, hook_count
 
 
 class Net(nn.Module):

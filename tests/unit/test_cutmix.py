@@ -9,11 +9,7 @@ import torchvision
 
 from mixhook import CutMix
 from mixhook.geometry import box_lam, rand_box, rand_boxes
-from tests.helpers import SmallCNN, hook_count
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen, hook_count
 
 
 def test_rand_box_follows_the_papers_recipe():

@@ -5,6 +5,7 @@ masks. Each against a hand-edited forward (the mix and the unions written as mod
 in float64, logits and every gradient; where the policy cannot be known, one line."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -13,12 +14,12 @@ from torch import nn
 
 from mixhook import ManifoldMixup
 from mixhook.padding import PaddingPolicyError
+from tests.helpers import exact as helpers_exact
 
 LAM, INDEX = 0.3, torch.tensor([2, 3, 0, 1])
 
 
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-11)
+exact = partial(helpers_exact, rtol=1e-9, atol=1e-11)  # (this file's tolerance)
 
 
 class Blend(nn.Module):

@@ -13,12 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mixhook import FMix
 from mixhook.geometry import binarise, fmix_frequencies, fmix_mask, low_freq_image
-from tests.helpers import SmallCNN, grads
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
+from tests.helpers import SmallCNN, gen, grads
 
 # --- The authors' mask generator: github.com/ecs-vlc/FMix, fmix.py (fftfreqnd, get_spectrum,
 # --- make_low_freq_image, binarise_mask), the 2-D lines, with the draws passed in instead of taken from

@@ -12,11 +12,7 @@ import torchvision
 from mixhook import GridMix
 from mixhook.functional import sample_lam
 from mixhook.geometry import cell_index, grid_mask
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen
 
 
 @pytest.mark.parametrize(("size", "cells"), [(8, 4), (10, 4), (7, 3), (5, 5), (32, 7)])

@@ -13,17 +13,9 @@ from torch.utils.checkpoint import checkpoint
 from mixhook import GuidedMixup
 from mixhook.engine.saliency import gaussian_blur
 from tests.guidedmixup_reference import distance_function, onecycle_cover
-from tests.helpers import SmallCNN
+from tests.helpers import SmallCNN, gen, per_sample_ce
 
 tv_functional = pytest.importorskip("torchvision.transforms.functional")
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-def per_sample_ce(logits, y):
-    return F.cross_entropy(logits, y, reduction="none")
 
 
 # From 3neutronstar/GuidedMixup (2a09e97): the guided branch of mixup.py's mixup_process /

@@ -14,7 +14,7 @@ from torch import nn
 from mixhook import CutMix, ManifoldMixup, MixSchedule, OneOf, UnknownLayerError
 from mixhook.hooks import StateError
 from mixhook.integrations.draws import reseed
-from tests.helpers import Lazy, lightning_ddp
+from tests.helpers import Lazy, lightning_ddp, one_line, per_sample_ce
 
 L = Lazy("lightning")  # imported by the first test that runs, not at collection (see Lazy)
 integration = Lazy("mixhook.integrations.lightning")  # imports lightning
@@ -218,12 +218,6 @@ def test_a_resumed_fit_draws_and_trains_what_the_uninterrupted_one_does(tmp_path
         )
 
 
-def one_line(error):
-    message = str(error.value)
-    assert "\n" not in message
-    return message
-
-
 def test_a_plain_loss_on_a_mixed_forward_is_refused_before_its_backward():
     lit = Lit("plain").double()
     before = copy.deepcopy(lit.net)
@@ -297,10 +291,6 @@ def test_under_ddps_forward_redirection_only_the_real_forward_mixes():
     hand_loop(twin, ManifoldMixup(["input", "2"], alpha=1.0), loader, 2, 4)
     for a, b in zip(lit.net.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
-
-
-def per_sample_ce(logits, y):
-    return F.cross_entropy(logits, y, reduction="none")
 
 
 @pytest.mark.parametrize("policy", ["balanced", "remix"])

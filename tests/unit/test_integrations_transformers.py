@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from mixhook import ManifoldMixup, MixSchedule, UnknownLayerError
 from mixhook.integrations.draws import reseed
-from tests.helpers import Lazy
+from tests.helpers import Lazy, one_line
 
 adapter = Lazy("mixhook.integrations.transformers")  # imports transformers: when a test first uses it
 
@@ -203,12 +203,6 @@ def test_a_resumed_train_draws_and_trains_what_the_uninterrupted_one_does(tmp_pa
         hf_trainer(bert(), saving, data, other).train(
             resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2")
         )
-
-
-def one_line(error):
-    message = str(error.value)
-    assert "\n" not in message
-    return message
 
 
 def test_without_compute_loss_func_the_step_is_refused_before_the_update(tmp_path):

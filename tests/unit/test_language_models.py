@@ -4,6 +4,7 @@ packed batches, which no mixer may mix across their sequences. Real models from 
 against hand-edited forwards (logits, the mixed loss and every gradient)."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from mixhook import GradClip, GradScale, InputScale, ManifoldMixup, NEFTune, NoisyFeatureMixup
 from mixhook.packing import PackedBatchError
 from tests.helpers import Lazy
+from tests.helpers import exact as helpers_exact
 
 transformers = Lazy("transformers")
 
@@ -58,8 +60,7 @@ def lm_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-11)
+exact = partial(helpers_exact, rtol=1e-9, atol=1e-11)  # (this file's tolerance)
 
 
 def layer_masks(model, mask):

@@ -30,11 +30,7 @@ from mixhook import (
 from mixhook.engine.card import methods_with, traits_of
 from mixhook.layouts import AmbiguousLayoutError
 from mixhook.mixers import METHODS
-from tests.helpers import set_module
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import gen, set_module
 
 
 class Pasted(nn.Module):

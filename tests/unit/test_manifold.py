@@ -14,16 +14,12 @@ from torch import nn
 
 from mixhook import ManifoldMixup, MixState, blend, sample_lam, smooth_one_hot
 from mixhook.app.models import PreActResNet18
-from tests.helpers import hook_count, mlp
+from tests.helpers import gen, hook_count, mlp
 
 
 def exact(actual, expected):
     """Equal to the hand-written formula up to float64 rounding (the blend is computed as a lerp)."""
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
 
 
 # ------------------------------------------------------------------------------ the blend itself

@@ -31,13 +31,9 @@ from mixhook import (
     TokenMix,
     attach,
 )
-from tests.helpers import grads
+from tests.helpers import gen, grads
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
 
 
 class ChannelSwap(Mixer):

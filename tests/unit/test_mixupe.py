@@ -5,25 +5,10 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from mixhook import MixupE
-from tests.helpers import grads
-
-
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(6, 8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.stem(x)))
+from tests.helpers import StemHead, exact, grads
 
 
 # oneHuster/MixupE, mixup.py: training_method's 'mixupe' branch, mixupe_version == 3, with the draws given
@@ -55,7 +40,7 @@ def authors(model, input, target, lam, index, alpha, eta, threshold, num_classes
 @pytest.mark.parametrize("threshold", [1.0, 0.05, math.inf])
 def test_mixupe_equals_the_authors_loss_and_gradients(layer, threshold):
     torch.manual_seed(0)
-    model = Net().double().train()
+    model = StemHead().double().train()
     x, y = torch.randn(6, 6, dtype=torch.double), torch.tensor([0, 1, 2, 3, 0, 1])
     lam, index = 0.3, torch.tensor([1, 2, 3, 4, 5, 0])
     eta = 0.5  # large enough for the term to matter in the comparison (the authors' CIFAR-100: 0.001)
@@ -81,7 +66,7 @@ def test_mixupe_equals_the_authors_loss_and_gradients(layer, threshold):
 
 def test_the_term_changes_the_gradient_and_the_threshold_selects_samples():
     torch.manual_seed(0)
-    model = Net().double().train()
+    model = StemHead().double().train()
     x, y = torch.randn(6, 6, dtype=torch.double), torch.tensor([0, 1, 2, 3, 0, 1])
     results = []
     for eta, threshold in ((0.0, 1.0), (0.5, 1.0), (0.5, -math.inf)):

@@ -10,11 +10,7 @@ from mixhook.engine.contract import Draw
 from mixhook.engine.traced import FLAG, Shape, pack
 from mixhook.functional import sample_beta
 from mixhook.sites import Leaf
-from tests.helpers import mlp
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import gen, mlp
 
 
 def test_noisy_feature_mixup_without_noise_equals_manifold_mixup_bit_for_bit():

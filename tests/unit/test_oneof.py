@@ -6,11 +6,7 @@ import torch.nn.functional as F
 from scipy import stats
 
 from mixhook import CutMix, GradScale, ManifoldMixup, OneOf
-from tests.helpers import SmallCNN, hook_count
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen, hook_count
 
 
 def test_oneof_draws_with_p_and_exposes_the_chosen_ones_state():

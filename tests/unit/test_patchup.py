@@ -6,11 +6,7 @@ import torch.nn.functional as F
 
 from mixhook import PatchUp
 from mixhook.mixers.patchup import block_mask
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen
 
 
 def test_block_mask_is_max_pooled_bernoulli_centres_at_the_adjusted_rate():

@@ -33,13 +33,10 @@ from mixhook.policies import (
 from mixhook.policies.lam import warp_parameters
 from mixhook.policies.partners import gradient_saliency
 from tests.guidedmixup_reference import distance_function, onecycle_cover
+from tests.helpers import per_sample_ce
 
 scipy_special = pytest.importorskip("scipy.special")
 scipy_stats = pytest.importorskip("scipy.stats")
-
-
-def per_sample_ce(logits, y):
-    return F.cross_entropy(logits, y, reduction="none")
 
 
 def mlp(seed=0):

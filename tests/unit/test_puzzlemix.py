@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from mixhook import PuzzleMix
 from mixhook.mixers.puzzlemix import puzzle_terms, quantized
 from mixhook.solvers.graphcut import energy, min_labelling
-from tests.helpers import SmallCNN
+from tests.helpers import SmallCNN, gen
 
 # The reference: snu-mllab/PuzzleMix (e2dbf3a), mixup.py: cost_matrix, graphcut_multi, neigh_penalty,
 # mixup_graph (without the adversarial noise), mask_transport, transport_image; on the CPU, in the input's
@@ -205,10 +205,6 @@ def ref_transport_image(img, plan, batch_size, block_num, block_size):
         [batch_size, 3, block_num * block_size, block_num * block_size]
     )
     return input_transport
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
 
 
 CIFAR = {"beta": 1.2, "gamma": 0.5, "eta": 0.2, "neigh_size": 4, "n_labels": 3}  # the authors' CIFAR runs

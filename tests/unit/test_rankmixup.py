@@ -3,15 +3,10 @@
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from mixhook import RankMixup
-from tests.helpers import grads
-
-
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+from tests.helpers import StemHead, exact, grads
 
 
 # cvlab-yonsei/RankMixup, calibrate/losses/rankmixup.py: RankMixup_MRL.forward (its 2-D path)
@@ -33,16 +28,6 @@ def mixup_process(out, target_reweighted, lam, indices):
     return out, target_reweighted
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(6, 8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.stem(x)))
-
-
 def authors(model, x, y, lam, index, layer, margin, alpha):
     """The trainer's step: a clean forward, then forward_multimixup (num_mixup=1) mixing at ``layer``."""
     outputs = model(x)
@@ -59,7 +44,7 @@ def authors(model, x, y, lam, index, layer, margin, alpha):
 @pytest.mark.parametrize("layer", ["input", "stem"])
 def test_rankmixup_equals_the_authors_loss_and_gradients_when_every_partner_has_another_label(layer):
     torch.manual_seed(0)
-    model = Net().double().train()
+    model = StemHead().double().train()
     x, y = torch.randn(6, 6, dtype=torch.double), torch.tensor([0, 1, 2, 3, 0, 1])
     lam, index = 0.25, torch.tensor([1, 2, 3, 4, 5, 0])  # every pair of two labels
     rank = RankMixup(layer, margin=2.0, weight=0.1)
@@ -81,7 +66,7 @@ def test_a_partner_of_the_same_label_is_masked_per_sample_where_the_authors_code
     """With a same-label pair the authors' (B,) mask times (B, 1) hinge is a (B, B) product: their term
     is mean(mask) * mean(hinge). Ours masks each sample's own hinge, as the paper writes the loss."""
     torch.manual_seed(0)
-    model = Net().double().train()
+    model = StemHead().double().train()
     x, y = torch.randn(4, 6, dtype=torch.double), torch.tensor([0, 0, 1, 2])
     lam, index = 0.25, torch.tensor([1, 0, 3, 2])  # samples 0 and 1: the same label
     rank = RankMixup("input", margin=2.0, weight=0.1)
@@ -105,7 +90,7 @@ def test_a_partner_of_the_same_label_is_masked_per_sample_where_the_authors_code
 
 
 def test_rankmixup_refuses_what_it_cannot_rank():
-    model = Net().double().train()
+    model = StemHead().double().train()
     rank = RankMixup("input")
     x = torch.randn(4, 6, dtype=torch.double)
     with rank.attach(model):

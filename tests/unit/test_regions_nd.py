@@ -27,13 +27,9 @@ from mixhook.geometry import (
 )
 from mixhook.layouts import AmbiguousLayoutError
 from mixhook.mixers.patchup import block_mask
-from tests.helpers import grads
+from tests.helpers import gen, grads
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # (tests/conftest.py)
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
 
 
 def signal_net(seed=0) -> nn.Sequential:

@@ -7,12 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixhook import RegMixup
-from tests.helpers import grads
+from tests.helpers import exact, grads
 from tests.toy_models import TinyConvNet
-
-
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
 # FrancescoPinto/RegMixup, models/regmixup.py: the criterion and the lines of training_step it uses

@@ -10,11 +10,7 @@ import torch.nn.functional as F
 import torchvision
 
 from mixhook import ResizeMix
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen
 
 
 # The reference: lines of Westlake-AI/openmixup, openmixup/models/augments/resizemix.py (resizemix() and its

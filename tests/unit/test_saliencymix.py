@@ -13,15 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixhook import SaliencyMix
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-def per_sample_ce(logits, y):
-    return F.cross_entropy(logits, y, reduction="none")
+from tests.helpers import SmallCNN, gen, per_sample_ce
 
 
 # From afm-shahab-uddin/SaliencyMix, SaliencyMix_CIFAR/saliencymix.py: saliency_bbox, with the OpenCV

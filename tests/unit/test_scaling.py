@@ -6,11 +6,7 @@ import pytest
 import torch
 
 from mixhook import InputScale
-from tests.helpers import hook_count, mlp
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import gen, hook_count, mlp
 
 
 def test_a_float_factor_scales_the_layers_input_in_training_only():

@@ -10,11 +10,7 @@ import torchvision
 
 from mixhook import SmoothMix
 from mixhook.geometry import gaussian_mask
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen
 
 
 # The reference: lines of Westlake-AI/openmixup, openmixup/models/augments/smoothmix.py (smoothmix() and

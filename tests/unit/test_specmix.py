@@ -12,10 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mixhook import SpecMix
 from mixhook.mixers.specmix import band_mask
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import gen
 
 
 # The reference: GT-KIM/specmix (1f8fae4), acoustic_scene_classification/utils.py, masking(), and the lines

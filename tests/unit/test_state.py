@@ -22,11 +22,7 @@ from mixhook import (
     attach,
 )
 from mixhook.hooks import StateError
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen
 
 
 def build():

@@ -4,6 +4,7 @@ float64 (logits and every parameter gradient), and the refusals with their messa
 import collections
 import copy
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -21,13 +22,13 @@ from mixhook import (
     OneOf,
 )
 from mixhook.sites import parse_site
+from tests.helpers import exact as helpers_exact
 from tests.helpers import grads
 
 LAM = 0.3
 
 
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+exact = partial(helpers_exact, rtol=1e-10, atol=1e-12)  # (this file's tolerance)
 
 
 def same_grads(model_a, model_b):

@@ -431,3 +431,19 @@ def test_no_family_of_methods_is_kept_by_hand():
         'E = ("CutMix", "TransMix", "AutoMix")\n'  # (a sample across families: allowed)
     )
     assert [hit.split(":")[0] for hit in _hand_kept_families(before)] == ["1", "2", "4"]
+
+
+def test_the_tests_share_their_helpers_from_one_place():
+    """Issue 97: a helper the tests share (a seeded generator, a per-sample criterion, a float64 check, a
+    small model) is defined once, in tests/helpers.py, and imported: no two test modules define the same
+    function or class (the same code under any name), which a change to one would leave the other behind."""
+    import collections
+
+    bodies = collections.defaultdict(list)
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("test_"):
+                body = ast.dump(node).replace(f"name='{node.name}'", "name=''", 1)
+                bodies[body].append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    twice = [places for places in bodies.values() if len(places) > 1]
+    assert not twice, twice

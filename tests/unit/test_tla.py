@@ -10,12 +10,7 @@ import torchvision
 from torch import nn
 
 from mixhook import TLA
-from tests.helpers import attending_vit
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
+from tests.helpers import attending_vit, gen
 
 tiny_vit = attending_vit  # (labels carried by an even average would hardly move)
 

@@ -13,11 +13,7 @@ import torchvision
 from mixhook import TokenMix
 from mixhook.functional import sample_lam
 from mixhook.geometry import block_token_mask, random_token_mask
-from tests.helpers import SmallCNN
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import SmallCNN, gen
 
 
 class TorchRandom:

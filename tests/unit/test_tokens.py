@@ -15,13 +15,9 @@ import mixhook
 from mixhook import CutMix, FMix, PatchUp, TokenMix
 from mixhook.engine.card import methods_with
 from mixhook.engine.tokens import model_grid
-from tests.helpers import Lazy
+from tests.helpers import Lazy, gen
 
 timm = Lazy("timm")  # imported when a test first uses it, not at collection
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
 
 
 def tiny_vit(**options):

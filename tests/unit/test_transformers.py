@@ -4,6 +4,7 @@ gradient in float64. Padded batches follow the mask policy: downstream of the mi
 attends to the positions that are real in either partner."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from mixhook import GradScale, ManifoldMixup
 from mixhook.padding import PaddingPolicyError
 from tests.helpers import Lazy
+from tests.helpers import exact as helpers_exact
 
 timm = Lazy("timm")  # imported when a test first uses it, not at collection
 transformers = Lazy("transformers")
@@ -19,8 +21,7 @@ LAM = 0.3
 INDEX = torch.tensor([2, 3, 0, 1])
 
 
-def exact(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-11)
+exact = partial(helpers_exact, rtol=1e-9, atol=1e-11)  # (this file's tolerance)
 
 
 def mixed(h):

@@ -11,13 +11,9 @@ from torch import nn
 
 from mixhook import TransMix
 from mixhook.functional import smooth_one_hot
-from tests.helpers import Lazy
+from tests.helpers import Lazy, gen
 
 timm = Lazy("timm")  # imported when a test first uses it, not at collection
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
 
 
 def tiny_vit():

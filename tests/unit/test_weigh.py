@@ -9,10 +9,7 @@ from torch import nn
 
 from mixhook import ManifoldMixup, MixupE, OneOf, RankMixup
 from mixhook.engine.card import METHODS, methods_with, traits_of
-
-
-def gen(seed=0):
-    return torch.Generator().manual_seed(seed)
+from tests.helpers import gen
 
 
 def correct(logits, target):

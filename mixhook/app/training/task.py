@@ -171,6 +171,7 @@ class Classification(Task):
                 net, run.data.test, run.device, opts.precision, opts.channels_last, dist
             ).calibration
         summary = {
+            "task": "classification",
             "test_acc": last["test_acc"],
             "test_nll": last["test_loss"],
             "test_ece": calibration.ece(),

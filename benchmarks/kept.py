@@ -6,7 +6,7 @@ the hook's: classes, Python modules, a function's globals, generators (their sta
 modules named in ``stop`` (the model a hook is attached to: referencing it while attached is the hook's
 job). The hook's own ``nn.Module`` objects (AutoMix's Mix Block and momentum copy) are walked: their
 parameters and buffers are its learned state, anything else they hold is not. The benchmark's memory case
-reports the bytes per attribute and the tests (tests/unit/test_retention.py) hold the contract with it:
+reports the bytes per attribute and the tests (tests/engine/test_retention.py) hold the contract with it:
 nothing with a ``grad_fn`` between steps, nothing of the model after ``remove()``, nothing that grows with
 the steps or, beside ``.last`` and ``pin_last``'s record, with the batch.
 """

@@ -40,7 +40,7 @@ GOALS = {
     "peak_sftmix_vs_hand": 1.0,
     # issue 81: the peak memory of a Manifold Mixup step at layer2 / the hand-edited forward's (CUDA); the
     # tensors with a grad_fn a mixer keeps between steps (that what else it keeps neither grows with the
-    # steps nor with the batch is tests/unit/test_retention.py's to hold: one run cannot tell)
+    # steps nor with the batch is tests/engine/test_retention.py's to hold: one run cannot tell)
     "peak_mixup_vs_hand": 1.01,
     "kept_graph_tensors": 0,
 }

@@ -4,7 +4,7 @@ as ``sys.setprofile`` "call" events of the functions that make them (:data:`STEP
 method has been warmed up. Not the helpers they call: what the path costs is the host benchmark's
 (``benchmarks/cases/host.py``, against a minimal hand-written hook), not a count of function entries.
 
-``tests/unit/test_hot_path.py`` holds every case to :func:`expected`: a rule, derived from the method (how
+``tests/engine/test_hot_path.py`` holds every case to :func:`expected`: a rule, derived from the method (how
 many mixers it attaches, whether it runs a gradient pass), not a list kept by hand.
 """
 

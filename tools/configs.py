@@ -135,10 +135,10 @@ SECTIONS = {
         "weighs them by area. Its own terms are not the cause (one run each: 73.1% without the consistency "
         "term, `mixup.consistency=0`; 73.3% without the token head's, `mixup.fine=0`), nor is the authors' "
         "switch with input mixup on half the batches (75.0%, `OneOf`, where input mixup alone reaches "
-        "85.0%); its equality with the authors' lines is tested (tests/unit/test_smmix.py). MergeMix's row "
+        "85.0%); its equality with the authors' lines is tested (tests/mixers/test_smmix.py). MergeMix's row "
         "is its mix alone: the authors' step adds a second forward of plain input mixup (alpha 0.8), which "
         "the app's one-forward step does not run (a `OneOf` pinned to each in turn is that step in a loop "
-        "of your own; tests/unit/test_mergemix.py).",
+        "of your own; tests/mixers/test_mergemix.py).",
     ),
 }
 

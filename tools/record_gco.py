@@ -1,4 +1,4 @@
-"""Record GCO's alpha-beta swap on grid problems, for tests/unit/test_comixup.py to check mixhook's swap
+"""Record GCO's alpha-beta swap on grid problems, for tests/mixers/test_comixup.py to check mixhook's swap
 (:mod:`mixhook.solvers.swap`) against where GCO is not installed.
 
 GCO is research-only, so gco-wrapper is no dependency of mixhook or of its tests; this program needs it:

@@ -5,7 +5,7 @@ paid before its first line, a one-line configuration error included. The digits 
 scikit-learn ships; :func:`stratified_split` and :func:`shuffle_split` draw exactly the indices of its
 ``train_test_split`` (``StratifiedShuffleSplit`` with ``stratify=``, ``ShuffleSplit`` without) from the
 same ``numpy.random.RandomState``, so a run's split, and the ``data_split`` digest in its summary, are what
-they were (tests/unit/test_data.py compares them with scikit-learn's on many sizes and seeds, and pins the
+they were (tests/app/test_data.py compares them with scikit-learn's on many sizes and seeds, and pins the
 digits split's digest). Adapted from scikit-learn 1.9 (BSD-3-Clause): ``sklearn/model_selection/_split.py``
 (``StratifiedShuffleSplit._iter_indices``, ``ShuffleSplit._iter_indices``, ``_validate_shuffle_split``) and
 ``sklearn/utils/extmath.py`` (``_approximate_mode``).

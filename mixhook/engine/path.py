@@ -69,7 +69,7 @@ _REPLAY, _GRADIENTS, _TRACED, _BETWEEN = 1, 2, 3, 4
 SKIPPABLE = frozenset(("check_leaves", "before_forward", "before_mix"))
 # What the path and its collaborators (the leaves, the padding masks, the norms, the traced path) read of a
 # mixer: their whole view of the method, public settings and extension points only, and nothing of it is
-# written (tests/unit/test_style.py holds both): the attachment's state (the next forward's pins, the forward
+# written (tests/test_style.py holds both): the attachment's state (the next forward's pins, the forward
 # under way, the record of the last) is the path's own, which the mixer's user API reads and sets through
 # it. The settings fixed while a mixer is attached (its setters refuse a change then) are read once, when it
 # is attached.

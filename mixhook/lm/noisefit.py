@@ -4,7 +4,7 @@ signal-to-noise ratio, and a loss over one clean and two noisy forwards.
 Paper: Khadangi, Sartipi, Tchappi, Bahmani, Fridgen. "Noise-Augmented Fine-Tuning for Mitigating
 Hallucinations in Large Language Models." 2025. https://arxiv.org/abs/2504.03302. The code:
 akhadangi/NoiseFiT, ``NoiseFiT.py`` (``adaptive_noise_injection``, ``NoiseFitTrainer.select_layers``,
-``noise_hook`` and ``compute_loss``), which this module equals on the same draws (tests/unit/test_noisefit.py;
+``noise_hook`` and ``compute_loss``), which this module equals on the same draws (tests/lm/test_noisefit.py;
 their noise's scale passes through a float32 tensor, so in float64 to float32's precision).
 
 Three parts, each usable alone:

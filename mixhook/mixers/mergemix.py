@@ -63,7 +63,7 @@ class MergeMix(ReadsAttention, RegionMixer):
     second forward of plain input mixup (``Beta(0.8, 0.8)``, their ``switch_off < 0``):
     ``OneOf([MergeMix(...), ManifoldMixup("input", alpha=0.8)])`` with ``pin(choice=1)`` then
     ``pin(choice=0)`` before two forwards, the two losses summed, is their step
-    (tests/unit/test_mergemix.py); their ``switch_off > 0`` (plain mixup with that probability) is that
+    (tests/mixers/test_mergemix.py); their ``switch_off > 0`` (plain mixup with that probability) is that
     ``OneOf`` drawn with ``p=[1 - switch_off, switch_off]``.
     Equal to their lines on the same lam, partners, attention layer and scores.
 

@@ -58,7 +58,7 @@ def symmetric_beta_cdf(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     1 - I_1-x(a, a)`` above ``x = 1/2``); above: the Student-t limit (``x ~ Beta(a, a)`` iff
     ``sqrt(2a) (x - 1/2) / sqrt(x (1 - x))`` follows Student's t with ``2a`` degrees of freedom), its CDF
     by Abramowitz & Stegun 26.7.8's normal approximation. Error against scipy's ``betainc`` in float64
-    (tests/unit/test_policies.py): below 1e-10 for ``1e-3 <= a <= 2000``, below 3e-8 above (it falls as
+    (tests/policies/test_policies.py): below 1e-10 for ``1e-3 <= a <= 2000``, below 3e-8 above (it falls as
     ``1/a**2``: 2e-10 at ``a = 1e4``). ``x`` in [0, 1] and ``a > 0``, float64."""
     x, a = torch.broadcast_tensors(x.to(torch.float64), a.to(torch.float64))
     low = torch.minimum(x, 1 - x)

@@ -10,7 +10,7 @@ from transformers import Trainer
 
 from mixhook import ManifoldMixup
 from mixhook.integrations.transformers import MixupCallback
-from tests.unit.test_integrations_transformers import BERT_LAYERS, arguments, bert, rows
+from tests.integrations.test_integrations_transformers import BERT_LAYERS, arguments, bert, rows
 
 
 class Recording(MixupCallback):

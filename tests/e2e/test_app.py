@@ -284,7 +284,7 @@ def test_cli_trains_on_cifar_format_files(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["svhn", "imagefolder"])
 def test_cli_trains_on_svhn_files_and_on_an_image_folder(tmp_path, data):
-    from tests.unit.test_data_folders import jpeg_tree, svhn_files
+    from tests.app.test_data_folders import jpeg_tree, svhn_files
 
     if data == "svhn":
         svhn_files(tmp_path / "files", n_train=32, n_test=16)

@@ -102,8 +102,8 @@ def test_a_hooked_training_step_never_waits_for_the_gpu(make):
 
 def test_nfm_compiled_on_cuda_equals_eager():
     """The compiled path fills NFM's noise in the packed buffer on the device from the same seed as the
-    eager mix: equal outputs on the same draws (tests/unit/test_fullgraph.py checks this on the CPU; the
-    meta-device test of tests/unit/test_nfm.py, that nothing map-sized is made on the host)."""
+    eager mix: equal outputs on the same draws (tests/engine/test_fullgraph.py checks this on the CPU; the
+    meta-device test of tests/mixers/test_nfm.py, that nothing map-sized is made on the host)."""
     from tests.helpers import SmallCNN
 
     outs = []

@@ -19,7 +19,7 @@ def test_lightning_fsdp_on_one_gpu_trains_the_hand_loops_weights(tmp_path):
     with MixupCallback: the weights the hand loop trains on the same draws, float32 (two ranks under FSDP1
     and FSDP2 are tested on the CPU with gloo: tests/e2e/test_distributed.py)."""
     pytest.importorskip("lightning")
-    from tests.unit import test_integrations_lightning as lit_tests
+    from tests.integrations import test_integrations_lightning as lit_tests
 
     loader = lit_tests.data(dtype=torch.float32)
     lit = lit_tests.Lit()
@@ -49,7 +49,7 @@ def test_hf_trainer_fsdp_on_one_gpu_trains_the_hand_loops_weights(tmp_path, monk
     import socket
 
     pytest.importorskip("accelerate")
-    from tests.unit import test_integrations_transformers as hf_tests
+    from tests.integrations import test_integrations_transformers as hf_tests
 
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))

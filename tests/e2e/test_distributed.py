@@ -224,7 +224,7 @@ def test_the_app_under_fsdp_trains_as_ddp_resumes_exactly_and_refuses_another_wo
 
 
 def test_under_torch_distributed_a_default_generator_draws_per_rank(launch):
-    """(tests/unit/test_state.py's per-rank streams, in a job of two processes: the launch's scenario
+    """(tests/core/test_state.py's per-rank streams, in a job of two processes: the launch's scenario
     ``default_generator``, tests/e2e/distributed_worker.py.)"""
     _, found = launch
     ((default_0, given_0), done_0), ((default_1, given_1), done_1) = found["default_generator"]

@@ -577,7 +577,7 @@ def test_the_nfm_recipe_trains_as_the_authors_code_on_the_same_draw(tmp_path):
     import torch.nn.functional as F
 
     from mixhook.functional import sample_beta
-    from tests.unit.test_models import AuthorsPreActResNet
+    from tests.app.test_models import AuthorsPreActResNet
 
     write_cifar(tmp_path, "cifar10", per_file=4)
     run = app.build(config("experiment=lim2022_cifar10_nfm", f"data.root={tmp_path}", "data.num_workers=0"))
@@ -662,7 +662,7 @@ def test_a_batch_left_unmixed_keeps_the_plain_loss_under_mixed_loss_weight():
 def imagenet_recipe(root, name: str):
     """The run experiment ``name`` builds on a small JPEG tree in ImageNet's layout under ``root`` (three
     classes; images cut to 32 pixels to keep it quick)."""
-    from tests.unit.test_data_folders import jpeg_tree
+    from tests.app.test_data_folders import jpeg_tree
 
     jpeg_tree(root / "train")
     jpeg_tree(root / "val", per_class=2)
@@ -715,7 +715,7 @@ def test_the_svhn_recipes_build_on_svhn_files_with_the_authors_pipeline(tmp_path
     """Verma et al. 2019's SVHN rows as the authors' code trains them: at most 7,325 training images of each
     class, a 2-pixel padded crop and never a flip, the normalisation to [-1, 1], 2,000 epochs decayed at
     500, 1,000 and 1,500, Manifold Mixup over {input, layer1, layer2}."""
-    from tests.unit.test_data_folders import svhn_files
+    from tests.app.test_data_folders import svhn_files
 
     svhn_files(tmp_path / "svhn", n_train=20)
     overrides = ["experiment=verma2019_svhn_manifold", f"data.root={tmp_path / 'svhn'}"]
@@ -736,7 +736,7 @@ def test_the_tiny_imagenet_recipes_build_on_tiny_imagenets_layout_with_the_autho
     """Verma et al. 2019's Tiny-ImageNet rows as the authors' code trains them: 64x64 images cropped from
     their 4-pixel padded copy and flipped, evaluated as they are, normalised to [-1, 1]; PreActResNet-18
     with a stride of 2 in its first convolution; 2,000 epochs decayed at 1,000 and 1,500; alpha 0.2."""
-    from tests.unit.test_data_folders import jpeg_tree
+    from tests.app.test_data_folders import jpeg_tree
 
     jpeg_tree(tmp_path / "train", classes=("n01443537", "n01629819"), nested=True)
     jpeg_tree(tmp_path / "val", classes=("n01443537", "n01629819"), per_class=1)

@@ -18,8 +18,8 @@ from mixhook import ManifoldMixup
 from mixhook.integrations.draws import reseed
 from tests.conftest import ROOT
 from tests.helpers import lightning_ddp
-from tests.unit.test_integrations_lightning import Lit, MixupCallback, data, integration, trainer
-from tests.unit.test_integrations_transformers import BERT_LAYERS, bert
+from tests.integrations.test_integrations_lightning import Lit, MixupCallback, data, integration, trainer
+from tests.integrations.test_integrations_transformers import BERT_LAYERS, bert
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]  # two processes each
 

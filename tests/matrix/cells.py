@@ -269,7 +269,7 @@ def trl(method: Method) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     import torch.nn.functional as F
 
     from mixhook.integrations.transformers import MixupCallback
-    from tests.unit.test_integrations_trl import llama, sft
+    from tests.integrations.test_integrations_trl import llama, sft
 
     layer = LM_LAYERS.get(method.name)
     if layer is None:

@@ -178,7 +178,7 @@ def trl(method: Method) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     import trl as trl_
 
     from mixhook.integrations.transformers import HookCallback
-    from tests.unit.test_integrations_trl import tokenizer
+    from tests.integrations.test_integrations_trl import tokenizer
 
     rows, flags = data(STEPS * BATCH)
     listed = []

@@ -637,7 +637,7 @@ def test_on_real_architectures_the_mix_at_its_layer_is_the_hand_edited_one(build
     """The zoo's oracle at the mask's layer: the logits of a mixed forward equal the model's with its
     layer's output replaced by hand, ``h (1 - m) + h[index] m`` with the mask the mix recorded (in the
     map's own layout), in float64; the mask varies over the map."""
-    from tests.unit import test_layouts
+    from tests.core import test_layouts
 
     make = getattr(test_layouts, build) if isinstance(build, str) else build
     torch.manual_seed(0)

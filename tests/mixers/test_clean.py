@@ -261,8 +261,9 @@ def test_a_model_with_padding_masks_downstream_is_refused():
 
 def test_the_trainer_adapter_takes_the_mode_and_trls_refuses_it():
     """The HuggingFace callback averages a clean batch's 2B rows (trained against the hand loop in
-    tests/unit/test_integrations_transformers.py); under TRL's SFTTrainer, whose token metrics read B rows
-    of logits, it is refused in one line before training (tests/unit/test_integrations_trl.py)."""
+    tests/integrations/test_integrations_transformers.py); under TRL's SFTTrainer, whose token metrics read
+    B rows of logits, it is refused in one line before training
+    (tests/integrations/test_integrations_trl.py)."""
     pytest.importorskip("transformers")
     from mixhook.integrations.transformers import MixupCallback
 

@@ -447,3 +447,18 @@ def test_the_tests_share_their_helpers_from_one_place():
                 bodies[body].append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     twice = [places for places in bodies.values() if len(places) > 1]
     assert not twice, twice
+
+
+def test_the_tests_mirror_the_package():
+    """Issue 97: the library's tests are a folder per part of the package (``tests/README.md``): a folder
+    for each of mixhook's subpackages that has tests of its own, ``core/`` for its top-level modules; no
+    other folder of test modules, and none left at the old flat ``tests/unit/``."""
+    packages = {p.parent.name for p in (ROOT / "mixhook").glob("*/__init__.py")}
+    beside = {"core", "bench", "e2e"}  # (the top-level modules, benchmarks/, the app run whole)
+    folders = {p.relative_to(ROOT / "tests").parts[0] for p in (ROOT / "tests").rglob("test_*.py")}
+    folders.discard("test_style.py")
+    assert folders <= packages | beside, sorted(folders - packages - beside)
+    assert {"engine", "mixers", "policies", "lm", "integrations", "app", "layers"} <= folders
+    readme = (ROOT / "tests" / "README.md").read_text()
+    assert all(f"`{folder}/`" in readme for folder in folders), sorted(folders)
+    # (a method's own module, tests/mixers/test_<module>.py: tests/mixers/test_mixers.py requires it)

@@ -20,7 +20,7 @@ from torch import nn
 
 from mixhook import AdAutoMix
 from mixhook.mixers.adautomix import AdaptiveMask
-from tests.unit.test_automix import Net, batch
+from tests.mixers.test_automix import Net, batch
 
 # ------------------------------------------------------- openmixup/models/heads/Ada_mix_pine.py (authors')
 

@@ -68,7 +68,7 @@ def test_the_cores_docstrings_cite_only_the_repository():
 def test_the_hooks_with_a_loss_of_their_own_keep_one_contract():
     """SFTMix and NoiseFiT are LossHooks: counts(labels) divide the sums of loss(model, inputs, counts),
     which returns (loss, outputs), and .last is a LossState of detached terms, draws and tokens."""
-    from tests.unit.test_sftmix import batch
+    from tests.lm.test_sftmix import batch
 
     inputs = batch(1)
     for hook in (

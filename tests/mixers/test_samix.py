@@ -1,6 +1,6 @@
 """SAMix: OpenMixup's SAMix Mix Block (its lam encoding, value network and query/key) with AutoMix's
-training; the mask, the loss and one step against OpenMixup's code are in tests/unit/test_automix.py (run for
-both classes)."""
+training; the mask, the loss and one step against OpenMixup's code are in tests/mixers/test_automix.py (run
+for both classes)."""
 
 import math
 
@@ -9,7 +9,7 @@ from torch import nn
 
 from mixhook import SAMix
 from mixhook.mixers.mixblock import rescale_lam
-from tests.unit.test_automix import Net
+from tests.mixers.test_automix import Net
 
 
 # openmixup/models/heads/pmix_block.py: PixelMixBlock.rescale_lam_mult

@@ -280,7 +280,7 @@ def test_every_method_comes_with_its_module_test_and_card():
     """What adding a mixer takes, checked: its module (one method each), its test and its card, whose
     catalogue signature names real arguments with their real defaults. The package finds the class and
     exports it from mixhook; the catalogue, the API page, the app's group and the matrix read its card
-    (tests/unit/test_adding_a_mixer.py adds one from the docs alone)."""
+    (tests/mixers/test_adding_a_mixer.py adds one from the docs alone)."""
     import inspect
 
     from mixhook.engine.card import METHODS
@@ -292,8 +292,8 @@ def test_every_method_comes_with_its_module_test_and_card():
         module = cls.__module__.rsplit(".", 1)[1]
         modules.setdefault(module, []).append(name)
         assert getattr(mixhook, name) is cls and name in mixhook.__all__
-        assert (ROOT / "tests" / "unit" / f"test_{module}.py").is_file(), (
-            f"{name}: no tests/unit/test_{module}.py"
+        assert (ROOT / "tests" / "mixers" / f"test_{module}.py").is_file(), (
+            f"{name}: no tests/mixers/test_{module}.py"
         )
         card = cls.card
         assert card.signature.startswith(f"{name}("), card.signature

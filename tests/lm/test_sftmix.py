@@ -212,7 +212,7 @@ def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand
     from mixhook.integrations.draws import reseed
     from mixhook.integrations.lm import PairedBatches, SFTMixLoss
     from mixhook.integrations.transformers import HookCallback
-    from tests.unit.test_integrations_trl import dataset, llama, tokenizer
+    from tests.integrations.test_integrations_trl import dataset, llama, tokenizer
 
     class SFTMixTrainer(SFTMixLoss, PairedBatches, trl.SFTTrainer):
         pass

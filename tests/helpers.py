@@ -49,19 +49,6 @@ def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def tiny_llama(**config) -> nn.Module:
-    """A Llama causal LM built small (vocabulary 64, width 16, 2 layers; ``config`` keys override these) in
-    float64, its weights drawn after ``torch.manual_seed(0)``, in train mode."""
-    import transformers
-
-    torch.manual_seed(0)
-    options = dict(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, pad_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**options, **config})).double().train()
-
-
 def grads(model: nn.Module) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -16,11 +16,11 @@ import sys
 from collections.abc import Callable
 
 import mixhook
+from harness.matrix.cells import hand_setup
+from harness.matrix.methods import METHODS, Method, _m, criterion, data, model
 from mixhook.engine.binding import Forwards
 from mixhook.engine.path import Path
 from mixhook.engine.targets import LossAndTargets
-from tests.matrix.cells import hand_setup
-from tests.matrix.methods import METHODS, Method, _m, criterion, data, model
 
 # the methods at a hidden layer beside the matrix's (which mixes most of them at the input)
 AT_LAYERS = [

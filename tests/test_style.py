@@ -462,3 +462,29 @@ def test_the_tests_mirror_the_package():
     readme = (ROOT / "tests" / "README.md").read_text()
     assert all(f"`{folder}/`" in readme for folder in folders), sorted(folders)
     # (a method's own module, tests/mixers/test_<module>.py: tests/mixers/test_mixers.py requires it)
+
+
+def _imports_of(tree: ast.AST) -> set[str]:
+    """The modules ``tree`` imports (``import a.b``, ``from a.b import c``: ``a.b``), wherever in it."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def test_the_tools_and_the_harness_import_nothing_of_the_tests():
+    """Issue 97: the programs that write docs (``tools/``) and the reference models, workflows and oracles
+    they share with the suite (``harness/``) import nothing from ``tests/``: the suite imports them, not
+    the other way round, so a test module can move or change without a tool breaking."""
+    found = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for folder in ("tools", "harness", "benchmarks", "mixhook")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for module in sorted(_imports_of(ast.parse(path.read_text())))
+        if module == "tests" or module.startswith("tests.")
+    ]
+    assert not found, found
+    assert _imports_of(ast.parse("def f():\n    from tests.helpers import gen\n")) == {"tests.helpers"}

@@ -53,7 +53,7 @@ def configs() -> list[str]:
 def overrides(name: str) -> tuple[str, ...]:
     """What a config needs beyond ``mixup=<name>`` on the default experiment (the matrix's ``where``: the
     overrides its one-line refusal names)."""
-    from tests.matrix.methods import METHODS
+    from harness.matrix.methods import METHODS
 
     return next((m.where for m in METHODS if m.app == name), ())
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from tests.matrix.cells import WORKFLOWS, Cell, run
-from tests.matrix.language import HOOK_ROWS
-from tests.matrix.methods import METHODS
+from harness.matrix.cells import WORKFLOWS, Cell, run
+from harness.matrix.language import HOOK_ROWS
+from harness.matrix.methods import METHODS
 
 ROWS = [*METHODS, *HOOK_ROWS]  # every mixer and policy, then the hooks with a loss of their own
 BY_NAME = {m.name: m for m in ROWS}
@@ -37,7 +37,7 @@ COLUMNS = {
 
 
 def distributed(names: list[str], modes: tuple[str, ...] = MODES) -> list[Cell]:
-    """The DDP and FSDP2 cells of ``names`` (or those of ``modes``: tests/matrix/distributed.py), from one
+    """The DDP and FSDP2 cells of ``names`` (or those of ``modes``: harness/matrix/distributed.py), from one
     torchrun launch of two processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cells.json"
@@ -72,7 +72,7 @@ def markdown(cells: list[Cell], seconds: float) -> str:
         "",
         f"Written by `python -m tools.matrix` on {date.today().isoformat()} ({seconds / 60:.0f} minutes on "
         f"{os.cpu_count()} CPU cores; Python {platform.python_version()}, torch {torch.__version__}). Each "
-        "method (one representative configuration of every mixer and policy, `tests/matrix/methods.py`) "
+        "method (one representative configuration of every mixer and policy, `harness/matrix/methods.py`) "
         "trains two steps of eight samples in each workflow; a cell is **exact** when the weights equal, "
         "in float64 (to 1e-12), the hand-written loop's on the same draws (the draws reseeded from "
         "`(seed, rank, step)`, the labels handed over before the forward, a class-balanced partner batch "
@@ -87,7 +87,7 @@ def markdown(cells: list[Cell], seconds: float) -> str:
         "counting each rank's own); *resume* kills the app's `train.py` (SIGKILL) after a random number "
         "(1 to 8) of its checkpoints and resumes it with `trainer.resume=auto`: exact when its metrics and "
         "summary equal an uninterrupted run's. The last rows are the hooks with a loss of their own "
-        "(`hook.loss(model, inputs)`, each from its card's example, `tests/matrix/language.py`) on a tiny "
+        "(`hook.loss(model, inputs)`, each from its card's example, `harness/matrix/language.py`) on a tiny "
         "Llama: padded prompt-and-response rows, two micro-batches of four a step (gradient accumulation), "
         "SFTMix's half confident and half unconfident from `PairedSampler` and its loss over the step's "
         "tokens on every process (as its Trainer mixin's); *HF Trainer* and *TRL* make the trainer's class "

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.readme import problems, quoted_block
+from harness.readme import problems, quoted_block
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ GCO is research-only, so gco-wrapper is no dependency of mixhook or of its tests
 
 It writes tests/recorded/gco_swap.npz: integer problems (unary ``(H, W, L)``, symmetric smooth costs
 ``(L, L)``, edge weights) and the labels ``gco.cut_grid_graph(..., algorithm="swap")`` ends with. Two kinds:
-the graph cuts Co-Mixup's authors' code makes (tests/comixup_reference.py driven by GCO, on random
+the graph cuts Co-Mixup's authors' code makes (harness/comixup_reference.py driven by GCO, on random
 saliency, grids 2, 4 and 8, parts of 2 to 20, both thresholds), and random problems with many ties (small
 integers, random smooth costs) on grids of 2 to 5 sides.
 """
@@ -21,7 +21,7 @@ import gco
 import numpy as np
 import torch
 
-from tests import comixup_reference as ref
+from harness import comixup_reference as ref
 
 KEEP = 150  # Co-Mixup problems kept
 OUT = Path(__file__).resolve().parent.parent / "tests" / "recorded" / "gco_swap.npz"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from tests.zoo.catalogue import ZOO
-from tests.zoo.oracles import Case, run_model
+from harness.zoo.catalogue import ZOO
+from harness.zoo.oracles import Case, run_model
 
 OUTCOMES = ("exact", "refused", "wrong", "error", "skipped")
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,8 +86,8 @@ def markdown(cases: list[Case], seconds: float, command: str, methods: list[str]
         f"mixhook at sampled layers of {len(models)} models ({counts}),"
         " built small from their configs in float64, each case judged by an oracle mixhook does not compute "
         f"({', '.join(ORACLE_WORDS[m] for m in methods) if methods else ORACLE_WORDS[None]}, eval mode):"
-        " see `tests/zoo/oracles.py`. **wrong** is a silent wrong result and **error** an exception that is "
-        "not mixhook's one-line refusal: there must be none.",
+        " see `harness/zoo/oracles.py`. **wrong** is a silent wrong result and **error** an exception that "
+        "is not mixhook's one-line refusal: there must be none.",
         "",
         f"Made {date.today().isoformat()} by `{command}` in {seconds / 60:.1f} minutes; {versions()}.",
         "",
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _portable(entries, patterns: list[str], out: str) -> int:
-    from tests.zoo.portable import check
+    from harness.zoo.portable import check
 
     start, rows, bad = time.time(), [], 0
     for i, entry in enumerate(entries, 1):

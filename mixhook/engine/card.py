@@ -3,7 +3,7 @@
 A method's class carries ``card = Card(...)``, and every registry reads it from there: the catalogue's table
 and the method's section (``docs/_ext/generated.py``), the API page, the app's ``mixup=`` group (a method
 without a config file of its own is composed from its signature's defaults), the matrix's cells
-(``tests/matrix``) and the gallery (which methods it draws). A class that states a card is a catalogued
+(``harness/matrix``) and the gallery (which methods it draws). A class that states a card is a catalogued
 method: defining it (importing its module) adds it to :data:`METHODS`, whichever package it lives in; a
 subclass without a card of its own (a test's variant of a method) is not listed. A hook that is not a
 mixer (a scaling, gradient or noise hook) states a :class:`HookCard` the same way, which lists it in
@@ -52,7 +52,7 @@ class counts may be a method's trait or a policy's (``Policy.needs_class_counts`
 gives both the data's."""
 
 SHOWN_ON = ("cnn", "vit", "mlp")
-"""The matrix's reference models (``tests/matrix/methods.py``): ``cnn``: 8x8 one-channel images, layers
+"""The matrix's reference models (``harness/matrix/methods.py``): ``cnn``: 8x8 one-channel images, layers
 ``conv1`` and ``conv2`` (4 and 6 channels) and ``fc`` (its classifier, after pooling); ``vit``: a timm ViT on
 them, blocks ``blocks.0`` and ``blocks.1`` (attention ``blocks.1.attn``); ``mlp``: regression on 10
 features, layers ``fc1`` and ``fc2``."""
@@ -257,7 +257,7 @@ class HookCard:
         members: the members the API page shows beside the class's docstring ("" for its default).
         example: for a hook with a loss of its own (``hook.loss(model, inputs)``: NoiseFiT, SFTMix), its
             constructor's arguments on the matrix's language model, which makes its row of the matrix
-            (``tests/matrix/language.py``: a tiny Llama, its decoder layers ``model.layers.0`` and
+            (``harness/matrix/language.py``: a tiny Llama, its decoder layers ``model.layers.0`` and
             ``model.layers.1``, its final norm ``model.norm``, the LM head's input); ``None`` for the others.
         trainer: the Trainer mixins of :mod:`mixhook.integrations.lm` it trains with, by name
             (``("SFTMixLoss", "PairedBatches")``): the matrix's HF Trainer and TRL cells make the trainer's

@@ -1,6 +1,6 @@
 """One torchrun launch (two processes, gloo, CPU) for every data-parallel scenario of the suite that runs in
 one job: the library's (per-rank default streams, global_partners_worker.py, fsdp_worker.py), the matrix's
-DDP and FSDP2 cells (tests/matrix/distributed.py) and the app's runs under DDP and FSDP
+DDP and FSDP2 cells (harness/matrix/distributed.py) and the app's runs under DDP and FSDP
 (``mixhook.app.run.main`` on the config Hydra composes for ``train.py``, as train.py runs it). A launch
 costs two Python processes importing torch and a rendezvous; each scenario costs only its own work.
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from fsdp_worker import end_without_finalizing, scenarios  # (this script's folder is on sys.path)
 from global_partners_worker import scenario as global_partners
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.matrix, tests.app_*
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: harness.matrix, tests.app_*
 
 
 def run(scenario: dict, folder: str):
@@ -30,14 +30,14 @@ def run(scenario: dict, folder: str):
     if kind == "fsdp":
         return scenarios(folder)
     if kind == "matrix":
-        from tests.matrix.distributed import cells
+        from harness.matrix.distributed import cells
 
         return cells(scenario["names"], tuple(scenario["modes"]))
     if kind == "default_generator":
         return default_generator()
     if kind == "app":
+        from harness.app_runs import config
         from mixhook.app import run as app
-        from tests.app_helpers import config
 
         return app.main(config(*scenario["overrides"]), out_dir=scenario["out_dir"])
     raise ValueError(f"unknown scenario kind {kind!r}")

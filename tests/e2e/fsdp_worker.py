@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import checkpoint
 
+from harness.processes import end_without_finalizing
 from mixhook import GradClip, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup
 from tests.helpers import per_sample_ce
 
@@ -480,22 +481,6 @@ def main(out_path: str) -> None:
     dist.barrier()  # (neither rank tears gloo down while the other may still be in its last collective)
     dist.destroy_process_group()
     end_without_finalizing()
-
-
-def end_without_finalizing() -> None:
-    """End the process without Python's interpreter shutdown. Rank 0 was seen to abort after writing its
-    complete results ("terminate called without an active exception", SIGABRT; about one run in ten under
-    load). Its core dump shows why: a gloo worker thread (ProcessGroupGloo::runLoop) was still destroying
-    the last barrier's work, which holds the earlier all-gathers' works and so their tensors, whose Python
-    objects the C++ side owned by then; releasing them takes the GIL, and a thread that takes the GIL after
-    Py_FinalizeEx has begun is ended by CPython (pthread_exit) inside that noexcept destructor:
-    std::terminate.
-    destroy_process_group() does not join those threads (pytorch/pytorch#179291 describes the same race).
-    Everything this process owes is written and closed by now, so it ends here, before the interpreter's
-    shutdown can race the threads."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

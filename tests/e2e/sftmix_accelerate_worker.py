@@ -11,10 +11,10 @@ import torch
 import transformers
 from fsdp_worker import end_without_finalizing  # (this script's folder is on sys.path under accelerate)
 
+from harness.matrix.language import CONFIDENT, data, model
 from mixhook import SFTMix
 from mixhook.integrations.lm import PairedBatches, SFTMixLoss
 from mixhook.integrations.transformers import HookCallback
-from tests.matrix.language import CONFIDENT, data, model
 
 ROWS = 48  # 12 paired batches of 4 an epoch: 3 steps of 2 processes x 2 micro-batches
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from harness.app_runs import config, run_app, run_cli
+from harness.readme import problems, quoted_block, shape
 from mixhook import ManifoldMixup
 from mixhook.app import run as app
-from tests.app_helpers import config, run_app, run_cli
 from tests.conftest import write_cifar
 from tests.helpers import Lazy
-from tests.readme import problems, quoted_block, shape
 
 images = Lazy("matplotlib.image")  # imported by the test that uses it, not at collection
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from harness.app_runs import config, run_cli
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
 from mixhook.app.command_line import check_command_line
-from tests.app_helpers import config, run_cli
 from tests.conftest import write_cifar
 
 

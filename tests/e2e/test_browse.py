@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch import nn
 
+from harness.app_runs import config
 from mixhook.app import run as app
 from mixhook.app.browse import browse, format_table
 from mixhook.app.models import PreActResNet18
-from tests.app_helpers import config
 from tests.helpers import Lazy
 from tests.toy_models import TupleBlockNet
 

@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
+from harness.app_runs import config, results, run_app
 from mixhook.app import run as app
 from mixhook.app.training import checkpoint as ckpt
-from tests.app_helpers import config, results, run_app
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # each trains through the app, most of them in train.py

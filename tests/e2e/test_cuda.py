@@ -120,7 +120,7 @@ def test_nfm_compiled_on_cuda_equals_eager():
 
 
 def test_a_cuda_generator_works_for_every_mixer():
-    from tests.matrix.cells import steps_with_own_generators
+    from harness.matrix.cells import steps_with_own_generators
 
     failures = steps_with_own_generators("cuda")
     assert not failures, "\n".join(failures)
@@ -233,8 +233,8 @@ def test_quick_benchmark_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_app_trains_on_cuda_in_mixed_precision_compiled_with_probes(tmp_path, precision):
+    from harness.app_runs import config
     from mixhook.app import run as app
-    from tests.app_helpers import config
 
     out = tmp_path / precision
     # channels_last is left out: torch 2.11's inductor fails a compiled channels-last backward on this

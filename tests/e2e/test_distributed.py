@@ -276,7 +276,7 @@ def test_manifold_mixup_under_fsdp_equals_one_process_replaying_each_ranks_batch
 
 @pytest.mark.slow
 def test_ddp_and_fsdp_equal_one_process_replaying_each_ranks_batch(launch):
-    """The matrix's DDP and FSDP2 cells (tests/matrix/distributed.py) of a sample of methods: each the
+    """The matrix's DDP and FSDP2 cells (harness/matrix/distributed.py) of a sample of methods: each the
     methods that need what a data-parallel job must give them (a policy's gradient pass, the labels before
     the forward, a partner batch, a ViT's grid, the clean batch, a learned mixer, a language model's hook
     with a loss of its own: SFTMix's pairs and its mixed rows after the clean ones)."""

@@ -239,7 +239,7 @@ def test_the_first_example_trains_with_a_mix_and_the_method_count_is_the_cards()
     the README's first lines state is the catalogue's: every card but a composition's."""
     import torch
 
-    from tests.readme import quoted_block
+    from harness.readme import quoted_block
 
     code = "\n".join(quoted_block("## A first example", language="python"))
     torch.manual_seed(0)

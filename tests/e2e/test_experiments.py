@@ -8,6 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from harness.app_runs import config, run_app
 from mixhook import (
     AutoMix,
     CutMix,
@@ -22,7 +23,6 @@ from mixhook import (
 )
 from mixhook.app import CONF_DIR
 from mixhook.app import run as app
-from tests.app_helpers import config, run_app
 from tests.conftest import write_cifar, write_idx
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

@@ -7,8 +7,8 @@ sweeper plugin breaks there, so ``pyproject.toml`` caps Hydra below 1.4 in the `
 import hydra
 import pytest
 
+from harness.app_runs import not_log_lines, run_app, run_cli
 from mixhook.app.hydra_compat import HYDRA_14
-from tests.app_helpers import not_log_lines, run_app, run_cli
 
 pytestmark = pytest.mark.slow  # each runs train.py
 

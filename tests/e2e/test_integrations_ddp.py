@@ -151,10 +151,10 @@ def test_sftmix_in_the_hf_trainer_on_two_processes_pairs_each_ranks_batches_and_
     the second epoch, whose shuffle the resumed processes must set themselves), each
     process draws the uninterrupted run's batches and the weights end the same. The evaluation loss of odd
     batches over both processes is the Trainer's own."""
+    from harness.matrix.language import data, model
     from mixhook import SFTMix
     from mixhook.integrations.transformers import HookCallback
     from tests.e2e.sftmix_accelerate_worker import ROWS
-    from tests.matrix.language import data, model
 
     _launch("sftmix_accelerate_worker.py", tmp_path)
     records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

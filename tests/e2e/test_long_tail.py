@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from harness.app_runs import config, run_app
 from mixhook.app import run as app
 from mixhook.app.data import build_data
 from mixhook.app.training.evaluation import evaluate
 from mixhook.policies import BalancedMixup, Remix
-from tests.app_helpers import config, run_app
 from tests.helpers import Lazy
 
 metrics = Lazy("sklearn.metrics")  # imported by the test that uses it, not at collection

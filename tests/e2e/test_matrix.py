@@ -7,7 +7,7 @@ launch its other data-parallel scenarios share."""
 
 import pytest
 
-from tests.matrix.cells import run
+from harness.matrix.cells import run
 from tools.matrix import BY_NAME, ROWS
 
 

@@ -45,8 +45,8 @@ def test_mixing_a_middle_block_matches_the_formula(name, layer, options):
 def test_a_users_own_model_with_its_own_arguments_through_target(tmp_path):
     import json
 
+    from harness.app_runs import config
     from mixhook.app import run as app
-    from tests.app_helpers import config
 
     cfg = config(
         "model._target_=tests.toy_models.TinyConvNet", "+model.width=12", "mixup.layer=conv2",
@@ -64,8 +64,8 @@ def test_a_users_own_model_with_its_own_arguments_through_target(tmp_path):
 
 @pytest.mark.slow
 def test_a_torchvision_vit_trains_in_the_app_on_cifar_sized_images(tmp_path):
+    from harness.app_runs import config
     from mixhook.app import run as app
-    from tests.app_helpers import config
     from tests.conftest import write_cifar
 
     write_cifar(tmp_path / "cifar", "cifar10", per_file=2)

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from harness.readme import quoted_block
 from tests.conftest import ROOT
-from tests.readme import quoted_block
 
 pytestmark = pytest.mark.process  # each test's property is a fresh interpreter or the built wheel
 

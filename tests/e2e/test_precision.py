@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
+from harness.app_runs import config
 from mixhook import CutMix, ManifoldMixup
 from mixhook.app import run as app
 from mixhook.app.training import checkpoint as ckpt
-from tests.app_helpers import config
 
 TINY = [
     "model._target_=tests.toy_models.TinyConvNet", "allow_targets=[tests.toy_models.*]",

@@ -9,12 +9,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from harness.app_runs import config, run_app
 from mixhook import ActivationStats, CutMix, ManifoldMixup, OneOf
 from mixhook.app import run as app
 from mixhook.app.models import PreActResNet18
 from mixhook.app.training import checkpoint as ckpt
 from mixhook.app.training.logging import RunLogger, save_feature_maps
-from tests.app_helpers import config, run_app
 
 SMALL = [
     "data.train_size=200", "trainer.epochs=1", "trainer.batch_size=32", "trainer.progress_bar=false",

@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
+from harness.app_runs import config
 from mixhook.app import run as app
 from mixhook.app.models import MLP
 from mixhook.app.report import write_report
-from tests.app_helpers import config
 from tests.helpers import Lazy
 
 sklearn_data = Lazy("sklearn.datasets")  # imported by the test that uses it, not at collection

@@ -12,11 +12,11 @@ import matplotlib.image
 import pytest
 import yaml
 
+from harness.app_runs import not_log_lines, run_app
 from mixhook.app import CONF_DIR
 from mixhook.app.hydra_compat import VERSION_BASE
 from mixhook.app.report import main as report_main
 from mixhook.app.report import write_report
-from tests.app_helpers import not_log_lines, run_app
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real sweeps

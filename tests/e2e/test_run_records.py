@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from tests.app_helpers import not_log_lines, run_app
+from harness.app_runs import not_log_lines, run_app
 from tests.conftest import ROOT
 
 QUICK = ("data.train_size=100", "trainer.epochs=1", "trainer.progress_bar=false", "+model.width=0.25")

@@ -1,4 +1,4 @@
-"""The model zoo in the suite (``tests/zoo``): real timm, torchvision and HuggingFace models built small,
+"""The model zoo in the suite (``harness/zoo``): real timm, torchvision and HuggingFace models built small,
 mixed at sampled layers, each case judged by an oracle mixhook does not compute (the hand edit, lam 0 and
 1 against the unhooked model, padding on the unmixed sequence, eval mode). No case may be a wrong result
 or an error; ``python -m tools.zoo`` runs the whole zoo and writes docs/zoo.md.
@@ -9,8 +9,8 @@ padding in an encoder and in encoder-decoders) at two layers; the full suite als
 
 import pytest
 
-from tests.zoo.catalogue import ZOO
-from tests.zoo.oracles import run_model
+from harness.zoo.catalogue import ZOO
+from harness.zoo.oracles import run_model
 
 QUICK = [m.name for m in ZOO if m.quick]
 HEAVY = {"timm/maxvit_pico_rw_256", "timm/mambaout_femto"}  # over 6 s each: in the full suite only
@@ -66,7 +66,7 @@ def test_portable_specs_resolve_to_what_the_model_states_or_are_refused(name):
     """stage:k at the stated reduction and channels on a real forward, block:k in forward order (a timm
     ViT's against forward_intermediates), Manifold Mixup at depth:0.5 as the hand edit at its real name;
     ``python -m tools.zoo --portable`` runs every model (docs/zoo-portable.md)."""
-    from tests.zoo.portable import check
+    from harness.zoo.portable import check
 
     what, problems = check(next(m for m in ZOO if m.name == name))
     assert not problems, f"{name} ({what}): " + "; ".join(problems)

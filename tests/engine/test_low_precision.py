@@ -22,11 +22,11 @@ import inspect
 import pytest
 import torch
 
+from harness.matrix.methods import MODELS, criterion, data
 from mixhook import ManifoldMixup
 from mixhook.engine.card import METHODS, build
 from mixhook.engine.contract import Mixed
 from mixhook.engine.forward import detached
-from tests.matrix.methods import MODELS, criterion, data
 
 SITES = {
     "cnn": ("input", "conv1", "conv2"),

@@ -1,7 +1,7 @@
 """Plans that cannot go stale (issue 68): a mixer warmed up on one kind of forward and then given another
 computes what a fresh mixer computes on that forward, or refuses it exactly as a fresh mixer refuses it.
 
-Every method of the matrix (:mod:`tests.matrix.methods`) is warmed up for three training steps (with an
+Every method of the matrix (:mod:`harness.matrix.methods`) is warmed up for three training steps (with an
 eval and a ``no_grad`` forward between them), then one thing changes at a time (the batch size, down to 1;
 the input's sides; the dtype; bf16 autocast; the memory format; a keyword call; activation checkpointing
 around the whole forward; the model copied and attached again; a submodule replaced and attached again).
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixhook
+from harness.matrix.cells import hand_setup
+from harness.matrix.methods import METHODS, Cnn, Method, criterion, model
 from mixhook.layouts import AmbiguousLayoutError
-from tests.matrix.cells import hand_setup
-from tests.matrix.methods import METHODS, Cnn, Method, criterion, model
 
 
 def _step(mixer, stream, net, x, y, loss_of, call=None):
@@ -128,7 +128,7 @@ def _warmed(method: Method, net: nn.Module, x, y):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS, ids=[m.name for m in METHODS])
 def test_a_warmed_mixer_computes_what_a_fresh_one_does_after_each_change(method):
-    from tests.matrix.methods import data
+    from harness.matrix.methods import data
 
     x, y = data(method.kind, n=8)
     for name, change in _changes(method.kind):
@@ -155,7 +155,7 @@ def test_a_model_copied_or_a_submodule_replaced_and_attached_again_is_planned_ag
     """Attached to a copy of its model, or again after a submodule was replaced, the mixer plans anew: it
     mixes the new model's layer as a fresh mixer does (CutMix at a map, which plans its layout and sides)."""
     method = Method("CutMix", lambda _: mixhook.CutMix("conv1", generator=torch.Generator().manual_seed(5)))
-    from tests.matrix.methods import data
+    from harness.matrix.methods import data
 
     x, y = data("cnn", n=8)
     net = model("cnn")
@@ -346,7 +346,7 @@ def test_every_method_at_a_portable_spec_trains_as_at_its_real_name(cls, layer, 
     gradient pass of SaliencyMix(saliency="gradient") kept the layer table from before attach: KeyError),
     so each method at ``stage:k`` (its layer, and ``features=``) draws, mixes and trains as at the real
     name, over two steps on the same draws."""
-    from tests.matrix.methods import data
+    from harness.matrix.methods import data
 
     x, y = data("cnn", n=8)
     runs = []
@@ -396,7 +396,7 @@ def test_model_compile_with_a_mixer_that_runs_between_graphs_mixes_as_eager(meth
     """``model.compile()`` (the module method) with a mixer whose hooks run between graphs
     (``torch.compiler.disable``: pytorch/pytorch#142358 let such a hook make the module skip compiling):
     the forward mixes, and its logits, loss and gradients equal the eager forward's on the same draws."""
-    from tests.matrix.methods import BY_NAME, data
+    from harness.matrix.methods import BY_NAME, data
 
     x, y = data("cnn", n=8)
     runs = []

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kept import RECORDS, kept
+from harness.language_models import tiny_llama
+from harness.matrix.cells import hand_setup
+from harness.matrix.methods import METHODS, Method, criterion, model
 from mixhook import ManifoldMixup, NEFTune, NoiseFiT
 from mixhook.copies import own
 from mixhook.engine.contract import Mixed
-from tests.helpers import tiny_llama
-from tests.matrix.cells import hand_setup
-from tests.matrix.methods import METHODS, Method, criterion, model
 
 BATCH = 8
 # the steps before the first count (what a method plans once per site or per grid it draws is made by then)

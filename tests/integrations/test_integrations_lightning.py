@@ -347,8 +347,8 @@ def test_a_resumed_automix_fit_continues_its_mix_block_and_copy(tmp_path):
     """AutoMix's Mix Block (in the optimizer, with its momentum buffers) and momentum copy travel in
     Lightning's checkpoint: one epoch, a checkpoint, then another from it, equal two epochs straight bit
     for bit (the model, the Mix Block and the copy)."""
+    from harness.matrix.methods import data, model
     from mixhook import AutoMix
-    from tests.matrix.methods import data, model
 
     x, y = data("cnn")
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)

@@ -334,9 +334,9 @@ def test_a_resumed_automix_run_continues_its_mix_block_copy_and_their_optimizer_
     the model, the Mix Block and the copy end where the straight run ends, also with an optimizer given
     to the Trainer that holds the Mix Block (its gradients cleared after each step all the same). A
     checkpoint without mixhook.pt is refused in one line."""
+    from harness.matrix.cells import _Outputs
+    from harness.matrix.methods import data, model
     from mixhook import AutoMix
-    from tests.matrix.cells import _Outputs
-    from tests.matrix.methods import data, model
 
     x, y = data("cnn", n=32)
     rows = [{"pixel_values": a, "labels": b} for a, b in zip(x, y, strict=True)]

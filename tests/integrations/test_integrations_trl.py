@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.language_models import llama, sft
 from mixhook import ManifoldMixup, NEFTune, RegMixup
 from mixhook.integrations.draws import reseed
 from mixhook.packing import PackedBatchError
-from tests.helpers import Lazy, tiny_llama
+from tests.helpers import Lazy
 
 adapter = Lazy("mixhook.integrations.transformers")  # imports transformers: when a test first uses it
 lm_adapter = Lazy("mixhook.integrations.lm")
@@ -20,50 +21,6 @@ transformers = Lazy("transformers")
 trl = Lazy("trl")
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # TRL: compute_loss_func is deprecated
-VOCAB = 64
-
-
-def tokenizer():
-    """A word-level tokenizer built in code (nothing downloaded): token ``t<i>`` is id ``i``, 0 pads."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-
-    vocab = {"<pad>": 0} | {f"t{i}": i for i in range(1, VOCAB)}
-    model = WordLevel(vocab, unk_token="t1")
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(model), pad_token="<pad>", eos_token="t2"
-    )
-
-
-def llama():
-    return tiny_llama(vocab_size=VOCAB, max_position_embeddings=64)
-
-
-def dataset(n=12):
-    """Prompt-completion rows of different lengths: the first two tokens are the prompt (no loss)."""
-    import datasets
-
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(3, 9, (), generator=g))
-        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
-        rows.append({"input_ids": ids, "completion_mask": [0, 0] + [1] * (length - 2)})
-    return datasets.Dataset.from_list(rows)
-
-
-def sft(model, tmp_path, callbacks, loss=None, cls=None, **options):
-    settings = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_train_epochs=1, report_to=[],
-        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=0.1,
-        optim="sgd", lr_scheduler_type="constant", max_grad_norm=0, weight_decay=0.0, seed=7,
-        completion_only_loss=True, train_sampling_strategy="sequential",
-    )  # fmt: skip
-    settings.update(options)
-    return (cls or trl.SFTTrainer)(
-        model=model, args=trl.SFTConfig(**settings), train_dataset=dataset(), processing_class=tokenizer(),
-        callbacks=callbacks, compute_loss_func=loss,
-    )  # fmt: skip
 
 
 def summed(logits, labels):

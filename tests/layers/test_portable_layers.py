@@ -11,9 +11,10 @@ import torchvision
 from torch import nn
 
 import mixhook
+from harness.language_models import tiny_llama
 from mixhook import CutMix, ManifoldMixup, UnknownLayerError, register_layers, resolve_layer, resolve_layers
 from mixhook.layers import describe, parse_spec, portable_names
-from tests.helpers import Lazy, grads, tiny_llama
+from tests.helpers import Lazy, grads
 
 transformers = Lazy("transformers")
 peft = Lazy("peft")

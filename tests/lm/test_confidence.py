@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.language_models import tiny_llama
 from mixhook.lm.confidence import PairedSampler, confidence, response_perplexity, split
-from tests.helpers import Lazy, tiny_llama
+from tests.helpers import Lazy
 
 adapter = Lazy("mixhook.integrations.lm")
 trl = Lazy("trl")
@@ -148,7 +149,7 @@ def test_the_paired_sampler_makes_half_and_half_batches_new_each_epoch_the_same_
 
 
 def trainer(net, out, callbacks=(), cls=None, data=None, **options):
-    from tests.integrations.test_integrations_trl import dataset, tokenizer
+    from harness.language_models import dataset, tokenizer
 
     settings = dict(
         output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=1, report_to=[], use_cpu=True,
@@ -166,7 +167,7 @@ def trainer(net, out, callbacks=(), cls=None, data=None, **options):
 def test_the_reference_run_saves_its_checkpoints_evenly_and_they_score_as_the_models_did(
     tmp_path, monkeypatch
 ):
-    from tests.integrations.test_integrations_trl import dataset, llama
+    from harness.language_models import dataset, llama
 
     net = llama()
     seen = {}
@@ -204,7 +205,7 @@ def test_the_reference_run_saves_its_checkpoints_evenly_and_they_score_as_the_mo
 
 @pytest.mark.slow
 def test_the_trainers_batches_are_paired_halves_under_accumulation(tmp_path):
-    from tests.integrations.test_integrations_trl import dataset, llama
+    from harness.language_models import dataset, llama
 
     data = dataset(16)
     flags = [bool(i % 3 == 0) for i in range(8)] + [True] * 4 + [False] * 4
@@ -251,7 +252,7 @@ def test_each_epoch_is_set_on_the_sampler_itself_so_a_resumed_epoch_on_two_proce
     from accelerate.data_loader import prepare_data_loader, skip_first_batches
     from torch.utils.data import DataLoader
 
-    from tests.integrations.test_integrations_trl import dataset, llama
+    from harness.language_models import dataset, llama
 
     data = dataset(16).add_column("sftmix_confident", [i % 2 == 0 for i in range(16)])
 

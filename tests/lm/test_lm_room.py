@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import mixhook
+from harness.language_models import tiny_llama
 from mixhook import LossHook, LossState, NoiseFiT, SFTMix
-from tests.helpers import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "mixhook"

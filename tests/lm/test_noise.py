@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from harness.language_models import tiny_llama
 from mixhook import NEFTune
 from mixhook.packing import PackedBatchError
-from tests.helpers import Lazy, tiny_llama
+from tests.helpers import Lazy
 
 transformers = Lazy("transformers")
 

@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
+from harness.language_models import tiny_llama
 from mixhook import ManifoldMixup, NEFTune, UnknownLayerError
-from tests.helpers import Lazy, hook_count, tiny_llama
+from tests.helpers import Lazy, hook_count
 
 peft = Lazy("peft")
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.language_models import tiny_llama
 from mixhook import SFTMix
 from mixhook.packing import PackedBatchError
-from tests.helpers import assert_same_step, tiny_llama
+from tests.helpers import assert_same_step
 
 T = 12
 
@@ -209,10 +210,10 @@ def test_trls_sfttrainer_with_sftmixs_loss_and_paired_batches_trains_as_the_hand
     divided by the step's counts."""
     import trl
 
+    from harness.language_models import dataset, llama, tokenizer
     from mixhook.integrations.draws import reseed
     from mixhook.integrations.lm import PairedBatches, SFTMixLoss
     from mixhook.integrations.transformers import HookCallback
-    from tests.integrations.test_integrations_trl import dataset, llama, tokenizer
 
     class SFTMixTrainer(SFTMixLoss, PairedBatches, trl.SFTTrainer):
         pass
@@ -268,9 +269,9 @@ def test_with_mu_zero_sftmixs_trainer_trains_as_the_trainers_own_loss_under_grad
     import datasets
     import transformers
 
+    from harness.matrix.language import CONFIDENT, data, model
     from mixhook.integrations.lm import PairedBatches, SFTMixLoss
     from mixhook.integrations.transformers import HookCallback
-    from tests.matrix.language import CONFIDENT, data, model
 
     class Plain(PairedBatches, transformers.Trainer):
         pass
@@ -329,9 +330,9 @@ def test_what_a_mixins_own_loss_would_drop_is_refused_in_one_line_before_a_step(
     import datasets
     import transformers
 
+    from harness.matrix.language import CONFIDENT, data, model
     from mixhook import NoiseFiT
     from mixhook.integrations import lm as adapter
-    from tests.matrix.language import CONFIDENT, data, model
 
     hook = SFTMix("model.norm") if mixin == "SFTMixLoss" else NoiseFiT("model.layers.0")
     extra = (adapter.PairedBatches,) if mixin == "SFTMixLoss" else ()
@@ -503,9 +504,9 @@ def test_a_trainer_without_paired_batches_is_refused_before_its_first_step(tmp_p
     import datasets
     import transformers
 
+    from harness.matrix.language import CONFIDENT, data, model
     from mixhook.integrations.lm import SFTMixLoss
     from mixhook.integrations.transformers import HookCallback
-    from tests.matrix.language import CONFIDENT, data, model
 
     class Unpaired(SFTMixLoss, transformers.Trainer):
         pass

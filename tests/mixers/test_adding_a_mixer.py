@@ -97,8 +97,8 @@ def test_the_apps_group_composes_it_from_its_defaults(added):
 
 @pytest.mark.slow
 def test_the_matrix_runs_it_in_the_hand_loop_and_in_lightning(added):
-    from tests.matrix.cells import run
-    from tests.matrix.methods import methods
+    from harness.matrix.cells import run
+    from harness.matrix.methods import methods
 
     (method,) = [m for m in methods() if m.name == added.__name__]
     assert method.app == added.__name__.lower()
@@ -110,7 +110,7 @@ def test_the_matrix_runs_it_in_the_hand_loop_and_in_lightning(added):
 def test_the_example_mixes_as_a_hand_edited_forward(added):
     """The examples are methods, not only text: each at its card's layer, on a pinned draw, against the
     hand edit in float64 (ChannelSwap's odd channels; BandMix's rows 2 to 6 of 8)."""
-    from tests.matrix.methods import data, model
+    from harness.matrix.methods import data, model
 
     net = model(added.card.shown_on)
     x, _ = data(added.card.shown_on, n=4)

@@ -311,8 +311,8 @@ def test_bad_settings_and_inputs_are_refused_in_one_line():
 def test_the_app_gives_it_the_datas_normalisation_and_its_views_are_of_the_digits_pixels():
     """``mixup=augmix`` on digits: the mixer reads the data's own mean and std (the app's images are
     normalised), so the pixels its first batch is checked on are the digits' ``x / 16`` in [0, 1]."""
+    from harness.app_runs import config
     from mixhook.app.build import build
-    from tests.app_helpers import config
 
     run = build(config("mixup=augmix", "+model.width=0.25"))
     try:

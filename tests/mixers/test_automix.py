@@ -578,8 +578,8 @@ def test_the_mix_block_may_have_its_own_learning_rate_in_any_optimizer():
     optimizer take them; a cosine schedule scales both groups alike."""
     from torch.optim import lr_scheduler
 
+    from harness.app_runs import config
     from mixhook.integrations.draws import join_optimizer
-    from tests.app_helpers import config
 
     model = Net()
     mix = AutoMix("input", "layer3", block_lr=0.03, block_momentum=0.0)

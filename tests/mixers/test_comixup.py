@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from harness import comixup_reference as ref
 from mixhook import CoMixup, CutMix
 from mixhook.mixers.comixup import compatibility, labelling
 from mixhook.policies import LocalWeights, SaliencyPairing
 from mixhook.solvers.swap import swap_labelling
-from tests import comixup_reference as ref
 from tests.helpers import assert_same_step, gen
 
 RECORDED = Path(__file__).resolve().parent.parent / "recorded" / "gco_swap.npz"

@@ -311,6 +311,6 @@ def test_every_method_comes_with_its_module_test_and_card():
 def test_every_matrix_method_trains_a_step_with_its_generators_on_the_batchs_device():
     """The CPU twin of tests/e2e/test_cuda.py's CUDA-generator test: every method of the matrix trains a
     step with generators of its own on the batch's device (here the CPU), its partners moved there."""
-    from tests.matrix.cells import steps_with_own_generators
+    from harness.matrix.cells import steps_with_own_generators
 
     assert steps_with_own_generators("cpu") == []

@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 import mixhook
+from harness.app_runs import results
 from mixhook.integrations.draws import PartnerStream, count_classes, reseed
-from tests.app_helpers import results
 
 from .methods import Method, criterion, data, model
 
@@ -268,8 +268,8 @@ def trl(method: Method) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     it drew; ``None`` for the methods shown on images here."""
     import torch.nn.functional as F
 
+    from harness.language_models import llama, sft
     from mixhook.integrations.transformers import MixupCallback
-    from tests.integrations.test_integrations_trl import llama, sft
 
     layer = LM_LAYERS.get(method.name)
     if layer is None:
@@ -313,8 +313,8 @@ NARROW = "+model.width=0.25"  # the default PreActResNet-18 a quarter wide: its 
 
 
 def _app(*overrides, out: str) -> None:
+    from harness.app_runs import config
     from mixhook.app import run as app_run
-    from tests.app_helpers import config
 
     app_run.main(config(*APP, *_narrow(overrides)), out_dir=out)
 

@@ -13,12 +13,14 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
 from mixhook.app import CONF_DIR
 from mixhook.app.hydra_compat import VERSION_BASE
-from tests.conftest import ROOT
+
+ROOT = Path(__file__).resolve().parents[1]  # (the repository's root: train.py)
 
 
 def config(*overrides):

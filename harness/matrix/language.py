@@ -23,9 +23,9 @@ import torch
 
 import mixhook.lm.noisefit  # noqa: F401  (its card in HOOKS)
 import mixhook.lm.sftmix  # noqa: F401
+from harness.language_models import tiny_llama
 from mixhook.engine.card import HOOKS, build
 from mixhook.integrations.draws import reseed
-from tests.helpers import tiny_llama
 
 from .cells import BATCH, LR, SEED, STEPS
 from .methods import Method
@@ -177,8 +177,8 @@ def trl(method: Method) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     import datasets
     import trl as trl_
 
+    from harness.language_models import tokenizer
     from mixhook.integrations.transformers import HookCallback
-    from tests.integrations.test_integrations_trl import tokenizer
 
     rows, flags = data(STEPS * BATCH)
     listed = []

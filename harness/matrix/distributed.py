@@ -1,5 +1,5 @@
 """The matrix's own-loop cells under DDP and FSDP2: run by torchrun (two processes, gloo, CPU) as
-``python -m torch.distributed.run --nproc_per_node 2 tests/matrix/distributed.py OUT.json [--modes=M,...]
+``python -m torch.distributed.run --nproc_per_node 2 harness/matrix/distributed.py OUT.json [--modes=M,...]
 METHOD...`` (the modes: ``ddp`` and ``fsdp`` by default; ``fsdp_late``, the mixer attached before
 ``fully_shard`` of the root alone, whose forward then replaces the root's parameters by the gathered ones).
 
@@ -11,7 +11,7 @@ criterion's mean under the mix, SGD; rank 0 then replays both ranks' batches in 
 averaged, as both reduce them) and compares the weights (a learned mixer's Mix Block and momentum copy
 too): ``exact`` within 1e-12, ``refused`` (one line before the first step), ``fails`` otherwise. Rank 0
 writes every cell to OUT.json. The hooks with a loss of their own (NoiseFiT, SFTMix) train their language
-model the same way (:func:`tests.matrix.language.distributed`: each rank on its own batches, SFTMix's
+model the same way (:func:`harness.matrix.language.distributed`: each rank on its own batches, SFTMix's
 pairs within each).
 """
 
@@ -24,9 +24,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import mixhook
-from tests.matrix import language
-from tests.matrix.cells import BATCH, LR, STEPS, TOLERANCE, hand_setup, hand_step
-from tests.matrix.methods import BY_NAME, Method, criterion, model
+from harness.matrix import language
+from harness.matrix.cells import BATCH, LR, STEPS, TOLERANCE, hand_setup, hand_step
+from harness.matrix.methods import BY_NAME, Method, criterion, model
 
 WORLD = 2
 
@@ -97,7 +97,7 @@ def replayed(method: Method) -> list[torch.Tensor]:
 
 
 def cell(method: Method, mode: str, rank: int) -> tuple[str, str]:
-    lm = method.kind == "lm"  # (a hook with a loss of its own: tests/matrix/language.py)
+    lm = method.kind == "lm"  # (a hook with a loss of its own: harness/matrix/language.py)
     try:
         weights = language.distributed(method, mode, rank, WORLD) if lm else trained(method, mode, rank)
     except (TypeError, ValueError, RuntimeError) as error:
@@ -139,7 +139,7 @@ def main() -> None:
             json.dump(cells_found, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
-    from tests.e2e.fsdp_worker import end_without_finalizing
+    from harness.processes import end_without_finalizing
 
     end_without_finalizing()
 

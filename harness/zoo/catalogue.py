@@ -2,7 +2,7 @@
 are downloaded), each with the inputs and loss of its task.
 
 Images are 64 x 96 where the model takes that size (a non-square input tells a map's height from its width:
-:func:`tests.zoo.oracles.spatial_axes`), else square. Every entry builds in float64, in train mode, with
+:func:`harness.zoo.oracles.spatial_axes`), else square. Every entry builds in float64, in train mode, with
 dropout and stochastic depth off and every parameter that its library initialises to (nearly) zero given
 random values (timm and torchvision zero-initialise residual-branch norms, layer scales and heads, which
 would make a mix that reaches them look exact by accident).

@@ -407,8 +407,8 @@ class Mixer(LayerHook, LossAndTargets, MixingHook):
 
     @property
     def in_gradient_pass(self) -> bool:
-        """Whether :meth:`gradient_at`'s own pass is under way (a hook of the method's own skips it: that
-        pass neither mixes nor records)."""
+        """Whether :meth:`gradient_at`'s own pass is under way, which neither mixes nor records (a hook of
+        the method's own skips it)."""
         return self._path.gradients.running
 
     def layout_at(self, spec: str, ndim: int = 4) -> str:

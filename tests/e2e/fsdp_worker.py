@@ -11,6 +11,7 @@ three layers, rank 0 gathers what every rank mixed and writes the largest differ
 import json
 import os
 import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -21,9 +22,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import checkpoint
 
-from harness.processes import end_without_finalizing
-from mixhook import GradClip, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup
-from tests.helpers import per_sample_ce
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # (run as a script) the repository's root
+
+from harness.processes import end_without_finalizing  # noqa: E402
+from mixhook import GradClip, GradScale, InputScale, ManifoldMixup, NoisyFeatureMixup  # noqa: E402
+from tests.helpers import per_sample_ce  # noqa: E402
 
 
 def net() -> nn.Sequential:

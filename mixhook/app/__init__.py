@@ -1,9 +1,10 @@
-"""The experiment app: Hydra configs in, a checked run out (``python train.py``), with its data, models,
+"""The experiment app: Hydra configs in, a checked run out (``python train.py``, or ``mixhook-train``
+installed), with its data, models,
 training loop, sweep reports and layer browser. It is installed by the ``app`` extra
 (``pip install 'mixhook[app]'``) and imports the library core; the core never imports it.
 
 ``CONF_DIR`` is the directory of its Hydra config groups (shipped in the package, so ``train.py`` and
-``python -m mixhook.layers`` work from a checkout and from an installed wheel alike).
+``mixhook-layers`` work from a checkout and from an installed wheel alike).
 """
 
 from .conf import CONF_DIR as CONF_DIR  # (re-exported)

@@ -1,6 +1,6 @@
 """The layer browser: which layers of a model can be mixed, and which sit inside a residual block.
 
-``python -m mixhook.layers model=<...> data=<...>`` (any of the app's overrides) builds the model for the
+``mixhook-layers model=<...> data=<...>`` (any of the app's overrides) builds the model for the
 data, runs one sample batch through it, and prints every named module in call order with its output
 its structure and two verdicts:
 
@@ -32,17 +32,17 @@ from torch import nn
 from mixhook import layers
 from mixhook.sites import BatchDims, batch_leaves, format_path, input_batch, leaves, parse_site
 
-USAGE = """usage: python -m mixhook.layers [OVERRIDE ...]
+USAGE = """usage: mixhook-layers [OVERRIDE ...]
 
 Lists every layer of the experiment app's model, in call order, on one sample batch of its data: what it
 returns (elements and the dimension along which each carries the batch), whether a mixer can mix it, and
 whether it sits inside a residual block or on its skip path.
 
 OVERRIDE: any of train.py's overrides; the mixable column is the configured method's verdict, e.g.
-  python -m mixhook.layers model=torchvision model.name=resnet18
-  python -m mixhook.layers mixup=cutmix        # CutMix's verdict: no 1x1 maps, no logits
-  python -m mixhook.layers model=timm model.name=vit_tiny_patch16_224 +model.img_size=8 +model.patch_size=4
-  python -m mixhook.layers data=cifar10 data.root=/path/to/data
+  mixhook-layers model=torchvision model.name=resnet18
+  mixhook-layers mixup=cutmix        # CutMix's verdict: no 1x1 maps, no logits
+  mixhook-layers model=timm model.name=vit_tiny_patch16_224 +model.img_size=8 +model.patch_size=4
+  mixhook-layers data=cifar10 data.root=/path/to/data
 """
 
 
@@ -242,7 +242,7 @@ def _statement(model: nn.Module) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m mixhook.layers [overrides]``: print the table for the app's model and data."""
+    """``mixhook-layers [overrides]``: print the table for the app's model and data."""
     if any(arg in ("-h", "--help") for arg in argv):
         print(USAGE, end="")
         return 0

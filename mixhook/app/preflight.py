@@ -69,7 +69,7 @@ def attach(model: nn.Module, key: str, hook, data: Data):
         if readers and layer_key(hook, err) == "attention" and not _has_attention(model):
             raise ConfigError(f"{key}.attention: {_needs_attention(readers[0], model, data)}") from err
         raise ConfigError(
-            f"{key}.{layer_key(hook, err)}: {err}. `python -m mixhook.layers` with this run's model "
+            f"{key}.{layer_key(hook, err)}: {err}. `mixhook-layers` with this run's model "
             "and data overrides lists every layer with its output and whether it can be mixed"
         ) from err
     except (TypeError, ValueError) as err:  # a layer argument of the wrong kind (not attention...)

@@ -660,7 +660,7 @@ class ReportCallback(Callback):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:  # the app extra: without it, say what to install (as python -m mixhook.layers does)
+    try:  # the app extra: without it, say what to install (as mixhook-layers does)
         import matplotlib  # noqa: F401
         import yaml  # noqa: F401
     except ImportError as err:

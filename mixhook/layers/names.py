@@ -89,7 +89,7 @@ def _pattern(model: nn.Module, spec: Spec, modules: dict) -> tuple[str, ...]:
 
 def _closest(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, [v for v in valid if v], n=3, cutoff=0.5)
-    return f"; closest: {', '.join(repr(c) for c in close)}" if close else "; see python -m mixhook.layers"
+    return f"; closest: {', '.join(repr(c) for c in close)}" if close else "; see mixhook-layers"
 
 
 def _unknown_layer_message(model: nn.Module, name: str) -> str:

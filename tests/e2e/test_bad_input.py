@@ -67,7 +67,7 @@ from tests.conftest import write_cifar
         (
             ["mixup.layer=stage:9"],
             "error: mixup.layer: layer 'stage:9': PreActResNet has 5 stages, stage:0..4 (or stage:-5..-1): "
-            "conv1, layer1, layer2, layer3, layer4. `python -m mixhook.layers`",
+            "conv1, layer1, layer2, layer3, layer4. `mixhook-layers`",
         ),
         (["trainer.resume=3"], "error: trainer.resume: no checkpoint at 3"),
         (["trainer.resume=''"], "error: trainer.resume must be null, auto or a checkpoint path, got ''"),

@@ -1,5 +1,5 @@
 """The layer browser: mixable layers, residual-block membership read from the autograd graph, and the
-`python -m mixhook.layers` command."""
+`mixhook-layers` command."""
 
 import pytest
 import torch
@@ -91,7 +91,7 @@ def test_structures_show_their_elements_and_batch_dimensions_and_nothing_is_left
 
 @pytest.mark.slow
 def test_the_command_lists_layers_as_the_issue_asks(capsys):
-    from mixhook.app.browse import main  # (python -m mixhook.layers, in this process: the command as a
+    from mixhook.app.browse import main  # (mixhook-layers, in this process: the command as a
     # process of its own, printing nothing on stderr, in test_packaging.py's run from a built wheel)
 
     assert main(["model=torchvision", "model.name=resnet18"]) == 0
@@ -113,7 +113,7 @@ def test_the_browser_help_other_models_and_bad_options_in_process(capsys):
     from mixhook.app.browse import main
 
     assert main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: python -m mixhook.layers [OVERRIDE ...]")
+    assert capsys.readouterr().out.startswith("usage: mixhook-layers [OVERRIDE ...]")
     assert (
         main(["model=timm", "model.name=vit_tiny_patch16_224", "+model.img_size=8", "+model.patch_size=4"])
         == 0
@@ -128,9 +128,7 @@ def test_the_unknown_layer_error_points_to_the_browser():
     try:
         app.build(config("mixup.layer=layr2"))
     except app.ConfigError as err:
-        assert "`python -m mixhook.layers` with this run's model and data overrides lists every layer" in str(
-            err
-        )
+        assert "`mixhook-layers` with this run's model and data overrides lists every layer" in str(err)
     else:
         raise AssertionError("an unknown layer was accepted")
 

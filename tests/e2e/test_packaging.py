@@ -4,11 +4,12 @@ app, built into a wheel, carries its configs so the layer browser works from the
 a checkout."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -105,7 +106,8 @@ def torch_alone(tmp_path_factory):
     report_dir = tmp_path_factory.mktemp("report")
     parts = {
         "core": CORE_USE.replace("{blocked!r}", repr(BLOCKED)).replace("{adapters!r}", repr(ADAPTERS)),
-        "layer_browser": "import runpy; runpy.run_module('mixhook.layers', run_name='__main__')",
+        "layer_browser": "import sys, mixhook_cli; sys.argv = ['mixhook-layers']; mixhook_cli.layers()",
+        "train": "import sys, mixhook_cli; sys.argv = ['mixhook-train']; mixhook_cli.train()",
         "readme": readme_block("**Manifold Mixup in your own loop.**"),
         "report": f"import runpy, sys; sys.argv = ['report', {str(report_dir)!r}]; "
         "runpy.run_module('mixhook.app.report', run_name='__main__')",
@@ -127,46 +129,92 @@ def test_the_core_imports_and_trains_with_torch_alone(torch_alone):
 
 @pytest.mark.slow
 def test_the_layer_browser_without_the_app_says_what_to_install(torch_alone):
-    result = torch_alone["layer_browser"]
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "error: the layer browser is part of the experiment app, which needs hydra: "
-        "pip install 'mixhook[app]'"
-    ]
+    for part, command in (("layer_browser", "mixhook-layers"), ("train", "mixhook-train")):
+        result = torch_alone[part]
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            f"error: {command} is part of the experiment app, which needs hydra: pip install 'mixhook[app]'"
+        ]
 
 
-@pytest.mark.slow
-def test_the_layer_browser_runs_from_a_built_wheel(tmp_path):
-    source = tmp_path / "source"  # a copy: building writes build/ and *.egg-info beside the sources
-    shutil.copytree(ROOT / "mixhook", source / "mixhook", ignore=shutil.ignore_patterns("__pycache__"))
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """The wheel built from a copy of the sources and installed by pip into a fresh virtual environment
+    outside any checkout, its dependencies this environment's (the app extra's: a further copy of torch
+    would take minutes and gigabytes): ``(the environment's bin folder, a working folder elsewhere)``."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "source"  # a copy: building writes build/ and *.egg-info beside the sources
+    for package in ("mixhook", "mixhook_cli"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-         str(tmp_path / "dist"), str(source)],
+         str(tmp / "dist"), str(source)],
         check=True, capture_output=True,
     )  # fmt: skip
-    (wheel,) = (tmp_path / "dist").glob("mixhook-*.whl")
+    (wheel,) = (tmp / "dist").glob("mixhook-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "mixhook/app/conf/config.yaml" in names
+    assert "mixhook/app/conf/config.yaml" in names and "mixhook_cli/__init__.py" in names
     assert "mixhook/app/conf/experiment/_recipes/verma2019.yaml" in names
-    site = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(site)  # what pip would install, away from any checkout
-    run = tmp_path / "elsewhere"
-    run.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "mixhook-train = mixhook_cli:train" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    # this environment's packages after the new one's own (its .pth files, an editable mixhook's, not run)
+    (Path(purelib) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    elsewhere = tmp / "elsewhere"
+    elsewhere.mkdir()
     where = subprocess.run(
-        [sys.executable, "-c", "import mixhook; print(mixhook.__file__)"],
-        capture_output=True, text=True, cwd=run, env=env, check=True,
+        [str(python), "-c", "import mixhook, mixhook_cli; print(mixhook.__file__, mixhook_cli.__file__)"],
+        capture_output=True, text=True, cwd=elsewhere, check=True,
     )  # fmt: skip
-    assert where.stdout.strip().startswith(str(site))
-    result = subprocess.run(
-        [sys.executable, "-m", "mixhook.layers", "mixup=cutmix"],
-        capture_output=True, text=True, cwd=run, env=env,
-    )  # fmt: skip
-    assert result.returncode == 0 and result.stderr == "", result.stderr  # (the listing alone)
-    assert result.stdout.startswith("PreActResNet on a digits batch of shape (2, 1, 8, 8):")
-    assert "layer4.0.shortcut" in result.stdout
+    assert all(path.startswith(purelib) for path in where.stdout.split()), where.stdout
+    return venv / "bin", elsewhere
+
+
+QUICK = ["trainer.epochs=1", "data.train_size=200", "trainer.progress_bar=false"]
+
+
+@pytest.mark.slow
+def test_the_installed_commands_train_sweep_browse_and_refuse_outside_a_checkout(installed):
+    """Issue 98: ``pip install 'mixhook[app]'`` gives ``mixhook-train`` (what ``python train.py`` does: a
+    run, a sweep with its report, exit 2 and one line for a bad override) and ``mixhook-layers``, run from
+    the installed files in a folder that is no checkout."""
+    bin_dir, elsewhere = installed
+
+    def command(name, *args):
+        return subprocess.run(
+            [str(bin_dir / name), *args], capture_output=True, text=True, cwd=elsewhere, timeout=600
+        )
+
+    run = command("mixhook-train", *QUICK, "hydra.run.dir=one")
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((elsewhere / "one" / "summary.json").read_text())
+    assert summary["task"] == "classification" and 0 <= summary["test_acc"] <= 1
+    assert (elsewhere / "one" / "train.log").is_file()  # (the job's name: the same as python train.py's)
+    sweep = command("mixhook-train", "-m", "seed=0,1", *QUICK, "hydra.sweep.dir=sweep")
+    assert sweep.returncode == 0, sweep.stderr[-2000:]
+    assert sorted(p.parent.name for p in (elsewhere / "sweep").glob("*/summary.json")) == ["0", "1"]
+    assert (elsewhere / "sweep" / "summary.md").is_file()  # (the sweep's report)
+    bad = command("mixhook-train", "mixup.alpha=-1")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert bad.stderr.startswith("error: ") and "alpha" in bad.stderr
+    listing = command("mixhook-layers", "mixup=cutmix")
+    assert listing.returncode == 0 and listing.stderr == "", listing.stderr  # (the listing alone)
+    assert listing.stdout.startswith("PreActResNet on a digits batch of shape (2, 1, 8, 8):")
+    assert "layer4.0.shortcut" in listing.stdout
+    help_ = command("mixhook-layers", "--help")
+    assert help_.returncode == 0 and help_.stdout.startswith("usage: mixhook-layers [OVERRIDE ...]")
 
 
 def readme_block(heading: str) -> str:

@@ -98,7 +98,7 @@ fi
 say "tests"
 per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
 timeout -k 10 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -p no:logging -rfE $per_test \
-    -n 4 --junitxml="$OUT/cuda-tests.xml" tests/e2e/test_cuda.py tests/unit/test_nfm.py tests/unit/test_fused.py \
+    -n 4 --junitxml="$OUT/cuda-tests.xml" tests/e2e/test_cuda.py tests/mixers/test_nfm.py tests/core/test_fused.py \
     >"$OUT/cuda-tests.log" 2>&1 </dev/null
 say "tests: exit $?"
 tail -n 40 "$OUT/cuda-tests.log"

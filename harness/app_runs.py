@@ -65,8 +65,8 @@ def run_cli(*overrides, cwd, env: dict | None = None):
 
 
 def _train_module():
-    """``train.py`` as the module ``train`` (loaded once: it is a script, not a package module; Hydra names
-    the job, and so its log file ``train.log``, after the task function's module)."""
+    """``train.py`` as the module ``train`` (loaded once: it is a script, not a package module; the job's
+    name, and so its log file ``train.log``, is the app config's ``hydra.job.name``)."""
     module = sys.modules.get("train")
     if module is None or getattr(module, "__file__", None) != str(ROOT / "train.py"):
         spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")

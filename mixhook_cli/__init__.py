@@ -52,11 +52,14 @@ def train() -> None:
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, on_ctrl_c)
     try:
-        cli()
+        import hydra  # noqa: F401  (the app's dependencies; a run's own errors stay its own, below)
+
+        import mixhook.app.run  # noqa: F401
     except ModuleNotFoundError as err:  # the core alone: the app's dependencies missing
         if err.name and err.name.split(".")[0] in _APP:
             sys.exit(_missing("mixhook-train", err.name))
         raise
+    cli()
 
 
 def layers() -> None:

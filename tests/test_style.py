@@ -281,9 +281,9 @@ def _reads(tree: ast.AST, of: tuple[str, ...]) -> dict[str, int]:
 def test_the_path_reads_the_method_through_its_public_view_only():
     """Issue 83: the forward path is one object (engine/path.py's ``Path``) that reads of its own object only
     what it defines (no member of the mixer's class, private or not, reached through ``self``), and of the
-    mixer only what ``VIEW`` declares: public settings, extension points and the state the user API shares
-    with it; so do its collaborators (the leaves, the padding masks, the norms, the traced path). A new
-    read of a private member of the mixer, or of one that is not declared, fails here."""
+    mixer only what ``VIEW`` declares: public settings and extension points (issue 97: the state the user
+    API shares is the path's own); so do its collaborators (the leaves, the padding masks, the norms, the
+    traced path). A new read of a private member of the mixer, or of one that is not declared, fails here."""
     from mixhook.engine.path import VIEW
 
     view = {name for names in VIEW.values() for name in names}

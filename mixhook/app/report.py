@@ -82,8 +82,12 @@ def read_run(run_dir: Path) -> dict:
         summary = json.loads(summary_file.read_text())
         row["status"], row["error"] = "ok", ""
         row["task"] = task = summary.get("task", "classification")  # (written before the key: a classifier)
-        if task not in TASK_METRICS:
-            raise ValueError(f"{summary_file}: task {task!r} is not one of {', '.join(TASK_METRICS)}")
+        if task not in TASK_METRICS:  # (not ranked: said in the run's row, the report goes on)
+            row["status"], row["error"] = (
+                "failed",
+                f"summary.json: task {task!r} is not one of {list(TASK_METRICS)}",
+            )
+            return row
         for key in TASK_METRICS[task][0]:
             if key == "test_error":
                 row[key] = 100.0 * (1.0 - summary["test_acc"])

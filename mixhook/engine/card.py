@@ -147,9 +147,24 @@ def register(cls: type) -> None:
     METHODS[cls.__name__] = cls
 
 
+def _parameters(cls: type) -> set[str]:
+    """The names ``cls``'s constructor takes: its ``__init__``'s, and where that passes ``**kwargs`` on, its
+    bases' (a subclass that adds a setting and hands the rest to CutMix takes ``tokens=`` too)."""
+    names = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = inspect.signature(init).parameters
+        names |= set(parameters)
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            break
+    return names
+
+
 # The traits a class's own code shows: (trait, what shows it, whether the class shows it)
 def _shown(cls: type) -> list[tuple[str, str, bool]]:
-    parameters = inspect.signature(cls).parameters
+    parameters = _parameters(cls)
     return [
         ("tokens", "takes tokens=", "tokens" in parameters),
         ("attention", "takes attention=", "attention" in parameters),

@@ -108,6 +108,32 @@ def test_a_copied_regularizer_is_detached_and_continues_the_same_draws():
         assert seen == draws
 
 
+def test_a_copied_regularizer_keeps_its_pins_and_what_pin_last_repeats():
+    """Issue 97: the pins of the next forward and the last forward's record live on the mixer's path, which
+    a copy makes anew; the copy keeps both (Path.kept), so a pinned or ``pin_last`` copy mixes as the
+    original would."""
+    torch.manual_seed(0)
+    model = Net().double().train()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    mix = CutMix("conv1", generator=gen(7))
+    with mix.attach(model):
+        model(x)
+        first = (mix.last.info["box"], mix.last.index.tolist(), float(mix.last.lam))
+        mix.pin_last()
+        twins = [copy.deepcopy(mix), pickle.loads(pickle.dumps(mix))]
+    for twin in twins:
+        assert twin.pinned and twin.last_forward is not None and twin.last is not None
+        other = Net().double().train()
+        with twin.attach(other):
+            other(x)  # (the repeat: the original's first mix, drawn again by nothing)
+        assert (twin.last.info["box"], twin.last.index.tolist(), float(twin.last.lam)) == first
+    mix.pin(lam=0.25)
+    twin = copy.deepcopy(mix)
+    assert twin.pins.lam is not None and float(twin.pins.lam) == 0.25 and not twin.pins.skip
+    mix.unpin()
+    assert twin.pinned and not mix.pinned  # (each its own)
+
+
 def test_a_copy_of_a_model_and_its_attached_regularizer_refuses_the_loss_until_attached_again():
     """What Lightning's ddp_spawn does to a module holding both (pickling it to the workers): the copy
     would train unmixed if ``loss`` fell back to the plain criterion, so it refuses in one line."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from fsdp_worker import end_without_finalizing, scenarios  # (this script's folder is on sys.path)
 from global_partners_worker import scenario as global_partners
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: harness.matrix, tests.app_*
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: harness/
 
 
 def run(scenario: dict, folder: str):

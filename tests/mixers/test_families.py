@@ -6,8 +6,7 @@ A synthetic method of each trait, written from docs/adding-a-mixer.md's words al
 extension points), is picked up by every place that lists or serves that trait, with no other file edited:
 the selectors the tests and benchmarks build their lists with, the ViT benchmark's methods, the app's
 data it is given (mean/std, class counts) and its refusals (attention on a model without any, a two-label
-policy on a mix of several). A card its class contradicts is refused in one line; the README's count of the
-package's methods does not move."""
+policy on a mix of several). A card its class contradicts is refused in one line."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from torch import nn
 
 from benchmarks.cases import methods as method_cases
 from benchmarks.cases import vit
-from mixhook import Card, ManifoldMixup, Mixed, Mixer, RegionMixer, recompute
+from mixhook import Card, CutMix, ManifoldMixup, Mixed, Mixer, RegionMixer, recompute
 from mixhook.app import build as app_build
 from mixhook.app import preflight
 from mixhook.app.data import Data
@@ -223,6 +222,14 @@ def test_a_card_its_class_contradicts_is_refused_in_one_line():
             class Clean(Mixer):
                 card = _card("clean", traits=("clean",))
 
+        class WiderCut(CutMix):  # (a setting of its own, the rest handed to CutMix: tokens= included)
+            card = _card("region", traits=("tokens",), signature="WiderCut(layer, margin=0)")
+
+            def __init__(self, layer, margin=0, **kwargs):
+                super().__init__(layer, **kwargs)
+                self.margin = margin
+
+        assert "WiderCut" in methods_with("tokens")
         with pytest.raises(ValueError, match=r"^Card\(traits=\('shiny',\)\): a tuple of tokens, attention"):
             _card(traits=("shiny",))
         with pytest.raises(ValueError, match="a tuple of"):

@@ -51,38 +51,36 @@ def train() -> None:
     process was started with SIGINT ignored, in the background: left so), then :func:`cli`."""
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, on_ctrl_c)
-    try:
-        import hydra  # noqa: F401  (the app's dependencies; a run's own errors stay its own, below)
-
-        import mixhook.app.run  # noqa: F401
-    except ModuleNotFoundError as err:  # the core alone: the app's dependencies missing
-        if err.name and err.name.split(".")[0] in _APP:
-            sys.exit(_missing("mixhook-train", err.name))
-        raise
+    _import_app("mixhook-train", "hydra", "mixhook.app.run")  # (a run's own errors stay its own)
     cli()
 
 
 def layers() -> None:
     """``mixhook-layers [key=value ...]``: the layer browser (:func:`mixhook.app.browse.main`) on the app's
     model and data."""
-    try:
-        import hydra  # noqa: F401  (the app's dependencies, imported lazily inside it)
-        import torchvision  # noqa: F401
+    _import_app("mixhook-layers", "hydra", "torchvision", "mixhook.app.browse")
+    from mixhook.app.browse import main
 
-        from mixhook.app.browse import main
-    except ModuleNotFoundError as err:
-        if err.name and err.name.split(".")[0] in _APP:
-            sys.exit(_missing("mixhook-layers", err.name))
-        raise
     sys.exit(main(sys.argv[1:]))
 
 
 _APP = ("hydra", "omegaconf", "torchvision", "sklearn", "matplotlib", "tqdm", "yaml")  # (the app extra's)
 
 
-def _missing(command: str, name: str) -> int:
-    print(
-        f"error: {command} is part of the experiment app, which needs {name}: pip install 'mixhook[app]'",
-        file=sys.stderr,
-    )
-    return 2
+def _import_app(command: str, *modules: str) -> None:
+    """Import ``modules`` (the app and its dependencies), or end ``command`` in one line naming what to
+    install, exit 2, where the app extra is missing (any other import error is raised as it is)."""
+    import importlib
+
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if not err.name or err.name.split(".")[0] not in _APP:
+            raise
+        print(
+            f"error: {command} is part of the experiment app, which needs {err.name}: "
+            "pip install 'mixhook[app]'",
+            file=sys.stderr,
+        )
+        sys.exit(2)

@@ -19,7 +19,7 @@ from torch import nn
 
 from benchmarks.cases import methods as method_cases
 from benchmarks.cases import vit
-from mixhook import Card, CutMix, ManifoldMixup, Mixed, Mixer, RegionMixer, recompute
+from mixhook import Card, CutMix, ManifoldMixup, Mixed, Mixer, RegionMixer, blend, recompute
 from mixhook.app import build as app_build
 from mixhook.app import preflight
 from mixhook.app.data import Data
@@ -45,9 +45,7 @@ def _card(family: str = "blend", **more) -> Card:
 
 
 def _blend(leaves, draw) -> Mixed:
-    h = leaves[0].tensor
-    lam = draw.lam.to(h.dtype)
-    return Mixed({leaves[0].path: lam * h + (1 - lam) * h[draw.index]})
+    return Mixed({leaves[0].path: blend(leaves[0].tensor, draw.lam, draw.index)})
 
 
 @contextlib.contextmanager
